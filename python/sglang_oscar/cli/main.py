@@ -1,0 +1,56 @@
+"""Entry point of the ``sglang-oscar`` command.
+
+Each part of the package contributes its verbs through an ``add_commands(subparsers)``
+function; this module only assembles them. Handlers import heavy modules lazily so that
+``sglang-oscar --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that provide ``add_commands(subparsers)``. A module listed here that is missing
+# is a packaging bug, so it raises instead of being skipped.
+_COMMAND_MODULES = (
+    "sglang_oscar.cli.core_cmds",  # hadamard, validate, bpe, demo
+    "sglang_oscar.calibrate.cli",  # calibrate, fit, error, ppl
+    "sglang_oscar.evals.cli",  # serve, eval, compare
+)
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang-oscar",
+        description="OSCAR INT2 KV cache for SGLang: rotations, calibration, evaluation.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that part is not built yet
+                continue
+            raise
+        module.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except (CLIError, ValueError, FileNotFoundError) as exc:
+        print(f"sglang-oscar {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""``OscarConfig``: every knob of the OSCAR INT2 cache, validated once.
+
+Built from SGLang flags (``plugin``), their environment-variable aliases, or a recipe. The
+other parts receive an ``OscarConfig`` and never read flags or the environment themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .quant.int2 import check_clip_ratio, check_quantizer, resolve_group_size, scale_torch_dtype
+
+DEFAULT_K_CLIP = 0.96
+DEFAULT_V_CLIP = 0.92
+DEFAULT_SINK = 64
+DEFAULT_RECENT = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class OscarConfig:
+    """Settings of the OSCAR INT2 KV cache.
+
+    Attributes:
+        group_size: elements per (scale, zero) group along head_dim; ``None`` = one per row.
+        k_clip_ratio, v_clip_ratio: per-row magnitude clip ratios in ``[0, 1]`` (0 = off).
+        sink_tokens: first tokens of every request kept in BF16.
+        recent_tokens: last tokens of every request kept in BF16.
+        quantizer: ``"uniform"`` or ``"lloyd-max"``.
+        scale_dtype: ``"float32" | "float16" | "bfloat16"`` storage of (scale, zero).
+        rotation_path: rotation file/directory, or ``None`` for the data-free Hadamard rotation.
+    """
+
+    group_size: int | None = None
+    k_clip_ratio: float = DEFAULT_K_CLIP
+    v_clip_ratio: float = DEFAULT_V_CLIP
+    sink_tokens: int = DEFAULT_SINK
+    recent_tokens: int = DEFAULT_RECENT
+    quantizer: str = "uniform"
+    scale_dtype: str = "float16"
+    rotation_path: str | None = None
+
+    def __post_init__(self):
+        check_clip_ratio(self.k_clip_ratio, "K clip ratio")
+        check_clip_ratio(self.v_clip_ratio, "V clip ratio")
+        check_quantizer(self.quantizer)
+        scale_torch_dtype(self.scale_dtype)
+        for name in ("sink_tokens", "recent_tokens"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
+            raise ValueError(f"group_size must be a positive integer or unset, got {self.group_size!r}")
+
+    def check_head_dims(self, *head_dims: int) -> None:
+        """Raise ``ValueError`` unless every head_dim is a multiple of 4 divisible by ``group_size``."""
+        for d in head_dims:
+            resolve_group_size(d, self.group_size)
+
+    def quant_kwargs(self, which: str) -> dict:
+        """Keyword arguments of :func:`sglang_oscar.quant.quantize_rows` for ``"k"`` or ``"v"``."""
+        return dict(
+            group_size=self.group_size,
+            clip_ratio=self.k_clip_ratio if which == "k" else self.v_clip_ratio,
+            quantizer=self.quantizer,
+            scale_dtype=self.scale_dtype,
+        )

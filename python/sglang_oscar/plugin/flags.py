@@ -1,0 +1,124 @@
+"""The OSCAR server flags, their upstream environment-variable aliases, and config resolution.
+
+Pure argparse/env logic (no SGLang import), so it is testable anywhere. Precedence for each
+setting: the flag if given, else its upstream environment alias (with a logged note), else the
+default of :class:`sglang_oscar.config.OscarConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+from ..config import OscarConfig
+
+# Environment variable carrying the resolved config to SGLang's spawned subprocesses.
+CONFIG_ENV = "SGLANG_OSCAR_CONFIG"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    dest: str  # argparse dest (namespace attribute)
+    option: str  # CLI option
+    field: str  # OscarConfig field
+    type: Callable[[str], Any]
+    help: str
+    env: str | None = None  # upstream alias
+    choices: tuple | None = None
+
+
+def _bool_env(value: str) -> str:
+    return "lloyd-max" if value.strip().lower() in ("1", "true", "yes", "on") else "uniform"
+
+
+FLAGS = (
+    Flag("kv_cache_quant_group_size", "--kv-cache-quant-group-size", "group_size", int,
+         "INT2 KV cache: elements per (scale, zero) group along head_dim (default: one group per head row)."),
+    Flag("oscar_rotation", "--oscar-rotation", "rotation_path", str,
+         "INT2 KV cache: OSCAR rotation file or directory (from `sglang-oscar fit`). Without it the "
+         "data-free Hadamard rotation for the model's geometry is used.", env="SGLANG_OSCAR_K_ROTATION_PATH"),
+    Flag("oscar_k_clip_ratio", "--oscar-k-clip-ratio", "k_clip_ratio", float,
+         "INT2 KV cache: per-row K magnitude clip ratio in [0, 1] (0 = off; default 0.96).", env="SGLANG_OSCAR_K_CLIP_RATIO"),
+    Flag("oscar_v_clip_ratio", "--oscar-v-clip-ratio", "v_clip_ratio", float,
+         "INT2 KV cache: per-row V magnitude clip ratio in [0, 1] (0 = off; default 0.92).", env="SGLANG_OSCAR_V_CLIP_RATIO"),
+    Flag("oscar_sink_tokens", "--oscar-sink-tokens", "sink_tokens", int,
+         "INT2 KV cache: first tokens of each request kept in BF16 (default 64).", env="SGLANG_MIXED_KV_PREFIX_TOKENS"),
+    Flag("oscar_recent_tokens", "--oscar-recent-tokens", "recent_tokens", int,
+         "INT2 KV cache: last tokens of each request kept in BF16 (default 256).", env="SGLANG_MIXED_KV_RECENT_TOKENS"),
+    Flag("oscar_quantizer", "--oscar-quantizer", "quantizer", str,
+         "INT2 KV cache: quantizer codebook (default uniform).", env="SGLANG_LLOYD_MAX", choices=("uniform", "lloyd-max")),
+    Flag("oscar_scale_dtype", "--oscar-scale-dtype", "scale_dtype", str,
+         "INT2 KV cache: dtype of the per-group (scale, zero) pairs (default float16).",
+         choices=("float32", "float16", "bfloat16")),
+)
+V_ROTATION_ENV = "SGLANG_OSCAR_V_ROTATION_PATH"
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the OSCAR flags to an argparse parser (defaults ``None`` so "not given" is visible)."""
+    group = parser.add_argument_group("OSCAR INT2 KV cache (sglang-oscar)")
+    existing = {s for a in parser._actions for s in a.option_strings}
+    for f in FLAGS:
+        if f.option in existing:
+            continue
+        group.add_argument(f.option, dest=f.dest, type=f.type, default=None, choices=f.choices, help=f.help)
+
+
+def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None) -> tuple[OscarConfig, list[str]]:
+    """Build the :class:`OscarConfig` from parsed flag values and the environment.
+
+    Args:
+        values: ``{flag dest: value or None}``.
+        environ: environment (default ``os.environ``).
+
+    Returns:
+        ``(config, notes)``; ``notes`` are log lines about aliases used or overridden.
+
+    Raises:
+        ValueError: invalid values (from :class:`OscarConfig`) or a malformed alias, naming it.
+    """
+    env = os.environ if environ is None else environ
+    kwargs: dict[str, Any] = {}
+    notes: list[str] = []
+    for f in FLAGS:
+        val = values.get(f.dest)
+        env_val = env.get(f.env) if f.env else None
+        if val is not None:
+            if env_val is not None:
+                notes.append(f"{f.option} overrides environment alias {f.env}={env_val!r}")
+            kwargs[f.field] = val
+            continue
+        if env_val is None or env_val == "":
+            continue
+        try:
+            kwargs[f.field] = _bool_env(env_val) if f.env == "SGLANG_LLOYD_MAX" else f.type(env_val)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {f.env}={env_val!r} is not a valid {f.option} value: {exc}") from None
+        notes.append(f"using environment alias {f.env}={env_val!r} for {f.option}")
+    v_path = env.get(V_ROTATION_ENV)
+    if v_path and values.get("oscar_rotation") is None:
+        k_path = env.get("SGLANG_OSCAR_K_ROTATION_PATH")
+        if not k_path:
+            raise ValueError(f"{V_ROTATION_ENV} is set but SGLANG_OSCAR_K_ROTATION_PATH is not; set both or use --oscar-rotation")
+        if os.path.dirname(os.path.abspath(k_path)) != os.path.dirname(os.path.abspath(v_path)):
+            raise ValueError(
+                "SGLANG_OSCAR_K_ROTATION_PATH and SGLANG_OSCAR_V_ROTATION_PATH must be in one directory; "
+                "convert them with `sglang-oscar convert --k K.pt --v V.pt --out FILE` and pass --oscar-rotation FILE"
+            )
+        kwargs["rotation_path"] = os.path.dirname(os.path.abspath(k_path))
+    return OscarConfig(**kwargs), notes
+
+
+def config_to_env(config: OscarConfig) -> str:
+    """Serialise a config for :data:`CONFIG_ENV`."""
+    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> OscarConfig | None:
+    """The config carried in :data:`CONFIG_ENV`, or ``None`` if unset."""
+    env = os.environ if environ is None else environ
+    raw = env.get(CONFIG_ENV)
+    return None if not raw else OscarConfig(**json.loads(raw))

@@ -1,0 +1,14 @@
+"""The plain-PyTorch oracle of the OSCAR INT2 cache (the definition of "correct")."""
+
+from .attention import (
+    ReferenceCache,
+    attend,
+    build_cache,
+    hp_window_mask,
+    oscar_attention,
+    plain_attention,
+    relative_error_db,
+    rotate_rows,
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

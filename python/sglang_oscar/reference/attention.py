@@ -1,0 +1,284 @@
+"""The oracle: attention of one layer over an OSCAR INT2 cache, in plain PyTorch.
+
+This module *defines* correct behaviour; every Triton kernel and the SGLang path are tested
+against it. Definition (docs/design.md):
+
+1. Rotate: ``k' = k R_k``, ``v' = v R_v``, ``q' = q R_k`` (per layer, or per kv head with each
+   query head using its kv head's matrix). Rotated K/V rows are rounded to the HP dtype
+   (BF16): that is what the BF16 tier stores.
+2. Quantize every rotated row from its HP value (:func:`sglang_oscar.quant.quantize_rows` with
+   the K or V clip ratio), so writing a row directly and flushing it later give the same bytes.
+3. For a query at absolute position ``i`` (it sees keys ``0..i``), key ``j`` is read in HP if
+   ``j < sink`` or ``j > i - recent`` (the ``recent`` newest positions, ``i`` included),
+   otherwise dequantized from INT2. Each query uses its own window, so the result of a
+   position does not depend on how the prompt was split into chunks, and prefill of
+   position ``i`` equals decode of a sequence ending at ``i``.
+4. Attend in fp32: scores ``q'.k'^T * sm_scale``, optional logit cap ``cap * tanh(s / cap)``,
+   causal mask, optional sliding window (key ``j`` visible iff ``i - j < sliding_window``),
+   softmax, weighted sum of the V rows (HP or dequantized as in 3).
+5. Counter-rotate the output: ``o = o' R_v^T`` (or leave it in the rotated frame).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..config import OscarConfig
+from ..quant.int2 import QuantizedRows, dequantize_rows, quantize_rows
+
+QUERY_CHUNK = 256
+
+
+def _expand_rotation(r: torch.Tensor, num_heads: int, what: str) -> torch.Tensor:
+    """``[D, D]`` or ``[H, D, D]`` -> fp32 ``[num_heads, D, D]``; per-head sets repeat over GQA groups."""
+    r = r.float()
+    if r.dim() == 2:
+        return r.unsqueeze(0).expand(num_heads, *r.shape)
+    if r.dim() != 3 or num_heads % r.shape[0]:
+        raise ValueError(f"{what} rotation of shape {tuple(r.shape)} does not fit {num_heads} heads")
+    return r.repeat_interleave(num_heads // r.shape[0], dim=0)
+
+
+def rotate_rows(x: torch.Tensor, rotation: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """Rotate rows ``x [T, H, D]`` by ``x R`` (or ``x R^T``) in fp32.
+
+    Args:
+        x: ``[T, H, D]`` any float dtype.
+        rotation: ``[D, D]`` (shared) or ``[H_kv, D, D]`` with ``H % H_kv == 0`` (head ``h``
+            uses matrix ``h // (H / H_kv)``, the GQA mapping).
+        transpose: multiply by ``R^T`` (the counter-rotation).
+
+    Returns:
+        fp32 ``[T, H, D]``.
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"rows must be [tokens, heads, head_dim], got {tuple(x.shape)}")
+    if rotation.shape[-1] != x.shape[-1] or rotation.shape[-2] != x.shape[-1]:
+        raise ValueError(f"rotation {tuple(rotation.shape)} does not match head_dim {x.shape[-1]}")
+    r = _expand_rotation(rotation, x.shape[1], "row")
+    if transpose:
+        r = r.transpose(-1, -2)
+    return torch.einsum("thd,hde->the", x.float(), r)
+
+
+@dataclasses.dataclass
+class ReferenceCache:
+    """Contents of an OSCAR cache for one layer and one sequence of ``T`` tokens.
+
+    Attributes:
+        k_hp, v_hp: rotated rows in the HP dtype, ``[T, H_kv, D_k]`` / ``[T, H_kv, D_v]``.
+        k_quant, v_quant: :class:`QuantizedRows` of every position (codes ``[T, H_kv, D/4]``,
+            pairs ``[T, H_kv, 2*D/G]``) -- the bytes kernels must reproduce.
+        k_deq, v_deq: fp32 dequantized rows.
+    """
+
+    k_hp: torch.Tensor
+    v_hp: torch.Tensor
+    k_quant: QuantizedRows
+    v_quant: QuantizedRows
+    k_deq: torch.Tensor
+    v_deq: torch.Tensor
+
+
+def build_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotation_k: torch.Tensor,
+    rotation_v: torch.Tensor,
+    config: OscarConfig,
+    hp_dtype: torch.dtype = torch.bfloat16,
+) -> ReferenceCache:
+    """Rotate, round to HP and quantize the K/V rows of one layer.
+
+    Args:
+        k: ``[T, H_kv, D_k]`` post-RoPE keys; v: ``[T, H_kv, D_v]`` values.
+        rotation_k, rotation_v: ``[D, D]`` or ``[H_kv, D, D]``.
+        config: quantizer settings (group size, clip ratios, quantizer, scale dtype).
+        hp_dtype: dtype of the BF16 tier.
+
+    Raises:
+        ValueError: shapes, group size or settings that the format does not support.
+    """
+    if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, H_kv, D] with equal T and H_kv")
+    config.check_head_dims(k.shape[-1], v.shape[-1])
+    k_hp = rotate_rows(k, rotation_k).to(hp_dtype)
+    v_hp = rotate_rows(v, rotation_v).to(hp_dtype)
+    kq = quantize_rows(k_hp, **config.quant_kwargs("k"))
+    vq = quantize_rows(v_hp, **config.quant_kwargs("v"))
+    return ReferenceCache(k_hp, v_hp, kq, vq, dequantize_rows(kq), dequantize_rows(vq))
+
+
+def hp_window_mask(q_positions: torch.Tensor, seq_len: int, sink: int, recent: int) -> torch.Tensor:
+    """Which keys a query reads from the HP tier: bool ``[Tq, T]``.
+
+    Key ``j`` is HP for the query at position ``i`` iff ``j < sink`` or ``j > i - recent``.
+    """
+    j = torch.arange(seq_len, device=q_positions.device)
+    i = q_positions.unsqueeze(1)
+    return (j.unsqueeze(0) < sink) | (j.unsqueeze(0) > i - recent)
+
+
+def attend(
+    q_rot: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_hp: torch.Tensor,
+    v_hp: torch.Tensor,
+    k_low: torch.Tensor | None,
+    v_low: torch.Tensor | None,
+    *,
+    sink: int,
+    recent: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+) -> torch.Tensor:
+    """Attention of rotated queries over a two-tier cache (fp32 math).
+
+    Args:
+        q_rot: ``[Tq, H_q, D_k]`` rotated queries; q_positions: int ``[Tq]`` absolute positions.
+        k_hp, v_hp: ``[T, H_kv, D]`` HP rows (rotated frame).
+        k_low, v_low: ``[T, H_kv, D]`` low-precision (dequantized) rows, or ``None`` to read
+            every key in HP.
+        sink, recent: HP window sizes (tokens).
+        sm_scale: softmax scale.
+        sliding_window: keys visible to query ``i`` satisfy ``i - j < sliding_window``.
+        logit_cap: ``cap * tanh(s / cap)`` if set.
+
+    Returns:
+        fp32 ``[Tq, H_q, D_v]`` in the rotated V frame.
+    """
+    tq, hq, _ = q_rot.shape
+    t, hkv, _ = k_hp.shape
+    g = hq // hkv
+    j = torch.arange(t, device=q_rot.device)
+    outs = []
+    for start in range(0, tq, QUERY_CHUNK):
+        qs = q_rot[start : start + QUERY_CHUNK].float()
+        pos = q_positions[start : start + QUERY_CHUNK]
+        visible = j.unsqueeze(0) <= pos.unsqueeze(1)
+        if sliding_window is not None:
+            visible &= (pos.unsqueeze(1) - j.unsqueeze(0)) < sliding_window
+        kh = k_hp.float().repeat_interleave(g, dim=1)
+        vh = v_hp.float().repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,thd->hqt", qs, kh)
+        hp = hp_window_mask(pos, t, sink, recent)
+        if k_low is not None:
+            s_low = torch.einsum("qhd,thd->hqt", qs, k_low.float().repeat_interleave(g, dim=1))
+            s = torch.where(hp.unsqueeze(0), s, s_low)
+        s = s * sm_scale
+        if logit_cap is not None and logit_cap > 0:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        s = s.masked_fill(~visible.unsqueeze(0), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if v_low is not None:
+            vl = v_low.float().repeat_interleave(g, dim=1)
+            o = torch.einsum("hqt,thd->qhd", p * hp.unsqueeze(0), vh) + torch.einsum(
+                "hqt,thd->qhd", p * (~hp).unsqueeze(0), vl
+            )
+        else:
+            o = torch.einsum("hqt,thd->qhd", p, vh)
+        outs.append(o)
+    return torch.cat(outs, dim=0)
+
+
+def oscar_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotation_k: torch.Tensor,
+    rotation_v: torch.Tensor,
+    config: OscarConfig,
+    *,
+    q_positions: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    sm_scale: float | None = None,
+    quantize: bool = True,
+    counter_rotate: bool = True,
+    hp_dtype: torch.dtype = torch.bfloat16,
+    cache: ReferenceCache | None = None,
+) -> torch.Tensor:
+    """Attention output of one layer with an OSCAR INT2 cache (the oracle).
+
+    Args:
+        q: ``[Tq, H_q, D_k]`` post-RoPE queries at ``q_positions``.
+        k: ``[T, H_kv, D_k]`` post-RoPE keys of the whole sequence; v: ``[T, H_kv, D_v]``.
+        rotation_k, rotation_v: ``[D, D]`` per layer or ``[H_kv, D, D]`` per kv head.
+        config: windows and quantizer settings.
+        q_positions: int64 ``[Tq]`` absolute positions of the queries (default: the last
+            ``Tq`` positions, ``T - Tq .. T - 1``; decode is ``Tq = 1``).
+        sliding_window, logit_cap, sm_scale: as in :func:`attend`; ``sm_scale`` defaults to
+            ``1/sqrt(D_k)``.
+        quantize: ``False`` reads every key from the HP tier (the rotated BF16 model).
+        counter_rotate: return ``o R_v^T`` (model frame) instead of the rotated frame.
+        hp_dtype: dtype of the HP tier (``torch.float32`` for exactness tests).
+        cache: a prebuilt :func:`build_cache` result to reuse.
+
+    Returns:
+        fp32 ``[Tq, H_q, D_v]``.
+
+    Raises:
+        ValueError: inconsistent shapes or settings.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [Tq, H_q, D], got {tuple(q.shape)}")
+    t = k.shape[0]
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q head_dim {q.shape[-1]} != k head_dim {k.shape[-1]}")
+    if q_positions is None:
+        q_positions = torch.arange(t - q.shape[0], t, device=q.device)
+    if q_positions.numel() != q.shape[0] or (q_positions.numel() and (int(q_positions.min()) < 0 or int(q_positions.max()) >= t)):
+        raise ValueError(f"q_positions must be {q.shape[0]} positions in [0, {t})")
+    if cache is None:
+        cache = build_cache(k, v, rotation_k, rotation_v, config, hp_dtype)
+    q_rot = rotate_rows(q, rotation_k)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    o = attend(
+        q_rot,
+        q_positions,
+        cache.k_hp,
+        cache.v_hp,
+        cache.k_deq if quantize else None,
+        cache.v_deq if quantize else None,
+        sink=config.sink_tokens,
+        recent=config.recent_tokens,
+        sm_scale=scale,
+        sliding_window=sliding_window,
+        logit_cap=logit_cap,
+    )
+    return rotate_rows(o, rotation_v, transpose=True) if counter_rotate else o
+
+
+def plain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_positions: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Unrotated, unquantized causal attention in fp32 (the BF16 model's answer), ``[Tq, H_q, D_v]``."""
+    t = k.shape[0]
+    if q_positions is None:
+        q_positions = torch.arange(t - q.shape[0], t, device=q.device)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return attend(q.float(), q_positions, k.float(), v.float(), None, None, sink=0, recent=0, sm_scale=scale,
+                  sliding_window=sliding_window, logit_cap=logit_cap)
+
+
+def relative_error_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """Functional error in dB: ``10 log10(||approx - exact||^2 / ||exact||^2)`` (lower is better)."""
+    num = (approx.double() - exact.double()).pow(2).sum()
+    den = exact.double().pow(2).sum().clamp_min(1e-300)
+    return float(10.0 * torch.log10(num / den).clamp_min(-300.0))

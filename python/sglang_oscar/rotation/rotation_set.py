@@ -1,0 +1,360 @@
+"""Rotation sets: K and V rotations per layer or per (layer, kv head), their files and checks.
+
+File format (safetensors, docs/format.md):
+
+* tensors ``k.<layer_id>`` and ``v.<layer_id>``: float32 ``[D, D]`` (format_version 1, one
+  matrix per layer) or ``[H_kv, D, D]`` (format_version 2, one per global kv head), keyed by
+  **global** layer id; optional ``k_eigvals.<layer_id>`` / ``v_eigvals.<layer_id>``.
+* metadata key ``"oscar"``: JSON with ``format_version``, ``model_type``, ``geometry``,
+  ``method``, ``quantizer`` settings and ``calibration`` provenance.
+
+Rows are rotated as ``x R`` (right multiplication); ``R`` is orthogonal so
+``(q R)(k R)^T = q k^T``.
+
+Upstream ``.pt`` files (``torch.save`` dicts with ``layers[id]["rotation"]``, one file for K
+and one for V) load through :meth:`RotationSet.from_upstream_pt` with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .. import __version__
+from .geometry import ModelGeometry
+from .hadamard import default_hadamard
+
+FORMAT_VERSIONS = (1, 2)
+METADATA_KEY = "oscar"
+DEFAULT_ORTHO_TOL = 1e-3
+METHODS = ("oscar", "oscar-perhead", "hadamard", "identity")
+
+
+class RotationError(ValueError):
+    """A rotation file or set that cannot be used; the message names the file, layer and fix."""
+
+
+@dataclasses.dataclass
+class RotationSet:
+    """K and V rotations of a model.
+
+    Attributes:
+        k, v: ``{global layer id: float32 [D, D] or [H_kv, D, D]}``.
+        metadata: JSON-serialisable dict (see module docstring); ``format_version`` is derived.
+        k_eigvals, v_eigvals: optional ``{layer id: [D] or [H_kv, D]}`` eigenvalues.
+        source: where it was loaded from (for error messages), or ``"<memory>"``.
+    """
+
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    k_eigvals: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    v_eigvals: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    source: str = "<memory>"
+
+    def __post_init__(self):
+        self.k = {int(i): t.to(torch.float32).contiguous() for i, t in self.k.items()}
+        self.v = {int(i): t.to(torch.float32).contiguous() for i, t in self.v.items()}
+        self.format_version  # validates uniform dimensionality
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self.k)
+
+    @property
+    def per_head(self) -> bool:
+        return self.format_version == 2
+
+    @property
+    def format_version(self) -> int:
+        """1 if every matrix is ``[D, D]``, 2 if every one is ``[H, D, D]``.
+
+        Raises:
+            RotationError: mixed or other dimensionalities.
+        """
+        dims = {t.dim() for t in list(self.k.values()) + list(self.v.values())}
+        if dims == {2} or not dims:
+            return 1
+        if dims == {3}:
+            return 2
+        raise RotationError(
+            f"{self.source}: rotations must be all [D, D] (per layer) or all [H_kv, D, D] "
+            f"(per kv head); found tensors with {sorted(dims)} dims. Refit the file with one method."
+        )
+
+    def head_dims(self, layer_id: int) -> tuple[int, int]:
+        """``(D_k, D_v)`` of a layer."""
+        return self.k[layer_id].shape[-1], self.v[layer_id].shape[-1]
+
+    # ------------------------------------------------------------------ access
+    def matrices(self, layer_id: int, which: str, num_kv_heads: int | None = None) -> torch.Tensor:
+        """Rotation(s) of one layer, expanded per kv head.
+
+        Args:
+            layer_id: global layer id.
+            which: ``"k"`` or ``"v"``.
+            num_kv_heads: if given, return ``[num_kv_heads, D, D]`` (a per-layer matrix is
+                broadcast); otherwise the stored tensor.
+
+        Raises:
+            KeyError: unknown layer. RotationError: head count mismatch.
+        """
+        store = self.k if which == "k" else self.v
+        if layer_id not in store:
+            raise KeyError(f"{self.source}: no {which.upper()} rotation for layer {layer_id}")
+        r = store[layer_id]
+        if num_kv_heads is None:
+            return r
+        if r.dim() == 2:
+            return r.unsqueeze(0).expand(num_kv_heads, *r.shape)
+        if r.shape[0] != num_kv_heads:
+            raise RotationError(
+                f"{self.source}: layer {layer_id} has {r.shape[0]} per-head {which.upper()} rotations "
+                f"but {num_kv_heads} kv heads were requested"
+            )
+        return r
+
+    def for_tp_rank(self, tp_rank: int, tp_size: int, num_kv_heads: int | dict[int, int]) -> RotationSet:
+        """The rotations a tensor-parallel rank needs.
+
+        Per-layer matrices are TP-invariant. Per-head matrices are sliced to the rank's kv
+        heads with SGLang's sharding: with ``H_kv >= tp_size`` rank ``r`` owns heads
+        ``[r*H_kv/tp, (r+1)*H_kv/tp)``; with ``H_kv < tp_size`` kv heads are replicated and
+        rank ``r`` owns head ``r * H_kv // tp_size``.
+
+        Args:
+            num_kv_heads: total kv heads, one int or ``{layer id: heads}``.
+
+        Raises:
+            RotationError: head counts that do not divide or replicate evenly.
+        """
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise RotationError(f"invalid tensor-parallel rank {tp_rank} of {tp_size}")
+        if not self.per_head or tp_size == 1:
+            return self
+
+        def heads_of(layer_id: int) -> int:
+            return num_kv_heads[layer_id] if isinstance(num_kv_heads, dict) else num_kv_heads
+
+        def sl(store: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            out = {}
+            for i, r in store.items():
+                h = heads_of(i)
+                if r.shape[0] != h:
+                    raise RotationError(f"{self.source}: layer {i} has {r.shape[0]} heads, model has {h}")
+                if h >= tp_size:
+                    if h % tp_size:
+                        raise RotationError(f"{h} kv heads cannot be split over tp_size={tp_size}")
+                    n = h // tp_size
+                    out[i] = r[tp_rank * n : (tp_rank + 1) * n]
+                else:
+                    if tp_size % h:
+                        raise RotationError(f"tp_size={tp_size} is not a multiple of {h} kv heads")
+                    idx = tp_rank * h // tp_size
+                    out[i] = r[idx : idx + 1]
+            return out
+
+        return dataclasses.replace(self, k=sl(self.k), v=sl(self.v), k_eigvals={}, v_eigvals={})
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, geometry: ModelGeometry, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
+        """Check this set against a model's attention geometry.
+
+        Checks: exactly the model's attention layer ids; per layer K ``[D_k, D_k]`` /
+        ``[H_kv, D_k, D_k]`` and V likewise with ``D_v`` and the layer's total kv heads;
+        finite entries; ``max |R R^T - I| <= ortho_tol``.
+
+        Raises:
+            RotationError: naming the file, the layer and the fix.
+        """
+        if geometry.attention_kind != "mha":
+            raise RotationError(
+                f"{self.source}: model_type {geometry.model_type!r} uses {geometry.attention_kind.upper()} "
+                "attention; per-head K/V rotations apply to MHA/GQA models only (latent rotations are a separate format)"
+            )
+        want = geometry.layer_ids
+        for which, store in (("K", self.k), ("V", self.v)):
+            missing = sorted(set(want) - set(store))
+            extra = sorted(set(store) - set(want))
+            if missing or extra:
+                raise RotationError(
+                    f"{self.source}: {which} rotations cover layers {_ids(store)} but the model "
+                    f"({geometry.model_type}, {len(want)} attention layers) has {_ids(want)}"
+                    + (f"; missing {_ids(missing)}" if missing else "")
+                    + (f"; unexpected {_ids(extra)}" if extra else "")
+                    + ". This file was fitted for another model: refit it with `sglang-oscar fit` "
+                    "or generate a data-free one with `sglang-oscar hadamard --config CONFIG.json`."
+                )
+        for layer in geometry.layers:
+            for which, store, d in (("K", self.k, layer.head_dim_k), ("V", self.v, layer.head_dim_v)):
+                r = store[layer.layer_id]
+                ok_shapes = [(d, d), (layer.num_kv_heads, d, d)]
+                if tuple(r.shape) not in ok_shapes:
+                    raise RotationError(
+                        f"{self.source}: layer {layer.layer_id} {which} rotation has shape {tuple(r.shape)}, "
+                        f"expected {ok_shapes[0]} (per layer) or {ok_shapes[1]} (per kv head) for head_dim "
+                        f"{d} and {layer.num_kv_heads} kv heads. The file belongs to another model or "
+                        "geometry: refit it for this model."
+                    )
+                if not torch.isfinite(r).all():
+                    raise RotationError(
+                        f"{self.source}: layer {layer.layer_id} {which} rotation contains NaN/Inf; "
+                        "the fit diverged or the file is corrupt: refit it."
+                    )
+                err = orthogonality_error(r)
+                if err > ortho_tol:
+                    raise RotationError(
+                        f"{self.source}: layer {layer.layer_id} {which} rotation is not orthogonal "
+                        f"(max |R R^T - I| = {err:.3g} > {ortho_tol:g}); rotations must be orthogonal "
+                        "for q.k to be preserved: refit it."
+                    )
+
+    # ------------------------------------------------------------------ I/O
+    def save(self, path: str) -> None:
+        """Write a ``.safetensors`` file (see module docstring). Creates parent folders."""
+        if not path.endswith(".safetensors"):
+            raise RotationError(f"rotation files are written as .safetensors, got {path!r}")
+        tensors = {}
+        for prefix, store in (("k", self.k), ("v", self.v), ("k_eigvals", self.k_eigvals), ("v_eigvals", self.v_eigvals)):
+            for i, t in store.items():
+                tensors[f"{prefix}.{int(i)}"] = t.detach().to(torch.float32).contiguous().cpu()
+        meta = dict(self.metadata)
+        meta["format_version"] = self.format_version
+        meta.setdefault("created_by", f"sglang-oscar {__version__}")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_file(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+
+    @classmethod
+    def load(cls, path: str) -> RotationSet:
+        """Load a rotation file or directory.
+
+        ``path`` may be a ``.safetensors`` file, or a directory holding exactly one
+        ``*.safetensors`` file, or exactly one upstream ``k_rotation_*.pt`` and one
+        ``v_rotation_*.pt``.
+
+        Raises:
+            FileNotFoundError: missing path. RotationError: ambiguous directory, unreadable or
+            malformed file, unknown format version.
+        """
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"rotation path {path} does not exist; create one with `sglang-oscar fit` or "
+                "`sglang-oscar hadamard --config CONFIG.json --out FILE`"
+            )
+        if os.path.isdir(path):
+            st = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            ks = sorted(glob.glob(os.path.join(path, "k_rotation_*.pt")))
+            vs = sorted(glob.glob(os.path.join(path, "v_rotation_*.pt")))
+            if len(st) == 1:
+                return cls.load(st[0])
+            if len(st) > 1:
+                raise RotationError(f"{path} holds several rotation files {[os.path.basename(s) for s in st]}: pass one file explicitly")
+            if len(ks) == 1 and len(vs) == 1:
+                return cls.from_upstream_pt(ks[0], vs[0])
+            if ks or vs:
+                raise RotationError(
+                    f"{path} holds K files {[os.path.basename(s) for s in ks]} and V files "
+                    f"{[os.path.basename(s) for s in vs]}: need exactly one of each; pass the files explicitly "
+                    "to RotationSet.from_upstream_pt or convert them with `sglang-oscar convert`"
+                )
+            raise RotationError(f"{path} contains no rotation file (*.safetensors or k_rotation_*.pt + v_rotation_*.pt)")
+        if path.endswith(".pt"):
+            raise RotationError(
+                f"{path} is an upstream .pt file, which holds K or V only: pass the directory holding "
+                "both k_rotation_*.pt and v_rotation_*.pt"
+            )
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta_raw = (f.metadata() or {}).get(METADATA_KEY)
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types
+            raise RotationError(f"{path} is not a readable safetensors rotation file: {exc}") from exc
+        if meta_raw is None:
+            raise RotationError(f"{path} has no '{METADATA_KEY}' metadata: not an sglang-oscar rotation file")
+        meta = json.loads(meta_raw)
+        version = meta.get("format_version")
+        if version not in FORMAT_VERSIONS:
+            raise RotationError(f"{path}: unknown format_version {version!r} (this sglang-oscar reads {FORMAT_VERSIONS}); upgrade sglang-oscar or refit")
+        stores: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "k_eigvals": {}, "v_eigvals": {}}
+        for name, t in tensors.items():
+            prefix, _, lid = name.rpartition(".")
+            if prefix not in stores or not lid.isdigit():
+                raise RotationError(f"{path}: unexpected tensor {name!r}")
+            stores[prefix][int(lid)] = t
+        if sorted(stores["k"]) != sorted(stores["v"]):
+            raise RotationError(f"{path}: K layers {_ids(stores['k'])} differ from V layers {_ids(stores['v'])}")
+        rs = cls(stores["k"], stores["v"], meta, stores["k_eigvals"], stores["v_eigvals"], source=path)
+        if rs.format_version != version:
+            raise RotationError(f"{path}: metadata says format_version {version} but tensors are version {rs.format_version}")
+        return rs
+
+    @classmethod
+    def from_upstream_pt(cls, k_path: str, v_path: str) -> RotationSet:
+        """Read an upstream pair of ``torch.save`` files (``layers[id]["rotation"]``).
+
+        Raises:
+            RotationError: a file without a ``layers`` dict or a ``rotation`` entry.
+        """
+        stores = []
+        metas = []
+        for p in (k_path, v_path):
+            try:
+                obj = torch.load(p, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise RotationError(f"{p} could not be read with torch.load(weights_only=True): {exc}") from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get("layers"), dict):
+                raise RotationError(f"{p} has no 'layers' dict: not an upstream OSCAR rotation file")
+            store = {}
+            for key, entry in obj["layers"].items():
+                if not isinstance(entry, dict) or "rotation" not in entry:
+                    raise RotationError(f"{p}: layer {key} has no 'rotation' tensor")
+                store[int(key)] = entry["rotation"]
+            stores.append(store)
+            metas.append({k: obj[k] for k in ("format_version", "objective", "source_grouping") if k in obj})
+        meta = {"method": "upstream", "upstream": {"k": {"path": k_path, **metas[0]}, "v": {"path": v_path, **metas[1]}}}
+        return cls(stores[0], stores[1], meta, source=f"{k_path} + {v_path}")
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def data_free(cls, geometry: ModelGeometry, method: str = "hadamard") -> RotationSet:
+        """Rotation set that needs no data: ``"hadamard"`` (normalised Hadamard, block-Hadamard
+        for non-power-of-two D) or ``"identity"``, one matrix per layer.
+
+        Raises:
+            RotationError: unknown method or an MLA model.
+        """
+        if method not in ("hadamard", "identity"):
+            raise RotationError(f"data-free method must be 'hadamard' or 'identity', got {method!r}")
+        if geometry.attention_kind != "mha":
+            raise RotationError(f"model_type {geometry.model_type!r} uses MLA attention; per-head K/V rotations do not apply")
+
+        def mat(d: int) -> torch.Tensor:
+            return (default_hadamard(d) if method == "hadamard" else torch.eye(d, dtype=torch.float64)).float()
+
+        k = {layer.layer_id: mat(layer.head_dim_k) for layer in geometry.layers}
+        v = {layer.layer_id: mat(layer.head_dim_v) for layer in geometry.layers}
+        meta = {"method": method, "model_type": geometry.model_type, "geometry": geometry.to_dict()}
+        return cls(k, v, meta)
+
+
+def orthogonality_error(r: torch.Tensor) -> float:
+    """``max |R R^T - I|`` over the last two dims of ``r`` (``[D, D]`` or ``[..., D, D]``)."""
+    r64 = r.double()
+    eye = torch.eye(r.shape[-1], dtype=torch.float64)
+    return float((r64 @ r64.transpose(-1, -2) - eye).abs().max())
+
+
+def _ids(ids) -> str:
+    ids = sorted(ids)
+    if len(ids) <= 8:
+        return str(ids)
+    return f"[{ids[0]}..{ids[-1]}] ({len(ids)} layers)"
