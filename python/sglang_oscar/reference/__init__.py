@@ -4,6 +4,7 @@ from .attention import (
     ReferenceCache,
     attend,
     build_cache,
+    WINDOW_MODES,
     hp_window_mask,
     oscar_attention,
     plain_attention,

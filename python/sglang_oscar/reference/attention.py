@@ -8,11 +8,16 @@ against it. Definition (docs/design.md):
    (BF16): that is what the BF16 tier stores.
 2. Quantize every rotated row from its HP value (:func:`sglang_oscar.quant.quantize_rows` with
    the K or V clip ratio), so writing a row directly and flushing it later give the same bytes.
-3. For a query at absolute position ``i`` (it sees keys ``0..i``), key ``j`` is read in HP if
-   ``j < sink`` or ``j > i - recent`` (the ``recent`` newest positions, ``i`` included),
-   otherwise dequantized from INT2. Each query uses its own window, so the result of a
-   position does not depend on how the prompt was split into chunks, and prefill of
-   position ``i`` equals decode of a sequence ending at ``i``.
+3. Which keys a query reads in HP (``window_mode``); all other keys are dequantized INT2:
+
+   * ``"decode"``: for a query at absolute position ``i`` (it sees keys ``0..i``), key ``j``
+     is HP iff ``j < sink`` or ``j > i - recent`` (the ``recent`` newest positions, ``i``
+     included). This is what a decode step reads.
+   * ``"extend"``: key ``j`` is HP iff ``j < sink``; the tokens of a prefill/extend batch
+     attend to the quantize-dequantized K/V of the prefix *and of the batch itself*. This is
+     what prefill/extend reads, so the result of a position does not depend on how the prompt
+     was split into chunks or how much of it came from the prefix cache.
+   * ``"none"``: every key HP (the rotated BF16 model).
 4. Attend in fp32: scores ``q'.k'^T * sm_scale``, optional logit cap ``cap * tanh(s / cap)``,
    causal mask, optional sliding window (key ``j`` visible iff ``i - j < sliding_window``),
    softmax, weighted sum of the V rows (HP or dequantized as in 3).
@@ -115,14 +120,26 @@ def build_cache(
     return ReferenceCache(k_hp, v_hp, kq, vq, dequantize_rows(kq), dequantize_rows(vq))
 
 
-def hp_window_mask(q_positions: torch.Tensor, seq_len: int, sink: int, recent: int) -> torch.Tensor:
-    """Which keys a query reads from the HP tier: bool ``[Tq, T]``.
+WINDOW_MODES = ("decode", "extend", "none")
 
-    Key ``j`` is HP for the query at position ``i`` iff ``j < sink`` or ``j > i - recent``.
+
+def hp_window_mask(q_positions: torch.Tensor, seq_len: int, sink: int, recent: int, window_mode: str = "decode") -> torch.Tensor:
+    """Which keys a query reads from the HP tier: bool ``[Tq, T]`` (see module docstring, step 3).
+
+    ``"decode"``: key ``j`` is HP for the query at position ``i`` iff ``j < sink`` or
+    ``j > i - recent``. ``"extend"``: iff ``j < sink``. ``"none"``: always.
+
+    Raises:
+        ValueError: unknown ``window_mode``.
     """
-    j = torch.arange(seq_len, device=q_positions.device)
+    if window_mode not in WINDOW_MODES:
+        raise ValueError(f"window_mode must be one of {WINDOW_MODES}, got {window_mode!r}")
+    j = torch.arange(seq_len, device=q_positions.device).unsqueeze(0)
     i = q_positions.unsqueeze(1)
-    return (j.unsqueeze(0) < sink) | (j.unsqueeze(0) > i - recent)
+    if window_mode == "none":
+        return torch.ones(i.shape[0], seq_len, dtype=torch.bool, device=q_positions.device)
+    hp = (j < sink).expand(i.shape[0], seq_len)
+    return hp | (j > i - recent) if window_mode == "decode" else hp
 
 
 def attend(
@@ -138,6 +155,7 @@ def attend(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    window_mode: str = "decode",
 ) -> torch.Tensor:
     """Attention of rotated queries over a two-tier cache (fp32 math).
 
@@ -150,6 +168,7 @@ def attend(
         sm_scale: softmax scale.
         sliding_window: keys visible to query ``i`` satisfy ``i - j < sliding_window``.
         logit_cap: ``cap * tanh(s / cap)`` if set.
+        window_mode: ``"decode"`` or ``"extend"`` (:func:`hp_window_mask`).
 
     Returns:
         fp32 ``[Tq, H_q, D_v]`` in the rotated V frame.
@@ -168,7 +187,7 @@ def attend(
         kh = k_hp.float().repeat_interleave(g, dim=1)
         vh = v_hp.float().repeat_interleave(g, dim=1)
         s = torch.einsum("qhd,thd->hqt", qs, kh)
-        hp = hp_window_mask(pos, t, sink, recent)
+        hp = hp_window_mask(pos, t, sink, recent, window_mode)
         if k_low is not None:
             s_low = torch.einsum("qhd,thd->hqt", qs, k_low.float().repeat_interleave(g, dim=1))
             s = torch.where(hp.unsqueeze(0), s, s_low)
@@ -201,6 +220,7 @@ def oscar_attention(
     logit_cap: float | None = None,
     sm_scale: float | None = None,
     quantize: bool = True,
+    window_mode: str = "decode",
     counter_rotate: bool = True,
     hp_dtype: torch.dtype = torch.bfloat16,
     cache: ReferenceCache | None = None,
@@ -217,6 +237,8 @@ def oscar_attention(
         sliding_window, logit_cap, sm_scale: as in :func:`attend`; ``sm_scale`` defaults to
             ``1/sqrt(D_k)``.
         quantize: ``False`` reads every key from the HP tier (the rotated BF16 model).
+        window_mode: ``"decode"`` (per-query recent window; decode steps) or ``"extend"``
+            (only the sink in HP; prefill/extend batches). See the module docstring.
         counter_rotate: return ``o R_v^T`` (model frame) instead of the rotated frame.
         hp_dtype: dtype of the HP tier (``torch.float32`` for exactness tests).
         cache: a prebuilt :func:`build_cache` result to reuse.
@@ -254,6 +276,7 @@ def oscar_attention(
         sm_scale=scale,
         sliding_window=sliding_window,
         logit_cap=logit_cap,
+        window_mode=window_mode,
     )
     return rotate_rows(o, rotation_v, transpose=True) if counter_rotate else o
 
