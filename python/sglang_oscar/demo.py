@@ -60,6 +60,11 @@ def run_demo(
             out = oscar_attention(q, k, v, rk, rv, cfg)
             bpe = bits_per_element(head_dim, group_size, cfg.scale_dtype, seq_len, cfg.sink_tokens, cfg.recent_tokens)
             rows.append(DemoRow(f"{name} + sink/recent", quantizer, relative_error_db(out, exact), bpe))
+    # The same OSCAR cache without its BF16 windows: what the windows buy.
+    cfg = OscarConfig(group_size=group_size, sink_tokens=0, recent_tokens=0)
+    out = oscar_attention(q, k, v, r_k.float(), r_v.float(), cfg)
+    bpe = bits_per_element(head_dim, group_size, cfg.scale_dtype, seq_len, 0, 0)
+    rows.append(DemoRow("OSCAR, no windows", "uniform", relative_error_db(out, exact), bpe))
     return rows
 
 

@@ -7,6 +7,11 @@ Used by ``sglang-oscar demo`` and by tests (no model download needed). What is p
 * queries whose covariance is **anisotropic** (energy concentrated in a few directions) and
   that also load on the key outlier channels;
 * values with their own anisotropic spectrum and two offset channels;
+* an **attention sink**: the first token's key is aligned with a component that every query
+  carries in the lowest-frequency rotary channels (which RoPE barely rotates);
+* **recency**: queries and keys share a component spread over a band of mid-frequency rotary
+  channels, so after RoPE ``q_i . k_j`` carries ``sum_c cos((i - j) theta_c)``, which peaks
+  at ``i = j`` and decays with distance;
 * standard RoPE (base 10000, half-split pairing as in Llama/Qwen) applied to Q and K.
 
 Everything is seeded; two seeds give two independent draws of the same distribution
@@ -64,4 +69,16 @@ def synthetic_qkv(
     q[..., outliers] += 3.0
     v = (torch.randn(seq_len, num_kv_heads, d, generator=gen) * torch.logspace(0.3, -1, d)) @ uv.T
     v[..., [3 % d, 90 % d]] += torch.tensor([4.0, -3.0])
+    half = d // 2
+    # Attention sink: lowest-frequency rotary pairs (channels half-4..half-1 and their partners).
+    sink_dir = torch.zeros(d)
+    sink_dir[half - 4 : half] = 1.0
+    q += 1.5 * sink_dir
+    k[0] += 20 * sink_dir
+    # Recency: a band of mid-frequency rotary pairs (theta from ~0.3 down to ~0.01).
+    band = torch.zeros(d)
+    lo, hi = max(1, half // 8), max(2, half // 2)
+    band[lo:hi] = 1.0
+    q += 0.7 * band
+    k += 0.7 * band
     return apply_rope(q, pos), apply_rope(k, pos), v

@@ -226,7 +226,7 @@ class RotationSet:
         tensors = {}
         for prefix, store in (("k", self.k), ("v", self.v), ("k_eigvals", self.k_eigvals), ("v_eigvals", self.v_eigvals)):
             for i, t in store.items():
-                tensors[f"{prefix}.{int(i)}"] = t.detach().to(torch.float32).contiguous().cpu()
+                tensors[f"{prefix}.{int(i)}"] = t.detach().to(torch.float32).cpu().clone().contiguous()
         meta = dict(self.metadata)
         meta["format_version"] = self.format_version
         meta.setdefault("created_by", f"sglang-oscar {__version__}")

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+import torch
+
+from sglang_oscar.cli.main import main
+from sglang_oscar.rotation import RotationSet, hadamard_matrix
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    cfg = {"model_type": "qwen3", "num_hidden_layers": 3, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 512}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+def test_hadamard_then_validate(tmp_path, config_path, capsys):
+    out = str(tmp_path / "rot.safetensors")
+    assert main(["hadamard", "--config", config_path, "--out", out]) == 0
+    rs = RotationSet.load(out)
+    assert rs.layer_ids == [0, 1, 2]
+    assert torch.allclose(rs.k[1], hadamard_matrix(64).float())
+    assert main(["validate", out, "--config", config_path]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["ok"] and report["layers"] == 3 and report["max_orthogonality_error"] < 1e-6
+
+
+def test_validate_mismatch_exits_2_with_message(tmp_path, config_path, capsys):
+    out = str(tmp_path / "rot.safetensors")
+    assert main(["hadamard", "--config", config_path, "--out", out]) == 0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 5, "num_attention_heads": 8,
+                                 "num_key_value_heads": 2, "head_dim": 64}))
+    assert main(["validate", out, "--config", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "missing [3, 4]" in err and "refit" in err
+    assert main(["validate", str(tmp_path / "missing.safetensors"), "--config", config_path]) == 2
+
+
+def test_convert_upstream_files(tmp_path, config_path):
+    h = hadamard_matrix(64).float()
+    for which in ("k", "v"):
+        torch.save({"format_version": 1, "layers": {str(i): {"rotation": h} for i in range(3)}}, tmp_path / f"{which}.pt")
+    out = str(tmp_path / "conv.safetensors")
+    assert main(["convert", "--k", str(tmp_path / "k.pt"), "--v", str(tmp_path / "v.pt"), "--config", config_path, "--out", out]) == 0
+    assert RotationSet.load(out).metadata["model_type"] == "qwen3"
+
+
+def test_bpe(capsys):
+    assert main(["bpe", "--head-dim", "128", "--group-size", "128", "--context", "131072"]) == 0
+    assert "2.2836" in capsys.readouterr().out
+    assert main(["bpe", "--head-dim", "128", "--group-size", "48"]) == 2
+
+
+def test_demo_table(capsys):
+    assert main(["demo", "--context", "1024"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:40].strip() + "|" + line[41:51].strip(): float(line[51:62]) for line in out.splitlines() if "sink/recent" in line or "naive" in line}
+    assert rows["OSCAR + sink/recent|uniform"] < rows["Hadamard + sink/recent|uniform"] < rows["naive INT2 (no rotation, no windows)|symmetric"]

@@ -1,0 +1,93 @@
+import argparse
+import importlib.metadata
+
+import pytest
+
+from sglang_oscar.config import OscarConfig
+from sglang_oscar.plugin import flags
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    ours = [ep for ep in eps if ep.name == "oscar"]
+    assert ours and ours[0].value == "sglang_oscar.plugin:register"
+    assert ours[0].load() is __import__("sglang_oscar.plugin", fromlist=["register"]).register
+
+
+@pytest.fixture(scope="module")
+def sglang_parser():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    import sglang_oscar.plugin as plugin
+
+    plugin.register()
+    plugin.register()  # idempotent
+    n_hooks = sum(len(v) for k, v in HookRegistry._hooks.items() if k in plugin.HOOK_TARGETS)
+    assert n_hooks == len(plugin.HOOK_TARGETS)
+    HookRegistry.apply_hooks()
+    assert set(plugin.HOOK_TARGETS) <= HookRegistry._patched
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def test_sglang_parser_accepts_int2_and_oscar_flags(sglang_parser):
+    ns = sglang_parser.parse_args([
+        "--model-path", "m", "--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", "64",
+        "--oscar-rotation", "/r.safetensors", "--oscar-k-clip-ratio", "0.9", "--oscar-quantizer", "lloyd-max",
+        "--oscar-sink-tokens", "32", "--oscar-recent-tokens", "128", "--oscar-scale-dtype", "float32",
+    ])
+    assert ns.kv_cache_dtype == "int2" and ns.kv_cache_quant_group_size == 64
+    cfg, _ = flags.resolve_config({f.dest: getattr(ns, f.dest) for f in flags.FLAGS}, environ={})
+    assert cfg == OscarConfig(group_size=64, k_clip_ratio=0.9, sink_tokens=32, recent_tokens=128,
+                              quantizer="lloyd-max", scale_dtype="float32", rotation_path="/r.safetensors")
+    with pytest.raises(SystemExit):
+        sglang_parser.parse_args(["--model-path", "m", "--oscar-quantizer", "nf4"])
+    assert "--oscar-rotation" in sglang_parser.format_help()
+
+
+def test_env_aliases_and_precedence():
+    env = {"SGLANG_OSCAR_K_CLIP_RATIO": "0.5", "SGLANG_MIXED_KV_RECENT_TOKENS": "512", "SGLANG_LLOYD_MAX": "1"}
+    cfg, notes = flags.resolve_config({"oscar_k_clip_ratio": 0.8}, environ=env)
+    assert cfg.k_clip_ratio == 0.8 and cfg.recent_tokens == 512 and cfg.quantizer == "lloyd-max"
+    assert any("overrides environment alias SGLANG_OSCAR_K_CLIP_RATIO" in n for n in notes)
+    assert any("SGLANG_MIXED_KV_RECENT_TOKENS" in n for n in notes)
+    with pytest.raises(ValueError, match="SGLANG_MIXED_KV_PREFIX_TOKENS"):
+        flags.resolve_config({}, environ={"SGLANG_MIXED_KV_PREFIX_TOKENS": "many"})
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        flags.resolve_config({"oscar_v_clip_ratio": 3.0}, environ={})
+    # upstream K/V .pt pair in one directory -> the directory
+    cfg, _ = flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/z/k_rotation_a.pt",
+                                              "SGLANG_OSCAR_V_ROTATION_PATH": "/z/v_rotation_a.pt"})
+    assert cfg.rotation_path == "/z"
+    with pytest.raises(ValueError, match="one directory"):
+        flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/k.pt", "SGLANG_OSCAR_V_ROTATION_PATH": "/b/v.pt"})
+
+
+def test_config_travels_through_env():
+    cfg = OscarConfig(group_size=32, quantizer="lloyd-max")
+    env = {flags.CONFIG_ENV: flags.config_to_env(cfg)}
+    assert flags.config_from_env(env) == cfg
+    assert flags.config_from_env({}) is None
+
+
+def test_from_cli_args_hook_attaches_config(monkeypatch):
+    import sglang_oscar.plugin as plugin
+
+    class FakeArgs:
+        kv_cache_dtype = "int2"
+        model_path = "m"
+
+    ns = argparse.Namespace(**{f.dest: None for f in flags.FLAGS})
+    ns.oscar_sink_tokens = 8
+    monkeypatch.delenv(flags.CONFIG_ENV, raising=False)
+    out = plugin._around_from_cli_args(lambda cls, a: FakeArgs(), object, ns)
+    assert out._oscar_config.sink_tokens == 8
+    assert flags.config_from_env().sink_tokens == 8
+    # an int2 launch stops before weights load while the serving path is not built
+    with pytest.raises(ValueError, match="--kv-cache-dtype auto"):
+        plugin._after_post_init(None, out)
+    plain = FakeArgs()
+    plain.kv_cache_dtype = "auto"
+    assert plugin._after_post_init("r", plain) == "r"
