@@ -1,0 +1,126 @@
+"""Compare two evaluation runs (e.g. the BF16 control and the INT2 arm).
+
+For each run: accuracy mean ± std over its seeds (full denominators, from ``samples.jsonl``
+and ``run.json``). Then the paired difference B - A over the samples both runs finished:
+same seed, same sample index, and the same prompt (checked through ``prompt_sha``, so GPQA
+permutations are identical). Within each common seed only the *contiguous prefix* of sample
+indices that both runs completed is used (scoring "whatever finished" of a partial run favours
+short answers, spec §9.5). The standard error is that of the mean of the per-sample
+differences; the discordant counts (right in A only / in B only) are reported as well.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from sglang_oscar.evals import stats
+from sglang_oscar.evals.errors import EvalError
+from sglang_oscar.evals.runner import METRICS_FILE, RUN_FILE, SAMPLES_FILE, read_rows
+
+
+def _load(run: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict]:
+    d = Path(run)
+    if not d.is_dir():
+        raise FileNotFoundError(f"run folder {d} does not exist")
+    for name in (RUN_FILE, METRICS_FILE, SAMPLES_FILE):
+        if not (d / name).exists():
+            raise FileNotFoundError(f"{d} is not an eval run folder: {name} is missing")
+    record = json.loads((d / RUN_FILE).read_text(encoding="utf-8"))
+    metrics = json.loads((d / METRICS_FILE).read_text(encoding="utf-8"))
+    rows = read_rows(d / SAMPLES_FILE)
+    return record, metrics, rows
+
+
+def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    accs = [c["accuracy"] for c in metrics["seeds"].values()]
+    return {
+        "task": metrics["task"],
+        "model": metrics["model"],
+        "n": metrics["n"],
+        "seeds": [int(s) for s in metrics["seeds"]],
+        "mean": stats.mean(accs) if accs else float("nan"),
+        "std": stats.std(accs),
+        "truncated": metrics.get("truncated", 0),
+        "complete": metrics.get("complete", False),
+    }
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
+    rec_a, met_a, rows_a = _load(run_a)
+    rec_b, met_b, rows_b = _load(run_b)
+    if met_a["task"] != met_b["task"]:
+        raise EvalError(f"cannot compare a {met_a['task']} run with a {met_b['task']} run")
+    warnings: list[str] = []
+    da, db = rec_a.get("defining", {}), rec_b.get("defining", {})
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "system_prompt", "prompt_version"):
+        if da.get(key) != db.get(key):
+            warnings.append(f"the runs differ in {key}: {da.get(key)!r} vs {db.get(key)!r}")
+
+    seeds = sorted(set(int(s) for s in met_a["seeds"]) & set(int(s) for s in met_b["seeds"]))
+    if not seeds:
+        raise EvalError("the two runs have no seed in common: nothing to pair")
+    a_vals: list[int] = []
+    b_vals: list[int] = []
+    per_seed: dict[str, int] = {}
+    dropped = 0
+    for seed in seeds:
+        n = 0
+        idx = 0
+        while True:
+            ra, rb = rows_a.get((seed, idx)), rows_b.get((seed, idx))
+            if ra is None or rb is None or ra.get("status") != "ok" or rb.get("status") != "ok":
+                break
+            if ra.get("prompt_sha") != rb.get("prompt_sha"):
+                raise EvalError(
+                    f"seed {seed} sample {idx} was asked different prompts in the two runs "
+                    f"({ra.get('prompt_sha')} vs {rb.get('prompt_sha')}): not a paired comparison"
+                )
+            a_vals.append(int(bool(ra.get("correct"))))
+            b_vals.append(int(bool(rb.get("correct"))))
+            n += 1
+            idx += 1
+        both_done = sum(
+            1
+            for (s, i), ra in rows_a.items()
+            if s == seed and ra.get("status") == "ok" and rows_b.get((s, i), {}).get("status") == "ok"
+        )
+        dropped += both_done - n
+        per_seed[str(seed)] = n
+    if dropped:
+        warnings.append(
+            f"{dropped} sample(s) finished in both runs lie beyond the common contiguous prefix "
+            "and were left out of the paired difference"
+        )
+    p = stats.paired(a_vals, b_vals)
+    return {
+        "a": {"path": str(run_a), **_summary(met_a)},
+        "b": {"path": str(run_b), **_summary(met_b)},
+        "paired": {**p, "per_seed_n": per_seed},
+        "warnings": warnings,
+    }
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.2f}"
+
+
+def format_comparison(c: dict[str, Any]) -> str:
+    a, b, p = c["a"], c["b"], c["paired"]
+    lines = [f"task {a['task']}"]
+    for tag, r in (("A", a), ("B", b)):
+        lines.append(
+            f"{tag}: {r['path']} ({r['model']}): {_pct(r['mean'])} ± {_pct(r['std'])} "
+            f"over seeds {r['seeds']} (n = {r['n']} per seed, truncated {r['truncated']}"
+            f"{'' if r['complete'] else ', INCOMPLETE'})"
+        )
+    lines.append(
+        f"paired B - A over {p['n']} common samples: {_pct(p['diff'])} pp ± {_pct(p['se'])} "
+        f"(paired std error); A {_pct(p['acc_a'])} vs B {_pct(p['acc_b'])}; "
+        f"right only in A: {p['only_a']}, only in B: {p['only_b']}"
+    )
+    for w in c["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)

