@@ -27,7 +27,10 @@ class OscarConfig:
         recent_tokens: last tokens of every request kept in BF16.
         quantizer: ``"uniform"`` or ``"lloyd-max"``.
         scale_dtype: ``"float32" | "float16" | "bfloat16"`` storage of (scale, zero).
-        rotation_path: rotation file/directory, or ``None`` for the data-free Hadamard rotation.
+        rotation_path: rotation file/directory, or ``None`` for the data-free Hadamard rotation;
+            with ``rotation_v_path`` set, the upstream K ``.pt`` file.
+        rotation_v_path: the upstream V ``.pt`` file paired with ``rotation_path`` (set by the
+            ``SGLANG_OSCAR_K/V_ROTATION_PATH`` aliases), else ``None``.
     """
 
     group_size: int | None = None
@@ -38,12 +41,17 @@ class OscarConfig:
     quantizer: str = "uniform"
     scale_dtype: str = "float16"
     rotation_path: str | None = None
+    rotation_v_path: str | None = None
 
     def __post_init__(self):
         check_clip_ratio(self.k_clip_ratio, "K clip ratio")
         check_clip_ratio(self.v_clip_ratio, "V clip ratio")
         check_quantizer(self.quantizer)
+        if not isinstance(self.scale_dtype, str):
+            raise ValueError(f"scale_dtype must be a dtype name ('float32', 'float16', 'bfloat16'), got {self.scale_dtype!r}")
         scale_torch_dtype(self.scale_dtype)
+        if self.rotation_v_path is not None and self.rotation_path is None:
+            raise ValueError("rotation_v_path is set without rotation_path (the K file)")
         for name in ("sink_tokens", "recent_tokens"):
             val = getattr(self, name)
             if not isinstance(val, int) or val < 0:

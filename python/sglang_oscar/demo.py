@@ -40,7 +40,14 @@ def run_demo(
     num_queries: int = 256,
     seed: int = 0,
 ) -> list[DemoRow]:
-    """Compute the demo table (see module docstring). Returns one :class:`DemoRow` per scheme."""
+    """Compute the demo table (see module docstring). Returns one :class:`DemoRow` per scheme.
+
+    Raises:
+        ValueError: ``seq_len < 1`` or settings the format rejects.
+    """
+    if seq_len < 1:
+        raise ValueError(f"context must be at least 1 token, got {seq_len}")
+    num_queries = min(num_queries, seq_len)
     torch.manual_seed(seed)
     q_cal, k_cal, v_cal = synthetic_qkv(seq_len, num_q_heads, num_kv_heads, head_dim, seed=seed + 1)
     q, k, v = synthetic_qkv(seq_len, num_q_heads, num_kv_heads, head_dim, seed=seed + 2)
@@ -54,7 +61,9 @@ def run_demo(
                    sm_scale=head_dim**-0.5)
     rows.append(DemoRow("naive INT2 (no rotation, no windows)", "symmetric", relative_error_db(naive, exact), 2.0 + 16.0 / head_dim))
     hadamard = default_hadamard(head_dim).float()
-    for name, (rk, rv) in (("Hadamard", (hadamard, hadamard)), ("OSCAR", (r_k.float(), r_v.float()))):
+    eye = torch.eye(head_dim)
+    schemes = (("no rotation", (eye, eye)), ("Hadamard", (hadamard, hadamard)), ("OSCAR", (r_k.float(), r_v.float())))
+    for name, (rk, rv) in schemes:
         for quantizer in ("uniform", "lloyd-max"):
             cfg = OscarConfig(group_size=group_size, quantizer=quantizer)
             out = oscar_attention(q, k, v, rk, rv, cfg)

@@ -58,11 +58,21 @@ def test_env_aliases_and_precedence():
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         flags.resolve_config({"oscar_v_clip_ratio": 3.0}, environ={})
     # upstream K/V .pt pair in one directory -> the directory
+    # upstream K/V .pt pair -> both exact files, never a directory glob
     cfg, _ = flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/z/k_rotation_a.pt",
                                               "SGLANG_OSCAR_V_ROTATION_PATH": "/z/v_rotation_a.pt"})
-    assert cfg.rotation_path == "/z"
-    with pytest.raises(ValueError, match="one directory"):
-        flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/k.pt", "SGLANG_OSCAR_V_ROTATION_PATH": "/b/v.pt"})
+    assert (cfg.rotation_path, cfg.rotation_v_path) == ("/z/k_rotation_a.pt", "/z/v_rotation_a.pt")
+    with pytest.raises(ValueError, match="SGLANG_OSCAR_V_ROTATION_PATH is not"):
+        flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/k.pt"})
+    cfg, _ = flags.resolve_config({"oscar_rotation": "/r.safetensors"}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/k.pt"})
+    assert cfg.rotation_path == "/r.safetensors" and cfg.rotation_v_path is None
+    # upstream scale dtype spellings, strict booleans
+    cfg, _ = flags.resolve_config({}, environ={"SGLANG_MIXED_KV_SCALE_DTYPE": "fp32", "SGLANG_LLOYD_MAX": "0"})
+    assert (cfg.scale_dtype, cfg.quantizer) == ("float32", "uniform")
+    with pytest.raises(ValueError, match="SGLANG_LLOYD_MAX"):
+        flags.resolve_config({}, environ={"SGLANG_LLOYD_MAX": "lloyd"})
+    with pytest.raises(ValueError, match="SGLANG_MIXED_KV_SCALE_DTYPE"):
+        flags.resolve_config({}, environ={"SGLANG_MIXED_KV_SCALE_DTYPE": "fp8"})
 
 
 def test_config_travels_through_env():
@@ -79,9 +89,9 @@ def test_from_cli_args_hook_attaches_config(monkeypatch):
         kv_cache_dtype = "int2"
         model_path = "m"
 
-    ns = argparse.Namespace(**{f.dest: None for f in flags.FLAGS})
+    ns = argparse.Namespace(kv_cache_dtype="int2", **{f.dest: None for f in flags.FLAGS})
     ns.oscar_sink_tokens = 8
-    monkeypatch.delenv(flags.CONFIG_ENV, raising=False)
+    monkeypatch.setenv(flags.CONFIG_ENV, "")  # restored (unset) after the test
     out = plugin._around_from_cli_args(lambda cls, a: FakeArgs(), object, ns)
     assert out._oscar_config.sink_tokens == 8
     assert flags.config_from_env().sink_tokens == 8
@@ -91,3 +101,9 @@ def test_from_cli_args_hook_attaches_config(monkeypatch):
     plain = FakeArgs()
     plain.kv_cache_dtype = "auto"
     assert plugin._after_post_init("r", plain) == "r"
+    # OSCAR flags without int2 are refused rather than ignored
+    ns.kv_cache_dtype = "auto"
+    with pytest.raises(ValueError, match="--oscar-sink-tokens only apply with --kv-cache-dtype int2"):
+        plugin._around_from_cli_args(lambda cls, a: plain, object, ns)
+    ns.oscar_sink_tokens = None
+    assert plugin._around_from_cli_args(lambda cls, a: plain, object, ns) is plain

@@ -5,6 +5,7 @@ import torch
 
 from sglang_oscar.quant import (
     LLOYD_MAX_CODEBOOK,
+    fake_quantize,
     bits_per_element,
     bytes_per_token_per_head,
     clip_index,
@@ -83,11 +84,13 @@ def test_clipped_rows_only_clipped_elements_exceed_half_step():
 
 def test_lloyd_max_constants_match_known_optimum():
     levels, thresholds, mse = gaussian_lloyd_max(4)
+    # Max (1960): levels +-0.4528, +-1.5104, thresholds 0, +-0.9816, MSE 0.1175. The tolerance
+    # (1e-4) separates the true optimum from the original's approximation (1.50956 / 0.98107).
     for got, want in zip(levels, (-1.5104, -0.4528, 0.4528, 1.5104)):
-        assert abs(got - want) < 1e-3
+        assert abs(got - want) < 1e-4
     for got, want in zip(thresholds, (-0.9816, 0.0, 0.9816)):
-        assert abs(got - want) < 1e-3
-    assert abs(mse - 0.1175) < 1e-3
+        assert abs(got - want) < 1e-4
+    assert abs(mse - 0.1175) < 1e-4
     # Lloyd's conditions hold at the fixed point: thresholds are midpoints
     for k in range(3):
         assert abs(thresholds[k] - 0.5 * (levels[k] + levels[k + 1])) < 1e-12
@@ -127,12 +130,16 @@ def test_nearly_constant_groups_stay_finite_in_fp16():
 
 
 def test_bits_per_element_known_values():
-    # spec §1.8: 2.284 at 128K and 2.38 at 32K with P+R = 320 BF16 tokens and a 16-bit pair
-    assert bits_per_element(128, 128, "float16", 131072) == pytest.approx(2.2836, abs=1e-4)
-    assert bits_per_element(128, 128, "float16", 32768) == pytest.approx(2.3843, abs=1e-4)
+    # the original's accounting (windows replace INT2), spec §1.8: 2.284 at 128K, 2.38 at 32K
+    assert bits_per_element(128, 128, "float16", 131072, hp_also_quantized=False) == pytest.approx(2.2836, abs=1e-4)
+    assert bits_per_element(128, 128, "float16", 32768, hp_also_quantized=False) == pytest.approx(2.3843, abs=1e-4)
+    # this cache stores window tokens in INT2 too: 2.25 + 320 * 16 / L
+    assert bits_per_element(128, 128, "float16", 131072) == pytest.approx(2.25 + 320 * 16 / 131072)
+    assert bits_per_element(128, 128, "float16", 131072) == pytest.approx(2.2891, abs=1e-4)
     assert quant_bits_per_element(128, 128, "float32") == 2.5
     assert quant_bits_per_element(256, 128, "float16") == 2.25
-    assert bits_per_element(128, None, "float16", 100) == 16.0  # all inside the windows
+    assert bits_per_element(128, None, "float16", 100, hp_also_quantized=False) == 16.0  # all inside the windows
+    assert bits_per_element(128, None, "float16", 100) == 18.25
     # bytes per token per kv head: K+V codes 2*32 + pairs 2*2*2
     assert bytes_per_token_per_head(128, 128, 128, "float16") == 72
 
@@ -162,5 +169,21 @@ def test_quantize_rejects_bad_rows():
     x[1, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         quantize_rows(x)
+    x[1, 5] = float("inf")  # clipping must not hide it
+    with pytest.raises(ValueError, match="Inf"):
+        quantize_rows(x, clip_ratio=0.96)
+    with pytest.raises(ValueError, match="overflows"):
+        quantize_rows(torch.randn(2, 128) * 1e6, scale_dtype="float16")
+    assert torch.isfinite(quantize_rows(torch.randn(2, 128) * 1e6, scale_dtype="float32").pairs).all()
+    with pytest.raises(ValueError, match="number"):
+        quantize_rows(torch.randn(2, 128), clip_ratio=None)
     with pytest.raises(ValueError):
         bits_per_element(128, 128, "float16", 0)
+
+
+def test_fake_quantize_is_quantize_then_dequantize():
+    x = _rows(64, seed=21).to(torch.bfloat16)
+    kw = dict(group_size=32, clip_ratio=0.92, quantizer="lloyd-max", scale_dtype="float16")
+    got = fake_quantize(x, **kw)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, dequantize_rows(quantize_rows(x, **kw)).to(torch.bfloat16))

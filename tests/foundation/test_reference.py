@@ -141,6 +141,11 @@ def test_reference_rejects_bad_input():
         oscar_attention(q[:, :5], k, v, eye, eye, cfg)
     with pytest.raises(ValueError, match="head_dim"):
         oscar_attention(q, k, v, torch.eye(8), eye, cfg)
+    with pytest.raises(ValueError, match="sliding_window"):
+        plain_attention(q, k, v, sliding_window=0)
+    with pytest.raises(ValueError, match="kv heads"):
+        oscar_attention(q, k, v, torch.eye(16).expand(1, 16, 16), eye, cfg)
+    assert plain_attention(q[:0], k, v, q_positions=torch.arange(0)).shape == (0, 6, 16)
     with pytest.raises(ValueError, match="q_positions"):
         oscar_attention(q[:2], k, v, eye, eye, cfg, q_positions=torch.tensor([3, 99]))
     with pytest.raises(ValueError, match="does not divide"):

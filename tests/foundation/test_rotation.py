@@ -132,6 +132,15 @@ def test_geometry_from_configs():
     assert nxt.layer_ids == [3, 7]
     mla = ModelGeometry.from_hf_config(DeepseekV2Config(num_hidden_layers=2))
     assert mla.attention_kind == "mla" and mla.kv_lora_rank == 512
+    # raw config.json dicts get derived keys from transformers (Gemma-3 sliding_window_pattern)
+    raw = ModelGeometry.from_hf_config({"model_type": "gemma3_text", "num_hidden_layers": 12, "num_attention_heads": 8,
+                                        "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
+                                        "sliding_window_pattern": 6})
+    assert [layer.sliding_window for layer in raw.layers] == ([512] * 5 + [None]) * 2
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ModelGeometry.from_hf_config(qwen3_config(d=66))
+    with pytest.raises(ValueError, match="not a multiple of 3 kv heads"):
+        ModelGeometry.from_hf_config(qwen3_config(kv=3))
     with pytest.raises(ValueError, match="no attention layers"):
         ModelGeometry.from_hf_config({"model_type": "m", "num_hidden_layers": 2, "num_attention_heads": 2,
                                       "hidden_size": 8, "layer_types": ["linear_attention"] * 2})
@@ -207,6 +216,12 @@ def test_validation_errors_name_the_problem(tmp_path):
     _expect_invalid(bad, geo, "layer 2 K rotation is not orthogonal")
     bad.k[2][0, 0] = float("nan")
     _expect_invalid(bad, geo, "layer 2 K rotation contains NaN")
+    with pytest.raises(RotationError, match="K rotations cover layers \\[0, 1\\] but V rotations cover \\[0\\]"):
+        RotationSet({0: torch.eye(4), 1: torch.eye(4)}, {0: torch.eye(4)})
+    with pytest.raises(RotationError, match="not orthogonal"):
+        bad.k[2][0, 0] = 1.5
+        bad.save(str(tmp_path / "bad.safetensors"))
+    assert not os.path.exists(tmp_path / "bad.safetensors")
     with pytest.raises(RotationError, match="all \\[D, D\\]"):
         RotationSet({0: torch.eye(4), 1: torch.eye(4).expand(2, 4, 4)}, {0: torch.eye(4), 1: torch.eye(4)})
     # unknown format version

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..rotation.rotation_set import DEFAULT_ORTHO_TOL
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("hadamard", help="write the data-free Hadamard rotation for a model config")
@@ -16,7 +18,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check a rotation file against a model config")
     p.add_argument("rotation", help="rotation .safetensors file, or a directory")
     p.add_argument("--config", required=True, help="HF config.json (or a model directory holding one)")
-    p.add_argument("--ortho-tol", type=float, default=1e-3, help="max |R R^T - I| accepted (default 1e-3)")
+    p.add_argument("--ortho-tol", type=float, default=DEFAULT_ORTHO_TOL, help=f"max |R R^T - I| accepted (default {DEFAULT_ORTHO_TOL:g})")
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("convert", help="convert upstream k_rotation_*.pt + v_rotation_*.pt files to .safetensors")
@@ -89,8 +91,11 @@ def _bpe(args) -> int:
     from ..quant import bits_per_element, quant_bits_per_element
 
     total = bits_per_element(args.head_dim, args.group_size, args.scale_dtype, args.context, args.sink, args.recent)
+    upstream = bits_per_element(args.head_dim, args.group_size, args.scale_dtype, args.context, args.sink, args.recent,
+                                hp_also_quantized=False)
     q = quant_bits_per_element(args.head_dim, args.group_size, args.scale_dtype)
-    print(f"bits/element at {args.context} tokens: {total:.4f} (INT2 tier {q:.4f}, BF16 16.0; compression vs BF16 {16.0 / total:.2f}x)")
+    print(f"bits/element at {args.context} tokens: {total:.4f} (INT2 tier {q:.4f} + BF16 window copies; "
+          f"compression vs BF16 {16.0 / total:.2f}x; the original's accounting, windows replacing INT2: {upstream:.4f})")
     return 0
 
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
-    except (CLIError, ValueError, FileNotFoundError) as exc:
+    except (CLIError, ValueError, OSError) as exc:
         print(f"sglang-oscar {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return int(rc or 0)

@@ -33,20 +33,21 @@ HOOK_TARGETS = (
 # then an int2 launch must stop with a clear message rather than fail deep inside SGLang.
 SERVING_READY = False
 
-_registered = False
-
-
 def register() -> None:
-    """Register sglang-oscar's hooks with SGLang's ``HookRegistry`` (idempotent, cheap)."""
-    global _registered
-    if _registered:
-        return
+    """Register sglang-oscar's hooks with SGLang's ``HookRegistry`` (idempotent, cheap).
+
+    Idempotency is checked against the registry itself, so a ``HookRegistry.reset()`` (tests)
+    followed by ``register()`` registers again.
+    """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(HOOK_TARGETS[0], _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register(HOOK_TARGETS[1], _around_from_cli_args, HookType.AROUND)
-    HookRegistry.register(HOOK_TARGETS[2], _after_post_init, HookType.AFTER)
-    _registered = True
+    for target, hook, kind in (
+        (HOOK_TARGETS[0], _after_add_cli_args, HookType.AFTER),
+        (HOOK_TARGETS[1], _around_from_cli_args, HookType.AROUND),
+        (HOOK_TARGETS[2], _after_post_init, HookType.AFTER),
+    ):
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, kind)
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):
@@ -60,10 +61,13 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 
 
 def _around_from_cli_args(original_fn, cls, args, *rest, **kwargs):
-    server_args = original_fn(cls, args, *rest, **kwargs)
-    if getattr(server_args, "kv_cache_dtype", None) != INT2:
-        return server_args
     values = {f.dest: getattr(args, f.dest, None) for f in FLAGS}
+    if getattr(args, "kv_cache_dtype", None) != INT2:
+        given = [f.option for f in FLAGS if values[f.dest] is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --kv-cache-dtype int2; add it or drop these flags")
+        return original_fn(cls, args, *rest, **kwargs)
+    server_args = original_fn(cls, args, *rest, **kwargs)
     config, notes = resolve_config(values)
     for note in notes:
         logger.info("sglang-oscar: %s", note)
@@ -86,6 +90,16 @@ def _after_post_init(result, server_args, *args, **kwargs):
     return result
 
 
-def oscar_config_of(server_args) -> object:
-    """The resolved :class:`OscarConfig` of a ``ServerArgs`` (attribute or environment)."""
-    return getattr(server_args, "_oscar_config", None) or config_from_env()
+def oscar_config_of(server_args):
+    """The resolved :class:`~sglang_oscar.config.OscarConfig` of a ``ServerArgs``.
+
+    From the CLI path: the attribute set by the ``from_cli_args`` hook; in subprocesses: the
+    ``SGLANG_OSCAR_CONFIG`` environment; from ``sglang.Engine(...)`` (no CLI): the environment
+    aliases and defaults.
+    """
+    config = getattr(server_args, "_oscar_config", None) or config_from_env()
+    if config is None:
+        config, notes = resolve_config({})
+        for note in notes:
+            logger.info("sglang-oscar: %s", note)
+    return config

@@ -30,8 +30,30 @@ class Flag:
     choices: tuple | None = None
 
 
-def _bool_env(value: str) -> str:
-    return "lloyd-max" if value.strip().lower() in ("1", "true", "yes", "on") else "uniform"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+# Upstream dtype spellings (SGLANG_MIXED_KV_SCALE_DTYPE) -> ours.
+_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def _lloyd_max_env(value: str) -> str:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return "lloyd-max"
+    if v in _FALSE:
+        return "uniform"
+    raise ValueError(f"expected one of {_TRUE + _FALSE}")
+
+
+def _dtype_env(value: str) -> str:
+    v = value.strip().lower()
+    if v not in _DTYPE_NAMES:
+        raise ValueError(f"expected one of {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[v]
+
+
+_ENV_PARSERS = {"SGLANG_LLOYD_MAX": _lloyd_max_env, "SGLANG_MIXED_KV_SCALE_DTYPE": _dtype_env}
 
 
 FLAGS = (
@@ -52,8 +74,9 @@ FLAGS = (
          "INT2 KV cache: quantizer codebook (default uniform).", env="SGLANG_LLOYD_MAX", choices=("uniform", "lloyd-max")),
     Flag("oscar_scale_dtype", "--oscar-scale-dtype", "scale_dtype", str,
          "INT2 KV cache: dtype of the per-group (scale, zero) pairs (default float16).",
-         choices=("float32", "float16", "bfloat16")),
+         env="SGLANG_MIXED_KV_SCALE_DTYPE", choices=("float32", "float16", "bfloat16")),
 )
+K_ROTATION_ENV = "SGLANG_OSCAR_K_ROTATION_PATH"
 V_ROTATION_ENV = "SGLANG_OSCAR_V_ROTATION_PATH"
 
 
@@ -94,21 +117,20 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
         if env_val is None or env_val == "":
             continue
         try:
-            kwargs[f.field] = _bool_env(env_val) if f.env == "SGLANG_LLOYD_MAX" else f.type(env_val)
+            kwargs[f.field] = _ENV_PARSERS.get(f.env, f.type)(env_val)
         except ValueError as exc:
             raise ValueError(f"environment variable {f.env}={env_val!r} is not a valid {f.option} value: {exc}") from None
         notes.append(f"using environment alias {f.env}={env_val!r} for {f.option}")
-    v_path = env.get(V_ROTATION_ENV)
-    if v_path and values.get("oscar_rotation") is None:
-        k_path = env.get("SGLANG_OSCAR_K_ROTATION_PATH")
-        if not k_path:
-            raise ValueError(f"{V_ROTATION_ENV} is set but SGLANG_OSCAR_K_ROTATION_PATH is not; set both or use --oscar-rotation")
-        if os.path.dirname(os.path.abspath(k_path)) != os.path.dirname(os.path.abspath(v_path)):
+    if values.get("oscar_rotation") is None:
+        k_path, v_path = env.get(K_ROTATION_ENV) or None, env.get(V_ROTATION_ENV) or None
+        if bool(k_path) != bool(v_path):
+            have, miss = (K_ROTATION_ENV, V_ROTATION_ENV) if k_path else (V_ROTATION_ENV, K_ROTATION_ENV)
             raise ValueError(
-                "SGLANG_OSCAR_K_ROTATION_PATH and SGLANG_OSCAR_V_ROTATION_PATH must be in one directory; "
-                "convert them with `sglang-oscar convert --k K.pt --v V.pt --out FILE` and pass --oscar-rotation FILE"
+                f"{have} is set but {miss} is not: the upstream aliases name the K and V .pt files and need both; "
+                "or convert them with `sglang-oscar convert --k K.pt --v V.pt --out FILE` and pass --oscar-rotation FILE"
             )
-        kwargs["rotation_path"] = os.path.dirname(os.path.abspath(k_path))
+        if k_path and k_path.endswith(".pt"):
+            kwargs["rotation_path"], kwargs["rotation_v_path"] = k_path, v_path
     return OscarConfig(**kwargs), notes
 
 

@@ -1,13 +1,17 @@
 """Bits-per-element accounting of an OSCAR KV cache.
 
 Source: spec §1.8. A quantized element costs its 2-bit code plus its share of the group's
-(scale, zero) pair: ``2 + 2 * 8 * scale_bytes / G`` bits. The BF16 sink and recent windows
-cost ``8 * hp_bytes`` bits per element. At context length ``L`` with ``n_hp =
-min(L, sink + recent)`` tokens in HP:
+(scale, zero) pair: ``q = 2 + 2 * 8 * scale_bytes / G`` bits. The BF16 sink and recent
+windows cost ``8 * hp_bytes`` bits per element. At context length ``L`` with ``n_hp =
+min(L, sink + recent)`` window tokens:
 
-    bpe(L) = (n_hp * 8 * hp_bytes + (L - n_hp) * (2 + 16 * scale_bytes / G)) / L
+* this project's cache writes every token in INT2 *and* keeps BF16 copies of the window
+  tokens (docs/design.md), so it costs ``bpe(L) = q + n_hp * 8 * hp_bytes / L``;
+* the original system stored window tokens *instead of* their INT2 form
+  (``hp_also_quantized=False``): ``bpe(L) = (n_hp * 8 * hp_bytes + (L - n_hp) * q) / L``.
 
-Example: D=G=128, fp16 pair, sink 64, recent 256, L=131072 -> 2.284 (spec §1.8: 2.28).
+Examples (D = G = 128, fp16 pair, sink 64, recent 256): at L = 131072 this cache costs
+2.2891 bits; the original's formula gives 2.2836 (spec §1.8 quotes 2.28).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def bits_per_element(
     sink: int = 64,
     recent: int = 256,
     hp_dtype: str = "bfloat16",
+    hp_also_quantized: bool = True,
 ) -> float:
     """Effective bits per KV element at ``context_len`` tokens, windows included.
 
@@ -46,6 +51,8 @@ def bits_per_element(
         context_len: tokens in the cache (> 0).
         sink, recent: BF16 window sizes in tokens (>= 0).
         hp_dtype: dtype of the windows (``"bfloat16"``, ``"float16"`` or ``"float32"``).
+        hp_also_quantized: ``True`` (this project: window tokens are stored in INT2 too) or
+            ``False`` (the original's accounting, windows replace INT2).
 
     Returns:
         bits per element (float).
@@ -61,7 +68,8 @@ def bits_per_element(
         raise ValueError(f"hp_dtype {hp_dtype!r} not in {sorted(_HP_BYTES)}")
     n_hp = min(context_len, sink + recent)
     q_bits = quant_bits_per_element(head_dim, group_size, scale_dtype)
-    return (n_hp * 8.0 * _HP_BYTES[hp_dtype] + (context_len - n_hp) * q_bits) / context_len
+    n_q = context_len if hp_also_quantized else context_len - n_hp
+    return (n_hp * 8.0 * _HP_BYTES[hp_dtype] + n_q * q_bits) / context_len
 
 
 def bytes_per_token_per_head(head_dim_k: int, head_dim_v: int, group_size: int | None, scale_dtype="float16") -> int:

@@ -78,7 +78,10 @@ def check_quantizer(quantizer: str) -> str:
 
 def check_clip_ratio(clip_ratio: float, what: str = "clip ratio") -> float:
     """Return ``clip_ratio`` as float if it lies in ``[0, 1]``; raise ``ValueError`` otherwise."""
-    r = float(clip_ratio)
+    try:
+        r = float(clip_ratio)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in [0, 1] (0 disables clipping), got {clip_ratio!r}") from None
     if not (0.0 <= r <= 1.0) or math.isnan(r):
         raise ValueError(f"{what} must be in [0, 1] (0 disables clipping), got {clip_ratio!r}")
     return r
@@ -230,9 +233,9 @@ def quantize_rows(
     g = resolve_group_size(d, group_size)
     sdt = scale_torch_dtype(scale_dtype)
     book = codebook(quantizer)
-    xf = clip_rows(x, clip_ratio)
-    if xf.numel() and not torch.isfinite(xf).all():
+    if x.numel() and not torch.isfinite(x).all():
         raise ValueError("rows to quantize contain NaN or Inf")
+    xf = clip_rows(x, clip_ratio)
     grouped = xf.reshape(*xf.shape[:-1], d // g, g)
     if quantizer == "uniform":
         lo = grouped.amin(dim=-1)
@@ -248,6 +251,10 @@ def quantize_rows(
     s = torch.clamp(s, min=_SCALE_MIN[sdt])
     s = torch.maximum(s, offset.abs() / ZERO_MAX)
     s_st = _round_to(s, sdt)
+    if s_st.numel() and not torch.isfinite(s_st).all():
+        raise ValueError(
+            f"a group's scale ({float(s.max()):.3g}) overflows {sdt}; use scale dtype float32 or bfloat16 for rows this large"
+        )
     z_st = _round_to(-offset / s_st, sdt)
     u = grouped / s_st.unsqueeze(-1) + z_st.unsqueeze(-1)
     thr = book.thresholds_tensor(device=x.device)

@@ -33,21 +33,28 @@ import torch
 
 from ..config import OscarConfig
 from ..quant.int2 import QuantizedRows, dequantize_rows, quantize_rows
+from ..rotation.fit import gqa_group
 
 QUERY_CHUNK = 256
 
 
-def _expand_rotation(r: torch.Tensor, num_heads: int, what: str) -> torch.Tensor:
-    """``[D, D]`` or ``[H, D, D]`` -> fp32 ``[num_heads, D, D]``; per-head sets repeat over GQA groups."""
+def _expand_rotation(r: torch.Tensor, num_heads: int, num_kv_heads: int | None = None) -> torch.Tensor:
+    """``[D, D]`` or ``[H_kv, D, D]`` -> fp32 ``[num_heads, D, D]``; per-head sets repeat over GQA groups."""
     r = r.float()
     if r.dim() == 2:
         return r.unsqueeze(0).expand(num_heads, *r.shape)
-    if r.dim() != 3 or num_heads % r.shape[0]:
-        raise ValueError(f"{what} rotation of shape {tuple(r.shape)} does not fit {num_heads} heads")
-    return r.repeat_interleave(num_heads // r.shape[0], dim=0)
+    if r.dim() != 3 or (num_kv_heads is not None and r.shape[0] != num_kv_heads):
+        raise ValueError(f"rotation of shape {tuple(r.shape)} does not match {num_kv_heads} kv heads")
+    try:
+        group = gqa_group(num_heads, r.shape[0])
+    except ValueError:
+        raise ValueError(f"per-head rotation of shape {tuple(r.shape)} does not fit {num_heads} heads") from None
+    return r.repeat_interleave(group, dim=0)
 
 
-def rotate_rows(x: torch.Tensor, rotation: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+def rotate_rows(
+    x: torch.Tensor, rotation: torch.Tensor, transpose: bool = False, num_kv_heads: int | None = None
+) -> torch.Tensor:
     """Rotate rows ``x [T, H, D]`` by ``x R`` (or ``x R^T``) in fp32.
 
     Args:
@@ -55,6 +62,7 @@ def rotate_rows(x: torch.Tensor, rotation: torch.Tensor, transpose: bool = False
         rotation: ``[D, D]`` (shared) or ``[H_kv, D, D]`` with ``H % H_kv == 0`` (head ``h``
             uses matrix ``h // (H / H_kv)``, the GQA mapping).
         transpose: multiply by ``R^T`` (the counter-rotation).
+        num_kv_heads: if given, a per-head ``rotation`` must have exactly this many matrices.
 
     Returns:
         fp32 ``[T, H, D]``.
@@ -66,7 +74,7 @@ def rotate_rows(x: torch.Tensor, rotation: torch.Tensor, transpose: bool = False
         raise ValueError(f"rows must be [tokens, heads, head_dim], got {tuple(x.shape)}")
     if rotation.shape[-1] != x.shape[-1] or rotation.shape[-2] != x.shape[-1]:
         raise ValueError(f"rotation {tuple(rotation.shape)} does not match head_dim {x.shape[-1]}")
-    r = _expand_rotation(rotation, x.shape[1], "row")
+    r = _expand_rotation(rotation, x.shape[1], num_kv_heads)
     if transpose:
         r = r.transpose(-1, -2)
     return torch.einsum("thd,hde->the", x.float(), r)
@@ -113,8 +121,8 @@ def build_cache(
     if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, H_kv, D] with equal T and H_kv")
     config.check_head_dims(k.shape[-1], v.shape[-1])
-    k_hp = rotate_rows(k, rotation_k).to(hp_dtype)
-    v_hp = rotate_rows(v, rotation_v).to(hp_dtype)
+    k_hp = rotate_rows(k, rotation_k, num_kv_heads=k.shape[1]).to(hp_dtype)
+    v_hp = rotate_rows(v, rotation_v, num_kv_heads=v.shape[1]).to(hp_dtype)
     kq = quantize_rows(k_hp, **config.quant_kwargs("k"))
     vq = quantize_rows(v_hp, **config.quant_kwargs("v"))
     return ReferenceCache(k_hp, v_hp, kq, vq, dequantize_rows(kq), dequantize_rows(vq))
@@ -166,16 +174,26 @@ def attend(
             every key in HP.
         sink, recent: HP window sizes (tokens).
         sm_scale: softmax scale.
-        sliding_window: keys visible to query ``i`` satisfy ``i - j < sliding_window``.
+        sliding_window: keys visible to query ``i`` satisfy ``i - j < sliding_window`` (HF
+            semantics: the window counts the query's own position; SGLang's
+            ``sliding_window_size`` is this minus one with an inclusive compare).
         logit_cap: ``cap * tanh(s / cap)`` if set.
-        window_mode: ``"decode"`` or ``"extend"`` (:func:`hp_window_mask`).
+        window_mode: ``"decode"``, ``"extend"`` or ``"none"`` (:func:`hp_window_mask`; only
+            used when ``k_low``/``v_low`` are given).
 
     Returns:
         fp32 ``[Tq, H_q, D_v]`` in the rotated V frame.
+
+    Raises:
+        ValueError: ``H_q`` not a multiple of ``H_kv``, or ``sliding_window < 1``.
     """
     tq, hq, _ = q_rot.shape
     t, hkv, _ = k_hp.shape
-    g = hq // hkv
+    g = gqa_group(hq, hkv)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (keys attended, the query's own included), got {sliding_window}")
+    if tq == 0:
+        return q_rot.new_zeros(0, hq, v_hp.shape[-1], dtype=torch.float32)
     j = torch.arange(t, device=q_rot.device)
     outs = []
     for start in range(0, tq, QUERY_CHUNK):
@@ -262,7 +280,7 @@ def oscar_attention(
         raise ValueError(f"q_positions must be {q.shape[0]} positions in [0, {t})")
     if cache is None:
         cache = build_cache(k, v, rotation_k, rotation_v, config, hp_dtype)
-    q_rot = rotate_rows(q, rotation_k)
+    q_rot = rotate_rows(q, rotation_k, num_kv_heads=k.shape[1])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     o = attend(
         q_rot,
@@ -278,7 +296,7 @@ def oscar_attention(
         logit_cap=logit_cap,
         window_mode=window_mode,
     )
-    return rotate_rows(o, rotation_v, transpose=True) if counter_rotate else o
+    return rotate_rows(o, rotation_v, transpose=True, num_kv_heads=k.shape[1]) if counter_rotate else o
 
 
 def plain_attention(
@@ -291,7 +309,18 @@ def plain_attention(
     logit_cap: float | None = None,
     sm_scale: float | None = None,
 ) -> torch.Tensor:
-    """Unrotated, unquantized causal attention in fp32 (the BF16 model's answer), ``[Tq, H_q, D_v]``."""
+    """Unrotated, unquantized causal attention in fp32 (the BF16 model's answer).
+
+    Args:
+        q: ``[Tq, H_q, D]``; k: ``[T, H_kv, D]``; v: ``[T, H_kv, D_v]``; other arguments as in
+            :func:`oscar_attention`.
+
+    Returns:
+        fp32 ``[Tq, H_q, D_v]``.
+
+    Raises:
+        ValueError: as :func:`attend`.
+    """
     t = k.shape[0]
     if q_positions is None:
         q_positions = torch.arange(t - q.shape[0], t, device=q.device)

@@ -45,8 +45,11 @@ def query_second_moment_sums(q: torch.Tensor, num_kv_heads: int) -> tuple[torch.
         num_kv_heads: ``H_kv``.
 
     Returns:
-        ``(sums, rows_per_head)``: float64 ``[H_kv, D, D]`` with
+        ``(sums, rows_per_head)``: float64 ``[H_kv, D, D]`` (on ``q``'s device) with
         ``sums[h] = sum_{t, i in Q_h} q_{t,i}^T q_{t,i}``, and ``T * g`` (int).
+
+    Raises:
+        ValueError: ``q`` not 3-D, non-finite, or ``num_kv_heads`` not dividing its heads.
     """
     _check_rows("q", q)
     t, hq, d = q.shape
@@ -126,7 +129,7 @@ def rotation_from_covariance(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.T
     s = 0.5 * (s + s.T)
     eigvals, u = torch.linalg.eigh(s)
     d = s.shape[0]
-    r = u @ default_hadamard(d) @ eig_bitrev_permutation(eigvals)
+    r = u @ default_hadamard(d, device=s.device) @ eig_bitrev_permutation(eigvals)
     return r, eigvals
 
 

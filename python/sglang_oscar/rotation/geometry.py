@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any
 
+from ..quant.packing import check_head_dim
+
 # Config keys that mark layer kinds in ``layer_types`` lists (transformers >= 4.5x).
 _FULL = {"full_attention", "attention", "global_attention", "global"}
 _SLIDING = {"sliding_attention", "sliding_window", "local_attention", "chunked_attention", "local"}
@@ -100,9 +102,13 @@ class ModelGeometry:
         if head_dim is None:
             raise ValueError(f"config of model_type {model_type!r} has neither head_dim nor hidden_size")
 
+        if n_kv <= 0 or n_q % n_kv:
+            raise ValueError(f"config of model_type {model_type!r}: {n_q} attention heads are not a multiple of {n_kv} kv heads")
         types = cfg.get("layer_types")
         if not types:
-            types = ["full_attention"] * n_layers
+            # No per-layer list: a set sliding_window (Mistral-style) applies to every layer.
+            every_sliding = cfg.get("sliding_window") and cfg.get("use_sliding_window") is not False
+            types = ["sliding_attention" if every_sliding else "full_attention"] * n_layers
         if len(types) != n_layers:
             raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers is {n_layers}")
         sliding_window = cfg.get("sliding_window")
@@ -136,22 +142,43 @@ class ModelGeometry:
                 raise ValueError(f"layer {i} has unknown layer type {t!r} in model_type {model_type!r}")
         if not layers:
             raise ValueError(f"model_type {model_type!r} has no attention layers (all {n_layers} layers are linear/recurrent)")
+        for layer in layers:
+            try:
+                check_head_dim(layer.head_dim_k)
+                check_head_dim(layer.head_dim_v)
+            except ValueError as exc:
+                raise ValueError(f"model_type {model_type!r} layer {layer.layer_id}: {exc}") from None
         return cls(model_type, n_layers, n_q, tuple(layers))
 
 
 def _as_dict(config) -> dict[str, Any]:
-    if isinstance(config, dict):
-        return config
+    """A config as a dict, with derived keys (e.g. Gemma's ``layer_types`` from
+    ``sliding_window_pattern``) filled in by the matching ``transformers`` config class when
+    ``model_type`` is known to transformers."""
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"model config {path} does not exist")
-        with open(path) as f:
-            return json.load(f)
-    if hasattr(config, "to_dict"):
-        d = config.to_dict()
-        # Nested text configs come back as dicts from to_dict().
-        return d
-    raise TypeError(f"cannot read a model config from {type(config).__name__}")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model config {path} is not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"model config {path} must hold a JSON object, got {type(config).__name__}")
+    if hasattr(config, "to_dict") and not isinstance(config, dict):
+        return config.to_dict()
+    if not isinstance(config, dict):
+        raise TypeError(f"cannot read a model config from {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type:
+        try:
+            from transformers import AutoConfig
+
+            kwargs = {k: v for k, v in config.items() if k != "model_type"}
+            return {**config, **AutoConfig.for_model(model_type, **kwargs).to_dict()}
+        except Exception:  # unknown to this transformers version: read the keys as they are
+            return config
+    return config

@@ -61,8 +61,18 @@ class RotationSet:
     source: str = "<memory>"
 
     def __post_init__(self):
+        for which, store in (("K", self.k), ("V", self.v)):
+            for i, t in store.items():
+                if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or t.shape[-1] != t.shape[-2] or t.numel() == 0:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise RotationError(f"{self.source}: layer {i} {which} rotation must be a non-empty [D, D] or [H_kv, D, D] tensor, got {shape}")
         self.k = {int(i): t.to(torch.float32).contiguous() for i, t in self.k.items()}
         self.v = {int(i): t.to(torch.float32).contiguous() for i, t in self.v.items()}
+        if sorted(self.k) != sorted(self.v):
+            raise RotationError(
+                f"{self.source}: K rotations cover layers {_ids(self.k)} but V rotations cover {_ids(self.v)}; "
+                "K and V files must come from the same fit"
+            )
         self.format_version  # validates uniform dimensionality
 
     # ------------------------------------------------------------------ properties
@@ -175,11 +185,15 @@ class RotationSet:
 
         Raises:
             RotationError: naming the file, the layer and the fix.
+            ValueError: ``ortho_tol`` not a finite number in ``(0, 1]``.
         """
+        if not (0.0 < float(ortho_tol) <= 1.0):
+            raise ValueError(f"orthogonality tolerance must be in (0, 1], got {ortho_tol!r}")
         if geometry.attention_kind != "mha":
             raise RotationError(
                 f"{self.source}: model_type {geometry.model_type!r} uses {geometry.attention_kind.upper()} "
-                "attention; per-head K/V rotations apply to MHA/GQA models only (latent rotations are a separate format)"
+                "attention; K/V rotation files apply to MHA/GQA models only. MLA models use latent rotations "
+                "(`sglang-oscar fit` writes them from MLA statistics; see docs/calibration.md)"
             )
         want = geometry.layer_ids
         for which, store in (("K", self.k), ("V", self.v)):
@@ -218,11 +232,29 @@ class RotationSet:
                         "for q.k to be preserved: refit it."
                     )
 
+    def check_matrices(self, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
+        """Model-independent checks (run before every save): head_dim a multiple of 4, finite, orthogonal.
+
+        Raises:
+            RotationError: naming the layer and the problem.
+        """
+        for which, store in (("K", self.k), ("V", self.v)):
+            for i, r in sorted(store.items()):
+                d = r.shape[-1]
+                if d % 4:
+                    raise RotationError(f"{self.source}: layer {i} {which} rotation has head_dim {d}, not a multiple of 4 (INT2 packing needs it)")
+                if not torch.isfinite(r).all():
+                    raise RotationError(f"{self.source}: layer {i} {which} rotation contains NaN/Inf: refit it")
+                err = orthogonality_error(r)
+                if err > ortho_tol:
+                    raise RotationError(f"{self.source}: layer {i} {which} rotation is not orthogonal (max |R R^T - I| = {err:.3g}): refit it")
+
     # ------------------------------------------------------------------ I/O
     def save(self, path: str) -> None:
         """Write a ``.safetensors`` file (see module docstring). Creates parent folders."""
         if not path.endswith(".safetensors"):
             raise RotationError(f"rotation files are written as .safetensors, got {path!r}")
+        self.check_matrices()
         tensors = {}
         for prefix, store in (("k", self.k), ("v", self.v), ("k_eigvals", self.k_eigvals), ("v_eigvals", self.v_eigvals)):
             for i, t in store.items():
@@ -280,7 +312,12 @@ class RotationSet:
             raise RotationError(f"{path} is not a readable safetensors rotation file: {exc}") from exc
         if meta_raw is None:
             raise RotationError(f"{path} has no '{METADATA_KEY}' metadata: not an sglang-oscar rotation file")
-        meta = json.loads(meta_raw)
+        try:
+            meta = json.loads(meta_raw)
+        except json.JSONDecodeError as exc:
+            raise RotationError(f"{path}: '{METADATA_KEY}' metadata is not valid JSON ({exc}): the file is corrupt; refit it") from None
+        if not isinstance(meta, dict):
+            raise RotationError(f"{path}: '{METADATA_KEY}' metadata must be a JSON object, got {type(meta).__name__}")
         version = meta.get("format_version")
         if version not in FORMAT_VERSIONS:
             raise RotationError(f"{path}: unknown format_version {version!r} (this sglang-oscar reads {FORMAT_VERSIONS}); upgrade sglang-oscar or refit")
@@ -296,6 +333,20 @@ class RotationSet:
         if rs.format_version != version:
             raise RotationError(f"{path}: metadata says format_version {version} but tensors are version {rs.format_version}")
         return rs
+
+    @classmethod
+    def from_paths(cls, path: str, v_path: str | None = None) -> RotationSet:
+        """:meth:`load` ``path``, or with ``v_path`` the upstream pair (``path`` = K ``.pt``).
+
+        Raises:
+            FileNotFoundError, RotationError: as :meth:`load` / :meth:`from_upstream_pt`.
+        """
+        if v_path is None:
+            return cls.load(path)
+        for p in (path, v_path):
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"rotation file {p} does not exist")
+        return cls.from_upstream_pt(path, v_path)
 
     @classmethod
     def from_upstream_pt(cls, k_path: str, v_path: str) -> RotationSet:
@@ -315,9 +366,12 @@ class RotationSet:
                 raise RotationError(f"{p} has no 'layers' dict: not an upstream OSCAR rotation file")
             store = {}
             for key, entry in obj["layers"].items():
-                if not isinstance(entry, dict) or "rotation" not in entry:
+                if not isinstance(entry, dict) or not isinstance(entry.get("rotation"), torch.Tensor):
                     raise RotationError(f"{p}: layer {key} has no 'rotation' tensor")
-                store[int(key)] = entry["rotation"]
+                try:
+                    store[int(key)] = entry["rotation"]
+                except (TypeError, ValueError):
+                    raise RotationError(f"{p}: layer key {key!r} is not an integer global layer id") from None
             stores.append(store)
             metas.append({k: obj[k] for k in ("format_version", "objective", "source_grouping") if k in obj})
         meta = {"method": "upstream", "upstream": {"k": {"path": k_path, **metas[0]}, "v": {"path": v_path, **metas[1]}}}
@@ -337,6 +391,11 @@ class RotationSet:
         if geometry.attention_kind != "mha":
             raise RotationError(f"model_type {geometry.model_type!r} uses MLA attention; per-head K/V rotations do not apply")
 
+        for layer in geometry.layers:
+            for d in (layer.head_dim_k, layer.head_dim_v):
+                if d % 4:
+                    raise RotationError(f"layer {layer.layer_id} has head_dim {d}, not a multiple of 4: INT2 packing cannot store it")
+
         def mat(d: int) -> torch.Tensor:
             return (default_hadamard(d) if method == "hadamard" else torch.eye(d, dtype=torch.float64)).float()
 
@@ -349,7 +408,7 @@ class RotationSet:
 def orthogonality_error(r: torch.Tensor) -> float:
     """``max |R R^T - I|`` over the last two dims of ``r`` (``[D, D]`` or ``[..., D, D]``)."""
     r64 = r.double()
-    eye = torch.eye(r.shape[-1], dtype=torch.float64)
+    eye = torch.eye(r.shape[-1], dtype=torch.float64, device=r.device)
     return float((r64 @ r64.transpose(-1, -2) - eye).abs().max())
 
 
