@@ -1,0 +1,181 @@
+"""Functional error report (``sglang-oscar error``): does a calibration work?
+
+On held-out prompts the model runs unchanged (BF16/fp32 attention); at every attention layer
+the captured post-RoPE Q/K/V are also sent through the reference oracle with each candidate
+rotation, and the attention output is compared with exact fp32 attention:
+
+``err_db(layer, method) = 10 log10( sum ||o_INT2 - o||^2 / sum ||o||^2 )`` over the layer's
+tokens and heads (the terms of :func:`..reference.relative_error_db`), and ``overall`` the same
+ratio summed over all layers. Lower is better; a fitted rotation should beat Hadamard, which
+should beat ``naive`` (identity rotation, same INT2 format and windows). ``bf16`` is the floor
+(rotated BF16 cache, nothing quantized).
+
+MLA models: the latent ``c_kv`` is quantized through each latent rotation (``naive`` identity,
+``hadamard`` block Hadamard, fitted ``U P Hblock``), see :mod:`.oracle`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+
+from ..config import OscarConfig
+from ..reference.attention import WINDOW_MODES
+from ..rotation import RotationSet
+from ..rotation.latent import LatentRotationSet
+from . import CalibrationError
+from .capture import attention_override, latent_hooks
+from .model import geometry_of, input_device
+from .oracle import RotationCache, energies, low_reads, mha_output, mla_output
+from .prompts import PromptSet
+
+
+def _db(num: float, den: float) -> float:
+    if den <= 0:
+        return float("nan")
+    return 10.0 * math.log10(max(num / den, 1e-30))
+
+
+def functional_error(
+    model,
+    prompts: PromptSet,
+    rotations: dict[str, RotationSet | LatentRotationSet],
+    config: OscarConfig,
+    *,
+    window_mode: str = "decode",
+    include_baselines: bool = True,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Per-layer and overall attention-output error (dB) of INT2 with each rotation.
+
+    Args:
+        model: loaded causal LM.
+        prompts: held-out sequences.
+        rotations: ``{name: rotation set}`` (fitted sets; validated against the model here).
+        config: windows and quantizer settings (as served).
+        window_mode: ``"decode"`` (every position as if decoded) or ``"extend"``.
+        include_baselines: add ``naive`` (identity), ``hadamard`` and the ``bf16`` floor.
+
+    Returns:
+        ``{"methods", "overall_db", "layers": {layer: {method: dB}}, "tokens", "quantized_reads", ...}``.
+
+    Raises:
+        CalibrationError: rotations for another model, or nothing quantized (all keys in windows).
+    """
+    from tqdm.auto import tqdm
+
+    if window_mode not in ("decode", "extend"):
+        raise CalibrationError(f"window_mode must be 'decode' or 'extend', got {window_mode!r}")
+    geometry = geometry_of(model.config)
+    mla = geometry.attention_kind == "mla"
+    sets: dict[str, Any] = {}
+    if include_baselines:
+        cls = LatentRotationSet if mla else RotationSet
+        block = config.group_size if mla else None
+        sets["naive"] = cls.data_free(geometry, "identity") if not mla else cls.data_free(geometry, "identity", block)
+        sets["hadamard"] = cls.data_free(geometry, "hadamard") if not mla else cls.data_free(geometry, "hadamard", block)
+    for name, rs in rotations.items():
+        if mla != isinstance(rs, LatentRotationSet):
+            raise CalibrationError(
+                f"rotation {name!r} ({rs.source}) is a {'latent' if isinstance(rs, LatentRotationSet) else 'K/V'} set but the model "
+                f"uses {geometry.attention_kind.upper()} attention"
+            )
+        try:
+            rs.validate(geometry)
+        except ValueError as exc:
+            raise CalibrationError(f"rotation {name!r} does not fit this model: {exc}") from None
+        sets[name] = rs
+    caches = {name: RotationCache(rs) for name, rs in sets.items()}
+    methods = (["bf16"] if include_baselines and not mla else []) + list(sets)
+    num = {lid: dict.fromkeys(methods, 0.0) for lid in geometry.layer_ids}
+    den = dict.fromkeys(geometry.layer_ids, 0.0)
+    reads = {"low": 0, "total": 0}
+    latents: dict[int, torch.Tensor] = {}
+
+    def on_attention(call):
+        lid = call.layer_id
+        if lid not in num:
+            raise CalibrationError(f"layer {lid} is not an attention layer of the geometry")
+        b_size, _, t, _ = call.query.shape
+        for b in range(b_size):
+            if mla:
+                c = latents[lid][b]
+                exact = mla_output(call, b, None, None, config, window_mode)
+            else:
+                exact = mha_output(call, b, None, None, config, window_mode)
+            den[lid] += float(exact.double().pow(2).sum())
+            for name in methods:
+                if name == "bf16":
+                    r = caches["naive"]
+                    out = mha_output(call, b, r.get(lid, "k", exact.device), r.get(lid, "v", exact.device), config,
+                                     window_mode, quantize=False)
+                elif mla:
+                    out = mla_output(call, b, c, caches[name].get(lid, "latent", exact.device), config, window_mode)
+                else:
+                    r = caches[name]
+                    out = mha_output(call, b, r.get(lid, "k", exact.device), r.get(lid, "v", exact.device), config, window_mode)
+                num[lid][name] += energies(out, exact)[0]
+            reads["low"] += low_reads(t, config, window_mode, call.sliding_window)
+            reads["total"] += low_reads(t, OscarConfig(sink_tokens=0, recent_tokens=0), "extend", call.sliding_window)
+        return None
+
+    def on_latent(lid, _m, c):
+        latents[lid] = c
+
+    device = input_device(model)
+    bar = tqdm(total=len(prompts.sequences), desc="error", unit="seq",
+               disable=(not sys.stderr.isatty()) if progress is None else not progress)
+    with torch.inference_mode(), attention_override(model, on_attention):
+        hooks = latent_hooks(model, on_latent) if mla else None
+        if hooks is not None:
+            hooks.__enter__()
+        try:
+            for seq in prompts.sequences:
+                model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+                bar.update(1)
+        finally:
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+    bar.close()
+    if reads["low"] == 0:
+        raise CalibrationError(
+            f"nothing was quantized: every key of the {prompts.num_tokens} held-out tokens fell inside the BF16 windows "
+            f"(sink {config.sink_tokens}, recent {config.recent_tokens}, window_mode {window_mode}); use longer "
+            "sequences or smaller windows"
+        )
+    layers = {lid: {m: _db(num[lid][m], den[lid]) for m in methods} for lid in geometry.layer_ids}
+    overall = {m: _db(sum(num[lid][m] for lid in num), sum(den.values())) for m in methods}
+    return {
+        "model_type": geometry.model_type,
+        "attention": geometry.attention_kind,
+        "methods": methods,
+        "overall_db": overall,
+        "layers": {str(k): v for k, v in layers.items()},
+        "window_mode": window_mode,
+        "settings": {"group_size": config.group_size, "k_clip_ratio": config.k_clip_ratio, "v_clip_ratio": config.v_clip_ratio,
+                     "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
+                     "quantizer": config.quantizer, "scale_dtype": config.scale_dtype},
+        "tokens": prompts.num_tokens,
+        "sequences": len(prompts.sequences),
+        "quantized_read_fraction": reads["low"] / max(reads["total"], 1),
+        "prompts": prompts.meta,
+    }
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    methods = rep["methods"]
+    lines = [
+        f"attention-output error vs exact attention, dB (lower is better); {rep['tokens']} held-out tokens, "
+        f"window_mode {rep['window_mode']}, {100 * rep['quantized_read_fraction']:.1f}% of key reads in INT2",
+        f"{'layer':>8} " + " ".join(f"{m:>12}" for m in methods),
+    ]
+    for lid, row in rep["layers"].items():
+        lines.append(f"{lid:>8} " + " ".join(f"{row[m]:>12.2f}" for m in methods))
+    lines.append(f"{'overall':>8} " + " ".join(f"{rep['overall_db'][m]:>12.2f}" for m in methods))
+    return "\n".join(lines)
+
+
+__all__ = ["functional_error", "format_report", "WINDOW_MODES"]

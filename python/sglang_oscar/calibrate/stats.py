@@ -1,0 +1,260 @@
+"""Streaming fp64 sufficient statistics of OSCAR fitting, and the statistics file.
+
+Per MHA/GQA attention layer ``l`` and kv head ``h`` (``g = H_q / H_kv`` query heads per kv
+head, ``Q_h`` its query heads, rows are post-RoPE):
+
+* pass 1: ``Q_sum[h] = sum_{t, i in Q_h} q_{t,i}^T q_{t,i}`` with ``rows = T g``
+  (:func:`..rotation.fit.query_second_moment_sums`), and the raw second moments
+  ``K_sum[h] = sum_t k_{t,h}^T k_{t,h}``, ``V_sum[h] = sum_t v_{t,h}^T v_{t,h}``;
+* pass 2 (needs the *final* ``C_h = Q_sum[h] / rows``): ``w_{t,h} = k_{t,h} C_h k_{t,h}^T``,
+  ``VW_sum[h] = sum_t w_{t,h} v_{t,h}^T v_{t,h}``, ``W_sum[h] = sum_t w_{t,h}``
+  (:func:`..rotation.fit.value_weighted_sums`), so ``S_h = VW_sum[h] / W_sum[h]``.
+
+Per MLA layer: ``C_sum = sum_t c_t^T c_t`` of the latent ``c_kv`` (one pass).
+
+Accumulators live on the device of the captured rows (bounded memory: ``O(H_kv D^2)`` per
+layer, never the rows themselves) and are moved to the CPU when saved.
+
+File: safetensors with float64 tensors ``q_sum.<l>``, ``k_sum.<l>``, ``v_sum.<l>``,
+``v_wsum.<l>``, ``w_sum.<l>`` (MHA) or ``c_sum.<l>`` (MLA), and the JSON metadata key
+``oscar_stats``: ``format``, ``format_version``, ``geometry``, ``model`` (id/path, model_type,
+config), ``prompts`` (source, sha256, tokens, seed, ...), ``tokens_per_layer`` per pass,
+``q_rows``, ``passes_done``, ``passes_needed``, optional ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..rotation.fit import query_second_moment_sums, value_weighted_sums
+from ..rotation.geometry import ModelGeometry
+from . import CalibrationError
+
+STATS_FORMAT = "sglang-oscar-stats"
+STATS_VERSION = 1
+META_KEY = "oscar_stats"
+_MHA_TENSORS = ("q_sum", "k_sum", "v_sum", "v_wsum", "w_sum")
+
+
+class CalibrationStats:
+    """Accumulators of one model (see module docstring).
+
+    Args:
+        geometry: the model's attention geometry (shapes are checked against it on every add).
+        meta: provenance (model, prompts, ...), stored in the file.
+    """
+
+    def __init__(self, geometry: ModelGeometry, meta: dict[str, Any] | None = None):
+        self.geometry = geometry
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.sums: dict[str, dict[int, torch.Tensor]] = {name: {} for name in (*_MHA_TENSORS, "c_sum")}
+        self.q_rows: dict[int, int] = {}
+        self.tokens: dict[int, dict[int, int]] = {1: {}, 2: {}}
+        self.passes_done = 0
+        self._qcov: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_mla(self) -> bool:
+        return self.geometry.attention_kind == "mla"
+
+    @property
+    def passes_needed(self) -> int:
+        return 1 if self.is_mla else 2
+
+    @property
+    def complete(self) -> bool:
+        return self.passes_done >= self.passes_needed
+
+    def tokens_per_layer(self, pass_index: int = 1) -> dict[int, int]:
+        """Tokens accumulated per layer in pass 1 (or 2); 0 for layers never seen."""
+        return {lid: self.tokens[pass_index].get(lid, 0) for lid in self.geometry.layer_ids}
+
+    # ------------------------------------------------------------------ accumulation
+    def _add(self, name: str, layer_id: int, t: torch.Tensor) -> None:
+        store = self.sums[name]
+        if layer_id in store:
+            store[layer_id] += t.to(store[layer_id].device)
+        else:
+            store[layer_id] = t.clone()
+
+    def _check_mha(self, layer_id: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
+        try:
+            lg = self.geometry.layer(layer_id)
+        except KeyError:
+            raise CalibrationError(
+                f"layer {layer_id} called attention but is not an attention layer of the geometry "
+                f"({self.geometry.model_type}, layers {self.geometry.layer_ids[:8]}...)"
+            ) from None
+        want_k = (lg.num_kv_heads, lg.head_dim_k)
+        want_v = (lg.num_kv_heads, lg.head_dim_v)
+        if tuple(k.shape[1:]) != want_k or tuple(v.shape[1:]) != want_v:
+            raise CalibrationError(
+                f"layer {layer_id}: captured K {tuple(k.shape[1:])} / V {tuple(v.shape[1:])} [kv heads, head_dim] but the "
+                f"model geometry has K {want_k} / V {want_v}: every kv head of every layer must be captured "
+                "(spec lesson 25) -- unsupported attention layout"
+            )
+        if q is not None and q.shape[1] % lg.num_kv_heads:
+            raise CalibrationError(f"layer {layer_id}: {q.shape[1]} query heads are not a multiple of {lg.num_kv_heads} kv heads")
+
+    def add_pass1(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Accumulate pass-1 sums of rows ``q [N, H_q, D_k]``, ``k [N, H_kv, D_k]``, ``v [N, H_kv, D_v]``."""
+        self._check_mha(layer_id, q, k, v)
+        qs, rows = query_second_moment_sums(q, k.shape[1])
+        kd, vd = k.double(), v.double()
+        self._add("q_sum", layer_id, qs)
+        self._add("k_sum", layer_id, torch.einsum("thd,the->hde", kd, kd))
+        self._add("v_sum", layer_id, torch.einsum("thd,the->hde", vd, vd))
+        self.q_rows[layer_id] = self.q_rows.get(layer_id, 0) + rows
+        self.tokens[1][layer_id] = self.tokens[1].get(layer_id, 0) + k.shape[0]
+
+    def query_covariance(self, layer_id: int) -> torch.Tensor:
+        """``C_h = Q_sum[h] / rows`` (float64 ``[H_kv, D, D]``) from pass 1."""
+        rows = self.q_rows.get(layer_id, 0)
+        if rows == 0:
+            raise CalibrationError(f"layer {layer_id} has no pass-1 query statistics")
+        return self.sums["q_sum"][layer_id] / rows
+
+    def add_pass2(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Accumulate score-weighted value sums with the final pass-1 query covariance."""
+        if self.passes_done < 1:
+            raise CalibrationError("pass 2 needs the final query covariance of a completed pass 1")
+        self._check_mha(layer_id, None, k, v)
+        if layer_id not in self._qcov:
+            self._qcov[layer_id] = self.query_covariance(layer_id).to(k.device)
+        sums, wsum = value_weighted_sums(k, v, self._qcov[layer_id])
+        self._add("v_wsum", layer_id, sums)
+        self._add("w_sum", layer_id, wsum)
+        self.tokens[2][layer_id] = self.tokens[2].get(layer_id, 0) + k.shape[0]
+
+    def add_latent(self, layer_id: int, c: torch.Tensor) -> None:
+        """Accumulate the latent second moment of ``c [N, R]`` (MLA)."""
+        rank = self.geometry.kv_lora_rank
+        if c.dim() != 2 or c.shape[-1] != rank:
+            raise CalibrationError(f"layer {layer_id}: captured latent of shape {tuple(c.shape)}, expected [N, {rank}]")
+        if layer_id not in self.geometry.layer_ids:
+            raise CalibrationError(f"layer {layer_id} is not an MLA layer of the geometry")
+        cd = c.double()
+        self._add("c_sum", layer_id, cd.T @ cd)
+        self.tokens[1][layer_id] = self.tokens[1].get(layer_id, 0) + c.shape[0]
+
+    # ------------------------------------------------------------------ results
+    def value_covariance(self, layer_id: int) -> torch.Tensor:
+        """``S_h = VW_sum[h] / W_sum[h]`` (float64 ``[H_kv, D_v, D_v]``) from pass 2."""
+        if layer_id not in self.sums["w_sum"]:
+            raise CalibrationError(f"layer {layer_id} has no pass-2 (score-weighted value) statistics")
+        w = self.sums["w_sum"][layer_id]
+        if not bool((w > 0).all()):
+            raise CalibrationError(f"layer {layer_id}: score weights sum to zero for some kv head (all-zero queries or keys)")
+        return self.sums["v_wsum"][layer_id] / w[:, None, None]
+
+    def latent_covariance(self, layer_id: int) -> torch.Tensor:
+        """``c^T c / N`` (float64 ``[R, R]``)."""
+        n = self.tokens[1].get(layer_id, 0)
+        if n == 0:
+            raise CalibrationError(f"layer {layer_id} has no latent statistics")
+        return self.sums["c_sum"][layer_id] / n
+
+    def check_complete(self) -> None:
+        """Raise unless every attention layer has statistics of every pass."""
+        if not self.complete:
+            raise CalibrationError(
+                f"statistics are incomplete ({self.passes_done} of {self.passes_needed} passes done): "
+                "rerun `sglang-oscar calibrate` with the same arguments to resume"
+            )
+        for p in range(1, self.passes_needed + 1):
+            missing = [lid for lid, n in self.tokens_per_layer(p).items() if n == 0]
+            if missing:
+                raise CalibrationError(
+                    f"pass {p} captured no tokens for attention layers {missing[:8]} of {len(self.geometry.layers)}: "
+                    "those layers never reached the attention interface (unsupported architecture?)"
+                )
+
+    def check_model(self, geometry: ModelGeometry, what: str = "the model") -> None:
+        """Raise if these statistics were computed for a model of another geometry."""
+        if geometry.to_dict() != self.geometry.to_dict():
+            mine, theirs = self.geometry, geometry
+            raise CalibrationError(
+                f"{self.meta.get('path', 'statistics')} were computed for {self.meta.get('model', {}).get('id', '?')} "
+                f"({mine.model_type}, {len(mine.layers)} attention layers, kv heads "
+                f"{sorted({x.num_kv_heads for x in mine.layers})}, head_dims {sorted({x.head_dim_k for x in mine.layers})}) "
+                f"but {what} is {theirs.model_type} with {len(theirs.layers)} attention layers, kv heads "
+                f"{sorted({x.num_kv_heads for x in theirs.layers})}, head_dims {sorted({x.head_dim_k for x in theirs.layers})}: "
+                "statistics from another model cannot be used; calibrate this model"
+            )
+
+    # ------------------------------------------------------------------ I/O
+    def metadata(self) -> dict[str, Any]:
+        meta = dict(self.meta)
+        meta.pop("path", None)
+        meta.update(
+            format=STATS_FORMAT,
+            format_version=STATS_VERSION,
+            geometry=self.geometry.to_dict(),
+            tokens_per_layer={str(p): {str(k): v for k, v in sorted(self.tokens[p].items())} for p in (1, 2)},
+            q_rows={str(k): v for k, v in sorted(self.q_rows.items())},
+            passes_done=self.passes_done,
+            passes_needed=self.passes_needed,
+            accumulator="float64",
+            post_rope=True,
+        )
+        meta.setdefault("created_by", f"sglang-oscar {__version__}")
+        return meta
+
+    def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        """Write the statistics file atomically (``path`` is replaced only when complete)."""
+        tensors = {}
+        for name, store in self.sums.items():
+            for lid, t in store.items():
+                tensors[f"{name}.{lid}"] = t.detach().to("cpu", torch.float64).contiguous()
+        meta = self.metadata()
+        if extra:
+            meta.update(extra)
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, sort_keys=True)})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> CalibrationStats:
+        """Read a statistics (or checkpoint) file.
+
+        Raises:
+            FileNotFoundError, CalibrationError: missing or not a statistics file.
+        """
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"statistics file {path} does not exist; create it with `sglang-oscar calibrate`")
+        try:
+            with safe_open(path, framework="pt") as f:
+                raw = (f.metadata() or {}).get(META_KEY)
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as exc:
+            raise CalibrationError(f"{path} is not a readable safetensors file: {exc}") from exc
+        if not raw:
+            raise CalibrationError(f"{path} has no '{META_KEY}' metadata: not an sglang-oscar statistics file")
+        meta = json.loads(raw)
+        if meta.get("format") != STATS_FORMAT or meta.get("format_version") != STATS_VERSION:
+            raise CalibrationError(f"{path}: unsupported statistics format {meta.get('format')!r} v{meta.get('format_version')!r}")
+        geometry = ModelGeometry.from_dict(meta["geometry"])
+        keep = {k: v for k, v in meta.items() if k not in ("geometry", "tokens_per_layer", "q_rows", "passes_done",
+                                                          "passes_needed", "format", "format_version")}
+        keep["path"] = path
+        st = cls(geometry, keep)
+        for name, t in tensors.items():
+            prefix, _, lid = name.rpartition(".")
+            if prefix not in st.sums or not lid.isdigit():
+                raise CalibrationError(f"{path}: unexpected tensor {name!r}")
+            st.sums[prefix][int(lid)] = t
+        st.tokens = {int(p): {int(k): int(v) for k, v in d.items()} for p, d in meta.get("tokens_per_layer", {}).items()}
+        st.tokens.setdefault(1, {})
+        st.tokens.setdefault(2, {})
+        st.q_rows = {int(k): int(v) for k, v in meta.get("q_rows", {}).items()}
+        st.passes_done = int(meta.get("passes_done", 0))
+        return st

@@ -1,0 +1,223 @@
+"""MLA latent rotations: one orthogonal ``[kv_lora_rank, kv_lora_rank]`` matrix per layer.
+
+MLA models (DeepSeek-V2 style, GLM-5.x) cache the compressed latent ``c_kv`` (``kv_lora_rank``
+wide, after ``kv_a_layernorm``) plus a small RoPE part ``k_pe`` that is never quantized. The
+latent is rotated as ``c R``, quantized to INT2 in groups and counter-rotated ``R^T`` after
+dequantization (spec §3.5, §6.1).
+
+Fitted recipe ``Rcov P Hblock`` (spec §3.5): ``Sigma = c^T c / N`` (float64),
+``Sigma = U diag(lambda) U^T`` (``eigh``, ascending), ``P`` = the eigenvalue-sorted bit-reversal
+permutation (:func:`.hadamard.eig_bitrev_permutation`, applied in the eigenbasis, i.e. *before*
+the Hadamard), ``Hblock`` = block-diagonal Hadamard with blocks of the quantization group size.
+So ``R = U P Hblock``. (The MHA composition is ``U H P``, see :mod:`.fit`.)
+
+File format (safetensors): tensors ``latent.<layer_id>`` float32 ``[R, R]`` and optional
+``latent_eigvals.<layer_id>`` ``[R]``; metadata key ``"oscar"`` (JSON) with
+``format = "latent"``, ``format_version = 1``, ``method``, ``model_type``, ``geometry``,
+``calibration`` provenance -- the same metadata style as :class:`.rotation_set.RotationSet`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .. import __version__
+from .geometry import ModelGeometry
+from .hadamard import block_hadamard, default_hadamard, eig_bitrev_permutation, is_power_of_two
+from .rotation_set import DEFAULT_ORTHO_TOL, METADATA_KEY, RotationError, orthogonality_error
+
+LATENT_FORMAT = "latent"
+LATENT_FORMAT_VERSION = 1
+LATENT_METHODS = ("oscar", "hadamard", "identity")
+DEFAULT_LATENT_BLOCK = 128
+
+
+def latent_hadamard(rank: int, block: int | None = DEFAULT_LATENT_BLOCK) -> torch.Tensor:
+    """Block Hadamard ``[rank, rank]`` with power-of-two blocks of ``block`` (float64).
+
+    Falls back to :func:`.hadamard.default_hadamard` when ``block`` is ``None`` or does not
+    divide ``rank``.
+    """
+    if block is None or rank % block or not is_power_of_two(block):
+        return default_hadamard(rank)
+    return block_hadamard(rank, block)
+
+
+def latent_rotation_from_covariance(sigma: torch.Tensor, block: int | None = DEFAULT_LATENT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``R = U P Hblock`` of one latent second moment (spec §3.5).
+
+    Args:
+        sigma: ``[R, R]`` symmetric PSD matrix (symmetrised here).
+        block: Hadamard block (the quantization group size; default 128).
+
+    Returns:
+        ``(R, eigvals)``: float64 ``[R, R]`` orthogonal and ``[R]`` ascending eigenvalues.
+
+    Raises:
+        ValueError: non-square or non-finite input.
+    """
+    if sigma.dim() != 2 or sigma.shape[0] != sigma.shape[1]:
+        raise ValueError(f"latent covariance must be square [R, R], got {tuple(sigma.shape)}")
+    s = sigma.double()
+    if not torch.isfinite(s).all():
+        raise ValueError("latent covariance contains NaN or Inf")
+    s = 0.5 * (s + s.T)
+    eigvals, u = torch.linalg.eigh(s)
+    r = u @ eig_bitrev_permutation(eigvals) @ latent_hadamard(s.shape[0], block)
+    return r, eigvals
+
+
+@dataclasses.dataclass
+class LatentRotationSet:
+    """Latent rotations of an MLA model.
+
+    Attributes:
+        r: ``{global layer id: float32 [R, R]}``.
+        metadata: JSON-serialisable dict (module docstring).
+        eigvals: optional ``{layer id: [R]}``.
+        source: where it was loaded from, or ``"<memory>"``.
+    """
+
+    r: dict[int, torch.Tensor]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eigvals: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    source: str = "<memory>"
+
+    def __post_init__(self):
+        self.r = {int(i): t.to(torch.float32).contiguous() for i, t in self.r.items()}
+        for i, t in self.r.items():
+            if t.dim() != 2 or t.shape[0] != t.shape[1]:
+                raise RotationError(f"{self.source}: latent rotation of layer {i} must be [R, R], got {tuple(t.shape)}")
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self.r)
+
+    def matrix(self, layer_id: int) -> torch.Tensor:
+        if layer_id not in self.r:
+            raise KeyError(f"{self.source}: no latent rotation for layer {layer_id}")
+        return self.r[layer_id]
+
+    def validate(self, geometry: ModelGeometry, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
+        """Check against an MLA geometry: exactly its attention layers, ``[kv_lora_rank]^2``
+        shapes, finite entries, ``max |R R^T - I| <= ortho_tol``.
+
+        Raises:
+            RotationError: naming the file, the layer and the fix.
+        """
+        if geometry.attention_kind != "mla":
+            raise RotationError(
+                f"{self.source}: latent rotations apply to MLA models only; model_type "
+                f"{geometry.model_type!r} uses {geometry.attention_kind.upper()} attention (use per-head K/V rotations)"
+            )
+        want = set(geometry.layer_ids)
+        have = set(self.r)
+        if want != have:
+            missing, extra = sorted(want - have), sorted(have - want)
+            raise RotationError(
+                f"{self.source}: latent rotations cover {len(have)} layers but the model "
+                f"({geometry.model_type}) has {len(want)} MLA layers"
+                + (f"; missing {missing[:8]}" if missing else "")
+                + (f"; unexpected {extra[:8]}" if extra else "")
+                + ". The file was fitted for another model: refit it with `sglang-oscar fit`."
+            )
+        rank = geometry.kv_lora_rank
+        for i in sorted(want):
+            t = self.r[i]
+            if tuple(t.shape) != (rank, rank):
+                raise RotationError(
+                    f"{self.source}: layer {i} latent rotation has shape {tuple(t.shape)}, expected "
+                    f"({rank}, {rank}) for kv_lora_rank {rank}: the file belongs to another model"
+                )
+            if not torch.isfinite(t).all():
+                raise RotationError(f"{self.source}: layer {i} latent rotation contains NaN/Inf: refit it")
+            err = orthogonality_error(t)
+            if err > ortho_tol:
+                raise RotationError(
+                    f"{self.source}: layer {i} latent rotation is not orthogonal (max |R R^T - I| = "
+                    f"{err:.3g} > {ortho_tol:g}): refit it"
+                )
+
+    def save(self, path: str) -> None:
+        """Write a ``.safetensors`` file (module docstring). Creates parent folders."""
+        if not path.endswith(".safetensors"):
+            raise RotationError(f"latent rotation files are written as .safetensors, got {path!r}")
+        tensors = {f"latent.{i}": t.detach().float().contiguous().cpu() for i, t in self.r.items()}
+        tensors.update({f"latent_eigvals.{i}": t.detach().float().contiguous().cpu() for i, t in self.eigvals.items()})
+        meta = dict(self.metadata)
+        meta.update(format=LATENT_FORMAT, format_version=LATENT_FORMAT_VERSION)
+        meta.setdefault("created_by", f"sglang-oscar {__version__}")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_file(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+
+    def save_upstream_dir(self, directory: str) -> None:
+        """Write the upstream directory convention: ``layer_<id>.pt`` raw fp32 ``[R, R]`` tensors (spec §3.1)."""
+        os.makedirs(directory, exist_ok=True)
+        for i, t in self.r.items():
+            torch.save(t.detach().float().contiguous().cpu(), os.path.join(directory, f"layer_{i}.pt"))
+
+    @classmethod
+    def load(cls, path: str) -> LatentRotationSet:
+        """Load a latent rotation ``.safetensors`` file.
+
+        Raises:
+            FileNotFoundError: missing path. RotationError: not a latent rotation file.
+        """
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"latent rotation file {path} does not exist; create one with `sglang-oscar fit`")
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta_raw = (f.metadata() or {}).get(METADATA_KEY)
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as exc:
+            raise RotationError(f"{path} is not a readable safetensors file: {exc}") from exc
+        meta = json.loads(meta_raw) if meta_raw else {}
+        if meta.get("format") != LATENT_FORMAT:
+            raise RotationError(f"{path} is not an sglang-oscar latent rotation file (metadata format {meta.get('format')!r})")
+        if meta.get("format_version") != LATENT_FORMAT_VERSION:
+            raise RotationError(f"{path}: unknown latent format_version {meta.get('format_version')!r}")
+        r, eig = {}, {}
+        for name, t in tensors.items():
+            prefix, _, lid = name.rpartition(".")
+            if not lid.isdigit() or prefix not in ("latent", "latent_eigvals"):
+                raise RotationError(f"{path}: unexpected tensor {name!r}")
+            (r if prefix == "latent" else eig)[int(lid)] = t
+        return cls(r, meta, eig, source=path)
+
+    @classmethod
+    def data_free(cls, geometry: ModelGeometry, method: str = "hadamard", block: int | None = DEFAULT_LATENT_BLOCK) -> LatentRotationSet:
+        """``"hadamard"`` (block Hadamard of ``block``) or ``"identity"``, one matrix per MLA layer.
+
+        Raises:
+            RotationError: unknown method or a non-MLA model.
+        """
+        if method not in ("hadamard", "identity"):
+            raise RotationError(f"data-free latent method must be 'hadamard' or 'identity', got {method!r}")
+        if geometry.attention_kind != "mla":
+            raise RotationError(f"model_type {geometry.model_type!r} is not an MLA model; latent rotations do not apply")
+        rank = int(geometry.kv_lora_rank)
+        m = latent_hadamard(rank, block) if method == "hadamard" else torch.eye(rank, dtype=torch.float64)
+        meta = {"method": method, "model_type": geometry.model_type, "geometry": geometry.to_dict()}
+        return cls({i: m.float() for i in geometry.layer_ids}, meta)
+
+
+def is_latent_rotation_file(path: str) -> bool:
+    """True if ``path`` is a safetensors file with latent-format metadata."""
+    if not (os.path.isfile(path) and path.endswith(".safetensors")):
+        return False
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta_raw = (f.metadata() or {}).get(METADATA_KEY)
+    except Exception:
+        return False
+    try:
+        return bool(meta_raw) and json.loads(meta_raw).get("format") == LATENT_FORMAT
+    except ValueError:
+        return False

@@ -1,0 +1,133 @@
+"""Prompt sources, budgets and sampling; bad input gives clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from calib_tiny import build_model, make_text, make_tokenizer, save_model
+from sglang_oscar.calibrate import CalibrationError, ShortDataWarning
+from sglang_oscar.calibrate.model import geometry_of
+from sglang_oscar.calibrate.prompts import build_prompt_set, load_documents
+from sglang_oscar.cli.main import main
+
+
+def _text_file(path, docs):
+    path.write_text("\n\n".join(docs) + "\n")
+    return str(path)
+
+
+def test_text_and_jsonl_sources(tokenizer, tmp_path):
+    docs = make_text(10, 50, 3)
+    txt = _text_file(tmp_path / "a.txt", docs)
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    for src, kind, pack in ((txt, "text", True), (str(jl), "jsonl", False)):
+        d = load_documents(src)
+        assert d.kind == kind and d.texts == docs and len(d.sha256) == 64
+        ps = build_prompt_set(tokenizer, src, budget=200, seq_len=64)
+        assert ps.num_tokens == 200 and ps.meta["pack"] is pack
+        assert all(len(s) <= 64 for s in ps.sequences)
+    # packed text: full blocks of seq_len except the last
+    ps = build_prompt_set(tokenizer, txt, budget=200, seq_len=64)
+    assert [len(s) for s in ps.sequences] == [64, 64, 64, 8]
+
+
+def test_seeded_sampling(tokenizer, tmp_path):
+    txt = _text_file(tmp_path / "a.txt", make_text(30, 40, 5))
+    a = build_prompt_set(tokenizer, txt, budget=300, seq_len=50, seed=0)
+    b = build_prompt_set(tokenizer, txt, budget=300, seq_len=50, seed=0)
+    c = build_prompt_set(tokenizer, txt, budget=300, seq_len=50, seed=1)
+    assert a.sequences == b.sequences and a.meta["tokens_sha256"] == b.meta["tokens_sha256"]
+    assert a.sequences != c.sequences and a.meta["sha256"] == c.meta["sha256"]
+
+
+def test_datasets_source_local_directory(tokenizer, tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in make_text(8, 40, 1)))
+    ps = build_prompt_set(tokenizer, str(d), budget=100, seq_len=40)
+    assert ps.meta["kind"] == "dataset" and ps.num_tokens == 100
+
+
+def test_short_data_warns_with_count(tokenizer, tmp_path):
+    txt = _text_file(tmp_path / "a.txt", make_text(2, 30, 1))
+    with pytest.warns(ShortDataWarning, match=r"has only (\d+) tokens .* budget of 30000"):
+        ps = build_prompt_set(tokenizer, txt, seq_len=64)
+    assert 0 < ps.num_tokens < 30000
+    # through the CLI too (the warning names the count)
+    out = tmp_path / "s.safetensors"
+    mdir = save_model(build_model("qwen3"), tokenizer, tmp_path / "m")
+    with pytest.warns(ShortDataWarning, match=f"only {ps.num_tokens} tokens"):
+        assert main(["calibrate", "--model", str(mdir), "--prompts", txt, "--seq-len", "64", "--out", str(out), "--no-progress"]) == 0
+
+
+def test_empty_and_missing_prompts(tokenizer, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    with pytest.raises(CalibrationError, match="empty"):
+        build_prompt_set(tokenizer, str(empty))
+    with pytest.raises(FileNotFoundError):
+        build_prompt_set(tokenizer, str(tmp_path / "nope.txt"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(CalibrationError, match="no 'text' field"):
+        build_prompt_set(tokenizer, str(bad))
+    mdir = save_model(build_model("qwen3"), tokenizer, tmp_path / "m")
+    rc = main(["calibrate", "--model", str(mdir), "--prompts", str(empty), "--out", str(tmp_path / "s.safetensors")])
+    assert rc == 2 and "is empty" in capsys.readouterr().err
+
+
+def test_model_without_attention_layers(tmp_path, capsys):
+    from transformers import MambaConfig
+
+    cfg = MambaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, state_size=4)
+    with pytest.raises(CalibrationError, match="no attention layers"):
+        geometry_of(cfg)
+    d = tmp_path / "mamba"
+    d.mkdir()
+    cfg.save_pretrained(d)
+    make_tokenizer().save_pretrained(d)
+    rc = main(["calibrate", "--model", str(d), "--prompts", str(d / "config.json"), "--out", str(tmp_path / "s.safetensors")])
+    assert rc == 2 and "no attention layers" in capsys.readouterr().err
+
+
+def test_unsupported_architecture(tokenizer, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, NemotronConfig
+
+    # a decoder whose attention does not dispatch through transformers' AttentionInterface
+    cfg = NemotronConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    d = save_model(AutoModelForCausalLM.from_config(cfg), tokenizer, tmp_path / "nemotron")
+    txt = _text_file(tmp_path / "a.txt", make_text(5, 50, 0))
+    rc = main(["calibrate", "--model", str(d), "--prompts", txt, "--tokens", "100", "--out", str(tmp_path / "s.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unsupported architecture" in err
+    # a config transformers cannot build as a causal LM at all
+    bad = tmp_path / "weird"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "oscar_nonexistent_arch", "num_hidden_layers": 2,
+                                                 "num_attention_heads": 4, "hidden_size": 64}))
+    rc = main(["calibrate", "--model", str(bad), "--prompts", txt, "--out", str(tmp_path / "s2.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "oscar_nonexistent_arch" in err
+
+
+def test_statistics_or_rotation_from_another_model_cli(model_dirs, prompt_files, tmp_path, capsys):
+    stats = tmp_path / "q.safetensors"
+    assert main(["calibrate", "--model", str(model_dirs["qwen3"]), "--prompts", str(prompt_files["calib"]),
+                 "--tokens", "512", "--seq-len", "128", "--out", str(stats), "--no-progress"]) == 0
+    capsys.readouterr()
+    rc = main(["fit", "--stats", str(stats), "--config", str(model_dirs["llama"]), "--min-tokens", "1",
+               "--out", str(tmp_path / "r.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot be used" in err and "qwen3" in err
+    rot = tmp_path / "qrot.safetensors"
+    assert main(["fit", "--stats", str(stats), "--min-tokens", "1", "--out", str(rot)]) == 0
+    capsys.readouterr()
+    for verb in ("error", "ppl"):
+        rc = main([verb, "--model", str(model_dirs["gemma3"]), "--prompts", str(prompt_files["heldout"]),
+                   "--tokens", "256", "--seq-len", "128", "--rotation", str(rot), "--sink", "4", "--recent", "8"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "does not fit this model" in err, err

@@ -1,0 +1,134 @@
+"""Statistics equal a direct float64 computation; resuming; checkpoints; foreign statistics."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from calib_tiny import build_model, make_text
+from sglang_oscar.calibrate import CalibrationError
+from sglang_oscar.calibrate.capture import attention_override, latent_hooks
+from sglang_oscar.calibrate.fit import fit_rotations
+from sglang_oscar.calibrate.model import geometry_of
+from sglang_oscar.calibrate.prompts import Documents, build_prompt_set
+from sglang_oscar.calibrate.run import calibrate_model
+from sglang_oscar.calibrate.stats import CalibrationStats
+from sglang_oscar.rotation import orthogonality_error, query_covariance, score_weighted_value_covariance
+
+
+def _prompts(tokenizer, budget=1200, seq_len=96, seed=0):
+    docs = Documents(make_text(30, 120, seed), "text", "mem", "0" * 64)
+    return build_prompt_set(tokenizer, "mem", budget=budget, seq_len=seq_len, documents=docs)
+
+
+def _raw_rows(model, prompts):
+    """Every captured (q, k, v) row, concatenated per layer (what the accumulators must summarise)."""
+    rows: dict[int, list] = {}
+
+    def handler(call):
+        b, _, t, _ = call.query.shape
+        flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (call.query, call.key, call.value)]
+        rows.setdefault(call.layer_id, []).append(flat)
+        return None
+
+    with torch.inference_mode(), attention_override(model, handler):
+        for s in prompts.sequences:
+            model(input_ids=torch.tensor([s]), use_cache=False)
+    return {lid: [torch.cat([r[i] for r in rs]) for i in range(3)] for lid, rs in rows.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_statistics_equal_direct_float64(family, tokenizer, tmp_path):
+    model = build_model(family)
+    prompts = _prompts(tokenizer)
+    st = calibrate_model(model, prompts, str(tmp_path / "s.safetensors"), batch_size=3, progress=False)
+    st = CalibrationStats.load(str(tmp_path / "s.safetensors"))
+    raw = _raw_rows(model, prompts)
+    assert sorted(raw) == st.geometry.layer_ids
+    for lid, (q, k, v) in raw.items():
+        assert st.tokens_per_layer(1)[lid] == st.tokens_per_layer(2)[lid] == q.shape[0] == prompts.num_tokens
+        qcov = query_covariance(q, k.shape[1])
+        torch.testing.assert_close(st.query_covariance(lid), qcov, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(st.value_covariance(lid), score_weighted_value_covariance(k, v, qcov), rtol=1e-9, atol=1e-12)
+        kd = k.double()
+        torch.testing.assert_close(st.sums["k_sum"][lid], torch.einsum("thd,the->hde", kd, kd), rtol=1e-10, atol=1e-10)
+        assert st.sums["q_sum"][lid].dtype == torch.float64
+
+
+def test_latent_statistics_equal_direct_float64(tokenizer, tmp_path):
+    model = build_model("deepseek_v2")
+    prompts = _prompts(tokenizer)
+    st = calibrate_model(model, prompts, str(tmp_path / "s.safetensors"), progress=False)
+    seen: dict[int, list] = {}
+    with torch.inference_mode(), latent_hooks(model, lambda lid, m, c: seen.setdefault(lid, []).append(c.reshape(-1, c.shape[-1]))):
+        for s in prompts.sequences:
+            model(input_ids=torch.tensor([s]), use_cache=False)
+    assert sorted(seen) == st.geometry.layer_ids
+    for lid, cs in seen.items():
+        c = torch.cat(cs).double()
+        torch.testing.assert_close(st.latent_covariance(lid), c.T @ c / c.shape[0], rtol=1e-10, atol=1e-12)
+    rs = fit_rotations(st, "oscar", min_tokens=100, latent_block=32)
+    assert all(orthogonality_error(r) < 1e-6 and r.shape == (32, 32) for r in rs.r.values())
+    # U P Hblock diagonalises the latent covariance up to the Hadamard mixing: R^T Sigma R has
+    # the eigenvalues on the diagonal of Hblock^T diag(lambda') Hblock
+    lid = st.geometry.layer_ids[0]
+    sig = st.latent_covariance(lid)
+    r = rs.r[lid].double()
+    assert torch.allclose(torch.trace(r.T @ sig @ r), torch.trace(sig), rtol=1e-5)
+
+
+def test_resume_equals_single_run(tokenizer, tmp_path):
+    model = build_model("qwen3")
+    prompts = _prompts(tokenizer, budget=960, seq_len=96)  # 10 sequences
+    n = len(prompts.sequences)
+    ref = calibrate_model(model, prompts, str(tmp_path / "ref.safetensors"), progress=False)
+    out = str(tmp_path / "res.safetensors")
+    # stop mid pass 1, then mid pass 2, then finish: each rerun continues from the checkpoint
+    assert calibrate_model(model, prompts, out, checkpoint_every=2, progress=False, stop_after=3) is None
+    assert os.path.exists(out + ".ckpt") and not os.path.exists(out)
+    ck = CalibrationStats.load(out + ".ckpt")
+    assert ck.meta["checkpoint"] == {"pass": 1, "next_sequence": 3} and ck.passes_done == 0
+    assert calibrate_model(model, prompts, out, checkpoint_every=2, progress=False, stop_after=n) is None
+    ck = CalibrationStats.load(out + ".ckpt")
+    assert ck.meta["checkpoint"] == {"pass": 2, "next_sequence": 3} and ck.passes_done == 1
+    st = calibrate_model(model, prompts, out, checkpoint_every=2, progress=False)
+    assert not os.path.exists(out + ".ckpt")
+    for name in ("q_sum", "v_wsum", "w_sum", "k_sum", "v_sum"):
+        for lid in ref.geometry.layer_ids:
+            torch.testing.assert_close(st.sums[name][lid], ref.sums[name][lid], rtol=1e-12, atol=1e-12)
+    assert st.tokens == ref.tokens
+    # a rerun with the same arguments finds the output complete and does nothing
+    again = calibrate_model(model, prompts, out, progress=False)
+    assert again.meta["args_key"] == st.meta["args_key"]
+
+
+def test_checkpoint_from_other_arguments_is_refused(tokenizer, tmp_path):
+    model = build_model("qwen3")
+    out = str(tmp_path / "s.safetensors")
+    calibrate_model(model, _prompts(tokenizer, seed=0), out, progress=False, stop_after=2, checkpoint_every=1)
+    other = _prompts(tokenizer, seed=1)
+    with pytest.raises(CalibrationError, match="other arguments.*--restart"):
+        calibrate_model(model, other, out, progress=False)
+    st = calibrate_model(model, other, out, progress=False, restart=True)
+    assert st.complete and st.meta["prompts"]["tokens_sha256"] == other.meta["tokens_sha256"]
+
+
+def test_statistics_from_another_model_are_refused(tokenizer, tmp_path):
+    model = build_model("qwen3")
+    st = calibrate_model(model, _prompts(tokenizer), str(tmp_path / "s.safetensors"), progress=False)
+    other = geometry_of(build_model("llama").config)
+    with pytest.raises(CalibrationError, match="another model|cannot be used"):
+        fit_rotations(st, "oscar", min_tokens=10, geometry=other)
+    with pytest.raises(CalibrationError, match="incomplete"):
+        fit_rotations(CalibrationStats(st.geometry), "oscar", min_tokens=0)
+
+
+def test_every_kv_head_is_required(tokenizer):
+    model = build_model("qwen3")
+    st = CalibrationStats(geometry_of(model.config))
+    q = torch.randn(5, 4, 32)
+    k = torch.randn(5, 1, 32)  # one of two kv heads: a per-rank blind spot
+    with pytest.raises(CalibrationError, match="every kv head"):
+        st.add_pass1(0, q, k, k)
