@@ -107,3 +107,26 @@ def test_from_cli_args_hook_attaches_config(monkeypatch):
         plugin._around_from_cli_args(lambda cls, a: plain, object, ns)
     ns.oscar_sink_tokens = None
     assert plugin._around_from_cli_args(lambda cls, a: plain, object, ns) is plain
+
+
+def test_refusals_name_the_flag_and_the_alternative():
+    from types import SimpleNamespace
+
+    import sglang_oscar.plugin as plugin
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_oscar.plugin.refusals import REFUSALS, refusal_messages
+
+    fields = ServerArgs.__dataclass_fields__
+    for r in REFUSALS:  # every rule reads a real ServerArgs field, with an accepted default
+        assert r.field in fields, r.field
+        assert not r.unsupported(fields[r.field].default), r.field
+    args = SimpleNamespace(kv_cache_dtype="int2", model_path="m", speculative_algorithm="EAGLE",
+                           attention_backend="fa3", pp_size=2)
+    msgs = refusal_messages(args)
+    assert len(msgs) == 3
+    assert any("--speculative-algorithm 'EAGLE'" in m for m in msgs)
+    assert any("--attention-backend 'fa3'" in m and "--attention-backend triton" in m for m in msgs)
+    with pytest.raises(ValueError, match="--pp-size 2: use tensor parallelism"):
+        plugin._after_post_init(None, args)
+    assert refusal_messages(SimpleNamespace(attention_backend="triton", pp_size=1)) == []

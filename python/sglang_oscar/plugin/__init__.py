@@ -10,7 +10,8 @@ idempotent. What the hooks do:
   an :class:`~sglang_oscar.config.OscarConfig`, attach it as ``server_args._oscar_config`` and
   export it in ``SGLANG_OSCAR_CONFIG`` so spawned subprocesses see the same values.
 * ``ServerArgs.__post_init__`` (AFTER): with ``--kv-cache-dtype int2``, stop the launch before
-  any weights load if the INT2 serving path is not available (see :data:`SERVING_READY`).
+  any weights load on an unsupported flag (:mod:`.refusals`), or if the INT2 serving path is
+  not available (see :data:`SERVING_READY`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
+from .refusals import REFUSALS, refusal_messages
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -81,6 +83,9 @@ def _after_post_init(result, server_args, *args, **kwargs):
         return result
     if getattr(server_args, "model_path", None) in ("dummy", "none"):
         return result
+    problems = refusal_messages(server_args)
+    if problems:
+        raise ValueError("; ".join(problems))
     if not SERVING_READY:
         raise ValueError(
             "--kv-cache-dtype int2: this sglang-oscar build has the INT2 format, rotations and "
