@@ -3,6 +3,7 @@
 # A thin wrapper over `sglang-oscar eval-recipe`; every setting lives in recipe.toml.
 set -euo pipefail
 
+CALLER="$PWD"  # relative --out / --data-file paths are the caller's, not the repository's
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NAME="$(basename "$HERE")"
 cd "$HERE/../.."
@@ -17,7 +18,27 @@ Runs, from the repository root:
 
   --dry-run   print the exact command and exit
   -- ARGS     extra arguments for eval-recipe (e.g. -- --arms int2 --data-file gpqa=gpqa_diamond.csv)
+
+Relative paths given with --out and --data-file are resolved against the directory you run
+this script from (they are made absolute). Without --out, results go to runs/$NAME in the
+repository root.
 USAGE
+}
+
+# Absolute form of a path relative to the caller's directory ("" and absolute paths as is).
+abs_path() {
+  case "$1" in
+    /* | "") printf '%s' "$1" ;;
+    *) printf '%s/%s' "$CALLER" "$1" ;;
+  esac
+}
+
+# TASK=PATH with PATH made absolute (an item without '=' is left for eval-recipe to refuse).
+abs_data_file() {
+  case "$1" in
+    *=*) printf '%s=%s' "${1%%=*}" "$(abs_path "${1#*=}")" ;;
+    *) printf '%s' "$1" ;;
+  esac
 }
 
 DRY_RUN=0
@@ -31,6 +52,29 @@ while (($#)); do
   esac
 done
 
+ARGS=()
+i=0
+while ((i < ${#EXTRA[@]})); do
+  a="${EXTRA[i]}"
+  case "$a" in
+    --out|--data-file)
+      ARGS+=("$a")
+      if ((i + 1 < ${#EXTRA[@]})); then
+        i=$((i + 1))
+        if [[ $a == --out ]]; then
+          ARGS+=("$(abs_path "${EXTRA[i]}")")
+        else
+          ARGS+=("$(abs_data_file "${EXTRA[i]}")")
+        fi
+      fi
+      ;;
+    --out=*) ARGS+=("--out=$(abs_path "${a#--out=}")") ;;
+    --data-file=*) ARGS+=("--data-file=$(abs_data_file "${a#--data-file=}")") ;;
+    *) ARGS+=("$a") ;;
+  esac
+  i=$((i + 1))
+done
+
 if command -v sglang-oscar >/dev/null 2>&1; then
   OSCAR=(sglang-oscar)
 else
@@ -38,8 +82,8 @@ else
 fi
 
 CMD=("${OSCAR[@]}" eval-recipe --recipe "$RECIPE")
-if ((${#EXTRA[@]} > 0)); then
-  CMD+=("${EXTRA[@]}")
+if ((${#ARGS[@]} > 0)); then
+  CMD+=("${ARGS[@]}")
 fi
 printf '%q' "${CMD[0]}"
 printf ' %q' "${CMD[@]:1}"

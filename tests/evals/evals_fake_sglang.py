@@ -7,6 +7,9 @@ FAKE_SGLANG_ARGV_FILE (if set), then behaves according to FAKE_SGLANG_MODE:
   crash          print an error and exit with status 3
   never-healthy  serve /health with 503 forever
   exit:N         exit with status N at once (non-zero node ranks)
+  reject-one     like ok, but always rejects GPQA question 5 with HTTP 400
+  orphan-helper  start a helper process in the server's process group, then exit 0
+                 (the helper writes its pid to FAKE_SGLANG_HELPER_PID_FILE and sleeps)
 """
 
 import argparse
@@ -17,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from evals_fakes import FakeOpenAIServer, completion, right_letter  # noqa: E402
+from evals_fakes import FakeOpenAIServer, completion, error_body, right_letter  # noqa: E402
 
 
 def main() -> int:
@@ -38,9 +41,18 @@ def main() -> int:
         return 3
     if mode.startswith("exit:"):
         return int(mode.split(":", 1)[1])
+    if mode == "orphan-helper":
+        import subprocess
+
+        subprocess.Popen([sys.executable, "-c",
+                          "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+                          "time.sleep(120)", os.environ["FAKE_SGLANG_HELPER_PID_FILE"]])
+        return 0
 
     def respond(body):
         prompt = body["messages"][-1]["content"]
+        if mode == "reject-one" and "Question number 5:" in prompt:
+            return (400, error_body("this prompt is always rejected (fake)"))
         letter = right_letter(prompt) if args.kv_cache_dtype == "auto" else "A"
         return completion(f"<think>ok</think>Answer: {letter}", model=args.model_path)
 

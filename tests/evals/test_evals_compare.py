@@ -58,7 +58,11 @@ def test_paired_difference_values(tmp_path, aime_file):
     d = [0, 0, -1, -1, 1, 0] * 2
     assert p["n"] == 12 and p["per_seed_n"] == {"0": 6, "1": 6}
     assert p["diff"] == pytest.approx(sum(d) / 12)
-    assert p["se"] == pytest.approx(statistics.stdev(d) / math.sqrt(12))
+    # The two seeds of a question are not independent: the standard error is over the 6
+    # questions' mean differences, not over the 12 (seed, question) pairs.
+    per_question = [0, 0, -1, -1, 1, 0]
+    assert p["n_questions"] == 6
+    assert p["se"] == pytest.approx(statistics.stdev(per_question) / math.sqrt(6))
     assert (p["only_a"], p["only_b"], p["both"], p["neither"]) == (4, 2, 4, 2)
     assert c["warnings"] == []
 
@@ -86,6 +90,7 @@ def test_compare_mean_std_over_seeds_and_cli(tmp_path, aime_file, capsys):
     assert main(["compare", str(a), str(b), "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "A: " in text and "B: " in text and "paired B - A over 12 common samples: 50.00 pp" in text
+    assert "over 6 questions" in text
     assert json.loads(out_json.read_text())["paired"]["n"] == 12
 
 
@@ -221,3 +226,79 @@ def test_eval_recipe_bad_input(tmp_path):
     with pytest.raises(ValueError, match="--data-file given for 'math500'"):
         run_recipe(p, ["bf16"], tmp_path / "o", {"math500": "x.jsonl"}, dry_run=True)
     assert main(["eval-recipe", "--recipe", str(p), "--data-file", "gpqa", "--dry-run"]) == 2
+
+
+def test_paired_se_clusters_seeds_of_one_question():
+    from sglang_oscar.evals import stats
+
+    # 3 seeds x 4 questions, each question's difference identical across seeds
+    per_q = [1, 0, -1, 1]
+    a = [0, 1, 1, 0] * 3
+    b = [1, 1, 0, 1] * 3
+    clusters = [0, 1, 2, 3] * 3
+    p = stats.paired(a, b, clusters=clusters)
+    assert p["diff"] == pytest.approx(statistics.mean(per_q))
+    assert p["se"] == pytest.approx(statistics.stdev(per_q) / math.sqrt(4))
+    # unequal seeds per question: cluster-robust formula
+    a2, b2, c2 = [0, 0, 1, 0, 1], [1, 1, 1, 0, 0], ["q0", "q0", "q1", "q2", "q2"]
+    d = [1, 1, 0, 0, -1]
+    m = sum(d) / 5
+    sums = {"q0": (1 - m) + (1 - m), "q1": 0 - m, "q2": (0 - m) + (-1 - m)}
+    expect = math.sqrt(3 / 2 * sum(v * v for v in sums.values())) / 5
+    assert stats.paired(a2, b2, clusters=c2)["se"] == pytest.approx(expect)
+    # without clusters: the classic std / sqrt(n)
+    assert stats.paired(a2, b2)["se"] == pytest.approx(statistics.stdev(d) / math.sqrt(5))
+
+
+def test_compare_refuses_changed_gold_answers(tmp_path, aime_file):
+    a = run(tmp_path, answer_right_on({0}), "a", aime_file)
+    b = run(tmp_path, answer_right_on({0}), "b", aime_file)
+    rows = [json.loads(l) for l in (b / "samples.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["index"] == 1:
+            r["gold"], r["gold_sha"] = "999", "0" * 16
+    (b / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(EvalError, match="different gold answers"):
+        compare_runs(a, b)
+
+
+def test_compare_without_common_samples_exits_1_and_writes_strict_json(tmp_path, aime_file, capsys):
+    a = run(tmp_path, answer_right_on({0}), "a", aime_file)
+    b = run(tmp_path, answer_right_on({0}), "b", aime_file)
+    lines = (b / "samples.jsonl").read_text().splitlines()
+    kept = [l for l in lines if json.loads(l)["index"] != 0]  # index 0 missing: empty prefix
+    (b / "samples.jsonl").write_text("\n".join(kept) + "\n")
+    out_json = tmp_path / "cmp.json"
+    rc = main(["compare", str(a), str(b), "--json", str(out_json)])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "nothing to pair" in captured.err
+    data = json.loads(out_json.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert data["paired"]["n"] == 0 and data["paired"]["diff"] is None and data["paired"]["se"] is None
+
+
+def test_eval_recipe_continues_past_an_incomplete_arm(tmp_path, monkeypatch, capsys):
+    """One always-rejected question makes each eval exit 1 (incomplete); eval-recipe still
+    runs the int2 arm and the comparison, and exits 1."""
+    monkeypatch.setattr(launcher, "SERVER_ENTRY", [str(HERE / "evals_fake_sglang.py")])
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = _recipe(tmp_path, port)
+    p.write_text(p.read_text().replace('FAKE_SGLANG_MODE = "ok"', 'FAKE_SGLANG_MODE = "reject-one"'))
+    data = tmp_path / "g.jsonl"
+    write_jsonl(data, gpqa_rows(8))
+    out = tmp_path / "runs"
+    rc = run_recipe(p, ["bf16", "int2"], out, {"gpqa": str(data)}, health_interval=0.1,
+                    health_timeout=60)
+    assert rc == 1
+    for arm in ("bf16", "int2"):
+        m = json.loads((out / arm / "gpqa" / "metrics.json").read_text())
+        assert m["rejected"] == 2 and not m["complete"]  # question 5 under both seeds
+    cmp = json.loads((out / "compare_gpqa.json").read_text())
+    assert cmp["paired"]["per_seed_n"] == {"0": 5, "1": 5}  # the prefix before question 5
+    assert cmp["a"]["complete"] is False and cmp["b"]["complete"] is False
+    assert "# incomplete" in capsys.readouterr().out
+    assert not launcher.port_in_use("127.0.0.1", port)

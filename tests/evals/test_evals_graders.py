@@ -69,6 +69,15 @@ GPQA_CASES = [
     ("", "A", None),
     ("Answer: E", "A", None),
     (r"\boxed{42}", "A", None),
+    # the last answer wins across rules, and a boxed letter after "Answer:" is read
+    ("...one might say the answer is A. But wait, that ignores the spin.\n\n"
+     "**Final Answer:** \\boxed{C}", "C", "C"),
+    ("Answer: \\boxed{B}", "B", "B"),
+    ("**Final Answer:** \\(\\boxed{D}\\)", "D", "D"),
+    ("Answer: $\\boxed{\\text{B}}$", "B", "B"),
+    ("\\boxed{A} at first.\nAnswer: C", "C", "C"),
+    ("The answer is B.\n\nOn reflection, the answer must be (C).", "C", "C"),
+    ("Answer: C, not the trap in (A).", "C", "C"),  # rule 3 yields to an answer on its line
 ]
 
 
@@ -96,7 +105,14 @@ AIME_CASES = [
     (r"\boxed{70.}", "70", 70),
     (r"\boxed{70.0}", "70", 70),
     (r"first \boxed{12} then corrected \boxed{13}", "13", 13),
-    (r"\boxed{13} and then \boxed{x+1}", "13", 13),  # last integer box
+    (r"\boxed{13} and then \boxed{x+1}", "13", None),  # the last box is not an integer
+    (r"intermediate \boxed{3}, final \boxed{3.5}", "3", None),
+    ("The answer is 3.5", "3", None),  # not the integer part of a decimal
+    ("Answer: 2^{10}", "2", None),  # not the base of a power
+    ("Answer: 7/2", "7", None),
+    ("Answer: 1,000.5", "1", None),
+    ("The answer is 3.", "3", 3),  # a full stop is not a decimal
+    ("Answer: 1,000", "1000", 1000),
     (r"\boxed{\frac{1}{2}}", "5", None),
     ("Answer: 204", "204", 204),
     ("**Answer:** 33", "33", 33),
@@ -170,6 +186,21 @@ def test_math500_truncated_and_extracted():
     assert g.truncated is True and g.extracted is None
     g = math500.grade(r"\boxed{\frac{1}{2}}", "0.5")
     assert g.extracted == r"\frac{1}{2}"
+
+
+def test_math500_extracted_is_the_raw_text_normalized_kept_apart():
+    g = math500.grade(r"so \boxed{\dfrac12}", r"\frac{1}{2}")
+    assert g.correct and g.extracted == r"\dfrac12" and g.normalized == "1/2"
+    g = math500.grade(r"It costs \boxed{\$5}.", "5")
+    assert g.correct and g.extracted == r"\$5" and g.normalized == "5"
+    g = math500.grade("The final answer is $0.50$.", r"\frac{1}{2}")
+    assert g.correct and g.extracted == "0.50"
+
+
+def test_math500_parse_gold_rejects_unparseable():
+    assert math500.parse_gold(r"\frac{1}{2}")
+    with pytest.raises(ValueError, match="could not be parsed"):
+        math500.parse_gold("")
 
 
 # ----------------------------------------------------------------------------- HumanEval
@@ -277,3 +308,94 @@ def test_humaneval_real_problems_canonical_solutions_pass():
 def test_humaneval_extract_code_prefers_block_defining_entry_point():
     text = "```python\ndef double_all(xs):\n    return 1\n```\n```python\nx = 1\n```"
     assert humaneval.extract_code(text, "double_all").startswith("def double_all")
+
+
+# ----------------------------------------------------------------------------- HumanEval isolation
+
+
+def test_humaneval_stderr_flood_does_not_grow_the_grader(tmp_path):
+    """A program writing endlessly to stderr must not make the grader buffer it all."""
+    import subprocess
+    import sys
+
+    script = (
+        "import re\n"
+        "from sglang_oscar.evals.graders.humaneval import run_program\n"
+        "ok, reason = run_program(\"import sys\\nb='x'*(1<<20)\\nwhile True: sys.stderr.write(b)\","
+        " timeout=1)\n"
+        "hwm = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1)\n"
+        "print(ok, hwm)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    ok, maxrss_kib = res.stdout.split()
+    assert ok == "False"
+    assert int(maxrss_kib) < 200 * 1024, f"grader grew to {int(maxrss_kib) // 1024} MiB"
+
+
+def test_humaneval_forked_setsid_child_neither_hangs_nor_survives(tmp_path):
+    """A correct solution that forks a child which leaves the process group and sleeps:
+    the grader returns at once and the child is killed (posix.fork and ctypes fork)."""
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    for fork in ("import posix\nfork = posix.fork\nsetsid = posix.setsid\n",
+                 "import ctypes\nlibc = ctypes.CDLL(None)\nfork = libc.fork\nsetsid = libc.setsid\n"):
+        pid_file.unlink(missing_ok=True)
+        code = (
+            fork + "import os, time\n"
+            "def double_all(xs):\n    return [helper(x) for x in xs]\n"
+            "try:\n    pid = fork()\nexcept Exception:\n    pid = -1\n"
+            "if pid == 0:\n"
+            "    setsid()\n"
+            f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            "    time.sleep(8)\n"
+            "    os._exit(0)\n"
+            "time.sleep(0.3)\n"
+        )
+        t0 = time.monotonic()
+        _, reason = humaneval.grade("```python\n" + code + "```", PROBLEM, timeout=2)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 4, (fork, reason, elapsed)
+        if pid_file.exists():  # the fork happened (root ignores RLIMIT_NPROC): it was killed
+            pid = int(pid_file.read_text())
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            assert not _alive(pid), f"escaped child {pid} survived the grader"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_humaneval_demo_block_under_main_guard_does_not_run():
+    demo_input = FULL_OK + "\nif __name__ == '__main__':\n    print(double_all([int(input())]))\n"
+    demo_unittest = (
+        "import unittest\n" + FULL_OK
+        + "\nclass T(unittest.TestCase):\n    def test(self):\n        self.assertEqual(double_all([1]), [2])\n"
+        "\nif __name__ == '__main__':\n    unittest.main()\n"
+    )
+    for code in (demo_input, demo_unittest):
+        g, reason = humaneval.grade("```python\n" + code + "```", PROBLEM, timeout=5)
+        assert g.correct, reason
+
+
+def test_humaneval_forged_result_token_is_a_failure():
+    """Reading the result token from the bootstrap's globals or command line, writing it and
+    exiting before the tests must not pass."""
+    via_main = "import __main__, os\nopen('result', 'w').write(__main__.token)\nos._exit(0)\n"
+    via_cmdline = (
+        "import os\nargs = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\n"
+        "for a in args:\n"
+        "    if len(a) == 32:\n"
+        "        open('result', 'wb').write(a)\n"
+        "os._exit(0)\n"
+    )
+    for code in (via_main, via_cmdline):
+        ok, reason = humaneval.run_program(code, timeout=5)
+        assert ok is False, (code, reason)

@@ -130,10 +130,24 @@ k_eq_v = true
     assert r.geometry.num_kv_heads is None
 
 
-def test_recipe_tasks_match_eval_tasks():
-    from sglang_oscar.evals import recipe
+def test_recipe_tasks_match_eval_tasks(tmp_path):
+    """The tasks a recipe accepts are exactly the choices of `sglang-oscar eval --task`, and
+    each has a dataset source and a prompt."""
+    import argparse
+    import json
 
-    assert recipe.TASKS == TASKS == ("gpqa", "aime25", "math500", "humaneval")
+    from sglang_oscar.cli.main import build_parser
+    from sglang_oscar.evals.datasets import HUB_SOURCES
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    cli_tasks = next(a.choices for a in verbs.choices["eval"]._actions if a.dest == "task")
+    assert list(cli_tasks) == ["gpqa", "aime25", "math500", "humaneval"]
+    r = load_recipe(write(tmp_path, MINIMAL + f"\n[eval]\ntasks = {json.dumps(list(cli_tasks))}\n"))
+    assert r.eval.tasks == list(cli_tasks)
+    with pytest.raises(RecipeError, match="'mmlu' is not one of"):
+        load_recipe(write(tmp_path, MINIMAL + '\n[eval]\ntasks = ["mmlu"]\n'))
+    assert sorted(HUB_SOURCES) == sorted(cli_tasks) == sorted(TASKS)
 
 
 @pytest.mark.parametrize(
@@ -178,6 +192,11 @@ def test_unknown_section(tmp_path):
         ("\n[serve]\nport = 70000\n", r"\[serve\].port must be a TCP port"),
         ("\n[serve]\nextra_args = \"--trust-remote-code\"\n", r"extra_args must be a list"),
         ("\n[serve]\nextra_args = [\"--a\", \"\"]\n", r"empty string"),
+        ("\n[serve]\nextra_args = [\"--cuda-graph-max-bs 32\"]\n", r"one element"),
+        ("\n[serve]\nextra_args = [\"--cuda-graph-max-bs\\t32\"]\n", r"one element"),
+        ("\n[eval]\ntemperature = nan\n", r"temperature must be a finite number"),
+        ("\n[eval]\ntop_p = nan\n", r"top_p must be a finite number"),
+        ("\n[quant]\nk_clip_ratio = inf\n", r"k_clip_ratio must be a finite number"),
         ("\n[serve]\nenv = { X = 1 }\n", r"\[serve\].env.X must be a string"),
         ("\n[serve]\nenv = { SGLANG_COQUANT_ROTATION_MODE = \"coquant\" }\n", r"dead legacy name"),
         ("\n[serve]\nmem_fraction_static = 1.5\n", r"mem_fraction_static must be in"),
@@ -221,6 +240,11 @@ def test_missing_file_and_bad_toml(tmp_path):
         load_recipe(p)
 
 
+def test_extra_args_flag_with_spaced_value_after_equals_is_fine(tmp_path):
+    p = write(tmp_path, MINIMAL + '\n[serve]\nextra_args = ["--chat-template=a b", "--x", "1 2"]\n')
+    assert load_recipe(p).serve.extra_args == ["--chat-template=a b", "--x", "1 2"]
+
+
 def test_recipe_error_is_a_value_error():
     assert issubclass(RecipeError, ValueError)
 
@@ -233,3 +257,67 @@ def test_unknown_key_via_cli_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "unknown key 'portt' in [serve]" in err[0] and str(p.resolve()) in err[0]
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+REPO = Path(__file__).resolve().parent.parent.parent
+WRAPPERS = sorted((REPO / "rotation").glob("*/eval_gpqa.sh"))
+
+
+def test_nine_eval_gpqa_wrappers_exist():
+    assert len(WRAPPERS) >= 9, WRAPPERS
+
+
+@pytest.mark.parametrize("script", WRAPPERS, ids=lambda p: p.parent.name)
+def test_eval_gpqa_wrapper_resolves_relative_paths_against_the_caller(script, tmp_path):
+    import shlex
+    import subprocess
+
+    caller = tmp_path / "work dir"
+    caller.mkdir()
+    res = subprocess.run(
+        ["bash", str(script), "--dry-run", "--", "--arms", "int2", "--out", "runs/x",
+         "--data-file", "gpqa=data/gpqa.csv", "--data-file=aime25=a.jsonl", "--out=/abs/y"],
+        cwd=caller, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    words = shlex.split(res.stdout.strip())
+    name = script.parent.name
+    assert words[1:] == [
+        "eval-recipe", "--recipe", f"rotation/{name}/recipe.toml", "--arms", "int2",
+        "--out", f"{caller}/runs/x", "--data-file", f"gpqa={caller}/data/gpqa.csv",
+        f"--data-file=aime25={caller}/a.jsonl", "--out=/abs/y",
+    ]
+
+
+def test_every_public_function_and_class_of_the_harness_has_a_docstring():
+    import importlib
+    import inspect
+    import pkgutil
+
+    import sglang_oscar.evals as pkg
+
+    def undocumented(obj) -> bool:
+        doc = (obj.__doc__ or "").strip()
+        if inspect.isclass(obj) and doc.startswith(obj.__name__ + "("):  # dataclass default
+            return True
+        return not doc
+
+    missing = []
+    modules = [m.name for m in pkgutil.walk_packages(pkg.__path__, prefix="sglang_oscar.evals.")]
+    assert len(modules) >= 15
+    for name in modules:
+        mod = importlib.import_module(name)
+        for attr, obj in vars(mod).items():
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            if undocumented(obj):
+                missing.append(f"{name}.{attr}")
+            if inspect.isclass(obj):
+                for meth, m in vars(obj).items():
+                    f = m.fget if isinstance(m, property) else m
+                    if not meth.startswith("_") and inspect.isfunction(f) and undocumented(f):
+                        missing.append(f"{name}.{attr}.{meth}")
+    assert missing == []

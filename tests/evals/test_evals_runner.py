@@ -521,3 +521,168 @@ def test_math500_and_humaneval_runs_grade_end_to_end(tmp_path):
     assert (c["correct"], c["truncated"], c["n"]) == (1, 1, 3)
     rows = read_rows(tmp_path / "he" / "samples.jsonl")
     assert rows[(0, 0)]["note"] == "passed" and rows[(0, 1)]["note"] == "AssertionError"
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+
+def test_models_listing_that_never_answers_fails_fast(tmp_path, gpqa_file, monkeypatch):
+    """A server that accepts connections but never answers: the /models preflight gives up
+    after its own short read timeout instead of retrying with the 6 h request timeout."""
+    import socket
+
+    from sglang_oscar.evals import client as client_mod
+
+    monkeypatch.setattr(client_mod, "MODELS_TIMEOUT_S", 0.5)
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)  # the kernel completes connections; nobody ever reads or answers
+        port = mute.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnreachable, match=r"did not answer GET /models within 0.5 s"):
+            run_eval(settings(tmp_path, f"http://127.0.0.1:{port}", gpqa_file,
+                              request_timeout=3, retries=2, backoff=0.01))
+        assert time.monotonic() - t0 < 2.5
+
+
+def test_mistyped_model_is_not_locked_into_the_folder(tmp_path, gpqa_file):
+    with FakeOpenAIServer(gpqa_responder, model="served-name") as srv:
+        with pytest.raises(EvalError, match="pass the served name with --model"):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file, model="typo"))
+        # the advice works: same folder, the served name
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, model="served-name"))
+    assert m["complete"] and m["model"] == "served-name"
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["defining"]["model"] == "served-name"
+
+
+def test_settings_of_a_folder_without_samples_can_change(tmp_path, gpqa_file):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"defining": {"task": "gpqa", "model": "old"}}))
+    (out / "samples.jsonl").write_text("")
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        assert run_eval(settings(tmp_path, srv.base_url, gpqa_file))["complete"]
+
+
+def _aime_responder(body):
+    import re
+
+    i = int(re.search(r"Problem (\d+)", body["messages"][-1]["content"]).group(1))
+    return completion(f"<think>easy</think>\\boxed{{{i}}}")
+
+
+def test_changed_gold_answer_is_noticed_on_resume(tmp_path):
+    data = tmp_path / "aime.jsonl"
+    rows = [{"problem": f"Problem {i}: compute it.", "answer": str(i)} for i in range(4)]
+    write_jsonl(data, rows)
+    kw = dict(task="aime25", seeds=[0, 1])
+    with FakeOpenAIServer(_aime_responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, data, **kw))
+    assert m["seeds"]["0"]["correct"] == 4
+    rows[2]["answer"] = "7"  # the data file is corrected: question 2's answer changes
+    write_jsonl(data, rows)
+    with FakeOpenAIServer(_aime_responder) as srv:
+        with pytest.raises(EvalError, match=r"seed 0 sample 2 was graded against a different "
+                                            r"gold answer \('2' vs '7' now.*--regrade"):
+            run_eval(settings(tmp_path, srv.base_url, data, **kw))
+        m = run_eval(settings(tmp_path, srv.base_url, data, regrade=True, **kw))
+        assert srv.requests == []  # re-graded, not re-asked
+    assert m["seeds"]["0"]["correct"] == 3 and m["seeds"]["1"]["correct"] == 3
+    row = read_rows(tmp_path / "run" / "samples.jsonl")[(1, 2)]
+    assert row["gold"] == "7" and row["correct"] is False
+    with FakeOpenAIServer(_aime_responder) as srv:  # and now it resumes quietly
+        assert run_eval(settings(tmp_path, srv.base_url, data, **kw)) == m
+
+
+def test_bad_gold_answers_fail_at_load_naming_file_and_row(tmp_path):
+    from sglang_oscar.evals.errors import DatasetUnavailable
+
+    math = tmp_path / "m.jsonl"
+    write_jsonl(math, [{"problem": "p0", "answer": "1"},
+                       {"problem": "p1", "answer": "", "unique_id": "test/x.json"}])
+    with pytest.raises(DatasetUnavailable, match=r"m.jsonl: row 1 \(id test/x.json\): .*could not be parsed"):
+        load_task_data("math500", math)
+    aime_file = tmp_path / "a.jsonl"
+    write_jsonl(aime_file, [{"problem": "p0", "answer": "5"}, {"problem": "p1", "answer": "twelve"}])
+    with pytest.raises(DatasetUnavailable, match=r"a.jsonl: row 1 \(id aime25-1\): .*not an integer"):
+        load_task_data("aime25", aime_file)
+    # before the first request
+    with FakeOpenAIServer(_aime_responder) as srv:
+        with pytest.raises(DatasetUnavailable):
+            run_eval(settings(tmp_path, srv.base_url, math, task="math500"))
+        assert srv.requests == []
+
+
+def test_loopback_server_is_reached_without_the_http_proxy(tmp_path, gpqa_file, monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_proxy = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(var, dead_proxy)
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0], retries=0))
+    assert m["complete"]
+
+
+def test_is_loopback_url():
+    from sglang_oscar.evals.client import is_loopback_url
+
+    assert is_loopback_url("http://127.0.0.1:30000/v1")
+    assert is_loopback_url("http://127.3.2.1/v1") and is_loopback_url("http://[::1]:8000/v1")
+    assert is_loopback_url("http://localhost:30000/v1")
+    assert not is_loopback_url("http://10.0.0.5:30000/v1")
+    assert not is_loopback_url("https://api.example.com/v1")
+
+
+def test_ctrl_c_in_eval_is_one_line_exit_130(tmp_path, gpqa_file):
+    out = tmp_path / "int"
+    with FakeOpenAIServer(gpqa_responder, delay=0.3) as srv:
+        argv = [sys.executable, "-m", "sglang_oscar.cli", "eval", "--task", "gpqa",
+                "--base-url", srv.base_url, "--model", "fake-model", "--threads", "1",
+                "--data-file", str(gpqa_file), "--out", str(out), "--no-progress"]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        samples = out / "samples.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (samples.exists() and samples.read_bytes()):
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "interrupted" in lines[0] and "resume" in lines[0]
+    assert json.loads((out / "metrics.json").read_text())["missing"] > 0
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--humaneval-timeout", "0"], "--humaneval-timeout must be > 0"),
+    (["--humaneval-timeout", "-1"], "--humaneval-timeout must be > 0"),
+    (["--retries", "-1"], "--retries must be >= 0"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+])
+def test_eval_cli_rejects_out_of_range_numbers(tmp_path, capsys, args, pattern):
+    rc = main(["eval", "--task", "gpqa", "--base-url", "http://127.0.0.1:1", "--model", "m",
+               "--out", str(tmp_path / "o"), *args])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and pattern in err[0], err
+
+
+def test_csv_with_byte_order_mark(tmp_path):
+    import csv
+
+    rows = gpqa_rows(3)
+    with open(tmp_path / "g.csv", "w", newline="", encoding="utf-8-sig") as fh:  # Excel's export
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    ds = load_task_data("gpqa", tmp_path / "g.csv")
+    assert [s.id for s in ds.samples] == ["rec000", "rec001", "rec002"]
+    (tmp_path / "g.json").write_text("\ufeff" + json.dumps(rows), encoding="utf-8")
+    assert len(load_task_data("gpqa", tmp_path / "g.json").samples) == 3

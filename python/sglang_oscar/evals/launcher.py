@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_oscar.evals.errors import EvalError
 from sglang_oscar.evals.recipe import Recipe
 
 # What follows ``python`` in the server argv. Tests point it at a fake server script.
@@ -38,6 +39,8 @@ KV_MODES = ("int2", "bf16")
 MULTI_NODE_DIST_TIMEOUT = 3600
 DEFAULT_ATTENTION_BACKEND = "triton"
 
+# Flags that the launcher adds unless ``extra_args`` sets them.
+_DEFAULTED_FLAGS = ("--attention-backend", "--dist-timeout")
 # Flags that ``extra_args`` may not repeat, because the recipe or the command line sets them.
 _RESERVED_FLAGS = {
     "--model-path": "[model].hf_id",
@@ -61,12 +64,15 @@ _RESERVED_FLAGS = {
 _OSCAR_FLAG_PREFIX = "--oscar-"
 
 
-class LaunchError(RuntimeError):
-    """The server could not be started or did not become healthy."""
+class LaunchError(EvalError, RuntimeError):
+    """The server could not be started or did not become healthy (busy port, crash, health
+    timeout). An :class:`EvalError`, so the CLI prints it without a traceback (exit 2)."""
 
 
 @dataclass
 class ServerCommand:
+    """A composed server launch: argv, the recipe's extra environment, where it listens."""
+
     argv: list[str]  # full argv, argv[0] is the Python interpreter
     env: dict[str, str] = field(default_factory=dict)  # only the recipe's [serve].env
     host: str = "127.0.0.1"
@@ -89,6 +95,7 @@ class ServerCommand:
 
     @property
     def base_url(self) -> str:
+        """``http://host:port`` as a client on this machine reaches it."""
         return f"http://{_client_host(self.host)}:{self.port}"
 
 
@@ -146,12 +153,14 @@ def build_server_command(
         name = _flag_name(a)
         if name is None:
             continue
-        abbreviated = [r for r in _RESERVED_FLAGS if r != name and r.startswith(name)]
+        known = [*_RESERVED_FLAGS, *_DEFAULTED_FLAGS]
+        abbreviated = [r for r in known if r != name and r.startswith(name)]
         if abbreviated:
+            origin = (f" (and that one comes from {_RESERVED_FLAGS[abbreviated[0]]})"
+                      if abbreviated[0] in _RESERVED_FLAGS else "")
             raise ValueError(
                 f"{recipe.path}: [serve].extra_args has {name}, an abbreviation of "
-                f"{abbreviated[0]}; write flags in full (and that one comes from "
-                f"{_RESERVED_FLAGS[abbreviated[0]]})"
+                f"{abbreviated[0]}; write flags in full{origin}"
             )
         if name in _RESERVED_FLAGS:
             raise ValueError(
@@ -253,6 +262,7 @@ def build_server_command(
 
 
 def port_in_use(host: str, port: int) -> bool:
+    """True when something accepts TCP connections on ``host:port`` (1 s connect timeout)."""
     try:
         with socket.create_connection((_client_host(host).strip("[]"), port), timeout=1.0):
             return True
@@ -260,15 +270,21 @@ def port_in_use(host: str, port: int) -> bool:
         return False
 
 
+# The health check always targets the server this process started on this machine: never
+# through http_proxy / https_proxy (a proxy cannot reach our 127.0.0.1).
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _http_ok(url: str, timeout: float) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback)
+        with _NO_PROXY_OPENER.open(url, timeout=timeout) as resp:  # noqa: S310 (local server)
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
 def tail(path: Path | None, n: int = 60) -> str:
+    """The last ``n`` lines of a log file (from its last 64 KiB), or ``(no server log)``."""
     if path is None or not Path(path).exists():
         return "(no server log)"
     with open(path, "rb") as fh:
@@ -288,7 +304,10 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self._log_fh = None
 
-    def start(self, *, detach: bool = False) -> "Server":
+    def start(self) -> "Server":
+        """Start the server in its own session/process group; raises :class:`LaunchError`
+        when the port is already in use. Output goes to ``log_path`` (appended) or, when it is
+        None, to the terminal."""
         if port_in_use(self.cmd.host, self.cmd.port):
             raise LaunchError(
                 f"port {self.cmd.port} on {self.cmd.host} is already in use: another server "
@@ -314,6 +333,7 @@ class Server:
 
     @property
     def pid(self) -> int:
+        """The server's pid, which is also its process group id."""
         assert self.proc is not None
         return self.proc.pid
 
@@ -326,6 +346,7 @@ class Server:
         while True:
             rc = self.proc.poll()
             if rc is not None:
+                self.stop(grace=5.0)  # helpers it may have left behind
                 raise LaunchError(
                     f"the server exited with status {rc} before it became healthy; "
                     f"last lines of {self.log_path}:\n{tail(self.log_path)}"
@@ -341,6 +362,7 @@ class Server:
             time.sleep(interval)
 
     def wait(self) -> int:
+        """Wait for the server to exit and return its status; Ctrl-C stops it (130)."""
         assert self.proc is not None
         try:
             return self.proc.wait()
@@ -349,22 +371,24 @@ class Server:
             return 130
 
     def stop(self, grace: float = 30.0) -> int | None:
-        """Terminate the server's whole process group (TP workers included)."""
+        """Terminate the server's whole process group (TP workers and other helpers included,
+        also when the main process has already exited): SIGTERM, then SIGKILL for whatever is
+        left after ``grace`` seconds. Returns the main process's exit status."""
         if self.proc is None:
             return None
+        pgid = self.proc.pid
+        deadline = time.monotonic() + grace
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait()
+            self.proc.wait()
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None
@@ -377,7 +401,40 @@ class Server:
         self.stop()
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a member that is not a zombie (zombies of
+    reparented helpers may never be reaped in a container whose init does not reap)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: ask the kernel (zombies count as alive there)
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # fields: state, ppid, pgrp, ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
+
+
 def default_log_path(cmd: ServerCommand) -> Path:
+    """A new, empty log file in the temp dir named after the arm and port."""
     fd, name = tempfile.mkstemp(prefix=f"sglang-oscar-serve-{cmd.kv}-{cmd.port}-", suffix=".log")
     os.close(fd)
     return Path(name)

@@ -65,11 +65,14 @@ Schema (all sections except ``[model]`` are optional; defaults in parentheses)::
     context_length = 65536           # int, optional (overrides [model].context_length;
                                      #   giving both with different values is an error)
     extra_args = ["--trust-remote-code", "--cuda-graph-max-bs", "32"]
-                                     # list of str: appended as separate argv elements
+                                     # list of str: appended as separate argv elements (one
+                                     #   element per flag and per value; flags in full,
+                                     #   never abbreviated)
     env = { SOME_VAR = "1" }         # table str -> str: exported to the server process only;
                                      #   nothing else is exported. Refused: dead names
                                      #   (SGLANG_COQUANT_*) and aliases of recipe keys
-                                     #   (SGLANG_OSCAR_K_CLIP_RATIO, SGLANG_LLOYD_MAX, ...)
+                                     #   (SGLANG_OSCAR_K_CLIP_RATIO, SGLANG_LLOYD_MAX,
+                                     #   SGLANG_MIXED_KV_SCALE_DTYPE, ...)
 
     [eval]
     tasks = ["gpqa"]                 # list of gpqa | aime25 | math500 | humaneval (["gpqa"])
@@ -86,7 +89,7 @@ The recipe's own folder is where a relative ``[rotation].path`` is resolved.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +126,7 @@ FLAG_ENV_ALIASES = {
     "SGLANG_MIXED_KV_PREFIX_TOKENS": "[quant].sink_tokens",
     "SGLANG_MIXED_KV_RECENT_TOKENS": "[quant].recent_tokens",
     "SGLANG_LLOYD_MAX": "[quant].quantizer",
+    "SGLANG_MIXED_KV_SCALE_DTYPE": "[quant].scale_dtype",
 }
 
 
@@ -162,6 +166,8 @@ def _nonneg_int(v: Any, where: str) -> int:
 def _float(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise RecipeError(f"{where} must be a number, got {v!r}")
+    if not math.isfinite(v):
+        raise RecipeError(f"{where} must be a finite number, got {v!r}")
     return float(v)
 
 
@@ -222,6 +228,11 @@ def _argv_item(v: Any, where: str) -> str:
     v = _str(v, where)
     if v == "":
         raise RecipeError(f"{where} is an empty string: it would become an empty argv element")
+    if v.startswith("-") and any(c.isspace() for c in v.split("=", 1)[0]):
+        raise RecipeError(
+            f"{where} = {v!r} holds a flag and more in one element (argv is not split on "
+            "spaces); write each flag and each value as its own list element"
+        )
     return v
 
 
@@ -256,6 +267,8 @@ def _env_table(v: Any, where: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ModelSection:
+    """``[model]``: the checkpoint and its family."""
+
     hf_id: str
     family: str
     served: bool
@@ -266,6 +279,8 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class LayerGeometry:
+    """``[geometry.sliding]`` / ``[geometry.full]``: one layer type's shapes."""
+
     num_q_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
@@ -278,6 +293,8 @@ class LayerGeometry:
 
 @dataclass(frozen=True)
 class GeometrySection:
+    """``[geometry]``: attention shapes (type-checked here, validated elsewhere)."""
+
     num_layers: int | None = None
     num_q_heads: int | None = None
     num_kv_heads: int | None = None
@@ -293,6 +310,8 @@ class GeometrySection:
 
 @dataclass(frozen=True)
 class RotationSection:
+    """``[rotation]``: how the rotation was computed and where it is."""
+
     method: str = "oscar"
     path: str | None = None
     calib_tokens: int | None = None
@@ -301,6 +320,8 @@ class RotationSection:
 
 @dataclass(frozen=True)
 class QuantSection:
+    """``[quant]``: INT2 quantizer settings (``--oscar-*`` flags)."""
+
     group_size: int | None = None
     k_clip_ratio: float = 0.96
     v_clip_ratio: float = 0.92
@@ -312,6 +333,8 @@ class QuantSection:
 
 @dataclass(frozen=True)
 class ServeSection:
+    """``[serve]``: server flags and environment."""
+
     tp: int = 1
     port: int = 30000
     host: str = "127.0.0.1"
@@ -324,6 +347,8 @@ class ServeSection:
 
 @dataclass(frozen=True)
 class EvalSection:
+    """``[eval]``: tasks, seeds and sampling of ``eval-recipe``."""
+
     tasks: list[str] = field(default_factory=lambda: ["gpqa"])
     seeds: list[int] = field(default_factory=lambda: [0])
     max_tokens: int = 32768
@@ -336,6 +361,8 @@ class EvalSection:
 
 @dataclass(frozen=True)
 class Recipe:
+    """A validated recipe file (see the module docstring for the schema)."""
+
     path: Path  # absolute path of the recipe file
     model: ModelSection
     geometry: GeometrySection
@@ -346,6 +373,7 @@ class Recipe:
 
     @property
     def folder(self) -> Path:
+        """The recipe's folder (where a relative ``[rotation].path`` is resolved)."""
         return self.path.parent
 
     @property
@@ -363,6 +391,7 @@ class Recipe:
 
     @property
     def context_length(self) -> int | None:
+        """``[serve].context_length``, else ``[model].context_length``, else None."""
         return self.serve.context_length or self.model.context_length
 
 
@@ -568,9 +597,3 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from None
     return parse_recipe(data, path)
 
-
-def recipe_as_dict(recipe: Recipe) -> dict[str, Any]:
-    """A JSON-serialisable view (recorded next to results)."""
-    d = dataclasses.asdict(recipe)
-    d["path"] = str(recipe.path)
-    return d

@@ -5,7 +5,10 @@ wrappers).
 Both arms go through the identical launch path (:func:`launcher.build_server_command`); only
 the KV flags differ. Every step is an ordinary ``sglang-oscar`` command, printed before it
 runs (``--dry-run`` prints them all and runs nothing), so any step can be repeated by hand.
-Runs are resumable: an arm whose tasks are all complete is not served again.
+Runs are resumable: an arm whose tasks are all complete is not served again. An eval that
+finishes incomplete (exit 1: some samples rejected or failed, counted as wrong) does not stop
+the other tasks and arms; an error (exit 2) does. The command exits 1 when any run is
+incomplete.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ DEFAULT_ARMS = ("bf16", "int2")
 
 @dataclass
 class ArmPlan:
+    """What ``eval-recipe`` does for one arm: its server, its eval commands, where."""
+
     arm: str
     server: launcher.ServerCommand
     evals: list[list[str]]  # argv after "sglang-oscar"
@@ -34,6 +39,7 @@ class ArmPlan:
 
 def eval_argv(recipe: Recipe, task: str, base_url: str, out_dir: Path,
               data_file: str | None) -> list[str]:
+    """The ``sglang-oscar eval`` argv (without the program name) for one task of one arm."""
     e = recipe.eval
     argv = ["eval", "--task", task, "--base-url", base_url, "--model", recipe.model.hf_id,
             "--seeds", *[str(s) for s in e.seeds], "--threads", str(e.threads),
@@ -51,6 +57,7 @@ def eval_argv(recipe: Recipe, task: str, base_url: str, out_dir: Path,
 
 def plan(recipe: Recipe, arms: list[str], out: Path, data_files: dict[str, str],
          check_files: bool) -> list[ArmPlan]:
+    """One :class:`ArmPlan` per arm; ValueError/FileNotFoundError from the launcher."""
     plans = []
     for arm in arms:
         cmd = launcher.build_server_command(recipe, arm, check_files=check_files)
@@ -78,6 +85,10 @@ def _complete(run_dir: Path, recipe: Recipe) -> bool:
 def run_recipe(recipe_path: str | Path, arms: list[str] | None = None, out: str | Path | None = None,
                data_files: dict[str, str] | None = None, dry_run: bool = False,
                health_timeout: float = 1800.0, health_interval: float = 1.0) -> int:
+    """Serve each arm, run its evals, stop it, then compare bf16 with int2 (see the module
+    docstring). Returns 0 when every run is complete, 1 when some run finished incomplete,
+    or the status of the first step that failed (2: an error). Raises ValueError / EvalError
+    (LaunchError, DatasetUnavailable, RecipeError) for bad input and launch failures."""
     from sglang_oscar.cli.main import main as cli_main
 
     recipe = load_recipe(recipe_path)
@@ -119,6 +130,7 @@ def run_recipe(recipe_path: str | Path, arms: list[str] | None = None, out: str 
     for t in recipe.eval.tasks:
         load_task_data(t, data_files.get(t))
 
+    incomplete: list[str] = []
     for p in plans:
         if all(_complete(d, recipe) for d in p.out_dirs.values()):
             print(f"# arm {p.arm}: all tasks complete in {out / p.arm}; not serving it again")
@@ -133,13 +145,21 @@ def run_recipe(recipe_path: str | Path, arms: list[str] | None = None, out: str 
             for argv in p.evals:
                 print(shlex.join(["sglang-oscar", *argv]), flush=True)
                 rc = cli_main(argv)
-                if rc:
+                if rc == 1:  # finished, but some samples were rejected or failed
+                    incomplete.append(argv[argv.index("--out") + 1])
+                elif rc:
                     return rc
         finally:
             server.stop()
     for argv in compares:
         print(shlex.join(["sglang-oscar", *argv]), flush=True)
         rc = cli_main(argv)
-        if rc:
+        if rc == 1:  # nothing to pair (no sample finished in both runs)
+            incomplete.append(argv[-1])
+        elif rc:
             return rc
+    if incomplete:
+        print(f"# incomplete (rejected or failed samples count as wrong; re-run to retry "
+              f"them): {', '.join(incomplete)}", flush=True)
+        return 1
     return 0

@@ -3,12 +3,17 @@
 Output folder (``--out``):
 
 * ``run.json``: the settings that define the run (task, model, sampling parameters, system
-  prompt, prompt version) plus bookkeeping (data source, seeds, base URL, versions). Resuming
-  into a folder whose defining settings differ is refused.
+  prompt, prompt version) plus bookkeeping (data source, seeds, base URL, versions). It is
+  written only after the server accepted ``--model``. Resuming into a folder whose defining
+  settings differ is refused once ``samples.jsonl`` holds a row (before that the folder has
+  nothing to protect and is simply re-initialised).
 * ``samples.jsonl``: one JSON object per line and per (seed, sample index), appended as soon
-  as the sample is graded: ``seed, index, id, prompt_sha, prompt, status`` (ok | rejected |
-  error), ``response, reasoning, finish_reason, truncated, extracted, gold, correct, note,
-  error, usage, attempts, elapsed_s``. When a key appears more than once the last line wins.
+  as the sample is graded: ``seed, index, id, prompt_sha, prompt, gold, gold_sha, status``
+  (ok | rejected | error), ``response, reasoning, finish_reason, truncated, extracted,
+  normalized, correct, note, error, usage, attempts, elapsed_s``. When a key appears more than
+  once the last line wins. A kept row whose gold answer (``gold_sha``: the gold, and for
+  HumanEval the tests) differs from the data file's is refused on resume, or re-graded
+  with ``--regrade``.
   Rows with status ``ok`` are finished; ``rejected``/``error`` rows are asked again on the next
   run. A line cut short by a crash is dropped on resume.
 * ``metrics.json``: per seed ``n`` (the full denominator), ``correct``, ``accuracy``,
@@ -39,7 +44,7 @@ from sglang_oscar.evals.client import (
 )
 from sglang_oscar.evals.datasets import LoadedDataset, Sample, load_task_data
 from sglang_oscar.evals.errors import EvalError, MassRejection
-from sglang_oscar.evals.tasks import PROMPT_VERSION, TASKS, Prompt, build_prompt, grade
+from sglang_oscar.evals.tasks import PROMPT_VERSION, Prompt, build_prompt, check_task, grade
 
 RUN_FILE = "run.json"
 SAMPLES_FILE = "samples.jsonl"
@@ -53,6 +58,8 @@ MIN_ATTEMPTS_FOR_ABORT = 8
 
 @dataclass
 class EvalSettings:
+    """Everything one ``sglang-oscar eval`` run needs (the CLI flags)."""
+
     task: str
     model: str
     base_url: str
@@ -116,7 +123,9 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _check_run_file(out: Path, settings: EvalSettings) -> dict[str, Any]:
+def _check_run_file(out: Path, settings: EvalSettings, has_rows: bool) -> dict[str, Any]:
+    """The existing run record (``{}`` if none); EvalError when it holds samples asked with
+    different defining settings."""
     path = out / RUN_FILE
     defining = settings.defining()
     record: dict[str, Any] = {}
@@ -129,6 +138,8 @@ def _check_run_file(out: Path, settings: EvalSettings) -> dict[str, Any]:
         diffs = [
             f"{k}: {old.get(k)!r} -> {v!r}" for k, v in defining.items() if old.get(k) != v
         ]
+        if diffs and not has_rows:
+            return {}  # nothing was asked under the old settings: start afresh
         if diffs:
             raise EvalError(
                 f"{out} holds a run with different settings ({'; '.join(diffs)}); "
@@ -145,6 +156,8 @@ def compute_metrics(
     samples: list[Sample],
     rows: dict[tuple[int, int], dict[str, Any]],
 ) -> dict[str, Any]:
+    """The ``metrics.json`` dict of ``rows`` (keyed by (seed, index)) over ``samples`` and
+    the settings' seeds: per-seed counts with the full denominator, mean ± std over seeds."""
     per_seed: dict[str, Any] = {}
     accs: list[float] = []
     totals = {"truncated": 0, "no_answer": 0, "rejected": 0, "errors": 0, "missing": 0}
@@ -187,6 +200,7 @@ def compute_metrics(
 
 
 def format_metrics(m: dict[str, Any]) -> str:
+    """A few human-readable lines summarising a metrics dict."""
     lines = [
         f"{m['task']} | {m['model']} | n = {m['n']} x {m['n_seeds']} seed(s)",
         f"accuracy {100 * m['accuracy_mean']:.2f} ± {100 * m['accuracy_std']:.2f} "
@@ -214,12 +228,14 @@ def _row(seed: int, sample: Sample, prompt: Prompt, comp: Completion) -> dict[st
         "prompt_sha": prompt.sha,
         "prompt": prompt.messages,
         "gold": prompt.gold,
+        "gold_sha": prompt.gold_sha,
         "status": comp.status,
         "response": comp.content,
         "reasoning": comp.reasoning,
         "finish_reason": comp.finish_reason,
         "truncated": comp.finish_reason == "length",
         "extracted": None,
+        "normalized": None,
         "correct": False,
         "note": None,
         "error": comp.error,
@@ -234,7 +250,10 @@ def _apply_grade(task: str, row: dict[str, Any], sample: Sample, prompt: Prompt,
                  settings: EvalSettings) -> None:
     g, note = grade(task, row["response"], sample, prompt,
                     humaneval_timeout=settings.humaneval_timeout)
+    row["gold"] = prompt.gold
+    row["gold_sha"] = prompt.gold_sha
     row["extracted"] = g.extracted
+    row["normalized"] = g.normalized
     row["correct"] = bool(g.correct)
     row["truncated"] = bool(row.get("finish_reason") == "length" or g.truncated)
     row["note"] = note
@@ -247,9 +266,13 @@ def run_eval(
     client: ChatClient | None = None,
     on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) one evaluation; returns the metrics dict (also in metrics.json)."""
-    if settings.task not in TASKS:
-        raise EvalError(f"unknown task {settings.task!r}; choose from {', '.join(TASKS)}")
+    """Run (or resume) one evaluation; returns the metrics dict (also in metrics.json).
+
+    ``dataset`` / ``client`` replace the loaded data and the HTTP client (tests);
+    ``on_result`` is called with every new row. Raises :class:`EvalError` (bad settings,
+    changed data or settings under the same folder, wrong model, mass rejection, unreachable
+    server)."""
+    check_task(settings.task)
     if not settings.seeds:
         raise EvalError("no seeds given")
     if len(set(settings.seeds)) != len(settings.seeds):
@@ -269,7 +292,34 @@ def run_eval(
 
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = _check_run_file(out, settings)
+    samples_path = out / SAMPLES_FILE
+    rows = read_rows(samples_path, repair=True)
+    record = _check_run_file(out, settings, has_rows=bool(rows))
+    prompts = {
+        (seed, s.index): build_prompt(settings.task, s, seed, settings.system_prompt)
+        for seed in settings.seeds
+        for s in samples
+    }
+    _check_kept_rows(samples_path, rows, prompts, settings.regrade)
+
+    pending = [
+        (seed, s)
+        for seed in settings.seeds
+        for s in samples
+        if rows.get((seed, s.index), {}).get("status") != "ok"
+    ]
+    if pending:
+        if client is None:
+            client = ChatClient(
+                settings.base_url,
+                settings.model,
+                request_timeout=settings.request_timeout,
+                retries=settings.retries,
+                backoff=settings.backoff,
+            )
+        # Before run.json is written: a mistyped --model must not be locked into the folder.
+        client.check_model()
+
     seeds_seen = sorted(set(record.get("seeds", [])) | set(settings.seeds))
     from sglang_oscar import __version__ as pkg_version  # noqa: PLC0415
 
@@ -286,22 +336,6 @@ def run_eval(
     )
     _write_json(out / RUN_FILE, record)
 
-    samples_path = out / SAMPLES_FILE
-    rows = read_rows(samples_path, repair=True)
-    prompts = {
-        (seed, s.index): build_prompt(settings.task, s, seed, settings.system_prompt)
-        for seed in settings.seeds
-        for s in samples
-    }
-    for key, p in prompts.items():
-        row = rows.get(key)
-        if row is not None and row.get("prompt_sha") != p.sha:
-            raise EvalError(
-                f"{samples_path}: seed {key[0]} sample {key[1]} was asked a different prompt "
-                f"({row.get('prompt_sha')} vs {p.sha} now): the dataset or prompt changed; "
-                "use another --out folder"
-            )
-
     by_index = {s.index: s for s in samples}
     if settings.regrade:
         for key, row in rows.items():
@@ -313,12 +347,6 @@ def run_eval(
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         os.replace(tmp, samples_path)
 
-    pending = [
-        (seed, s)
-        for seed in settings.seeds
-        for s in samples
-        if rows.get((seed, s.index), {}).get("status") != "ok"
-    ]
     total = len(samples) * len(settings.seeds)
     try:
         if pending:
@@ -329,18 +357,41 @@ def run_eval(
     return metrics
 
 
-def _ask(settings, client, pending, prompts, rows, samples_path, total, on_result) -> None:
-    own_client = client is None
-    if own_client:
-        client = ChatClient(
-            settings.base_url,
-            settings.model,
-            request_timeout=settings.request_timeout,
-            retries=settings.retries,
-            backoff=settings.backoff,
-        )
-    client.check_model()
+def _check_kept_rows(samples_path: Path, rows: dict[tuple[int, int], dict[str, Any]],
+                     prompts: dict[tuple[int, int], Prompt], regrade: bool) -> None:
+    """Every recorded row must have been asked the prompt asked now, and every kept (ok)
+    row graded against today's gold answer (unless ``regrade`` will re-grade it)."""
+    for key, p in prompts.items():
+        row = rows.get(key)
+        if row is None:
+            continue
+        if row.get("prompt_sha") != p.sha:
+            raise EvalError(
+                f"{samples_path}: seed {key[0]} sample {key[1]} was asked a different prompt "
+                f"({row.get('prompt_sha')} vs {p.sha} now): the dataset or prompt changed; "
+                "use another --out folder"
+            )
+        if row.get("status") != "ok" or regrade:
+            continue  # asked again, or re-graded against the current gold
+        if not gold_matches(row, p):
+            raise EvalError(
+                f"{samples_path}: seed {key[0]} sample {key[1]} was graded against a different "
+                f"gold answer ({row.get('gold')!r} vs {p.gold!r} now"
+                f"{'' if row.get('gold') != p.gold else ', or different tests'}): the dataset "
+                "changed; re-run with --regrade to re-grade the recorded responses against "
+                "the current answers, or use another --out folder"
+            )
 
+
+def gold_matches(row: dict[str, Any], prompt: Prompt) -> bool:
+    """Whether a recorded row was graded against ``prompt``'s reference (gold answer, and
+    HumanEval's tests): by ``gold_sha``, or by ``gold`` for rows written before it existed."""
+    if row.get("gold_sha") is not None:
+        return row["gold_sha"] == prompt.gold_sha
+    return "gold" not in row or str(row["gold"]) == prompt.gold
+
+
+def _ask(settings, client, pending, prompts, rows, samples_path, total, on_result) -> None:
     jobs: queue.Queue = queue.Queue()
     results: queue.Queue = queue.Queue()
     stop = threading.Event()

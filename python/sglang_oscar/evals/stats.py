@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Hashable, Sequence
 
 
 def mean(xs: Sequence[float]) -> float:
+    """Arithmetic mean; NaN for an empty sequence."""
     return sum(xs) / len(xs) if xs else float("nan")
 
 
@@ -19,21 +20,36 @@ def std(xs: Sequence[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
 
 
-def paired(a: Sequence[int], b: Sequence[int]) -> dict[str, float]:
+def paired(a: Sequence[int], b: Sequence[int],
+           clusters: Sequence[Hashable] | None = None) -> dict[str, float]:
     """Paired comparison of two 0/1 sequences (same samples, same order).
 
-    Returns n, accuracies, the mean difference b - a, its standard error (std of the
-    per-sample differences / sqrt(n)), and the discordant counts (McNemar)."""
+    Returns n, accuracies, the mean difference b - a, its standard error, and the discordant
+    counts (McNemar). ``clusters`` names the question of each pair: pairs of one question
+    asked under several seeds are not independent, so the standard error is the
+    cluster-robust one over questions. With every question under the same seeds it equals
+    std(per-question mean difference) / sqrt(questions); without clusters (every pair its own
+    question) it is std(differences) / sqrt(n). NaN with fewer than 2 questions."""
     if len(a) != len(b):
         raise ValueError("paired sequences must have the same length")
     n = len(a)
+    if clusters is None:
+        clusters = list(range(n))
+    if len(clusters) != n:
+        raise ValueError("clusters must have one entry per pair")
     d = [int(y) - int(x) for x, y in zip(a, b)]
     only_a = sum(1 for x, y in zip(a, b) if x and not y)
     only_b = sum(1 for x, y in zip(a, b) if y and not x)
     diff = mean(d) if n else float("nan")
-    se = std(d) / math.sqrt(n) if n >= 2 else float("nan")
+    resid: dict[Hashable, float] = {}
+    for c, di in zip(clusters, d):
+        resid[c] = resid.get(c, 0.0) + (di - diff)
+    q = len(resid)
+    se = (math.sqrt(q / (q - 1) * sum(r * r for r in resid.values())) / n
+          if q >= 2 else float("nan"))
     return {
         "n": n,
+        "n_questions": q,
         "acc_a": mean([float(x) for x in a]) if n else float("nan"),
         "acc_b": mean([float(y) for y in b]) if n else float("nan"),
         "diff": diff,

@@ -14,11 +14,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_oscar.evals.datasets import Sample
+from sglang_oscar.evals.datasets import TASKS, Sample, check_task
 from sglang_oscar.evals.graders import aime, gpqa, humaneval, math500
 from sglang_oscar.evals.graders.common import Grade
-
-TASKS = ("gpqa", "aime25", "math500", "humaneval")
 # Bump when a prompt template changes: recorded with every run so that resumed/compared runs
 # cannot mix prompt versions silently.
 PROMPT_VERSION = 1
@@ -40,16 +38,30 @@ HUMANEVAL_TEMPLATE = (
 )
 
 
+def _sha(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class Prompt:
+    """What is asked for one (seed, sample) and what it is graded against."""
+
     messages: list[dict[str, str]]
     gold: str  # the reference answer as recorded (GPQA: letter; HumanEval: task id)
     meta: dict[str, Any]
+    # Everything the grade depends on besides the response (gold; HumanEval: also the tests)
+    reference: dict[str, Any] | None = None
 
     @property
     def sha(self) -> str:
-        blob = json.dumps(self.messages, sort_keys=True, ensure_ascii=False).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """Hash of the messages: a resumed or compared row must have been asked this."""
+        return _sha(self.messages)
+
+    @property
+    def gold_sha(self) -> str:
+        """Hash of the grading reference: a kept row must have been graded against this."""
+        return _sha(self.reference if self.reference is not None else {"gold": self.gold})
 
 
 def gpqa_permutation(seed: int, index: int) -> list[int]:
@@ -61,6 +73,10 @@ def gpqa_permutation(seed: int, index: int) -> list[int]:
 
 
 def build_prompt(task: str, sample: Sample, seed: int, system_prompt: str | None = None) -> Prompt:
+    """The chat messages, gold answer and metadata for ``sample`` under ``seed`` (only GPQA
+    depends on the seed). Raises :class:`EvalError` for an unknown task and ValueError for a
+    gold answer that cannot be read (datasets are checked when loaded, so not in practice)."""
+    check_task(task)
     f = sample.fields
     meta: dict[str, Any] = {}
     if task == "gpqa":
@@ -77,27 +93,32 @@ def build_prompt(task: str, sample: Sample, seed: int, system_prompt: str | None
     elif task == "math500":
         text = MATH_TEMPLATE.format(problem=str(f["problem"]).strip())
         gold = str(f["answer"])
-    elif task == "humaneval":
+    else:  # humaneval
         text = HUMANEVAL_TEMPLATE.format(prompt=f["prompt"])
         gold = str(f["task_id"])
-    else:
-        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    reference: dict[str, Any] = {"gold": gold}
+    if task == "humaneval":
+        reference.update(test=str(f["test"]), entry_point=str(f["entry_point"]))
     messages = []
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": text})
-    return Prompt(messages=messages, gold=gold, meta=meta)
+    return Prompt(messages=messages, gold=gold, meta=meta, reference=reference)
 
 
 def grade(task: str, text: str | None, sample: Sample, prompt: Prompt, *,
           humaneval_timeout: float = humaneval.DEFAULT_TIMEOUT_S) -> tuple[Grade, str | None]:
-    """Grade one response. Returns (grade, note) where note explains HumanEval failures."""
+    """Grade one response ``text`` (None or "" = no answer) against ``prompt.gold`` (HumanEval:
+    the sample's tests). Returns (grade, note) where note explains HumanEval results."""
+    check_task(task)
     if task == "gpqa":
         return gpqa.grade(text, prompt.gold), None
     if task == "aime25":
         return aime.grade(text, prompt.gold), None
     if task == "math500":
         return math500.grade(text, prompt.gold), None
-    if task == "humaneval":
-        return humaneval.grade(text, sample.fields, timeout=humaneval_timeout)
-    raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    return humaneval.grade(text, sample.fields, timeout=humaneval_timeout)
+
+
+__all__ = ["TASKS", "PROMPT_VERSION", "Prompt", "build_prompt", "check_task", "grade",
+           "gpqa_permutation"]

@@ -17,6 +17,7 @@ class Grade:
     extracted: str | None  # the answer the grader read (None: no answer found)
     correct: bool
     truncated: bool  # the output ended inside the reasoning block (no answer section)
+    normalized: str | None = None  # MATH-500: math-verify's reading of ``extracted``
 
 
 def response_section(text: str | None) -> tuple[str, bool]:
@@ -41,7 +42,12 @@ def response_section(text: str | None) -> tuple[str, bool]:
 def boxed_contents(text: str) -> list[str]:
     """Contents of every ``\\boxed{...}`` / ``\\fbox{...}`` in ``text`` (balanced braces),
     in order of appearance. An unbalanced last box is ignored."""
-    out: list[str] = []
+    return [content for _, content in boxed_spans(text)]
+
+
+def boxed_spans(text: str) -> list[tuple[int, str]]:
+    """Like :func:`boxed_contents`, with the offset of each box's content in ``text``."""
+    out: list[tuple[int, str]] = []
     for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
         depth = 1
         i = m.end()
@@ -54,10 +60,11 @@ def boxed_contents(text: str) -> list[str]:
                 depth -= 1
             i += 1
         if depth == 0:
-            out.append(text[start : i - 1])
+            out.append((start, text[start : i - 1]))
     return out
 
 
 def last_boxed(text: str) -> str | None:
+    """Content of the last balanced ``\\boxed{...}`` in ``text``, or None."""
     boxes = boxed_contents(text)
     return boxes[-1] if boxes else None

@@ -2,8 +2,10 @@
 
 The answer is the last balanced ``\\boxed{}`` of the response section (after the reasoning
 block), parsed by ``math_verify.parse``; without a box the whole response section is parsed
-(math-verify then looks for "final answer is" forms and bare expressions). The gold answer
-is parsed from ``$<answer>$``. ``math_verify.verify(gold, prediction)`` decides:
+(math-verify then looks for "final answer is" forms and bare expressions). ``extracted`` is
+the raw text read (the box content, or the substring math-verify matched) and
+``normalized`` math-verify's rendering of it. The gold answer is parsed from
+``$<answer>$`` (every row is checked when the dataset is loaded, :func:`parse_gold`). ``math_verify.verify(gold, prediction)`` decides:
 ``\\frac{1}{2}`` = ``0.5`` = ``\\dfrac12``, ``(x+1)^2`` = ``x^2+2x+1``, intervals, sets, units
 and ``^\\circ`` stripped, ``\\text{(C)}`` = ``C``.
 
@@ -22,6 +24,14 @@ def _parse(text: str):
     return parse(text)
 
 
+def parse_gold(gold: str):
+    """math-verify's parse of a gold answer; ValueError if nothing can be parsed."""
+    parsed = _parse(f"${gold}$")
+    if not parsed:
+        raise ValueError(f"MATH-500 gold answer {gold!r} could not be parsed by math-verify")
+    return parsed
+
+
 def extract(response: str):
     """Parse the answer: the last balanced ``\\boxed{}`` alone when there is one (math-verify
     would otherwise merge several boxes into a set), else the whole response section."""
@@ -34,6 +44,7 @@ def extract(response: str):
 
 
 def grade(text: str | None, gold: str) -> Grade:
+    """Grade one raw model output against the gold answer (LaTeX, as in the dataset)."""
     from math_verify import verify
 
     response, unterminated = response_section(text)
@@ -42,8 +53,10 @@ def grade(text: str | None, gold: str) -> Grade:
     pred = extract(response)
     if not pred:
         return Grade(extracted=None, correct=False, truncated=False)
-    gold_parsed = _parse(f"${gold}$")
-    if not gold_parsed:
-        raise ValueError(f"MATH-500 gold answer {gold!r} could not be parsed")
-    shown = pred[-1] if isinstance(pred[-1], str) else str(pred[0])
-    return Grade(extracted=shown, correct=bool(verify(gold_parsed, pred)), truncated=False)
+    gold_parsed = parse_gold(gold)
+    box = last_boxed(response)
+    matched = pred[-1] if isinstance(pred[-1], str) else None
+    raw = box if box is not None else (matched if matched is not None else str(pred[0]))
+    normalized = str(pred[0])
+    return Grade(extracted=raw, correct=bool(verify(gold_parsed, pred)), truncated=False,
+                 normalized=normalized)
