@@ -6,8 +6,17 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NAME="$(basename "$HERE")"
-cd "$HERE/../.."
 RECIPE="rotation/$NAME/recipe.toml"
+
+# User paths are taken relative to the directory the script is called from; the steps run from
+# the repository root, so they are made absolute first: an existing --model/--data path (a Hub
+# id or datasets name is left as it is) and always --out-dir.
+abs_path() {
+  case "$1" in
+    /*) printf '%s' "$1" ;;
+    *) printf '%s/%s' "$PWD" "$1" ;;
+  esac
+}
 
 usage() {
   cat <<USAGE
@@ -16,14 +25,17 @@ Usage: rotation/$NAME/compute_rotation.sh [--model PATH] [--data SOURCE] [--out-
 Runs, from the repository root, with the settings of $RECIPE:
   1. sglang-oscar calibrate  (post-RoPE Q/K/V statistics, fp64, resumable; skipped for data-free methods)
   2. sglang-oscar fit        (statistics -> validated rotation file at [rotation].path)
-  3. sglang-oscar validate   (the rotation file against the calibrated model's config)
+  3. sglang-oscar validate-rotation  (the rotation file, K/V or latent, against the model's config)
 
   --model PATH     local checkpoint directory (default: the recipe's hf_id)
   --data SOURCE    calibration prompts: text/JSONL file, task:<name> or a datasets name
                    (default: the recipe's calib_data)
   --out-dir DIR    write statistics and rotation under DIR instead of rotation/$NAME
   --dry-run        print the exact commands and exit
-  -- ARGS          extra arguments for the calibrate step (e.g. -- --batch-size 4 --dtype bfloat16)
+  -- ARGS          extra arguments for the calibrate step (e.g. -- --batch-size 4 --dtype bfloat16);
+                   paths among them are read from the repository root
+
+Relative --model/--data/--out-dir paths are relative to the current directory.
 USAGE
 }
 
@@ -36,11 +48,14 @@ while (($#)); do
     --dry-run) DRY_RUN=1; shift ;;
     --model|--data|--out-dir)
       if (($# < 2)); then echo "compute_rotation.sh: $1 needs a value" >&2; exit 2; fi
-      RC_ARGS+=("$1" "$2"); shift 2 ;;
+      value="$2"
+      if [[ "$1" == --out-dir || -e "$value" ]]; then value="$(abs_path "$value")"; fi
+      RC_ARGS+=("$1" "$value"); shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "compute_rotation.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+cd "$HERE/../.."
 
 if command -v sglang-oscar >/dev/null 2>&1; then
   OSCAR=(sglang-oscar)

@@ -9,7 +9,7 @@ import pytest
 from calib_tiny import build_model, make_text, make_tokenizer, save_model
 from sglang_oscar.calibrate import CalibrationError, ShortDataWarning
 from sglang_oscar.calibrate.model import geometry_of
-from sglang_oscar.calibrate.prompts import build_prompt_set, load_documents
+from sglang_oscar.calibrate.prompts import Documents, build_prompt_set, load_documents
 from sglang_oscar.cli.main import main
 
 
@@ -131,3 +131,42 @@ def test_statistics_or_rotation_from_another_model_cli(model_dirs, prompt_files,
                    "--tokens", "256", "--seq-len", "128", "--rotation", str(rot), "--sink", "4", "--recent", "8"])
         err = capsys.readouterr().err
         assert rc == 2 and "does not fit this model" in err, err
+
+
+def test_no_pack_skips_short_documents_instead_of_stopping(tokenizer):
+    """A document of fewer than 2 tokens is skipped; the documents after it are still used."""
+    long_docs = make_text(6, 20, 4)
+    short_docs = [d.split()[0] for d in make_text(6, 5, 5)]  # one token each
+    docs = Documents([d for pair in zip(short_docs, long_docs) for d in pair], "jsonl", "mem", "0" * 64)
+    want = sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in long_docs)
+    with pytest.warns(ShortDataWarning):
+        ps = build_prompt_set(tokenizer, "mem", budget=10_000, seq_len=64, pack=False, documents=docs)
+    assert ps.num_tokens == want and len(ps.sequences) == len(long_docs)
+    assert ps.meta["documents_used"] == len(docs.texts)
+    # the budget still stops consumption
+    ps = build_prompt_set(tokenizer, "mem", budget=30, seq_len=64, pack=False, documents=docs)
+    assert ps.num_tokens == 30
+
+
+def test_zero_token_budget_is_refused(model_dirs, tmp_path, capsys):
+    txt = _text_file(tmp_path / "a.txt", make_text(5, 50, 0))
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--model", str(model_dirs["qwen3"]), "--prompts", txt, "--tokens", "0",
+              "--out", str(tmp_path / "s.safetensors")])
+    assert exc.value.code == 2 and "must be a positive number of tokens, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "s.safetensors").exists()
+    with pytest.raises(CalibrationError, match="must be positive"):
+        build_prompt_set(make_tokenizer(), txt, budget=0)
+
+
+def test_public_helpers_are_documented():
+    from sglang_oscar.calibrate import error, ppl, prompts, recipes, run
+    from sglang_oscar.calibrate.model import model_id_of
+    from sglang_oscar.calibrate.oracle import RotationCache, latent_fake_quant
+    from sglang_oscar.calibrate.stats import CalibrationStats
+    from sglang_oscar.rotation.latent import LatentRotationSet
+
+    for obj in (prompts.Documents, run.args_key, run.summary, CalibrationStats.metadata, RotationCache.get, error._db,
+                ppl._nll, model_id_of, recipes.default_paths, LatentRotationSet.matrix):
+        assert obj.__doc__ and obj.__doc__.strip() and not obj.__doc__.startswith(obj.__name__ + "("), obj
+    assert "float32 ``[R, R]``" in latent_fake_quant.__doc__

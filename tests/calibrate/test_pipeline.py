@@ -48,7 +48,8 @@ def test_pipeline(family, model_dirs, prompt_files, tmp_path, capsys):
     methods = ["oscar"] if mla else ["oscar", "oscar-perhead"]
     for method in methods:
         path = tmp_path / f"{method}.safetensors"
-        _run(["fit", "--stats", stats, "--method", method, "--out", path, "--min-tokens", 1000, "--latent-block", 32], capsys)
+        _run(["fit", "--stats", stats, "--method", method, "--out", path, "--min-tokens", 1000,
+              *(["--latent-block", 32] if mla else [])], capsys)
         if mla:
             rs = LatentRotationSet.load(str(path))
             mats = list(rs.r.values())

@@ -3,6 +3,8 @@ the wrappers print the exact commands; a recipe drives calibrate -> fit -> valid
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from sglang_oscar.calibrate import CalibrationError
-from sglang_oscar.calibrate.recipes import check_geometry, geometry_mismatches, load, oscar_config, step_command
-from sglang_oscar.rotation.geometry import ModelGeometry
+from sglang_oscar.calibrate.model import geometry_of
+from sglang_oscar.calibrate.recipes import (check_geometry, geometry_mismatches, load, oscar_config, rotation_kind,
+                                            step_command, trust_remote_code)
+from sglang_oscar.rotation.latent import LatentRotationSet
 
 REPO = Path(__file__).resolve().parents[2]
 ROT = REPO / "rotation"
@@ -24,7 +28,8 @@ SPEC = {
     "Qwen3-30B-A3B": dict(family="qwen3_moe", layers=48, q=32, kv=4, d=128, method="oscar-perhead", tp=2, win=(128, 1024), clip=(0.96, 0.92)),
     "Gemma-4-12B-it": dict(family="gemma4", layers=48, method="oscar", tp=1, win=(64, 512), clip=(0.96, 0.92)),
     "GLM-5.2-FP8": dict(family="glm_mla", method="oscar", tp=8, win=(64, 512), rank=512, rope=64),
-    "Kimi-K3": dict(family="kimi_k3", layers=93, method="oscar", tp=8, win=(64, 256), clip=(0.96, 0.92), dk=192, dv=128),
+    # the latent path of upstream's later recipe (spec §6.3 [L], §10); expanded MHA is not supported
+    "Kimi-K3": dict(family="kimi_k3", layers=93, method="oscar", tp=8, win=(64, 256), rank=512, rope=64, mla_layers=24),
     "MiniMax-M2.7": dict(family="minimax_m2", layers=62, q=48, kv=8, d=128, method="oscar", tp=4, win=(128, 1024), clip=(0.96, 0.92)),
     "MiniMax-M3": dict(family="minimax_m3", q=64, kv=4, method="hadamard", win=(64, 256), clip=(0.96, 0.92)),
 }
@@ -42,6 +47,17 @@ def _hf_config(name: str, **over) -> dict:
     elif name == "GLM-5.2-FP8":
         d = dict(model_type="glm_moe_dsa", num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64,
                  kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=6144)
+    elif name == "Kimi-K3":
+        # KDA + MLA hybrid: the KDA layers are listed 1-based (spec §3.6); 24 of 93 layers are MLA
+        mla = set(range(4, 93, 4)) | {93}
+        d = dict(model_type="kimi_k3", num_hidden_layers=93, num_attention_heads=64, num_key_value_heads=64,
+                 kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, hidden_size=7168,
+                 linear_attn_config={"kda_layers": [i for i in range(1, 94) if i not in mla]})
+    elif name == "MiniMax-M3":
+        d = dict(model_type="minimax_m3", num_hidden_layers=60, num_attention_heads=64, num_key_value_heads=4, head_dim=128)
+    elif name == "MiniMax-M2.7":
+        d = dict(model_type="minimax_m2", num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+                 rotary_dim=64)
     else:
         d = dict(model_type=s["family"], num_hidden_layers=s.get("layers", 60), num_attention_heads=s["q"],
                  num_key_value_heads=s["kv"], head_dim=s["d"])
@@ -82,15 +98,88 @@ def test_recipe_matches_spec(name):
     assert "upstream" in readme.lower() and "not ours" in readme.lower()
 
 
-@pytest.mark.parametrize("name", sorted(n for n in SPEC if n not in ("Kimi-K3", "MiniMax-M3")))
+@pytest.mark.parametrize("name", sorted(SPEC))
 def test_recipe_geometry_checks_against_model_config(name):
     r = load(ROT / name / "recipe.toml")
-    geo = ModelGeometry.from_hf_config(_hf_config(name))
-    assert geometry_mismatches(r, geo) == []
-    check_geometry(r, geo)
-    wrong = {"GLM-5.2-FP8": dict(kv_lora_rank=256), "Gemma-4-12B-it": dict(sliding_window=512)}.get(name, dict(num_key_value_heads=2))
+    cfg = _hf_config(name)
+    geo = geometry_of(cfg)
+    assert geometry_mismatches(r, geo, cfg) == []
+    check_geometry(r, geo, cfg)
+    assert rotation_kind(r) == ("latent" if geo.attention_kind == "mla" else "kv")
+    if "mla_layers" in SPEC[name]:
+        assert len(geo.layers) == SPEC[name]["mla_layers"] and geo.num_hidden_layers == SPEC[name]["layers"]
+    wrong = {"GLM-5.2-FP8": dict(kv_lora_rank=256), "Kimi-K3": dict(kv_lora_rank=256),
+             "Gemma-4-12B-it": dict(sliding_window=512)}.get(name, dict(num_key_value_heads=2))
+    bad = _hf_config(name, **wrong)
     with pytest.raises(CalibrationError, match="does not match the recipe"):
-        check_geometry(r, ModelGeometry.from_hf_config(_hf_config(name, **wrong)))
+        check_geometry(r, geometry_of(bad), bad)
+
+
+def test_kimi_geometry_skips_kda_layers():
+    """Kimi-K3's 24 MLA layers keep their global ids; the 1-based KDA list is honoured."""
+    geo = geometry_of(_hf_config("Kimi-K3"))
+    assert geo.attention_kind == "mla" and geo.kv_lora_rank == 512
+    assert geo.layer_ids == [i - 1 for i in sorted(set(range(4, 93, 4)) | {93})]
+    with pytest.raises(CalibrationError, match="outside the 1-based layers"):
+        geometry_of(_hf_config("Kimi-K3", linear_attn_config={"kda_layers": [0, 1, 2]}))
+
+
+def test_expanded_mha_kimi_recipe_is_refused(tmp_path):
+    """The PR-era Kimi recipe (K 192 / V 128 per-head dims on an MLA model) is refused instead of
+    silently fitting a latent rotation under a K/V name."""
+    text = (ROT / "Kimi-K3" / "recipe.toml").read_text().replace("num_layers = 93\n", "num_layers = 93\nhead_dim_k = 192\nhead_dim_v = 128\n")
+    (tmp_path / "recipe.toml").write_text(text)
+    r = load(tmp_path / "recipe.toml")
+    cfg = _hf_config("Kimi-K3")
+    bad = geometry_mismatches(r, geometry_of(cfg), cfg)
+    assert [b.split(" =")[0] for b in bad] == ["head_dim_k", "head_dim_v"]
+    assert "expanded-MHA storage is not supported" in bad[0]
+
+
+def _recipe_with_geometry(tmp_path, base: str, geometry: str):
+    """The recipe ``base`` with its [geometry] tables replaced by ``geometry``."""
+    lines, out, skip = (ROT / base / "recipe.toml").read_text().splitlines(), [], False
+    for line in lines:
+        if line.startswith("["):
+            skip = line.startswith("[geometry")
+            if line == "[geometry]":
+                out.append(geometry.strip())
+        if not skip:
+            out.append(line)
+    (tmp_path / "recipe.toml").write_text("\n".join(out) + "\n")
+    return load(tmp_path / "recipe.toml")
+
+
+@pytest.mark.parametrize("geometry, expect", [
+    # top-level keys apply to every attention layer, also next to sub-tables
+    ("[geometry]\nnum_layers = 48\nnum_kv_heads = 8\n[geometry.sliding]\nnum_kv_heads = 8\n", "num_kv_heads: recipe 8, model [1, 8]"),
+    ("[geometry]\nhead_dim = 256\n[geometry.full]\nhead_dim = 512\n", "head_dim_k: recipe 256, model [256, 512]"),
+    ("[geometry]\n[geometry.sliding]\nnum_q_heads = 8\n", "sliding.num_q_heads: recipe 8, model 16"),
+    ("[geometry]\n[geometry.full]\nk_eq_v = false\n", "full.k_eq_v: recipe False, model True"),
+    ("[geometry]\n[geometry.sliding]\nk_eq_v = true\n", "sliding.k_eq_v: recipe True, model False"),
+    ("[geometry]\n[geometry.full]\nsliding_window = 1024\n", "full attention layers have no sliding window"),
+    ("[geometry]\npartial_rotary_dim = 64\n", "per layer type"),
+    ("[geometry]\nkv_lora_rank = 512\n", "kv_lora_rank: recipe 512, but the model is not MLA"),
+])
+def test_every_geometry_key_is_checked_gemma(tmp_path, geometry, expect):
+    r = _recipe_with_geometry(tmp_path, "Gemma-4-12B-it", geometry)
+    cfg = _hf_config("Gemma-4-12B-it")
+    bad = geometry_mismatches(r, geometry_of(cfg), cfg)
+    assert any(expect in b for b in bad), bad
+
+
+def test_partial_rotary_dim_is_checked(tmp_path):
+    r = load(ROT / "MiniMax-M2.7" / "recipe.toml")
+    assert r.geometry.partial_rotary_dim == 64
+    full_rope = _hf_config("MiniMax-M2.7", rotary_dim=None)
+    assert geometry_mismatches(r, geometry_of(full_rope), full_rope) == ["partial_rotary_dim: recipe 64, model 128"]
+    factor = {**_hf_config("MiniMax-M2.7", rotary_dim=None), "partial_rotary_factor": 0.5}
+    assert geometry_mismatches(r, geometry_of(factor), factor) == []
+    # a key that needs the config is reported, not skipped, when the config is not given
+    assert geometry_mismatches(r, geometry_of(factor)) == ["partial_rotary_dim: cannot be checked without the model config"]
+    r = _recipe_with_geometry(tmp_path, "GLM-5.2-FP8", "[geometry]\nkv_lora_rank = 512\nnum_kv_heads = 1\n")
+    cfg = _hf_config("GLM-5.2-FP8")
+    assert "num_kv_heads = 1: the model is MLA" in geometry_mismatches(r, geometry_of(cfg), cfg)[0]
 
 
 def _sh(script: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -114,16 +203,24 @@ def test_wrappers_help_and_dry_run(name, tmp_path):
     rec = f"rotation/{name}/recipe.toml"
     stats = f"rotation/{name}/calib/stats.safetensors"
     rot = f"rotation/{name}/{r.rotation.path or 'rotation.safetensors'}"
+    remote = " --trust-remote-code" if trust_remote_code(r) else ""
     if r.rotation.method == "hadamard":
         assert lines[0].startswith("# calibrate: skipped")
-        assert lines[1] == f"sglang-oscar fit --recipe {rec} --method hadamard --out {rot} --config /models/x"
-        assert lines[2] == f"sglang-oscar validate {rot} --config /models/x"
+        assert lines[1] == f"sglang-oscar fit --recipe {rec} --method hadamard --out {rot} --config /models/x{remote}"
+        # fit copies the config next to the rotation; validate reads that local copy (a Hub id works)
+        assert lines[2] == f"sglang-oscar validate-rotation {rot} --config {rot.removesuffix('.safetensors')}.config.json"
         return
-    assert lines[0] == f"sglang-oscar calibrate --recipe {rec} --model /models/x --out {stats} --batch-size 4"
+    assert lines[0] == f"sglang-oscar calibrate --recipe {rec} --model /models/x --out {stats}{remote} --batch-size 4"
     assert lines[1] == f"sglang-oscar fit --recipe {rec} --method {r.rotation.method} --out {rot} --stats {stats}"
-    verb = "validate-latent" if name == "GLM-5.2-FP8" else "validate"
-    assert lines[2] == f"sglang-oscar {verb} {rot} --config rotation/{name}/calib/stats.config.json"
+    # validate-rotation validates the file as what it holds (K/V or latent)
+    assert lines[2] == f"sglang-oscar validate-rotation {rot} --config rotation/{name}/calib/stats.config.json"
     assert step_command(r, "calibrate", model="/models/x")[1:] == lines[0].split()[1:-2]
+    if name in ("GLM-5.2-FP8", "Kimi-K3"):
+        assert rotation_kind(r) == "latent" and "latent" in rot
+    for step in ("error", "ppl"):  # never the calibration data by default
+        with pytest.raises(CalibrationError, match="held-out prompts"):
+            step_command(r, step)
+        assert step_command(r, step, data="held.jsonl")[-2 - len(remote.split()):][:2] == ["--prompts", "held.jsonl"]
 
 
 def test_recipe_drives_the_pipeline(model_dirs, prompt_files, tmp_path):
@@ -162,3 +259,87 @@ recent_tokens = 16
     (folder / "recipe.toml").write_text((folder / "recipe.toml").read_text().replace("num_kv_heads = 2", "num_kv_heads = 8"))
     res = _sh(folder / "compute_rotation.sh", "--", "--seq-len", "256", cwd=root)
     assert res.returncode != 0 and "does not match the recipe" in res.stderr
+
+
+def test_wrapper_resolves_relative_paths_against_the_callers_directory(tmp_path):
+    """compute_rotation.sh runs the steps from the repository root: relative --model/--data/--out-dir
+    are made absolute first (a Hub id or a datasets name that is not a local path stays as it is)."""
+    (tmp_path / "mymodel").mkdir()
+    (tmp_path / "calib.txt").write_text("some text\n")
+    script = ROT / "Qwen3-8B" / "compute_rotation.sh"
+    res = _sh(script, "--dry-run", "--model", "mymodel", "--data", "calib.txt", "--out-dir", "out", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    calib, fit, _ = res.stdout.splitlines()
+    assert f"--model {tmp_path}/mymodel " in calib and calib.endswith(f"--prompts {tmp_path}/calib.txt")
+    assert f"--out {tmp_path}/out/calib/stats.safetensors" in calib
+    assert f"--out {tmp_path}/out/oscar_qqt_sst.safetensors" in fit
+    res = _sh(script, "--dry-run", "--model", "Qwen/Qwen3-8B", "--data", "task:gpqa", cwd=tmp_path)
+    assert "--model Qwen/Qwen3-8B " in res.stdout and res.stdout.splitlines()[0].endswith("--prompts task:gpqa")
+
+
+def test_kimi_latent_recipe_runs_end_to_end(model_dirs, prompt_files, tmp_path):
+    """The Kimi-K3 recipe (latent-only) through compute_rotation.sh on a tiny MLA model: calibrate ->
+    fit writes a latent file under the recipe's latent name -> validate-rotation validates it as latent."""
+    root = tmp_path / "repo"
+    folder = root / "rotation" / "tiny-kimi"
+    folder.mkdir(parents=True)
+    shutil.copy(ROT / "Kimi-K3" / "compute_rotation.sh", folder)
+    text = (ROT / "Kimi-K3" / "recipe.toml").read_text()
+    text = (text.replace('hf_id = "moonshotai/Kimi-K3"', f'hf_id = "{model_dirs["deepseek_v2"]}"')
+            .replace("num_layers = 93", "num_layers = 2").replace("kv_lora_rank = 512", "kv_lora_rank = 32")
+            .replace("qk_rope_head_dim = 64", "qk_rope_head_dim = 8").replace("group_size = 128", "group_size = 16")
+            .replace("calib_tokens = 8192", "calib_tokens = 4096")
+            .replace('calib_data = "Salesforce/wikitext:wikitext-2-raw-v1:test"', f'calib_data = "{prompt_files["calib"]}"'))
+    (folder / "recipe.toml").write_text(text)
+    res = _sh(folder / "compute_rotation.sh", "--", "--seq-len", "256", "--no-progress", cwd=root)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "validate-rotation rotation/tiny-kimi/oscar_latent.safetensors" in res.stdout
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["kind"] == "latent" and report["kv_lora_rank"] == 32 and report["layers"] == 2
+    rs = LatentRotationSet.load(str(folder / "oscar_latent.safetensors"))
+    assert rs.metadata["hadamard_block"] == 16 and rs.metadata["composition"] == "r_p_hblock"
+
+
+def _fake_hub(cache, repo_id: str, model_dir) -> None:
+    """A Hugging Face cache holding only ``config.json`` of ``repo_id`` (read with HF_HUB_OFFLINE=1)."""
+    snap = "0" * 40
+    base = cache / ("models--" + repo_id.replace("/", "--"))
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(snap)
+    (base / "snapshots" / snap).mkdir(parents=True)
+    shutil.copy(Path(model_dir) / "config.json", base / "snapshots" / snap / "config.json")
+
+
+def test_data_free_recipe_validates_with_a_hub_id(model_dirs, tmp_path):
+    """A data-free recipe (MiniMax-M3 style) with its default hf_id: fit reads the config from the Hub
+    and copies it next to the rotation; validate reads the local copy (it used to get the Hub id)."""
+    cache = tmp_path / "hub"
+    _fake_hub(cache, "oscar-test/tiny-qwen3", model_dirs["qwen3"])
+    root = tmp_path / "repo"
+    folder = root / "rotation" / "tiny-m3"
+    folder.mkdir(parents=True)
+    shutil.copy(ROT / "MiniMax-M3" / "compute_rotation.sh", folder)
+    text = (ROT / "MiniMax-M3" / "recipe.toml").read_text()
+    text = (text.replace('hf_id = "MiniMaxAI/MiniMax-M3"', 'hf_id = "oscar-test/tiny-qwen3"').replace('family = "minimax_m3"', 'family = "qwen3"')
+            .replace("num_q_heads = 64", "num_q_heads = 4").replace("num_kv_heads = 4", "num_kv_heads = 2"))
+    (folder / "recipe.toml").write_text(text)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(["bash", str(folder / "compute_rotation.sh")], cwd=root, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert (folder / "rotation.config.json").exists()
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["kind"] == "kv" and report["method"] == "hadamard"
+    # an id that is neither local nor reachable: a clear message naming the way out
+    (folder / "recipe.toml").write_text(text.replace("oscar-test/tiny-qwen3", "oscar-test/not-there"))
+    res = subprocess.run(["bash", str(folder / "compute_rotation.sh")], cwd=root, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 2 and "--model LOCAL_DIR" in res.stderr and "oscar-test/not-there" in res.stderr
+
+
+def test_kimi_readme_keeps_project_choices_out_of_upstream_findings():
+    text = (ROT / "Kimi-K3" / "README.md").read_text()
+    upstream = text.split("## Upstream findings", 1)[1]
+    assert "64-blocks" not in upstream and "block Hadamard" not in upstream
+    ours = text.split("## This project's choices", 1)[1].split("## Upstream findings", 1)[0]
+    assert "64-blocks" in ours and "UNCLEAR" in ours

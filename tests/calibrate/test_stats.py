@@ -15,12 +15,55 @@ from sglang_oscar.calibrate.model import geometry_of
 from sglang_oscar.calibrate.prompts import Documents, build_prompt_set
 from sglang_oscar.calibrate.run import calibrate_model
 from sglang_oscar.calibrate.stats import CalibrationStats
-from sglang_oscar.rotation import orthogonality_error, query_covariance, score_weighted_value_covariance
+from sglang_oscar.rotation import orthogonality_error
+from sglang_oscar.rotation.latent import LatentRotationSet, latent_hadamard
 
 
 def _prompts(tokenizer, budget=1200, seq_len=96, seed=0):
     docs = Documents(make_text(30, 120, seed), "text", "mem", "0" * 64)
     return build_prompt_set(tokenizer, "mem", budget=budget, seq_len=seq_len, documents=docs)
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    """Normalised Sylvester Hadamard, built here independently of the package."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def _bitrev_perm_matrix(eigvals: torch.Tensor) -> torch.Tensor:
+    """Spec §3.4, written out: sort by eigenvalue descending, ``perm[br[i]] = sorted[i]``, ``P = I[:, perm]``."""
+    d = eigvals.shape[0]
+    bits = (d - 1).bit_length()
+    br = [int(format(i, f"0{bits}b")[::-1], 2) for i in range(d)]
+    order = sorted(range(d), key=lambda i: -float(eigvals[i]))
+    perm = [0] * d
+    for i in range(d):
+        perm[br[i]] = order[i]
+    return torch.eye(d, dtype=torch.float64)[:, perm]
+
+
+def _reference_covariances(q, k, v):
+    """Loop-based float64 reference of ``C_h`` and ``S_h`` (no package code involved)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    cs, ss = [], []
+    for h in range(hkv):
+        c = torch.zeros(d, d, dtype=torch.float64)
+        for i in range(h * g, (h + 1) * g):
+            qi = q[:, i].double()
+            c += qi.T @ qi
+        c /= t * g
+        kh, vh = k[:, h].double(), v[:, h].double()
+        w = ((kh @ c) * kh).sum(-1)
+        s = torch.zeros(v.shape[-1], v.shape[-1], dtype=torch.float64)
+        for row in range(t):
+            s += w[row] * torch.outer(vh[row], vh[row])
+        cs.append(c)
+        ss.append(s / w.sum())
+    return torch.stack(cs), torch.stack(ss)
 
 
 def _raw_rows(model, prompts):
@@ -49,9 +92,9 @@ def test_statistics_equal_direct_float64(family, tokenizer, tmp_path):
     assert sorted(raw) == st.geometry.layer_ids
     for lid, (q, k, v) in raw.items():
         assert st.tokens_per_layer(1)[lid] == st.tokens_per_layer(2)[lid] == q.shape[0] == prompts.num_tokens
-        qcov = query_covariance(q, k.shape[1])
+        qcov, vcov = _reference_covariances(q, k, v)
         torch.testing.assert_close(st.query_covariance(lid), qcov, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(st.value_covariance(lid), score_weighted_value_covariance(k, v, qcov), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(st.value_covariance(lid), vcov, rtol=1e-9, atol=1e-12)
         kd = k.double()
         torch.testing.assert_close(st.sums["k_sum"][lid], torch.einsum("thd,the->hde", kd, kd), rtol=1e-10, atol=1e-10)
         assert st.sums["q_sum"][lid].dtype == torch.float64
@@ -69,14 +112,71 @@ def test_latent_statistics_equal_direct_float64(tokenizer, tmp_path):
     for lid, cs in seen.items():
         c = torch.cat(cs).double()
         torch.testing.assert_close(st.latent_covariance(lid), c.T @ c / c.shape[0], rtol=1e-10, atol=1e-12)
-    rs = fit_rotations(st, "oscar", min_tokens=100, latent_block=32)
+    rs = fit_rotations(st, "oscar", min_tokens=100, latent_block=16)
     assert all(orthogonality_error(r) < 1e-6 and r.shape == (32, 32) for r in rs.r.values())
-    # U P Hblock diagonalises the latent covariance up to the Hadamard mixing: R^T Sigma R has
-    # the eigenvalues on the diagonal of Hblock^T diag(lambda') Hblock
+    # R = U P Hblock (spec §3.5): eigenvectors of the latent covariance (ascending), the
+    # eigenvalue-sorted bit-reversal permutation, then two 16-blocks of Hadamard
+    hblock = torch.block_diag(_sylvester(16), _sylvester(16))
+    for lid in st.geometry.layer_ids:
+        lam, u = torch.linalg.eigh(st.latent_covariance(lid))
+        perm = _bitrev_perm_matrix(lam)
+        r = rs.r[lid].double()
+        # eigenvectors are defined up to sign: R = U S P Hblock with S = diag(+-1)
+        signs = torch.diagonal(u.T @ r @ hblock.T @ perm.T)
+        torch.testing.assert_close(signs.abs(), torch.ones(32, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(r, u @ torch.diag(signs.sign()) @ perm @ hblock, atol=1e-5, rtol=0)
+    assert rs.metadata["hadamard_block"] == 16
+
+
+def test_invalid_latent_block_is_refused(tokenizer, tmp_path):
+    """A block that is not a power of two dividing kv_lora_rank raises instead of silently
+    falling back to a full Hadamard while the metadata records the requested block."""
+    with pytest.raises(ValueError, match="power of two dividing kv_lora_rank 32"):
+        latent_hadamard(32, 12)
+    with pytest.raises(ValueError, match="power of two dividing"):
+        latent_hadamard(32, 64)
+    torch.testing.assert_close(latent_hadamard(32, None), _sylvester(32))
+    model = build_model("deepseek_v2")
+    geo = geometry_of(model.config)
+    with pytest.raises(ValueError, match="power of two dividing"):
+        LatentRotationSet.data_free(geo, "hadamard", 24)
+    st = calibrate_model(model, _prompts(tokenizer, budget=300), str(tmp_path / "s.safetensors"), progress=False)
+    with pytest.raises(CalibrationError, match="--latent-block"):
+        fit_rotations(st, "oscar", min_tokens=10, latent_block=48)
+    with pytest.raises(CalibrationError, match="--latent-block"):
+        fit_rotations(st, "hadamard", latent_block=48)
+    ok = fit_rotations(st, "hadamard", latent_block=8)
+    torch.testing.assert_close(ok.r[geo.layer_ids[0]].double(), torch.block_diag(*[_sylvester(8)] * 4), atol=1e-7, rtol=0)
+    assert ok.metadata["hadamard_block"] == 8
+
+
+def test_perhead_kv_is_upstreams_method(tokenizer, tmp_path):
+    """perhead-kv (spec §3.4 per-head fit): per kv head, eigenvectors of the raw K (V) second
+    moment in descending eigenvalue order times the Hadamard, no permutation; format_version 2."""
+    model = build_model("qwen3")
+    prompts = _prompts(tokenizer)
+    st = calibrate_model(model, prompts, str(tmp_path / "s.safetensors"), progress=False)
+    rs = fit_rotations(st, "perhead-kv", min_tokens=100)
+    assert rs.format_version == 2 and rs.metadata["objective"] == "cov_eig_hadamard_perhead"
+    h = _sylvester(32)
+    raw = _raw_rows(model, prompts)
+    for lid, (_, k, v) in raw.items():
+        for which, rows in (("k", k), ("v", v)):
+            mats = rs.matrices(lid, which)
+            assert mats.shape == (2, 32, 32)
+            for head in range(2):
+                x = rows[:, head].double()
+                cov = x.T @ x / x.shape[0]  # independent reference of k_sum / T
+                u = mats[head].double() @ h.T  # R = U_desc H  =>  U_desc = R H^T
+                d = u.T @ cov @ u
+                lam = torch.linalg.eigvalsh(cov).flip(0)
+                torch.testing.assert_close(torch.diagonal(d), lam, rtol=1e-4, atol=1e-6)
+                off = d - torch.diag(torch.diagonal(d))
+                assert float(off.abs().max()) < 1e-4 * float(lam[0])
+    # oscar-perhead (query-aware, this project's method) is a different rotation
+    qa = fit_rotations(st, "oscar-perhead", min_tokens=100)
     lid = st.geometry.layer_ids[0]
-    sig = st.latent_covariance(lid)
-    r = rs.r[lid].double()
-    assert torch.allclose(torch.trace(r.T @ sig @ r), torch.trace(sig), rtol=1e-5)
+    assert not torch.allclose(qa.matrices(lid, "k"), rs.matrices(lid, "k"), atol=1e-3)
 
 
 def test_resume_equals_single_run(tokenizer, tmp_path):

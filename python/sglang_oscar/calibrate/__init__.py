@@ -13,9 +13,17 @@ the statistics file), :mod:`.prompts` (calibration data), :mod:`.model` (loading
 """
 
 
+# ``sglang-oscar fit`` methods (documented in :mod:`.fit`); here so the CLI lists them without torch.
+FIT_METHODS = ("oscar", "oscar-perhead", "perhead-kv", "hadamard", "identity")
+
+
 class CalibrationError(ValueError):
     """A user-facing calibration error (bad input, mismatched files, unsupported model)."""
 
 
 class ShortDataWarning(UserWarning):
     """The calibration data holds fewer tokens than the requested budget."""
+
+
+class NotHeldOutWarning(UserWarning):
+    """``error``/``ppl`` prompts overlap the calibration data of a rotation they evaluate."""

@@ -11,7 +11,14 @@ builder, so causal and sliding-window masks are built as for SDPA), switches the
 and routes every call to a handler. The handler sees an :class:`AttentionCall` and returns
 ``None`` (observe only: the model's own attention runs) or the attention output
 ``[B, T, H_q, D_v]`` (replace). All heads of a layer are in one call -- there is no
-tensor-parallel sharding in this path, so every kv head is seen.
+tensor-parallel sharding in this path, so every kv head is seen. Observe-only calls run SDPA
+(or, with a logit softcap, the model's own ``eager_attention_forward``) on the model's mask.
+
+Sparse attention: under a custom implementation DSA models (GLM-5.x, DeepSeek-V3.2) pass their
+top-k key selection as ``indices=`` instead of folding it into the mask; it is folded here
+(:func:`fold_topk_indices`), so observe-only calls compute the model's sparse attention, and
+the call records how many visible keys the selection drops (``AttentionCall.sparse_dropped``);
+the oracle refuses such calls. Block-sparse ``block_indices`` (MiniMax-M3) are refused outright.
 
 MLA models (``kv_a_layernorm``): :func:`latent_hooks` adds forward hooks on the latent norm and
 hands the compressed latent ``c_kv [B, T, kv_lora_rank]`` (post-norm, before the up-projection)
@@ -44,6 +51,9 @@ class AttentionCall:
         query: ``[B, H_q, T, D_k]`` post-RoPE; key: ``[B, H_kv, T, D_k]``; value: ``[B, H_kv, T, D_v]``.
         attention_mask: as built for SDPA (bool ``[B, 1, T, T]``) or ``None``.
         scaling: softmax scale; sliding_window: keys visible iff ``i - j < window``; softcap: logit cap.
+        sparse_dropped: (query, key) pairs that a sparse-attention key selection (DSA top-k
+            ``indices``, folded into ``attention_mask``) removes from the causally visible ones;
+            0 for dense attention. The reference oracle computes dense attention only.
     """
 
     module: torch.nn.Module
@@ -55,32 +65,68 @@ class AttentionCall:
     scaling: float
     sliding_window: int | None
     softcap: float | None
+    sparse_dropped: int = 0
 
     def rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q [T, H_q, D], k [T, H_kv, D], v [T, H_kv, D_v])`` of batch row ``b``."""
         return self.query[b].transpose(0, 1), self.key[b].transpose(0, 1), self.value[b].transpose(0, 1)
 
 
-def eager_attention(module, query, key, value, attention_mask, scaling, softcap=None, dropout: float = 0.0, **_):
-    """Generic eager attention (GQA repeat, optional softcap, bool or additive mask).
+# Keyword arguments through which sparse-attention models hand their key selection to kernels
+# that implement it; transformers' eager/SDPA paths get the selection folded into the mask
+# instead, but under a custom attention implementation the models pass these.
+TOPK_INDICES_KWARG = "indices"  # DeepSeek Sparse Attention (GLM-5.x GlmMoeDsa, DeepSeek-V3.2): [B, S, topk]
+BLOCK_INDICES_KWARG = "block_indices"  # MiniMax-M3 block-sparse (MSA) selection
 
-    Returns ``([B, T, H_q, D_v], probs)`` like the transformers eager functions.
+
+def _visible(attention_mask: torch.Tensor | None, t_q: int, t_k: int, device) -> torch.Tensor:
+    """Bool ``[B or 1, 1, T_q, T_k]``: keys a query may attend to under ``attention_mask``
+    (bool: True = attend; additive float: finite-and-not-minimal = attend; ``None``: causal)."""
+    if attention_mask is None:
+        return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(t_k - t_q)[None, None]
+    m = attention_mask[..., :t_k]
+    if m.dtype == torch.bool:
+        return m
+    return m > torch.finfo(m.dtype).min / 2
+
+
+def fold_topk_indices(attention_mask: torch.Tensor | None, indices: torch.Tensor, t_q: int, t_k: int
+                      ) -> tuple[torch.Tensor, int]:
+    """Fold DSA top-k key indices into the attention mask, as transformers does for eager/SDPA.
+
+    Args:
+        attention_mask: the mask the model passes (bool, additive float, or ``None`` = causal).
+        indices: int ``[B, T_q, topk]`` selected key positions per query.
+
+    Returns:
+        ``(mask, dropped)``: a bool mask ``[B, 1, T_q, T_k]`` (visible and selected) and the number
+        of (query, key) pairs that the selection removes from the visible ones (0: the sparse
+        attention equals dense attention, e.g. sequences no longer than ``index_topk``).
     """
-    g = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(g, dim=1)
-    v = value.repeat_interleave(g, dim=1)
-    s = torch.matmul(query, k.transpose(2, 3)) * scaling
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if attention_mask is not None:
-        m = attention_mask[..., : k.shape[-2]]
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    elif query.shape[2] > 1:
-        t_q, t_k = query.shape[2], k.shape[2]
-        causal = torch.ones(t_q, t_k, dtype=torch.bool, device=s.device).tril(t_k - t_q)
-        s = s.masked_fill(~causal, float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(p, v).transpose(1, 2).contiguous(), p
+    visible = _visible(attention_mask, t_q, t_k, indices.device)
+    b = indices.shape[0]
+    selected = torch.zeros(b, t_q, t_k, dtype=torch.bool, device=indices.device)
+    selected.scatter_(-1, indices.long().clamp(0, t_k - 1), True)
+    selected = selected.unsqueeze(1)
+    dropped = int((visible & ~selected).sum())
+    return visible & selected, dropped
+
+
+def _eager_with_softcap(module, query, key, value, attention_mask, scaling, softcap, dropout, **kwargs):
+    """The model's own eager attention (``eager_attention_forward`` of its modeling module; SDPA
+    has no logit softcap), with the mask given to it in the additive form it expects."""
+    import sys
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise CalibrationError(
+            f"unsupported architecture: {type(module).__name__} uses a logit softcap but its modeling module has no "
+            "eager_attention_forward to compute it"
+        )
+    visible = _visible(attention_mask, query.shape[2], key.shape[2], query.device)
+    additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~visible, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, additive, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
 
 
 def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
@@ -88,7 +134,17 @@ def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout: 
 
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-    softcap = kwargs.get("softcap")
+    softcap = kwargs.pop("softcap", None)
+    if kwargs.pop(BLOCK_INDICES_KWARG, None) is not None:
+        raise CalibrationError(
+            f"unsupported architecture: {type(module).__name__} uses block-sparse attention (MiniMax-M3 MSA "
+            "block_indices), which the capture path cannot reproduce (the model would silently run dense attention); "
+            "sparse attention is not supported by calibrate/error/ppl yet"
+        )
+    indices = kwargs.pop(TOPK_INDICES_KWARG, None)
+    dropped = 0
+    if indices is not None:
+        attention_mask, dropped = fold_topk_indices(attention_mask, indices, query.shape[2], key.shape[2])
     if _HANDLERS:
         layer_id = getattr(module, "layer_idx", None)
         if layer_id is None:
@@ -97,13 +153,12 @@ def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout: 
                 "so its calls cannot be mapped to layers"
             )
         call = AttentionCall(module, int(layer_id), query, key, value, attention_mask, float(scaling),
-                             kwargs.get("sliding_window"), softcap)
+                             kwargs.get("sliding_window"), softcap, dropped)
         out = _HANDLERS[-1](call)
         if out is not None:
             return out, None
     if softcap:
-        return eager_attention(module, query, key, value, attention_mask, scaling, softcap)
-    kwargs.pop("softcap", None)
+        return _eager_with_softcap(module, query, key, value, attention_mask, scaling, softcap, dropout, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -1,9 +1,15 @@
-"""Verbs ``calibrate``, ``fit``, ``error``, ``ppl``, ``validate-latent`` and ``recipe-cmd``.
+"""Verbs ``calibrate``, ``fit``, ``error``, ``ppl``, ``validate-rotation``, ``validate-latent`` and ``recipe-cmd``.
 
 Every verb accepts ``--recipe rotation/<model>/recipe.toml``: it supplies the model id,
 calibration data and budget, rotation method and paths, and the served quantizer settings;
-explicit flags override it. ``recipe-cmd`` prints the exact argv of one step for a recipe (one
-element per line), which is what ``rotation/<model>/compute_rotation.sh`` executes.
+explicit flags override it. ``error`` and ``ppl`` never default to the recipe's calibration data
+(they need held-out ``--prompts``), and with ``--recipe`` the recipe's rotation file must exist.
+``recipe-cmd`` prints the exact argv of one step for a recipe (one element per line), which is
+what ``rotation/<model>/compute_rotation.sh`` executes.
+
+Statistics and rotations record the fingerprint of their model (:func:`.model.config_fingerprint`);
+``fit``, ``error``, ``ppl`` and the validate verbs refuse them for another model of the same
+geometry unless ``--allow-other-model`` is given.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import os
 import shlex
 import sys
 import warnings
+
+from ..rotation.rotation_set import DEFAULT_ORTHO_TOL
+from . import FIT_METHODS
 
 DEFAULT_ERROR_TOKENS = 8192
 DEFAULT_PPL_TOKENS = 16384
@@ -33,14 +42,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fit", help="statistics -> validated rotation file")
     p.add_argument("--recipe", help="recipe.toml (method, output path)")
     p.add_argument("--stats", help="statistics file from `sglang-oscar calibrate`")
-    p.add_argument("--method", choices=["oscar", "oscar-perhead", "hadamard", "identity"], default=None,
-                   help="default: the recipe's method, else oscar")
+    p.add_argument("--method", choices=list(FIT_METHODS), default=None,
+                   help="default: the recipe's method, else oscar (perhead-kv: upstream's raw K/V per-head fit)")
     p.add_argument("--out", help="rotation .safetensors (default with --recipe: [rotation].path)")
-    p.add_argument("--config", help="model config.json / model dir: check the statistics against it (required for "
-                                    "data-free methods without --stats)")
+    p.add_argument("--config", help="model config.json, model dir or Hub id: check the statistics against it (required "
+                                    "for data-free methods without --stats); copied next to --out as <out>.config.json")
+    p.add_argument("--trust-remote-code", action="store_true", help="when --config is a Hub id of a remote-code model")
     p.add_argument("--min-tokens", type=int, default=None, help="minimum tokens per layer for fitted methods (default 4096)")
-    p.add_argument("--latent-block", type=int, default=None, help="MLA: Hadamard block of latent rotations (default: group size or 128)")
+    p.add_argument("--latent-block", type=int, default=None,
+                   help="MLA: Hadamard block of latent rotations, a power of two dividing kv_lora_rank (default: group size or 128)")
     p.add_argument("--upstream-dir", help="MLA: also write the upstream layer_<id>.pt directory")
+    _allow_other_model_arg(p)
     p.set_defaults(func=_fit)
 
     p = sub.add_parser("error", help="attention-output error (dB) of INT2 with naive/Hadamard/fitted rotations")
@@ -49,29 +61,42 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rotation", action="append", default=[], metavar="[NAME=]PATH", help="rotation file to compare (repeatable)")
     p.add_argument("--no-baselines", action="store_true", help="omit naive/Hadamard/bf16 rows")
     _quant_args(p)
+    _allow_other_model_arg(p)
     p.add_argument("--out", help="write the JSON report here")
     p.set_defaults(func=_error)
 
     p = sub.add_parser("ppl", help="teacher-forced perplexity, BF16 vs fake-quant INT2 KV through the oracle")
     _model_args(p)
     _prompt_args(p, tokens=DEFAULT_PPL_TOKENS, seed=0)
-    p.add_argument("--rotation", help="rotation file (default: the recipe's, else data-free --method)")
-    p.add_argument("--method", choices=["hadamard", "identity"], default="hadamard", help="data-free rotation when no file is given")
+    p.add_argument("--rotation", help="rotation file (default: the recipe's, which must exist; without a recipe the "
+                                      "data-free --method)")
+    p.add_argument("--method", choices=["hadamard", "identity"], default="hadamard",
+                   help="data-free rotation when neither --rotation nor --recipe is given")
     _quant_args(p)
+    _allow_other_model_arg(p)
     p.add_argument("--out", help="write the JSON report here")
     p.set_defaults(func=_ppl)
 
+    p = sub.add_parser("validate-rotation",
+                       help="check a rotation file (K/V or MLA latent, by its content) against a model config")
+    p.add_argument("rotation")
+    p.add_argument("--config", required=True, help="HF config.json (or a local model directory)")
+    p.add_argument("--ortho-tol", type=float, default=DEFAULT_ORTHO_TOL)
+    _allow_other_model_arg(p)
+    p.set_defaults(func=_validate_rotation)
+
     p = sub.add_parser("validate-latent", help="check an MLA latent rotation file against a model config")
     p.add_argument("rotation")
-    p.add_argument("--config", required=True, help="HF config.json (or a model directory)")
-    p.add_argument("--ortho-tol", type=float, default=1e-3)
+    p.add_argument("--config", required=True, help="HF config.json (or a local model directory)")
+    p.add_argument("--ortho-tol", type=float, default=DEFAULT_ORTHO_TOL)
+    _allow_other_model_arg(p)
     p.set_defaults(func=_validate_latent)
 
     p = sub.add_parser("recipe-cmd", help="print the exact sglang-oscar argv of one step of a recipe")
     p.add_argument("--recipe", required=True)
     p.add_argument("--step", required=True, choices=["calibrate", "fit", "validate", "error", "ppl"])
     p.add_argument("--model", help="local model path (default: the recipe's hf_id)")
-    p.add_argument("--data", help="calibration/eval prompts (default: the recipe's calib_data)")
+    p.add_argument("--data", help="calibration prompts (default: the recipe's calib_data); held-out prompts for error/ppl (required)")
     p.add_argument("--out-dir", help="folder for statistics and rotation (default: the recipe's folder)")
     p.add_argument("--prog", default="sglang-oscar", help="program name to print first")
     p.add_argument("--shell", action="store_true", help="print one shell-quoted line instead of one argument per line")
@@ -79,6 +104,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 # ----------------------------------------------------------------------------- shared flags
+def _allow_other_model_arg(p) -> None:
+    p.add_argument("--allow-other-model", action="store_true",
+                   help="accept statistics/rotations whose recorded model fingerprint (model_type, sizes, name) differs "
+                        "from this model's; the geometry must still match")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value}")
+    return value
+
+
 def _model_args(p) -> None:
     p.add_argument("--recipe", help="recipe.toml supplying defaults")
     p.add_argument("--model", help="model directory or hub id (default: the recipe's hf_id)")
@@ -92,7 +133,8 @@ def _model_args(p) -> None:
 def _prompt_args(p, tokens: int | None, seed: int) -> None:
     p.add_argument("--prompts", "--data", dest="prompts",
                    help="text file, JSONL with a text field, task:<name>, or a datasets name NAME[:CONFIG[:SPLIT]]")
-    p.add_argument("--tokens", type=int, default=tokens, help=f"token budget (default {tokens or 'recipe calib_tokens, else 30000'})")
+    p.add_argument("--tokens", type=_positive_int, default=tokens,
+                   help=f"token budget, > 0 (default {tokens or 'recipe calib_tokens, else 30000'})")
     p.add_argument("--seed", type=int, default=seed, help=f"sampling seed (default {seed})")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--text-field", default="text", help="JSONL/dataset text field (default text)")
@@ -136,21 +178,30 @@ def _load(args, recipe):
     model, tok = load_model(model_path, dtype=args.dtype, device=args.device, device_map=device_map,
                             trust_remote_code=args.trust_remote_code)
     if recipe is not None:
-        from .model import geometry_of
+        from .model import config_dict, geometry_of
         from .recipes import check_geometry
 
-        check_geometry(recipe, geometry_of(model.config))
+        check_geometry(recipe, geometry_of(model.config), config_dict(model.config))
     return model_path, model, tok
 
 
 def _prompts(args, tok, recipe, default_source: str | None = None):
+    """The prompt set of a verb: ``--prompts`` (else ``default_source``), budget ``--tokens`` (else
+    the recipe's ``calib_tokens``, else 30000; never 0)."""
     from . import CalibrationError
     from .prompts import DEFAULT_BUDGET, build_prompt_set
 
     source = args.prompts or default_source
     if not source:
         raise CalibrationError("--prompts is required (a text/JSONL file, task:<name>, or a datasets name)")
-    budget = args.tokens or (recipe.rotation.calib_tokens if recipe and recipe.rotation.calib_tokens else DEFAULT_BUDGET)
+    if args.tokens is not None:
+        budget = args.tokens
+    elif recipe is not None and recipe.rotation.calib_tokens is not None:
+        budget = recipe.rotation.calib_tokens
+    else:
+        budget = DEFAULT_BUDGET
+    if budget <= 0:
+        raise CalibrationError(f"--tokens must be a positive token budget, got {budget}")
     return build_prompt_set(tok, source, budget=budget, seed=args.seed, seq_len=args.seq_len, pack=args.pack,
                             text_field=args.text_field)
 
@@ -200,8 +251,9 @@ def _calibrate(args) -> int:
 def _fit(args) -> int:
     from . import CalibrationError
     from .fit import DEFAULT_MIN_TOKENS, fit_rotations
-    from .model import geometry_of
-    from .recipes import check_geometry, default_paths
+    from .model import config_fingerprint, geometry_of
+    from .oracle import settings
+    from .recipes import check_geometry, default_paths, oscar_config, rotation_config_path, rotation_kind
     from .stats import CalibrationStats
 
     recipe = _recipe(args)
@@ -209,40 +261,49 @@ def _fit(args) -> int:
     out = args.out or (default_paths(recipe)["rotation"] if recipe else None)
     if not out:
         raise CalibrationError("--out is required (or --recipe)")
-    geometry = None
+    cfg = geometry = fingerprint = None
     if args.config:
-        if os.path.exists(args.config):
-            cfg = _read_config(args.config)
-        else:
-            from transformers import AutoConfig
-
-            cfg = AutoConfig.from_pretrained(args.config).to_dict()
+        cfg, name = _read_config(args.config, hub=True, trust_remote_code=args.trust_remote_code)
         geometry = geometry_of(cfg)
-    block = args.latent_block or (recipe.quant.group_size if recipe and recipe.quant.group_size else None) or 128
+        fingerprint = config_fingerprint(cfg, name)
     if args.stats:
         stats = CalibrationStats.load(args.stats)
     elif method in ("hadamard", "identity") and geometry is not None:
-        from .stats import CalibrationStats as _S
-
-        stats = _S(geometry, {"path": None})
+        stats = CalibrationStats(geometry, {"path": None})
     else:
         raise CalibrationError("--stats is required (data-free methods may give --config instead)")
+    geo = geometry or stats.geometry
     if recipe is not None:
-        check_geometry(recipe, geometry or stats.geometry)
+        check_geometry(recipe, geo, cfg or stats.meta.get("model", {}).get("config"))
+        kind = "latent" if geo.attention_kind == "mla" else "kv"
+        if kind != rotation_kind(recipe):
+            raise CalibrationError(
+                f"{recipe.path}: the recipe describes a {rotation_kind(recipe)} rotation but the model's attention is "
+                f"{geo.attention_kind.upper()} ({kind} rotations): fix [geometry] (kv_lora_rank marks MLA models)"
+            )
+    if args.latent_block is not None and geo.attention_kind != "mla":
+        raise CalibrationError("--latent-block applies to MLA latent rotations only")
+    if args.latent_block is not None:
+        block = args.latent_block
+    else:
+        block = (recipe.quant.group_size if recipe is not None else None) or 128
     min_tokens = args.min_tokens if args.min_tokens is not None else DEFAULT_MIN_TOKENS
-    rs = fit_rotations(stats, method, min_tokens=min_tokens, latent_block=block, geometry=geometry)
+    rs = fit_rotations(stats, method, min_tokens=min_tokens, latent_block=block, geometry=geometry,
+                       fingerprint=fingerprint, allow_other_model=args.allow_other_model)
     if recipe is not None:
         rs.metadata["recipe"] = str(recipe.path)
-        q = recipe.quant
-        rs.metadata["quantizer"] = {"group_size": q.group_size, "k_clip_ratio": q.k_clip_ratio, "v_clip_ratio": q.v_clip_ratio,
-                                    "sink_tokens": q.sink_tokens, "recent_tokens": q.recent_tokens,
-                                    "quantizer": q.quantizer, "scale_dtype": q.scale_dtype}
+        rs.metadata["quantizer"] = settings(oscar_config(recipe))
     rs.save(out)
+    written = {"out": out}
+    if cfg is not None:  # a local copy, so that `validate-rotation` never needs the Hub
+        written["config"] = rotation_config_path(out)
+        with open(written["config"], "w") as f:
+            json.dump({**cfg, "_name_or_path": name}, f, indent=2, sort_keys=True, default=str)
     if args.upstream_dir:
         if not hasattr(rs, "save_upstream_dir"):
             raise CalibrationError("--upstream-dir applies to MLA latent rotations only")
         rs.save_upstream_dir(args.upstream_dir)
-    print(json.dumps({"out": out, "method": method, "layers": len(rs.layer_ids), "model_type": stats.geometry.model_type,
+    print(json.dumps({**written, "method": method, "layers": len(rs.layer_ids), "model_type": stats.geometry.model_type,
                       "kind": "latent" if hasattr(rs, "save_upstream_dir") else f"kv_v{rs.format_version}"}))
     return 0
 
@@ -263,27 +324,67 @@ def _rotations_from_args(specs: list[str]) -> dict:
     return out
 
 
+def _recipe_rotation(recipe) -> str:
+    """The recipe's rotation file, which must exist (no silent data-free fallback)."""
+    from . import CalibrationError
+    from .recipes import default_paths
+
+    path = default_paths(recipe)["rotation"]
+    if not os.path.exists(path):
+        raise CalibrationError(
+            f"the rotation file of {recipe.path} does not exist: {path}. Create it with "
+            f"rotation/{recipe.name}/compute_rotation.sh --model MODEL (calibrate -> fit -> validate), or "
+            f"`sglang-oscar fit --recipe {recipe.path} --stats STATS`; or pass --rotation FILE"
+        )
+    return path
+
+
+def _require_held_out(args, recipe, verb: str) -> None:
+    """``error``/``ppl`` need explicit held-out prompts: the recipe's calibration data is never reused."""
+    from . import CalibrationError
+
+    if args.prompts:
+        return
+    calib = f" (the recipe's calib_data {recipe.rotation.calib_data!r} was used for calibration)" if recipe and recipe.rotation.calib_data else ""
+    raise CalibrationError(
+        f"{verb} needs held-out prompts: pass --prompts with data that was not used for calibration{calib}; "
+        "a text/JSONL file, task:<name> or a datasets name"
+    )
+
+
 def _warn_not_held_out(rotations: dict, prompts) -> None:
+    """Warn when held-out prompts overlap the calibration data of a fitted rotation: the count of
+    identical token sequences, or else a shared prompts source."""
+    from . import NotHeldOutWarning
+
+    held = prompts.meta.get("sequence_sha256") or []
     for name, rs in rotations.items():
-        cal = rs.metadata.get("calibration", {})
-        if cal.get("tokens_sha256") and cal.get("tokens_sha256") == prompts.meta.get("tokens_sha256"):
-            warnings.warn(f"rotation {name!r} was calibrated on exactly these token sequences: the error is not held-out", stacklevel=2)
+        cal = rs.metadata.get("calibration") or {}
+        calib = set(cal.get("sequence_sha256") or [])
+        same = sum(h in calib for h in held)
+        if same or (cal.get("tokens_sha256") and cal.get("tokens_sha256") == prompts.meta.get("tokens_sha256")):
+            same = same or len(held)
+            warnings.warn(NotHeldOutWarning(
+                f"{same} of {len(held)} held-out sequences were also calibration sequences of rotation {name!r}: "
+                "the result is not held-out; use prompts that were not calibrated on"), stacklevel=2)
+        elif cal.get("prompts_sha256") and cal.get("prompts_sha256") == prompts.meta.get("sha256"):
+            warnings.warn(NotHeldOutWarning(
+                f"the held-out prompts come from the same source as the calibration data of rotation {name!r} "
+                f"({cal.get('prompts_source')}): no token sequence is identical, but documents may overlap"), stacklevel=2)
 
 
 def _error(args) -> int:
     from .error import format_report, functional_error
-    from .recipes import default_paths
 
     recipe = _recipe(args)
-    specs = list(args.rotation)
-    if not specs and recipe is not None and os.path.exists(default_paths(recipe)["rotation"]):
-        specs = [default_paths(recipe)["rotation"]]
+    _require_held_out(args, recipe, "error")
+    specs = list(args.rotation) or ([_recipe_rotation(recipe)] if recipe is not None else [])
     rotations = _rotations_from_args(specs)
     _, model, tok = _load(args, recipe)
-    prompts = _prompts(args, tok, recipe, recipe.rotation.calib_data if recipe else None)
+    prompts = _prompts(args, tok, recipe)
     _warn_not_held_out(rotations, prompts)
     rep = functional_error(model, prompts, rotations, _config(args, recipe), window_mode=args.window_mode,
-                           include_baselines=not args.no_baselines)
+                           include_baselines=not args.no_baselines, allow_other_model=args.allow_other_model)
     _write_json(args.out, rep)
     print(format_report(rep))
     return 0
@@ -295,12 +396,10 @@ def _ppl(args) -> int:
     from .fit import load_rotation_any
     from .model import geometry_of
     from .ppl import format_report, perplexity
-    from .recipes import default_paths
 
     recipe = _recipe(args)
-    path = args.rotation
-    if path is None and recipe is not None and os.path.exists(default_paths(recipe)["rotation"]):
-        path = default_paths(recipe)["rotation"]
+    _require_held_out(args, recipe, "ppl")
+    path = args.rotation or (_recipe_rotation(recipe) if recipe is not None else None)
     _, model, tok = _load(args, recipe)
     cfg = _config(args, recipe)
     if path:
@@ -309,33 +408,77 @@ def _ppl(args) -> int:
         geometry = geometry_of(model.config)
         rotation = (LatentRotationSet.data_free(geometry, args.method, cfg.group_size) if geometry.attention_kind == "mla"
                     else RotationSet.data_free(geometry, args.method))
-    prompts = _prompts(args, tok, recipe, recipe.rotation.calib_data if recipe else None)
-    rep = perplexity(model, prompts, rotation, cfg, window_mode=args.window_mode)
+    prompts = _prompts(args, tok, recipe)
+    _warn_not_held_out({os.path.basename(path) if path else args.method: rotation}, prompts)
+    rep = perplexity(model, prompts, rotation, cfg, window_mode=args.window_mode, allow_other_model=args.allow_other_model)
     _write_json(args.out, rep)
     print(format_report(rep))
     return 0
 
 
-def _validate_latent(args) -> int:
+def _validate_any(args, latent_only: bool) -> int:
     from ..rotation.latent import LatentRotationSet
     from ..rotation.rotation_set import orthogonality_error
-    from .model import geometry_of
+    from .fit import check_rotation, load_rotation_any
+    from .model import config_fingerprint, geometry_of
 
-    geometry = geometry_of(_read_config(args.config))
-    rs = LatentRotationSet.load(args.rotation)
-    rs.validate(geometry, ortho_tol=args.ortho_tol)
-    print(json.dumps({"path": args.rotation, "ok": True, "model_type": geometry.model_type, "layers": len(rs.layer_ids),
-                      "kv_lora_rank": geometry.kv_lora_rank, "method": rs.metadata.get("method"),
-                      "max_orthogonality_error": max(orthogonality_error(t) for t in rs.r.values())}))
+    cfg, name = _read_config(args.config)
+    geometry = geometry_of(cfg)
+    rs = LatentRotationSet.load(args.rotation) if latent_only else load_rotation_any(args.rotation)
+    check_rotation(rs, geometry, config_fingerprint(cfg, name), allow_other_model=args.allow_other_model,
+                   ortho_tol=args.ortho_tol)
+    report = {"path": args.rotation, "ok": True, "model_type": geometry.model_type, "layers": len(rs.layer_ids),
+              "method": rs.metadata.get("method")}
+    if isinstance(rs, LatentRotationSet):
+        mats = list(rs.r.values())
+        report.update(kind="latent", kv_lora_rank=geometry.kv_lora_rank)
+    else:
+        mats = list(rs.k.values()) + list(rs.v.values())
+        report.update(kind="kv", format_version=rs.format_version)
+    report["max_orthogonality_error"] = max(orthogonality_error(t) for t in mats)
+    print(json.dumps(report))
     return 0
 
 
-def _read_config(path: str) -> dict:
-    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(p):
-        raise FileNotFoundError(f"model config {p} does not exist")
-    with open(p) as f:
-        return json.load(f)
+def _validate_rotation(args) -> int:
+    return _validate_any(args, latent_only=False)
+
+
+def _validate_latent(args) -> int:
+    return _validate_any(args, latent_only=True)
+
+
+def _read_config(path: str, *, hub: bool = False, trust_remote_code: bool = False) -> tuple[dict, str]:
+    """``(config dict, model name or path)`` of a ``config.json``, a model directory, or (``hub``)
+    a Hugging Face Hub id. The name is the config's ``_name_or_path`` when it records one (the
+    configs ``calibrate``/``fit`` write do), else the directory or Hub id."""
+    from . import CalibrationError
+
+    if os.path.exists(path):
+        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"model config {p} does not exist")
+        with open(p) as f:
+            cfg = json.load(f)
+        return cfg, cfg.get("_name_or_path") or (path if os.path.isdir(path) else os.path.dirname(os.path.abspath(p)))
+    if not hub:
+        raise FileNotFoundError(
+            f"model config {path} is not a local config.json or model directory (this verb reads local files only; "
+            "for a Hub id, `sglang-oscar fit --config HUB_ID` writes a local copy <rotation>.config.json next to the "
+            "rotation, and compute_rotation.sh validates against it)"
+        )
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict(), path
+    except Exception as exc:  # offline, unknown id, remote code refused, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise CalibrationError(
+            f"cannot read the model config of {path!r}: it is not a local path and reading it from the Hugging Face Hub "
+            f"failed ({type(exc).__name__}: {first}). Pass a local checkpoint directory instead (--config LOCAL_DIR, or "
+            "compute_rotation.sh --model LOCAL_DIR)"
+            + ("" if trust_remote_code else "; a model whose code is not in transformers also needs --trust-remote-code")
+        ) from None
 
 
 def _recipe_cmd(args) -> int:

@@ -27,13 +27,15 @@ from ..reference.attention import WINDOW_MODES
 from ..rotation import RotationSet
 from ..rotation.latent import LatentRotationSet
 from . import CalibrationError
-from .capture import attention_override, latent_hooks
-from .model import geometry_of, input_device
-from .oracle import RotationCache, energies, low_reads, mha_output, mla_output
+from .fit import check_rotation
+from .model import config_fingerprint, geometry_of, input_device
+from .oracle import (RotationCache, check_window_mode, energies, low_reads, mha_output, mla_output, oracle_capture,
+                     settings)
 from .prompts import PromptSet
 
 
 def _db(num: float, den: float) -> float:
+    """``10 log10(num / den)`` (error energy over signal energy, floored at -300 dB); NaN if ``den <= 0``."""
     if den <= 0:
         return float("nan")
     return 10.0 * math.log10(max(num / den, 1e-30))
@@ -48,6 +50,7 @@ def functional_error(
     window_mode: str = "decode",
     include_baselines: bool = True,
     progress: bool | None = None,
+    allow_other_model: bool = False,
 ) -> dict[str, Any]:
     """Per-layer and overall attention-output error (dB) of INT2 with each rotation.
 
@@ -58,35 +61,32 @@ def functional_error(
         config: windows and quantizer settings (as served).
         window_mode: ``"decode"`` (every position as if decoded) or ``"extend"``.
         include_baselines: add ``naive`` (identity), ``hadamard`` and the ``bf16`` floor.
+        allow_other_model: accept fitted rotations whose recorded model fingerprint differs from
+            ``model``'s (same geometry; :func:`.fit.check_rotation`).
 
     Returns:
         ``{"methods", "overall_db", "layers": {layer: {method: dB}}, "tokens", "quantized_reads", ...}``.
 
     Raises:
-        CalibrationError: rotations for another model, or nothing quantized (all keys in windows).
+        CalibrationError: rotations for another model, nothing quantized (all keys in windows), or
+        sparse attention that drops keys (:func:`.oracle.check_dense`).
     """
     from tqdm.auto import tqdm
 
-    if window_mode not in ("decode", "extend"):
-        raise CalibrationError(f"window_mode must be 'decode' or 'extend', got {window_mode!r}")
+    check_window_mode(window_mode)
     geometry = geometry_of(model.config)
+    fingerprint = config_fingerprint(model.config)
     mla = geometry.attention_kind == "mla"
     sets: dict[str, Any] = {}
     if include_baselines:
-        cls = LatentRotationSet if mla else RotationSet
-        block = config.group_size if mla else None
-        sets["naive"] = cls.data_free(geometry, "identity") if not mla else cls.data_free(geometry, "identity", block)
-        sets["hadamard"] = cls.data_free(geometry, "hadamard") if not mla else cls.data_free(geometry, "hadamard", block)
+        if mla:
+            sets["naive"] = LatentRotationSet.data_free(geometry, "identity", config.group_size)
+            sets["hadamard"] = LatentRotationSet.data_free(geometry, "hadamard", config.group_size)
+        else:
+            sets["naive"] = RotationSet.data_free(geometry, "identity")
+            sets["hadamard"] = RotationSet.data_free(geometry, "hadamard")
     for name, rs in rotations.items():
-        if mla != isinstance(rs, LatentRotationSet):
-            raise CalibrationError(
-                f"rotation {name!r} ({rs.source}) is a {'latent' if isinstance(rs, LatentRotationSet) else 'K/V'} set but the model "
-                f"uses {geometry.attention_kind.upper()} attention"
-            )
-        try:
-            rs.validate(geometry)
-        except ValueError as exc:
-            raise CalibrationError(f"rotation {name!r} does not fit this model: {exc}") from None
+        check_rotation(rs, geometry, fingerprint, allow_other_model=allow_other_model, name=name)
         sets[name] = rs
     caches = {name: RotationCache(rs) for name, rs in sets.items()}
     methods = (["bf16"] if include_baselines and not mla else []) + list(sets)
@@ -128,17 +128,10 @@ def functional_error(
     device = input_device(model)
     bar = tqdm(total=len(prompts.sequences), desc="error", unit="seq",
                disable=(not sys.stderr.isatty()) if progress is None else not progress)
-    with torch.inference_mode(), attention_override(model, on_attention):
-        hooks = latent_hooks(model, on_latent) if mla else None
-        if hooks is not None:
-            hooks.__enter__()
-        try:
-            for seq in prompts.sequences:
-                model(input_ids=torch.tensor([seq], device=device), use_cache=False)
-                bar.update(1)
-        finally:
-            if hooks is not None:
-                hooks.__exit__(None, None, None)
+    with oracle_capture(model, mla, on_attention, on_latent):
+        for seq in prompts.sequences:
+            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+            bar.update(1)
     bar.close()
     if reads["low"] == 0:
         raise CalibrationError(
@@ -155,9 +148,7 @@ def functional_error(
         "overall_db": overall,
         "layers": {str(k): v for k, v in layers.items()},
         "window_mode": window_mode,
-        "settings": {"group_size": config.group_size, "k_clip_ratio": config.k_clip_ratio, "v_clip_ratio": config.v_clip_ratio,
-                     "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
-                     "quantizer": config.quantizer, "scale_dtype": config.scale_dtype},
+        "settings": settings(config),
         "tokens": prompts.num_tokens,
         "sequences": len(prompts.sequences),
         "quantized_read_fraction": reads["low"] / max(reads["total"], 1),
@@ -166,6 +157,7 @@ def functional_error(
 
 
 def format_report(rep: dict[str, Any]) -> str:
+    """The report as a table: one row per layer and ``overall``, one column per method (dB)."""
     methods = rep["methods"]
     lines = [
         f"attention-output error vs exact attention, dB (lower is better); {rep['tokens']} held-out tokens, "

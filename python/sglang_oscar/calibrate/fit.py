@@ -5,7 +5,14 @@ Methods (MHA/GQA models, :class:`..rotation.RotationSet`):
 * ``oscar``: per layer, ``R_k`` from the head-mean query covariance ``mean_h C_h`` and ``R_v``
   from the head-mean score-weighted value covariance ``mean_h S_h``, composition ``U H P``
   (:func:`..rotation.fit.rotations_from_covariances`); format_version 1.
-* ``oscar-perhead``: one ``R_k``/``R_v`` per (layer, kv head) from ``C_h``/``S_h``; format_version 2.
+* ``oscar-perhead``: one ``R_k``/``R_v`` per (layer, kv head) from ``C_h``/``S_h`` (query-aware,
+  ``U H P``); format_version 2. This project's per-head method: the OSCAR objectives of
+  ``oscar`` applied per kv head (what upstream's later "OSCAR-2" fitter does for K, spec §3.4 [L]).
+* ``perhead-kv``: upstream's PR-era per-head method (spec §3.4, ``fit_perhead_rotation.py``,
+  objective ``cov_eig_hadamard_perhead``): per (layer, kv head) the raw second moments
+  ``K_h^T K_h / T`` and ``V_h^T V_h / T`` (``k_sum``/``v_sum``), eigenvectors sorted by
+  **descending** eigenvalue times the normalised Hadamard, no permutation: ``R = U_desc H``;
+  format_version 2.
 * ``hadamard`` / ``identity``: data-free (:meth:`RotationSet.data_free`).
 
 MLA models (:class:`..rotation.latent.LatentRotationSet`): ``oscar`` = ``U P Hblock`` of the
@@ -20,13 +27,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..rotation import RotationSet, rotations_from_covariances
 from ..rotation.geometry import ModelGeometry
-from ..rotation.latent import DEFAULT_LATENT_BLOCK, LatentRotationSet, latent_rotation_from_covariance
-from . import CalibrationError
+from ..rotation.hadamard import default_hadamard
+from ..rotation.latent import (DEFAULT_LATENT_BLOCK, LatentRotationSet, covariance_eigenbasis, latent_hadamard,
+                               latent_rotation_from_covariance)
+from . import FIT_METHODS, CalibrationError
 from .stats import CalibrationStats
 
-FIT_METHODS = ("oscar", "oscar-perhead", "hadamard", "identity")
+FITTED_METHODS = ("oscar", "oscar-perhead", "perhead-kv")
 DEFAULT_MIN_TOKENS = 4096
 
 
@@ -39,6 +50,7 @@ def _provenance(stats: CalibrationStats) -> dict[str, Any]:
         "prompts_source": prompts.get("source"),
         "prompts_sha256": prompts.get("sha256"),
         "tokens_sha256": prompts.get("tokens_sha256"),
+        "sequence_sha256": prompts.get("sequence_sha256"),
         "seed": prompts.get("seed"),
         "tokens_per_layer_min": min(toks.values()) if toks else 0,
         "tokens_per_layer": {str(k): v for k, v in toks.items()},
@@ -69,6 +81,8 @@ def fit_rotations(
     min_tokens: int = DEFAULT_MIN_TOKENS,
     latent_block: int | None = DEFAULT_LATENT_BLOCK,
     geometry: ModelGeometry | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    allow_other_model: bool = False,
 ) -> RotationSet | LatentRotationSet:
     """Fit a validated rotation set from statistics.
 
@@ -76,28 +90,40 @@ def fit_rotations(
         stats: complete statistics (:meth:`CalibrationStats.load`).
         method: one of :data:`FIT_METHODS`.
         min_tokens: minimum tokens per layer for fitted methods.
-        latent_block: Hadamard block of latent rotations (the latent quantization group size).
-        geometry: the target model's geometry; statistics of another model are refused.
+        latent_block: Hadamard block of latent rotations (the latent quantization group size;
+            a power of two dividing ``kv_lora_rank``, ``None`` = full Hadamard).
+        geometry: the target model's geometry; statistics of another geometry are refused.
+        fingerprint: the target model's :func:`.model.config_fingerprint`; statistics of another
+            model (same geometry) are refused unless ``allow_other_model``.
+
+    The rotation's metadata records ``model_fingerprint``: ``fingerprint`` if given, else the
+    statistics' (``error``/``ppl``/``validate-rotation`` compare it with the model they use).
 
     Raises:
-        CalibrationError: unknown method, incomplete/too small/foreign statistics.
+        CalibrationError: unknown method, incomplete/too small/foreign statistics, invalid latent block.
         RotationError: the fitted set does not validate.
     """
     if method not in FIT_METHODS:
         raise CalibrationError(f"unknown method {method!r}; choose from {', '.join(FIT_METHODS)}")
+    fitted = method in FITTED_METHODS
     if geometry is not None:
-        stats.check_model(geometry)
+        stats.check_model(geometry, fingerprint=fingerprint, allow_other_model=allow_other_model)
     geo = stats.geometry
-    fitted = method in ("oscar", "oscar-perhead")
     if fitted:
         stats.check_complete()
         check_min_tokens(stats, min_tokens)
     meta_common = {"method": method, "model_type": geo.model_type, "geometry": geo.to_dict(),
-                   "calibration": _provenance(stats)}
+                   "model_fingerprint": fingerprint or stats.fingerprint}
+    if fitted:
+        meta_common["calibration"] = _provenance(stats)
 
     if geo.attention_kind == "mla":
-        if method == "oscar-perhead":
-            raise CalibrationError("oscar-perhead does not apply to MLA latents (one latent per layer); use oscar")
+        if method in ("oscar-perhead", "perhead-kv"):
+            raise CalibrationError(f"{method} does not apply to MLA latents (one latent per layer); use oscar")
+        try:
+            latent_hadamard(int(geo.kv_lora_rank), latent_block)
+        except ValueError as exc:
+            raise CalibrationError(f"--latent-block: {exc}") from None
         if not fitted:
             rs = LatentRotationSet.data_free(geo, method, latent_block)
             rs.metadata.update(meta_common)
@@ -115,16 +141,44 @@ def fit_rotations(
         rs.metadata.update(meta_common)
         rs.validate(geo)
         return rs
-    per_head = method == "oscar-perhead"
     k, v, ke, ve = {}, {}, {}, {}
-    for lid in geo.layer_ids:
-        k[lid], ke[lid] = rotations_from_covariances(stats.query_covariance(lid), per_head)
-        v[lid], ve[lid] = rotations_from_covariances(stats.value_covariance(lid), per_head)
-    meta = {**meta_common, "objective": "qqt_sst", "composition": "r_h_pbr",
-            "source_grouping": "per_kv_head" if per_head else "layer"}
+    if method == "perhead-kv":
+        for lid in geo.layer_ids:
+            n = stats.tokens_per_layer(1)[lid]
+            k[lid], ke[lid] = perhead_kv_rotations(stats.sums["k_sum"][lid] / n)
+            v[lid], ve[lid] = perhead_kv_rotations(stats.sums["v_sum"][lid] / n)
+        meta = {**meta_common, "objective": "cov_eig_hadamard_perhead", "composition": "u_desc_h",
+                "source_grouping": "per_kv_head"}
+    else:
+        per_head = method == "oscar-perhead"
+        for lid in geo.layer_ids:
+            k[lid], ke[lid] = rotations_from_covariances(stats.query_covariance(lid), per_head)
+            v[lid], ve[lid] = rotations_from_covariances(stats.value_covariance(lid), per_head)
+        meta = {**meta_common, "objective": "qqt_sst", "composition": "r_h_pbr",
+                "source_grouping": "per_kv_head" if per_head else "layer"}
     rs = RotationSet(k, v, meta, {i: t.float() for i, t in ke.items()}, {i: t.float() for i, t in ve.items()})
     rs.validate(geo)
     return rs
+
+
+def perhead_kv_rotations(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's PR-era per-head rotations (method ``perhead-kv``, spec §3.4).
+
+    Args:
+        cov: float64 ``[H_kv, D, D]`` raw K (or V) second moments of one layer.
+
+    Returns:
+        ``(R, eigvals)``: float64 ``[H_kv, D, D]`` with ``R[h] = U_desc[h] H`` (eigenvectors of
+        ``cov[h]`` in descending eigenvalue order, times the normalised Hadamard of size ``D``,
+        block Hadamard for non-power-of-two ``D``; no permutation) and ``[H_kv, D]`` eigenvalues
+        in descending order.
+    """
+    rs, eigs = [], []
+    for c in cov:
+        u, lam = covariance_eigenbasis(c)
+        rs.append(u.flip(-1) @ default_hadamard(u.shape[0], device=u.device))
+        eigs.append(lam.flip(-1))
+    return torch.stack(rs), torch.stack(eigs)
 
 
 def load_rotation_any(path: str) -> RotationSet | LatentRotationSet:
@@ -134,3 +188,32 @@ def load_rotation_any(path: str) -> RotationSet | LatentRotationSet:
     if is_latent_rotation_file(path):
         return LatentRotationSet.load(path)
     return RotationSet.load(path)
+
+
+def check_rotation(rs: RotationSet | LatentRotationSet, geometry: ModelGeometry, fingerprint: dict[str, Any] | None = None,
+                   *, allow_other_model: bool = False, name: str | None = None, ortho_tol: float | None = None) -> None:
+    """Check that a rotation set belongs to a model: its kind (latent for MLA, K/V otherwise),
+    geometry (:meth:`validate`) and, for fitted rotations, the model fingerprint it records
+    (``model_fingerprint``) against ``fingerprint``. Data-free rotations (hadamard, identity)
+    depend on the geometry only, so their fingerprint is not compared.
+
+    Raises:
+        CalibrationError: wrong kind, geometry, or (unless ``allow_other_model``) another model.
+    """
+    from .model import check_same_model
+
+    what = f"rotation {name!r} ({rs.source})" if name else f"rotation {rs.source}"
+    latent = isinstance(rs, LatentRotationSet)
+    if (geometry.attention_kind == "mla") != latent:
+        raise CalibrationError(
+            f"{what} is a {'latent' if latent else 'K/V'} rotation set but the model ({geometry.model_type}) uses "
+            f"{geometry.attention_kind.upper()} attention"
+            + (": MLA models get latent rotations (`sglang-oscar fit` writes them for MLA statistics)" if not latent else "")
+        )
+    try:
+        rs.validate(geometry, **({"ortho_tol": ortho_tol} if ortho_tol is not None else {}))
+    except ValueError as exc:
+        raise CalibrationError(f"{what} does not fit this model: {exc}") from None
+    if rs.metadata.get("method") not in ("hadamard", "identity"):
+        check_same_model(rs.metadata.get("model_fingerprint"), fingerprint, what,
+                         f"the model ({(fingerprint or {}).get('name') or geometry.model_type})", allow_other_model)

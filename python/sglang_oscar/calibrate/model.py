@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -33,13 +34,47 @@ def config_dict(config) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
+def _kda_layer_types(d: dict[str, Any]) -> dict[str, Any]:
+    """Add ``layer_types`` to a KDA + MLA hybrid config (Kimi-K3 / Kimi-Linear style) that has none.
+
+    Such configs list their linear-attention layers as ``linear_attn_config.kda_layers`` (or the
+    attention layers as ``full_attn_layers``), **1-based** (spec §3.6); without ``layer_types``
+    every layer would be taken for an attention layer.
+
+    Raises:
+        CalibrationError: a listed layer outside ``1..num_hidden_layers``.
+    """
+    nested = isinstance(d.get("text_config"), dict) and "num_hidden_layers" not in d
+    text = d["text_config"] if nested else d
+    lac = text.get("linear_attn_config")
+    if text.get("layer_types") or not isinstance(lac, dict) or "num_hidden_layers" not in text:
+        return d
+    n = int(text["num_hidden_layers"])
+    if lac.get("kda_layers"):
+        linear, listed = {int(i) for i in lac["kda_layers"]}, "kda_layers"
+    elif lac.get("full_attn_layers"):
+        listed = "full_attn_layers"
+        linear = set(range(1, n + 1)) - {int(i) for i in lac["full_attn_layers"]}
+    else:
+        return d
+    bad = sorted(i for i in {int(i) for i in lac[listed]} if not 1 <= i <= n)
+    if bad:
+        raise CalibrationError(f"linear_attn_config.{listed} holds {bad[:8]}, outside the 1-based layers 1..{n}")
+    text = {**text, "layer_types": ["linear_attention" if i + 1 in linear else "full_attention" for i in range(n)]}
+    return {**d, "text_config": text} if nested else text
+
+
 def geometry_of(config) -> ModelGeometry:
     """:meth:`ModelGeometry.from_hf_config` with calibration-level error messages.
+
+    KDA + MLA hybrids without ``layer_types`` get them from ``linear_attn_config``
+    (:func:`_kda_layer_types`), so only their MLA layers count as attention layers.
 
     Raises:
         CalibrationError: no attention layers, or a config OSCAR cannot read.
     """
     d = config if isinstance(config, dict) else config_dict(config)
+    d = _kda_layer_types(d)
     model_type = d.get("model_type", "unknown")
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
     if "num_attention_heads" not in text:
@@ -54,6 +89,7 @@ def geometry_of(config) -> ModelGeometry:
 
 
 def model_id_of(model) -> str:
+    """The id/path ``model`` was loaded from (``config._name_or_path``), else its class name."""
     return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__)
 
 
@@ -114,16 +150,65 @@ def input_device(model) -> torch.device:
         return next(model.parameters()).device
 
 
-def build_model_from_config(config):
-    """``AutoModelForCausalLM.from_config`` with the unsupported-architecture error of :func:`load_model`."""
-    from transformers import AutoModelForCausalLM
+# ----------------------------------------------------------------------------- model fingerprint
+FINGERPRINT_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size")
 
-    geometry_of(config)
-    try:
-        return AutoModelForCausalLM.from_config(config)
-    except ValueError as exc:
-        if "Unrecognized configuration class" in str(exc):
-            raise CalibrationError(
-                f"unsupported architecture: {type(config).__name__} (model_type {config.model_type!r}) is not a causal LM"
-            ) from None
-        raise
+
+def model_name(name_or_path: str) -> str:
+    """Comparable name of a model id or path: its last component, lower case.
+
+    ``/models/Qwen3-8B`` and ``Qwen/Qwen3-8B`` both give ``qwen3-8b``; a Hugging Face cache
+    snapshot ``.../models--Qwen--Qwen3-8B/snapshots/<hash>`` gives ``qwen3-8b`` too.
+    """
+    p = str(name_or_path).replace("\\", "/").rstrip("/")
+    m = re.search(r"models--[^/]+?--([^/]+)/snapshots/[^/]+$", p)
+    return (m.group(1) if m else p.rsplit("/", 1)[-1]).lower()
+
+
+def config_fingerprint(config, name_or_path: str | None = None) -> dict[str, Any]:
+    """What identifies a model beyond its attention geometry (spec lesson: statistics and
+    rotations must come from the model they are used with).
+
+    Keys: ``model_type``, ``hidden_size``, ``vocab_size``, ``num_hidden_layers``,
+    ``intermediate_size`` (read from ``text_config`` for multimodal configs when not at the top
+    level) and ``name`` (:func:`model_name` of ``name_or_path``, else of the config's
+    ``_name_or_path``), each only when known.
+    """
+    d = config if isinstance(config, dict) else config_dict(config)
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    fp: dict[str, Any] = {}
+    for key in FINGERPRINT_KEYS:
+        value = d.get(key, text.get(key))
+        if value is not None:
+            fp[key] = value
+    name = name_or_path or d.get("_name_or_path") or d.get("name_or_path")
+    if name:
+        fp["name"] = model_name(name)
+    return fp
+
+
+def fingerprint_mismatches(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
+    """Keys known in both fingerprints whose values differ, as ``"key: a vs b"``."""
+    if not a or not b:
+        return []
+    return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+
+
+def check_same_model(have: dict[str, Any] | None, want: dict[str, Any] | None, what: str, target: str,
+                     allow_other_model: bool = False) -> None:
+    """Refuse ``what`` (statistics / a rotation) made for another model than ``target``.
+
+    Both fingerprints come from :func:`config_fingerprint`; only keys known in both are compared.
+
+    Raises:
+        CalibrationError: a differing key, unless ``allow_other_model``.
+    """
+    bad = fingerprint_mismatches(have, want)
+    if bad and not allow_other_model:
+        raise CalibrationError(
+            f"{what} was made for another model than {target} (same attention geometry, but "
+            + "; ".join(bad)
+            + "): statistics and rotations are model-specific (spec §8.5: they do not transfer even between "
+            "GLM-5.2 and GLM-5.3). Calibrate this model, or pass --allow-other-model if this is intended "
+            "(e.g. the same checkpoint under another name)."
+        )

@@ -5,18 +5,25 @@ quantize, windows, counter-rotate). MLA layers quantize the *latent*: ``c_low =
 deq(quant(c R)) R^T`` (INT2 groups of the configured group size, K clip ratio), the keys and
 values read in INT2 are ``kv_b_proj(c_low)`` (``k_pe`` is never quantized), the HP tier holds
 the model's own keys/values, and :func:`..reference.attend` applies the same windows.
+
+The oracle computes dense attention: calls whose sparse (DSA top-k) key selection drops visible
+keys are refused (:func:`check_dense`). Shared plumbing of ``error`` and ``ppl``:
+:func:`check_window_mode`, :func:`settings`, :func:`oracle_capture`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Any, Iterator
 
 import torch
 
 from ..config import OscarConfig
 from ..quant.int2 import dequantize_rows, quantize_rows
 from ..reference.attention import attend, hp_window_mask, oscar_attention, plain_attention
-from .capture import AttentionCall
+from . import CalibrationError
+from .capture import AttentionCall, attention_override, latent_hooks
 
 
 class RotationCache:
@@ -27,6 +34,8 @@ class RotationCache:
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def get(self, layer_id: int, which: str, device) -> torch.Tensor:
+        """Float32 rotation of ``layer_id`` on ``device``: ``which`` is ``"k"``/``"v"`` (K/V set,
+        ``[D, D]`` or ``[H_kv, D, D]``) or ``"latent"`` (latent set, ``[R, R]``); cached."""
         key = (layer_id, which, str(device))
         if key not in self._cache:
             if which == "latent":
@@ -49,6 +58,49 @@ def _low_reads_cpu(t: int, sink: int, recent: int, window_mode: str, sliding_win
     return int((visible & ~hp).sum())
 
 
+def check_window_mode(window_mode: str) -> None:
+    """Raise :class:`CalibrationError` unless ``window_mode`` is ``"decode"`` or ``"extend"``."""
+    if window_mode not in ("decode", "extend"):
+        raise CalibrationError(f"window_mode must be 'decode' or 'extend', got {window_mode!r}")
+
+
+def settings(config: OscarConfig) -> dict[str, Any]:
+    """The served quantizer settings of ``config`` as reported by ``error`` and ``ppl``."""
+    return {"group_size": config.group_size, "k_clip_ratio": config.k_clip_ratio, "v_clip_ratio": config.v_clip_ratio,
+            "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
+            "quantizer": config.quantizer, "scale_dtype": config.scale_dtype}
+
+
+@contextlib.contextmanager
+def oracle_capture(model, mla: bool, on_attention, on_latent) -> Iterator[None]:
+    """:func:`.capture.attention_override` with ``on_attention`` and, for MLA models, also
+    :func:`.capture.latent_hooks` with ``on_latent`` (the latent of a layer is captured before its
+    attention call), inside ``torch.inference_mode``."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(attention_override(model, on_attention))
+        if mla:
+            stack.enter_context(latent_hooks(model, on_latent))
+        yield
+
+
+def check_dense(call: AttentionCall) -> None:
+    """Refuse a call whose sparse key selection (DSA top-k) drops visible keys: the oracle
+    computes dense attention, so its error and perplexity would describe another model.
+
+    Raises:
+        CalibrationError: naming the layer, the dropped pairs and the workaround.
+    """
+    if call.sparse_dropped:
+        topk = getattr(getattr(call.module, "config", None), "index_topk", None)
+        raise CalibrationError(
+            f"layer {call.layer_id}: sparse DSA attention (top-k key selection{f', index_topk {topk}' if topk else ''}) "
+            f"drops {call.sparse_dropped} visible (query, key) pairs of this sequence, and sparse attention is not "
+            "supported by the oracle yet (it would compare dense attention). Use sequences no longer than the "
+            "model's index_topk (--seq-len), where sparse and dense attention agree."
+        )
+
+
 def low_reads(t: int, config: OscarConfig, window_mode: str, sliding_window: int | None) -> int:
     """Number of (query, key) pairs of a length-``t`` sequence whose key is read from INT2."""
     if window_mode == "none":
@@ -58,7 +110,12 @@ def low_reads(t: int, config: OscarConfig, window_mode: str, sliding_window: int
 
 def mha_output(call: AttentionCall, b: int, rk: torch.Tensor | None, rv: torch.Tensor | None, config: OscarConfig,
                window_mode: str, quantize: bool = True) -> torch.Tensor:
-    """Oracle output ``[T, H_q, D_v]`` (fp32) of batch row ``b``; ``rk=None`` -> exact fp32 attention."""
+    """Oracle output ``[T, H_q, D_v]`` (fp32) of batch row ``b``; ``rk=None`` -> exact fp32 attention.
+
+    Raises:
+        CalibrationError: the call's sparse attention drops keys (:func:`check_dense`).
+    """
+    check_dense(call)
     q, k, v = call.rows(b)
     pos = torch.arange(q.shape[0], device=q.device)
     if rk is None:
@@ -69,7 +126,16 @@ def mha_output(call: AttentionCall, b: int, rk: torch.Tensor | None, rv: torch.T
 
 
 def latent_fake_quant(c: torch.Tensor, r: torch.Tensor, config: OscarConfig, hp_dtype=torch.bfloat16) -> torch.Tensor:
-    """``deq(quant(c R)) R^T`` of latents ``c [T, R]`` (fp32)."""
+    """``deq(quant(c R)) R^T`` of latents (INT2 groups of ``config``, K clip ratio).
+
+    Args:
+        c: ``[T, R]`` latents, any float dtype.
+        r: float32 ``[R, R]`` orthogonal rotation on ``c``'s device (``RotationCache.get(..., "latent", ...)``).
+        hp_dtype: dtype the rotated latent is rounded to before quantization (the BF16 tier).
+
+    Returns:
+        fp32 ``[T, R]``.
+    """
     rot = (c.float() @ r).to(hp_dtype)
     qr = quantize_rows(rot.unsqueeze(1), **config.quant_kwargs("k"))
     return dequantize_rows(qr)[:, 0] @ r.T
@@ -81,7 +147,11 @@ def mla_output(call: AttentionCall, b: int, c: torch.Tensor | None, r: torch.Ten
 
     Args:
         c: the layer's latent ``[T, kv_lora_rank]`` for batch row ``b`` (post ``kv_a_layernorm``).
+
+    Raises:
+        CalibrationError: the call's sparse attention drops keys (:func:`check_dense`).
     """
+    check_dense(call)
     q, k, v = call.rows(b)
     pos = torch.arange(q.shape[0], device=q.device)
     if r is None or not quantize:

@@ -28,13 +28,14 @@ from ..config import OscarConfig
 from ..rotation import RotationSet
 from ..rotation.latent import LatentRotationSet
 from . import CalibrationError
-from .capture import attention_override, latent_hooks
-from .model import geometry_of, input_device
-from .oracle import RotationCache, low_reads, mha_output, mla_output
+from .fit import check_rotation
+from .model import config_fingerprint, geometry_of, input_device
+from .oracle import RotationCache, check_window_mode, low_reads, mha_output, mla_output, oracle_capture, settings
 from .prompts import PromptSet
 
 
 def _nll(model, ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL of one sequence ``ids [1, T]`` and the number of scored tokens ``T - 1``."""
     logits = model(input_ids=ids, use_cache=False).logits.float()
     nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:].to(logits.device), reduction="sum")
     return float(nll), ids.shape[1] - 1
@@ -48,30 +49,28 @@ def perplexity(
     *,
     window_mode: str = "decode",
     progress: bool | None = None,
+    allow_other_model: bool = False,
 ) -> dict[str, Any]:
     """BF16 vs INT2 teacher-forced perplexity (module docstring).
 
     Args:
         rotation: the served rotation set (``None``: data-free Hadamard).
+        allow_other_model: accept a fitted rotation whose recorded model fingerprint differs from
+            ``model``'s (same geometry; :func:`.fit.check_rotation`).
 
     Raises:
-        CalibrationError: nothing quantized, a rotation for another model, bad window_mode.
+        CalibrationError: nothing quantized, a rotation for another model, bad window_mode, or
+        sparse attention that drops keys (:func:`.oracle.check_dense`).
     """
     from tqdm.auto import tqdm
 
-    if window_mode not in ("decode", "extend"):
-        raise CalibrationError(f"window_mode must be 'decode' or 'extend', got {window_mode!r}")
+    check_window_mode(window_mode)
     geometry = geometry_of(model.config)
     mla = geometry.attention_kind == "mla"
     if rotation is None:
         rotation = (LatentRotationSet.data_free(geometry, "hadamard", config.group_size) if mla
                     else RotationSet.data_free(geometry, "hadamard"))
-    if mla != isinstance(rotation, LatentRotationSet):
-        raise CalibrationError(f"rotation {rotation.source} does not match the model's {geometry.attention_kind.upper()} attention")
-    try:
-        rotation.validate(geometry)
-    except ValueError as exc:
-        raise CalibrationError(f"rotation does not fit this model: {exc}") from None
+    check_rotation(rotation, geometry, config_fingerprint(model.config), allow_other_model=allow_other_model)
     seqs = [s for s in prompts.sequences if len(s) >= 2]
     if not seqs:
         raise CalibrationError("perplexity needs sequences of at least 2 tokens")
@@ -110,17 +109,10 @@ def perplexity(
             nll, n = _nll(model, torch.tensor([s], device=device))
             per_seq.append({"tokens": n, "nll_bf16": nll})
             bar.update(1)
-        with attention_override(model, on_attention):
-            hooks = latent_hooks(model, on_latent) if mla else None
-            if hooks is not None:
-                hooks.__enter__()
-            try:
-                for rec, s in zip(per_seq, seqs):
-                    rec["nll_int2"] = _nll(model, torch.tensor([s], device=device))[0]
-                    bar.update(1)
-            finally:
-                if hooks is not None:
-                    hooks.__exit__(None, None, None)
+    with oracle_capture(model, mla, on_attention, on_latent):
+        for rec, s in zip(per_seq, seqs):
+            rec["nll_int2"] = _nll(model, torch.tensor([s], device=device))[0]
+            bar.update(1)
     bar.close()
     n_tok = sum(r["tokens"] for r in per_seq)
     nll_bf16 = sum(r["nll_bf16"] for r in per_seq) / n_tok
@@ -134,9 +126,7 @@ def perplexity(
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "rotation": {"source": rotation.source, "method": rotation.metadata.get("method")},
         "window_mode": window_mode,
-        "settings": {"group_size": config.group_size, "k_clip_ratio": config.k_clip_ratio, "v_clip_ratio": config.v_clip_ratio,
-                     "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
-                     "quantizer": config.quantizer, "scale_dtype": config.scale_dtype},
+        "settings": settings(config),
         "tokens_scored": n_tok,
         "sequences": len(seqs),
         "bf16": {"nll": nll_bf16, "ppl": ppl_bf16},
@@ -149,6 +139,7 @@ def perplexity(
 
 
 def format_report(rep: dict[str, Any]) -> str:
+    """The report in five lines: tokens and INT2 read share, BF16 and INT2 perplexity, relative change."""
     return (
         f"teacher-forced perplexity over {rep['tokens_scored']} tokens ({rep['sequences']} sequences, "
         f"window_mode {rep['window_mode']}, {100 * rep['quantized_read_fraction']:.1f}% of key reads in INT2)\n"

@@ -16,11 +16,12 @@ Sampling: documents are shuffled with ``random.Random(seed)`` and consumed in th
 ``budget`` tokens are collected (the last sequence is cut to the budget). ``pack=True`` joins
 documents (EOS-separated) into one stream cut into ``seq_len`` blocks (text files and datasets
 by default); ``pack=False`` makes every document its own sequence, truncated to ``seq_len``
-(JSONL and tasks by default). Every sequence starts with the tokens the tokenizer adds to an
+(JSONL and tasks by default; a document of fewer than 2 tokens is skipped). Every sequence starts with the tokens the tokenizer adds to an
 empty string (BOS where the model uses one).
 
 Data shorter than the budget -> :class:`ShortDataWarning` with the token count; no text at all
--> :class:`CalibrationError`.
+-> :class:`CalibrationError`. ``PromptSet.meta`` records the source and its sha256, the sha256 of
+all token sequences and a short hash per sequence (:func:`sequence_hash`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ _FILE_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".md")
 
 @dataclasses.dataclass
 class Documents:
+    """The documents of one prompts source, before tokenization.
+
+    Attributes:
+        texts: one entry per document: a string, or a list of chat messages (task sources).
+        kind: ``"text"``, ``"jsonl"``, ``"task"`` or ``"dataset"`` (decides the default packing).
+        source: the source as given (or a description for tasks).
+        sha256: hash of the source's content (file bytes, rendered task prompts or dataset texts).
+    """
+
     texts: list[Any]  # str, or list of chat messages for task sources
     kind: str  # "text" | "jsonl" | "task" | "dataset"
     source: str
@@ -58,6 +68,12 @@ class PromptSet:
     @property
     def num_tokens(self) -> int:
         return sum(len(s) for s in self.sequences)
+
+
+def sequence_hash(tokens: list[int]) -> str:
+    """Short (16 hex digits) sha256 of one token sequence: recorded per calibration sequence so
+    that ``error``/``ppl`` can count held-out sequences that were also calibrated on."""
+    return hashlib.sha256(json.dumps([int(t) for t in tokens]).encode()).hexdigest()[:16]
 
 
 def _sha256_bytes(b: bytes) -> str:
@@ -215,8 +231,10 @@ def build_prompt_set(
             used_docs += 1
             seq = ids[:seq_len] if prefix and ids[: len(prefix)] == prefix else prefix + ids[:room]
             seq = seq[: budget - total]
-            if len(seq) < 2:
-                break
+            if len(seq) < 2:  # a one-token document: nothing to attend over; the next one may be longer
+                if budget - total < 2:
+                    break
+                continue
             seqs.append(seq)
             total += len(seq)
             if total >= budget:
@@ -234,6 +252,7 @@ def build_prompt_set(
     h = hashlib.sha256()
     for s in seqs:
         h.update(json.dumps(s).encode())
+    seq_hashes = [sequence_hash(s) for s in seqs]
     meta = {
         "source": docs.source,
         "kind": docs.kind,
@@ -247,5 +266,6 @@ def build_prompt_set(
         "num_sequences": len(seqs),
         "num_documents": len(docs.texts),
         "documents_used": used_docs,
+        "sequence_sha256": seq_hashes,
     }
     return PromptSet(seqs, meta)

@@ -24,7 +24,7 @@ import torch
 from .. import __version__
 from . import CalibrationError
 from .capture import attention_override, latent_hooks
-from .model import config_dict, geometry_of, input_device, model_id_of
+from .model import config_dict, config_fingerprint, geometry_of, input_device, model_id_of
 from .prompts import PromptSet
 from .stats import CalibrationStats
 
@@ -43,6 +43,8 @@ def _batches(seqs: list[list[int]], start: int, batch_size: int):
 
 
 def args_key(model_id: str, geometry_dict: dict, dtype: str, prompts: PromptSet) -> str:
+    """sha256 identifying a calibration run: model id, geometry, dtype and the token sequences
+    (which fix prompts, budget, seed and seq_len). A checkpoint resumes only with the same key."""
     blob = json.dumps({"model": model_id, "geometry": geometry_dict, "dtype": dtype,
                        "tokens_sha256": prompts.meta["tokens_sha256"]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -86,6 +88,7 @@ def calibrate_model(
     if not prompts.sequences:
         raise CalibrationError("no calibration sequences")
     geometry = geometry_of(model.config)
+    fingerprint = config_fingerprint(model.config, model_id)  # name: the given id, else config._name_or_path
     model_id = model_id or model_id_of(model)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     key = args_key(model_id, geometry.to_dict(), dtype, prompts)
@@ -117,7 +120,8 @@ def calibrate_model(
         print(f"calibrate: resuming from {ckpt} (pass {start_pass}, sequence {next_seq}/{len(prompts.sequences)})", file=sys.stderr)
     else:
         st = CalibrationStats(geometry, {
-            "model": {"id": model_id, "model_type": geometry.model_type, "dtype": dtype, "config": config_dict(model.config)},
+            "model": {"id": model_id, "model_type": geometry.model_type, "dtype": dtype, "config": config_dict(model.config),
+                      "fingerprint": fingerprint},
             "prompts": prompts.meta,
             "args_key": key,
             "created_by": f"sglang-oscar {__version__}",
@@ -194,6 +198,8 @@ def calibrate_model(
 
 
 def summary(st: CalibrationStats) -> dict[str, Any]:
+    """One-line JSON summary of finished statistics (model, layers, tokens per layer, passes,
+    prompts provenance), printed by ``sglang-oscar calibrate``."""
     toks = st.tokens_per_layer(1)
     return {
         "model": st.meta.get("model", {}).get("id"),

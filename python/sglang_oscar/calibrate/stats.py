@@ -18,8 +18,9 @@ layer, never the rows themselves) and are moved to the CPU when saved.
 File: safetensors with float64 tensors ``q_sum.<l>``, ``k_sum.<l>``, ``v_sum.<l>``,
 ``v_wsum.<l>``, ``w_sum.<l>`` (MHA) or ``c_sum.<l>`` (MLA), and the JSON metadata key
 ``oscar_stats``: ``format``, ``format_version``, ``geometry``, ``model`` (id/path, model_type,
-config), ``prompts`` (source, sha256, tokens, seed, ...), ``tokens_per_layer`` per pass,
-``q_rows``, ``passes_done``, ``passes_needed``, optional ``checkpoint``.
+dtype, config, ``fingerprint``: :func:`.model.config_fingerprint`), ``prompts`` (source,
+sha256, tokens, seed, per-sequence hashes, ...), ``tokens_per_layer`` per pass, ``q_rows``,
+``passes_done``, ``passes_needed``, optional ``checkpoint``.
 """
 
 from __future__ import annotations
@@ -177,9 +178,37 @@ class CalibrationStats:
                     "those layers never reached the attention interface (unsupported architecture?)"
                 )
 
-    def check_model(self, geometry: ModelGeometry, what: str = "the model") -> None:
-        """Raise if these statistics were computed for a model of another geometry."""
-        if geometry.to_dict() != self.geometry.to_dict():
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """The calibrated model's :func:`.model.config_fingerprint` (from the metadata; computed
+        from the stored config and model id for files written before fingerprints were stored)."""
+        from .model import config_fingerprint
+
+        model = self.meta.get("model", {})
+        if model.get("fingerprint"):
+            return dict(model["fingerprint"])
+        return config_fingerprint(model.get("config") or {"model_type": self.geometry.model_type}, model.get("id"))
+
+    def check_model(self, geometry: ModelGeometry, what: str = "the model", fingerprint: dict[str, Any] | None = None,
+                    allow_other_model: bool = False) -> None:
+        """Raise if these statistics were computed for another model.
+
+        Args:
+            geometry: the target's attention geometry (always compared; no override).
+            what: how to name the target in messages.
+            fingerprint: the target's :func:`.model.config_fingerprint` (compared when given).
+            allow_other_model: accept a differing fingerprint (never a differing geometry).
+
+        Raises:
+            CalibrationError: naming both models.
+        """
+        from .model import check_same_model
+
+        if geometry.to_dict() == self.geometry.to_dict():
+            check_same_model(self.fingerprint, fingerprint,
+                             f"statistics {self.meta.get('path', '')} (model {self.meta.get('model', {}).get('id', '?')})",
+                             what, allow_other_model)
+        else:
             mine, theirs = self.geometry, geometry
             raise CalibrationError(
                 f"{self.meta.get('path', 'statistics')} were computed for {self.meta.get('model', {}).get('id', '?')} "
@@ -192,6 +221,8 @@ class CalibrationStats:
 
     # ------------------------------------------------------------------ I/O
     def metadata(self) -> dict[str, Any]:
+        """The JSON metadata written to the file: provenance (``meta``) plus format, geometry,
+        tokens per layer and pass, query rows, passes done/needed (module docstring)."""
         meta = dict(self.meta)
         meta.pop("path", None)
         meta.update(

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from .geometry import ModelGeometry
+from .fit import rotation_from_covariance
 from .hadamard import block_hadamard, default_hadamard, eig_bitrev_permutation, is_power_of_two
 from .rotation_set import DEFAULT_ORTHO_TOL, METADATA_KEY, RotationError, orthogonality_error
 
@@ -42,12 +43,44 @@ DEFAULT_LATENT_BLOCK = 128
 def latent_hadamard(rank: int, block: int | None = DEFAULT_LATENT_BLOCK) -> torch.Tensor:
     """Block Hadamard ``[rank, rank]`` with power-of-two blocks of ``block`` (float64).
 
-    Falls back to :func:`.hadamard.default_hadamard` when ``block`` is ``None`` or does not
-    divide ``rank``.
+    ``block=None`` means one block as large as possible: :func:`.hadamard.default_hadamard`
+    (the full Hadamard for a power-of-two ``rank``).
+
+    Raises:
+        ValueError: ``block`` is not a power of two dividing ``rank`` (a file recording a block
+            it does not use would misdescribe itself, so there is no silent fallback).
     """
-    if block is None or rank % block or not is_power_of_two(block):
+    if block is None:
         return default_hadamard(rank)
+    if not is_power_of_two(block) or rank % block:
+        raise ValueError(
+            f"latent Hadamard block {block!r} must be a power of two dividing kv_lora_rank {rank} "
+            f"(e.g. {', '.join(str(b) for b in (32, 64, 128) if rank % b == 0) or 'a power of two'})"
+        )
     return block_hadamard(rank, block)
+
+
+def covariance_eigenbasis(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, eigvals)`` of a symmetric PSD matrix: ``Sigma = U diag(eigvals) U^T``, ascending.
+
+    Reuses :func:`.fit.rotation_from_covariance` (its shape/finiteness checks, symmetrisation
+    and ``eigh``), which returns ``R = U H P``; ``U`` is recovered exactly as ``R P^T H^T``
+    (``H`` and ``P`` are orthogonal and rebuilt from the same functions), so every fitted
+    composition shares one eigendecomposition code path.
+
+    Args:
+        sigma: ``[D, D]`` second-moment matrix.
+
+    Returns:
+        float64 ``[D, D]`` eigenvectors (columns) and ``[D]`` ascending eigenvalues.
+
+    Raises:
+        ValueError: non-square or non-finite input.
+    """
+    r, eigvals = rotation_from_covariance(sigma)
+    d = r.shape[0]
+    u = r @ eig_bitrev_permutation(eigvals).T @ default_hadamard(d, device=r.device).T
+    return u, eigvals
 
 
 def latent_rotation_from_covariance(sigma: torch.Tensor, block: int | None = DEFAULT_LATENT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,23 +88,17 @@ def latent_rotation_from_covariance(sigma: torch.Tensor, block: int | None = DEF
 
     Args:
         sigma: ``[R, R]`` symmetric PSD matrix (symmetrised here).
-        block: Hadamard block (the quantization group size; default 128).
+        block: Hadamard block (the quantization group size; default 128; ``None`` = full).
 
     Returns:
         ``(R, eigvals)``: float64 ``[R, R]`` orthogonal and ``[R]`` ascending eigenvalues.
 
     Raises:
-        ValueError: non-square or non-finite input.
+        ValueError: non-square or non-finite input, or an invalid ``block``.
     """
-    if sigma.dim() != 2 or sigma.shape[0] != sigma.shape[1]:
-        raise ValueError(f"latent covariance must be square [R, R], got {tuple(sigma.shape)}")
-    s = sigma.double()
-    if not torch.isfinite(s).all():
-        raise ValueError("latent covariance contains NaN or Inf")
-    s = 0.5 * (s + s.T)
-    eigvals, u = torch.linalg.eigh(s)
-    r = u @ eig_bitrev_permutation(eigvals) @ latent_hadamard(s.shape[0], block)
-    return r, eigvals
+    hblock = latent_hadamard(sigma.shape[-1], block)  # validate the block before the eigendecomposition
+    u, eigvals = covariance_eigenbasis(sigma)
+    return u @ eig_bitrev_permutation(eigvals) @ hblock.to(u.device), eigvals
 
 
 @dataclasses.dataclass
@@ -101,6 +128,11 @@ class LatentRotationSet:
         return sorted(self.r)
 
     def matrix(self, layer_id: int) -> torch.Tensor:
+        """The float32 ``[R, R]`` rotation of global layer ``layer_id``.
+
+        Raises:
+            KeyError: no rotation for that layer.
+        """
         if layer_id not in self.r:
             raise KeyError(f"{self.source}: no latent rotation for layer {layer_id}")
         return self.r[layer_id]
@@ -196,15 +228,21 @@ class LatentRotationSet:
         """``"hadamard"`` (block Hadamard of ``block``) or ``"identity"``, one matrix per MLA layer.
 
         Raises:
-            RotationError: unknown method or a non-MLA model.
+            RotationError: unknown method, a non-MLA model, or a ``block`` that is not a power of
+                two dividing ``kv_lora_rank``.
         """
         if method not in ("hadamard", "identity"):
             raise RotationError(f"data-free latent method must be 'hadamard' or 'identity', got {method!r}")
         if geometry.attention_kind != "mla":
             raise RotationError(f"model_type {geometry.model_type!r} is not an MLA model; latent rotations do not apply")
         rank = int(geometry.kv_lora_rank)
-        m = latent_hadamard(rank, block) if method == "hadamard" else torch.eye(rank, dtype=torch.float64)
+        try:
+            m = latent_hadamard(rank, block) if method == "hadamard" else torch.eye(rank, dtype=torch.float64)
+        except ValueError as exc:
+            raise RotationError(str(exc)) from None
         meta = {"method": method, "model_type": geometry.model_type, "geometry": geometry.to_dict()}
+        if method == "hadamard":
+            meta["hadamard_block"] = block
         return cls({i: m.float() for i in geometry.layer_ids}, meta)
 
 
