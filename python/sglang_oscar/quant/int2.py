@@ -240,7 +240,8 @@ def quantize_rows(
     if quantizer == "uniform":
         lo = grouped.amin(dim=-1)
         hi = grouped.amax(dim=-1)
-        s = (hi - lo) / 3.0
+        # Tensor / tensor: IEEE division on every device (CUDA turns "/ 3.0" into "* (1/3)").
+        s = (hi - lo) / torch.full_like(hi, 3.0)
         offset = lo  # value of level 0
     else:
         g64 = grouped.double()
@@ -249,7 +250,7 @@ def quantize_rows(
         s = torch.sqrt(var64 + LM_VAR_EPS).float()
         offset = mean64.float()  # value of level 0.0 of the normalised group
     s = torch.clamp(s, min=_SCALE_MIN[sdt])
-    s = torch.maximum(s, offset.abs() / ZERO_MAX)
+    s = torch.maximum(s, offset.abs() / torch.full_like(offset, ZERO_MAX))
     s_st = _round_to(s, sdt)
     if s_st.numel() and not torch.isfinite(s_st).all():
         raise ValueError(

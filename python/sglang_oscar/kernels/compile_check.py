@@ -1,0 +1,88 @@
+"""Compile the kernels for a CUDA target on a machine without a GPU (no launch).
+
+Inside ``with compile_only("cuda", 90):`` every wrapper of :mod:`.launch` compiles its kernel
+launch for that target (Triton front end, TTGIR passes, LLVM, and ``ptxas`` from the Triton
+wheel) instead of running it, so compile errors of the GPU path -- including the inline PTX of
+the ``CONVERT_ASM`` code conversion -- show up in CPU CI. Inputs may be CPU tensors; outputs are
+left unwritten. Requires ``TRITON_INTERPRET`` unset (the interpreter has no compiler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+_TARGET = None
+COMPILED: list = []
+
+_DTYPE_STR = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+    torch.bool: "i1",
+}
+
+
+@contextlib.contextmanager
+def compile_only(backend: str = "cuda", arch: int = 90, warp_size: int = 32):
+    """Context manager: wrappers compile for ``GPUTarget(backend, arch, warp_size)`` instead of launching."""
+    global _TARGET
+    from triton.backends.compiler import GPUTarget
+
+    prev = _TARGET
+    _TARGET = GPUTarget(backend, arch, warp_size)
+    try:
+        yield COMPILED
+    finally:
+        _TARGET = prev
+
+
+def active() -> bool:
+    return _TARGET is not None
+
+
+def compile_launch(kernel, args: tuple, kwargs: dict):
+    """Compile ``kernel[grid](*args, **kwargs)`` for the active target; returns the compiled kernel."""
+    import triton
+    from triton.compiler import ASTSource
+
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+    names = kernel.arg_names
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(names, kernel.params)):
+        v = bound[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = v
+        elif v is None:
+            signature[name] = "constexpr"
+            constexprs[name] = None
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + _DTYPE_STR[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            signature[name] = "i1"
+        elif isinstance(v, int):
+            signature[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if v % 16 == 0 and v != 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"cannot describe argument {name}={v!r} for offline compile")
+    t0 = time.time()
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=_TARGET, options=options)
+    COMPILED.append((kernel.__name__, dict((k, v) for k, v in constexprs.items() if not hasattr(v, "data_ptr")),
+                     time.time() - t0, compiled))
+    return compiled
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, or an offline compile inside :func:`compile_only`."""
+    if _TARGET is not None:
+        return compile_launch(kernel, args, kwargs)
+    return kernel[grid](*args, **kwargs)

@@ -1,0 +1,945 @@
+"""Launch wrappers of the INT2 kernels: validate, pick launch parameters, launch.
+
+Public entry points (re-exported by :mod:`sglang_oscar.kernels`):
+
+* :func:`rotate_rows_hp` -- ``x R`` in fp32, rounded to the HP dtype (as ``reference.build_cache``).
+* :func:`write_kv` / :func:`rotate_and_write_kv` -- quantize rows and scatter codes + pairs at
+  ``loc`` (optionally also store the HP copy at ``hp_rows``).
+* :func:`flush_hp_rows` -- quantize HP-buffer rows into INT2 slots.
+* :func:`dequantize_slots` -- packed slots -> rows.
+* :func:`decode_attention` -- one query per request over [HP sink | INT2 middle | HP recent].
+* :func:`extend_attention` -- a chunk of queries over its prefix and itself (extend semantics).
+
+Launch parameters never depend on values that live on the device (no host sync outside debug
+mode); decode's grid depends only on the batch size, head counts and ``num_kv_splits``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+
+from .codes import (
+    CONVERT_ARITH,
+    CONVERT_ASM,
+    CONVERT_ASM_PERM,
+    CONVERT_BITS,
+    CONVERT_PERM_EMULATED,
+    LOG2E,
+)
+from .compile_check import launch as _launch
+from .decode import _decode_stage1, _decode_stage2
+from .dequant import _dequant_kernel
+from .extend import _extend_kernel
+from .flush import _flush_kernel
+from .layout import TORCH_TO_TL, Int2Layout, next_pow2
+from .validate import (
+    INDEX_DTYPES,
+    check_finite,
+    check_float,
+    check_range,
+    check_tensor,
+    debug_enabled,
+)
+from .write import _write_kernel
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (CPU interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _tl(dt: torch.dtype):
+    return TORCH_TO_TL[dt]
+
+
+# ---------------------------------------------------------------------------------------------
+# rotation
+# ---------------------------------------------------------------------------------------------
+
+
+def rotate_rows_hp(x: torch.Tensor, rotation: torch.Tensor, hp_dtype: torch.dtype | None = None,
+                   transpose: bool = False) -> torch.Tensor:
+    """Rotate rows ``x [N, H, D]`` by ``R`` (``[D, D]`` or ``[H_r, D, D]`` with ``H % H_r == 0``).
+
+    Computed in fp32 with the same einsum as ``reference.rotate_rows`` and rounded to
+    ``hp_dtype`` (default ``x.dtype``), so the rows equal ``reference.build_cache``'s ``k_hp``.
+
+    Raises:
+        ValueError: shapes or devices that do not match.
+    """
+    check_tensor(x, "rows", ndim=3)
+    check_float(x, "rows")
+    check_tensor(rotation, "rotation", device=x.device)
+    d = x.shape[-1]
+    if rotation.dim() not in (2, 3) or rotation.shape[-1] != d or rotation.shape[-2] != d:
+        raise ValueError(f"rotation of shape {tuple(rotation.shape)} does not fit head_dim {d}")
+    r = rotation.float()
+    h = x.shape[1]
+    if r.dim() == 2:
+        r = r.unsqueeze(0).expand(h, d, d)
+    else:
+        if h % r.shape[0]:
+            raise ValueError(f"rotation has {r.shape[0]} matrices, which does not divide {h} heads")
+        r = r.repeat_interleave(h // r.shape[0], dim=0)
+    if transpose:
+        r = r.transpose(-1, -2)
+    out = torch.einsum("thd,hde->the", x.float(), r)
+    return out.to(hp_dtype or x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# write / flush
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows_per_program(layout: Int2Layout, num_rows: int) -> int:
+    """Rows per write program: ~2K (interpreter: ~8K) tile elements, one-hot axis included."""
+    worst = max(4 * layout.k.quarter_p2 * (layout.k.num_groups_p2 if layout.k.num_groups > 1 else 1),
+                4 * layout.v.quarter_p2 * (layout.v.num_groups_p2 if layout.v.num_groups > 1 else 1))
+    budget = 8192 if interpreting() else 2048
+    r = min(64, 1 << (max(1, budget // worst).bit_length() - 1))
+    return max(1, min(r, next_pow2(max(num_rows, 1))))
+
+
+def _check_int2_buffers(layout: Int2Layout, k_codes, k_pairs, v_codes, v_pairs, heads, device):
+    check_tensor(k_codes, "k_codes", ndim=3, dtypes=torch.uint8, device=device,
+                 shape=(None, heads, layout.k.head_dim // 4), last_contiguous=True)
+    check_tensor(k_pairs, "k_pairs", ndim=3, dtypes=layout.scale_dtype, device=device,
+                 shape=(k_codes.shape[0], heads, 2 * layout.k.num_groups), last_contiguous=True)
+    if v_codes is not None:
+        check_tensor(v_codes, "v_codes", ndim=3, dtypes=torch.uint8, device=device,
+                     shape=(k_codes.shape[0], heads, layout.v.head_dim // 4), last_contiguous=True)
+        check_tensor(v_pairs, "v_pairs", ndim=3, dtypes=layout.scale_dtype, device=device,
+                     shape=(k_codes.shape[0], heads, 2 * layout.v.num_groups), last_contiguous=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _quant_constexprs(layout: Int2Layout, has_v: bool) -> dict:
+    k, v = layout.k, layout.v
+    return dict(
+        SDT=layout.tl_scale_dtype,
+        LLOYD=layout.lloyd,
+        QK=k.quarter, QKP=k.quarter_p2, GK=k.group_size, NGK=k.num_groups, NGKP=k.num_groups_p2,
+        CLIP_KK=k.clip_k,
+        QV=v.quarter, QVP=v.quarter_p2, GV=v.group_size, NGV=v.num_groups, NGVP=v.num_groups_p2,
+        CLIP_KV=v.clip_k,
+        HAS_V=has_v,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _threshold_args(layout: Int2Layout) -> tuple:
+    t = layout.thresholds
+    return (layout.scale_min, t[0], t[1], t[2], t[0], t[1], t[2])
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    loc: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor | None,
+    v_pairs: torch.Tensor | None,
+    layout: Int2Layout,
+    *,
+    hp_rows: torch.Tensor | None = None,
+    hp_k: torch.Tensor | None = None,
+    hp_v: torch.Tensor | None = None,
+    debug: bool | None = None,
+    validate: bool = True,
+) -> None:
+    """Quantize rotated rows and scatter them into the INT2 buffers at ``loc``.
+
+    Args:
+        k: ``[N, H, D_k]`` rotated rows in the HP dtype (quantized from these exact values);
+            v: ``[N, H, D_v]`` or ``None`` (K only).
+        loc: int32/int64 ``[N]`` slots; ``loc < 0`` = skip the token (nothing written).
+        k_codes, k_pairs, v_codes, v_pairs: pool buffers ``[S, H, D/4]`` uint8 and
+            ``[S, H, 2*D/G]`` in ``layout.scale_dtype``.
+        layout: :class:`Int2Layout`.
+        hp_rows: optional int ``[N]``; with ``hp_k``/``hp_v`` (``[R, H, D]``, same dtype as the
+            rows) also store the rows there (``hp_rows < 0`` = skip).
+        debug: check index ranges and finiteness (host sync); default ``SGLANG_OSCAR_DEBUG``.
+        validate: shape/dtype/device checks (pure Python, no sync); ``False`` skips them on hot
+            paths whose arguments were validated once (saves tens of microseconds of CPU).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, or (debug) out-of-range indices / non-finite rows.
+    """
+    if validate:
+        _validate_write(layout, k, v, loc, k_codes, k_pairs, v_codes, v_pairs, hp_rows, hp_k, hp_v)
+    n, h, _ = k.shape
+    has_v = v is not None
+    has_hp = hp_rows is not None
+    if debug_enabled(debug):
+        check_range(loc, "loc", 0, k_codes.shape[0], allow_negative=True)
+        check_finite(k, "k")
+        if has_v:
+            check_finite(v, "v")
+        if has_hp:
+            check_range(hp_rows, "hp_rows", 0, hp_k.shape[0], allow_negative=True)
+    if n == 0:
+        return
+    r = _rows_per_program(layout, n * h)
+    vv = v if has_v else k
+    vc = v_codes if has_v else k_codes
+    vp = v_pairs if has_v else k_pairs
+    hrows = hp_rows if has_hp else loc
+    hk = hp_k if has_hp else k
+    hv = hp_v if (has_hp and has_v) else hk
+    grid = (triton.cdiv(n * h, r),)
+    _launch(_write_kernel, grid,
+        k, k.stride(0), k.stride(1), vv, vv.stride(0), vv.stride(1), loc, n, h,
+        k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
+        vc, vc.stride(0), vc.stride(1), vp, vp.stride(0), vp.stride(1),
+        hrows, hk, hk.stride(0), hk.stride(1), hv, hv.stride(0), hv.stride(1),
+        *_threshold_args(layout),
+        R=r, HAS_HP=has_hp, num_warps=_write_warps(layout, r), enable_fp_fusion=False,
+        **_quant_constexprs(layout, has_v),
+    )
+
+
+def _validate_write(layout, k, v, loc, k_codes, k_pairs, v_codes, v_pairs, hp_rows, hp_k, hp_v):
+    check_tensor(k, "k", ndim=3, last_contiguous=True)
+    check_float(k, "k")
+    dev = k.device
+    n, h, dk = k.shape
+    if dk != layout.k.head_dim:
+        raise ValueError(f"k head_dim {dk} does not match the layout's {layout.k.head_dim}")
+    has_v = v is not None
+    if has_v:
+        check_tensor(v, "v", ndim=3, device=dev, shape=(n, h, layout.v.head_dim), last_contiguous=True)
+        check_float(v, "v")
+        if v_codes is None or v_pairs is None:
+            raise ValueError("v given but v_codes / v_pairs missing")
+    check_tensor(loc, "loc", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(n,))
+    _check_int2_buffers(layout, k_codes, k_pairs, v_codes if has_v else None, v_pairs, h, dev)
+    has_hp = hp_rows is not None
+    if has_hp:
+        check_tensor(hp_rows, "hp_rows", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(n,))
+        check_tensor(hp_k, "hp_k", ndim=3, dtypes=k.dtype, device=dev, shape=(None, h, dk), last_contiguous=True)
+        if has_v:
+            check_tensor(hp_v, "hp_v", ndim=3, dtypes=v.dtype, device=dev,
+                         shape=(hp_k.shape[0], h, layout.v.head_dim), last_contiguous=True)
+
+
+def _write_warps(layout: Int2Layout, r: int) -> int:
+    elems = r * 4 * max(layout.k.quarter_p2, layout.v.quarter_p2)
+    return max(1, min(8, elems // 256))
+
+
+def rotate_and_write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotation_k: torch.Tensor,
+    rotation_v: torch.Tensor,
+    loc: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_pairs: torch.Tensor,
+    layout: Int2Layout,
+    *,
+    hp_dtype: torch.dtype = torch.bfloat16,
+    hp_rows: torch.Tensor | None = None,
+    hp_k: torch.Tensor | None = None,
+    hp_v: torch.Tensor | None = None,
+    debug: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate unrotated ``k``/``v`` rows (fp32 einsum, rounded to ``hp_dtype``), then :func:`write_kv`.
+
+    Returns:
+        ``(k_rot, v_rot)`` in ``hp_dtype`` (the rotated rows, e.g. for in-chunk attention).
+    """
+    k_rot = rotate_rows_hp(k, rotation_k, hp_dtype)
+    v_rot = rotate_rows_hp(v, rotation_v, hp_dtype)
+    write_kv(k_rot, v_rot, loc, k_codes, k_pairs, v_codes, v_pairs, layout,
+             hp_rows=hp_rows, hp_k=hp_k, hp_v=hp_v, debug=debug)
+    return k_rot, v_rot
+
+
+def flush_hp_rows(
+    hp_k: torch.Tensor,
+    hp_v: torch.Tensor | None,
+    src_rows: torch.Tensor,
+    dst_loc: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor | None,
+    v_pairs: torch.Tensor | None,
+    layout: Int2Layout,
+    *,
+    debug: bool | None = None,
+    validate: bool = True,
+) -> None:
+    """Quantize HP rows ``hp_k[src_rows]`` (and V) into INT2 slots ``dst_loc``; no host sync.
+
+    Args:
+        hp_k, hp_v: HP buffers ``[R, H, D]``.
+        src_rows: int ``[M]`` HP row indices; dst_loc: int ``[M]`` INT2 slots. An entry with
+            either index negative is skipped (fixed-size plans can pad with -1).
+
+        validate: as :func:`write_kv`.
+
+    Raises:
+        ValueError: as :func:`write_kv`.
+    """
+    if validate:
+        _validate_flush(layout, hp_k, hp_v, src_rows, dst_loc, k_codes, k_pairs, v_codes, v_pairs)
+    h = hp_k.shape[1]
+    has_v = hp_v is not None
+    m = src_rows.shape[0]
+    if debug_enabled(debug):
+        check_range(src_rows, "src_rows", 0, hp_k.shape[0], allow_negative=True)
+        check_range(dst_loc, "dst_loc", 0, k_codes.shape[0], allow_negative=True)
+    if m == 0:
+        return
+    r = _rows_per_program(layout, m * h)
+    vv = hp_v if has_v else hp_k
+    vc = v_codes if has_v else k_codes
+    vp = v_pairs if has_v else k_pairs
+    _launch(_flush_kernel, (triton.cdiv(m * h, r),),
+        hp_k, hp_k.stride(0), hp_k.stride(1), vv, vv.stride(0), vv.stride(1), src_rows, dst_loc, m, h,
+        k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
+        vc, vc.stride(0), vc.stride(1), vp, vp.stride(0), vp.stride(1),
+        *_threshold_args(layout),
+        R=r, num_warps=_write_warps(layout, r), enable_fp_fusion=False,
+        **_quant_constexprs(layout, has_v),
+    )
+
+
+def _validate_flush(layout, hp_k, hp_v, src_rows, dst_loc, k_codes, k_pairs, v_codes, v_pairs):
+    check_tensor(hp_k, "hp_k", ndim=3, last_contiguous=True)
+    check_float(hp_k, "hp_k")
+    dev = hp_k.device
+    _, h, dk = hp_k.shape
+    if dk != layout.k.head_dim:
+        raise ValueError(f"hp_k head_dim {dk} does not match the layout's {layout.k.head_dim}")
+    has_v = hp_v is not None
+    if has_v:
+        check_tensor(hp_v, "hp_v", ndim=3, device=dev, shape=(hp_k.shape[0], h, layout.v.head_dim),
+                     last_contiguous=True)
+        if v_codes is None or v_pairs is None:
+            raise ValueError("hp_v given but v_codes / v_pairs missing")
+    check_tensor(src_rows, "src_rows", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    m = src_rows.shape[0]
+    check_tensor(dst_loc, "dst_loc", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(m,))
+    _check_int2_buffers(layout, k_codes, k_pairs, v_codes if has_v else None, v_pairs, h, dev)
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantize
+# ---------------------------------------------------------------------------------------------
+
+
+def dequantize_slots(
+    codes: torch.Tensor,
+    pairs: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    quantizer: str = "uniform",
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Dequantize packed rows at ``slots``: ``[N]`` -> ``[N, H, D]`` in ``out_dtype``.
+
+    Args:
+        codes: ``[S, H, D/4]`` uint8; pairs: ``[S, H, 2*D/G]``.
+        slots: int ``[N]``; entries ``< 0`` give zero rows.
+        group_size: ``G`` (``None`` = one group per row); quantizer: selects the levels.
+        out: optional preallocated ``[N, H, D]`` output.
+
+    Returns:
+        the rows; in fp32 they equal ``quant.dequantize_rows`` bit for bit.
+    """
+    check_tensor(codes, "codes", ndim=3, dtypes=torch.uint8, last_contiguous=True)
+    dev = codes.device
+    s_, h, q = codes.shape
+    d = 4 * q
+    layout = Int2Layout.create(d, d, group_size=group_size, quantizer=quantizer, scale_dtype=pairs.dtype,
+                               attention=False)
+    check_tensor(pairs, "pairs", ndim=3, device=dev, shape=(s_, h, 2 * layout.k.num_groups), last_contiguous=True)
+    check_tensor(slots, "slots", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    n = slots.shape[0]
+    if out is None:
+        if out_dtype not in TORCH_TO_TL:
+            raise ValueError(f"out_dtype {out_dtype} is not float32/float16/bfloat16")
+        out = torch.empty((n, h, d), dtype=out_dtype, device=dev)
+    else:
+        check_tensor(out, "out", ndim=3, device=dev, shape=(n, h, d), last_contiguous=True)
+        check_float(out, "out")
+    if debug_enabled(debug):
+        check_range(slots, "slots", 0, s_, allow_negative=True)
+    if n == 0:
+        return out
+    qp = next_pow2(q)
+    r = max(1, min(64, (8192 if interpreting() else 2048) // (4 * qp)))
+    r = 1 << (r.bit_length() - 1)
+    lv = layout.levels
+    _launch(_dequant_kernel, (triton.cdiv(n * h, r),),
+        codes, codes.stride(0), codes.stride(1), pairs, pairs.stride(0), pairs.stride(1), slots, n, h,
+        out, out.stride(0), out.stride(1), *lv,
+        R=r, Q=q, QP=qp, G=layout.k.group_size, OUT_DT=_tl(out.dtype),
+        num_warps=max(1, min(8, r * 4 * qp // 256)), enable_fp_fusion=False,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: shared helpers
+# ---------------------------------------------------------------------------------------------
+
+
+class AttnTuning:
+    """Launch knobs of the attention kernels (defaults depend on CUDA vs interpreter).
+
+    Attributes:
+        block_n: keys per inner iteration; block_m: queries per extend program.
+        num_warps, num_stages: Triton launch options.
+        convert: code -> operand conversion: ``CONVERT_ARITH`` 0 (shift/convert/fma),
+            ``CONVERT_BITS`` 1 (mantissa bit trick in Triton), ``CONVERT_ASM`` 2 (packed PTX,
+            fp16 operands), ``CONVERT_ASM_PERM`` 3 (packed PTX without byte permutes, decode INT2
+            fast path only; the kernel permutes q / the V token order to match). Under the
+            interpreter 2 runs as 1 and 3 as its emulation (4); where 3 is not applicable it
+            runs as 2 (extend, general path, non-fp16 operands as 1).
+        min_block_h: rows of the decode query tile are padded to at least this (MMA M).
+        max_block_h: a kv head's q heads are split into blocks of at most this many heads
+            (a divisor of the group), so a program never straddles two kv heads.
+        token_major: decode INT2 tiles with the token axis as the MMA's M dimension
+            (``S^T = codes @ q^T``); used only with one (scale, zero) group per K and V row,
+            otherwise ignored.
+    """
+
+    __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
+                 "token_major")
+
+    def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
+                 min_block_h=None, max_block_h=None, token_major=None):
+        self.block_n = block_n
+        self.block_m = block_m
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        self.convert = CONVERT_ASM if convert is None else int(convert)
+        self.min_block_h = min_block_h
+        self.max_block_h = max_block_h or 64
+        self.token_major = True if token_major is None else bool(token_major)
+        for name in ("block_n", "block_m", "min_block_h", "num_warps"):
+            val = getattr(self, name)
+            if val is not None and (val < 1 or val & (val - 1)):
+                raise ValueError(f"tuning {name}={val} must be a power of two")
+        if self.convert not in (CONVERT_ARITH, CONVERT_BITS, CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_PERM_EMULATED):
+            raise ValueError(f"tuning convert={self.convert} must be 0, 1, 2, 3 or 4")
+
+    def resolved(self, head_dim: int, extend: bool = False) -> "AttnTuning":
+        """Copy with the unset knobs filled for ``head_dim`` (max of K/V) and the platform.
+
+        GPU decode defaults (from sm_90 SASS instruction counts of the INT2 loop; to be confirmed
+        by scripts/bench_decode.py): one warp per program up to head_dim 128 (no cross-warp
+        softmax reductions), 64 keys per iteration, token-major tiles, q heads padded to 8.
+        """
+        interp = interpreting()
+        t = AttnTuning(**self.as_dict())
+        if interp:
+            t.block_n = t.block_n or 16
+            t.block_m = t.block_m or 16
+            t.num_warps = t.num_warps or 4
+            t.num_stages = t.num_stages or 1
+            t.min_block_h = t.min_block_h or 1
+        elif extend:
+            t.block_n = t.block_n or 64
+            t.block_m = t.block_m or 64
+            t.num_warps = t.num_warps or 4
+            t.num_stages = t.num_stages or 2
+            t.min_block_h = t.min_block_h or 16
+        else:
+            t.block_n = t.block_n or 64
+            t.block_m = t.block_m or 64
+            t.num_warps = t.num_warps or max(1, head_dim // 128)
+            t.num_stages = t.num_stages or 2
+            t.min_block_h = t.min_block_h or 8
+        return t
+
+    @classmethod
+    def of(cls, tuning) -> "AttnTuning":
+        if tuning is None:
+            return cls()
+        if isinstance(tuning, cls):
+            return tuning
+        if isinstance(tuning, dict):
+            unknown = set(tuning) - set(cls.__slots__)
+            if unknown:
+                raise ValueError(f"unknown tuning keys {sorted(unknown)}; allowed: {cls.__slots__}")
+            return cls(**tuning)
+        raise ValueError(f"tuning must be a dict or AttnTuning, got {type(tuning).__name__}")
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+_TUNING_CACHE: dict = {}
+
+
+def _resolved_tuning(tuning, head_dim: int, extend: bool) -> AttnTuning:
+    """:meth:`AttnTuning.resolved`, memoized for ``None`` and dict tunings (hot path)."""
+    if tuning is None or isinstance(tuning, dict):
+        key = (None if tuning is None else tuple(sorted(tuning.items())), head_dim, extend, interpreting())
+        hit = _TUNING_CACHE.get(key)
+        if hit is None:
+            hit = _TUNING_CACHE[key] = AttnTuning.of(tuning).resolved(head_dim, extend)
+        return hit
+    return AttnTuning.of(tuning).resolved(head_dim, extend)
+
+
+def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool) -> int:
+    """The conversion a kernel actually runs (see :class:`AttnTuning`)."""
+    interp = interpreting()
+    if convert in (CONVERT_ASM_PERM, CONVERT_PERM_EMULATED):
+        if permuting_ok and (interp or convert == CONVERT_PERM_EMULATED):
+            return CONVERT_PERM_EMULATED
+        if permuting_ok and op == torch.float16:
+            return CONVERT_ASM_PERM
+        convert = CONVERT_ASM
+    if convert == CONVERT_ASM and (interp or op != torch.float16):
+        return CONVERT_BITS
+    return convert
+
+
+def plan_head_blocks(num_q_heads: int, num_kv_heads: int, min_block_h: int = 16, max_block_h: int = 64):
+    """GQA tiling: ``(group, heads_per_block, blocks_per_kv, block_h)``.
+
+    ``heads_per_block`` is the whole group when it fits in ``max_block_h``, else the largest
+    divisor of the group that does, so a block never holds q heads of two kv heads.
+    ``block_h = max(min_block_h, next_pow2(heads_per_block))`` (padded rows are masked).
+    """
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    group = num_q_heads // num_kv_heads
+    if group <= max_block_h:
+        hpb = group
+    else:
+        hpb = max(d for d in range(1, max_block_h + 1) if group % d == 0)
+    return group, hpb, group // hpb, max(min_block_h, next_pow2(hpb))
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
+                      block_n: int = 64, waves: float = 2.0, max_splits: int = 160) -> int:
+    """INT2 splits per (request, head block): enough programs for ``waves`` x SMs.
+
+    Depends only on host constants (batch size, heads, an optional *static* bound on the
+    sequence length such as the server's context length), never on per-step lengths.
+    """
+    sms = _sm_count(torch.device(device) if device is not None else torch.device("cpu"))
+    ns = math.ceil(waves * sms / max(1, batch * head_programs))
+    if max_seq_len is not None:
+        ns = min(ns, max(1, math.ceil(max_seq_len / (2 * block_n))))
+    return int(max(1, min(max_splits, ns)))
+
+
+@functools.lru_cache(maxsize=256)
+def _attn_constants(layout: Int2Layout) -> tuple:
+    a4, b2, c0 = layout.affine_levels
+    return (a4, b2 / a4, c0, *layout.levels)
+
+
+def _score_scales(sm_scale: float, logit_cap) -> tuple[float, float, bool]:
+    """``(qscale, cap_log2e, has_cap)``: queries are pre-multiplied by ``qscale`` (see tiles.py)."""
+    has_cap = logit_cap is not None and logit_cap > 0
+    if has_cap:
+        return sm_scale / float(logit_cap), float(logit_cap) * LOG2E, True
+    return sm_scale * LOG2E, 1.0, False
+
+
+def _needs_idx64(*tensors) -> bool:
+    """Element offsets of some buffer reach 2**31: index math in int64 (else int32, cheaper).
+
+    ``SGLANG_OSCAR_FORCE_IDX64=1`` forces the int64 path (tests).
+    """
+    if os.environ.get("SGLANG_OSCAR_FORCE_IDX64", "") == "1":
+        return True
+    return any(t is not None and t.numel() >= 2**31 - 1 for t in tensors)
+
+
+def _mma_dtype(mma_dtype, hp_dtype: torch.dtype) -> torch.dtype:
+    if mma_dtype is None:
+        mma_dtype = torch.float32 if hp_dtype == torch.float32 else torch.float16
+    if mma_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"mma_dtype {mma_dtype} must be float32, float16 or bfloat16")
+    if mma_dtype == torch.bfloat16 and interpreting():
+        raise ValueError("mma_dtype bfloat16 is wrong under TRITON_INTERPRET (tl.dot on bf16 multiplies raw bits); "
+                         "use float16 or float32 there")
+    return mma_dtype
+
+
+def _check_attn_common(layout, q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
+                       sink, recent, sliding_window, logit_cap):
+    check_tensor(q, "q", ndim=3, last_contiguous=True)
+    check_float(q, "q")
+    dev = q.device
+    if q.shape[-1] != layout.k.head_dim:
+        raise ValueError(f"q head_dim {q.shape[-1]} does not match the layout's K head_dim {layout.k.head_dim}")
+    check_tensor(k_codes, "k_codes", ndim=3)
+    hkv = k_codes.shape[1]
+    _check_int2_buffers(layout, k_codes, k_pairs, v_codes, v_pairs, hkv, dev)
+    check_tensor(hp_k, "hp_k", ndim=3, device=dev, shape=(None, hkv, layout.k.head_dim), last_contiguous=True)
+    check_float(hp_k, "hp_k")
+    check_tensor(hp_v, "hp_v", ndim=3, dtypes=hp_k.dtype, device=dev,
+                 shape=(hp_k.shape[0], hkv, layout.v.head_dim), last_contiguous=True)
+    if not isinstance(sink, int) or not isinstance(recent, int) or sink < 0 or recent < 0:
+        raise ValueError(f"sink and recent must be non-negative ints, got {sink!r}, {recent!r}")
+    check_tensor(hp_index, "hp_index", ndim=2, dtypes=INDEX_DTYPES, device=dev, last_contiguous=True)
+    if hp_index.shape[1] < sink + recent:
+        raise ValueError(f"hp_index has {hp_index.shape[1]} columns; sink + recent = {sink + recent} needed")
+    check_tensor(req_to_token, "req_to_token", ndim=2, dtypes=INDEX_DTYPES, device=dev, last_contiguous=True)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if logit_cap is not None and not (logit_cap >= 0):
+        raise ValueError(f"logit_cap must be >= 0 or None, got {logit_cap!r}")
+    plan = plan_head_blocks(q.shape[1], hkv)  # validates the head ratio
+    return dev, hkv, plan
+
+
+def _counter_rotate(o: torch.Tensor, rotation_v: torch.Tensor, num_kv_heads: int, out_dtype) -> torch.Tensor:
+    dv = o.shape[-1]
+    if rotation_v.shape[-1] != dv or rotation_v.shape[-2] != dv or rotation_v.dim() not in (2, 3):
+        raise ValueError(f"rotation_v {tuple(rotation_v.shape)} does not match V head_dim {dv}")
+    if rotation_v.dim() == 3 and rotation_v.shape[0] != num_kv_heads:
+        raise ValueError(f"rotation_v has {rotation_v.shape[0]} matrices for {num_kv_heads} kv heads")
+    return rotate_rows_hp(o, rotation_v, out_dtype, transpose=True)
+
+
+def _debug_request_indices(req_pool_indices, seq_lens, hp_index, req_to_token, hp_rows, slots, sink, recent,
+                           prefix_mode: bool):
+    check_range(req_pool_indices, "req_pool_indices", 0, min(req_to_token.shape[0], hp_index.shape[0]))
+    check_range(seq_lens, "seq_lens", 0, req_to_token.shape[1] + 1)
+    for req, L in zip(req_pool_indices.tolist(), seq_lens.tolist()):
+        if L == 0:
+            continue
+        pos = torch.arange(L)
+        hp = pos < sink
+        if not prefix_mode:
+            hp |= pos >= L - recent
+        hp_pos = pos[hp]
+        entries = torch.where(hp_pos < sink, hp_pos, sink + (hp_pos % max(recent, 1)))
+        if entries.numel():
+            rows = hp_index[req, entries.to(hp_index.device)]
+            check_range(rows, f"hp_index[{req}] (positions needing an HP row)", 0, hp_rows)
+        int2_pos = pos[~hp]
+        if int2_pos.numel():
+            s = req_to_token[req, int2_pos.to(req_to_token.device)]
+            check_range(s, f"req_to_token[{req}] (INT2 positions)", 0, slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
+    """Stage-1 scratch ``(o_part [B, H_q, S, D_v] fp32, lse [B, H_q, S] fp32)`` (preallocate for graphs)."""
+    return (torch.empty((batch, num_q_heads, total_splits, head_dim_v), dtype=torch.float32, device=device),
+            torch.empty((batch, num_q_heads, total_splits), dtype=torch.float32, device=device))
+
+
+def decode_num_hp_splits(sink: int, recent: int) -> int:
+    """Default HP splits: one per 128 HP positions, 1..8 (a BF16 position costs several INT2 ones,
+    so HP splits are kept short to not be the long pole at short contexts)."""
+    return int(max(1, min(8, math.ceil((sink + recent) / 128))))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_pairs: torch.Tensor,
+    hp_k: torch.Tensor,
+    hp_v: torch.Tensor,
+    hp_index: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: Int2Layout,
+    *,
+    sink: int,
+    recent: int,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    rotation_v: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    num_kv_splits: int | None = None,
+    num_hp_splits: int | None = None,
+    max_seq_len: int | None = None,
+    workspace: tuple | None = None,
+    mma_dtype: torch.dtype | None = None,
+    tuning=None,
+    debug: bool | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Decode attention of one rotated query per request over the two-tier cache.
+
+    Args:
+        q: ``[B, H_q, D_k]`` rotated queries (query ``b`` at position ``seq_lens[b] - 1``).
+        k_codes, k_pairs, v_codes, v_pairs: INT2 buffers ``[S, H_kv, ...]``.
+        hp_k, hp_v: HP buffers ``[R, H_kv, D]`` (rotated frame).
+        hp_index: int ``[max_reqs, >= sink + recent]``: HP row of sink position ``p`` at entry
+            ``p``, of recent position ``p`` at entry ``sink + p % recent``.
+        req_to_token: int ``[max_reqs, max_ctx]`` INT2 slot of each position.
+        req_pool_indices, seq_lens: int ``[B]`` on the device (``seq_lens`` includes the query).
+        layout: :class:`Int2Layout`; sink, recent: HP window sizes (tokens).
+        sm_scale: default ``1/sqrt(D_k)``; sliding_window: key ``j`` visible iff ``L-1-j < W``;
+            logit_cap: ``cap * tanh(s / cap)`` (``None``/0 = off).
+        rotation_v: if given (``[D_v, D_v]`` or ``[H_kv, D_v, D_v]``), return ``o R_v^T``.
+        out: optional ``[B, H_q, D_v]`` output (rotated frame; ignored with ``rotation_v``).
+        num_kv_splits / num_hp_splits: INT2 / HP splits (default: :func:`choose_num_splits`,
+            :func:`decode_num_hp_splits`); with ``max_seq_len`` a static bound used by the default.
+        workspace: ``(o_part, lse)`` from :func:`decode_workspace` with at least
+            ``num_hp_splits + num_kv_splits`` splits (CUDA graphs: allocate before capture).
+        mma_dtype: operand dtype of the MMAs (default fp16, fp32 when the HP dtype is fp32).
+        tuning: dict / :class:`AttnTuning`.
+        debug: check index values (host sync); default ``SGLANG_OSCAR_DEBUG``.
+        validate: shape/dtype/device checks (pure Python); ``False`` skips them (hot path, after
+            the arguments were validated once).
+
+    Returns:
+        ``[B, H_q, D_v]`` in ``out_dtype`` (default ``q.dtype``).
+
+    Raises:
+        ValueError: unsupported layout, mismatched shapes/dtypes/devices, (debug) bad indices.
+    """
+    tn = _resolved_tuning(tuning, max(layout.k.head_dim, layout.v.head_dim), False)
+    if validate:
+        _check_attn_common(layout, q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
+                           sink, recent, sliding_window, logit_cap)
+    dev, hkv = q.device, k_codes.shape[1]
+    bsz, hq, dk = q.shape
+    dv = layout.v.head_dim
+    group, hpb, bpk, block_h = plan_head_blocks(hq, hkv, tn.min_block_h, tn.max_block_h)
+    if validate:
+        check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+        check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+    op = _mma_dtype(mma_dtype, hp_k.dtype)
+    out_dtype = out_dtype or (out.dtype if out is not None else q.dtype)
+    if num_hp_splits is None:
+        num_hp_splits = decode_num_hp_splits(sink, recent)
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_splits(bsz, hkv * bpk, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
+                                          waves=8.0 / tn.num_warps)
+    if num_hp_splits < 1 or num_kv_splits < 1:
+        raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
+    ns = num_hp_splits + num_kv_splits
+    if workspace is None:
+        workspace = decode_workspace(bsz, hq, dv, ns, dev)
+    o_part, lse = workspace
+    if validate:
+        check_tensor(o_part, "workspace o_part", ndim=4, dtypes=torch.float32, device=dev,
+                     shape=(None, hq, None, dv), last_contiguous=True)
+        check_tensor(lse, "workspace lse", ndim=3, dtypes=torch.float32, device=dev, shape=(None, hq, None))
+        if o_part.shape[0] < bsz or lse.shape[0] < bsz or o_part.shape[2] < ns or lse.shape[2] < ns:
+            raise ValueError(f"workspace too small for batch {bsz} and {ns} splits: "
+                             f"{tuple(o_part.shape)}, {tuple(lse.shape)}")
+    if rotation_v is None:
+        if out is None:
+            out = torch.empty((bsz, hq, dv), dtype=out_dtype, device=dev)
+        elif validate:
+            check_tensor(out, "out", ndim=3, device=dev, shape=(bsz, hq, dv), last_contiguous=True)
+            check_float(out, "out")
+        o_rot = out
+    else:
+        if validate:
+            check_tensor(rotation_v, "rotation_v", device=dev)
+        o_rot = torch.empty((bsz, hq, dv), dtype=torch.float32, device=dev)
+    if debug_enabled(debug):
+        _debug_request_indices(req_pool_indices, seq_lens, hp_index, req_to_token, hp_k.shape[0],
+                               k_codes.shape[0], sink, recent, prefix_mode=False)
+    if bsz == 0:
+        return o_rot if rotation_v is None else o_rot.to(out_dtype)
+    sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
+    qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
+    idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
+    convert = effective_convert(tn.convert, op, layout.k.quarter_aligned and layout.v.quarter_aligned)
+    grid = (bsz, hkv * bpk, ns)
+    _launch(_decode_stage1, grid,
+        q, q.stride(0), q.stride(1),
+        k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
+        v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
+        hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
+        hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
+        qscale, cap_log2e, sink, recent, sliding_window or 0,
+        *_attn_constants(layout),
+        GROUP=group, HEADS_PER_BLOCK=hpb, BLOCKS_PER_KV=bpk, BLOCK_H=block_h,
+        QK=layout.k.quarter, QKP=layout.k.quarter_p2, GK=layout.k.group_size, NGK=layout.k.num_groups,
+        K_FAST=layout.k.quarter_aligned,
+        QV=layout.v.quarter, QVP=layout.v.quarter_p2, GV=layout.v.group_size, NGV=layout.v.num_groups,
+        V_FAST=layout.v.quarter_aligned,
+        LM=layout.lloyd, OP=_tl(op), PREC="ieee" if op == torch.float32 else None,
+        CONVERT=convert,
+        HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
+        TOKEN_MAJOR=tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1,
+        NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n,
+        num_warps=tn.num_warps, num_stages=tn.num_stages,
+    )
+    nsp = next_pow2(ns)
+    _launch(_decode_stage2, (bsz, hq),
+        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
+        o_rot, o_rot.stride(0), o_rot.stride(1), ns,
+        NSP=nsp, SB=min(nsp, 16), DV=dv, DVP=next_pow2(dv), OUT_DT=_tl(o_rot.dtype),
+        num_warps=4 if dv >= 256 else 2,
+    )
+    if rotation_v is None:
+        return o_rot
+    o = _counter_rotate(o_rot, rotation_v, hkv, out_dtype)
+    if out is not None:
+        check_tensor(out, "out", ndim=3, device=dev, shape=(bsz, hq, dv))
+        out.copy_(o)
+        return out
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# extend
+# ---------------------------------------------------------------------------------------------
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_pairs: torch.Tensor,
+    hp_k: torch.Tensor,
+    hp_v: torch.Tensor,
+    hp_index: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    layout: Int2Layout,
+    *,
+    sink: int,
+    max_extend_len: int | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    rotation_v: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+    mma_dtype: torch.dtype | None = None,
+    tuning=None,
+    debug: bool | None = None,
+):
+    """Causal attention of new chunks over their cached prefix and themselves (extend semantics).
+
+    Positions ``< sink`` are read from HP rows ``hp_index[req, p]``; every other position -- the
+    chunk's own tokens included, which must already be written -- from INT2 slots
+    ``req_to_token[req, p]``.
+
+    Args:
+        q: ``[N, H_q, D_k]`` rotated queries of all chunks, request ``b`` at rows
+            ``qo_indptr[b] : qo_indptr[b] + extend_seq_lens[b]``, positions
+            ``extend_prefix_lens[b] + i``.
+        qo_indptr: int ``[B+1]`` (or ``[B]``); extend_prefix_lens, extend_seq_lens,
+            req_pool_indices: int ``[B]``.
+        max_extend_len: host bound on ``extend_seq_lens`` (default: read from the device, a sync).
+        return_lse: also return the natural-log LSE ``[N, H_q]`` fp32 (rotated frame; for merging).
+        Other arguments: as :func:`decode_attention`.
+
+    Returns:
+        ``o [N, H_q, D_v]`` (and ``lse`` if ``return_lse``).
+    """
+    tn = _resolved_tuning(tuning, max(layout.k.head_dim, layout.v.head_dim), True)
+    dev, hkv, _ = _check_attn_common(layout, q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index,
+                                     req_to_token, sink, 0, sliding_window, logit_cap)
+    n, hq, dk = q.shape
+    dv = layout.v.head_dim
+    check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    bsz = req_pool_indices.shape[0]
+    check_tensor(extend_prefix_lens, "extend_prefix_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+    check_tensor(extend_seq_lens, "extend_seq_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+    check_tensor(qo_indptr, "qo_indptr", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    if qo_indptr.shape[0] not in (bsz, bsz + 1):
+        raise ValueError(f"qo_indptr has {qo_indptr.shape[0]} entries for {bsz} requests")
+    op = _mma_dtype(mma_dtype, hp_k.dtype)
+    out_dtype = out_dtype or (out.dtype if out is not None else q.dtype)
+    if debug_enabled(debug):
+        ext = extend_seq_lens.long().cpu()
+        ind = qo_indptr.long().cpu()
+        if bsz and (int(ext.min()) < 0 or int((ind[:bsz] + ext).max()) > n or int(ind[:bsz].min()) < 0):
+            raise ValueError("qo_indptr / extend_seq_lens address rows outside q")
+        if int(extend_prefix_lens.min()) < 0 if bsz else False:
+            raise ValueError("extend_prefix_lens has negative entries")
+        _debug_request_indices(req_pool_indices, (extend_prefix_lens + extend_seq_lens), hp_index, req_to_token,
+                               hp_k.shape[0], k_codes.shape[0], sink, 0, prefix_mode=True)
+    if max_extend_len is None:
+        max_extend_len = int(extend_seq_lens.max()) if bsz else 0
+    if rotation_v is None:
+        if out is None:
+            out = torch.empty((n, hq, dv), dtype=out_dtype, device=dev)
+        else:
+            check_tensor(out, "out", ndim=3, device=dev, shape=(n, hq, dv), last_contiguous=True)
+            check_float(out, "out")
+        o_rot = out
+    else:
+        check_tensor(rotation_v, "rotation_v", device=dev)
+        o_rot = torch.empty((n, hq, dv), dtype=torch.float32, device=dev)
+    lse = torch.empty((n, hq), dtype=torch.float32, device=dev) if return_lse else o_rot
+    if bsz and max_extend_len > 0 and n > 0:
+        group = hq // hkv
+        sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
+        qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
+        idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
+        grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)
+        _launch(_extend_kernel, grid,
+            q, q.stride(0), q.stride(1),
+            k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
+            v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
+            hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
+            hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, qo_indptr,
+            extend_prefix_lens, extend_seq_lens,
+            o_rot, o_rot.stride(0), o_rot.stride(1), lse, lse.stride(0), lse.stride(1),
+            qscale, cap_log2e, sink, sliding_window or 0,
+            *_attn_constants(layout),
+            GROUP=group,
+            QK=layout.k.quarter, QKP=layout.k.quarter_p2, GK=layout.k.group_size, NGK=layout.k.num_groups,
+            K_FAST=layout.k.quarter_aligned,
+            QV=layout.v.quarter, QVP=layout.v.quarter_p2, GV=layout.v.group_size, NGV=layout.v.num_groups,
+            V_FAST=layout.v.quarter_aligned,
+            LM=layout.lloyd, OP=_tl(op), PREC="ieee" if op == torch.float32 else None,
+            CONVERT=effective_convert(tn.convert, op, False),
+            HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, HAS_LSE=return_lse,
+            OUT_DT=_tl(o_rot.dtype), IDX64=idx64, BLOCK_M=tn.block_m, BLOCK_N=tn.block_n,
+            num_warps=tn.num_warps, num_stages=tn.num_stages,
+        )
+    if rotation_v is None:
+        o = o_rot
+    else:
+        o = _counter_rotate(o_rot, rotation_v, hkv, out_dtype)
+        if out is not None:
+            check_tensor(out, "out", ndim=3, device=dev, shape=(n, hq, dv))
+            out.copy_(o)
+            o = out
+    return (o, lse) if return_lse else o

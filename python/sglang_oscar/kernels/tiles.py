@@ -1,0 +1,428 @@
+"""Triton building blocks of the attention kernels (decode and extend share them).
+
+A query tile has ``M`` rows (decode: the q heads of one kv head; extend: query tokens of one
+head) and is kept as four *quarter* tiles ``q_k = q[:, k*Q:(k+1)*Q]`` in the MMA operand dtype,
+because the packed byte ``j`` of a row holds the codes of elements ``j + k*Q`` (quarter split):
+every quarter of the codes is an elementwise function of the same byte tile, so no register
+shuffles are needed to unpack, and every product is four MMAs with ``K = Q``. Queries are
+pre-multiplied by the softmax scale (times ``log2 e``; divided by the cap with a logit cap) when
+they are loaded, so scores come out of the MMA epilogue ready for ``exp2``.
+
+INT2 scores, fast path (every quarter inside one group; ``G % Q == 0``). With the code operand
+``E = 1 + c/4`` (and, for Lloyd-Max, ``B = 1 + b0/2``, ``b0 = c & 1``), the levels are affine,
+``level[c] = A4*E + B2*B + C0`` (``layout.affine_levels``), so for one group
+
+    q . k_hat = s * (q . level[c] - z * sum(q))
+              = (s * A4) * (q . E + qb . B - ((z - C0) / A4) * sum(q)),    qb = q * B2 / A4,
+
+where ``sum(q)`` is taken over the *rounded* operand values: one MMA chain (two for Lloyd-Max)
+and two fp32 operations per score. Only codes are converted; operands stay in [1, 1.75].
+
+V, fast path: with softmax weights ``p`` and per-token pairs ``(sv, zv)``,
+``sum_n p sv (level - zv) = A4 * ref * (sum_n pw (E + RB*B) + sum_n pw (C0 - zv) / A4)`` where
+``pw = p * sv / ref`` is in [0, 1] (rounded to the operand dtype; the correction uses the rounded
+``pw`` too) and ``ref`` is the running maximum of ``sv`` seen by the program. A growing ``ref``
+rescales the accumulator together with the online-softmax factor, so the accumulator is updated
+by the MMA alone (``TRUE_UNITS=False``, decode); ``TRUE_UNITS=True`` (extend, which mixes HP and
+INT2 blocks in one accumulator) rescales each block's product into value units instead.
+
+General path (any group size): dequantize ``s * (level - z)`` elementwise in fp32 with per-element
+pair loads, round to the operand dtype, MMA.
+
+Softmax runs in base 2 (``exp2``); masked keys get ``-inf``; a row with no visible key so far
+keeps ``m = -inf`` and contributes nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .codes import code_operand, level_of, perm4_index, round_to, to_operand
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def load_q_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexpr, QDP: tl.constexpr,
+                   OP: tl.constexpr, LM: tl.constexpr, PERM: tl.constexpr = False):
+    """``q[:, K*QD:(K+1)*QD] * qscale`` as ``[M, QDP]`` operand, ``q * RB`` (Lloyd-Max) and fp32 row sums.
+
+    ``PERM``: columns in :func:`.codes.perm4_index` order (for the permuting code conversion).
+    """
+    jq = tl.arange(0, QDP)
+    if PERM:
+        jq = perm4_index(jq)
+    q = tl.load(Q + qoff[:, None] + (K * QD + jq)[None, :], mask=rmask[:, None] & (jq < QD)[None, :], other=0.0)
+    qf = q.to(tl.float32) * qscale
+    q = round_to(qf, OP)
+    if LM:
+        qb = round_to(q.to(tl.float32) * RB, OP)
+    else:
+        qb = q
+    return q, qb, tl.sum(q.to(tl.float32), axis=1)
+
+
+# ------------------------------------------------------------------------------------- scores
+
+
+@triton.jit
+def _k_quarter_fast(acc, q, qb, sq, bk, KP_h, stride_kps, slots, tmask, K: tl.constexpr, NGK: tl.constexpr,
+                    A4, C0, LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
+    g: tl.constexpr = (K * NGK) // 4
+    sc = tl.load(KP_h + slots * stride_kps + 2 * g, mask=tmask, other=0.0).to(tl.float32) * A4
+    zk = (tl.load(KP_h + slots * stride_kps + 2 * g + 1, mask=tmask, other=0.0).to(tl.float32) - C0) / A4
+    d = tl.dot(q, code_operand(bk, K, OP, False, CONVERT), input_precision=PREC)
+    if LM:
+        d = tl.dot(qb, code_operand(bk, K, OP, True, CONVERT), d, input_precision=PREC)
+    return acc + sc[None, :] * (d - zk[None, :] * sq[:, None])
+
+
+@triton.jit
+def _k_quarter_general(acc, q, bk, KP_h, stride_kps, slots, tmask, l0, l1, l2, l3, K: tl.constexpr,
+                       QK: tl.constexpr, QKP: tl.constexpr, GK: tl.constexpr, OP: tl.constexpr,
+                       PREC: tl.constexpr):
+    jq = tl.arange(0, QKP)
+    m2 = (jq < QK)[:, None] & tmask[None, :]
+    c = (bk.to(tl.int32) >> (2 * K)) & 3
+    lev = level_of(c, l0, l1, l2, l3)
+    pp = KP_h + slots[None, :] * stride_kps + (2 * ((K * QK + jq) // GK))[:, None]
+    sc = tl.load(pp, mask=m2, other=0.0).to(tl.float32)
+    zk = tl.load(pp + 1, mask=m2, other=0.0).to(tl.float32)
+    kh = to_operand(sc * (lev - zk), OP)
+    return tl.dot(q, kh, acc, input_precision=PREC)
+
+
+@triton.jit
+def int2_scores(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, KC_h, stride_kcs, KP_h, stride_kps,
+                slots, tmask, A4, C0, l0, l1, l2, l3,
+                QK: tl.constexpr, QKP: tl.constexpr, GK: tl.constexpr, NGK: tl.constexpr,
+                FAST: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+                CONVERT: tl.constexpr):
+    """Scores ``q . k_hat`` ``[M, N]`` fp32 (q pre-scaled) of the INT2 keys at ``slots``."""
+    jq = tl.arange(0, QKP)
+    bk = tl.load(KC_h + slots[None, :] * stride_kcs + jq[:, None],
+                 mask=(jq < QK)[:, None] & tmask[None, :], other=0)  # [QKP, N] uint8
+    zero = tl.zeros((q0.shape[0], slots.shape[0]), tl.float32)
+    if FAST:
+        if NGK == 1:
+            sc = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0).to(tl.float32) * A4
+            zk = (tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0).to(tl.float32) - C0) / A4
+            d = tl.dot(q0, code_operand(bk, 0, OP, False, CONVERT), input_precision=PREC)
+            d = tl.dot(q1, code_operand(bk, 1, OP, False, CONVERT), d, input_precision=PREC)
+            d = tl.dot(q2, code_operand(bk, 2, OP, False, CONVERT), d, input_precision=PREC)
+            d = tl.dot(q3, code_operand(bk, 3, OP, False, CONVERT), d, input_precision=PREC)
+            if LM:
+                d = tl.dot(qb0, code_operand(bk, 0, OP, True, CONVERT), d, input_precision=PREC)
+                d = tl.dot(qb1, code_operand(bk, 1, OP, True, CONVERT), d, input_precision=PREC)
+                d = tl.dot(qb2, code_operand(bk, 2, OP, True, CONVERT), d, input_precision=PREC)
+                d = tl.dot(qb3, code_operand(bk, 3, OP, True, CONVERT), d, input_precision=PREC)
+            sqt = sq0 + sq1 + sq2 + sq3
+            s = sc[None, :] * (d - zk[None, :] * sqt[:, None])
+        else:
+            s = _k_quarter_fast(zero, q0, qb0, sq0, bk, KP_h, stride_kps, slots, tmask, 0, NGK, A4, C0, LM, OP, PREC, CONVERT)
+            s = _k_quarter_fast(s, q1, qb1, sq1, bk, KP_h, stride_kps, slots, tmask, 1, NGK, A4, C0, LM, OP, PREC, CONVERT)
+            s = _k_quarter_fast(s, q2, qb2, sq2, bk, KP_h, stride_kps, slots, tmask, 2, NGK, A4, C0, LM, OP, PREC, CONVERT)
+            s = _k_quarter_fast(s, q3, qb3, sq3, bk, KP_h, stride_kps, slots, tmask, 3, NGK, A4, C0, LM, OP, PREC, CONVERT)
+    else:
+        s = _k_quarter_general(zero, q0, bk, KP_h, stride_kps, slots, tmask, l0, l1, l2, l3, 0, QK, QKP, GK, OP, PREC)
+        s = _k_quarter_general(s, q1, bk, KP_h, stride_kps, slots, tmask, l0, l1, l2, l3, 1, QK, QKP, GK, OP, PREC)
+        s = _k_quarter_general(s, q2, bk, KP_h, stride_kps, slots, tmask, l0, l1, l2, l3, 2, QK, QKP, GK, OP, PREC)
+        s = _k_quarter_general(s, q3, bk, KP_h, stride_kps, slots, tmask, l0, l1, l2, l3, 3, QK, QKP, GK, OP, PREC)
+    return s
+
+
+@triton.jit
+def hp_scores(q0, q1, q2, q3, HK_h, stride_hkr, rows, tmask, QK: tl.constexpr, QKP: tl.constexpr,
+              OP: tl.constexpr, PREC: tl.constexpr):
+    """Scores ``q . k`` ``[M, N]`` (q pre-scaled) of HP rows ``rows`` (kv head base ``HK_h``)."""
+    jq = tl.arange(0, QKP)
+    m2 = (jq < QK)[:, None] & tmask[None, :]
+    base = HK_h + rows[None, :] * stride_hkr + jq[:, None]
+    s = tl.dot(q0, to_operand(tl.load(base, mask=m2, other=0.0), OP), input_precision=PREC)
+    s = tl.dot(q1, to_operand(tl.load(base + QK, mask=m2, other=0.0), OP), s, input_precision=PREC)
+    s = tl.dot(q2, to_operand(tl.load(base + 2 * QK, mask=m2, other=0.0), OP), s, input_precision=PREC)
+    s = tl.dot(q3, to_operand(tl.load(base + 3 * QK, mask=m2, other=0.0), OP), s, input_precision=PREC)
+    return s
+
+
+# ------------------------------------------------------------------------------------- softmax
+
+
+@triton.jit
+def softmax_update(s, valid, m, l, cap_log2e, HAS_CAP: tl.constexpr):
+    """Online softmax step in base 2 on pre-scaled scores. Returns ``(p, alpha, m_new, l_new)``.
+
+    Without a cap ``s`` is already ``score * sm_scale * log2(e)``; with a cap it is
+    ``score * sm_scale / cap`` and the logit is ``cap * log2(e) * tanh(s)``.
+    """
+    if HAS_CAP:
+        t = cap_log2e * (2.0 * tl.sigmoid(2.0 * s) - 1.0)
+    else:
+        t = s
+    t = tl.where(valid, t, NEG_INF)
+    m_new = tl.maximum(m, tl.max(t, axis=1))
+    m_use = tl.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(t - m_use[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l
+
+
+# ------------------------------------------------------------------------------------- values
+
+
+@triton.jit
+def _v_mma(pw, pwb, bv, K: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+           CONVERT: tl.constexpr, acc):
+    acc = tl.dot(pw, code_operand(bv, K, OP, False, CONVERT), acc, input_precision=PREC)
+    if LM:
+        acc = tl.dot(pwb, code_operand(bv, K, OP, True, CONVERT), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _v_quarter_grouped(acc, p, beta, ref, bv, VP_h, stride_vps, slots, tmask, K: tl.constexpr, NGV: tl.constexpr,
+                       A4, RB, C0, LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
+                       TRUE_UNITS: tl.constexpr):
+    # quarter K lies in group g: its own pair, same reference ``ref`` for all groups
+    g: tl.constexpr = (K * NGV) // 4
+    sv = tl.load(VP_h + slots * stride_vps + 2 * g, mask=tmask, other=0.0).to(tl.float32)
+    zv = tl.load(VP_h + slots * stride_vps + 2 * g + 1, mask=tmask, other=0.0).to(tl.float32)
+    pw = round_to(p * (sv / ref)[None, :], OP)
+    pwf = pw.to(tl.float32)
+    pwb = round_to(pwf * RB, OP)
+    corr = tl.sum(pwf * ((C0 - zv) / A4)[None, :], axis=1)
+    if TRUE_UNITS:
+        d = _v_mma(pw, pwb, bv, K, LM, OP, PREC, CONVERT, tl.zeros(acc.shape, tl.float32))
+        return acc * beta[:, None] + (ref * A4) * (d + corr[:, None])
+    else:
+        return _v_mma(pw, pwb, bv, K, LM, OP, PREC, CONVERT, acc * beta[:, None]) + corr[:, None]
+
+
+@triton.jit
+def _v_quarter_general(acc, p16, alpha, bv, VP_h, stride_vps, slots, tmask, l0, l1, l2, l3, K: tl.constexpr,
+                       QV: tl.constexpr, QVP: tl.constexpr, GV: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr):
+    jv = tl.arange(0, QVP)
+    m2 = tmask[:, None] & (jv < QV)[None, :]
+    c = (bv.to(tl.int32) >> (2 * K)) & 3
+    lev = level_of(c, l0, l1, l2, l3)
+    pp = VP_h + slots[:, None] * stride_vps + (2 * ((K * QV + jv) // GV))[None, :]
+    sv = tl.load(pp, mask=m2, other=0.0).to(tl.float32)
+    zv = tl.load(pp + 1, mask=m2, other=0.0).to(tl.float32)
+    vh = to_operand(sv * (lev - zv), OP)
+    return tl.dot(p16, vh, acc * alpha[:, None], input_precision=PREC)
+
+
+@triton.jit
+def int2_values(p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs, VP_h, stride_vps, slots, tmask,
+                vslots, vmask, A4, RB, C0, l0, l1, l2, l3,
+                QV: tl.constexpr, QVP: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr,
+                FAST: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+                CONVERT: tl.constexpr, TRUE_UNITS: tl.constexpr):
+    """Rescale the accumulators by ``alpha`` and add ``p @ v_hat`` of the INT2 values at ``slots``.
+
+    ``vslots``/``vmask`` address the code tile (tokens in :func:`.codes.perm4_index` order with a
+    permuting conversion, else equal to ``slots``/``tmask``). Returns ``(acc0..3, corr, ref)``. With ``FAST and not TRUE_UNITS`` the accumulators are in
+    units of ``A4 * ref`` and ``corr`` (``NGV == 1``) is a per-row term still to be added (see the
+    module docstring, :func:`finish_int2_values`); otherwise they hold values.
+    """
+    jv = tl.arange(0, QVP)
+    bv = tl.load(VC_h + vslots[:, None] * stride_vcs + jv[None, :],
+                 mask=vmask[:, None] & (jv < QV)[None, :], other=0)  # [N, QVP] uint8
+    if FAST:
+        if NGV == 1:
+            sv = tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0).to(tl.float32)
+            zv = tl.load(VP_h + slots * stride_vps + 1, mask=tmask, other=0.0).to(tl.float32)
+            blk = tl.max(sv, axis=0)
+        else:
+            blk = tl.max(tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0).to(tl.float32), axis=0)
+            for g in tl.static_range(1, NGV):
+                blk = tl.maximum(blk, tl.max(tl.load(VP_h + slots * stride_vps + 2 * g, mask=tmask,
+                                                     other=0.0).to(tl.float32), axis=0))
+        if TRUE_UNITS:
+            new_ref = tl.maximum(blk, 1e-30)
+            beta = alpha
+        else:
+            new_ref = tl.maximum(tl.maximum(ref, blk), 1e-30)
+            beta = alpha * (ref / new_ref)
+        if NGV == 1:
+            pw = round_to(p * (sv / new_ref)[None, :], OP)
+            pwf = pw.to(tl.float32)
+            pwb = round_to(pwf * RB, OP)
+            cblk = tl.sum(pwf * ((C0 - zv) / A4)[None, :], axis=1)
+            if TRUE_UNITS:
+                f = new_ref * A4
+                z0 = tl.zeros(acc0.shape, tl.float32)
+                acc0 = acc0 * beta[:, None] + f * (_v_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, z0) + cblk[:, None])
+                acc1 = acc1 * beta[:, None] + f * (_v_mma(pw, pwb, bv, 1, LM, OP, PREC, CONVERT, z0) + cblk[:, None])
+                acc2 = acc2 * beta[:, None] + f * (_v_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, z0) + cblk[:, None])
+                acc3 = acc3 * beta[:, None] + f * (_v_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, z0) + cblk[:, None])
+            else:
+                corr = corr * beta + cblk
+                acc0 = _v_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, acc0 * beta[:, None])
+                acc1 = _v_mma(pw, pwb, bv, 1, LM, OP, PREC, CONVERT, acc1 * beta[:, None])
+                acc2 = _v_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, acc2 * beta[:, None])
+                acc3 = _v_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, acc3 * beta[:, None])
+        else:
+            acc0 = _v_quarter_grouped(acc0, p, beta, new_ref, bv, VP_h, stride_vps, slots, tmask, 0, NGV, A4, RB, C0,
+                                      LM, OP, PREC, CONVERT, TRUE_UNITS)
+            acc1 = _v_quarter_grouped(acc1, p, beta, new_ref, bv, VP_h, stride_vps, slots, tmask, 1, NGV, A4, RB, C0,
+                                      LM, OP, PREC, CONVERT, TRUE_UNITS)
+            acc2 = _v_quarter_grouped(acc2, p, beta, new_ref, bv, VP_h, stride_vps, slots, tmask, 2, NGV, A4, RB, C0,
+                                      LM, OP, PREC, CONVERT, TRUE_UNITS)
+            acc3 = _v_quarter_grouped(acc3, p, beta, new_ref, bv, VP_h, stride_vps, slots, tmask, 3, NGV, A4, RB, C0,
+                                      LM, OP, PREC, CONVERT, TRUE_UNITS)
+        if not TRUE_UNITS:
+            ref = new_ref
+    else:
+        p16 = to_operand(p, OP)
+        acc0 = _v_quarter_general(acc0, p16, alpha, bv, VP_h, stride_vps, slots, tmask, l0, l1, l2, l3, 0, QV, QVP, GV, OP, PREC)
+        acc1 = _v_quarter_general(acc1, p16, alpha, bv, VP_h, stride_vps, slots, tmask, l0, l1, l2, l3, 1, QV, QVP, GV, OP, PREC)
+        acc2 = _v_quarter_general(acc2, p16, alpha, bv, VP_h, stride_vps, slots, tmask, l0, l1, l2, l3, 2, QV, QVP, GV, OP, PREC)
+        acc3 = _v_quarter_general(acc3, p16, alpha, bv, VP_h, stride_vps, slots, tmask, l0, l1, l2, l3, 3, QV, QVP, GV, OP, PREC)
+    return acc0, acc1, acc2, acc3, corr, ref
+
+
+@triton.jit
+def finish_int2_values(acc0, acc1, acc2, acc3, corr, ref, A4, NGV: tl.constexpr, FAST: tl.constexpr):
+    """Accumulators of :func:`int2_values` (``TRUE_UNITS=False``) -> value units."""
+    if FAST:
+        f = ref * A4
+        if NGV == 1:
+            acc0 = (acc0 + corr[:, None]) * f
+            acc1 = (acc1 + corr[:, None]) * f
+            acc2 = (acc2 + corr[:, None]) * f
+            acc3 = (acc3 + corr[:, None]) * f
+        else:
+            acc0 = acc0 * f
+            acc1 = acc1 * f
+            acc2 = acc2 * f
+            acc3 = acc3 * f
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def hp_values(p, alpha, acc0, acc1, acc2, acc3, HV_h, stride_hvr, rows, tmask, QV: tl.constexpr,
+              QVP: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr):
+    """``acc_k = acc_k * alpha + p @ v[:, quarter k]`` for HP rows ``rows``."""
+    jv = tl.arange(0, QVP)
+    m2 = tmask[:, None] & (jv < QV)[None, :]
+    base = HV_h + rows[:, None] * stride_hvr + jv[None, :]
+    p16 = to_operand(p, OP)
+    a = alpha[:, None]
+    acc0 = tl.dot(p16, to_operand(tl.load(base, mask=m2, other=0.0), OP), acc0 * a, input_precision=PREC)
+    acc1 = tl.dot(p16, to_operand(tl.load(base + QV, mask=m2, other=0.0), OP), acc1 * a, input_precision=PREC)
+    acc2 = tl.dot(p16, to_operand(tl.load(base + 2 * QV, mask=m2, other=0.0), OP), acc2 * a, input_precision=PREC)
+    acc3 = tl.dot(p16, to_operand(tl.load(base + 3 * QV, mask=m2, other=0.0), OP), acc3 * a, input_precision=PREC)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def store_quarters(O, ooff, rmask, acc0, acc1, acc2, acc3, inv_l, QV: tl.constexpr, QVP: tl.constexpr,
+                   OUT_DT: tl.constexpr):
+    """Store ``acc_k * inv_l`` at ``O + ooff[:, None] + k*QV + j`` (rows ``rmask``)."""
+    jv = tl.arange(0, QVP)
+    m2 = rmask[:, None] & (jv < QV)[None, :]
+    base = O + ooff[:, None] + jv[None, :]
+    il = inv_l[:, None]
+    tl.store(base, round_to(acc0 * il, OUT_DT), mask=m2)
+    tl.store(base + QV, round_to(acc1 * il, OUT_DT), mask=m2)
+    tl.store(base + 2 * QV, round_to(acc2 * il, OUT_DT), mask=m2)
+    tl.store(base + 3 * QV, round_to(acc3 * il, OUT_DT), mask=m2)
+
+
+# ------------------------------------------------------------------- transposed (token-major) tiles
+# Decode INT2 variant in which the MMA's large dimension is the token axis: scores are computed as
+# S^T [N, M] = codes [N, Q] @ q^T [Q, M] and values as O^T [Q_v, M] = codes^T [Q_v, N] @ P^T [N, M].
+# With few q heads per kv head (M = 4..8) this halves the per-element fp32 work of the padded tiles.
+
+
+@triton.jit
+def load_qt_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexpr, QDP: tl.constexpr,
+                    OP: tl.constexpr, LM: tl.constexpr, PERM: tl.constexpr = False):
+    """Transposed :func:`load_q_quarter`: ``[QDP, M]`` operands and ``[M]`` sums."""
+    jq = tl.arange(0, QDP)
+    if PERM:
+        jq = perm4_index(jq)
+    q = tl.load(Q + qoff[None, :] + (K * QD + jq)[:, None], mask=rmask[None, :] & (jq < QD)[:, None], other=0.0)
+    q = round_to(q.to(tl.float32) * qscale, OP)
+    if LM:
+        qb = round_to(q.to(tl.float32) * RB, OP)
+    else:
+        qb = q
+    return q, qb, tl.sum(q.to(tl.float32), axis=0)
+
+
+@triton.jit
+def int2_scores_t(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, KC_h, stride_kcs, KP_h, stride_kps,
+                  slots, tmask, A4, C0, QK: tl.constexpr, QKP: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr,
+                  PREC: tl.constexpr, CONVERT: tl.constexpr):
+    """``S^T [N, M]`` of INT2 keys (fast path, one group per row)."""
+    jq = tl.arange(0, QKP)
+    bk = tl.load(KC_h + slots[:, None] * stride_kcs + jq[None, :],
+                 mask=tmask[:, None] & (jq < QK)[None, :], other=0)  # [N, QKP] uint8
+    sc = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0).to(tl.float32) * A4
+    zk = (tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0).to(tl.float32) - C0) / A4
+    d = tl.dot(code_operand(bk, 0, OP, False, CONVERT, 1), q0, input_precision=PREC)
+    d = tl.dot(code_operand(bk, 1, OP, False, CONVERT, 1), q1, d, input_precision=PREC)
+    d = tl.dot(code_operand(bk, 2, OP, False, CONVERT, 1), q2, d, input_precision=PREC)
+    d = tl.dot(code_operand(bk, 3, OP, False, CONVERT, 1), q3, d, input_precision=PREC)
+    if LM:
+        d = tl.dot(code_operand(bk, 0, OP, True, CONVERT, 1), qb0, d, input_precision=PREC)
+        d = tl.dot(code_operand(bk, 1, OP, True, CONVERT, 1), qb1, d, input_precision=PREC)
+        d = tl.dot(code_operand(bk, 2, OP, True, CONVERT, 1), qb2, d, input_precision=PREC)
+        d = tl.dot(code_operand(bk, 3, OP, True, CONVERT, 1), qb3, d, input_precision=PREC)
+    sqt = sq0 + sq1 + sq2 + sq3
+    return sc[:, None] * (d - zk[:, None] * sqt[None, :])
+
+
+@triton.jit
+def softmax_update_t(s, valid, m, l, cap_log2e, HAS_CAP: tl.constexpr):
+    """:func:`softmax_update` on ``S^T [N, M]`` (reductions over axis 0)."""
+    if HAS_CAP:
+        t = cap_log2e * (2.0 * tl.sigmoid(2.0 * s) - 1.0)
+    else:
+        t = s
+    t = tl.where(valid, t, NEG_INF)
+    m_new = tl.maximum(m, tl.max(t, axis=0))
+    m_use = tl.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(t - m_use[None, :])
+    l = l * alpha + tl.sum(p, axis=0)
+    return p, alpha, m_new, l
+
+
+@triton.jit
+def _vt_mma(pw, pwb, bv, K: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+            CONVERT: tl.constexpr, acc):
+    acc = tl.dot(code_operand(bv, K, OP, False, CONVERT, 1), pw, acc, input_precision=PREC)
+    if LM:
+        acc = tl.dot(code_operand(bv, K, OP, True, CONVERT, 1), pwb, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def int2_values_t(p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs, VP_h, stride_vps, slots, tmask,
+                  vslots, vmask, A4, RB, C0, QV: tl.constexpr, QVP: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr,
+                  PREC: tl.constexpr, CONVERT: tl.constexpr):
+    """Transposed :func:`int2_values` (fast path, one group per row, running-reference units):
+    ``acc_k^T [QVP, M]``, ``p [N, M]``. ``vslots``/``vmask``: slots of the code tile (token order
+    permuted for the permuting conversion, else ``slots``/``tmask``)."""
+    jv = tl.arange(0, QVP)
+    bv = tl.load(VC_h + vslots[None, :] * stride_vcs + jv[:, None],
+                 mask=(jv < QV)[:, None] & vmask[None, :], other=0)  # [QVP, N] uint8
+    sv = tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0).to(tl.float32)
+    zv = tl.load(VP_h + slots * stride_vps + 1, mask=tmask, other=0.0).to(tl.float32)
+    new_ref = tl.maximum(tl.maximum(ref, tl.max(sv, axis=0)), 1e-30)
+    beta = alpha * (ref / new_ref)
+    pw = round_to(p * (sv / new_ref)[:, None], OP)
+    pwf = pw.to(tl.float32)
+    pwb = round_to(pwf * RB, OP)
+    corr = corr * beta + tl.sum(pwf * ((C0 - zv) / A4)[:, None], axis=0)
+    b = beta[None, :]
+    acc0 = _vt_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, acc0 * b)
+    acc1 = _vt_mma(pw, pwb, bv, 1, LM, OP, PREC, CONVERT, acc1 * b)
+    acc2 = _vt_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, acc2 * b)
+    acc3 = _vt_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, acc3 * b)
+    return acc0, acc1, acc2, acc3, corr, new_ref

@@ -1,0 +1,67 @@
+"""Argument checks run by the wrappers before any launch (clear ``ValueError`` messages).
+
+Shape/dtype/device checks are always on and cost no device work. Checks of index *values*
+(slots, rows, request indices, lengths) read device memory, so they run only in debug mode:
+``debug=True`` on the wrapper or the environment variable ``SGLANG_OSCAR_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def debug_enabled(debug: bool | None) -> bool:
+    """``debug`` if given, else ``SGLANG_OSCAR_DEBUG`` in ``{"1", "true", "yes", "on"}``."""
+    if debug is not None:
+        return bool(debug)
+    return os.environ.get("SGLANG_OSCAR_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_tensor(t, name: str, *, ndim: int | None = None, dtypes=None, device=None, shape=None,
+                 last_contiguous: bool = False) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dts = dtypes if isinstance(dtypes, (tuple, list)) else (dtypes,)
+        if t.dtype not in dts:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dts]}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; dim {i} must be {want}")
+        if len(shape) != t.dim():
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {len(shape)} dims")
+    if last_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride()})")
+
+
+def check_float(t, name: str) -> None:
+    if not t.dtype.is_floating_point or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+
+
+def check_range(t: torch.Tensor, name: str, lo: int, hi: int, *, allow_negative: bool = False) -> None:
+    """Debug: every entry of ``t`` in ``[lo, hi)`` (negative entries allowed if ``allow_negative``)."""
+    if t.numel() == 0:
+        return
+    v = t.long()
+    if allow_negative:
+        v = v[v >= 0]
+        if v.numel() == 0:
+            return
+    mn, mx = int(v.min()), int(v.max())
+    if mn < lo or mx >= hi:
+        raise ValueError(f"{name} has entries in [{mn}, {mx}] outside the valid range [{lo}, {hi})")
+
+
+def check_finite(t: torch.Tensor, name: str) -> None:
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or Inf")

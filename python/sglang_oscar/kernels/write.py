@@ -1,0 +1,265 @@
+"""Cache write: quantize rotated HP rows and scatter codes + pairs at SGLang slots.
+
+``quantize_tile`` is the one implementation of the format's quantizer in Triton (the flush kernel
+calls it too, so a row written directly and a row flushed later from its HP copy get the same
+bytes). It follows ``sglang_oscar.quant.int2`` step by step, in the same fp32 operations:
+
+* clip threshold = the ``(idx+1)``-th smallest ``|x|``, found exactly by a 31-step binary search on
+  the fp32 bit patterns of ``|x|`` (non-negative floats order like their bit patterns): the
+  largest ``T`` with ``#{|x| <= T} < idx+1``, plus one ulp, is that order statistic;
+* uniform pair: ``s = div_rn(max - min, 3)`` with the floors, ``s' = round(s)``,
+  ``z' = round(div_rn(-min, s'))``; Lloyd-Max pair: mean and population variance summed in fp64,
+  ``std = sqrt(var + 1e-8)`` in fp64, rounded to fp32;
+* code ``= #{k : div_rn(x, s') + z' >= thr[k]}``; quarter-split packing.
+
+Rows are processed as ``[BLOCK_R, 4, QP]`` tiles (quarter ``k``, lane ``j`` = element ``k*Q + j``,
+``Q = D/4``, ``QP = next_pow2(Q)`` with masked lanes, so head_dim 192 works). Groups of any size
+dividing ``D`` are handled with a one-hot ``[.., NGP]`` axis (``NG = 1`` needs none).
+
+Slot convention: a token whose ``loc < 0`` is skipped (nothing written); the same holds for
+``hp_rows < 0`` in the optional fused HP-copy store. CUDA-graph padding should use ``-1`` (or
+SGLang's reserved slot 0, which is then overwritten harmlessly).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .codes import round_to
+
+# bits of the float64 nearest to 1e-8 (the Lloyd-Max variance epsilon of quant.int2).
+LM_VAR_EPS_BITS = tl.constexpr(0x3E45798EE2308C3A)
+
+
+@triton.jit
+def quantize_tile(
+    x,
+    lane,
+    R: tl.constexpr,
+    Q: tl.constexpr,
+    QP: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    NGP: tl.constexpr,
+    CLIP_K: tl.constexpr,
+    LLOYD: tl.constexpr,
+    SDT: tl.constexpr,
+    smin,
+    t0,
+    t1,
+    t2,
+):
+    """Quantize rows held as ``x [R, 4, QP]`` fp32 (``lane`` marks real elements).
+
+    Returns ``(packed uint8 [R, QP], scale [R, NGP] in SDT, zero [R, NGP] in SDT)``.
+    """
+    INF: tl.constexpr = float("inf")
+    # ---- clip: exact order statistic by binary search on the bit patterns of |x|
+    if CLIP_K > 0:
+        a = tl.abs(x).to(tl.int32, bitcast=True)
+        a = tl.where(lane, a, 0x7FFFFFFF)
+        below = tl.full([R], -1, tl.int32)
+        for it in range(31):
+            cand = below + (1 << (30 - it))
+            cnt = tl.sum(tl.sum((a <= cand[:, None, None]).to(tl.int32), axis=2), axis=1)
+            below = tl.where(cnt < CLIP_K, cand, below)
+        t = (below + 1).to(tl.float32, bitcast=True)
+        tb = t[:, None, None]
+        x = tl.minimum(tl.maximum(x, -tb), tb)
+
+    kk = tl.arange(0, 4)
+    jj = tl.arange(0, QP)
+    gid = (kk[:, None] * Q + jj[None, :]) // G  # [4, QP]
+    if NG > 1:
+        gg = tl.arange(0, NGP)
+        onehot = (gid[None, :, :, None] == gg[None, None, None, :]) & lane[:, :, :, None]
+
+    # ---- group statistics -> offset (value of level 0 / mean) and unrounded scale, [R, NGP]
+    if LLOYD:
+        x64 = x.to(tl.float64)
+        eps = tl.full([1], LM_VAR_EPS_BITS, tl.int64).to(tl.float64, bitcast=True)
+        if NG == 1:
+            tot = tl.sum(tl.sum(tl.where(lane, x64, 0.0), axis=2), axis=1)
+            mean = (tot / G)[:, None]
+            d = tl.where(lane, x64 - mean[:, :, None], 0.0)
+            var = (tl.sum(tl.sum(d * d, axis=2), axis=1) / G)[:, None]
+        else:
+            x64g = x64[:, :, :, None]
+            tot = tl.sum(tl.sum(tl.where(onehot, x64g, 0.0), axis=2), axis=1)
+            mean = tot / G
+            mean_e = tl.sum(tl.where(onehot, mean[:, None, None, :], 0.0), axis=3)
+            d = tl.where(lane, x64 - mean_e, 0.0)
+            dd = (d * d)[:, :, :, None]
+            var = tl.sum(tl.sum(tl.where(onehot, dd, 0.0), axis=2), axis=1) / G
+        s = tl.sqrt(var + eps).to(tl.float32)
+        offset = mean.to(tl.float32)
+    else:
+        if NG == 1:
+            lo = tl.min(tl.min(tl.where(lane, x, INF), axis=2), axis=1)[:, None]
+            hi = tl.max(tl.max(tl.where(lane, x, -INF), axis=2), axis=1)[:, None]
+        else:
+            xg = x[:, :, :, None]
+            lo = tl.min(tl.min(tl.where(onehot, xg, INF), axis=2), axis=1)
+            hi = tl.max(tl.max(tl.where(onehot, xg, -INF), axis=2), axis=1)
+        s = tl.math.div_rn(hi - lo, tl.full(hi.shape, 3.0, tl.float32))
+        offset = lo
+
+    # ---- pair (same order of operations as quant.int2.quantize_rows)
+    s = tl.maximum(s, smin)
+    s = tl.maximum(s, tl.math.div_rn(tl.abs(offset), tl.full(offset.shape, 32768.0, tl.float32)))
+    s_st = round_to(s, SDT)
+    s_f = s_st.to(tl.float32)
+    z_st = round_to(tl.math.div_rn(-offset, s_f), SDT)
+    z_f = z_st.to(tl.float32)
+
+    # ---- codes
+    if NG == 1:
+        s_e = s_f[:, :, None]
+        z_e = z_f[:, :, None]
+    else:
+        s_e = tl.sum(tl.where(onehot, s_f[:, None, None, :], 0.0), axis=3)
+        z_e = tl.sum(tl.where(onehot, z_f[:, None, None, :], 0.0), axis=3)
+        s_e = tl.where(lane, s_e, 1.0)
+    u = tl.math.div_rn(x, s_e + tl.zeros(x.shape, tl.float32)) + z_e
+    code = (u >= t0).to(tl.int32) + (u >= t1).to(tl.int32) + (u >= t2).to(tl.int32)
+    code = tl.where(lane, code, 0)
+    packed = tl.sum(code << (2 * kk)[None, :, None], axis=1).to(tl.uint8)
+    return packed, s_st, z_st
+
+
+@triton.jit
+def quantize_rows_to_slots(
+    X,
+    stride_xn,
+    stride_xh,
+    src_n,
+    dst,
+    ok,
+    hh,
+    CODES,
+    stride_cs,
+    stride_ch,
+    PAIRS,
+    stride_ps,
+    stride_ph,
+    R: tl.constexpr,
+    Q: tl.constexpr,
+    QP: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    NGP: tl.constexpr,
+    CLIP_K: tl.constexpr,
+    LLOYD: tl.constexpr,
+    SDT: tl.constexpr,
+    smin,
+    t0,
+    t1,
+    t2,
+):
+    """Load rows ``X[src_n, hh, :]`` (``ok`` rows only), quantize, store at ``dst`` slots."""
+    kk = tl.arange(0, 4)
+    jj = tl.arange(0, QP)
+    col = kk[:, None] * Q + jj[None, :]
+    lane = (jj < Q)[None, None, :] & (kk < 4)[None, :, None] & ok[:, None, None]
+    ptr = X + src_n[:, None, None] * stride_xn + hh[:, None, None] * stride_xh + col[None, :, :]
+    x = tl.load(ptr, mask=lane, other=0.0).to(tl.float32)
+    exists = (jj < Q)[None, None, :] & (kk < 4)[None, :, None] & (hh >= 0)[:, None, None]
+    packed, s_st, z_st = quantize_tile(x, exists, R, Q, QP, G, NG, NGP, CLIP_K, LLOYD, SDT, smin, t0, t1, t2)
+    cptr = CODES + dst[:, None] * stride_cs + hh[:, None] * stride_ch + jj[None, :]
+    tl.store(cptr, packed, mask=ok[:, None] & (jj < Q)[None, :])
+    gg = tl.arange(0, NGP)
+    pptr = PAIRS + dst[:, None] * stride_ps + hh[:, None] * stride_ph + 2 * gg[None, :]
+    pmask = ok[:, None] & (gg < NG)[None, :]
+    tl.store(pptr, s_st, mask=pmask)
+    tl.store(pptr + 1, z_st, mask=pmask)
+
+
+@triton.jit
+def _write_kernel(
+    K,
+    stride_kn,
+    stride_kh,
+    V,
+    stride_vn,
+    stride_vh,
+    LOC,
+    N,
+    H,
+    KC,
+    stride_kcs,
+    stride_kch,
+    KP,
+    stride_kps,
+    stride_kph,
+    VC,
+    stride_vcs,
+    stride_vch,
+    VP,
+    stride_vps,
+    stride_vph,
+    HP_ROWS,
+    HPK,
+    stride_hkr,
+    stride_hkh,
+    HPV,
+    stride_hvr,
+    stride_hvh,
+    smin,
+    k_t0,
+    k_t1,
+    k_t2,
+    v_t0,
+    v_t1,
+    v_t2,
+    R: tl.constexpr,
+    HAS_V: tl.constexpr,
+    HAS_HP: tl.constexpr,
+    SDT: tl.constexpr,
+    LLOYD: tl.constexpr,
+    QK: tl.constexpr,
+    QKP: tl.constexpr,
+    GK: tl.constexpr,
+    NGK: tl.constexpr,
+    NGKP: tl.constexpr,
+    CLIP_KK: tl.constexpr,
+    QV: tl.constexpr,
+    QVP: tl.constexpr,
+    GV: tl.constexpr,
+    NGV: tl.constexpr,
+    NGVP: tl.constexpr,
+    CLIP_KV: tl.constexpr,
+):
+    """One program = ``R`` consecutive (token, head) rows; K (and V) in the same program."""
+    pid = tl.program_id(0)
+    r = pid * R + tl.arange(0, R)
+    valid = r < N * H
+    n = tl.where(valid, r // H, 0)
+    hh = tl.where(valid, r % H, 0)
+    loc = tl.load(LOC + n, mask=valid, other=-1).to(tl.int64)
+    ok = valid & (loc >= 0)
+    dst = tl.where(ok, loc, 0)
+    n64 = n.to(tl.int64)
+    hh64 = hh.to(tl.int64)
+    quantize_rows_to_slots(K, stride_kn, stride_kh, n64, dst, ok, hh64, KC, stride_kcs, stride_kch,
+                           KP, stride_kps, stride_kph, R, QK, QKP, GK, NGK, NGKP, CLIP_KK, LLOYD, SDT,
+                           smin, k_t0, k_t1, k_t2)
+    if HAS_V:
+        quantize_rows_to_slots(V, stride_vn, stride_vh, n64, dst, ok, hh64, VC, stride_vcs, stride_vch,
+                               VP, stride_vps, stride_vph, R, QV, QVP, GV, NGV, NGVP, CLIP_KV, LLOYD, SDT,
+                               smin, v_t0, v_t1, v_t2)
+    if HAS_HP:
+        hrow = tl.load(HP_ROWS + n, mask=valid, other=-1).to(tl.int64)
+        okh = valid & (hrow >= 0)
+        hrow = tl.where(okh, hrow, 0)
+        jk = tl.arange(0, 4 * QKP)
+        ck = (jk // QKP) * QK + (jk % QKP)
+        mk = okh[:, None] & ((jk % QKP) < QK)[None, :]
+        xk = tl.load(K + n64[:, None] * stride_kn + hh64[:, None] * stride_kh + ck[None, :], mask=mk)
+        tl.store(HPK + hrow[:, None] * stride_hkr + hh64[:, None] * stride_hkh + ck[None, :], xk, mask=mk)
+        if HAS_V:
+            jv = tl.arange(0, 4 * QVP)
+            cv = (jv // QVP) * QV + (jv % QVP)
+            mv = okh[:, None] & ((jv % QVP) < QV)[None, :]
+            xv = tl.load(V + n64[:, None] * stride_vn + hh64[:, None] * stride_vh + cv[None, :], mask=mv)
+            tl.store(HPV + hrow[:, None] * stride_hvr + hh64[:, None] * stride_hvh + cv[None, :], xv, mask=mv)

@@ -1,0 +1,519 @@
+#!/usr/bin/env python
+"""Decode-attention benchmark: OSCAR INT2 kernel vs BF16 (SGLang's Triton decode kernel, torch SDPA).
+
+One layer of Qwen3-8B geometry (32 q heads, 8 kv heads, head_dim 128), contexts 4K..128K,
+batch 1/8/32, all measured in the same process:
+
+* ``int2``: :func:`sglang_oscar.kernels.decode_attention` (stage 1 + stage 2, rotated frame),
+  default tuning, plus a small sweep of tunings (the best is reported separately, each variant is
+  checked against the default's output first);
+* ``sglang``: ``sglang.kernels.ops.attention.decode_attention.decode_attention_fwd`` on a BF16
+  paged buffer (page size 1, random slot order), best over max_kv_splits in {8, 16, 32, 64}
+  (SGLang's default is 8) -- "unavailable" if sglang does not import;
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on dense BF16 K/V with the
+  flash backend (``enable_gqa``), falling back to cuDNN, then the efficient backend, if flash
+  refuses (the table names the backend that ran);
+* ``copy``: device-to-device copy bandwidth, (read + write bytes) / time, measured once.
+
+Achieved bandwidth = bytes the kernel must read (codes + pairs + HP rows + slot tables, or the
+BF16 K/V + indices) / time. Also: write kernel (quantize + scatter + HP copy of 32 tokens) and
+flush kernel time at batch 32 as a fraction of the INT2 decode step, and a stage-removed variant
+(INT2 tier only: sink = recent = 0). Times are GPU times under CUDA graphs with a cold L2 (see
+``bench_graph``; ``--timing do_bench`` for triton's do_bench). A case that fails (e.g. OOM) is
+reported as such and the run continues. The markdown table is printed last and written to ``--out``.
+
+    python scripts/bench_decode.py --out docs/bench_decode.md          # H200, ~4-6 min
+    TRITON_INTERPRET=1 python scripts/bench_decode.py --smoke          # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+from sglang_oscar.kernels import (  # noqa: E402
+    Int2Layout,
+    decode_attention,
+    decode_num_hp_splits,
+    decode_workspace,
+    flush_hp_rows,
+    interpreting,
+    write_kv,
+)
+from sglang_oscar.kernels.launch import AttnTuning, choose_num_splits, plan_head_blocks  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+SINK, RECENT = 64, 256
+
+SWEEP = [
+    dict(convert=2, token_major=True, num_warps=1, block_n=64),
+    dict(convert=3, token_major=True, num_warps=1, block_n=64),
+    dict(convert=3, token_major=True, num_warps=1, block_n=32),
+    dict(convert=2, token_major=True, num_warps=2, block_n=64),
+    dict(convert=2, token_major=False, num_warps=1, block_n=64, min_block_h=4),
+    dict(convert=1, token_major=True, num_warps=1, block_n=64),
+    dict(convert=2, token_major=True, num_warps=4, block_n=128),
+]
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+TIMING = {"mode": "graph"}  # "graph" (CUDA graph, cold L2) or "do_bench"
+_FLUSH = {}
+
+
+def _flush_buffer(device):
+    if device not in _FLUSH:
+        _FLUSH[device] = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return _FLUSH[device]
+
+
+def bench_graph(fn, n: int = 16, trials: int = 7) -> float:
+    """GPU time of ``fn`` in ms with a cold L2, without host launch overhead.
+
+    Captures ``n`` x [zero a 256 MB buffer; fn()] and ``n`` x [zero the buffer] in two CUDA
+    graphs; time = (median replay time of the first - of the second) / n. This is how a decode
+    step runs (graphs; every layer's KV evicted from L2 by the other layers).
+    """
+    flush = _flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(n):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    times = []
+    for g in graphs:
+        ts = []
+        for _ in range(trials):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        ts.sort()
+        times.append(ts[len(ts) // 2])
+    del graphs
+    return max(times[0] - times[1], 1e-4) / n
+
+
+def bench(fn, smoke: bool, rep_ms: int = 60) -> float:
+    """Time of ``fn`` in ms: CUDA-graph cold-L2 timing (fallback: triton do_bench); smoke: wall clock."""
+    if smoke:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    if TIMING["mode"] == "graph":
+        try:
+            return bench_graph(fn)
+        except Exception as e:  # noqa: BLE001
+            print(f"[bench] graph timing failed ({type(e).__name__}: {str(e)[:100]}); using do_bench", flush=True)
+            torch.cuda.synchronize()
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=15, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth(device, smoke: bool) -> float:
+    """Device-to-device copy, (read + write) bytes / s (1 GiB, so L2 does not matter)."""
+    n = (1 << 20) if smoke else (1 << 30)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    if smoke:
+        t = bench(lambda: b.copy_(a), smoke)
+    else:
+        import triton.testing
+
+        t = float(triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=200, return_mode="median"))
+    a = b = None  # free
+    return 2 * n / (t * 1e-3)
+
+
+# ------------------------------------------------------------------------------------ setup
+
+
+def _randn_bf16(shape, device, g):
+    """N(0, 0.25) in bf16 without an fp32 temporary of the full size."""
+    t = torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16)
+    return t.mul_(0.5)
+
+
+class Case:
+    """Buffers of one (batch, context) point: INT2 pool + HP window, BF16 paged pool, dense K/V."""
+
+    def __init__(self, batch: int, ctx: int, device, layout: Int2Layout, with_bf16: bool):
+        g = torch.Generator(device=device)
+        g.manual_seed(batch * 1_000_003 + ctx)
+        self.batch, self.ctx = batch, ctx
+        n_tok = batch * ctx
+        self.num_slots = n_tok + 64
+        self.layout = layout
+        # INT2 pool: random bytes, realistic pairs (scale ~ 0.05, zero in [0, 3])
+        self.k_codes = torch.randint(0, 256, (self.num_slots, HKV, D // 4), dtype=torch.uint8, device=device,
+                                     generator=g)
+        self.v_codes = torch.randint(0, 256, (self.num_slots, HKV, D // 4), dtype=torch.uint8, device=device,
+                                     generator=g)
+        pairs = torch.empty(self.num_slots, HKV, 2, device=device)
+        pairs[..., 0].uniform_(0.02, 0.08, generator=g)
+        pairs[..., 1].uniform_(0.5, 2.5, generator=g)
+        self.k_pairs = pairs.to(layout.scale_dtype)
+        pairs[..., 0].uniform_(0.02, 0.08, generator=g)
+        self.v_pairs = pairs.to(layout.scale_dtype)
+        del pairs
+        # slots: a random permutation, so reads are scattered like a real paged pool
+        perm = torch.randperm(self.num_slots, device=device, generator=g)[:n_tok].to(torch.int32)
+        self.req_to_token = perm.view(batch, ctx).contiguous()
+        self.req_pool_indices = torch.arange(batch, device=device, dtype=torch.int64)
+        self.seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int64)
+        n_hp = SINK + RECENT
+        self.hp_k = _randn_bf16((batch * n_hp + 8, HKV, D), device, g)
+        self.hp_v = _randn_bf16((batch * n_hp + 8, HKV, D), device, g)
+        self.hp_index = torch.arange(batch * n_hp, device=device, dtype=torch.int32).view(batch, n_hp).contiguous()
+        self.q = torch.randn(batch, HQ, D, device=device, generator=g).to(torch.bfloat16)
+        self.kv_bf16 = None
+        if with_bf16:
+            # BF16 paged pool with the same slot layout (for SGLang) and dense K/V (for SDPA)
+            self.k_buf = _randn_bf16((self.num_slots, HKV, D), device, g)
+            self.v_buf = _randn_bf16((self.num_slots, HKV, D), device, g)
+            self.kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, device=device, dtype=torch.int32)
+            self.kv_indices = self.req_to_token.reshape(-1).to(torch.int64)
+
+    def int2_bytes(self) -> int:
+        """Bytes a decode step must read from the INT2 pool + HP window + slot table."""
+        sb = self.layout.scale_dtype.itemsize if hasattr(self.layout.scale_dtype, "itemsize") else 2
+        n_hp = min(self.ctx, SINK + RECENT)
+        n_q = self.ctx - n_hp
+        per_tok = HKV * (D // 4 * 2 + 2 * 2 * sb)
+        hp = n_hp * HKV * D * 2 * 2
+        return self.batch * (n_q * per_tok + n_q * 4 + hp + n_hp * 4)
+
+    def bf16_bytes(self, index_bytes: int) -> int:
+        return self.batch * self.ctx * (HKV * D * 2 * 2 + index_bytes)
+
+    def run_int2(self, tuning=None, num_kv_splits=None, workspace=None, out=None, sink=SINK, recent=RECENT):
+        return decode_attention(
+            self.q, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v, self.hp_index,
+            self.req_to_token, self.req_pool_indices, self.seq_lens, self.layout, sink=sink, recent=recent,
+            tuning=tuning, num_kv_splits=num_kv_splits, workspace=workspace, out=out,
+            max_seq_len=self.ctx, debug=False, validate=False)
+
+
+def make_sglang(case: Case):
+    """Closure running SGLang's Triton BF16 decode kernel, or a string saying why it is unavailable."""
+    try:
+        try:
+            from sglang.kernels.ops.attention.decode_attention import (
+                decode_attention_fwd,
+            )
+        except ImportError:
+            from sglang.srt.layers.attention.triton_ops.decode_attention import (
+                decode_attention_fwd,
+            )
+    except Exception as e:  # noqa: BLE001
+        return f"unavailable ({type(e).__name__}: {str(e)[:80]})"
+    o = torch.empty(case.batch, HQ, D, dtype=torch.bfloat16, device=case.q.device)
+
+    def runner(max_kv_splits):
+        logits = torch.empty(case.batch, HQ, max_kv_splits, D, dtype=torch.float32, device=case.q.device)
+        lse = torch.empty(case.batch, HQ, max_kv_splits, dtype=torch.float32, device=case.q.device)
+        nsplit = torch.full((case.batch,), max_kv_splits, dtype=torch.int32, device=case.q.device)
+        return lambda: decode_attention_fwd(case.q, case.k_buf, case.v_buf, o, case.kv_indptr, case.kv_indices,
+                                            logits, lse, nsplit, max_kv_splits, 1.0 / math.sqrt(D), 1.0, 1.0)
+
+    return runner
+
+
+def make_sdpa(case: Case, smoke: bool):
+    """Closure for torch SDPA decode on dense BF16 K/V ([B, H_kv, L, D]) and the backend name."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = case.q.device
+    g = torch.Generator(device=dev)
+    g.manual_seed(7)
+    k = _randn_bf16((case.batch, HKV, case.ctx, D), dev, g)
+    v = _randn_bf16((case.batch, HKV, case.ctx, D), dev, g)
+    q = case.q.view(case.batch, HQ, 1, D)
+    backends = [SDPBackend.MATH] if smoke else [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                                SDPBackend.EFFICIENT_ATTENTION]
+    for be in backends:
+        try:
+            with sdpa_kernel(be):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            def fn(be=be):
+                with sdpa_kernel(be):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            return fn, be.name.lower(), (k, v)
+        except Exception:  # noqa: BLE001
+            continue
+    return None, "unavailable", (k, v)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def fmt_ms(t):
+    return "-" if t is None else (f"{t * 1e3:.1f} us" if t < 1 else f"{t:.3f} ms")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--json", default=None, help="write all measurements here")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU configuration (TRITON_INTERPRET=1)")
+    ap.add_argument("--contexts", default="4096,16384,32768,65536,131072")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default INT2 tuning")
+    ap.add_argument("--scale-dtype", default="float16")
+    ap.add_argument("--smoke-sglang", action="store_true", help="also run SGLang's kernel in --smoke (slow)")
+    ap.add_argument("--timing", choices=("graph", "do_bench"), default="graph",
+                    help="graph: CUDA graphs with a cold L2 (default); do_bench: triton.testing.do_bench")
+    args = ap.parse_args(argv)
+
+    smoke = args.smoke
+    TIMING["mode"] = args.timing
+    if smoke:
+        if not interpreting() and not torch.cuda.is_available():
+            print("--smoke without CUDA needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        contexts, batches = [352], [1, 2]
+        global HQ, HKV
+        HQ, HKV = 4, 2  # same code paths, fewer interpreted programs
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device (use --smoke with TRITON_INTERPRET=1 on CPU)", file=sys.stderr)
+            return 2
+        contexts = [int(x) for x in args.contexts.split(",")]
+        batches = [int(x) for x in args.batches.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+    layout = Int2Layout.create(D, D, scale_dtype=args.scale_dtype, k_clip_ratio=0.96, v_clip_ratio=0.92)
+    t_start = time.time()
+    info = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter)",
+            "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import sglang
+
+        info["sglang"] = sglang.__version__
+    except Exception as e:  # noqa: BLE001
+        info["sglang"] = f"unavailable ({type(e).__name__})"
+
+    copy_bw = copy_bandwidth(device, smoke)
+    print(f"[bench] device={info['device']} copy bandwidth (read+write) = {copy_bw / 1e12:.2f} TB/s", flush=True)
+    sweep = [] if (args.no_sweep or smoke) else SWEEP
+    default_tuning = AttnTuning().resolved(D).as_dict()
+    rows, extra = [], {}
+    for ctx in contexts:
+        for bsz in batches:
+            try:
+                t0 = time.time()
+                case = Case(bsz, ctx, device, layout, with_bf16=True)
+                r = {"ctx": ctx, "batch": bsz}
+                _, _, bpk, _ = plan_head_blocks(HQ, HKV, default_tuning["min_block_h"], default_tuning["max_block_h"])
+                ns = choose_num_splits(bsz, HKV * bpk, device=device, max_seq_len=ctx,
+                                       block_n=default_tuning["block_n"], waves=8.0 / default_tuning["num_warps"])
+                ws = decode_workspace(bsz, HQ, D, ns + decode_num_hp_splits(SINK, RECENT), device)
+                out = torch.empty(bsz, HQ, D, dtype=torch.bfloat16, device=device)
+                ref = case.run_int2(num_kv_splits=ns, workspace=ws, out=out).float().clone()
+                if not bool(torch.isfinite(ref).all()):
+                    raise RuntimeError(f"INT2 decode produced non-finite values at ctx={ctx} batch={bsz}")
+                r["int2"] = bench(lambda: case.run_int2(num_kv_splits=ns, workspace=ws, out=out), smoke)
+                r["int2_splits"] = ns
+                best, best_cfg = r["int2"], "default"
+                r["sweep"] = {}
+                for cfg in sweep:
+                    key = json.dumps(cfg, sort_keys=True)
+                    try:
+                        o = case.run_int2(tuning=cfg).float()
+                        err = float((o - ref).norm() / ref.norm().clamp_min(1e-30))
+                        if not math.isfinite(err) or err > 2e-2:
+                            r["sweep"][key] = f"WRONG (rel {err:.1e})"
+                            continue
+                        t = bench(lambda cfg=cfg: case.run_int2(tuning=cfg), smoke)
+                        r["sweep"][key] = t
+                        if t < best:
+                            best, best_cfg = t, key
+                    except Exception as e:  # noqa: BLE001
+                        r["sweep"][key] = f"FAIL {type(e).__name__}: {str(e)[:120]}"
+                r["int2_best"], r["int2_best_cfg"] = best, best_cfg
+                # stage-removed variants (default tuning, cheap): INT2 only (no HP window)
+                if ctx >= 32768 and bsz in (1, 32):
+                    r["int2_no_hp"] = bench(lambda: case.run_int2(num_kv_splits=ns, sink=0, recent=0), smoke)
+                # BF16 baselines
+                sg = make_sglang(case) if (not smoke or args.smoke_sglang) else "skipped in --smoke"
+                if isinstance(sg, str):
+                    r["sglang"], r["sglang_note"] = None, sg
+                else:
+                    times = {}
+                    for mks in ((8,) if smoke else (8, 16, 32, 64)):
+                        try:
+                            times[mks] = bench(sg(mks), smoke)
+                        except Exception as e:  # noqa: BLE001
+                            r["sglang_note"] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+                    if times:
+                        mks = min(times, key=times.get)
+                        r["sglang"], r["sglang_splits"], r["sglang_default8"] = times[mks], mks, times.get(8)
+                    else:
+                        r["sglang"] = None
+                fn, be, keep = make_sdpa(case, smoke)
+                r["sdpa_backend"] = be
+                r["sdpa"] = bench(fn, smoke) if fn is not None else None
+                fn = None
+                del keep
+                r["bytes_int2"] = case.int2_bytes()
+                r["bytes_sglang"] = case.bf16_bytes(8 + 0)
+                r["bytes_sdpa"] = case.bf16_bytes(0)
+                bf = [t for t in (r.get("sglang"), r.get("sdpa")) if t]
+                r["bf16_best"] = min(bf) if bf else None
+                r["ratio"] = (r["bf16_best"] / r["int2_best"]) if r["bf16_best"] else None
+                r["ratio_default"] = (r["bf16_best"] / r["int2"]) if r["bf16_best"] else None
+                rows.append(r)
+                print(f"[bench] ctx={ctx:6d} b={bsz:2d} int2={fmt_ms(r['int2'])} best={fmt_ms(best)} ({best_cfg}) "
+                      f"sglang={fmt_ms(r.get('sglang'))} sdpa={fmt_ms(r.get('sdpa'))}[{be}] "
+                      f"ratio={r['ratio'] and round(r['ratio'], 2)} ({time.time() - t0:.1f}s)", flush=True)
+                # write / flush cost at batch 32 (per layer, one token per request), vs this decode step
+                if bsz == max(batches) and ctx == contexts[len(contexts) // 2]:
+                    extra.update(write_flush_cost(case, layout, device, smoke, r["int2_best"]))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append({"ctx": ctx, "batch": bsz, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            case = ws = out = ref = None  # free before the next case
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    table = render(rows, extra, copy_bw, info, default_tuning, time.time() - t_start, smoke)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "copy_bw": copy_bw, "rows": rows, "extra": extra}, f, indent=1, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    print(table)
+    return 0
+
+
+def write_flush_cost(case: Case, layout: Int2Layout, device, smoke: bool, decode_ms: float) -> dict:
+    """Write (quantize + scatter + HP copy) and flush of one token per request, K and V, one layer."""
+    b = case.batch
+    g = torch.Generator(device=device)
+    g.manual_seed(3)
+    k = (torch.randn(b, HKV, D, device=device, generator=g)).to(torch.bfloat16)
+    v = (torch.randn(b, HKV, D, device=device, generator=g)).to(torch.bfloat16)
+    loc = torch.arange(b, device=device, dtype=torch.int64) * 7
+    hp_rows = torch.arange(b, device=device, dtype=torch.int32)
+    out = {}
+    try:
+        out["write_ms"] = bench(lambda: write_kv(k, v, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs,
+                                                 layout, hp_rows=hp_rows, hp_k=case.hp_k, hp_v=case.hp_v,
+                                                 debug=False, validate=False), smoke)
+        src = torch.arange(b, device=device, dtype=torch.int32)
+        dst = loc + 1
+        out["flush_ms"] = bench(lambda: flush_hp_rows(case.hp_k, case.hp_v, src, dst, case.k_codes, case.k_pairs,
+                                                      case.v_codes, case.v_pairs, layout, debug=False,
+                                                      validate=False), smoke)
+        out["write_flush_batch"] = b
+        out["write_flush_ctx"] = case.ctx
+        out["write_flush_frac"] = (out["write_ms"] + out["flush_ms"]) / decode_ms
+    except Exception as e:  # noqa: BLE001
+        out["write_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    return out
+
+
+def ratio_txt(x) -> str:
+    return "-" if not x else f"{x:.2f}x"
+
+
+def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
+    lines = []
+    lines.append(f"### Decode attention, Qwen3-8B layer ({HQ} q / {HKV} kv heads, head_dim {D}), "
+                 f"sink {SINK} + recent {RECENT}")
+    lines.append("")
+    lines.append(f"device: {info.get('device')}; torch {info.get('torch')}, triton {info.get('triton')}, "
+                 f"sglang {info.get('sglang')}; copy bandwidth (read+write) **{copy_bw / 1e12:.2f} TB/s**; "
+                 f"run {elapsed:.0f} s{' (SMOKE: interpreter timings are meaningless)' if smoke else ''}; "
+                 f"timing: {TIMING['mode']}" + (" (CUDA graph of 16 calls, 256 MB L2 flush before each, flush time "
+                                                "subtracted)" if TIMING["mode"] == "graph" else ""))
+    lines.append(f"INT2 default tuning: `{json.dumps(default_tuning, sort_keys=True)}`")
+    lines.append("")
+    lines.append("| ctx | batch | INT2 default | INT2 best | SGLang triton BF16 (best splits) | SDPA BF16 | "
+                 "INT2 BW (best) | BF16 BW (fastest) | INT2 / fastest BF16 speed-up | best INT2 config |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['ctx']} | {r['batch']} | failed: {r['error']} |||||||| |")
+            continue
+
+        def bw(nbytes, t):
+            return "-" if not t else f"{nbytes / (t * 1e-3) / 1e12:.2f} TB/s ({nbytes / (t * 1e-3) / copy_bw * 100:.0f}%)"
+        bf_t = r.get("bf16_best")
+        bf_bytes = r["bytes_sdpa"] if bf_t == r.get("sdpa") else r["bytes_sglang"]
+        sg = fmt_ms(r.get("sglang")) + (f" [{r.get('sglang_splits')}]" if r.get("sglang") else f" {r.get('sglang_note', '')}")
+        lines.append(
+            f"| {r['ctx']} | {r['batch']} | {fmt_ms(r['int2'])} | {fmt_ms(r['int2_best'])} | {sg} | "
+            f"{fmt_ms(r.get('sdpa'))} ({r.get('sdpa_backend')}) | {bw(r['bytes_int2'], r['int2_best'])} | "
+            f"{bw(bf_bytes, bf_t)} | {ratio_txt(r.get('ratio'))} | "
+            f"{r['int2_best_cfg']} |")
+    lines.append("")
+    rows = [r for r in rows if "error" not in r]
+    no_hp = [r for r in rows if r.get("int2_no_hp")]
+    if no_hp:
+        lines.append("Stage-removed variants (default tuning): " + "; ".join(
+            f"ctx {r['ctx']} b {r['batch']}: full {fmt_ms(r['int2'])}, INT2 tier only (sink=recent=0) "
+            f"{fmt_ms(r['int2_no_hp'])}" for r in no_hp))
+    if extra.get("write_ms") is not None:
+        lines.append(
+            f"Write (quantize+scatter K,V + HP copy) of {extra['write_flush_batch']} tokens: {fmt_ms(extra['write_ms'])}; "
+            f"flush of {extra['write_flush_batch']} rows: {fmt_ms(extra['flush_ms'])}; together "
+            f"{extra['write_flush_frac'] * 100:.1f}% of the INT2 decode step at batch {extra['write_flush_batch']}, "
+            f"ctx {extra['write_flush_ctx']} (per layer).")
+    elif extra.get("write_error"):
+        lines.append(f"Write/flush timing failed: {extra['write_error']}")
+    sweep_keys = sorted({k for r in rows for k in r.get("sweep", {})})
+    if sweep_keys:
+        lines.append("")
+        lines.append("INT2 tuning sweep (time; WRONG = output differs from the default's by > 2e-2 rel. L2):")
+        lines.append("")
+        lines.append("| ctx | batch | " + " | ".join(f"`{k}`" for k in sweep_keys) + " |")
+        lines.append("|---:|---:|" + "---:|" * len(sweep_keys))
+        for r in rows:
+            cells = []
+            for k in sweep_keys:
+                v = r["sweep"].get(k)
+                cells.append(fmt_ms(v) if isinstance(v, float) else str(v))
+            lines.append(f"| {r['ctx']} | {r['batch']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Compile every kernel variant for sm_90 without a GPU (``python tests/kernels/compile_sm90.py``).
+
+Runs the wrappers inside ``kernels.compile_check.compile_only`` with CPU tensors: the GPU
+launch parameters (block sizes, warps, stages, the inline-PTX code conversion) are compiled by
+Triton down to a cubin with the wheel's ptxas. Prints one line per compiled kernel; exits
+non-zero on the first failure. Must run with TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from kv_fixtures import build_pool, make_config  # noqa: E402
+from sglang_oscar.kernels import (  # noqa: E402
+    Int2Layout,
+    decode_attention,
+    dequantize_slots,
+    extend_attention,
+    flush_hp_rows,
+    write_kv,
+)
+from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
+
+
+def _write(dk, dv, group, quantizer, sdt, hp_dtype=torch.bfloat16):
+    lay = Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92, quantizer=quantizer,
+                            scale_dtype=sdt)
+    n, h = 8, 4
+    k = torch.randn(n, h, dk).to(hp_dtype)
+    v = torch.randn(n, h, dv).to(hp_dtype)
+    buf = lay.allocate(16, h, "cpu")
+    hp_k = torch.zeros(8, h, dk, dtype=hp_dtype)
+    hp_v = torch.zeros(8, h, dv, dtype=hp_dtype)
+    write_kv(k, v, torch.arange(n), buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], lay,
+             hp_rows=torch.arange(n), hp_k=hp_k, hp_v=hp_v)
+    return lay, buf, hp_k, hp_v
+
+
+def _attn(kind, dk=128, dv=128, hq=32, hkv=8, group=None, quantizer="uniform", sdt="float16",
+          hp_dtype=torch.bfloat16, mma=torch.float16, **kw):
+    cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=4, recent=8)
+    pool = build_pool([20, 30], hkv, dk, dv, cfg, hp_dtype=hp_dtype, window_mode="decode" if kind == "d" else "extend")
+    common = (pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v, pool.hp_index,
+              pool.req_to_token, pool.req_pool_indices)
+    if kind == "d":
+        q = torch.randn(2, hq, dk, dtype=torch.bfloat16)
+        decode_attention(q, *common, pool.seq_lens, pool.layout, sink=4, recent=8, num_kv_splits=8, mma_dtype=mma,
+                         **kw)
+    else:
+        q = torch.randn(50, hq, dk, dtype=torch.bfloat16)
+        extend_attention(q, *common, torch.tensor([0, 20]), torch.tensor([0, 0]), torch.tensor([20, 30]),
+                         pool.layout, sink=4, max_extend_len=30, mma_dtype=mma, **kw)
+
+
+CASES = [
+    ("write d128 uniform", lambda: _write(128, 128, None, "uniform", "float16")),
+    ("write d192/128 lloyd grouped", lambda: _write(192, 128, 64, "lloyd-max", "bfloat16")),
+    ("write d512 g128 fp32-scales", lambda: _write(512, 512, 128, "uniform", "float32")),
+    ("flush + dequant d128", None),
+    ("decode bits", lambda: _attn("d", tuning=dict(convert=1))),
+    ("decode asm", lambda: _attn("d", tuning=dict(convert=2))),
+    ("decode arith", lambda: _attn("d", tuning=dict(convert=0))),
+    ("decode asm-perm token-major", lambda: _attn("d", tuning=dict(convert=3, token_major=True))),
+    ("decode asm-perm head-major lloyd", lambda: _attn("d", quantizer="lloyd-max",
+                                                       tuning=dict(convert=3, token_major=False, num_warps=4))),
+    ("decode asm lloyd g64 (fast grouped)", lambda: _attn("d", group=64, quantizer="lloyd-max", tuning=dict(convert=2))),
+    ("decode general g32 fp32-scales", lambda: _attn("d", group=32, sdt="float32")),
+    ("decode 192/128 window cap", lambda: _attn("d", dk=192, dv=128, hq=8, hkv=8, sliding_window=16, logit_cap=30.0)),
+    ("decode d64 gqa6 min_block_h 4", lambda: _attn("d", dk=64, dv=64, hq=12, hkv=2, tuning=dict(min_block_h=4))),
+    ("decode d256 bf16 mma", lambda: _attn("d", dk=256, dv=256, hq=16, hkv=2, mma=torch.bfloat16)),
+    ("decode d512", lambda: _attn("d", dk=512, dv=512, hq=4, hkv=1)),
+    ("decode d64 fp32 ieee", lambda: _attn("d", dk=64, dv=64, hq=4, hkv=1, hp_dtype=torch.float32,
+                                           mma=torch.float32)),
+    ("extend d128", lambda: _attn("e", tuning=dict(convert=2))),
+    ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
+                                                  sliding_window=16, logit_cap=20.0)),
+]
+
+
+def _flush_dequant():
+    lay, buf, hp_k, hp_v = _write(128, 128, None, "uniform", "float16")
+    flush_hp_rows(hp_k, hp_v, torch.arange(4), torch.arange(4) + 8, buf["k_codes"], buf["k_pairs"], buf["v_codes"],
+                  buf["v_pairs"], lay)
+    dequantize_slots(buf["k_codes"], buf["k_pairs"], torch.arange(4), out_dtype=torch.bfloat16)
+
+
+def main(argv):
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET to compile for sm_90", file=sys.stderr)
+        return 2
+    only = argv[1:] or None
+    torch.manual_seed(0)
+    with compile_only("cuda", 90):
+        for name, fn in CASES:
+            if only and not any(o in name for o in only):
+                continue
+            fn = fn or _flush_dequant
+            before = len(COMPILED)
+            t0 = time.time()
+            fn()
+            kernels = ", ".join(c[0] for c in COMPILED[before:])
+            print(f"ok  {name:40s} {time.time() - t0:5.1f}s  [{kernels}]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

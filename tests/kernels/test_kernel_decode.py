@@ -1,0 +1,163 @@
+"""Decode attention kernel vs the oracle (reference.oscar_attention, window mode "decode").
+
+Pools hold several requests of different lengths at random non-contiguous slots / HP rows with
+every unused slot poisoned; outputs and split workspaces are NaN-poisoned before each call.
+fp32 HP data + fp32 MMA must match to rel. L2 < 1e-4; bf16/fp16 HP data with fp16 MMA < 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_fixtures import (
+    build_pool,
+    fresh_seed,
+    make_config,
+    reference_decode,
+    rel_l2,
+    rotate_q,
+    run_decode,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SINK, RECENT = 4, 8
+# lengths around the window boundaries: L < sink, = sink, sink < L < sink+recent, = sink+recent, above
+EDGE_LENS = [1, 3, 4, 5, 11, 12, 13, 29]
+
+FP32_CASES = [
+    # lens, hq, hkv, dk, dv, group, quantizer, scale dtype
+    ([40, 9, 3], 2, 2, 64, 64, None, "uniform", "float16"),  # GQA 1 (MHA)
+    ([12, 13, 33], 8, 2, 128, 128, None, "lloyd-max", "float32"),  # GQA 4
+    ([5, 47], 12, 2, 128, 128, 32, "uniform", "bfloat16"),  # GQA 6, general (fine-group) path
+    ([1, 30], 8, 1, 256, 256, 128, "lloyd-max", "float16"),  # GQA 8, grouped fast path
+    ([31, 11], 4, 2, 192, 128, None, "uniform", "float16"),  # K 192 / V 128
+    ([26], 2, 1, 512, 512, None, "uniform", "float16"),  # head_dim 512
+]
+
+
+@pytest.mark.parametrize("lens,hq,hkv,dk,dv,group,quantizer,sdt", FP32_CASES)
+def test_decode_fp32_exact(lens, hq, hkv, dk, dv, group, quantizer, sdt):
+    fresh_seed()
+    cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=SINK, recent=RECENT)
+    pool = build_pool(lens, hkv, dk, dv, cfg, hp_dtype=torch.float32)
+    q = torch.randn(len(lens), hq, dk)
+    ref = reference_decode(pool, q, hp_dtype=torch.float32)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32)
+    assert rel_l2(o, ref) < 1e-4
+
+
+@pytest.mark.parametrize("hp_dtype,quantizer,group,sdt,convert", [
+    (torch.bfloat16, "uniform", None, "float16", 1),
+    (torch.bfloat16, "lloyd-max", 64, "bfloat16", 1),
+    (torch.float16, "uniform", 16, "float32", 0),
+    (torch.bfloat16, "lloyd-max", None, "float32", 0),
+])
+def test_decode_half_precision(hp_dtype, quantizer, group, sdt, convert):
+    fresh_seed()
+    cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=SINK, recent=RECENT)
+    pool = build_pool(EDGE_LENS[:5] + [37], 2, 128, 128, cfg, hp_dtype=hp_dtype)
+    q = torch.randn(6, 8, 128)
+    ref = reference_decode(pool, q, hp_dtype=hp_dtype)
+    o = run_decode(pool, rotate_q(pool, q).to(torch.bfloat16), mma_dtype=torch.float16,
+                   tuning=dict(convert=convert), out_dtype=torch.bfloat16)
+    assert o.dtype == torch.bfloat16
+    assert rel_l2(o, ref) < 1e-2
+
+
+@pytest.mark.parametrize("sink,recent", [(4, 8), (0, 8), (4, 0), (0, 0), (8, 4)])
+def test_decode_window_edges(sink, recent):
+    """Every request of the batch sits at a different sink/recent boundary."""
+    fresh_seed()
+    cfg = make_config(sink=sink, recent=recent)
+    pool = build_pool(EDGE_LENS, 2, 64, 64, cfg, hp_dtype=torch.float32)
+    q = torch.randn(len(EDGE_LENS), 4, 64)
+    ref = reference_decode(pool, q, hp_dtype=torch.float32)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, num_kv_splits=2)
+    assert rel_l2(o, ref) < 1e-4
+
+
+@pytest.mark.parametrize("window,cap", [(6, None), (20, 3.0), (1, None), (100, 30.0)])
+def test_decode_sliding_window_and_cap(window, cap):
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    lens = [3, 12, 25, 40]
+    pool = build_pool(lens, 2, 64, 64, cfg, hp_dtype=torch.float32)
+    q = torch.randn(len(lens), 6, 64) * 2
+    ref = reference_decode(pool, q, sliding_window=window, logit_cap=cap, hp_dtype=torch.float32)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, sliding_window=window, logit_cap=cap)
+    assert rel_l2(o, ref) < 1e-4
+
+
+@pytest.mark.parametrize("hq,hkv,max_block_h,min_block_h", [(12, 2, 4, 1), (16, 2, 4, 16), (6, 1, 2, 1)])
+def test_decode_head_blocks_never_straddle(hq, hkv, max_block_h, min_block_h):
+    """Groups split into blocks that divide them (6 -> 3+3, 8 -> 4+4), rows padded to min_block_h."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    pool = build_pool([14, 22], hkv, 64, 64, cfg, hp_dtype=torch.float32, per_head_rotation=True)
+    q = torch.randn(2, hq, 64)
+    ref = reference_decode(pool, q, hp_dtype=torch.float32)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32,
+                   tuning=dict(max_block_h=max_block_h, min_block_h=min_block_h))
+    assert rel_l2(o, ref) < 1e-4
+
+
+def test_decode_counter_rotation_and_int64_indices():
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT, quantizer="lloyd-max", group_size=32)
+    pool = build_pool([18, 7, 30], 2, 64, 128, cfg, hp_dtype=torch.float32, per_head_rotation=True,
+                      index_dtype=torch.int64)
+    q = torch.randn(3, 4, 64)
+    ref = reference_decode(pool, q, counter_rotate=True, hp_dtype=torch.float32)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, rotation_v=pool.rot_v,
+                   out_dtype=torch.float32)
+    assert rel_l2(o, ref) < 1e-4
+
+
+def test_decode_split_count_invariance_and_kernel_written_pool():
+    """Pool written by write_kv; 1, 2 and 7 INT2 splits give the same answer."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT, scale_dtype="float32")
+    pool = build_pool([50, 20], 2, 64, 64, cfg, hp_dtype=torch.float32, write_with_kernel=True)
+    q = torch.randn(2, 8, 64)
+    ref = reference_decode(pool, q, hp_dtype=torch.float32)
+    outs = [run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, num_kv_splits=ns, num_hp_splits=nh)
+            for ns, nh in ((1, 1), (2, 3), (7, 2))]
+    for o in outs:
+        assert rel_l2(o, ref) < 1e-4
+        assert rel_l2(o, outs[0]) < 1e-6
+
+
+@pytest.mark.parametrize("token_major,convert,group", [
+    (False, 1, None), (True, 0, None), (True, 4, None), (False, 4, None), (True, 4, 64), (False, 4, 32),
+])
+def test_decode_tile_orientations_and_conversions(token_major, convert, group):
+    """Token-major vs head-major tiles and every CPU-runnable code conversion (4 = the emulated
+    permutation of the CUDA-only convert 3) give the oracle's answer."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT, quantizer="lloyd-max", group_size=group)
+    pool = build_pool([9, 33, 20], 2, 128, 128, cfg, hp_dtype=torch.bfloat16)
+    q = torch.randn(3, 8, 128)
+    ref = reference_decode(pool, q)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float16,
+                   tuning=dict(token_major=token_major, convert=convert))
+    assert rel_l2(o, ref) < 1e-2
+    o32 = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, tuning=dict(token_major=token_major,
+                                                                                  convert=convert))
+    assert rel_l2(o32, ref) < 1e-2
+
+
+def test_decode_empty_request_and_int64_offsets(monkeypatch):
+    """A request with seq_len 0 (e.g. CUDA-graph padding) gets zeros; the int64 offset path works."""
+    fresh_seed()
+    monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
+    cfg = make_config(sink=SINK, recent=RECENT)
+    pool = build_pool([17, 30], 2, 64, 64, cfg, hp_dtype=torch.float32)
+    q = torch.randn(2, 4, 64)
+    ref = reference_decode(pool, q, hp_dtype=torch.float32)
+    q_rot = torch.cat([rotate_q(pool, q), torch.randn(1, 4, 64)])
+    pool.req_pool_indices = torch.cat([pool.req_pool_indices, pool.req_pool_indices[:1]])
+    pool.seq_lens = torch.cat([pool.seq_lens, torch.zeros(1, dtype=torch.int64)])
+    o = run_decode(pool, q_rot, mma_dtype=torch.float32)
+    assert rel_l2(o[:2], ref) < 1e-4
+    assert bool((o[2] == 0).all())

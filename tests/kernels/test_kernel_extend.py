@@ -1,0 +1,118 @@
+"""Extend/prefill attention kernel vs the oracle (window mode "extend": only the sink from HP,
+the prefix and the chunk itself from INT2), plus chunking invariance and the LSE output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kv_fixtures import (
+    build_pool,
+    fresh_seed,
+    make_config,
+    poison_,
+    reference_extend,
+    rel_l2,
+    rotate_q,
+    run_extend,
+)
+from sglang_oscar.kernels import write_kv
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SINK = 4
+
+
+@pytest.mark.parametrize("prefixes,exts,hq,hkv,dk,dv,group,quantizer,sdt", [
+    ([10, 0, 25], [20, 7, 1], 8, 2, 64, 64, None, "uniform", "float16"),
+    ([0, 3], [37, 2], 6, 1, 128, 128, 32, "lloyd-max", "float32"),
+    ([5], [30], 2, 2, 192, 128, None, "uniform", "bfloat16"),
+])
+def test_extend_fp32_exact(prefixes, exts, hq, hkv, dk, dv, group, quantizer, sdt):
+    fresh_seed()
+    cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=SINK)
+    lens = [p + e for p, e in zip(prefixes, exts)]
+    pool = build_pool(lens, hkv, dk, dv, cfg, hp_dtype=torch.float32, window_mode="extend")
+    q = torch.randn(sum(exts), hq, dk)
+    ref = reference_extend(pool, q, prefixes, exts, hp_dtype=torch.float32)
+    o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32)
+    assert rel_l2(o, ref) < 1e-4
+
+
+@pytest.mark.parametrize("quantizer,group,convert", [("lloyd-max", 64, 1), ("uniform", 16, 0)])
+def test_extend_bf16(quantizer, group, convert):
+    fresh_seed()
+    cfg = make_config(group_size=group, quantizer=quantizer, sink=SINK)
+    prefixes, exts = [12, 0], [21, 9]
+    pool = build_pool([33, 9], 2, 128, 128, cfg, hp_dtype=torch.bfloat16, window_mode="extend")
+    q = torch.randn(30, 4, 128)
+    ref = reference_extend(pool, q, prefixes, exts, counter_rotate=True)
+    o = run_extend(pool, rotate_q(pool, q).to(torch.bfloat16), prefixes, exts, mma_dtype=torch.float16,
+                   rotation_v=pool.rot_v, out_dtype=torch.bfloat16, tuning=dict(convert=convert))
+    assert o.dtype == torch.bfloat16
+    assert rel_l2(o, ref) < 1e-2
+
+
+@pytest.mark.parametrize("window,cap", [(5, None), (17, 2.5)])
+def test_extend_window_and_cap(window, cap):
+    fresh_seed()
+    cfg = make_config(sink=SINK)
+    prefixes, exts = [9, 20], [24, 3]
+    pool = build_pool([33, 23], 2, 64, 64, cfg, hp_dtype=torch.float32, window_mode="extend")
+    q = torch.randn(27, 4, 64) * 2
+    ref = reference_extend(pool, q, prefixes, exts, sliding_window=window, logit_cap=cap, hp_dtype=torch.float32)
+    o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32, sliding_window=window,
+                   logit_cap=cap)
+    assert rel_l2(o, ref) < 1e-4
+
+
+def test_extend_chunking_invariance_and_lse():
+    """One 40-token chunk == the same prompt as chunks 13 + 1 + 26 (pool written by write_kv per chunk)."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, scale_dtype="float32")
+    t, hq, d = 40, 4, 64
+    pool = build_pool([t], 2, d, d, cfg, hp_dtype=torch.float32, window_mode="extend")
+    # rewrite the INT2 bytes of the request with the kernel, chunk by chunk, interleaved with attention
+    for buf in (pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs):
+        poison_(buf)
+    req = int(pool.req_pool_indices[0])
+    slots = pool.req_to_token[req, :t].long()
+    q = torch.randn(t, hq, d)
+    q_rot = rotate_q(pool, q)
+    cache = pool.caches[0]
+    pieces = []
+    start = 0
+    for chunk in (13, 1, 26):
+        sl = slots[start:start + chunk]
+        write_kv(cache.k_hp[start:start + chunk], cache.v_hp[start:start + chunk], sl, pool.k_codes, pool.k_pairs,
+                 pool.v_codes, pool.v_pairs, pool.layout)
+        o, lse = run_extend(pool, q_rot[start:start + chunk], [start], [chunk], mma_dtype=torch.float32,
+                            return_lse=True)
+        pieces.append((o, lse))
+        start += chunk
+    o_chunked = torch.cat([p[0] for p in pieces])
+    lse_chunked = torch.cat([p[1] for p in pieces])
+    o_one, lse_one = run_extend(pool, q_rot, [0], [t], mma_dtype=torch.float32, return_lse=True)
+    assert rel_l2(o_chunked, o_one) < 1e-6
+    assert torch.allclose(lse_chunked, lse_one, atol=1e-5, rtol=0)
+    ref = reference_extend(pool, q, [0], [t], hp_dtype=torch.float32)
+    assert rel_l2(o_one, ref) < 1e-4
+    # LSE = log sum_j exp(q.k_j * scale) over the visible keys (sink HP, rest dequantized)
+    keys = torch.where((torch.arange(t) < SINK)[:, None, None], cache.k_hp.float(), cache.k_deq)
+    s = torch.einsum("qhd,thd->qht", q_rot, keys.repeat_interleave(hq // 2, dim=1)) / math.sqrt(d)
+    causal = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+    s = s.masked_fill(~causal[:, None, :], float("-inf"))
+    assert torch.allclose(lse_one, torch.logsumexp(s, dim=-1), atol=1e-4, rtol=0)
+
+
+def test_extend_int64_offsets(monkeypatch):
+    fresh_seed()
+    monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
+    cfg = make_config(sink=SINK, quantizer="lloyd-max")
+    prefixes, exts = [7], [12]
+    pool = build_pool([19], 2, 64, 64, cfg, hp_dtype=torch.float32, window_mode="extend")
+    q = torch.randn(12, 4, 64)
+    ref = reference_extend(pool, q, prefixes, exts, hp_dtype=torch.float32)
+    o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32)
+    assert rel_l2(o, ref) < 1e-4

@@ -1,0 +1,170 @@
+"""Bad input is refused with a clear ValueError before any launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_fixtures import build_pool, make_config, rotate_q, run_decode
+from sglang_oscar.kernels import (
+    AttnTuning,
+    Int2Layout,
+    decode_attention,
+    dequantize_slots,
+    extend_attention,
+    flush_hp_rows,
+    plan_head_blocks,
+    write_kv,
+)
+
+
+@pytest.mark.parametrize("dk,dv,group,match", [
+    (100, 100, None, "head_dim"),
+    (32, 32, None, "head_dim"),
+    (1024, 1024, None, "head_dim"),
+    (128, 128, 48, "does not divide"),
+    (192, 128, 96, "does not divide"),
+])
+def test_layout_rejects_unsupported_combinations(dk, dv, group, match):
+    with pytest.raises(ValueError, match=match):
+        Int2Layout.create(dk, dv, group_size=group)
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+def test_layout_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        Int2Layout.create(128, quantizer="nf2")
+    with pytest.raises(ValueError):
+        Int2Layout.create(128, scale_dtype="float64")
+    with pytest.raises(ValueError):
+        Int2Layout.create(128, k_clip_ratio=1.5)
+
+
+def _write_args(layout, n=4, h=2, slots=8):
+    buf = layout.allocate(slots, h, "cpu")
+    k = torch.randn(n, h, layout.k.head_dim).bfloat16()
+    v = torch.randn(n, h, layout.v.head_dim).bfloat16()
+    return k, v, torch.arange(n), buf
+
+
+def test_write_rejects_bad_inputs(monkeypatch):
+    layout = Int2Layout.create(64, 64)
+    k, v, loc, buf = _write_args(layout)
+    args = (buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
+    with pytest.raises(ValueError, match="head_dim"):
+        write_kv(torch.randn(4, 2, 128).bfloat16(), v, loc, *args)
+    with pytest.raises(ValueError, match="dtype"):
+        write_kv(k, v, loc.float(), *args)
+    with pytest.raises(ValueError, match="dtype"):
+        write_kv(k, v, loc, buf["k_codes"], buf["k_pairs"].float(), buf["v_codes"], buf["v_pairs"], layout)
+    with pytest.raises(ValueError, match="shape"):
+        write_kv(k, v, loc[:3], *args)
+    with pytest.raises(ValueError, match="on meta"):
+        write_kv(k, v, loc.to("meta"), *args)
+    with pytest.raises(ValueError, match="hp_k"):
+        write_kv(k, v, loc, *args, hp_rows=loc, hp_k=torch.zeros(4, 2, 64), hp_v=torch.zeros(4, 2, 64))
+    bad_loc = torch.tensor([0, 1, 2, 99])
+    with pytest.raises(ValueError, match="loc"):
+        write_kv(k, v, bad_loc, *args, debug=True)
+    monkeypatch.setenv("SGLANG_OSCAR_DEBUG", "1")
+    with pytest.raises(ValueError, match="loc"):
+        write_kv(k, v, bad_loc, *args)
+    nan_k = k.clone()
+    nan_k[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        write_kv(nan_k, v, loc, *args)
+
+
+def test_flush_and_dequant_reject_bad_inputs():
+    layout = Int2Layout.create(64, 64)
+    _, _, _, buf = _write_args(layout)
+    hp = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
+    args = (buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
+    with pytest.raises(ValueError, match="src_rows"):
+        flush_hp_rows(hp, hp, torch.tensor([0, 7]), torch.tensor([0, 1]), *args, debug=True)
+    with pytest.raises(ValueError, match="dst_loc"):
+        flush_hp_rows(hp, hp, torch.tensor([0, 1]), torch.tensor([0, 1, 2]), *args)
+    with pytest.raises(ValueError, match="slots"):
+        dequantize_slots(buf["k_codes"], buf["k_pairs"], torch.tensor([0, 100]), debug=True)
+    with pytest.raises(ValueError, match="does not divide"):
+        dequantize_slots(buf["k_codes"], buf["k_pairs"], torch.tensor([0]), group_size=48)
+
+
+def _pool():
+    cfg = make_config(sink=4, recent=8)
+    return build_pool([10, 20], 2, 64, 64, cfg, hp_dtype=torch.float32)
+
+
+def _decode(pool, q, **kw):
+    return decode_attention(q, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v,
+                            pool.hp_index, pool.req_to_token, pool.req_pool_indices, pool.seq_lens, pool.layout,
+                            **{"sink": 4, "recent": 8, **kw})
+
+
+def test_decode_rejects_bad_inputs():
+    pool = _pool()
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        _decode(pool, torch.randn(2, 4, 128))
+    with pytest.raises(ValueError, match="multiple"):
+        _decode(pool, torch.randn(2, 3, 64))
+    with pytest.raises(ValueError, match="columns"):
+        _decode(pool, q, recent=50)
+    with pytest.raises(ValueError, match="sliding_window"):
+        _decode(pool, q, sliding_window=0)
+    with pytest.raises(ValueError, match="shape"):
+        _decode(pool, torch.randn(3, 4, 64))
+    with pytest.raises(ValueError, match="bfloat16"):
+        _decode(pool, q, mma_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="tuning"):
+        _decode(pool, q, tuning={"blok_n": 32})
+    with pytest.raises(ValueError, match="workspace"):
+        _decode(pool, q, num_kv_splits=4, workspace=(torch.empty(2, 4, 2, 64), torch.empty(2, 4, 2)))
+
+
+def test_decode_debug_checks_indices():
+    pool = _pool()
+    q = rotate_q(pool, torch.randn(2, 4, 64))
+    req = int(pool.req_pool_indices[1])
+    bad = pool.req_to_token.clone()
+    bad[req, 5] = 10_000  # an INT2 position pointing outside the pool
+    with pytest.raises(ValueError, match="req_to_token"):
+        decode_attention(q, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v,
+                         pool.hp_index, bad, pool.req_pool_indices, pool.seq_lens, pool.layout, sink=4, recent=8,
+                         debug=True)
+    hpi = pool.hp_index.clone()
+    hpi[req, 4 + 19 % 8] = -1  # recent position 19 of request 1 has no HP row
+    with pytest.raises(ValueError, match="hp_index"):
+        decode_attention(
+            q, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v, hpi,
+            pool.req_to_token, pool.req_pool_indices, pool.seq_lens, pool.layout, sink=4, recent=8, debug=True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(
+            q, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v, pool.hp_index,
+            pool.req_to_token, pool.req_pool_indices, torch.tensor([10, 999]), pool.layout, sink=4, recent=8,
+            debug=True)
+    # and the same pool with valid indices passes
+    run_decode(pool, q, mma_dtype=torch.float32)
+
+
+def test_extend_rejects_bad_inputs():
+    pool = _pool()
+    q = torch.randn(5, 4, 64)
+    common = (pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v, pool.hp_index,
+              pool.req_to_token, pool.req_pool_indices)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        extend_attention(q, *common, torch.tensor([0, 2, 5, 5]), torch.tensor([0, 0]), torch.tensor([2, 3]),
+                         pool.layout, sink=4)
+    with pytest.raises(ValueError, match="outside q"):
+        extend_attention(q, *common, torch.tensor([0, 2, 5]), torch.tensor([0, 0]), torch.tensor([2, 9]),
+                         pool.layout, sink=4, debug=True)
+
+
+def test_head_block_plan():
+    assert plan_head_blocks(32, 8) == (4, 4, 1, 16)
+    assert plan_head_blocks(48, 8, max_block_h=4) == (6, 3, 2, 16)
+    assert plan_head_blocks(96, 1, min_block_h=1, max_block_h=64) == (96, 48, 2, 64)
+    with pytest.raises(ValueError):
+        plan_head_blocks(10, 4)
+    with pytest.raises(ValueError):
+        AttnTuning(block_n=48)

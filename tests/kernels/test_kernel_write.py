@@ -1,0 +1,203 @@
+"""Cache write, flush and dequantize kernels vs the format's definition (quant.int2).
+
+Bytes must match ``quantize_rows`` exactly: codes bit for bit, pairs equal as numbers (the
+kernels use the same fp32 operations, IEEE division and an exact order statistic for the clip).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_fixtures import (
+    assert_rows_match,
+    fresh_seed,
+    poison_,
+    random_rotation,
+    random_rows,
+)
+from sglang_oscar.config import OscarConfig
+from sglang_oscar.kernels import (
+    Int2Layout,
+    dequantize_slots,
+    flush_hp_rows,
+    rotate_and_write_kv,
+    write_kv,
+)
+from sglang_oscar.quant.int2 import dequantize_rows, quantize_rows
+from sglang_oscar.reference.attention import build_cache
+
+
+def _assert_pairs_equal(got: torch.Tensor, exp: torch.Tensor, what: str):
+    assert got.dtype == exp.dtype
+    g, e = got.float(), exp.float()
+    same = (g == e) | (torch.isnan(g) & torch.isnan(e))
+    if not bool(same.all()):
+        # allowed: 1 ulp of the storage dtype (never observed; the kernels use identical ops)
+        ulp = torch.finfo(exp.dtype).eps * e.abs().clamp_min(torch.finfo(exp.dtype).tiny)
+        assert bool(((g - e).abs() <= ulp).all()), f"{what}: {int((~same).sum())} pairs differ"
+
+
+def _check_slots(buf, layout, rows_k, rows_v, loc, q_kwargs_k, q_kwargs_v):
+    ok = loc >= 0
+    kq = quantize_rows(rows_k[ok], **q_kwargs_k)
+    vq = quantize_rows(rows_v[ok], **q_kwargs_v)
+    sl = loc[ok].long()
+    assert_rows_match(buf["k_codes"][sl], buf["k_pairs"][sl], kq, "K")
+    assert_rows_match(buf["v_codes"][sl], buf["v_pairs"][sl], vq, "V")
+    untouched = torch.ones(buf["k_codes"].shape[0], dtype=torch.bool)
+    untouched[sl] = False
+    for name, t in buf.items():
+        assert bool((t[untouched].view(torch.uint8) == 0xAB).all()), f"{name}: a skipped slot was written"
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+WRITE_CASES = [
+    # dk, dv, group, quantizer, scale dtype, k clip, v clip, hp dtype
+    (128, 128, None, "uniform", "float16", 0.96, 0.92, torch.bfloat16),
+    (64, 64, 16, "uniform", "float32", 0.96, 0.0, torch.float32),
+    (192, 128, None, "lloyd-max", "bfloat16", 0.96, 0.92, torch.bfloat16),
+    (256, 256, 128, "lloyd-max", "float16", 0.9, 0.5, torch.float16),
+    (128, 128, 32, "uniform", "bfloat16", 1.0, 0.92, torch.bfloat16),
+    (512, 512, 256, "uniform", "float32", 0.96, 0.92, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("dk,dv,group,quantizer,sdt,kclip,vclip,hp_dtype", WRITE_CASES)
+def test_write_matches_quantize_rows(dk, dv, group, quantizer, sdt, kclip, vclip, hp_dtype):
+    fresh_seed()
+    n, h, num_slots = 7, 3, 23
+    layout = Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=kclip, v_clip_ratio=vclip,
+                               quantizer=quantizer, scale_dtype=sdt)
+    k = random_rows(n, h, dk).to(hp_dtype)
+    v = random_rows(n, h, dv).to(hp_dtype)
+    buf = layout.allocate(num_slots, h, "cpu")
+    for t in buf.values():
+        t.view(torch.uint8).fill_(0xAB)
+    loc = torch.randperm(num_slots)[:n]
+    loc[torch.randint(0, n, (2,))] = -1  # padding entries: skipped
+    # fused HP copy: rows at hp_rows (-1 skipped), the rest of the HP buffer untouched
+    hp_rows = torch.randperm(11)[:n]
+    hp_rows[0] = -1
+    hp_k = poison_(torch.empty(11, h, dk, dtype=hp_dtype))
+    hp_v = poison_(torch.empty(11, h, dv, dtype=hp_dtype))
+    write_kv(k, v, loc.to(torch.int32), buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
+             hp_rows=hp_rows, hp_k=hp_k, hp_v=hp_v)
+    qk = dict(group_size=group, clip_ratio=kclip, quantizer=quantizer, scale_dtype=sdt)
+    qv = dict(group_size=group, clip_ratio=vclip, quantizer=quantizer, scale_dtype=sdt)
+    _check_slots(buf, layout, k, v, loc, qk, qv)
+    okh = hp_rows >= 0
+    assert torch.equal(hp_k[hp_rows[okh]], k[okh]) and torch.equal(hp_v[hp_rows[okh]], v[okh])
+    rest = torch.ones(11, dtype=torch.bool)
+    rest[hp_rows[okh]] = False
+    assert bool(torch.isnan(hp_k[rest].float()).all()) and bool(torch.isnan(hp_v[rest].float()).all())
+
+
+def test_write_edge_values():
+    """Ties in |x|, exact zeros, constant rows (scale floor), large offsets (|min|/2^15 floor), tiny rows."""
+    fresh_seed()
+    d, h = 64, 1
+    rows = []
+    base = torch.randn(d)
+    rows.append(torch.round(base * 2) / 2)  # many ties in |x|
+    r = base.clone()
+    r[: d // 2] = 0.0
+    rows.append(r)  # zeros
+    rows.append(torch.full((d,), 0.75))  # constant row -> scale floor
+    rows.append(torch.randn(d) * 1e-3 + 5000.0)  # large offset vs range
+    rows.append(torch.randn(d) * 1e-6)  # tiny values (fp16 scale floor)
+    rows.append(-torch.arange(d, dtype=torch.float32))  # all distinct magnitudes
+    x = torch.stack(rows).unsqueeze(1).to(torch.bfloat16)
+    n = x.shape[0]
+    for sdt in ("float16", "bfloat16", "float32"):
+        for quantizer in ("uniform", "lloyd-max"):
+            for clip in (0.0, 0.96, 0.5):
+                layout = Int2Layout.create(d, d, k_clip_ratio=clip, v_clip_ratio=clip, quantizer=quantizer,
+                                           scale_dtype=sdt, group_size=32)
+                buf = layout.allocate(n, h, "cpu")
+                for t in buf.values():
+                    t.view(torch.uint8).fill_(0xAB)
+                loc = torch.arange(n)
+                write_kv(x, x, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
+                q = dict(group_size=32, clip_ratio=clip, quantizer=quantizer, scale_dtype=sdt)
+                _check_slots(buf, layout, x, x, loc, q, q)
+
+
+def test_rotate_and_write_matches_build_cache():
+    fresh_seed()
+    n, h, dk, dv = 9, 2, 64, 128
+    cfg = OscarConfig(group_size=None, k_clip_ratio=0.96, v_clip_ratio=0.92, quantizer="uniform",
+                      scale_dtype="float16")
+    layout = Int2Layout.from_config(cfg, dk, dv)
+    k = random_rows(n, h, dk)
+    v = random_rows(n, h, dv)
+    rk = random_rotation(dk, h)  # per kv head
+    rv = random_rotation(dv)  # per layer
+    cache = build_cache(k, v, rk, rv, cfg, torch.bfloat16)
+    buf = layout.allocate(n + 4, h, "cpu")
+    for t in buf.values():
+        t.view(torch.uint8).fill_(0xAB)
+    loc = torch.randperm(n + 4)[:n]
+    k_rot, v_rot = rotate_and_write_kv(k, v, rk, rv, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"],
+                                       buf["v_pairs"], layout, hp_dtype=torch.bfloat16)
+    assert torch.equal(k_rot, cache.k_hp) and torch.equal(v_rot, cache.v_hp)
+    assert torch.equal(buf["k_codes"][loc], cache.k_quant.codes)
+    assert torch.equal(buf["v_codes"][loc], cache.v_quant.codes)
+    _assert_pairs_equal(buf["k_pairs"][loc], cache.k_quant.pairs, "K pairs")
+    _assert_pairs_equal(buf["v_pairs"][loc], cache.v_quant.pairs, "V pairs")
+
+
+@pytest.mark.parametrize("quantizer,group,sdt", [("uniform", None, "float16"), ("lloyd-max", 32, "float32")])
+def test_flush_equals_direct_write(quantizer, group, sdt):
+    """Rows written to HP (fused copy), later flushed to other slots, give the direct write's bytes."""
+    fresh_seed()
+    n, h, d = 10, 2, 128
+    layout = Int2Layout.create(d, d, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92,
+                               quantizer=quantizer, scale_dtype=sdt)
+    k = random_rows(n, h, d).to(torch.bfloat16)
+    v = random_rows(n, h, d).to(torch.bfloat16)
+    num_slots = 2 * n + 3
+    buf = layout.allocate(num_slots, h, "cpu")
+    for t in buf.values():
+        t.view(torch.uint8).fill_(0xAB)
+    hp_k = poison_(torch.empty(n + 2, h, d, dtype=torch.bfloat16))
+    hp_v = poison_(torch.empty(n + 2, h, d, dtype=torch.bfloat16))
+    hp_rows = torch.randperm(n + 2)[:n]
+    direct = torch.arange(n)
+    write_kv(k, v, direct, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
+             hp_rows=hp_rows, hp_k=hp_k, hp_v=hp_v)
+    # flush plan with -1 padding (fixed size), destinations elsewhere
+    src = torch.cat([hp_rows, torch.tensor([-1, 3])]).to(torch.int32)
+    dst = torch.cat([n + torch.randperm(n), torch.tensor([5, -1])])
+    flush_hp_rows(hp_k, hp_v, src, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
+    dflush = dst[:n]
+    for name in buf:
+        a = buf[name][direct].view(torch.uint8)
+        b = buf[name][dflush].view(torch.uint8)
+        assert torch.equal(a, b), f"{name}: flushed bytes differ from direct-write bytes"
+    # the padded entries wrote nothing: slots 2n .. 2n+2 are untouched
+    for t in buf.values():
+        assert bool((t[2 * n:].view(torch.uint8) == 0xAB).all())
+
+
+@pytest.mark.parametrize("d,group,quantizer,sdt,out_dtype", [
+    (128, None, "uniform", "float16", torch.float32),
+    (192, 64, "lloyd-max", "float32", torch.float32),
+    (64, 16, "uniform", "bfloat16", torch.bfloat16),
+])
+def test_dequantize_slots(d, group, quantizer, sdt, out_dtype):
+    fresh_seed()
+    n, h, num_slots = 6, 2, 15
+    x = random_rows(n, h, d).to(torch.bfloat16)
+    qr = quantize_rows(x, group_size=group, clip_ratio=0.9, quantizer=quantizer, scale_dtype=sdt)
+    codes = torch.randint(0, 256, (num_slots, h, d // 4), dtype=torch.uint8)
+    pairs = torch.randn(num_slots, h, qr.pairs.shape[-1]).to(qr.pairs.dtype)
+    slots = torch.randperm(num_slots)[:n]
+    codes[slots] = qr.codes
+    pairs[slots] = qr.pairs
+    query = torch.cat([slots, torch.tensor([-1])])
+    out = poison_(torch.empty(n + 1, h, d, dtype=out_dtype))
+    dequantize_slots(codes, pairs, query, group_size=group, quantizer=quantizer, out=out)
+    exp = dequantize_rows(qr, out_dtype=out_dtype)
+    assert torch.equal(out[:n], exp)
+    assert bool((out[n] == 0).all())
