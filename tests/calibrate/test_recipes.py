@@ -229,6 +229,7 @@ def test_recipe_drives_the_pipeline(model_dirs, prompt_files, tmp_path):
     folder = root / "rotation" / "tiny-qwen3"
     folder.mkdir(parents=True)
     shutil.copy(ROT / "Qwen3-8B" / "compute_rotation.sh", folder)
+    shutil.copytree(ROT / "_lib", root / "rotation" / "_lib")
     (folder / "recipe.toml").write_text(f"""
 [model]
 hf_id = "{model_dirs['qwen3']}"
@@ -284,6 +285,7 @@ def test_kimi_latent_recipe_runs_end_to_end(model_dirs, prompt_files, tmp_path):
     folder = root / "rotation" / "tiny-kimi"
     folder.mkdir(parents=True)
     shutil.copy(ROT / "Kimi-K3" / "compute_rotation.sh", folder)
+    shutil.copytree(ROT / "_lib", root / "rotation" / "_lib")
     text = (ROT / "Kimi-K3" / "recipe.toml").read_text()
     text = (text.replace('hf_id = "moonshotai/Kimi-K3"', f'hf_id = "{model_dirs["deepseek_v2"]}"')
             .replace("num_layers = 93", "num_layers = 2").replace("kv_lora_rank = 512", "kv_lora_rank = 32")
@@ -319,6 +321,7 @@ def test_data_free_recipe_validates_with_a_hub_id(model_dirs, tmp_path):
     folder = root / "rotation" / "tiny-m3"
     folder.mkdir(parents=True)
     shutil.copy(ROT / "MiniMax-M3" / "compute_rotation.sh", folder)
+    shutil.copytree(ROT / "_lib", folder.parent / "_lib")
     text = (ROT / "MiniMax-M3" / "recipe.toml").read_text()
     text = (text.replace('hf_id = "MiniMaxAI/MiniMax-M3"', 'hf_id = "oscar-test/tiny-qwen3"').replace('family = "minimax_m3"', 'family = "qwen3"')
             .replace("num_q_heads = 64", "num_q_heads = 4").replace("num_kv_heads = 4", "num_kv_heads = 2"))
