@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes import perm4_index, round_to
+from .codes import round_to
 from .tiles import (
     NEG_INF,
     finish_int2_values,
@@ -35,6 +35,7 @@ from .tiles import (
     int2_scores_t,
     int2_values,
     int2_values_t,
+    load_int2_slots,
     load_q_quarter,
     load_qt_quarter,
     softmax_update,
@@ -145,28 +146,7 @@ def _decode_stage1(
             corr = tl.zeros([BLOCK_H], tl.float32)
             ref = 0.0
             for n0 in tl.range(lo, hi, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                tm = pos < hi
-                slots = tl.load(r2t + pos, mask=tm, other=-1)
-                valid = tm & (slots >= 0)
-                slots = tl.where(valid, slots, 0)
-                if IDX64:
-                    slots = slots.to(tl.int64)
-                else:
-                    slots = slots.to(tl.int32)
-                if PERM:
-                    vpos = n0 + perm4_index(tl.arange(0, BLOCK_N))
-                    vmask = vpos < hi
-                    vslots = tl.load(r2t + vpos, mask=vmask, other=-1)
-                    vmask = vmask & (vslots >= 0)
-                    vslots = tl.where(vmask, vslots, 0)
-                    if IDX64:
-                        vslots = vslots.to(tl.int64)
-                    else:
-                        vslots = vslots.to(tl.int32)
-                else:
-                    vslots = slots
-                    vmask = valid
+                slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
                 st = int2_scores_t(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, KC_h,
                                    stride_kcs, KP_h, stride_kps, slots, valid, A4, C0, QK, QKP, LM, OP, PREC, CONVERT)
                 pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
@@ -188,28 +168,7 @@ def _decode_stage1(
             corr = tl.zeros([BLOCK_H], tl.float32)
             ref = 0.0
             for n0 in tl.range(lo, hi, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                tm = pos < hi
-                slots = tl.load(r2t + pos, mask=tm, other=-1)
-                valid = tm & (slots >= 0)
-                slots = tl.where(valid, slots, 0)
-                if IDX64:
-                    slots = slots.to(tl.int64)
-                else:
-                    slots = slots.to(tl.int32)
-                if PERM:
-                    vpos = n0 + perm4_index(tl.arange(0, BLOCK_N))
-                    vmask = vpos < hi
-                    vslots = tl.load(r2t + vpos, mask=vmask, other=-1)
-                    vmask = vmask & (vslots >= 0)
-                    vslots = tl.where(vmask, vslots, 0)
-                    if IDX64:
-                        vslots = vslots.to(tl.int64)
-                    else:
-                        vslots = vslots.to(tl.int32)
-                else:
-                    vslots = slots
-                    vmask = valid
+                slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
                 s = int2_scores(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, KC_h, stride_kcs, KP_h,
                                 stride_kps, slots, valid, A4, C0, l0, l1, l2, l3, QK, QKP, GK, NGK, K_FAST, LM, OP,
                                 PREC, CONVERT)

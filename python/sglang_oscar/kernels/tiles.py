@@ -44,6 +44,38 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
+def load_int2_slots(r2t, n0, hi, BLOCK_N: tl.constexpr, IDX64: tl.constexpr, PERM: tl.constexpr):
+    """Slot ids of positions ``[n0, n0 + BLOCK_N)`` below ``hi`` from a ``req_to_token`` row.
+
+    Returns ``(slots, valid, vslots, vmask)``: key slots and their mask (invalid -> slot 0), and
+    the same for the value tile, whose token order is permuted when ``PERM`` (convert 3).
+    """
+    pos = n0 + tl.arange(0, BLOCK_N)
+    tm = pos < hi
+    slots = tl.load(r2t + pos, mask=tm, other=-1)
+    valid = tm & (slots >= 0)
+    slots = tl.where(valid, slots, 0)
+    if IDX64:
+        slots = slots.to(tl.int64)
+    else:
+        slots = slots.to(tl.int32)
+    if PERM:
+        vpos = n0 + perm4_index(tl.arange(0, BLOCK_N))
+        vmask = vpos < hi
+        vslots = tl.load(r2t + vpos, mask=vmask, other=-1)
+        vmask = vmask & (vslots >= 0)
+        vslots = tl.where(vmask, vslots, 0)
+        if IDX64:
+            vslots = vslots.to(tl.int64)
+        else:
+            vslots = vslots.to(tl.int32)
+    else:
+        vslots = slots
+        vmask = valid
+    return slots, valid, vslots, vmask
+
+
+@triton.jit
 def load_q_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexpr, QDP: tl.constexpr,
                    OP: tl.constexpr, LM: tl.constexpr, PERM: tl.constexpr = False):
     """``q[:, K*QD:(K+1)*QD] * qscale`` as ``[M, QDP]`` operand, ``q * RB`` (Lloyd-Max) and fp32 row sums.
