@@ -219,18 +219,7 @@ class RotationSet:
                         f"{d} and {layer.num_kv_heads} kv heads. The file belongs to another model or "
                         "geometry: refit it for this model."
                     )
-                if not torch.isfinite(r).all():
-                    raise RotationError(
-                        f"{self.source}: layer {layer.layer_id} {which} rotation contains NaN/Inf; "
-                        "the fit diverged or the file is corrupt: refit it."
-                    )
-                err = orthogonality_error(r)
-                if err > ortho_tol:
-                    raise RotationError(
-                        f"{self.source}: layer {layer.layer_id} {which} rotation is not orthogonal "
-                        f"(max |R R^T - I| = {err:.3g} > {ortho_tol:g}); rotations must be orthogonal "
-                        "for q.k to be preserved: refit it."
-                    )
+        self.check_matrices(ortho_tol)
 
     def check_matrices(self, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
         """Model-independent checks (run before every save): head_dim a multiple of 4, finite, orthogonal.
@@ -247,7 +236,10 @@ class RotationSet:
                     raise RotationError(f"{self.source}: layer {i} {which} rotation contains NaN/Inf: refit it")
                 err = orthogonality_error(r)
                 if err > ortho_tol:
-                    raise RotationError(f"{self.source}: layer {i} {which} rotation is not orthogonal (max |R R^T - I| = {err:.3g}): refit it")
+                    raise RotationError(
+                        f"{self.source}: layer {i} {which} rotation is not orthogonal (max |R R^T - I| = "
+                        f"{err:.3g} > {ortho_tol:g}); q.k is only preserved by orthogonal rotations: refit it"
+                    )
 
     # ------------------------------------------------------------------ I/O
     def save(self, path: str) -> None:
