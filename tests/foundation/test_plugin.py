@@ -24,7 +24,7 @@ def sglang_parser():
     plugin.register()
     plugin.register()  # idempotent
     n_hooks = sum(len(v) for k, v in HookRegistry._hooks.items() if k in plugin.HOOK_TARGETS)
-    assert n_hooks == len(plugin.HOOK_TARGETS)
+    assert n_hooks == len(plugin.HOOK_TARGETS) + 1  # __post_init__ has a BEFORE and an AFTER hook
     HookRegistry.apply_hooks()
     assert set(plugin.HOOK_TARGETS) <= HookRegistry._patched
     parser = argparse.ArgumentParser()
@@ -95,9 +95,9 @@ def test_from_cli_args_hook_attaches_config(monkeypatch):
     out = plugin._around_from_cli_args(lambda cls, a: FakeArgs(), object, ns)
     assert out._oscar_config.sink_tokens == 8
     assert flags.config_from_env().sink_tokens == 8
-    # an int2 launch stops before weights load while the serving path is not built
-    with pytest.raises(ValueError, match="--kv-cache-dtype auto"):
-        plugin._after_post_init(None, out)
+    # with every hook applied, an int2 launch passes; the unreadable model config "m" only warns
+    if not plugin.missing_hooks():
+        assert plugin._after_post_init("r", out) == "r"
     plain = FakeArgs()
     plain.kv_cache_dtype = "auto"
     assert plugin._after_post_init("r", plain) == "r"

@@ -50,7 +50,7 @@ def _decode_stage1(
     KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
     VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph,
     HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh,
-    HPI, stride_hpi, R2T, stride_r2t, RPI, SEQ,
+    HPI, stride_hpi, R2T, stride_r2t, RPI, SEQ, SINKL,
     OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
     qscale, cap_log2e, sink, recent, window,
     A4, RB, C0, l0, l1, l2, l3,
@@ -59,7 +59,7 @@ def _decode_stage1(
     QV: tl.constexpr, QVP: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr, V_FAST: tl.constexpr,
     LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IDX64: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    NS_HP, NS_Q, BLOCK_N: tl.constexpr,
+    NS_HP, NS_Q, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False,
 ):
     PERM: tl.constexpr = CONVERT >= 3
     b = tl.program_id(0)
@@ -73,6 +73,11 @@ def _decode_stage1(
 
     req = tl.load(RPI + b).to(tl.int64)
     L = tl.load(SEQ + b).to(tl.int32)
+    # Sink positions read from HP rows: [0, sink_r); ``sink`` stays the hp_index layout offset.
+    if HAS_SINKL:
+        sink_r = tl.minimum(tl.load(SINKL + req).to(tl.int32), sink)
+    else:
+        sink_r = L * 0 + sink
 
     qoff = b.to(tl.int64) * stride_qb + heads * stride_qh
 
@@ -90,8 +95,8 @@ def _decode_stage1(
 
     if sp < NS_HP:
         # ---------------- HP tier: sink [0, n_sink) then recent [rec_start, L), one virtual range
-        n_sink = tl.minimum(sink, L)
-        rec_start = tl.maximum(sink, L - recent)
+        n_sink = tl.minimum(sink_r, L)
+        rec_start = tl.maximum(sink_r, L - recent)
         n_hp = n_sink + tl.maximum(L - rec_start, 0)
         chunk = tl.cdiv(tl.cdiv(n_hp, NS_HP), BLOCK_N) * BLOCK_N
         lo = sp * chunk
@@ -107,7 +112,7 @@ def _decode_stage1(
             v = v0 + tl.arange(0, BLOCK_N)
             tm = v < hi
             pos = tl.where(v < n_sink, v, rec_start + v - n_sink)
-            entry = tl.where(pos < sink, pos, sink + pos % ring)
+            entry = tl.where(pos < sink_r, pos, sink + pos % ring)
             rows = tl.load(HPI + req * stride_hpi + entry, mask=tm, other=-1)
             valid = tm & (rows >= 0) & (pos >= win_lo)
             rows = tl.where(valid, rows, 0)
@@ -121,8 +126,8 @@ def _decode_stage1(
                                                QV, QVP, OP, PREC)
     else:
         # ---------------- INT2 tier: [max(sink, window start), L - recent)
-        mid_hi = tl.maximum(L - recent, sink)
-        mid_lo = tl.maximum(sink, win_lo)
+        mid_hi = tl.maximum(L - recent, sink_r)
+        mid_lo = tl.maximum(sink_r, win_lo)
         n_mid = tl.maximum(mid_hi - mid_lo, 0)
         chunk = tl.cdiv(tl.cdiv(n_mid, NS_Q), BLOCK_N) * BLOCK_N
         lo = mid_lo + (sp - NS_HP) * chunk

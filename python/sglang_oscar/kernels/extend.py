@@ -35,7 +35,7 @@ def _extend_kernel(
     KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
     VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph,
     HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh,
-    HPI, stride_hpi, R2T, stride_r2t, RPI, QO_INDPTR, PREFIX, EXTLEN,
+    HPI, stride_hpi, R2T, stride_r2t, RPI, QO_INDPTR, PREFIX, EXTLEN, SINKL,
     O, stride_on, stride_oh, LSE, stride_ln, stride_lh,
     qscale, cap_log2e, sink, window,
     A4, RB, C0, l0, l1, l2, l3,
@@ -45,7 +45,7 @@ def _extend_kernel(
     LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LSE: tl.constexpr, OUT_DT: tl.constexpr,
     IDX64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False,
 ):
     mb = tl.program_id(0)
     b = tl.program_id(1)
@@ -57,6 +57,10 @@ def _extend_kernel(
         req = tl.load(RPI + b).to(tl.int64)
         q_start = tl.load(QO_INDPTR + b).to(tl.int64)
         prefix = tl.load(PREFIX + b).to(tl.int32)
+        if HAS_SINKL:
+            sink_r = tl.minimum(tl.load(SINKL + req).to(tl.int32), sink)
+        else:
+            sink_r = prefix * 0 + sink
         mi = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = mi < ext
         pos_q = prefix + mi
@@ -80,12 +84,12 @@ def _extend_kernel(
         else:
             lo = hi * 0
 
-        # ---- HP sink positions [lo, min(sink, hi))
+        # ---- HP sink positions [lo, min(sink_r, hi))
         HK_h = HK + kvh64 * stride_hkh
         HV_h = HV + kvh64 * stride_hvh
-        for j0 in range(lo, tl.minimum(sink, hi), BLOCK_N):
+        for j0 in range(lo, tl.minimum(sink_r, hi), BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
-            tm = j < tl.minimum(sink, hi)
+            tm = j < tl.minimum(sink_r, hi)
             rows = tl.load(HPI + req * stride_hpi + j, mask=tm, other=-1)
             tm = tm & (rows >= 0)
             rows = tl.where(tm, rows, 0)
@@ -101,7 +105,7 @@ def _extend_kernel(
             acc0, acc1, acc2, acc3 = hp_values(p, alpha, acc0, acc1, acc2, acc3, HV_h, stride_hvr, rows, tm,
                                                QV, QVP, OP, PREC)
 
-        # ---- INT2 positions [max(sink, lo), hi)
+        # ---- INT2 positions [max(sink_r, lo), hi)
         KC_h = KC + kvh64 * stride_kch
         KP_h = KP + kvh64 * stride_kph
         VC_h = VC + kvh64 * stride_vch
@@ -109,7 +113,7 @@ def _extend_kernel(
         r2t = R2T + req * stride_r2t
         corr = tl.zeros([BLOCK_M], tl.float32)
         ref = 1.0
-        for j0 in range(tl.maximum(sink, lo), hi, BLOCK_N):
+        for j0 in range(tl.maximum(sink_r, lo), hi, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             tm = j < hi
             slots = tl.load(r2t + j, mask=tm, other=-1)

@@ -694,6 +694,7 @@ def decode_attention(
     workspace: tuple | None = None,
     mma_dtype: torch.dtype | None = None,
     tuning=None,
+    sink_lens: torch.Tensor | None = None,
     debug: bool | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -718,6 +719,10 @@ def decode_attention(
             ``num_hp_splits + num_kv_splits`` splits (CUDA graphs: allocate before capture).
         mma_dtype: operand dtype of the MMAs (default fp16, fp32 when the HP dtype is fp32).
         tuning: dict / :class:`AttnTuning`.
+        sink_lens: optional int32 ``[max_reqs]``: request ``r`` reads only positions
+            ``< min(sink_lens[r], sink)`` from sink rows (the rest of ``[0, sink)`` like middle
+            positions: ring if recent, else INT2); ``sink`` stays the ``hp_index`` layout offset.
+            Used by the served pool when its sink-row arena could not give a token a row.
         debug: check index values (host sync); default ``SGLANG_OSCAR_DEBUG``.
         validate: shape/dtype/device checks (pure Python); ``False`` skips them (hot path, after
             the arguments were validated once).
@@ -786,6 +791,7 @@ def decode_attention(
         v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
         hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
         hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+        hp_index if sink_lens is None else sink_lens,
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
         qscale, cap_log2e, sink, recent, sliding_window or 0,
         *_attn_constants(layout),
@@ -798,7 +804,7 @@ def decode_attention(
         CONVERT=convert,
         HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
         TOKEN_MAJOR=tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1,
-        NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n,
+        NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
         num_warps=tn.num_warps, num_stages=tn.num_stages,
     )
     nsp = next_pow2(ns)
@@ -850,6 +856,7 @@ def extend_attention(
     return_lse: bool = False,
     mma_dtype: torch.dtype | None = None,
     tuning=None,
+    sink_lens: torch.Tensor | None = None,
     debug: bool | None = None,
 ):
     """Causal attention of new chunks over their cached prefix and themselves (extend semantics).
@@ -866,6 +873,7 @@ def extend_attention(
             req_pool_indices: int ``[B]``.
         max_extend_len: host bound on ``extend_seq_lens`` (default: read from the device, a sync).
         return_lse: also return the natural-log LSE ``[N, H_q]`` fp32 (rotated frame; for merging).
+        sink_lens: as :func:`decode_attention`.
         Other arguments: as :func:`decode_attention`.
 
     Returns:
@@ -919,7 +927,7 @@ def extend_attention(
             v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
             hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
             hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, qo_indptr,
-            extend_prefix_lens, extend_seq_lens,
+            extend_prefix_lens, extend_seq_lens, hp_index if sink_lens is None else sink_lens,
             o_rot, o_rot.stride(0), o_rot.stride(1), lse, lse.stride(0), lse.stride(1),
             qscale, cap_log2e, sink, sliding_window or 0,
             *_attn_constants(layout),
@@ -932,6 +940,7 @@ def extend_attention(
             CONVERT=effective_convert(tn.convert, op, False),
             HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, HAS_LSE=return_lse,
             OUT_DT=_tl(o_rot.dtype), IDX64=idx64, BLOCK_M=tn.block_m, BLOCK_N=tn.block_n,
+            HAS_SINKL=sink_lens is not None,
             num_warps=tn.num_warps, num_stages=tn.num_stages,
         )
     if rotation_v is None:

@@ -9,9 +9,12 @@ idempotent. What the hooks do:
 * ``ServerArgs.from_cli_args`` (AROUND): resolve the flags and their environment aliases into
   an :class:`~sglang_oscar.config.OscarConfig`, attach it as ``server_args._oscar_config`` and
   export it in ``SGLANG_OSCAR_CONFIG`` so spawned subprocesses see the same values.
-* ``ServerArgs.__post_init__`` (AFTER): with ``--kv-cache-dtype int2``, stop the launch before
-  any weights load on an unsupported flag (:mod:`.refusals`), or if the INT2 serving path is
-  not available (see :data:`SERVING_READY`).
+* ``ServerArgs.__post_init__`` (BEFORE): with ``--kv-cache-dtype int2`` and no attention backend
+  given, use ``triton``; (AFTER): stop the launch before any weights load on an unsupported flag
+  (:mod:`.refusals`), a rotation file that does not fit the model, a group size that does not
+  divide head_dim, or a serving hook that failed to apply (SGLang only logs hook failures).
+* the serving hooks of :mod:`.serving` (dtype, sizing, pool, allocator, radix cap) and the
+  ``ATTENTION_BACKENDS["triton"]`` registry entry.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
 from .refusals import REFUSALS, refusal_messages
+from .serving import SERVING_HOOK_TARGETS
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -30,10 +34,7 @@ HOOK_TARGETS = (
     f"{_SERVER_ARGS}.add_cli_args",
     f"{_SERVER_ARGS}.from_cli_args",
     f"{_SERVER_ARGS}.__post_init__",
-)
-# The INT2 memory pool and attention backend are wired in by the SGLang-plugin issue; until
-# then an int2 launch must stop with a clear message rather than fail deep inside SGLang.
-SERVING_READY = False
+) + SERVING_HOOK_TARGETS
 
 def register() -> None:
     """Register sglang-oscar's hooks with SGLang's ``HookRegistry`` (idempotent, cheap).
@@ -43,13 +44,25 @@ def register() -> None:
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from . import serving as sv
+
     for target, hook, kind in (
         (HOOK_TARGETS[0], _after_add_cli_args, HookType.AFTER),
         (HOOK_TARGETS[1], _around_from_cli_args, HookType.AROUND),
+        (HOOK_TARGETS[2], _before_post_init, HookType.BEFORE),
         (HOOK_TARGETS[2], _after_post_init, HookType.AFTER),
+        (SERVING_HOOK_TARGETS[0], sv.around_configure_kv_cache_dtype, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[1], sv.around_enable_fused_set_kv_buffer, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[2], sv.around_compute_cell_size, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[3], sv.around_resolve_memory_pool_config, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[4], sv.around_build_token_to_kv_pool, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[5], sv.around_allocator_free, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[6], sv.after_allocator_clear, HookType.AFTER),
+        (SERVING_HOOK_TARGETS[7], sv.around_compute_max_prefix_len, HookType.AROUND),
     ):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, kind)
+    sv.install_backend_factory()
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):
@@ -78,6 +91,12 @@ def _around_from_cli_args(original_fn, cls, args, *rest, **kwargs):
     return server_args
 
 
+def _before_post_init(server_args, *args, **kwargs):
+    if getattr(server_args, "kv_cache_dtype", None) == INT2 and getattr(server_args, "attention_backend", None) is None:
+        server_args.attention_backend = "triton"
+    return None
+
+
 def _after_post_init(result, server_args, *args, **kwargs):
     if getattr(server_args, "kv_cache_dtype", None) != INT2:
         return result
@@ -86,13 +105,42 @@ def _after_post_init(result, server_args, *args, **kwargs):
     problems = refusal_messages(server_args)
     if problems:
         raise ValueError("; ".join(problems))
-    if not SERVING_READY:
-        raise ValueError(
-            "--kv-cache-dtype int2: this sglang-oscar build has the INT2 format, rotations and "
-            "calibration tools but not yet the SGLang INT2 pool/attention backend; serve with "
-            "--kv-cache-dtype auto (BF16) for now"
+    missing = missing_hooks()
+    if missing:
+        raise RuntimeError(
+            f"--kv-cache-dtype int2: sglang-oscar hooks did not apply to {missing} (see the log for the "
+            f"hook errors; this sglang-oscar release supports sglang==0.5.16)"
         )
+    preflight(server_args)
     return result
+
+
+def missing_hooks() -> list[str]:
+    """Hook targets not patched by SGLang's ``HookRegistry`` plus a missing backend entry."""
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    missing = [t for t in HOOK_TARGETS if t not in HookRegistry._patched]
+    if not getattr(attention_registry.ATTENTION_BACKENDS.get("triton"), "_oscar", False):
+        missing.append('ATTENTION_BACKENDS["triton"]')
+    return missing
+
+
+def preflight(server_args) -> None:
+    """Check the rotation file and group size against the model's config (no weights loaded).
+
+    Raises:
+        ValueError: the message names the problem and the flag that fixes it.
+    """
+    from ..backend.rotations import model_geometry, served_rotation_set
+
+    config = oscar_config_of(server_args)
+    try:
+        geometry = model_geometry(server_args.model_path)
+    except Exception as exc:  # config unreadable: SGLang reports it itself when loading
+        logger.warning("sglang-oscar: could not read the model config for the rotation check: %s", exc)
+        return
+    served_rotation_set(config, geometry, log=False)
 
 
 def oscar_config_of(server_args):

@@ -1,0 +1,1 @@
+"""The OSCAR attention backend for SGLang (Triton backend subclass) and served rotations."""

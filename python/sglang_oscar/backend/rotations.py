@@ -1,0 +1,87 @@
+"""The rotation set a server uses, checked against the model before any weights load.
+
+:func:`served_rotation_set` is called twice: by the ``ServerArgs`` hook in the launching process
+(so a wrong file stops the launch before weights load, with a message naming the problem) and by
+the attention backend in each scheduler process, which then slices it for its tensor-parallel
+rank (:func:`rank_rotations`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import OscarConfig
+from ..rotation import RotationSet
+from ..rotation.geometry import ModelGeometry
+
+logger = logging.getLogger("sglang_oscar")
+
+
+def model_geometry(hf_config) -> ModelGeometry:
+    """:class:`ModelGeometry` of a HF config (object, dict or model directory)."""
+    return ModelGeometry.from_hf_config(hf_config)
+
+
+def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True) -> RotationSet:
+    """The validated rotation set for ``config`` (file) or the data-free Hadamard set.
+
+    Raises:
+        ValueError: MLA / non-MHA model, group size not dividing a head_dim, missing file,
+            malformed file, or a file made for another geometry (layer ids, kv heads, head_dim).
+            Every message says what to change.
+    """
+    if geometry.attention_kind != "mha":
+        raise ValueError(
+            f"--kv-cache-dtype int2 serves MHA/GQA models; {geometry.model_type!r} uses MLA attention "
+            f"(latent c_kv), which the INT2 server does not support yet; use --kv-cache-dtype auto"
+        )
+    dims = sorted({d for layer in geometry.layers for d in (layer.head_dim_k, layer.head_dim_v)})
+    try:
+        config.check_head_dims(*dims)
+    except ValueError as exc:
+        raise ValueError(f"--kv-cache-quant-group-size {config.group_size}: {exc} "
+                         f"(the model's head_dims are {dims}); pick a group size dividing them") from exc
+    if config.rotation_path is None:
+        rs = RotationSet.data_free(geometry)
+        if log:
+            logger.info("sglang-oscar: no --oscar-rotation given; using the data-free Hadamard rotation "
+                        "(fit one with rotation/<model>/compute_rotation.sh for better accuracy)")
+        return rs
+    try:
+        rs = RotationSet.from_paths(config.rotation_path, config.rotation_v_path)
+    except FileNotFoundError as exc:
+        raise ValueError(f"--oscar-rotation: {exc}; pass an existing rotation file or directory, or drop "
+                         f"the flag to use the data-free Hadamard rotation") from exc
+    try:
+        rs.validate(geometry)
+    except ValueError as exc:
+        raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from exc
+    if log:
+        logger.info("sglang-oscar: rotation %s (%s, %d layers)", config.rotation_path,
+                    "per kv head" if rs.per_head else "per layer", len(rs.layer_ids))
+    return rs
+
+
+def rank_rotations(rs: RotationSet, geometry: ModelGeometry, tp_rank: int, tp_size: int, device,
+                   layer_ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per global layer id: fp32 ``(R_k, R_v)`` of shape ``[H_kv_local, D, D]`` on ``device``.
+
+    Per-head sets are sliced with SGLang's kv-head sharding (:meth:`RotationSet.for_tp_rank`);
+    per-layer matrices are broadcast to the local heads.
+    """
+    heads = {layer.layer_id: layer.num_kv_heads for layer in geometry.layers}
+    local = rs.for_tp_rank(tp_rank, tp_size, heads)
+    out = {}
+    for lid in layer_ids:
+        h_total = heads[lid]
+        h_local = max(1, h_total // tp_size)
+        rk = local.matrices(lid, "k", h_local if local.per_head else None)
+        rv = local.matrices(lid, "v", h_local if local.per_head else None)
+        if rk.dim() == 2:
+            rk = rk.unsqueeze(0).expand(h_local, *rk.shape)
+            rv = rv.unsqueeze(0).expand(h_local, *rv.shape)
+        out[lid] = (rk.to(device=device, dtype=torch.float32).contiguous(),
+                    rv.to(device=device, dtype=torch.float32).contiguous())
+    return out

@@ -1,0 +1,184 @@
+"""``OscarTritonAttnBackend``: SGLang's Triton attention backend over the INT2 pool.
+
+Inherits every piece of metadata and CUDA-graph plumbing of ``TritonAttnBackend`` and replaces
+the two forward paths:
+
+* rotate per layer and kv head -- ``q R_k`` (fp32), ``k R_k`` and ``v R_v`` (fp32, rounded to
+  the model dtype as the oracle's HP tier) -- write the rotated K/V into the pool (INT2 at the
+  allocated slot, plus a BF16 copy for sink/recent positions), run the INT2 kernels, and return
+  ``o R_v^T``;
+* decode reads ``[BF16 sink | INT2 middle | BF16 recent]`` (window mode ``"decode"``), extend
+  reads the sink in BF16 and everything else, the chunk itself included, through INT2 (window
+  mode ``"extend"``), so a prompt's logits do not depend on chunking or on radix reuse.
+
+The window bookkeeping of a forward (sink rows for new sink tokens, ring rows, ``hp_index`` and
+``sink_lens`` of the batch's requests) runs once per forward: in ``init_forward_metadata``
+(eager) or ``init_forward_metadata_in_graph`` (recorded into decode CUDA graphs); slots freed
+by SGLang give their sink rows back in the out-of-graph part.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+from ..kernels import decode_attention, extend_attention
+from ..kernels.launch import choose_num_splits, plan_head_blocks
+from ..pool.int2_pool import OscarMHATokenToKVPool
+from .rotations import model_geometry, rank_rotations, served_rotation_set
+
+logger = logging.getLogger("sglang_oscar")
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
+    """``x [T, H, D]`` times ``r [H_kv, D, D]`` per kv head (GQA: head ``h`` uses ``h // (H/H_kv)``),
+    in fp32, cast to ``out_dtype``."""
+    t, h, d = x.shape
+    hkv = r.shape[0]
+    xv = x.float().reshape(t, hkv, h // hkv, d)
+    eq = "tkgd,ked->tkge" if transpose else "tkgd,kde->tkge"
+    return torch.einsum(eq, xv, r).reshape(t, h, r.shape[-1]).to(out_dtype)
+
+
+class OscarTritonAttnBackend(TritonAttnBackend):
+    """Triton attention over :class:`~sglang_oscar.pool.OscarMHATokenToKVPool` (module docstring).
+
+    Raises:
+        RuntimeError: the pool is not the INT2 pool (a hook did not apply).
+        ValueError: rotation file / geometry problems (see :func:`.rotations.served_rotation_set`).
+    """
+
+    def __init__(self, model_runner, *args, **kwargs):
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, OscarMHATokenToKVPool):
+            raise RuntimeError(
+                f"--kv-cache-dtype int2: the token pool is {type(pool).__name__}, not the INT2 pool; the "
+                f"sglang-oscar pool hook did not apply (check the log for hook errors)"
+            )
+        super().__init__(model_runner, *args, **kwargs)
+        from sglang.srt.runtime_context import get_parallel
+
+        self.pool = pool
+        self.windows = pool.windows
+        self.layout = pool.layout
+        self.config = pool.oscar_config
+        par = get_parallel()
+        geometry = model_geometry(model_runner.model_config.hf_config)
+        rs = served_rotation_set(self.config, geometry, log=par.attn_tp_rank == 0)
+        layer_ids = [layer.layer_id for layer in geometry.layers
+                     if pool.start_layer <= layer.layer_id <= pool.end_layer]
+        self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,
+                                        layer_ids)
+        self.first_layer_id = min(layer_ids)
+        self._hp_rows = None
+        self._missed_seen = 0
+        self._missed_host = torch.zeros((), dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
+
+    # ------------------------------------------------------------------ per-forward bookkeeping
+    def _token_tables(self, fb):
+        """``(positions, request slot, request end)`` per new token of the batch."""
+        if fb.forward_mode.is_decode():
+            return fb.positions, fb.req_pool_indices, fb.seq_lens
+        n = fb.out_cache_loc.shape[0]
+        req = torch.repeat_interleave(fb.req_pool_indices, fb.extend_seq_lens, output_size=n)
+        end = torch.repeat_interleave(fb.seq_lens, fb.extend_seq_lens, output_size=n)
+        return fb.positions, req, end
+
+    def _windows_in_forward(self, fb) -> None:
+        if fb.forward_mode.is_idle() or fb.batch_size == 0:
+            self._hp_rows = None
+            return
+        if not (fb.forward_mode.is_decode() or fb.forward_mode.is_extend()):
+            raise NotImplementedError(f"--kv-cache-dtype int2 does not support forward mode {fb.forward_mode}")
+        pos, req, end = self._token_tables(fb)
+        self._hp_rows = self.windows.assign(fb.out_cache_loc, pos, req, end)
+        self.windows.refresh(fb.req_pool_indices, self._int2_req_to_token)
+
+    def _windows_out_of_graph(self) -> None:
+        self.windows.process_releases()
+        # report sink-arena exhaustion (read back without a sync: the copy lands by the next step)
+        seen = int(self._missed_host)
+        if seen > self._missed_seen:
+            logger.warning(
+                "sglang-oscar: the BF16 sink arena was full for %d sink tokens so far; they are read "
+                "through INT2. Lower the number of cached prefixes, raise --mem-fraction-static or "
+                "lower --max-running-requests", seen)
+            self._missed_seen = seen
+        self._missed_host.copy_(self.windows.missed, non_blocking=True)
+
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        self._windows_out_of_graph()
+        self._windows_in_forward(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        self._windows_out_of_graph()
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        super().init_forward_metadata_in_graph(forward_batch)
+        self._windows_in_forward(forward_batch)
+
+    # ------------------------------------------------------------------ forward paths
+    def _check_layer(self, layer, sinks, score_mod) -> None:
+        if sinks is not None:
+            raise NotImplementedError("--kv-cache-dtype int2 does not support attention-sink logits (sinks=)")
+        if score_mod is not None:
+            raise NotImplementedError("--kv-cache-dtype int2 does not support score_mod attention")
+        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            raise NotImplementedError("--kv-cache-dtype int2 does not support sliding-window layers yet")
+        if getattr(layer, "is_cross_attention", False):
+            raise NotImplementedError("--kv-cache-dtype int2 does not support cross attention")
+        if layer.logit_cap and getattr(layer, "logit_capping_method", "tanh") != "tanh":
+            raise NotImplementedError(f"--kv-cache-dtype int2 supports only tanh logit capping, "
+                                      f"not {layer.logit_capping_method!r}")
+
+    def _prepare(self, q, k, v, layer, fb, save_kv_cache):
+        if k is None or v is None:
+            raise NotImplementedError("--kv-cache-dtype int2 does not support KV-shared layers (k is None)")
+        hq, hkv = layer.tp_q_head_num, layer.tp_k_head_num
+        dk, dv = layer.qk_head_dim, layer.v_head_dim
+        rk, rv = self.rotations[layer.layer_id]
+        q_rot = _rotate(q.reshape(-1, hq, dk), rk, torch.float32)
+        if save_kv_cache:
+            hp = self.pool.hp_dtype
+            k_rot = _rotate(k.reshape(-1, hkv, dk), rk, hp)
+            v_rot = _rotate(v.reshape(-1, hkv, dv), rv, hp)
+            self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
+        return q_rot, rv
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
+                       aux_tensors=None):
+        self._check_layer(layer, sinks, score_mod)
+        q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        kc, kp, vc, vp, hk, hv = self.pool.int2_buffers(layer.layer_id)
+        bs = q_rot.shape[0]
+        _, _, bpk, _ = plan_head_blocks(layer.tp_q_head_num, layer.tp_k_head_num)
+        splits = choose_num_splits(bs, layer.tp_k_head_num * bpk, device=q.device, max_seq_len=self.max_context_len)
+        o = decode_attention(
+            q_rot, kc, kp, vc, vp, hk, hv, self.windows.hp_index, self._int2_req_to_token,
+            forward_batch.req_pool_indices, forward_batch.seq_lens, self.layout,
+            sink=self.config.sink_tokens, recent=self.config.recent_tokens, sm_scale=layer.scaling,
+            logit_cap=layer.logit_cap or None, rotation_v=rv, out_dtype=q.dtype, num_kv_splits=splits,
+            sink_lens=self.windows.sink_lens, validate=False,
+        )
+        return o.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
+                       aux_tensors=None):
+        self._check_layer(layer, sinks, score_mod)
+        q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        kc, kp, vc, vp, hk, hv = self.pool.int2_buffers(layer.layer_id)
+        bs = forward_batch.batch_size
+        md = self.forward_metadata
+        o = extend_attention(
+            q_rot, kc, kp, vc, vp, hk, hv, self.windows.hp_index, self._int2_req_to_token,
+            forward_batch.req_pool_indices, md.qo_indptr[: bs + 1], forward_batch.extend_prefix_lens,
+            forward_batch.extend_seq_lens, self.layout, sink=self.config.sink_tokens,
+            max_extend_len=md.max_extend_len, sm_scale=layer.scaling, logit_cap=layer.logit_cap or None,
+            rotation_v=rv, out_dtype=q.dtype, sink_lens=self.windows.sink_lens,
+        )
+        return o.reshape(q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)

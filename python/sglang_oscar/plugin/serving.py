@@ -1,0 +1,204 @@
+"""Hooks that wire the INT2 pool and attention backend into SGLang (scheduler-side).
+
+Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int2``:
+
+* ``kv_cache_dtype.configure_kv_cache_dtype`` (AROUND): ``int2`` -> logical dtype ``uint8`` (so
+  bf16-only fused KV writes switch themselves off);
+* ``models.utils.enable_fused_set_kv_buffer`` (AROUND): ``False`` with the INT2 pool;
+* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the packed INT2 bytes per token;
+* ``KVCacheConfigurator._resolve_memory_pool_config`` (AROUND): reserve the BF16 windows and
+  bound ``max_running_requests`` (:func:`~sglang_oscar.pool.sizing.plan_windows`), log both budgets;
+* ``KVCacheConfigurator._build_token_to_kv_pool`` (AROUND): build
+  :class:`~sglang_oscar.pool.OscarMHATokenToKVPool` for plain MHA/GQA models, refuse the rest;
+* ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER): freed slots return their sink rows;
+* ``Req._compute_max_prefix_len`` (AROUND): radix matches stop ``recent`` tokens before the end of
+  the prompt, so a reused prefix never covers positions a fresh run reads from its BF16 ring;
+* ``ATTENTION_BACKENDS["triton"]`` (registry entry): :class:`OscarTritonAttnBackend` for int2.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("sglang_oscar")
+
+INT2 = "int2"
+_MP = "sglang.srt.mem_cache"
+SERVING_HOOK_TARGETS = (
+    f"{_MP}.kv_cache_dtype.configure_kv_cache_dtype",
+    "sglang.srt.models.utils.enable_fused_set_kv_buffer",
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+    f"{_MP}.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config",
+    f"{_MP}.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
+    f"{_MP}.allocator.token.TokenToKVPoolAllocator.free",
+    f"{_MP}.allocator.token.TokenToKVPoolAllocator.clear",
+    "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len",
+)
+
+# Set in the scheduler process when the INT2 pool is built: the recent window that radix
+# matches must leave to be recomputed (None = not serving int2 in this process).
+_ACTIVE = {"recent": None}
+
+
+def _is_int2(server_args) -> bool:
+    return getattr(server_args, "kv_cache_dtype", None) == INT2
+
+
+def _config(server_args):
+    from . import oscar_config_of
+
+    return oscar_config_of(server_args)
+
+
+# ---------------------------------------------------------------------------------- dtype
+def around_configure_kv_cache_dtype(original_fn, *args, **kwargs):
+    if kwargs.get("server_args_kv_cache_dtype") == INT2:
+        return None, torch.uint8
+    return original_fn(*args, **kwargs)
+
+
+def around_enable_fused_set_kv_buffer(original_fn, *args, **kwargs):
+    if _ACTIVE["recent"] is not None:
+        return False
+    return original_fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- sizing
+def _geometry(kvc):
+    from sglang.srt.runtime_context import get_parallel
+
+    mc = kvc.model_config
+    heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
+    return heads, mc.head_dim, mc.v_head_dim
+
+
+def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs):
+    if not _is_int2(kvc.server_args):
+        return original_fn(self, kvc, num_layers, *args, **kwargs)
+    from ..pool.sizing import int2_cell_size
+
+    heads, d, dv = _geometry(kvc)
+    return int2_cell_size(_config(kvc.server_args), heads, d, dv, num_layers)
+
+
+def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, *args, **kwargs):
+    if not _is_int2(self.server_args):
+        return original_fn(self, pre_model_load_memory, *args, **kwargs)
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+    from ..pool.sizing import hp_row_bytes, int2_cell_size, plan_windows
+
+    config = _config(self.server_args)
+    heads, d, dv = _geometry(self)
+    layers = self.layer_info.num_effective_layers
+    available = self._profile_available_bytes(pre_model_load_memory)
+    row = hp_row_bytes(heads, d, dv, layers, self.model_dtype)
+    plan = plan_windows(config, available, row, self.server_args.max_running_requests)
+    pool_config = self.config_from_budget(plan.int2_budget)
+    pool_config.max_running_requests = min(self.resolve_max_num_reqs(pool_config.max_total_num_tokens),
+                                           plan.max_running_requests)
+    pool_config = create_memory_pool_configurator(self).finalize_with_max_running_requests(pool_config)
+    pool_config.mem_fraction_static = self.server_args.mem_fraction_static
+    cell = int2_cell_size(config, heads, d, dv, layers)
+    bf16 = layers * heads * (d + dv) * torch.tensor([], dtype=self.model_dtype).element_size()
+    if plan.reduced_from is not None:
+        logger.warning("sglang-oscar: --max-running-requests %d reduced to %d so the BF16 windows fit in %.0f%% "
+                       "of the KV budget", plan.reduced_from, plan.max_running_requests, 100 * 0.25)
+    logger.info(
+        "sglang-oscar: INT2 KV cache: %d bytes/token (BF16: %d, %.2fx fewer); INT2 tokens: %d (%.2f GiB); "
+        "BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",
+        cell, bf16, bf16 / cell, pool_config.max_total_num_tokens, pool_config.max_total_num_tokens * cell / 2**30,
+        config.sink_tokens, config.recent_tokens, pool_config.max_running_requests, plan.window_bytes / 2**30)
+    return pool_config
+
+
+# ---------------------------------------------------------------------------------- pool
+def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
+    if not _is_int2(self.server_args):
+        return original_fn(self, *args, **kwargs)
+    from sglang.srt.runtime_context import get_parallel
+
+    from ..pool.int2_pool import OscarMHATokenToKVPool
+    from ..pool.sizing import sink_rows_for
+
+    sizes = kwargs["sizes"]
+    req_to_token_pool = kwargs["req_to_token_pool"]
+    arch = getattr(self.model_config.hf_config, "architectures", None)
+    unsupported = [name for name, flag in (
+        ("MLA attention", self.use_mla_backend), ("hybrid sliding-window memory", self.is_hybrid_swa),
+        ("hybrid linear-attention (mamba/GDN) layers", self.mambaish_config is not None),
+        ("a draft model (speculative decoding)", self.is_draft_worker)) if flag]
+    if unsupported:
+        raise ValueError(f"--kv-cache-dtype int2 serves plain MHA/GQA models; {arch} uses {', '.join(unsupported)}; "
+                         f"serve it with --kv-cache-dtype auto")
+    config = _config(self.server_args)
+    max_reqs = req_to_token_pool.req_to_token.shape[0]
+    pool = OscarMHATokenToKVPool(
+        sizes.max_total_num_tokens,
+        page_size=self.server_args.page_size,
+        dtype=torch.uint8,
+        head_num=self.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
+        head_dim=self.model_config.head_dim,
+        v_head_dim=self.model_config.v_head_dim,
+        layer_num=self.layer_info.num_effective_layers,
+        device=self.device,
+        enable_memory_saver=self.server_args.enable_memory_saver,
+        start_layer=self.layer_info.start_layer,
+        end_layer=self.layer_info.end_layer,
+        enable_alt_stream=not self.server_args.enable_pdmux,
+        oscar_config=config,
+        hp_dtype=self.model_dtype,
+        max_reqs=max_reqs,
+        sink_rows=sink_rows_for(config, max_reqs),
+    )
+    _ACTIVE["recent"] = config.recent_tokens
+    logger.info("sglang-oscar: INT2 pool: %d slots x %d layers, %d B/token INT2; BF16 windows %.2f GiB "
+                "(%d sink rows, %d ring rows)", pool.size, pool.layer_num, pool.int2_bytes_per_token(),
+                pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
+    return pool
+
+
+def around_allocator_free(original_fn, self, free_index, *args, **kwargs):
+    windows = getattr(getattr(self, "_kvcache", None), "windows", None)
+    if windows is not None and self.is_not_in_free_group and free_index is not None and free_index.numel():
+        windows.release(free_index)
+    return original_fn(self, free_index, *args, **kwargs)
+
+
+def after_allocator_clear(result, self, *args, **kwargs):
+    windows = getattr(getattr(self, "_kvcache", None), "windows", None)
+    if windows is not None:
+        windows.reset()
+    return result
+
+
+# ---------------------------------------------------------------------------------- radix cap
+def around_compute_max_prefix_len(original_fn, self, input_len, *args, **kwargs):
+    limit = original_fn(self, input_len, *args, **kwargs)
+    recent = _ACTIVE["recent"]
+    if recent is None:
+        return limit
+    return max(0, min(limit, input_len - recent))
+
+
+# ---------------------------------------------------------------------------------- backend
+def install_backend_factory() -> None:
+    """Replace ``ATTENTION_BACKENDS["triton"]`` by a factory that builds the OSCAR backend for int2
+    servers and the original backend otherwise (idempotent)."""
+    from sglang.srt.layers.attention import attention_registry
+
+    original = attention_registry.ATTENTION_BACKENDS["triton"]
+    if getattr(original, "_oscar", False):
+        return
+
+    def create_triton_backend(runner):
+        if _is_int2(runner.server_args):
+            from ..backend.triton_backend import OscarTritonAttnBackend
+
+            return OscarTritonAttnBackend(runner)
+        return original(runner)
+
+    create_triton_backend._oscar = True
+    attention_registry.ATTENTION_BACKENDS["triton"] = create_triton_backend

@@ -1,0 +1,212 @@
+"""The served path on CPU: OscarMHATokenToKVPool + OscarTritonAttnBackend forward paths vs the oracle.
+
+The backend's SGLang-side ``__init__`` needs a GPU model runner, so the tests build the backend
+object directly with the attributes ``__init__`` sets, then drive ``init_forward_metadata``'s
+window bookkeeping and ``forward_extend`` / ``forward_decode`` with SGLang-shaped forward batches
+(kernels under the Triton interpreter). Checked: prefill and decode match the oracle
+(``reference.oscar_attention``, window modes "extend" / "decode"); chunked prefill and radix
+reuse give the same outputs as a fresh unchunked run; an exhausted sink arena degrades to the
+oracle with a shorter sink, never to garbage; freed slots give their sink rows back.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend
+from sglang_oscar.config import OscarConfig
+from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
+from sglang_oscar.reference.attention import oscar_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+HQ, HKV, D = 4, 2, 64
+SINK, RECENT = 4, 8
+CTX = 96
+
+
+class _Mode:
+    def __init__(self, kind):
+        self.kind = kind
+
+    def is_decode(self):
+        return self.kind == "decode"
+
+    def is_extend(self):
+        return self.kind == "extend"
+
+    def is_idle(self):
+        return False
+
+
+def _orth(n, d, gen):
+    return torch.stack([torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0] for _ in range(n)]).float()
+
+
+def _layer():
+    return SimpleNamespace(layer_id=0, tp_q_head_num=HQ, tp_k_head_num=HKV, qk_head_dim=D, v_head_dim=D,
+                           scaling=D ** -0.5, logit_cap=0.0, sliding_window_size=-1, logit_capping_method="tanh",
+                           is_cross_attention=False)
+
+
+class Served:
+    """One INT2 pool + backend (one layer) and a slot allocator handing out increasing slots."""
+
+    def __init__(self, config, rk, rv, sink_rows=None, max_reqs=4, slots=512):
+        self.pool = OscarMHATokenToKVPool(
+            slots, page_size=1, dtype=torch.uint8, head_num=HKV, head_dim=D, v_head_dim=D, layer_num=1,
+            device="cpu", enable_memory_saver=False, enable_alt_stream=False, oscar_config=config,
+            hp_dtype=torch.bfloat16, max_reqs=max_reqs,
+            sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
+        be = object.__new__(OscarTritonAttnBackend)
+        be.pool, be.windows, be.layout, be.config = self.pool, self.pool.windows, self.pool.layout, config
+        be.rotations = {0: (rk, rv)}
+        be.first_layer_id = 0
+        be._hp_rows = None
+        be._missed_seen = 0
+        be._missed_host = torch.zeros((), dtype=torch.int64)
+        be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
+        be.max_context_len = CTX
+        self.be = be
+        self.r2t = be._int2_req_to_token
+        self.next_slot = 1
+
+    def alloc(self, n):
+        s = torch.arange(self.next_slot, self.next_slot + n)
+        self.next_slot += n
+        return s
+
+    def extend(self, req, seq, start, end, slots=None):
+        n = end - start
+        slots = self.alloc(n) if slots is None else slots
+        self.r2t[req, start:end] = slots.to(torch.int32)
+        fb = SimpleNamespace(forward_mode=_Mode("extend"), batch_size=1, out_cache_loc=slots,
+                             positions=torch.arange(start, end), req_pool_indices=torch.tensor([req]),
+                             seq_lens=torch.tensor([end]), extend_seq_lens=torch.tensor([n]),
+                             extend_prefix_lens=torch.tensor([start]))
+        self.be.forward_metadata = SimpleNamespace(qo_indptr=torch.tensor([0, n]), max_extend_len=n)
+        self.be._windows_out_of_graph()
+        self.be._windows_in_forward(fb)
+        q, k, v = seq
+        o = self.be.forward_extend(q[start:end].reshape(n, -1), k[start:end].reshape(n, -1),
+                                   v[start:end].reshape(n, -1), _layer(), fb)
+        return o.float().reshape(n, HQ, D)
+
+    def decode(self, req, seq, pos):
+        slot = self.alloc(1)
+        self.r2t[req, pos] = int(slot)
+        fb = SimpleNamespace(forward_mode=_Mode("decode"), batch_size=1, out_cache_loc=slot,
+                             positions=torch.tensor([pos]), req_pool_indices=torch.tensor([req]),
+                             seq_lens=torch.tensor([pos + 1]))
+        self.be._windows_out_of_graph()
+        self.be._windows_in_forward(fb)
+        q, k, v = seq
+        o = self.be.forward_decode(q[pos:pos + 1].reshape(1, -1), k[pos:pos + 1].reshape(1, -1),
+                                   v[pos:pos + 1].reshape(1, -1), _layer(), fb)
+        return o.float().reshape(1, HQ, D)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture
+def setup():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    t = 60
+    scale = torch.ones(D)
+    scale[:4] = 8.0  # outlier channels, as post-RoPE keys have
+    seq = (torch.randn(t, HQ, D, generator=gen).bfloat16(),
+           (torch.randn(t, HKV, D, generator=gen) * scale).bfloat16(),
+           torch.randn(t, HKV, D, generator=gen).bfloat16())
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    return seq, config, _orth(HKV, D, gen), _orth(HKV, D, gen)
+
+
+def _oracle(seq, config, rk, rv, start, end, mode):
+    q, k, v = seq
+    return oscar_attention(q[start:end].float(), k[:end].float(), v[:end].float(), rk, rv, config,
+                           q_positions=torch.arange(start, end), window_mode=mode, sm_scale=D ** -0.5)
+
+
+def test_prefill_then_decode_match_the_oracle(setup):
+    seq, config, rk, rv = setup
+    sv = Served(config, rk, rv)
+    o = sv.extend(1, seq, 0, 40)
+    assert _rel(o, _oracle(seq, config, rk, rv, 0, 40, "extend")) < 1e-2
+    for pos in range(40, 52):
+        o = sv.decode(1, seq, pos)
+        assert _rel(o, _oracle(seq, config, rk, rv, pos, pos + 1, "decode")) < 1e-2, pos
+    # the INT2 bytes of every written slot equal the reference quantizer's on the rotated rows
+    from sglang_oscar.quant.int2 import quantize_rows
+    kc, kp, _, _, _, _ = sv.pool.int2_buffers(0)
+    k_rot = torch.einsum("thd,hde->the", seq[1][:52].float(), rk).bfloat16()
+    ref = quantize_rows(k_rot, **config.quant_kwargs("k"))
+    slots = sv.r2t[1, :52].long()
+    assert torch.equal(kc[slots], ref.codes)
+
+
+# Chunking changes the batch shape of the rotation GEMM, whose fp32 rounding can move a rotated
+# BF16 row by one ulp (as SGLang's own QKV GEMMs do): equal up to that, far below INT2 error.
+SAME = 2e-3
+
+
+def test_chunked_and_radix_reuse_equal_a_fresh_run(setup):
+    seq, config, rk, rv = setup
+    fresh = Served(config, rk, rv)
+    o_fresh = fresh.extend(1, seq, 0, 40)
+    d_fresh = [fresh.decode(1, seq, p) for p in range(40, 44)]
+    # chunked prefill 0..17, 17..40
+    ch = Served(config, rk, rv)
+    o1 = ch.extend(1, seq, 0, 17)
+    o2 = ch.extend(1, seq, 17, 40)
+    assert _rel(torch.cat([o1, o2]), o_fresh) < SAME
+    for i, p in enumerate(range(40, 44)):
+        assert _rel(ch.decode(1, seq, p), d_fresh[i]) < SAME
+    # radix reuse: request 2 borrows request 1's first 40 - RECENT slots (the capped match) and
+    # recomputes the rest; request 1's slots are then freed except the shared prefix
+    m = 40 - RECENT
+    rx = Served(config, rk, rv)
+    rx.extend(1, seq, 0, 40)
+    shared = rx.r2t[1, :m].clone()
+    rx.r2t[2, :m] = shared
+    o_tail = rx.extend(2, seq, m, 40)
+    assert _rel(o_tail, o_fresh[m:]) < SAME
+    rx.pool.windows.release(rx.r2t[1, m:40].long())  # the donor finished; its unshared tail is freed
+    for i, p in enumerate(range(40, 44)):
+        assert _rel(rx.decode(2, seq, p), d_fresh[i]) < SAME
+
+
+def test_exhausted_sink_arena_reads_like_a_shorter_sink(setup):
+    seq, config, rk, rv = setup
+    sv = Served(config, rk, rv, sink_rows=2)
+    o = sv.extend(1, seq, 0, 40)
+    short = OscarConfig(group_size=32, sink_tokens=2, recent_tokens=RECENT)
+    assert sv.pool.windows.sink_lens[1].item() == 2 and int(sv.pool.windows.missed) == 2
+    assert _rel(o, _oracle(seq, short, rk, rv, 0, 40, "extend")) < 1e-2
+    d = sv.decode(1, seq, 40)
+    assert _rel(d, _oracle(seq, short, rk, rv, 40, 41, "decode")) < 1e-2
+    # freeing the request's slots returns both rows
+    sv.pool.windows.release(sv.r2t[1, :41].long())
+    sv.pool.windows.process_releases()
+    assert sv.pool.windows.free_sink_rows == 2
+
+
+def test_pool_refuses_bf16_access_and_reports_true_sizes(setup):
+    _, config, rk, rv = setup
+    sv = Served(config, rk, rv)
+    pool = sv.pool
+    assert pool.get_value_buffer(0).shape == (513, HKV, D) and pool.get_value_buffer(0).is_meta
+    with pytest.raises(RuntimeError, match="--attention-backend triton"):
+        pool.set_kv_buffer(None, torch.tensor([1]), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D))
+    # D=64, G=32, fp16 pairs: 16 code bytes + 2 groups x 2 x 2 bytes = 24 per head, K and V
+    assert pool.k_buffer[0].shape == (513, HKV, 24) and pool.int2_bytes_per_token() == 2 * 24 * HKV
+    from sglang_oscar.pool.sizing import int2_cell_size
+    assert int2_cell_size(config, HKV, D, D, 1) == pool.int2_bytes_per_token()
+    # byte rows and HP arenas are what get_kv_size_bytes reports
+    k_bytes, v_bytes = pool.get_kv_size_bytes()
+    hp_rows = pool.windows.num_rows
+    assert k_bytes == 513 * HKV * 24 + hp_rows * HKV * D * 2 == v_bytes
