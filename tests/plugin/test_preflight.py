@@ -1,0 +1,142 @@
+"""int2 launch checks that run before any weights load, and the sizing / radix-cap hooks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_oscar.config import OscarConfig
+from sglang_oscar.plugin import flags
+from sglang_oscar.pool.sizing import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    SINK_ROWS_PER_REQUEST,
+    hp_row_bytes,
+    int2_cell_size,
+    plan_windows,
+)
+from sglang_oscar.rotation import RotationSet
+from sglang_oscar.rotation.geometry import ModelGeometry
+
+
+def _qwen3_dir(tmp_path, name, layers=2, kv=2, head_dim=128):
+    from transformers import Qwen3Config
+
+    d = tmp_path / name
+    Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=kv, head_dim=head_dim,
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def hooked():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import sglang_oscar.plugin as plugin
+
+    plugin.register()
+    HookRegistry.apply_hooks()
+    assert plugin.missing_hooks() == []
+    return plugin
+
+
+def _server_args(model_dir, monkeypatch, **cfg):
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig(**cfg)))
+    return ServerArgs(model_path=model_dir, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda")
+
+
+def test_good_launch_passes_and_defaults_to_triton(hooked, tmp_path, monkeypatch):
+    model = _qwen3_dir(tmp_path, "m")
+    rot = str(tmp_path / "rot.safetensors")
+    RotationSet.data_free(ModelGeometry.from_hf_config(model)).save(rot)
+    sa = _server_args(model, monkeypatch, rotation_path=rot)
+    assert sa.attention_backend == "triton"
+
+
+@pytest.mark.parametrize("case,match", [
+    ("other_layers", r"--oscar-rotation .* does not fit this model"),
+    ("other_heads", r"--oscar-rotation .* does not fit this model"),
+    ("missing", r"--oscar-rotation: .*does not exist"),
+    ("group", r"--kv-cache-quant-group-size 48"),
+])
+def test_bad_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypatch, case, match):
+    model = _qwen3_dir(tmp_path, "m")
+    rot = str(tmp_path / "rot.safetensors")
+    cfg = {}
+    if case == "other_layers":
+        RotationSet.data_free(ModelGeometry.from_hf_config(_qwen3_dir(tmp_path, "o", layers=3))).save(rot)
+        cfg["rotation_path"] = rot
+    elif case == "other_heads":
+        geo = ModelGeometry.from_hf_config(_qwen3_dir(tmp_path, "o", kv=1))
+        rs = RotationSet.data_free(geo)
+        per_head = RotationSet({i: r.expand(1, 128, 128).clone() for i, r in rs.k.items()},
+                               {i: r.expand(1, 128, 128).clone() for i, r in rs.v.items()}, dict(rs.metadata))
+        per_head.save(rot)
+        cfg["rotation_path"] = rot
+    elif case == "missing":
+        cfg["rotation_path"] = str(tmp_path / "nope.safetensors")
+    else:
+        cfg["group_size"] = 48
+    with pytest.raises(ValueError, match=match):
+        _server_args(model, monkeypatch, **cfg)
+
+
+def test_unsupported_flags_are_refused(hooked, tmp_path, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    model = _qwen3_dir(tmp_path, "m")
+    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig()))
+    with pytest.raises(ValueError, match="--enable-mixed-chunk"):
+        ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda", enable_mixed_chunk=True)
+    with pytest.raises(ValueError, match="--attention-backend 'flashinfer'"):
+        ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda",
+                   attention_backend="flashinfer")
+
+
+def test_cell_size_and_window_plan():
+    cfg = OscarConfig(group_size=128)
+    # Qwen3-8B geometry: 36 layers, 8 kv heads, D = 128: 72 B per kv head and layer (BF16: 512)
+    assert int2_cell_size(cfg, 8, 128, 128, 36) == 36 * 8 * 72
+    assert int2_cell_size(OscarConfig(group_size=32), 8, 128, 128, 1) == 8 * 2 * (32 + 4 * 4)
+    row = hp_row_bytes(8, 128, 128, 36, torch.bfloat16)
+    assert row == 36 * 8 * 256 * 2
+    per_req = row * (256 + SINK_ROWS_PER_REQUEST * 64)
+    # plenty of memory: default request bound, windows for bound + slot 0
+    plan = plan_windows(OscarConfig(), 400 * per_req * 4, row, None)
+    assert plan.max_running_requests == DEFAULT_MAX_RUNNING_REQUESTS
+    assert plan.window_bytes == per_req * (DEFAULT_MAX_RUNNING_REQUESTS + 1)
+    assert plan.int2_budget == 400 * per_req * 4 - plan.window_bytes
+    # a user bound that does not fit in a quarter of the budget is reduced, and says so
+    plan = plan_windows(OscarConfig(), 40 * per_req, row, 64)
+    assert plan.max_running_requests == 10 and plan.reduced_from == 64
+    with pytest.raises(ValueError, match="--oscar-recent-tokens"):
+        plan_windows(OscarConfig(), per_req, row, None)
+
+
+def test_cell_size_hook_and_radix_cap(hooked):
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_oscar.plugin import serving
+
+    kvc = SimpleNamespace(
+        server_args=SimpleNamespace(kv_cache_dtype="int2", _oscar_config=OscarConfig(group_size=64)),
+        model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 8 // tp, head_dim=128, v_head_dim=128))
+    with get_parallel().override(attn_tp_size=2, attn_tp_rank=0):
+        got = serving.around_compute_cell_size(lambda *a: -1, None, kvc, 10)
+    assert got == 10 * 4 * 2 * (32 + 2 * 2 * 2)
+    kvc.server_args.kv_cache_dtype = "auto"
+    assert serving.around_compute_cell_size(lambda *a: -1, None, kvc, 10) == -1
+    # radix cap: only while an INT2 pool is active in this process
+    old = serving._ACTIVE["recent"]
+    try:
+        serving._ACTIVE["recent"] = None
+        assert serving.around_compute_max_prefix_len(lambda self, n: n - 1, None, 1000) == 999
+        serving._ACTIVE["recent"] = 256
+        assert serving.around_compute_max_prefix_len(lambda self, n: n - 1, None, 1000) == 744
+        assert serving.around_compute_max_prefix_len(lambda self, n: n - 1, None, 100) == 0
+    finally:
+        serving._ACTIVE["recent"] = old
