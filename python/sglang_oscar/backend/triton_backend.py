@@ -162,10 +162,10 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             q_rot, kc, kp, vc, vp, hk, hv, self.windows.hp_index, self._int2_req_to_token,
             forward_batch.req_pool_indices, forward_batch.seq_lens, self.layout,
             sink=self.config.sink_tokens, recent=self.config.recent_tokens, sm_scale=layer.scaling,
-            logit_cap=layer.logit_cap or None, rotation_v=rv, out_dtype=q.dtype, num_kv_splits=splits,
+            logit_cap=layer.logit_cap or None, out_dtype=torch.float32, num_kv_splits=splits,
             sink_lens=self.windows.sink_lens, validate=False,
         )
-        return o.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+        return _rotate(o, rv, q.dtype, transpose=True).reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
@@ -179,6 +179,6 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             forward_batch.req_pool_indices, md.qo_indptr[: bs + 1], forward_batch.extend_prefix_lens,
             forward_batch.extend_seq_lens, self.layout, sink=self.config.sink_tokens,
             max_extend_len=md.max_extend_len, sm_scale=layer.scaling, logit_cap=layer.logit_cap or None,
-            rotation_v=rv, out_dtype=q.dtype, sink_lens=self.windows.sink_lens,
+            out_dtype=torch.float32, sink_lens=self.windows.sink_lens,
         )
-        return o.reshape(q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        return _rotate(o, rv, q.dtype, transpose=True).reshape(q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)
