@@ -1,4 +1,4 @@
-"""Verbs ``calibrate``, ``fit``, ``error``, ``ppl``, ``validate-rotation``, ``validate-latent`` and ``recipe-cmd``.
+"""Verbs ``calibrate``, ``fit``, ``error``, ``ppl``, ``quality``, ``validate-rotation``, ``validate-latent`` and ``recipe-cmd``.
 
 Every verb accepts ``--recipe rotation/<model>/recipe.toml``: it supplies the model id,
 calibration data and budget, rotation method and paths, and the served quantizer settings;
@@ -76,6 +76,32 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _allow_other_model_arg(p)
     p.add_argument("--out", help="write the JSON report here")
     p.set_defaults(func=_ppl)
+
+    p = sub.add_parser("quality", help="held-out perplexity and attention error of BF16, naive INT2, KIVI, Hadamard and "
+                                       "OSCAR caches on one checkpoint (docs/quality.md)")
+    p.add_argument("--model", required=True, help="checkpoint directory (scripts/train_small_lm.py output)")
+    p.add_argument("--calib", help="calibration documents, JSONL (default: MODEL/calib.jsonl)")
+    p.add_argument("--heldout", help="evaluation documents, JSONL, disjoint from --calib (default: MODEL/heldout.jsonl)")
+    p.add_argument("--out-dir", required=True, help="writes quality.json and quality.md here")
+    p.add_argument("--work-dir", help="statistics and fitted rotations (default: --out-dir)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--calib-tokens", type=_positive_int, default=32768, help="calibration tokens (default 32768)")
+    p.add_argument("--eval-tokens", type=_positive_int, default=32768, help="held-out tokens (default 32768)")
+    p.add_argument("--sink", type=int, default=64, help="BF16 sink of the +win rows (default 64)")
+    p.add_argument("--recent", type=int, default=256, help="BF16 recent window of the +win rows (default 256)")
+    p.add_argument("--group-size", type=int, default=None, help="OSCAR-format group size (default: head_dim)")
+    p.add_argument("--k-clip", type=float, default=0.96)
+    p.add_argument("--v-clip", type=float, default=0.92)
+    p.add_argument("--scale-dtype", choices=["float32", "float16", "bfloat16"], default="float16")
+    p.add_argument("--kivi-residual", type=int, default=128, help="KIVI full-precision residual (default 128)")
+    p.add_argument("--kivi-group", type=int, action="append", default=None,
+                   help="KIVI key group size in tokens, repeatable (default 128 and 32)")
+    p.add_argument("--min-tokens", type=int, default=4096, help="minimum calibration tokens per layer (default 4096)")
+    p.add_argument("--variants", help="comma-separated row names to compute (default all)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
+    p.add_argument("--device", help="cuda | cuda:N | cpu (default: cuda if available)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars (default: on a terminal)")
+    p.set_defaults(func=_quality)
 
     p = sub.add_parser("validate-rotation",
                        help="check a rotation file (K/V or MLA latent, by its content) against a model config")
@@ -413,6 +439,23 @@ def _ppl(args) -> int:
     rep = perplexity(model, prompts, rotation, cfg, window_mode=args.window_mode, allow_other_model=args.allow_other_model)
     _write_json(args.out, rep)
     print(format_report(rep))
+    return 0
+
+
+def _quality(args) -> int:
+    from .quality import QualitySettings, format_markdown, run_quality
+
+    settings = QualitySettings(seq_len=args.seq_len, sink=args.sink, recent=args.recent, group_size=args.group_size,
+                               k_clip=args.k_clip, v_clip=args.v_clip, scale_dtype=args.scale_dtype,
+                               kivi_residual=args.kivi_residual, kivi_groups=tuple(args.kivi_group or (128, 32)),
+                               min_tokens=args.min_tokens)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
+    rep = run_quality(args.model, out_dir=args.out_dir, calib_path=args.calib, heldout_path=args.heldout,
+                      work_dir=args.work_dir, settings=settings, calib_tokens=args.calib_tokens,
+                      eval_tokens=args.eval_tokens, dtype=args.dtype, device=args.device, progress=args.progress,
+                      variants=variants)
+    print(format_markdown(rep))
+    print(json.dumps(rep["outputs"]))
     return 0
 
 

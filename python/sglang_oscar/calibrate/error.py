@@ -29,8 +29,8 @@ from ..rotation.latent import LatentRotationSet
 from . import CalibrationError
 from .fit import check_rotation
 from .model import config_fingerprint, geometry_of, input_device
-from .oracle import (RotationCache, check_window_mode, energies, low_reads, mha_output, mla_output, oracle_capture,
-                     settings)
+from .oracle import (OutputFn, RotationCache, check_window_mode, energies, low_reads, mha_output, mla_output,
+                     oracle_capture, settings)
 from .prompts import PromptSet
 
 
@@ -51,6 +51,7 @@ def functional_error(
     include_baselines: bool = True,
     progress: bool | None = None,
     allow_other_model: bool = False,
+    outputs: dict[str, OutputFn] | None = None,
 ) -> dict[str, Any]:
     """Per-layer and overall attention-output error (dB) of INT2 with each rotation.
 
@@ -63,13 +64,18 @@ def functional_error(
         include_baselines: add ``naive`` (identity), ``hadamard`` and the ``bf16`` floor.
         allow_other_model: accept fitted rotations whose recorded model fingerprint differs from
             ``model``'s (same geometry; :func:`.fit.check_rotation`).
+        outputs: further methods given as output functions ``{name: fn(call, b)}``
+            (:data:`.oracle.OutputFn`, MHA/GQA models only), compared like the rotations; e.g.
+            caches that are not the OSCAR format or rotations with their own settings. ``config``'s
+            windows still decide the "nothing quantized" check and the reported INT2 read share.
 
     Returns:
         ``{"methods", "overall_db", "layers": {layer: {method: dB}}, "tokens", "quantized_reads", ...}``.
 
     Raises:
-        CalibrationError: rotations for another model, nothing quantized (all keys in windows), or
-        sparse attention that drops keys (:func:`.oracle.check_dense`).
+        CalibrationError: rotations for another model, nothing quantized (all keys in windows),
+        sparse attention that drops keys (:func:`.oracle.check_dense`), ``outputs`` on an MLA model
+        or with a name that is already a method.
     """
     from tqdm.auto import tqdm
 
@@ -77,6 +83,9 @@ def functional_error(
     geometry = geometry_of(model.config)
     fingerprint = config_fingerprint(model.config)
     mla = geometry.attention_kind == "mla"
+    outputs = dict(outputs or {})
+    if outputs and mla:
+        raise CalibrationError("output functions apply to MHA/GQA models only")
     sets: dict[str, Any] = {}
     if include_baselines:
         if mla:
@@ -90,6 +99,10 @@ def functional_error(
         sets[name] = rs
     caches = {name: RotationCache(rs) for name, rs in sets.items()}
     methods = (["bf16"] if include_baselines and not mla else []) + list(sets)
+    clash = sorted(set(outputs) & set(methods))
+    if clash:
+        raise CalibrationError(f"output function names {clash} are already methods of this report")
+    methods += list(outputs)
     num = {lid: dict.fromkeys(methods, 0.0) for lid in geometry.layer_ids}
     den = dict.fromkeys(geometry.layer_ids, 0.0)
     reads = {"low": 0, "total": 0}
@@ -108,7 +121,9 @@ def functional_error(
                 exact = mha_output(call, b, None, None, config, window_mode)
             den[lid] += float(exact.double().pow(2).sum())
             for name in methods:
-                if name == "bf16":
+                if name in outputs:
+                    out = outputs[name](call, b)
+                elif name == "bf16":
                     r = caches["naive"]
                     out = mha_output(call, b, r.get(lid, "k", exact.device), r.get(lid, "v", exact.device), config,
                                      window_mode, quantize=False)

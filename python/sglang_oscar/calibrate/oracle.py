@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -24,6 +24,11 @@ from ..quant.int2 import dequantize_rows, quantize_rows
 from ..reference.attention import attend, hp_window_mask, oscar_attention, plain_attention
 from . import CalibrationError
 from .capture import AttentionCall, attention_override, latent_hooks
+
+OutputFn = Callable[[AttentionCall, int], torch.Tensor]
+"""An attention-output function for the fake-quant harness: ``fn(call, b)`` returns the fp32 output
+``[T, H_q, D_v]`` of batch row ``b`` of an MHA/GQA attention call (e.g. a baseline cache that is not the
+OSCAR format, ``sglang_oscar.calibrate.quality``). Used by ``ppl`` (``output_fn``) and ``error`` (``outputs``)."""
 
 
 class RotationCache:

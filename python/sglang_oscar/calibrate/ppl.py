@@ -30,7 +30,8 @@ from ..rotation.latent import LatentRotationSet
 from . import CalibrationError
 from .fit import check_rotation
 from .model import config_fingerprint, geometry_of, input_device
-from .oracle import RotationCache, check_window_mode, low_reads, mha_output, mla_output, oracle_capture, settings
+from .oracle import (OutputFn, RotationCache, check_window_mode, low_reads, mha_output, mla_output, oracle_capture,
+                     settings)
 from .prompts import PromptSet
 
 
@@ -50,6 +51,8 @@ def perplexity(
     window_mode: str = "decode",
     progress: bool | None = None,
     allow_other_model: bool = False,
+    output_fn: OutputFn | None = None,
+    output_name: str | None = None,
 ) -> dict[str, Any]:
     """BF16 vs INT2 teacher-forced perplexity (module docstring).
 
@@ -57,20 +60,30 @@ def perplexity(
         rotation: the served rotation set (``None``: data-free Hadamard).
         allow_other_model: accept a fitted rotation whose recorded model fingerprint differs from
             ``model``'s (same geometry; :func:`.fit.check_rotation`).
+        output_fn: replaces the oracle in the INT2 run (:data:`.oracle.OutputFn`, MHA/GQA models
+            only): a cache that is not the OSCAR format (naive INT2, KIVI). ``rotation`` must then be
+            ``None``; ``config``'s windows still decide the "nothing quantized" check and the
+            reported INT2 read share.
+        output_name: the ``rotation.method`` reported with ``output_fn`` (default: its ``__name__``).
 
     Raises:
-        CalibrationError: nothing quantized, a rotation for another model, bad window_mode, or
-        sparse attention that drops keys (:func:`.oracle.check_dense`).
+        CalibrationError: nothing quantized, a rotation for another model, bad window_mode,
+        sparse attention that drops keys (:func:`.oracle.check_dense`), or ``output_fn`` with a
+        rotation or on an MLA model.
     """
     from tqdm.auto import tqdm
 
     check_window_mode(window_mode)
     geometry = geometry_of(model.config)
     mla = geometry.attention_kind == "mla"
-    if rotation is None:
+    if output_fn is not None:
+        if rotation is not None or mla:
+            raise CalibrationError("output_fn replaces the oracle of MHA/GQA models: pass rotation=None, not on MLA models")
+    elif rotation is None:
         rotation = (LatentRotationSet.data_free(geometry, "hadamard", config.group_size) if mla
                     else RotationSet.data_free(geometry, "hadamard"))
-    check_rotation(rotation, geometry, config_fingerprint(model.config), allow_other_model=allow_other_model)
+    if rotation is not None:
+        check_rotation(rotation, geometry, config_fingerprint(model.config), allow_other_model=allow_other_model)
     seqs = [s for s in prompts.sequences if len(s) >= 2]
     if not seqs:
         raise CalibrationError("perplexity needs sequences of at least 2 tokens")
@@ -84,14 +97,16 @@ def perplexity(
             f"BF16 windows (sink {config.sink_tokens} + recent {config.recent_tokens}, window_mode {window_mode}); "
             "an INT2 perplexity would equal BF16's. Use longer sequences (--seq-len) or smaller windows."
         )
-    cache = RotationCache(rotation)
+    cache = RotationCache(rotation) if rotation is not None else None
     latents: dict[int, torch.Tensor] = {}
 
     def on_attention(call):
         outs = []
         for b in range(call.query.shape[0]):
             dev = call.query.device
-            if mla:
+            if output_fn is not None:
+                o = output_fn(call, b)
+            elif mla:
                 o = mla_output(call, b, latents[call.layer_id][b], cache.get(call.layer_id, "latent", dev), config, window_mode)
             else:
                 o = mha_output(call, b, cache.get(call.layer_id, "k", dev), cache.get(call.layer_id, "v", dev), config, window_mode)
@@ -124,7 +139,8 @@ def perplexity(
     return {
         "model_type": geometry.model_type,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "rotation": {"source": rotation.source, "method": rotation.metadata.get("method")},
+        "rotation": ({"source": rotation.source, "method": rotation.metadata.get("method")} if rotation is not None else
+                     {"source": "output_fn", "method": output_name or getattr(output_fn, "__name__", "output_fn")}),
         "window_mode": window_mode,
         "settings": settings(config),
         "tokens_scored": n_tok,

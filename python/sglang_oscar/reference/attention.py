@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 
@@ -164,6 +165,7 @@ def attend(
     sliding_window: int | None = None,
     logit_cap: float | None = None,
     window_mode: str = "decode",
+    hp_masks: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Attention of rotated queries over a two-tier cache (fp32 math).
 
@@ -180,6 +182,10 @@ def attend(
         logit_cap: ``cap * tanh(s / cap)`` if set.
         window_mode: ``"decode"``, ``"extend"`` or ``"none"`` (:func:`hp_window_mask`; only
             used when ``k_low``/``v_low`` are given).
+        hp_masks: optional ``(q_positions [Tq'], T) -> (hp_k, hp_v)`` bool ``[Tq', T]`` masks of the
+            keys and values read from HP; replaces the sink/recent rule (``sink``, ``recent``,
+            ``window_mode``) for caches whose K and V windows differ (the KIVI baseline,
+            :func:`..quant.baselines.kivi_hp_masks`). Called once per query chunk.
 
     Returns:
         fp32 ``[Tq, H_q, D_v]`` in the rotated V frame.
@@ -205,10 +211,13 @@ def attend(
         kh = k_hp.float().repeat_interleave(g, dim=1)
         vh = v_hp.float().repeat_interleave(g, dim=1)
         s = torch.einsum("qhd,thd->hqt", qs, kh)
-        hp = hp_window_mask(pos, t, sink, recent, window_mode)
+        if hp_masks is not None:
+            hp_k, hp = hp_masks(pos, t)
+        else:
+            hp = hp_k = hp_window_mask(pos, t, sink, recent, window_mode)
         if k_low is not None:
             s_low = torch.einsum("qhd,thd->hqt", qs, k_low.float().repeat_interleave(g, dim=1))
-            s = torch.where(hp.unsqueeze(0), s, s_low)
+            s = torch.where(hp_k.unsqueeze(0), s, s_low)
         s = s * sm_scale
         if logit_cap is not None and logit_cap > 0:
             s = logit_cap * torch.tanh(s / logit_cap)

@@ -1,0 +1,530 @@
+"""Accuracy of 2-bit KV caches on a trained LM: OSCAR vs Hadamard vs naive INT2 vs KIVI (``sglang-oscar quality``).
+
+For one checkpoint (``scripts/train_small_lm.py`` writes one with disjoint ``calib.jsonl`` /
+``heldout.jsonl``), every cache variant is scored on the same held-out sequences by
+
+* **teacher-forced perplexity** (:func:`.ppl.perplexity`: every attention layer's output is
+  replaced by the variant's fake-quantized cache, all layers at once, ``window_mode="decode"``:
+  every position is scored as if it were decoded), and
+* **attention functional error** (:func:`.error.functional_error`: per layer, the variant's output
+  on the model's own captured Q/K/V against exact fp32 attention,
+  ``10 log10(sum ||o - o_exact||^2 / sum ||o_exact||^2)`` over all layers, tokens and heads).
+
+Variants (:func:`build_variants`):
+
+* ``bf16``: the model's own attention (perplexity), BF16-rounded cache rows (error floor);
+  ``bf16-oracle``: the same cache through the reference oracle (checks the harness);
+* ``naive-int2``: per-token symmetric INT2, no rotation, no windows
+  (:func:`..quant.baselines.naive_symmetric_int2`);
+* ``kivi-g<G>``: KIVI-style per-channel K / per-token V asymmetric 2-bit with its full-precision
+  residual (:mod:`..quant.baselines`), one row per key group size;
+* ``hadamard`` / ``hadamard+win``: the OSCAR INT2 format (clip, groups, quantizer) with the
+  data-free Hadamard rotation, without / with the BF16 sink + recent windows;
+* ``oscar-layer[+lm][+win]`` / ``oscar-head[+lm][+win]``: rotations fitted on the calibration
+  documents (:func:`.run.calibrate_model` + :func:`.fit.fit_rotations` ``oscar`` /
+  ``oscar-perhead``), uniform or Lloyd-Max (``+lm``), without / with windows.
+
+Every row carries its true bits per KV element at the evaluation length and at 128K tokens
+(:func:`..quant.bits.bits_per_element`, :func:`..quant.baselines.kivi_bits_per_element`,
+:func:`..quant.baselines.naive_bits_per_element`) and the share of (query, key) reads that went
+through INT2 (counted for full causal attention; sliding-window layers are not modelled in that share). Calibration and evaluation must be disjoint: :func:`check_disjoint` refuses any
+shared token sequence (by :func:`.prompts.sequence_hash`), any shared document, and documents
+whose recorded split is not ``train`` (calibration) / ``heldout`` (evaluation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+from ..config import OscarConfig
+from ..quant.baselines import (check_kivi_residual, kivi_bits_per_element, kivi_hp_masks, kivi_quantize_keys,
+                               kivi_quantize_values, naive_bits_per_element, naive_symmetric_int2)
+from ..quant.bits import bits_per_element
+from ..reference.attention import attend
+from ..rotation import RotationSet
+from . import CalibrationError
+from .capture import AttentionCall
+from .oracle import OutputFn, RotationCache, check_dense, low_reads, mha_output
+
+LONG_CONTEXT = 131072
+HP_DTYPE = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class QualitySettings:
+    """Knobs of the quality table.
+
+    Attributes:
+        seq_len: tokens per evaluation / calibration sequence.
+        sink, recent: BF16 windows of the ``+win`` OSCAR-format variants.
+        group_size, k_clip, v_clip, scale_dtype: the OSCAR INT2 format (:class:`..config.OscarConfig`).
+        kivi_residual: KIVI's full-precision residual ``R`` (tokens).
+        kivi_groups: KIVI key group sizes (tokens), one row each; the value group (along
+            head_dim) is ``min(G, head_dim)``.
+        min_tokens: minimum calibration tokens per layer for the fitted rotations.
+        window_mode: ``"decode"`` only (every position scored as if decoded).
+    """
+
+    seq_len: int = 2048
+    sink: int = 64
+    recent: int = 256
+    group_size: int | None = None
+    k_clip: float = 0.96
+    v_clip: float = 0.92
+    scale_dtype: str = "float16"
+    kivi_residual: int = 128
+    kivi_groups: tuple[int, ...] = (128, 32)
+    min_tokens: int = 4096
+    window_mode: str = "decode"
+
+    def oscar_config(self, windows: bool, quantizer: str = "uniform") -> OscarConfig:
+        """The :class:`OscarConfig` of an OSCAR-format variant (with or without BF16 windows)."""
+        return OscarConfig(group_size=self.group_size, k_clip_ratio=self.k_clip, v_clip_ratio=self.v_clip,
+                           sink_tokens=self.sink if windows else 0, recent_tokens=self.recent if windows else 0,
+                           quantizer=quantizer, scale_dtype=self.scale_dtype)
+
+
+@dataclasses.dataclass
+class Variant:
+    """One row of the table.
+
+    Attributes:
+        name: row name (``bf16``, ``naive-int2``, ``kivi-g128``, ``oscar-head+lm+win``, ...).
+        rotation, quantizer, windows: what the row is (for the table).
+        output: the fake-quant attention output (:data:`.oracle.OutputFn`); ``None`` for ``bf16``
+            (perplexity of the model's own attention).
+        ppl_rotation, ppl_config: what :func:`.ppl.perplexity` gets (a rotation set for
+            OSCAR-format rows, which then go through the oracle unchanged; ``None`` with ``output``).
+        bits: ``context_len -> bits per KV element``.
+        int2_reads: ``T -> (query, key) pairs of a length-T sequence whose key is read from INT2``.
+    """
+
+    name: str
+    rotation: str
+    quantizer: str
+    windows: str
+    output: OutputFn | None
+    ppl_rotation: RotationSet | None
+    ppl_config: OscarConfig
+    bits: Callable[[int], float]
+    int2_reads: Callable[[int], int]
+
+
+# ----------------------------------------------------------------------------- output functions
+def _hp_rows(x: torch.Tensor) -> torch.Tensor:
+    """Cache rows as the BF16 tier stores them (fp32 values of the HP-dtype rounding)."""
+    return x.to(HP_DTYPE).float()
+
+
+def naive_output(call: AttentionCall, b: int) -> torch.Tensor:
+    """Attention output ``[T, H_q, D_v]`` (fp32, decode mode) of batch row ``b`` over a naive INT2
+    cache: every key and value row (BF16-rounded) per-token symmetric INT2, no rotation, no windows.
+
+    Raises:
+        CalibrationError: sparse attention that drops keys.
+    """
+    check_dense(call)
+    q, k, v = call.rows(b)
+    kh, vh = _hp_rows(k), _hp_rows(v)
+    pos = torch.arange(q.shape[0], device=q.device)
+    return attend(q.float(), pos, kh, vh, naive_symmetric_int2(kh), naive_symmetric_int2(vh), sink=0, recent=0,
+                  sm_scale=call.scaling, sliding_window=call.sliding_window, logit_cap=call.softcap, window_mode="decode")
+
+
+def kivi_output(residual: int, key_group: int, value_group: int | None = None, scale_dtype: str = "float16") -> OutputFn:
+    """Output function of a KIVI-style cache (decode mode: the query at ``i`` reads the cache of
+    ``i + 1`` tokens, :func:`..quant.baselines.kivi_hp_masks`).
+
+    Args:
+        residual: full-precision residual ``R`` (a multiple of ``key_group``).
+        key_group: tokens per per-channel key group.
+        value_group: elements per per-token value group (``None``: ``min(key_group, D_v)``).
+        scale_dtype: storage dtype of KIVI's (scale, min) pairs.
+
+    Returns:
+        ``fn(call, b) -> fp32 [T, H_q, D_v]``.
+
+    Raises:
+        ValueError: residual not a multiple of ``key_group``.
+    """
+    check_kivi_residual(residual, key_group)
+
+    def fn(call: AttentionCall, b: int) -> torch.Tensor:
+        check_dense(call)
+        q, k, v = call.rows(b)
+        kh, vh = _hp_rows(k), _hp_rows(v)
+        gv = value_group or min(key_group, vh.shape[-1])
+        pos = torch.arange(q.shape[0], device=q.device)
+        return attend(q.float(), pos, kh, vh, kivi_quantize_keys(kh, key_group, scale_dtype),
+                      kivi_quantize_values(vh, gv, scale_dtype), sink=0, recent=0, sm_scale=call.scaling,
+                      sliding_window=call.sliding_window, logit_cap=call.softcap,
+                      hp_masks=lambda p, t: kivi_hp_masks(p, t, residual))
+
+    fn.__name__ = f"kivi_g{key_group}_r{residual}"
+    return fn
+
+
+def oscar_output(rotation: RotationSet, config: OscarConfig, window_mode: str = "decode", quantize: bool = True) -> OutputFn:
+    """Output function of the OSCAR INT2 cache with ``rotation`` and ``config`` (the oracle,
+    :func:`.oracle.mha_output`); ``quantize=False`` reads every row from the BF16 tier."""
+    cache = RotationCache(rotation)
+
+    def fn(call: AttentionCall, b: int) -> torch.Tensor:
+        dev = call.query.device
+        return mha_output(call, b, cache.get(call.layer_id, "k", dev), cache.get(call.layer_id, "v", dev), config,
+                          window_mode, quantize=quantize)
+
+    return fn
+
+
+# ----------------------------------------------------------------------------- read counts
+def _visible_pairs(t: int) -> int:
+    return t * (t + 1) // 2
+
+
+def _window_reads(config: OscarConfig) -> Callable[[int], int]:
+    return lambda t: low_reads(t, config, "decode", None)
+
+
+def kivi_int2_key_reads(t: int, residual: int) -> int:
+    """(query, key) pairs of a length-``t`` sequence whose key a KIVI cache reads from INT2 in
+    decode mode: ``sum_{i < t} floor((i + 1) / R) * R``."""
+    if residual <= 0:
+        return _visible_pairs(t)
+    return sum(((i + 1) // residual) * residual for i in range(t))
+
+
+# ----------------------------------------------------------------------------- variants
+def _mean_over_layers(geometry, per_dim: Callable[[int], float]) -> float:
+    vals = [0.5 * (per_dim(lg.head_dim_k) + per_dim(lg.head_dim_v)) for lg in geometry.layers]
+    return sum(vals) / len(vals)
+
+
+def build_variants(geometry, rotations: dict[str, RotationSet], settings: QualitySettings) -> list[Variant]:
+    """The rows of the table (module docstring) for a model of ``geometry``.
+
+    Args:
+        geometry: the model's :class:`..rotation.geometry.ModelGeometry` (MHA/GQA).
+        rotations: fitted sets ``{"oscar": per-layer set, "oscar-perhead": per-head set}``
+            (either may be missing; its rows are then left out).
+        settings: :class:`QualitySettings`.
+
+    Raises:
+        CalibrationError: an MLA model, or a window mode other than decode.
+        ValueError: bad KIVI residual/group sizes.
+    """
+    if geometry.attention_kind != "mha":
+        raise CalibrationError(f"the quality table covers MHA/GQA models; {geometry.model_type} uses MLA attention")
+    if settings.window_mode != "decode":
+        raise CalibrationError("the quality table scores window_mode 'decode' only")
+    s = settings
+    identity = RotationSet.data_free(geometry, "identity")
+    hadamard = RotationSet.data_free(geometry, "hadamard")
+    no_win = s.oscar_config(windows=False)
+    all_reads = _visible_pairs
+    rows = [
+        Variant("bf16", "none", "-", "all BF16", None, None, no_win, lambda L: 16.0, lambda t: 0),
+        Variant("bf16-oracle", "none", "-", "all BF16 (oracle)", oscar_output(identity, no_win, quantize=False), None,
+                no_win, lambda L: 16.0, lambda t: 0),
+        Variant("naive-int2", "none", "symmetric per token", "none", naive_output, None, no_win,
+                lambda L: _mean_over_layers(geometry, naive_bits_per_element), all_reads),
+    ]
+    r = s.kivi_residual
+    for g in s.kivi_groups:
+        def kbits(L, g=g):
+            return _mean_over_layers(geometry, lambda d: kivi_bits_per_element(
+                L, d, residual=r, key_group=g, value_group=min(g, d)))
+        rows.append(Variant(f"kivi-g{g}", "none", f"KIVI K/channel (G={g} tokens), V/token", f"residual {r}",
+                            kivi_output(r, g, None, s.scale_dtype), None, OscarConfig(sink_tokens=0, recent_tokens=r),
+                            kbits, lambda t: kivi_int2_key_reads(t, r)))
+
+    def fmt_bits(windows: bool):
+        sink, recent = (s.sink, s.recent) if windows else (0, 0)
+        return lambda L: _mean_over_layers(geometry, lambda d: bits_per_element(
+            d, s.group_size, s.scale_dtype, context_len=L, sink=sink, recent=recent))
+
+    def fmt_rows(prefix: str, label: str, rs: RotationSet, quantizers: tuple[str, ...]):
+        for qz in quantizers:
+            for win in (False, True):
+                cfg = s.oscar_config(win, qz)
+                name = prefix + ("+lm" if qz == "lloyd-max" else "") + ("+win" if win else "")
+                rows.append(Variant(name, label, qz, f"sink {s.sink} + recent {s.recent}" if win else "none",
+                                    oscar_output(rs, cfg), rs, cfg, fmt_bits(win),
+                                    _window_reads(cfg) if win else all_reads))
+
+    fmt_rows("hadamard", "Hadamard (data-free)", hadamard, ("uniform",))
+    if "oscar" in rotations:
+        fmt_rows("oscar-layer", "OSCAR per layer", rotations["oscar"], ("uniform", "lloyd-max"))
+    if "oscar-perhead" in rotations:
+        fmt_rows("oscar-head", "OSCAR per kv head", rotations["oscar-perhead"], ("uniform", "lloyd-max"))
+    return rows
+
+
+# ----------------------------------------------------------------------------- disjointness
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The JSON records of a ``.jsonl`` file (one object per non-empty line).
+
+    Raises:
+        CalibrationError: a line that is not a JSON object with a ``text`` field.
+    """
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CalibrationError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict) or "text" not in rec:
+                raise CalibrationError(f"{path}:{n}: record has no 'text' field")
+            out.append(rec)
+    return out
+
+
+def _doc_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def check_disjoint(calib, heldout, calib_records: list[dict] | None = None,
+                   heldout_records: list[dict] | None = None) -> dict[str, Any]:
+    """Refuse calibration and evaluation data that overlap.
+
+    Args:
+        calib, heldout: :class:`.prompts.PromptSet` of the calibration / evaluation sequences.
+        calib_records, heldout_records: their source records (``{"text", optional "split"}``).
+
+    Returns:
+        ``{"shared_sequences": 0, "shared_documents": 0, "calib_sequences", "heldout_sequences", ...}``.
+
+    Raises:
+        CalibrationError: a token sequence (by :func:`.prompts.sequence_hash`) or a document in
+        both, or a record whose ``split`` is not ``train`` (calibration) / ``heldout`` (evaluation).
+    """
+    from .prompts import sequence_hash
+
+    ch = {sequence_hash(s) for s in calib.sequences}
+    hh = {sequence_hash(s) for s in heldout.sequences}
+    shared = ch & hh
+    if shared:
+        raise CalibrationError(f"{len(shared)} evaluation sequences are also calibration sequences: the data is not held out")
+    rep: dict[str, Any] = {"shared_sequences": 0, "calib_sequences": len(ch), "heldout_sequences": len(hh)}
+    if calib_records is not None and heldout_records is not None:
+        for recs, want, what in ((calib_records, "train", "calibration"), (heldout_records, "heldout", "evaluation")):
+            bad = [r.get("split") for r in recs if "split" in r and r["split"] != want]
+            if bad:
+                raise CalibrationError(f"{len(bad)} {what} documents come from split {bad[0]!r}, not {want!r}")
+        cd = {_doc_hash(r["text"]) for r in calib_records}
+        hd = {_doc_hash(r["text"]) for r in heldout_records}
+        if cd & hd:
+            raise CalibrationError(f"{len(cd & hd)} documents are both calibration and evaluation documents")
+        rep.update(shared_documents=0, calib_documents=len(cd), heldout_documents=len(hd))
+    return rep
+
+
+# ----------------------------------------------------------------------------- the table
+def quality_report(
+    model,
+    calib,
+    heldout,
+    settings: QualitySettings = QualitySettings(),
+    *,
+    work_dir: str,
+    calib_records: list[dict] | None = None,
+    heldout_records: list[dict] | None = None,
+    progress: bool | None = None,
+    variants: list[str] | None = None,
+) -> dict[str, Any]:
+    """Calibrate and fit OSCAR rotations on ``calib``, then score every variant on ``heldout``.
+
+    Args:
+        model: a loaded MHA/GQA causal LM (eval mode).
+        calib, heldout: :class:`.prompts.PromptSet` (disjoint, :func:`check_disjoint`).
+        settings: :class:`QualitySettings`.
+        work_dir: folder for ``stats.safetensors`` and the fitted ``rot_oscar*.safetensors``.
+        calib_records, heldout_records: the documents behind the prompt sets (split checks).
+        progress: tqdm bars (``None``: on a terminal).
+        variants: row names to keep (default all).
+
+    Returns:
+        ``{"rows": [...], "error": functional_error report, "bf16_ppl", "disjoint", "settings", ...}``;
+        each row: ``name, rotation, quantizer, windows, bits_eval, bits_128k, error_db, ppl, nll,
+        ppl_rel_change, int2_read_fraction``.
+
+    Raises:
+        CalibrationError: overlapping data, an MLA model, too little calibration data, nothing quantized.
+    """
+    from .error import functional_error
+    from .fit import fit_rotations
+    from .model import geometry_of
+    from .ppl import perplexity
+    from .run import calibrate_model
+
+    disjoint = check_disjoint(calib, heldout, calib_records, heldout_records)
+    geometry = geometry_of(model.config)
+    if geometry.attention_kind != "mha":
+        raise CalibrationError(f"the quality table covers MHA/GQA models; {geometry.model_type} uses MLA attention")
+    os.makedirs(work_dir, exist_ok=True)
+    stats = calibrate_model(model, calib, os.path.join(work_dir, "stats.safetensors"), restart=True, progress=progress)
+    rotations = {}
+    for method in ("oscar", "oscar-perhead"):
+        rs = fit_rotations(stats, method, min_tokens=settings.min_tokens)
+        rs.save(os.path.join(work_dir, f"rot_{method}.safetensors"))
+        rotations[method] = rs
+    rows = build_variants(geometry, rotations, settings)
+    if variants is not None:
+        unknown = sorted(set(variants) - {v.name for v in rows})
+        if unknown:
+            raise CalibrationError(f"unknown variants {unknown}; choose from {[v.name for v in rows]}")
+        rows = [v for v in rows if v.name in variants or v.name in ("bf16", "bf16-oracle")]
+    _log(f"quality: {len(rows)} variants, {len(heldout.sequences)} held-out sequences ({heldout.num_tokens} tokens)")
+    err = functional_error(model, heldout, {}, settings.oscar_config(True), window_mode="decode", include_baselines=False,
+                           outputs={v.name: (v.output or oscar_output(RotationSet.data_free(geometry, "identity"),
+                                                                      settings.oscar_config(False), quantize=False))
+                                    for v in rows}, progress=progress)
+    lengths = [len(s) for s in heldout.sequences if len(s) >= 2]
+    eval_len = max(lengths)
+    out_rows, bf16_ppls = [], []
+    for v in rows:
+        if v.name == "bf16":
+            continue
+        rep = perplexity(model, heldout, v.ppl_rotation, v.ppl_config, window_mode="decode", progress=progress,
+                         output_fn=None if v.ppl_rotation is not None else v.output, output_name=v.name)
+        bf16_ppls.append(rep["bf16"]["ppl"])
+        out_rows.append(_row(v, err, eval_len, lengths, rep["int2"]["nll"], rep["int2"]["ppl"], rep["bf16"]["ppl"]))
+        _log(f"quality: {v.name:>20}  err {out_rows[-1]['error_db']:8.2f} dB  ppl {rep['int2']['ppl']:.4f}")
+    bf16_ppl = bf16_ppls[0]
+    bf16_nll = math.log(bf16_ppl)
+    bf16 = next(v for v in rows if v.name == "bf16")
+    out_rows.insert(0, _row(bf16, err, eval_len, lengths, bf16_nll, bf16_ppl, bf16_ppl))
+    return {
+        "model_type": geometry.model_type,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "settings": {**dataclasses.asdict(settings), "kivi_groups": list(settings.kivi_groups)},
+        "eval_len": eval_len,
+        "tokens_scored": sum(t - 1 for t in lengths),
+        "sequences": len(lengths),
+        "bf16_ppl": bf16_ppl,
+        "bf16_ppl_spread": max(bf16_ppls) - min(bf16_ppls),
+        "rows": out_rows,
+        "error": {k: err[k] for k in ("overall_db", "layers", "tokens", "sequences")},
+        "disjoint": disjoint,
+        "calibration": {"prompts": {k: v for k, v in calib.meta.items() if k != "sequence_sha256"},
+                        "tokens_per_layer_min": min(stats.tokens_per_layer(1).values())},
+        "heldout": {k: v for k, v in heldout.meta.items() if k != "sequence_sha256"},
+        "rotations": {m: os.path.join(work_dir, f"rot_{m}.safetensors") for m in rotations},
+    }
+
+
+def _row(v: Variant, err: dict, eval_len: int, lengths: list[int], nll: float, ppl: float, bf16_ppl: float) -> dict:
+    total = sum(_visible_pairs(t) for t in lengths)
+    return {
+        "name": v.name,
+        "rotation": v.rotation,
+        "quantizer": v.quantizer,
+        "windows": v.windows,
+        "bits_eval": v.bits(eval_len),
+        "bits_128k": v.bits(LONG_CONTEXT),
+        "error_db": err["overall_db"][v.name],
+        "nll": nll,
+        "ppl": ppl,
+        "ppl_rel_change": ppl / bf16_ppl - 1.0,
+        "int2_read_fraction": sum(v.int2_reads(t) for t in lengths) / max(total, 1),
+    }
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def format_markdown(rep: dict[str, Any]) -> str:
+    """The report as a markdown table (one row per variant) with a short header."""
+    s = rep["settings"]
+    lines = [
+        f"Held-out teacher-forced perplexity and attention error, {rep['model_type']} ({rep['dtype']}), "
+        f"{rep['sequences']} sequences x {rep['eval_len']} tokens ({rep['tokens_scored']} scored), window_mode decode; "
+        f"OSCAR format: group {s['group_size'] or 'head_dim'}, clip K {s['k_clip']} / V {s['v_clip']}, "
+        f"{s['scale_dtype']} scale/zero; calibration {rep['calibration']['prompts']['tokens']} tokens "
+        f"(disjoint from evaluation: {rep['disjoint']['shared_sequences']} shared sequences).",
+        "",
+        f"| variant | rotation | quantizer | BF16 windows | bits/elem @{rep['eval_len']} | bits/elem @128K | "
+        "INT2 reads | attn err (dB) | ppl | Δppl |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rep["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['rotation']} | {r['quantizer']} | {r['windows']} | {r['bits_eval']:.3f} | "
+            f"{r['bits_128k']:.3f} | {100 * r['int2_read_fraction']:.1f}% | {r['error_db']:.2f} | {r['ppl']:.4f} | "
+            f"{100 * r['ppl_rel_change']:+.2f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_quality(
+    model_path: str,
+    *,
+    out_dir: str,
+    calib_path: str | None = None,
+    heldout_path: str | None = None,
+    work_dir: str | None = None,
+    settings: QualitySettings = QualitySettings(),
+    calib_tokens: int = 32768,
+    eval_tokens: int = 32768,
+    dtype: str = "auto",
+    device: str | None = None,
+    progress: bool | None = None,
+    variants: list[str] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint and its ``calib.jsonl`` / ``heldout.jsonl``, build the table, write
+    ``quality.json`` and ``quality.md`` to ``out_dir``.
+
+    Args:
+        model_path: checkpoint directory (model + tokenizer).
+        calib_path, heldout_path: JSONL documents (default: ``calib.jsonl`` / ``heldout.jsonl`` in
+            ``model_path``); packed into ``settings.seq_len``-token sequences (seed 0 / 1).
+        work_dir: statistics and fitted rotations (default ``out_dir``).
+        calib_tokens, eval_tokens: token budgets.
+        dtype, device: as :func:`.model.load_model` (``auto``: bf16 on a GPU, fp32 on a CPU).
+
+    Returns:
+        The report (:func:`quality_report`) with ``model`` and ``outputs`` added.
+
+    Raises:
+        CalibrationError, FileNotFoundError: missing/overlapping data, unsupported model.
+    """
+    from .model import load_model
+    from .prompts import Documents, build_prompt_set
+
+    calib_path = calib_path or os.path.join(model_path, "calib.jsonl")
+    heldout_path = heldout_path or os.path.join(model_path, "heldout.jsonl")
+    for p in (calib_path, heldout_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{p} does not exist (scripts/train_small_lm.py writes calib.jsonl and heldout.jsonl)")
+    model, tok = load_model(model_path, dtype=dtype, device=device)
+    sets, recs = {}, {}
+    for key, path, budget, seed in (("calib", calib_path, calib_tokens, 0), ("heldout", heldout_path, eval_tokens, 1)):
+        recs[key] = read_records(path)
+        with open(path, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        docs = Documents([r["text"] for r in recs[key]], "jsonl", path, sha)
+        sets[key] = build_prompt_set(tok, path, budget=budget, seed=seed, seq_len=settings.seq_len, pack=True,
+                                     documents=docs)
+    rep = quality_report(model, sets["calib"], sets["heldout"], settings, work_dir=work_dir or out_dir,
+                         calib_records=recs["calib"], heldout_records=recs["heldout"], progress=progress,
+                         variants=variants)
+    rep["model"] = model_path
+    os.makedirs(out_dir, exist_ok=True)
+    rep["outputs"] = {"json": os.path.join(out_dir, "quality.json"), "markdown": os.path.join(out_dir, "quality.md")}
+    with open(rep["outputs"]["json"], "w") as f:
+        json.dump(rep, f, indent=2, sort_keys=True, default=str)
+    with open(rep["outputs"]["markdown"], "w") as f:
+        f.write(format_markdown(rep))
+    return rep

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 7 on one H200: train a small Qwen3 LM on the offline text of the machine (stdlib and
+# site-packages sources), then the KV-cache accuracy table (BF16, naive INT2, KIVI, Hadamard,
+# OSCAR per layer / per head, +-Lloyd-Max, +-windows): held-out perplexity and attention error.
+#
+#   device run, command: bash scripts/device_quality.sh [TRAIN_MINUTES] [more train_small_lm.py args]
+#   e.g.  bash scripts/device_quality.sh            # 6 min of training, ~8.5 min in all
+#         bash scripts/device_quality.sh 6 --moe    # the Qwen3-MoE variant
+#
+# Needs torch, transformers and tokenizers (the device image has them); no network, no install
+# (PYTHONPATH points at ./python). The checkpoint goes to $CKPT (default /tmp/oscar_quality/ckpt),
+# statistics and fitted rotations to $WORK; results and logs to $OUT: gpu.txt, train.log,
+# train_summary.json, train_log.jsonl, preflight.log, quality.log, quality.md, quality.json.
+# $QUALITY_ARGS adds arguments to `sglang-oscar quality` (e.g. "--eval-tokens 65536").
+# First a ~30 s preflight (PREFLIGHT=0 skips it): the same two steps on a tiny model and the
+# stdlib's email/json packages, so that a GPU-side problem stops the run before 6 minutes of training.
+set -uo pipefail
+minutes=6
+if [[ "${1:-}" =~ ^[0-9]+([.][0-9]+)?$ ]]; then minutes="$1"; shift; fi
+OUT="${OUT:-/tmp/out}"
+CKPT="${CKPT:-/tmp/oscar_quality/ckpt}"
+WORK="${WORK:-/tmp/oscar_quality/work}"
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+python -c "import torch, transformers, tokenizers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)" | tee -a "$OUT/gpu.txt"
+
+DEVICE="${DEVICE:-cuda}"
+if [ "${PREFLIGHT:-1}" = 1 ]; then
+  stdlib=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+  pre=/tmp/oscar_quality/preflight
+  { python scripts/train_small_lm.py "$@" --out "$pre" --device "$DEVICE" --max-steps 3 --layers 2 --hidden 64 --heads 4 \
+      --kv-heads 2 --head-dim 32 --intermediate 128 --experts 4 --moe-intermediate 32 --vocab 384 --seq-len 128 \
+      --batch 4 --no-system-text --text-dir "$stdlib/email" --text-dir "$stdlib/json" --heldout-frac 0.2 \
+      --max-mb 2 --eval-every 0 --eval-seqs 4 \
+    && python scripts/quality.py --model "$pre" --out-dir "$pre/q" --device "$DEVICE" --seq-len 128 --calib-tokens 2048 \
+      --eval-tokens 512 --sink 4 --recent 16 --kivi-residual 16 --kivi-group 16 --min-tokens 1000 --no-progress; \
+  } > "$OUT/preflight.log" 2>&1
+  rc=$?
+  if [ "$rc" -ne 0 ]; then tail -40 "$OUT/preflight.log"; echo "preflight failed (rc $rc)"; exit "$rc"; fi
+  echo "preflight ok after $(( $(date +%s) - start )) s"
+fi
+
+python scripts/train_small_lm.py --out "$CKPT" --minutes "$minutes" --device "$DEVICE" "$@" 2>&1 | tee "$OUT/train.log"
+rc=${PIPESTATUS[0]}
+cp "$CKPT/train_summary.json" "$CKPT/train_log.jsonl" "$OUT/" 2>/dev/null
+if [ "$rc" -ne 0 ]; then echo "training failed (rc $rc)"; exit "$rc"; fi
+echo "training done after $(( $(date +%s) - start )) s"
+
+# shellcheck disable=SC2086
+python scripts/quality.py --model "$CKPT" --out-dir "$OUT" --work-dir "$WORK" --device "$DEVICE" --no-progress \
+  ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.log"
+rc=${PIPESTATUS[0]}
+echo "total $(( $(date +%s) - start )) s (rc $rc)" | tee -a "$OUT/quality.log"
+exit "$rc"

@@ -1,0 +1,164 @@
+"""sglang-oscar quality on a tiny random Qwen3 model: the table's rows, values and data checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sglang_oscar.calibrate import CalibrationError
+from sglang_oscar.calibrate.prompts import PromptSet, build_prompt_set
+from sglang_oscar.calibrate.quality import check_disjoint, kivi_int2_key_reads
+from sglang_oscar.cli.main import main
+from sglang_oscar.quant.baselines import kivi_bits_per_element
+from sglang_oscar.quant.bits import bits_per_element
+
+SEQ, SINK, RECENT, RES = 128, 4, 16, 16
+QUALITY_ARGS = ["--seq-len", SEQ, "--calib-tokens", 2048, "--eval-tokens", 512, "--sink", SINK, "--recent", RECENT,
+                "--kivi-residual", RES, "--kivi-group", 16, "--kivi-group", 8, "--min-tokens", 1000, "--device", "cpu",
+                "--no-progress"]
+ROWS = ["bf16", "bf16-oracle", "naive-int2", "kivi-g16", "kivi-g8", "hadamard", "hadamard+win", "oscar-layer",
+        "oscar-layer+win", "oscar-layer+lm", "oscar-layer+lm+win", "oscar-head", "oscar-head+win", "oscar-head+lm",
+        "oscar-head+lm+win"]
+
+
+def _write_jsonl(path, docs):
+    path.write_text("".join(json.dumps({"text": d["text"], "key": d["key"], "split": d["split"]}) + "\n" for d in docs))
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(tmp_path_factory, text_tree, train_script):
+    """A random tiny Qwen3 (large q/k init: attention far from uniform) with a trained byte-level BPE
+    and calib.jsonl (train split) / heldout.jsonl (held-out split)."""
+    import transformers as tf
+
+    out = tmp_path_factory.mktemp("random_ckpt")
+    docs = train_script.collect_documents([str(text_tree)], max_bytes=10**9, heldout_frac=0.2, seed=0)
+    tok = train_script.train_tokenizer([d["text"] for d in docs if d["split"] == "train"], 384)
+    cfg = tf.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0.0, 0.25)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    _write_jsonl(out / "calib.jsonl", [d for d in docs if d["split"] == "train"])
+    _write_jsonl(out / "heldout.jsonl", [d for d in docs if d["split"] == "heldout"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(random_ckpt, tmp_path_factory):
+    res = tmp_path_factory.mktemp("quality")
+    rc = main(["quality", "--model", str(random_ckpt), "--out-dir", str(res), "--work-dir", str(res / "work"),
+               *[str(a) for a in QUALITY_ARGS]])
+    assert rc == 0
+    return json.loads((res / "quality.json").read_text()), (res / "quality.md").read_text(), res
+
+
+def _own_ppl(ckpt):
+    """Teacher-forced perplexity of the model's own attention on the held-out sequences."""
+    from sglang_oscar.calibrate.model import load_model
+
+    model, tok = load_model(str(ckpt), dtype="float32", device="cpu")
+    ps = build_prompt_set(tok, str(ckpt / "heldout.jsonl"), budget=512, seed=1, seq_len=SEQ, pack=True)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in ps.sequences:
+            ids = torch.tensor([s])
+            logits = model(input_ids=ids).logits.float()
+            nll += float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
+            n += len(s) - 1
+    return math.exp(nll / n), ps
+
+
+def test_rows_and_bf16(report, random_ckpt):
+    rep, md, res = report
+    rows = {r["name"]: r for r in rep["rows"]}
+    assert [r["name"] for r in rep["rows"]] == ROWS
+    own, ps = _own_ppl(random_ckpt)
+    assert rep["sequences"] == len(ps.sequences) == 4 and rep["eval_len"] == SEQ
+    assert rows["bf16"]["ppl"] == pytest.approx(own, rel=1e-6)
+    assert rep["bf16_ppl_spread"] < 1e-6 * own  # every perplexity call scored the same BF16 run
+    assert rows["bf16-oracle"]["ppl"] == pytest.approx(own, rel=1e-3)  # the harness itself (BF16-rounded K/V)
+    assert rows["bf16"]["error_db"] < -40 and rows["bf16"]["int2_read_fraction"] == 0.0
+    for r in rep["rows"]:
+        assert math.isfinite(r["ppl"]) and math.isfinite(r["error_db"])
+        assert r["ppl_rel_change"] == pytest.approx(r["ppl"] / own - 1.0, rel=1e-6, abs=1e-9)
+    # files: table, JSON, statistics and both fitted rotations
+    assert md.count("\n| ") == len(ROWS) + 1 and "| oscar-head+lm+win |" in md
+    assert {p.name for p in (res / "work").iterdir()} >= {"stats.safetensors", "rot_oscar.safetensors",
+                                                          "rot_oscar-perhead.safetensors"}
+
+
+def test_error_ordering(report):
+    rep = report[0]
+    err = {r["name"]: r["error_db"] for r in rep["rows"]}
+    ppl = {r["name"]: r["ppl"] for r in rep["rows"]}
+    # naive per-token symmetric INT2 is the worst cache; every INT2 cache is far above the BF16 floor
+    for name in ROWS[3:]:
+        assert err["naive-int2"] > err[name] + 1.0, name
+    assert min(err[n] for n in ROWS[2:]) > err["bf16"] + 15
+    # fitted rotations are real rotations of the same format: a random model has no structure for them to
+    # exploit, so they land next to the data-free Hadamard (on trained models they are compared on the GPU)
+    for name, base in (("oscar-layer", "hadamard"), ("oscar-head", "hadamard"), ("oscar-layer+lm", "oscar-layer"),
+                       ("oscar-head+lm", "oscar-head")):
+        assert abs(err[name] - err[base]) < 2.0, name
+    assert len({err[n] for n in ("hadamard", "oscar-layer", "oscar-head")}) == 3
+    # BF16 windows help every OSCAR-format cache
+    for base in ("hadamard", "oscar-layer", "oscar-layer+lm", "oscar-head", "oscar-head+lm"):
+        assert err[base + "+win"] < err[base] - 1.0, base
+    # smaller KIVI groups cost bits and buy accuracy
+    assert err["kivi-g8"] < err["kivi-g16"]
+    assert ppl["naive-int2"] > ppl["oscar-head+win"]
+
+
+def test_bits_and_reads(report):
+    rep = report[0]
+    rows = {r["name"]: r for r in rep["rows"]}
+    d = 32
+    assert rows["naive-int2"]["bits_eval"] == rows["naive-int2"]["bits_128k"] == 2.0 + 16 / d
+    assert rows["hadamard"]["bits_eval"] == pytest.approx(bits_per_element(d, None, "float16", SEQ, 0, 0)) == 3.0
+    assert rows["oscar-head+win"]["bits_eval"] == pytest.approx(2.0 + 32 / d + (SINK + RECENT) * 16 / SEQ)
+    assert rows["oscar-layer+lm+win"]["bits_128k"] == pytest.approx(bits_per_element(d, None, "float16", 131072, SINK, RECENT))
+    assert rows["kivi-g8"]["bits_eval"] == pytest.approx(kivi_bits_per_element(SEQ, d, residual=RES, key_group=8, value_group=8))
+    assert rows["kivi-g16"]["bits_128k"] == pytest.approx(kivi_bits_per_element(131072, d, residual=RES, key_group=16,
+                                                                                 value_group=16))
+    assert rows["bf16"]["bits_eval"] == 16.0
+    # INT2 read shares, by hand for T = 128 (every sequence is full length)
+    pairs = SEQ * (SEQ + 1) // 2
+    assert rows["naive-int2"]["int2_read_fraction"] == rows["oscar-head"]["int2_read_fraction"] == 1.0
+    win = sum(max(0, i + 1 - SINK - RECENT) for i in range(SEQ))  # keys sink <= j <= i - recent
+    assert rows["oscar-layer+win"]["int2_read_fraction"] == pytest.approx(win / pairs)
+    assert rows["kivi-g8"]["int2_read_fraction"] == pytest.approx(kivi_int2_key_reads(SEQ, RES) / pairs)
+    assert kivi_int2_key_reads(4, 2) == 0 + 2 + 2 + 4
+
+
+def test_disjoint_checks(report):
+    rep = report[0]
+    assert rep["disjoint"]["shared_sequences"] == 0 and rep["disjoint"]["shared_documents"] == 0
+    assert rep["disjoint"]["calib_documents"] > rep["disjoint"]["heldout_documents"] > 0
+    assert rep["calibration"]["tokens_per_layer_min"] == 2048
+    a = PromptSet([[1, 2, 3], [4, 5, 6]], {})
+    b = PromptSet([[7, 8, 9], [4, 5, 6]], {})
+    with pytest.raises(CalibrationError, match="1 evaluation sequences are also calibration sequences"):
+        check_disjoint(a, b)
+    c = PromptSet([[7, 8, 9]], {})
+    assert check_disjoint(a, c)["shared_sequences"] == 0
+    with pytest.raises(CalibrationError, match="split 'train', not 'heldout'"):
+        check_disjoint(a, c, [{"text": "x", "split": "train"}], [{"text": "y", "split": "train"}])
+    with pytest.raises(CalibrationError, match="both calibration and evaluation documents"):
+        check_disjoint(a, c, [{"text": "x"}], [{"text": "x"}])
+
+
+def test_refuses_overlapping_files(random_ckpt, tmp_path):
+    heldout = str(random_ckpt / "heldout.jsonl")
+    rc = main(["quality", "--model", str(random_ckpt), "--calib", heldout, "--heldout", heldout,
+               "--out-dir", str(tmp_path), *[str(a) for a in QUALITY_ARGS]])
+    assert rc == 2 and not (tmp_path / "quality.json").exists()
