@@ -46,6 +46,7 @@ def test_release_returns_rows_and_refresh_follows_slots():
     assert w.hp_index[1, :4].tolist() == [7, 6, 5, 4] == w.hp_index[2, :4].tolist()
     assert w.sink_lens[1:].tolist() == [4, 4]
     w.release(torch.tensor([5, 6, 15]))  # slot 15 has no row
+    w.release(torch.tensor([6]))  # freed twice in one step: its row must come back once
     assert w.free_sink_rows == 4  # queued only
     w.process_releases()
     assert w.free_sink_rows == 6
@@ -58,8 +59,9 @@ def test_release_returns_rows_and_refresh_follows_slots():
 def test_exhaustion_shortens_sink_lens_and_uses_the_ring():
     w = _w(sink_rows=2, sink=4, recent=3)
     rows = w.assign(torch.arange(1, 6), torch.arange(5), torch.zeros(5, dtype=torch.long), torch.full((5,), 5))
-    # 2 sink rows only: positions 2, 3 have none; 2..4 are recent (>= 5 - 3) -> ring
-    assert rows.tolist() == [1, 0, 2 + 2, 2 + 0, 2 + 1]
+    # 2 sink rows only: positions 2, 3 have none and stay INT2-only (the ring holds positions
+    # >= sink only, so readers never look for them there); position 4 is recent -> ring
+    assert rows.tolist() == [1, 0, -1, -1, 2 + 1]
     assert int(w.missed) == 2
     r2t = torch.zeros(1, 8, dtype=torch.int32)
     r2t[0, :5] = torch.arange(1, 6)

@@ -132,6 +132,11 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             raise NotImplementedError("--kv-cache-dtype int2 does not support sliding-window layers yet")
         if getattr(layer, "is_cross_attention", False):
             raise NotImplementedError("--kv-cache-dtype int2 does not support cross attention")
+        attn_type = getattr(layer, "attn_type", None)
+        if attn_type is not None and getattr(attn_type, "name", str(attn_type)) != "DECODER":
+            raise NotImplementedError(f"--kv-cache-dtype int2 supports causal decoder attention only, not {attn_type}")
+        if (getattr(layer, "xai_temperature_len", None) or -1) > 0:
+            raise NotImplementedError("--kv-cache-dtype int2 does not support xai temperature scaling (Grok)")
         if layer.logit_cap and getattr(layer, "logit_capping_method", "tanh") != "tanh":
             raise NotImplementedError(f"--kv-cache-dtype int2 supports only tanh logit capping, "
                                       f"not {layer.logit_capping_method!r}")

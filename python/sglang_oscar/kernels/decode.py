@@ -96,7 +96,7 @@ def _decode_stage1(
     if sp < NS_HP:
         # ---------------- HP tier: sink [0, n_sink) then recent [rec_start, L), one virtual range
         n_sink = tl.minimum(sink_r, L)
-        rec_start = tl.maximum(sink_r, L - recent)
+        rec_start = tl.maximum(sink, L - recent)
         n_hp = n_sink + tl.maximum(L - rec_start, 0)
         chunk = tl.cdiv(tl.cdiv(n_hp, NS_HP), BLOCK_N) * BLOCK_N
         lo = sp * chunk
@@ -112,7 +112,7 @@ def _decode_stage1(
             v = v0 + tl.arange(0, BLOCK_N)
             tm = v < hi
             pos = tl.where(v < n_sink, v, rec_start + v - n_sink)
-            entry = tl.where(pos < sink_r, pos, sink + pos % ring)
+            entry = tl.where(pos < sink, pos, sink + pos % ring)
             rows = tl.load(HPI + req * stride_hpi + entry, mask=tm, other=-1)
             valid = tm & (rows >= 0) & (pos >= win_lo)
             rows = tl.where(valid, rows, 0)
@@ -126,7 +126,8 @@ def _decode_stage1(
                                                QV, QVP, OP, PREC)
     else:
         # ---------------- INT2 tier: [max(sink, window start), L - recent)
-        mid_hi = tl.maximum(L - recent, sink_r)
+        # sink positions without a row ([sink_r, sink)) are read here too, never from the ring
+        mid_hi = tl.minimum(tl.maximum(L - recent, sink), L)
         mid_lo = tl.maximum(sink_r, win_lo)
         n_mid = tl.maximum(mid_hi - mid_lo, 0)
         chunk = tl.cdiv(tl.cdiv(n_mid, NS_Q), BLOCK_N) * BLOCK_N

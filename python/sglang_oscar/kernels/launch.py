@@ -720,9 +720,9 @@ def decode_attention(
         mma_dtype: operand dtype of the MMAs (default fp16, fp32 when the HP dtype is fp32).
         tuning: dict / :class:`AttnTuning`.
         sink_lens: optional int32 ``[max_reqs]``: request ``r`` reads only positions
-            ``< min(sink_lens[r], sink)`` from sink rows (the rest of ``[0, sink)`` like middle
-            positions: ring if recent, else INT2); ``sink`` stays the ``hp_index`` layout offset.
-            Used by the served pool when its sink-row arena could not give a token a row.
+            ``< min(sink_lens[r], sink)`` from sink rows and the rest of ``[0, sink)`` through
+            INT2 (never from the recent ring, which covers positions ``>= sink``). Used by the
+            served pool when its sink-row arena could not give a token a row.
         debug: check index values (host sync); default ``SGLANG_OSCAR_DEBUG``.
         validate: shape/dtype/device checks (pure Python); ``False`` skips them (hot path, after
             the arguments were validated once).

@@ -103,6 +103,9 @@ def _after_post_init(result, server_args, *args, **kwargs):
     if getattr(server_args, "model_path", None) in ("dummy", "none"):
         return result
     problems = refusal_messages(server_args)
+    if os.environ.get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "").strip().lower() in ("1", "true", "yes", "on"):
+        problems.append("--kv-cache-dtype int2 does not support SGLANG_ENABLE_POST_CAPTURE_KV_SIZING (the INT2 "
+                        "pool is sized before CUDA-graph capture); unset it")
     if problems:
         raise ValueError("; ".join(problems))
     missing = missing_hooks()

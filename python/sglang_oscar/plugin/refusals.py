@@ -52,6 +52,8 @@ REFUSALS = (
     Refusal("enable_torch_compile", "--enable-torch-compile", _truthy, "drop the flag"),
     Refusal("enable_mixed_chunk", "--enable-mixed-chunk", _truthy,
             "mixed batches run decode tokens through the extend path, which reads their recent window in INT2; drop the flag"),
+    Refusal("dllm_algorithm", "--dllm-algorithm", _truthy,
+            "diffusion LMs attend bidirectionally, the INT2 kernels are causal; serve them with --kv-cache-dtype auto"),
     Refusal("page_size", "--page-size", lambda v: v not in (None, 1), "the INT2 pool is token-granular; use --page-size 1"),
     Refusal("attention_backend", "--attention-backend", _not_triton, "use --attention-backend triton (or leave it unset)"),
     Refusal("prefill_attention_backend", "--prefill-attention-backend", _not_triton, "use triton (or leave it unset)"),

@@ -163,7 +163,9 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
 def around_allocator_free(original_fn, self, free_index, *args, **kwargs):
     windows = getattr(getattr(self, "_kvcache", None), "windows", None)
     if windows is not None and self.is_not_in_free_group and free_index is not None and free_index.numel():
-        windows.release(free_index)
+        # SGLang usually passes a view of req_to_token and rewrites it right after the free
+        # (cache_unfinished_req): copy now, on the current stream, before that happens.
+        windows.release(free_index.clone())
     return original_fn(self, free_index, *args, **kwargs)
 
 

@@ -16,10 +16,11 @@ All device work is plain torch ops with static shapes per batch and no host sync
 so the decode bookkeeping can be recorded in a CUDA graph.
 
 If the sink arena runs out, a sink token gets no row. Readers then use
-``sink_lens[req]`` = the number of leading sink positions of the request that have rows: later
-sink positions are read like middle positions (ring if recent, else INT2). The choice follows
-the *slots*, so a fresh run and a radix hit reading the same slots still see the same cache;
-:attr:`missed` counts such tokens and the backend logs a warning when it grows.
+``sink_lens[req]`` = the number of leading sink positions of the request that have rows: the
+request's later sink positions are read through INT2 (never from the ring, which holds only
+positions ``>= sink``). The choice follows the *slots*, so a fresh run and a radix hit reading
+the same slots still see the same cache; :attr:`missed` counts such tokens and the backend logs
+a warning when it grows.
 """
 
 from __future__ import annotations
@@ -89,12 +90,16 @@ class HPWindows:
             return
         pending, self._pending = self._pending, []
         slots = torch.cat([s.reshape(-1).to(device=self.device, dtype=torch.int64) for s in pending])
+        # a slot freed twice in one step must return its row once (never push a row twice)
+        slots = torch.unique(slots)
+        slots = slots[(slots > 0) & (slots < self.num_slots)]
         rows = self.row_of_slot[slots]
         has = rows >= 0
         rank = torch.cumsum(has.to(torch.int64), 0) - 1
         dst = torch.where(has, self.top + rank, self.sink_rows)  # sink_rows = the dummy entry
         self.free_rows[dst] = torch.where(has, rows, 0)
         self.top += has.sum()
+        self.top.clamp_(max=self.sink_rows)
         self.row_of_slot[slots] = -1
 
     def reset(self) -> None:
@@ -123,7 +128,7 @@ class HPWindows:
 
         Returns:
             int32 ``[N]``: sink row (position ``< sink`` and a row was available), else ring row
-            (position ``>= seq_end - recent``), else ``-1`` (INT2 only).
+            (``sink <= position`` and ``position >= seq_end - recent``), else ``-1`` (INT2 only).
         """
         loc = loc.to(torch.int64)
         positions = positions.to(torch.int64)
@@ -144,7 +149,9 @@ class HPWindows:
             sink_row = self.row_of_slot[loc].to(torch.int64)
             rows = torch.where(is_sink & (sink_row >= 0), sink_row, rows)
         if self.recent:
-            in_ring = live & (rows < 0) & (positions >= token_seq_end.to(torch.int64) - self.recent)
+            # ring rows only for positions >= sink: readers never take a sink position from the
+            # ring (one without a sink row is read through INT2), so no unwritten ring row is read
+            in_ring = live & (positions >= self.sink) & (positions >= token_seq_end.to(torch.int64) - self.recent)
             ring_row = self.ring_base + token_req * self.recent + positions % self.recent
             rows = torch.where(in_ring, ring_row, rows)
         rows = rows.to(torch.int32)
