@@ -140,3 +140,21 @@ def test_cell_size_hook_and_radix_cap(hooked):
         assert serving.around_compute_max_prefix_len(lambda self, n: n - 1, None, 100) == 0
     finally:
         serving._ACTIVE["recent"] = old
+
+
+def test_cli_flags_reach_the_preflight(hooked, tmp_path, monkeypatch):
+    """The flags are resolved before ServerArgs runs __post_init__ (where the preflight runs)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    model = _qwen3_dir(tmp_path, "m")
+    monkeypatch.delenv(flags.CONFIG_ENV, raising=False)
+    missing = str(tmp_path / "no_such_rotation.safetensors")
+    with pytest.raises(ValueError, match="no_such_rotation.safetensors does not exist"):
+        prepare_server_args(["--model-path", model, "--kv-cache-dtype", "int2", "--skip-tokenizer-init",
+                             "--device", "cuda", "--oscar-rotation", missing])
+    with pytest.raises(ValueError, match="--kv-cache-quant-group-size 48"):
+        prepare_server_args(["--model-path", model, "--kv-cache-dtype", "int2", "--skip-tokenizer-init",
+                             "--device", "cuda", "--kv-cache-quant-group-size", "48"])
+    sa = prepare_server_args(["--model-path", model, "--kv-cache-dtype", "int2", "--skip-tokenizer-init",
+                              "--device", "cuda", "--oscar-sink-tokens", "16"])
+    assert sa._oscar_config.sink_tokens == 16 and flags.config_from_env().sink_tokens == 16

@@ -69,3 +69,28 @@ def test_exhaustion_shortens_sink_lens_and_uses_the_ring():
     assert w.sink_lens[0].item() == 2
     w.reset()
     assert w.free_sink_rows == 2 and (w.row_of_slot == -1).all()
+
+
+def test_low_arena_evicts_radix_leaves_until_rows_return():
+    class Tree:
+        def __init__(self):
+            self.asked = []
+
+        def evictable_size(self):
+            return 400
+
+        def evict(self, params):
+            self.asked.append(params.num_tokens)
+
+    w = _w(sink_rows=64, sink=4, slots=64, reqs=10)  # low watermark max(32, 8) = 32
+    tree = Tree()
+    assert w.maybe_reclaim(tree) == 0  # 64 free rows: nothing to do
+    w.assign(torch.arange(1, 41), torch.arange(40) % 4, torch.arange(40) // 4, torch.full((40,), 4))
+    w.publish()
+    assert int(w.host_free) == 24
+    assert w.maybe_reclaim(tree) == 100 and tree.asked == [100]
+    assert [w.maybe_reclaim(tree) for _ in range(4)] == [0, 0, 0, 0]  # cooldown
+    w.release(torch.arange(1, 41))
+    w.process_releases()
+    w.publish()
+    assert w.maybe_reclaim(tree) == 0 and tree.asked == [100]

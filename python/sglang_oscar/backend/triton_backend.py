@@ -108,6 +108,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                 "lower --max-running-requests", seen)
             self._missed_seen = seen
         self._missed_host.copy_(self.windows.missed, non_blocking=True)
+        self.windows.publish()
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)

@@ -59,6 +59,7 @@ def register() -> None:
         (SERVING_HOOK_TARGETS[5], sv.around_allocator_free, HookType.AROUND),
         (SERVING_HOOK_TARGETS[6], sv.after_allocator_clear, HookType.AFTER),
         (SERVING_HOOK_TARGETS[7], sv.around_compute_max_prefix_len, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[8], sv.before_get_next_batch_to_run, HookType.BEFORE),
     ):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, kind)
@@ -82,12 +83,13 @@ def _around_from_cli_args(original_fn, cls, args, *rest, **kwargs):
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --kv-cache-dtype int2; add it or drop these flags")
         return original_fn(cls, args, *rest, **kwargs)
-    server_args = original_fn(cls, args, *rest, **kwargs)
     config, notes = resolve_config(values)
     for note in notes:
         logger.info("sglang-oscar: %s", note)
-    object.__setattr__(server_args, "_oscar_config", config)
+    # exported before ServerArgs is built: its __post_init__ (our preflight) reads it
     os.environ[CONFIG_ENV] = config_to_env(config)
+    server_args = original_fn(cls, args, *rest, **kwargs)
+    object.__setattr__(server_args, "_oscar_config", config)
     return server_args
 
 

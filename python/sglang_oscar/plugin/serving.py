@@ -13,6 +13,7 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
 * ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER): freed slots return their sink rows;
 * ``Req._compute_max_prefix_len`` (AROUND): radix matches stop ``recent`` tokens before the end of
   the prompt, so a reused prefix never covers positions a fresh run reads from its BF16 ring;
+* ``Scheduler.get_next_batch_to_run`` (BEFORE): evict radix leaves when the sink arena runs low;
 * ``ATTENTION_BACKENDS["triton"]`` (registry entry): :class:`OscarTritonAttnBackend` for int2.
 """
 
@@ -35,6 +36,7 @@ SERVING_HOOK_TARGETS = (
     f"{_MP}.allocator.token.TokenToKVPoolAllocator.free",
     f"{_MP}.allocator.token.TokenToKVPoolAllocator.clear",
     "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len",
+    "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
 )
 
 # Set in the scheduler process when the INT2 pool is built: the recent window that radix
@@ -183,6 +185,19 @@ def around_compute_max_prefix_len(original_fn, self, input_len, *args, **kwargs)
     if recent is None:
         return limit
     return max(0, min(limit, input_len - recent))
+
+
+def before_get_next_batch_to_run(*args, **kwargs):
+    """Tier-aware eviction: free radix-cache leaves when the BF16 sink arena runs low."""
+    sched = args[0] if args else None
+    alloc = getattr(sched, "token_to_kv_pool_allocator", None)
+    windows = getattr(getattr(alloc, "_kvcache", None), "windows", None)
+    if windows is not None and getattr(sched, "tree_cache", None) is not None:
+        n = windows.maybe_reclaim(sched.tree_cache)
+        if n:
+            logger.info("sglang-oscar: BF16 sink arena low (%d rows free); evicted %d cached tokens",
+                        int(windows.host_free), n)
+    return None
 
 
 # ---------------------------------------------------------------------------------- backend

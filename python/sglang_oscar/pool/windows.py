@@ -73,7 +73,10 @@ class HPWindows:
             self.hp_index[:, sink:sink + recent] = ring
         self.sink_lens = torch.zeros((max_reqs,), **i32)
         self._pending: list[torch.Tensor] = []
-        self._sink_cols = torch.arange(max(sink, 1), **i32)
+        # host view of the free-row count, refreshed without a sync by publish() each forward
+        self.host_free = torch.full((), sink_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.low_watermark = max(8 * sink, sink_rows // 8)
+        self._cooldown = 0
 
     # ------------------------------------------------------------------ slots freed by SGLang
     def release(self, slots: torch.Tensor) -> None:
@@ -108,6 +111,41 @@ class HPWindows:
         self.row_of_slot.fill_(-1)
         self.free_rows.copy_(torch.arange(self.sink_rows + 1, dtype=torch.int32, device=self.device))
         self.top.fill_(self.sink_rows)
+        self.host_free.fill_(self.sink_rows)
+
+    def publish(self) -> None:
+        """Copy the free-row count to :attr:`host_free` (non-blocking; lands by the next step)."""
+        self.host_free.copy_(self.top, non_blocking=True)
+
+    def maybe_reclaim(self, tree_cache) -> int:
+        """Evict radix-cache leaves when the sink arena runs low (tier-aware eviction).
+
+        Sink rows are held by slots, and the radix cache keeps finished prefixes (and their sink
+        rows) until it needs token space, which an INT2 pool rarely does. When the last published
+        free-row count is under :attr:`low_watermark`, evict a quarter of the evictable tokens
+        (least recently used first); their slots come back through the allocator's ``free`` and
+        return their rows at the next forward. At most once every 4 scheduler steps, so rows
+        have time to come back before the next decision.
+
+        Returns:
+            tokens asked to evict (0 if nothing was done).
+        """
+        if not self.sink or not self.sink_rows:
+            return 0
+        if self._cooldown > 0:
+            self._cooldown -= 1
+            return 0
+        if int(self.host_free) >= self.low_watermark:
+            return 0
+        evictable = int(tree_cache.evictable_size()) if hasattr(tree_cache, "evictable_size") else 0
+        if evictable <= 0:
+            return 0
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        n = max(1, evictable // 4)
+        tree_cache.evict(EvictParams(num_tokens=n))
+        self._cooldown = 4
+        return n
 
     @property
     def free_sink_rows(self) -> int:
