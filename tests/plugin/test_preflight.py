@@ -158,3 +158,26 @@ def test_cli_flags_reach_the_preflight(hooked, tmp_path, monkeypatch):
     sa = prepare_server_args(["--model-path", model, "--kv-cache-dtype", "int2", "--skip-tokenizer-init",
                               "--device", "cuda", "--oscar-sink-tokens", "16"])
     assert sa._oscar_config.sink_tokens == 16 and flags.config_from_env().sink_tokens == 16
+
+
+def test_rank_rotations_follow_sglang_kv_head_sharding():
+    from sglang_oscar.backend.rotations import rank_rotations
+
+    def per_head_set(layers, heads, d=8):
+        k = {i: torch.stack([torch.eye(d) * (10 * i + h + 1) for h in range(heads)]) for i in range(layers)}
+        v = {i: -t for i, t in k.items()}
+        return RotationSet(k, v, {"method": "test"})
+
+    geo = lambda heads: SimpleNamespace(layers=[SimpleNamespace(layer_id=i, num_kv_heads=heads) for i in range(2)])
+    # 4 kv heads over TP 2: rank 1 owns global heads 2, 3
+    out = rank_rotations(per_head_set(2, 4), geo(4), 1, 2, "cpu", [0, 1])
+    rk, rv = out[1]
+    assert rk.shape == (2, 8, 8) and [float(rk[j, 0, 0]) for j in range(2)] == [13.0, 14.0]
+    assert torch.equal(rv, -rk)
+    # 2 kv heads over TP 4 (replicated): rank 3 owns global head 3 * 2 // 4 = 1
+    rk, _ = rank_rotations(per_head_set(2, 2), geo(2), 3, 4, "cpu", [0])[0]
+    assert rk.shape == (1, 8, 8) and float(rk[0, 0, 0]) == 2.0
+    # a per-layer set is broadcast to the local heads
+    rs = RotationSet({0: torch.eye(8) * 3}, {0: torch.eye(8)}, {"method": "test"})
+    rk, _ = rank_rotations(rs, SimpleNamespace(layers=[SimpleNamespace(layer_id=0, num_kv_heads=8)]), 0, 2, "cpu", [0])[0]
+    assert rk.shape == (4, 8, 8) and bool((rk[:, 0, 0] == 3).all())

@@ -1,0 +1,37 @@
+"""scripts/served_quality.py, PyTorch side (--no-server): oracle vs BF16 on a tiny trained checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("served_quality", REPO / "scripts" / "served_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_oracle_side_of_the_served_check(tiny_run, tmp_path):
+    ckpt, _ = tiny_run
+    sq = _script()
+    common = ["--model", str(ckpt), "--no-server", "--device", "cpu", "--seqs", "2", "--seq-len", "96",
+              "--calib-tokens", "2048"]
+    # windows covering the whole sequence: nothing is quantized, the oracle reproduces BF16
+    assert sq.main(common + ["--out", str(tmp_path / "full"), "--sink", "128", "--recent", "0"]) == 0
+    full = json.loads((tmp_path / "full" / "served_quality.json").read_text())["pytorch"]
+    assert abs(full["int2_oracle_ppl"] / full["bf16_ppl"] - 1) < 5e-3
+    assert full["int2_effect_mean_abs_dlogprob"] < 5e-3
+    assert math.isfinite(full["bf16_ppl"]) and full["bf16_ppl"] > 1
+    # small windows: INT2 is read and changes the log-probs; the fitted rotation file is reused
+    rot = str(tmp_path / "full" / "rot_oscar.safetensors")
+    assert sq.main(common + ["--out", str(tmp_path / "small"), "--sink", "4", "--recent", "8", "--rotation", rot]) == 0
+    small = json.loads((tmp_path / "small" / "served_quality.json").read_text())["pytorch"]
+    assert small["bf16_ppl"] == full["bf16_ppl"]
+    assert small["int2_effect_mean_abs_dlogprob"] > 10 * full["int2_effect_mean_abs_dlogprob"]
+    assert "served" not in json.loads((tmp_path / "small" / "served_quality.json").read_text())
