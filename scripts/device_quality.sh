@@ -5,6 +5,8 @@
 #
 #   device run, command: bash scripts/device_quality.sh [TRAIN_MINUTES] [more train_small_lm.py args]
 #   e.g.  bash scripts/device_quality.sh            # 6 min of training, ~8.5 min in all
+#         SERVED=1 bash scripts/device_quality.sh 4 # then serve the same checkpoint (+~2.5 min;
+#                                                   # carry .device-bundle/p2 after the p1 staging call)
 #         bash scripts/device_quality.sh 6 --moe    # the Qwen3-MoE variant
 #
 # Needs torch, transformers and tokenizers (the device image has them); no network, no install
@@ -54,5 +56,17 @@ echo "training done after $(( $(date +%s) - start )) s"
 python scripts/quality.py --model "$CKPT" --out-dir "$OUT" --work-dir "$WORK" --device "$DEVICE" --no-progress \
   ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.log"
 rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 0 ] && [ "${SERVED:-0}" = 1 ]; then
+  # the same checkpoint and fitted per-layer rotation served by SGLang (needs the sglang bundle:
+  # carry .device-bundle/p2 or run after an earlier call installed /tmp/site); the table is
+  # appended to quality.md (only 8 files come back from $OUT)
+  # shellcheck disable=SC1091
+  ( export OUT="$WORK"; source scripts/device_env.sh > "$WORK/served_env.log" 2>&1 && \
+    python scripts/served_quality.py --model "$CKPT" --out "$WORK/served" --rotation "$WORK/rot_oscar.safetensors" \
+      > "$WORK/served.log" 2>&1 ) ; src=$?
+  { echo; echo "## Served (scripts/served_quality.py, same checkpoint and rotation, rc $src)"; echo;
+    cat "$WORK/served/served_quality.md" 2>/dev/null || tail -20 "$WORK/served.log"; } | tee -a "$OUT/quality.md"
+  [ "$src" -eq 0 ] || rc=$src
+fi
 echo "total $(( $(date +%s) - start )) s (rc $rc)" | tee -a "$OUT/quality.log"
 exit "$rc"
