@@ -1193,6 +1193,14 @@ def precompute(run: Run) -> None:
             rs = RotationSet.load(run.rot[f"qwen3:{kind}"])
             run.data[f"c_rot_{kind}"] = rs
             run.data[f"c_oracle_{kind}"] = teacher_forced_logprobs(q, prompts, rotation=rs, config=cfg)
+        # the oracle's own sensitivity: the same checkpoint loaded in fp32 (K/V differ from the
+        # bf16 run only by BF16-level rounding, as SGLang's kernels differ from transformers')
+        import torch
+
+        q32 = load_hf(run.models["qwen3"], run.device, dtype=torch.float32, fp32_head=args.fp32_lm_head)
+        run.data["c_oracle_layer_fp32_model"] = teacher_forced_logprobs(q32, prompts, rotation=run.data["c_rot_layer"],
+                                                                        config=cfg)
+        del q32
     run.timings["precompute"] = time.time() - t
     run.log(f"references computed ({run.timings['precompute']:.0f} s)")
 
@@ -1287,10 +1295,17 @@ def check_c(run: Run) -> CheckResult:
                              run.data["c_hf_bf16"][i])["mean"] for i, p in enumerate(prompts)]
         floor = sum(fl) / len(fl)
     detail["bf16_noise_floor_mean"] = floor
+    sens = None
+    if "c_oracle_layer_fp32_model" in run.data:
+        sens = sum(abs_diff_stats(a, b)["mean"] for a, b in zip(run.data["c_oracle_layer_fp32_model"],
+                                                                run.data["c_oracle_layer"])) / len(prompts)
+    detail["oracle_sensitivity_fp32_vs_bf16_model_mean"] = sens
     qe = sum(detail[k]["quantization_effect_mean"] for k in ("layer", "head")) / 2
     measured = (f"mean |served - oracle| logprob: {'; '.join(parts)} (tol {args.c_tol:g}); "
                 f"INT2 effect (oracle vs HF BF16) {qe:.3g}; BF16 noise floor (served vs HF) "
-                + (f"{floor:.3g}" if floor is not None else "n/a"))
+                + (f"{floor:.3g}" if floor is not None else "n/a")
+                + "; oracle's own sensitivity (same model loaded fp32 vs bf16, not a pass criterion) "
+                + (f"{sens:.3g}" if sens is not None else "n/a"))
     return CheckResult("c", PASS if ok else FAIL, measured, detail)
 
 
