@@ -103,7 +103,7 @@ def test_from_cli_args_hook_attaches_config(monkeypatch):
     assert plugin._after_post_init("r", plain) == "r"
     # OSCAR flags without int2 are refused rather than ignored
     ns.kv_cache_dtype = "auto"
-    with pytest.raises(ValueError, match="--oscar-sink-tokens only apply with --kv-cache-dtype int2"):
+    with pytest.raises(ValueError, match="--oscar-sink-tokens: OSCAR flags apply only with --kv-cache-dtype int2"):
         plugin._around_from_cli_args(lambda cls, a: plain, object, ns)
     ns.oscar_sink_tokens = None
     assert plugin._around_from_cli_args(lambda cls, a: plain, object, ns) is plain

@@ -181,3 +181,30 @@ def test_rank_rotations_follow_sglang_kv_head_sharding():
     rs = RotationSet({0: torch.eye(8) * 3}, {0: torch.eye(8)}, {"method": "test"})
     rk, _ = rank_rotations(rs, SimpleNamespace(layers=[SimpleNamespace(layer_id=0, num_kv_heads=8)]), 0, 2, "cpu", [0])[0]
     assert rk.shape == (4, 8, 8) and bool((rk[:, 0, 0] == 3).all())
+
+
+def test_models_the_int2_server_cannot_serve_are_refused_from_the_config(hooked, tmp_path, monkeypatch):
+    from transformers import Gemma3TextConfig, Qwen3Config
+
+    gemma = tmp_path / "gemma3"
+    Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=128, sliding_window=64,
+                     architectures=["Gemma3ForCausalLM"]).save_pretrained(gemma)
+    with pytest.raises(ValueError, match="mixing sliding-window and full attention"):
+        _server_args(str(gemma), monkeypatch)
+    small = tmp_path / "hd32"
+    Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"]).save_pretrained(small)
+    with pytest.raises(ValueError, match="head_dim=32 is not supported by the INT2 kernels"):
+        _server_args(str(small), monkeypatch)
+
+
+def test_rotation_env_aliases_are_consistent():
+    with pytest.raises(ValueError, match="need both"):
+        flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/k.pt"})
+    cfg, _ = flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/rot.safetensors"})
+    assert cfg.rotation_path == "/a/rot.safetensors" and cfg.rotation_v_path is None
+    with pytest.raises(ValueError, match="is not an upstream K .pt file"):
+        flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/dir", "SGLANG_OSCAR_V_ROTATION_PATH": "/a/dir"})
+    with pytest.raises(ValueError, match="is not an upstream K .pt file"):
+        flags.resolve_config({}, environ={"SGLANG_OSCAR_V_ROTATION_PATH": "/a/v.pt"})

@@ -37,12 +37,31 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
             f"--kv-cache-dtype int2 serves MHA/GQA models; {geometry.model_type!r} uses MLA attention "
             f"(latent c_kv), which the INT2 server does not support yet; use --kv-cache-dtype auto"
         )
+    if len(geometry.layers) < geometry.num_hidden_layers:
+        raise ValueError(
+            f"--kv-cache-dtype int2 serves models whose layers all use attention; {geometry.model_type!r} has "
+            f"{geometry.num_hidden_layers - len(geometry.layers)} linear-attention (mamba/GDN) layers, which the INT2 "
+            f"server does not support yet; use --kv-cache-dtype auto"
+        )
+    windows = {layer.sliding_window for layer in geometry.layers}
+    if len(windows) > 1:
+        raise ValueError(
+            f"--kv-cache-dtype int2 does not support models mixing sliding-window and full attention layers yet "
+            f"({geometry.model_type!r}: windows {sorted(w for w in windows if w)}); use --kv-cache-dtype auto"
+        )
     dims = sorted({d for layer in geometry.layers for d in (layer.head_dim_k, layer.head_dim_v)})
     try:
         config.check_head_dims(*dims)
     except ValueError as exc:
         raise ValueError(f"--kv-cache-quant-group-size {config.group_size}: {exc} "
                          f"(the model's head_dims are {dims}); pick a group size dividing them") from exc
+    from ..kernels.layout import Int2Layout
+
+    for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in geometry.layers}):
+        try:
+            Int2Layout.from_config(config, dk, dv)
+        except ValueError as exc:
+            raise ValueError(f"--kv-cache-dtype int2 cannot serve this model: {exc}; use --kv-cache-dtype auto") from exc
     if config.rotation_path is None:
         rs = RotationSet.data_free(geometry)
         if log:

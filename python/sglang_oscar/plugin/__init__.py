@@ -71,7 +71,7 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
         if "--kv-cache-dtype" in action.option_strings and action.choices is not None:
             if INT2 not in action.choices:
                 action.choices = list(action.choices) + [INT2]
-            action.help = (action.help or "") + " 'int2': OSCAR 2-bit KV cache (sglang-oscar)."
+            action.help = (action.help or "").rstrip() + " | int2: OSCAR 2-bit KV cache (sglang-oscar)."
     add_flags(parser)
     return result
 
@@ -81,7 +81,7 @@ def _around_from_cli_args(original_fn, cls, args, *rest, **kwargs):
     if getattr(args, "kv_cache_dtype", None) != INT2:
         given = [f.option for f in FLAGS if values[f.dest] is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} only apply with --kv-cache-dtype int2; add it or drop these flags")
+            raise ValueError(f"{', '.join(given)}: OSCAR flags apply only with --kv-cache-dtype int2; add it or drop them")
         return original_fn(cls, args, *rest, **kwargs)
     config, notes = resolve_config(values)
     for note in notes:
@@ -141,10 +141,17 @@ def preflight(server_args) -> None:
 
     config = oscar_config_of(server_args)
     try:
-        geometry = model_geometry(server_args.model_path)
-    except Exception as exc:  # config unreadable: SGLang reports it itself when loading
-        logger.warning("sglang-oscar: could not read the model config for the rotation check: %s", exc)
-        return
+        geometry = model_geometry(server_args.model_path)  # a local directory: just its config.json
+    except FileNotFoundError:
+        # a hub id (or another source SGLang resolves): read the config the way SGLang does
+        from sglang.srt.configs.model_config import ModelConfig
+
+        try:
+            hf_config = ModelConfig.from_server_args(server_args).hf_text_config
+        except Exception as exc:  # noqa: BLE001  SGLang reports an unreadable model itself
+            logger.warning("sglang-oscar: could not read the model config for the int2 checks: %s", exc)
+            return
+        geometry = model_geometry(hf_config)
     served_rotation_set(config, geometry, log=False)
 
 

@@ -123,14 +123,20 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
         notes.append(f"using environment alias {f.env}={env_val!r} for {f.option}")
     if values.get("oscar_rotation") is None:
         k_path, v_path = env.get(K_ROTATION_ENV) or None, env.get(V_ROTATION_ENV) or None
-        if bool(k_path) != bool(v_path):
-            have, miss = (K_ROTATION_ENV, V_ROTATION_ENV) if k_path else (V_ROTATION_ENV, K_ROTATION_ENV)
-            raise ValueError(
-                f"{have} is set but {miss} is not: the upstream aliases name the K and V .pt files and need both; "
-                "or convert them with `sglang-oscar convert --k K.pt --v V.pt --out FILE` and pass --oscar-rotation FILE"
-            )
         if k_path and k_path.endswith(".pt"):
+            if not v_path:
+                raise ValueError(
+                    f"{K_ROTATION_ENV} is a .pt file but {V_ROTATION_ENV} is not set: the upstream aliases name the K "
+                    "and V .pt files and need both; or convert them with `sglang-oscar convert --k K.pt --v V.pt "
+                    "--out FILE` and pass --oscar-rotation FILE"
+                )
             kwargs["rotation_path"], kwargs["rotation_v_path"] = k_path, v_path
+        elif v_path:
+            raise ValueError(
+                f"{V_ROTATION_ENV} is set but {K_ROTATION_ENV} is not an upstream K .pt file"
+                f" ({k_path!r}): set both to the K and V .pt files, or only {K_ROTATION_ENV} (or --oscar-rotation) "
+                "to a rotation file or directory"
+            )
     return OscarConfig(**kwargs), notes
 
 

@@ -3,7 +3,8 @@
 Each rule names the ``ServerArgs`` field, the flag a user typed, and what to do instead. The
 check runs in an AFTER hook on ``ServerArgs.__post_init__`` (CLI, ``sglang serve`` and the
 offline ``Engine`` all pass there), so an int2 launch stops before any weights load.
-Source of the list: ../shared/sglang_integration.md §7.
+Source of the list: the SGLang 0.5.16 features that read or write KV rows outside the INT2 path
+(speculative decoding, PD transfer, host caches, context/pipeline parallelism, other backends).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ REFUSALS = (
     Refusal("enable_two_batch_overlap", "--enable-two-batch-overlap", _truthy, "drop the flag"),
     Refusal("enable_pdmux", "--enable-pdmux", _truthy, "drop the flag"),
     Refusal("dcp_size", "--dcp-size", lambda v: v not in (None, 1), "decode context parallelism uses masked BF16 writes; use --dcp-size 1"),
+    Refusal("attn_cp_size", "--attn-cp-size", lambda v: v not in (None, 1),
+            "context parallelism writes KV through SGLang's BF16 path; use --attn-cp-size 1"),
+    Refusal("enable_prefill_cp", "--enable-prefill-cp", _truthy, "drop the flag"),
     Refusal("pp_size", "--pp-size", lambda v: v not in (None, 1), "use tensor parallelism (--tp-size) instead of pipeline parallelism"),
     Refusal("enable_deterministic_inference", "--enable-deterministic-inference", _truthy, "drop the flag"),
     Refusal("enable_torch_compile", "--enable-torch-compile", _truthy, "drop the flag"),
