@@ -93,11 +93,13 @@ class HPWindows:
             return
         pending, self._pending = self._pending, []
         slots = torch.cat([s.reshape(-1).to(device=self.device, dtype=torch.int64) for s in pending])
-        # a slot freed twice in one step must return its row once (never push a row twice)
-        slots = torch.unique(slots)
-        slots = slots[(slots > 0) & (slots < self.num_slots)]
+        # static shapes only (no host sync): out-of-range slots go to the dummy entry, and a slot
+        # freed twice in one step returns its row once (sorted, later copies masked)
+        slots, _ = torch.sort(torch.where((slots > 0) & (slots < self.num_slots), slots, self.num_slots))
+        first = torch.ones_like(slots, dtype=torch.bool)
+        first[1:] = slots[1:] != slots[:-1]
         rows = self.row_of_slot[slots]
-        has = rows >= 0
+        has = (rows >= 0) & first & (slots < self.num_slots)
         rank = torch.cumsum(has.to(torch.int64), 0) - 1
         dst = torch.where(has, self.top + rank, self.sink_rows)  # sink_rows = the dummy entry
         self.free_rows[dst] = torch.where(has, rows, 0)
