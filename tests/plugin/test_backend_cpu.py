@@ -64,10 +64,8 @@ class Served:
         be = object.__new__(OscarTritonAttnBackend)
         be.pool, be.windows, be.layout, be.config = self.pool, self.pool.windows, self.pool.layout, config
         be.rotations = {0: (rk, rv)}
-        be.first_layer_id = 0
         be._hp_rows = None
         be._missed_seen = 0
-        be._missed_host = torch.zeros((), dtype=torch.int64)
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
         be.max_context_len = CTX
         self.be = be

@@ -71,10 +71,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                      if pool.start_layer <= layer.layer_id <= pool.end_layer]
         self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,
                                         layer_ids)
-        self.first_layer_id = min(layer_ids)
         self._hp_rows = None
         self._missed_seen = 0
-        self._missed_host = torch.zeros((), dtype=torch.int64, pin_memory=torch.cuda.is_available())
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
 
     # ------------------------------------------------------------------ per-forward bookkeeping
@@ -100,14 +98,13 @@ class OscarTritonAttnBackend(TritonAttnBackend):
     def _windows_out_of_graph(self) -> None:
         self.windows.process_releases()
         # report sink-arena exhaustion (read back without a sync: the copy lands by the next step)
-        seen = int(self._missed_host)
+        seen = int(self.windows.host_missed)
         if seen > self._missed_seen:
             logger.warning(
                 "sglang-oscar: the BF16 sink arena was full for %d sink tokens so far; they are read "
                 "through INT2. Lower the number of cached prefixes, raise --mem-fraction-static or "
                 "lower --max-running-requests", seen)
             self._missed_seen = seen
-        self._missed_host.copy_(self.windows.missed, non_blocking=True)
         self.windows.publish()
 
     def init_forward_metadata(self, forward_batch):

@@ -90,7 +90,7 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
         return original_fn(self, pre_model_load_memory, *args, **kwargs)
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
-    from ..pool.sizing import hp_row_bytes, int2_cell_size, plan_windows
+    from ..pool.sizing import WINDOW_BUDGET_SHARE, hp_row_bytes, int2_cell_size, plan_windows
 
     config = _config(self.server_args)
     heads, d, dv = _geometry(self)
@@ -104,10 +104,10 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
     pool_config = create_memory_pool_configurator(self).finalize_with_max_running_requests(pool_config)
     pool_config.mem_fraction_static = self.server_args.mem_fraction_static
     cell = int2_cell_size(config, heads, d, dv, layers)
-    bf16 = layers * heads * (d + dv) * torch.tensor([], dtype=self.model_dtype).element_size()
+    bf16 = row  # a BF16 window row is exactly a BF16 token
     if plan.reduced_from is not None:
         logger.warning("sglang-oscar: --max-running-requests %d reduced to %d so the BF16 windows fit in %.0f%% "
-                       "of the KV budget", plan.reduced_from, plan.max_running_requests, 100 * 0.25)
+                       "of the KV budget", plan.reduced_from, plan.max_running_requests, 100 * WINDOW_BUDGET_SHARE)
     logger.info(
         "sglang-oscar: INT2 KV cache: %d bytes/token (BF16: %d, %.2fx fewer); INT2 tokens: %d (%.2f GiB); "
         "BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",

@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from ..config import OscarConfig
 from ..kernels import write_kv
 from ..kernels.layout import Int2Layout
+from .sizing import hp_row_bytes
 from .windows import HPWindows
 
 
@@ -101,8 +102,8 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
 
     def hp_bytes(self) -> int:
         """Bytes of the BF16 window arenas (sink rows + recent rings, all layers)."""
-        per_row = self.head_num * (self.head_dim + self.v_head_dim) * torch.tensor([], dtype=self.hp_dtype).element_size()
-        return self.layer_num * self.windows.num_rows * per_row
+        return self.windows.num_rows * hp_row_bytes(self.head_num, self.head_dim, self.v_head_dim, self.layer_num,
+                                                    self.hp_dtype)
 
     # ------------------------------------------------------------------ packed access
     def int2_buffers(self, layer_id: int):

@@ -16,6 +16,7 @@ import torch
 
 from ..config import OscarConfig
 from ..kernels.layout import Int2Layout
+from ..quant.bits import bytes_per_token_per_head
 
 # Sink-arena rows per request slot, in units of ``sink``: room for the running requests' sinks
 # plus prefixes kept by the radix cache (each distinct cached sequence start holds ``sink`` rows).
@@ -36,10 +37,9 @@ def int2_cell_size(config: OscarConfig, num_kv_heads: int, head_dim: int, v_head
     Raises:
         ValueError: unsupported head_dim / group size combination.
     """
-    layout = Int2Layout.from_config(config, head_dim, v_head_dim)
-    sb = layout.scale_dtype.itemsize
-    per_head = (head_dim // 4 + 2 * layout.k.num_groups * sb) + (v_head_dim // 4 + 2 * layout.v.num_groups * sb)
-    return num_layers * num_kv_heads * per_head
+    Int2Layout.from_config(config, head_dim, v_head_dim)  # the kernels must support the geometry
+    return num_layers * num_kv_heads * bytes_per_token_per_head(head_dim, v_head_dim, config.group_size,
+                                                                config.scale_dtype)
 
 
 def hp_row_bytes(num_kv_heads: int, head_dim: int, v_head_dim: int, num_layers: int, hp_dtype: torch.dtype) -> int:

@@ -73,8 +73,10 @@ class HPWindows:
             self.hp_index[:, sink:sink + recent] = ring
         self.sink_lens = torch.zeros((max_reqs,), **i32)
         self._pending: list[torch.Tensor] = []
-        # host view of the free-row count, refreshed without a sync by publish() each forward
-        self.host_free = torch.full((), sink_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # host views of the free-row and missed counts, refreshed without a sync by publish()
+        pin = self.device.type == "cuda"
+        self.host_free = torch.full((), sink_rows, dtype=torch.int64, pin_memory=pin)
+        self.host_missed = torch.zeros((), dtype=torch.int64, pin_memory=pin)
         self.low_watermark = max(8 * sink, sink_rows // 8)
         self._cooldown = 0
 
@@ -116,8 +118,10 @@ class HPWindows:
         self.host_free.fill_(self.sink_rows)
 
     def publish(self) -> None:
-        """Copy the free-row count to :attr:`host_free` (non-blocking; lands by the next step)."""
+        """Copy the free-row and missed counts to :attr:`host_free` / :attr:`host_missed`
+        (non-blocking; they land by the next step)."""
         self.host_free.copy_(self.top, non_blocking=True)
+        self.host_missed.copy_(self.missed, non_blocking=True)
 
     def maybe_reclaim(self, tree_cache) -> int:
         """Evict radix-cache leaves when the sink arena runs low (tier-aware eviction).
