@@ -56,14 +56,11 @@ from sglang_oscar.kernels.launch import AttnTuning, choose_num_splits, plan_head
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256
 
-SWEEP = [
-    dict(convert=2, token_major=True, num_warps=1, block_n=64),
+SWEEP = [  # compared with the default (convert 3, block_n 32, one warp; docs/kernels.md)
+    dict(convert=2, token_major=True, num_warps=1, block_n=64),  # the default before 2026-11-30
+    dict(convert=3, token_major=True, num_warps=1, block_n=16, num_stages=3),
     dict(convert=3, token_major=True, num_warps=1, block_n=64),
-    dict(convert=3, token_major=True, num_warps=1, block_n=32),
-    dict(convert=2, token_major=True, num_warps=2, block_n=64),
     dict(convert=2, token_major=False, num_warps=1, block_n=64, min_block_h=4),
-    dict(convert=1, token_major=True, num_warps=1, block_n=64),
-    dict(convert=2, token_major=True, num_warps=4, block_n=128),
 ]
 
 
@@ -341,7 +338,7 @@ def main(argv=None) -> int:
                 r = {"ctx": ctx, "batch": bsz}
                 _, _, bpk, _ = plan_head_blocks(HQ, HKV, default_tuning["min_block_h"], default_tuning["max_block_h"])
                 ns = choose_num_splits(bsz, HKV * bpk, device=device, max_seq_len=ctx,
-                                       block_n=default_tuning["block_n"], waves=8.0 / default_tuning["num_warps"])
+                                       block_n=default_tuning["block_n"])
                 ws = decode_workspace(bsz, HQ, D, ns + decode_num_hp_splits(SINK, RECENT), device)
                 out = torch.empty(bsz, HQ, D, dtype=torch.bfloat16, device=device)
                 ref = case.run_int2(num_kv_splits=ns, workspace=ws, out=out).float().clone()

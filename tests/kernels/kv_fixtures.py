@@ -94,8 +94,11 @@ def make_config(*, group_size=None, quantizer="uniform", scale_dtype="float16", 
 
 def build_pool(lens, hkv, dk, dv, config: OscarConfig, *, hp_dtype=torch.bfloat16, per_head_rotation=False,
                window_mode="decode", extra_slots=13, max_reqs=None, max_ctx=None, index_dtype=torch.int32,
-               write_with_kernel=False, device="cpu") -> Pool:
-    """Pool holding ``len(lens)`` requests of lengths ``lens`` (HP rows as a decode step sees them)."""
+               write_with_kernel=False, device="cpu", rows=None) -> Pool:
+    """Pool holding ``len(lens)`` requests of lengths ``lens`` (HP rows as a decode step sees them).
+
+    ``rows(t, h, d, device)`` makes the K/V rows (default :func:`random_rows`)."""
+    rows_fn = rows or random_rows
     layout = Int2Layout.from_config(config, dk, dv)
     sink, recent = config.sink_tokens, config.recent_tokens
     rot_k = random_rotation(dk, hkv if per_head_rotation else None, device)
@@ -120,8 +123,8 @@ def build_pool(lens, hkv, dk, dv, config: OscarConfig, *, hp_dtype=torch.bfloat1
     ks, vs, caches = [], [], []
     si = hi = 0
     for r, L in enumerate(lens):
-        k = random_rows(L, hkv, dk, device)
-        v = random_rows(L, hkv, dv, device)
+        k = rows_fn(L, hkv, dk, device)
+        v = rows_fn(L, hkv, dv, device)
         cache = build_cache(k, v, rot_k, rot_v, config, hp_dtype)
         ks.append(k)
         vs.append(v)

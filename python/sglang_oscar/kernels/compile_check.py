@@ -48,7 +48,7 @@ def compile_launch(kernel, args: tuple, kwargs: dict):
     from triton.compiler import ASTSource
 
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg") if k in kwargs}
     names = kernel.arg_names
     bound = dict(zip(names, args))
     bound.update(kwargs)

@@ -32,9 +32,10 @@ from .tiles import (
     hp_scores,
     hp_values,
     int2_scores,
-    int2_scores_t,
+    int2_scores_t_loaded,
     int2_values,
-    int2_values_t,
+    int2_values_t_loaded,
+    load_int2_block_t,
     load_int2_slots,
     load_q_quarter,
     load_qt_quarter,
@@ -153,12 +154,15 @@ def _decode_stage1(
             ref = 0.0
             for n0 in tl.range(lo, hi, BLOCK_N):
                 slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
-                st = int2_scores_t(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, KC_h,
-                                   stride_kcs, KP_h, stride_kps, slots, valid, A4, C0, QK, QKP, LM, OP, PREC, CONVERT)
+                bk, sk, zk, bv, sv, zv = load_int2_block_t(KC_h, stride_kcs, KP_h, stride_kps, VC_h,
+                                                           stride_vcs, VP_h, stride_vps, slots, valid, vslots,
+                                                           vmask, QK, QKP, QV, QVP)
+                st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
+                                          bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT)
                 pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
-                at0, at1, at2, at3, corr, ref = int2_values_t(
-                    pt, alpha, at0, at1, at2, at3, corr, ref, VC_h, stride_vcs, VP_h, stride_vps, slots, valid,
-                    vslots, vmask, A4, RB, C0, QV, QVP, LM, OP, PREC, CONVERT)
+                at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
+                    pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
+                    CONVERT)
             f = ref * A4
             acc0 = tl.trans((at0 + corr[None, :]) * f)
             acc1 = tl.trans((at1 + corr[None, :]) * f)

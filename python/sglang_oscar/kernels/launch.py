@@ -416,37 +416,50 @@ class AttnTuning:
         token_major: decode INT2 tiles with the token axis as the MMA's M dimension
             (``S^T = codes @ q^T``); used only with one (scale, zero) group per K and V row,
             otherwise ignored.
+        maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
+            option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
+            registers per SM: 255 -> 8 warps, 128 -> 16, 96 -> 21, 64 -> 32) at the risk of spills.
     """
 
     __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-                 "token_major")
+                 "token_major", "maxnreg")
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
-                 min_block_h=None, max_block_h=None, token_major=None):
+                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None):
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
         self.num_stages = num_stages
-        self.convert = CONVERT_ASM if convert is None else int(convert)
+        self.convert = None if convert is None else int(convert)
         self.min_block_h = min_block_h
         self.max_block_h = max_block_h or 64
         self.token_major = True if token_major is None else bool(token_major)
+        self.maxnreg = None if maxnreg is None else int(maxnreg)
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
             val = getattr(self, name)
             if val is not None and (val < 1 or val & (val - 1)):
                 raise ValueError(f"tuning {name}={val} must be a power of two")
-        if self.convert not in (CONVERT_ARITH, CONVERT_BITS, CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_PERM_EMULATED):
+        if self.convert not in (None, CONVERT_ARITH, CONVERT_BITS, CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_PERM_EMULATED):
             raise ValueError(f"tuning convert={self.convert} must be 0, 1, 2, 3 or 4")
 
     def resolved(self, head_dim: int, extend: bool = False) -> "AttnTuning":
         """Copy with the unset knobs filled for ``head_dim`` (max of K/V) and the platform.
 
-        GPU decode defaults (from sm_90 SASS instruction counts of the INT2 loop; to be confirmed
-        by scripts/bench_decode.py): one warp per program up to head_dim 128 (no cross-warp
-        softmax reductions), 64 keys per iteration, token-major tiles, q heads padded to 8.
+        GPU decode defaults (H200 sweep, ``scripts/sweep_decode.py``, docs/benchmarks.md): one
+        warp per program up to head_dim 128 (no cross-warp softmax reductions), 32 keys per
+        iteration, the permuting packed conversion (``CONVERT_ASM_PERM``), token-major tiles,
+        q heads padded to 8 -- 168 registers and 18.5 KB of shared memory per program, so ~11
+        programs share an SM (64 keys: 255 registers, 35 KB, 6 programs; 15-20% slower).
+        Elsewhere the conversion defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the
+        interpreter).
         """
         interp = interpreting()
         t = AttnTuning(**self.as_dict())
+        if t.convert is None:
+            t.convert = CONVERT_ASM_PERM if not (interp or extend) else CONVERT_ASM
+
         if interp:
             t.block_n = t.block_n or 16
             t.block_m = t.block_m or 16
@@ -460,7 +473,7 @@ class AttnTuning:
             t.num_stages = t.num_stages or 2
             t.min_block_h = t.min_block_h or 16
         else:
-            t.block_n = t.block_n or 64
+            t.block_n = t.block_n or (32 if head_dim <= 128 else 64)
             t.block_m = t.block_m or 64
             t.num_warps = t.num_warps or max(1, head_dim // 128)
             t.num_stages = t.num_stages or 2
@@ -482,6 +495,10 @@ class AttnTuning:
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
+
+    def launch_options(self) -> dict:
+        """Extra Triton launch options (only those that are set; the interpreter ignores them)."""
+        return {} if self.maxnreg is None or interpreting() else {"maxnreg": self.maxnreg}
 
 
 _TUNING_CACHE: dict = {}
@@ -542,16 +559,25 @@ def _sm_count(device) -> int:
 
 
 def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
-                      block_n: int = 64, waves: float = 2.0, max_splits: int = 160) -> int:
-    """INT2 splits per (request, head block): enough programs for ``waves`` x SMs.
+                      block_n: int = 64, waves: float | None = None, max_splits: int = 256,
+                      min_split_tokens: int = 256) -> int:
+    """INT2 splits per (request, head block): ``ceil(waves x SMs / (batch x head_programs))``.
 
-    Depends only on host constants (batch size, heads, an optional *static* bound on the
-    sequence length such as the server's context length), never on per-step lengths.
+    ``waves`` (programs per SM the grid offers) defaults to 8 when ``batch x head_programs <=
+    16`` (batch 1 of an 8-kv-head model: one wave of ~1,000 programs; more splits measured
+    slower) and 32 otherwise (several full waves; 8-20% faster than 8 at batch 8-32), from the
+    H200 sweep in docs/benchmarks.md. With ``max_seq_len`` (a *static* bound such as the
+    server's context length) a split keeps at least ``min_split_tokens`` keys. Depends only on
+    host constants, never on per-step lengths, so a CUDA graph captured for a batch size stays
+    valid.
     """
     sms = _sm_count(torch.device(device) if device is not None else torch.device("cpu"))
-    ns = math.ceil(waves * sms / max(1, batch * head_programs))
+    programs = max(1, batch * head_programs)
+    if waves is None:
+        waves = 8.0 if programs <= 16 else 32.0
+    ns = math.ceil(waves * sms / programs)
     if max_seq_len is not None:
-        ns = min(ns, max(1, math.ceil(max_seq_len / (2 * block_n))))
+        ns = min(ns, max(1, math.ceil(max_seq_len / max(min_split_tokens, block_n))))
     return int(max(1, min(max_splits, ns)))
 
 
@@ -750,7 +776,7 @@ def decode_attention(
         num_hp_splits = decode_num_hp_splits(sink, recent)
     if num_kv_splits is None:
         num_kv_splits = choose_num_splits(bsz, hkv * bpk, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
-                                          waves=8.0 / tn.num_warps)
+                                          waves=None if tn.num_warps == 1 else 8.0 / tn.num_warps)
     if num_hp_splits < 1 or num_kv_splits < 1:
         raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
     ns = num_hp_splits + num_kv_splits
@@ -805,7 +831,7 @@ def decode_attention(
         HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
         TOKEN_MAJOR=tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1,
         NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
-        num_warps=tn.num_warps, num_stages=tn.num_stages,
+        num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
     )
     nsp = next_pow2(ns)
     _launch(_decode_stage2, (bsz, hq),
@@ -941,7 +967,7 @@ def extend_attention(
             HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, HAS_LSE=return_lse,
             OUT_DT=_tl(o_rot.dtype), IDX64=idx64, BLOCK_M=tn.block_m, BLOCK_N=tn.block_n,
             HAS_SINKL=sink_lens is not None,
-            num_warps=tn.num_warps, num_stages=tn.num_stages,
+            num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
         )
     if rotation_v is None:
         o = o_rot

@@ -31,6 +31,14 @@ pair loads, round to the operand dtype, MMA.
 
 Softmax runs in base 2 (``exp2``); masked keys get ``-inf``; a row with no visible key so far
 keeps ``m = -inf`` and contributes nothing.
+
+Accumulation: the value MMAs of every block start from a zero accumulator and the block's product
+is added to the running fp32 accumulator by an ordinary (round-to-nearest) fp32 ``fma`` (not
+``acc * beta + dot``, which Triton's combine pass folds back into ``dot(.., acc * beta)``). Tensor
+cores truncate the low bits when they accumulate; fed the running accumulator directly, that bias
+grows with the number of blocks a split walks, and the zero-point correction (which cancels most
+of ``sum pw E``) amplifies it: measured on the H200, a 64K-token split of zero-mean random data
+was off by 1-8% (rel. L2) against the same decode cut into many short splits.
 """
 
 from __future__ import annotations
@@ -291,11 +299,15 @@ def int2_values(p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs, V
                 acc2 = acc2 * beta[:, None] + f * (_v_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, z0) + cblk[:, None])
                 acc3 = acc3 * beta[:, None] + f * (_v_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, z0) + cblk[:, None])
             else:
+                # each block's MMA starts from zero and is added in fp32 (round-to-nearest): tensor
+                # cores truncate when they accumulate, which biases a long running sum (see module doc)
                 corr = corr * beta + cblk
-                acc0 = _v_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, acc0 * beta[:, None])
-                acc1 = _v_mma(pw, pwb, bv, 1, LM, OP, PREC, CONVERT, acc1 * beta[:, None])
-                acc2 = _v_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, acc2 * beta[:, None])
-                acc3 = _v_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, acc3 * beta[:, None])
+                z0 = tl.zeros(acc0.shape, tl.float32)
+                bb = tl.broadcast_to(beta[:, None], acc0.shape)
+                acc0 = tl.fma(acc0, bb, _v_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, z0))
+                acc1 = tl.fma(acc1, bb, _v_mma(pw, pwb, bv, 1, LM, OP, PREC, CONVERT, z0))
+                acc2 = tl.fma(acc2, bb, _v_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, z0))
+                acc3 = tl.fma(acc3, bb, _v_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, z0))
         else:
             acc0 = _v_quarter_grouped(acc0, p, beta, new_ref, bv, VP_h, stride_vps, slots, tmask, 0, NGV, A4, RB, C0,
                                       LM, OP, PREC, CONVERT, TRUE_UNITS)
@@ -387,15 +399,34 @@ def load_qt_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexp
 
 
 @triton.jit
-def int2_scores_t(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, KC_h, stride_kcs, KP_h, stride_kps,
-                  slots, tmask, A4, C0, QK: tl.constexpr, QKP: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr,
-                  PREC: tl.constexpr, CONVERT: tl.constexpr):
-    """``S^T [N, M]`` of INT2 keys (fast path, one group per row)."""
+def load_int2_block_t(KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps, slots, tmask, vslots,
+                      vmask, QK: tl.constexpr, QKP: tl.constexpr, QV: tl.constexpr, QVP: tl.constexpr):
+    """Raw loads of one token-major INT2 block (fast path, one pair group per row).
+
+    Returns ``(bk [N, QKP] u8, sk [N], zk [N], bv [QVP, N] u8, sv [N], zv [N])`` in storage dtypes;
+    masked tokens read as code 0 with zero scales. (A register prefetch of these one block ahead was
+    tried on the H200: it removed most long-scoreboard stalls but added layout shuffles, was no
+    faster, and broke the permuting conversion's element order -- docs/benchmarks.md.)
+    """
     jq = tl.arange(0, QKP)
     bk = tl.load(KC_h + slots[:, None] * stride_kcs + jq[None, :],
-                 mask=tmask[:, None] & (jq < QK)[None, :], other=0)  # [N, QKP] uint8
-    sc = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0).to(tl.float32) * A4
-    zk = (tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0).to(tl.float32) - C0) / A4
+                 mask=tmask[:, None] & (jq < QK)[None, :], other=0)
+    sk = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0)
+    zk = tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0)
+    jv = tl.arange(0, QVP)
+    bv = tl.load(VC_h + vslots[None, :] * stride_vcs + jv[:, None],
+                 mask=(jv < QV)[:, None] & vmask[None, :], other=0)
+    sv = tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0)
+    zv = tl.load(VP_h + slots * stride_vps + 1, mask=tmask, other=0.0)
+    return bk, sk, zk, bv, sv, zv
+
+
+@triton.jit
+def int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, bk, sk, zk, A4, C0,
+                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
+    """``S^T [N, M]`` from a loaded block (:func:`load_int2_block_t`)."""
+    sc = sk.to(tl.float32) * A4
+    zc = (zk.to(tl.float32) - C0) / A4
     d = tl.dot(code_operand(bk, 0, OP, False, CONVERT, 1), q0, input_precision=PREC)
     d = tl.dot(code_operand(bk, 1, OP, False, CONVERT, 1), q1, d, input_precision=PREC)
     d = tl.dot(code_operand(bk, 2, OP, False, CONVERT, 1), q2, d, input_precision=PREC)
@@ -406,7 +437,21 @@ def int2_scores_t(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, KC_h, 
         d = tl.dot(code_operand(bk, 2, OP, True, CONVERT, 1), qb2, d, input_precision=PREC)
         d = tl.dot(code_operand(bk, 3, OP, True, CONVERT, 1), qb3, d, input_precision=PREC)
     sqt = sq0 + sq1 + sq2 + sq3
-    return sc[:, None] * (d - zk[:, None] * sqt[None, :])
+    return sc[:, None] * (d - zc[:, None] * sqt[None, :])
+
+
+@triton.jit
+def int2_scores_t(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, KC_h, stride_kcs, KP_h, stride_kps,
+                  slots, tmask, A4, C0, QK: tl.constexpr, QKP: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr,
+                  PREC: tl.constexpr, CONVERT: tl.constexpr):
+    """``S^T [N, M]`` of INT2 keys (fast path, one group per row)."""
+    jq = tl.arange(0, QKP)
+    bk = tl.load(KC_h + slots[:, None] * stride_kcs + jq[None, :],
+                 mask=tmask[:, None] & (jq < QK)[None, :], other=0)  # [N, QKP] uint8
+    sk = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0)
+    zk = tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0)
+    return int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, bk, sk, zk, A4, C0,
+                                LM, OP, PREC, CONVERT)
 
 
 @triton.jit
@@ -435,6 +480,29 @@ def _vt_mma(pw, pwb, bv, K: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr, PR
 
 
 @triton.jit
+def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, zvr, tmask, A4, RB, C0,
+                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
+    """Transposed :func:`int2_values` (fast path, one group per row, running-reference units) on a
+    loaded block: ``acc_k^T [QVP, M]``, ``p [N, M]``, ``bv [QVP, N]`` (token order permuted for the
+    permuting conversion), ``svr``/``zvr`` ``[N]`` in storage dtype. Returns ``(acc0..3, corr, ref)``."""
+    sv = svr.to(tl.float32)
+    zv = zvr.to(tl.float32)
+    new_ref = tl.maximum(tl.maximum(ref, tl.max(sv, axis=0)), 1e-30)
+    beta = alpha * (ref / new_ref)
+    pw = round_to(p * (sv / new_ref)[:, None], OP)
+    pwf = pw.to(tl.float32)
+    pwb = round_to(pwf * RB, OP)
+    corr = corr * beta + tl.sum(pwf * ((C0 - zv) / A4)[:, None], axis=0)
+    b = tl.broadcast_to(beta[None, :], acc0.shape)
+    z0 = tl.zeros(acc0.shape, tl.float32)  # fresh MMA per block, fp32 fma (see the module doc)
+    acc0 = tl.fma(acc0, b, _vt_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, z0))
+    acc1 = tl.fma(acc1, b, _vt_mma(pw, pwb, bv, 1, LM, OP, PREC, CONVERT, z0))
+    acc2 = tl.fma(acc2, b, _vt_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, z0))
+    acc3 = tl.fma(acc3, b, _vt_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, z0))
+    return acc0, acc1, acc2, acc3, corr, new_ref
+
+
+@triton.jit
 def int2_values_t(p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs, VP_h, stride_vps, slots, tmask,
                   vslots, vmask, A4, RB, C0, QV: tl.constexpr, QVP: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr,
                   PREC: tl.constexpr, CONVERT: tl.constexpr):
@@ -444,17 +512,7 @@ def int2_values_t(p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs,
     jv = tl.arange(0, QVP)
     bv = tl.load(VC_h + vslots[None, :] * stride_vcs + jv[:, None],
                  mask=(jv < QV)[:, None] & vmask[None, :], other=0)  # [QVP, N] uint8
-    sv = tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0).to(tl.float32)
-    zv = tl.load(VP_h + slots * stride_vps + 1, mask=tmask, other=0.0).to(tl.float32)
-    new_ref = tl.maximum(tl.maximum(ref, tl.max(sv, axis=0)), 1e-30)
-    beta = alpha * (ref / new_ref)
-    pw = round_to(p * (sv / new_ref)[:, None], OP)
-    pwf = pw.to(tl.float32)
-    pwb = round_to(pwf * RB, OP)
-    corr = corr * beta + tl.sum(pwf * ((C0 - zv) / A4)[:, None], axis=0)
-    b = beta[None, :]
-    acc0 = _vt_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, acc0 * b)
-    acc1 = _vt_mma(pw, pwb, bv, 1, LM, OP, PREC, CONVERT, acc1 * b)
-    acc2 = _vt_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, acc2 * b)
-    acc3 = _vt_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, acc3 * b)
-    return acc0, acc1, acc2, acc3, corr, new_ref
+    sv = tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0)
+    zv = tl.load(VP_h + slots * stride_vps + 1, mask=tmask, other=0.0)
+    return int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, sv, zv, tmask, A4, RB, C0,
+                                LM, OP, PREC, CONVERT)

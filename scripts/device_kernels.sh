@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for the kernel work of issue 3 (no sglang needed): GPU kernel tests, the
+# tuning/splits sweep and ncu issue-stall metrics of the default decode kernel at 128K x batch 1.
+#   bash scripts/device_kernels.sh [tests|sweep|ncu ...]   (default: all three; results in $OUT)
+set -u
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
+steps="${*:-tests sweep ncu}"
+grid='[{}, {"convert": 2, "block_n": 64}, {"convert": 3, "block_n": 16, "num_stages": 3}]'
+grid="${SWEEP_GRID:-$grid}"
+tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
+for s in $steps; do
+  case "$s" in
+    tests)
+      timeout 330 python -m pytest -q -m gpu tests/kernels -k "decode or extend" -p no:cacheprovider \
+        > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log";;
+    sweep)
+      timeout 240 python scripts/sweep_decode.py --contexts "${SWEEP_CONTEXTS:-4096,32768,131072}" \
+        --batches "${SWEEP_BATCHES:-1,8,32}" --waves "${SWEEP_WAVES:-8,32}" \
+        --grid "$grid" \
+        --out "$OUT/sweep.md" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?";;
+    ncu)
+      timeout 150 ncu --clock-control none -k regex:_decode_stage1 -s 5 -c 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+        --section WarpStateStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python scripts/sweep_decode.py --profile "$tuning" --waves 8 --contexts 131072 --batches 1 \
+        > "$OUT/ncu.txt" 2>&1; echo "ncu rc=$?";;
+  esac
+done
