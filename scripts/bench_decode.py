@@ -58,6 +58,7 @@ SINK, RECENT = 64, 256
 
 SWEEP = [  # compared with the default (convert 3, block_n 32, one warp; docs/kernels.md)
     dict(convert=2, token_major=True, num_warps=1, block_n=64),  # the default before 2026-11-30
+    dict(convert=3, token_major=True, num_warps=1, block_n=32, pairs_ahead=True),  # untimed as of 2026-11-30
     dict(convert=3, token_major=True, num_warps=1, block_n=16, num_stages=3),
     dict(convert=3, token_major=True, num_warps=1, block_n=64),
     dict(convert=2, token_major=False, num_warps=1, block_n=64, min_block_h=4),
@@ -438,9 +439,18 @@ def write_flush_cost(case: Case, layout: Int2Layout, device, smoke: bool, decode
         out["flush_ms"] = bench(lambda: flush_hp_rows(case.hp_k, case.hp_v, src, dst, case.k_codes, case.k_pairs,
                                                       case.v_codes, case.v_pairs, layout, debug=False,
                                                       validate=False), smoke)
+        # fewer rows per program (more, smaller programs) -- a tuning knob, default unchanged
+        for r in (1, 2, 4):
+            out[f"write_ms_r{r}"] = bench(lambda r=r: write_kv(
+                k, v, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, layout, hp_rows=hp_rows,
+                hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False, rows_per_program=r), smoke)
+            out[f"flush_ms_r{r}"] = bench(lambda r=r: flush_hp_rows(
+                case.hp_k, case.hp_v, src, dst, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, layout,
+                debug=False, validate=False, rows_per_program=r), smoke)
         out["write_flush_batch"] = b
         out["write_flush_ctx"] = case.ctx
         out["write_flush_frac"] = (out["write_ms"] + out["flush_ms"]) / decode_ms
+        out["write_flush_decode_ms"] = decode_ms
     except Exception as e:  # noqa: BLE001
         out["write_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -494,6 +504,12 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
             f"flush of {extra['write_flush_batch']} rows: {fmt_ms(extra['flush_ms'])}; together "
             f"{extra['write_flush_frac'] * 100:.1f}% of the INT2 decode step at batch {extra['write_flush_batch']}, "
             f"ctx {extra['write_flush_ctx']} (per layer).")
+        rs = [r for r in (1, 2, 4) if extra.get(f"write_ms_r{r}") is not None]
+        if rs:
+            best = min(extra[f"write_ms_r{r}"] + extra[f"flush_ms_r{r}"] for r in rs)
+            lines.append("Rows per program (write / flush): " + "; ".join(
+                f"{r}: {fmt_ms(extra[f'write_ms_r{r}'])} / {fmt_ms(extra[f'flush_ms_r{r}'])}" for r in rs)
+                + f"; best together {best / extra['write_flush_decode_ms'] * 100:.1f}% of the step.")
     elif extra.get("write_error"):
         lines.append(f"Write/flush timing failed: {extra['write_error']}")
     sweep_keys = sorted({k for r in rows for k in r.get("sweep", {})})

@@ -6,7 +6,7 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep ncu}"
-grid='[{}, {"convert": 2, "block_n": 64}, {"convert": 3, "block_n": 16, "num_stages": 3}]'
+grid='[{}, {"pairs_ahead": true}, {"pairs_ahead": true, "block_n": 64}, {"convert": 2, "block_n": 64}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do

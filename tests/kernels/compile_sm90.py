@@ -27,7 +27,7 @@ from sglang_oscar.kernels import (  # noqa: E402
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
 
 
-def _write(dk, dv, group, quantizer, sdt, hp_dtype=torch.bfloat16):
+def _write(dk, dv, group, quantizer, sdt, hp_dtype=torch.bfloat16, **kw):
     lay = Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92, quantizer=quantizer,
                             scale_dtype=sdt)
     n, h = 8, 4
@@ -37,7 +37,7 @@ def _write(dk, dv, group, quantizer, sdt, hp_dtype=torch.bfloat16):
     hp_k = torch.zeros(8, h, dk, dtype=hp_dtype)
     hp_v = torch.zeros(8, h, dv, dtype=hp_dtype)
     write_kv(k, v, torch.arange(n), buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], lay,
-             hp_rows=torch.arange(n), hp_k=hp_k, hp_v=hp_v)
+             hp_rows=torch.arange(n), hp_k=hp_k, hp_v=hp_v, **kw)
     return lay, buf, hp_k, hp_v
 
 
@@ -59,6 +59,7 @@ def _attn(kind, dk=128, dv=128, hq=32, hkv=8, group=None, quantizer="uniform", s
 
 CASES = [
     ("write d128 uniform", lambda: _write(128, 128, None, "uniform", "float16")),
+    ("write d128 one row per program", lambda: _write(128, 128, None, "uniform", "float16", rows_per_program=1)),
     ("write d192/128 lloyd grouped", lambda: _write(192, 128, 64, "lloyd-max", "bfloat16")),
     ("write d512 g128 fp32-scales", lambda: _write(512, 512, 128, "uniform", "float32")),
     ("flush + dequant d128", None),
@@ -66,6 +67,7 @@ CASES = [
     ("decode asm", lambda: _attn("d", tuning=dict(convert=2))),
     ("decode arith", lambda: _attn("d", tuning=dict(convert=0))),
     ("decode asm-perm token-major", lambda: _attn("d", tuning=dict(convert=3, token_major=True))),
+    ("decode asm-perm pairs ahead", lambda: _attn("d", tuning=dict(convert=3, block_n=32, pairs_ahead=True))),
     ("decode asm-perm head-major lloyd", lambda: _attn("d", quantizer="lloyd-max",
                                                        tuning=dict(convert=3, token_major=False, num_warps=4))),
     ("decode asm lloyd g64 (fast grouped)", lambda: _attn("d", group=64, quantizer="lloyd-max", tuning=dict(convert=2))),

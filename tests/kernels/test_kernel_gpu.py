@@ -126,7 +126,8 @@ def _zero_mean_rows(t, h, d, device):
     return torch.randn(t, h, d, device=device)
 
 
-@pytest.mark.parametrize("tuning", [None, dict(convert=2, block_n=64), dict(convert=1, token_major=False)])
+@pytest.mark.parametrize("tuning", [None, dict(convert=2, block_n=64), dict(convert=1, token_major=False),
+                                    dict(pairs_ahead=True)])
 def test_gpu_decode_long_split_independent_of_split_count(tuning):
     """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
 
@@ -147,7 +148,7 @@ def test_gpu_decode_long_split_independent_of_split_count(tuning):
     assert rel_l2(outs[1], outs[64]) < 5e-3, (errs, rel_l2(outs[1], outs[64]))
 
 
-TUNINGS = [
+TUNINGS = [dict(convert=3, block_n=32, pairs_ahead=True), dict(convert=2, block_n=64, pairs_ahead=True)] + [
     dict(convert=c, token_major=tm, num_warps=w, block_n=bn, min_block_h=mh)
     for c, tm, w, bn, mh in (
         (0, True, 1, 64, 8), (1, True, 1, 64, 8), (2, True, 1, 64, 8), (3, True, 1, 64, 8), (3, True, 1, 32, 8),

@@ -147,9 +147,12 @@ def test_rotate_and_write_matches_build_cache():
     _assert_pairs_equal(buf["v_pairs"][loc], cache.v_quant.pairs, "V pairs")
 
 
-@pytest.mark.parametrize("quantizer,group,sdt", [("uniform", None, "float16"), ("lloyd-max", 32, "float32")])
-def test_flush_equals_direct_write(quantizer, group, sdt):
-    """Rows written to HP (fused copy), later flushed to other slots, give the direct write's bytes."""
+@pytest.mark.parametrize("quantizer,group,sdt,rpp", [("uniform", None, "float16", None),
+                                                     ("lloyd-max", 32, "float32", None),
+                                                     ("uniform", None, "bfloat16", 1), ("lloyd-max", 64, "float16", 4)])
+def test_flush_equals_direct_write(quantizer, group, sdt, rpp):
+    """Rows written to HP (fused copy), later flushed to other slots, give the direct write's bytes
+    (``rpp``: the rows-per-program knob of both kernels; the bytes equal quantize_rows either way)."""
     fresh_seed()
     n, h, d = 10, 2, 128
     layout = Int2Layout.create(d, d, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92,
@@ -165,11 +168,15 @@ def test_flush_equals_direct_write(quantizer, group, sdt):
     hp_rows = torch.randperm(n + 2)[:n]
     direct = torch.arange(n)
     write_kv(k, v, direct, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
-             hp_rows=hp_rows, hp_k=hp_k, hp_v=hp_v)
+             hp_rows=hp_rows, hp_k=hp_k, hp_v=hp_v, rows_per_program=rpp)
+    if rpp is not None:
+        kq = quantize_rows(k, group_size=group, clip_ratio=0.96, quantizer=quantizer, scale_dtype=sdt)
+        assert torch.equal(buf["k_codes"][direct], kq.codes)
     # flush plan with -1 padding (fixed size), destinations elsewhere
     src = torch.cat([hp_rows, torch.tensor([-1, 3])]).to(torch.int32)
     dst = torch.cat([n + torch.randperm(n), torch.tensor([5, -1])])
-    flush_hp_rows(hp_k, hp_v, src, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
+    flush_hp_rows(hp_k, hp_v, src, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
+                  rows_per_program=rpp)
     dflush = dst[:n]
     for name in buf:
         a = buf[name][direct].view(torch.uint8)
@@ -201,3 +208,13 @@ def test_dequantize_slots(d, group, quantizer, sdt, out_dtype):
     exp = dequantize_rows(qr, out_dtype=out_dtype)
     assert torch.equal(out[:n], exp)
     assert bool((out[n] == 0).all())
+
+
+@pytest.mark.parametrize("rpp", [0, 3, 128])
+def test_rows_per_program_must_be_a_power_of_two(rpp):
+    layout = Int2Layout.create(64, 64, k_clip_ratio=0.96, v_clip_ratio=0.92)
+    buf = layout.allocate(4, 1, "cpu")
+    k = torch.randn(2, 1, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        write_kv(k, k, torch.arange(2), buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
+                 rows_per_program=rpp)

@@ -35,7 +35,8 @@ from .tiles import (
     int2_scores_t_loaded,
     int2_values,
     int2_values_t_loaded,
-    load_int2_block_t,
+    load_int2_codes_t,
+    load_int2_pairs_t,
     load_int2_slots,
     load_q_quarter,
     load_qt_quarter,
@@ -60,7 +61,7 @@ def _decode_stage1(
     QV: tl.constexpr, QVP: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr, V_FAST: tl.constexpr,
     LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IDX64: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    NS_HP, NS_Q, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False,
+    NS_HP, NS_Q, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False, PAIRS_AHEAD: tl.constexpr = False,
 ):
     PERM: tl.constexpr = CONVERT >= 3
     b = tl.program_id(0)
@@ -152,17 +153,42 @@ def _decode_stage1(
             at3 = tl.zeros([QVP, BLOCK_H], tl.float32)
             corr = tl.zeros([BLOCK_H], tl.float32)
             ref = 0.0
-            for n0 in tl.range(lo, hi, BLOCK_N):
-                slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
-                bk, sk, zk, bv, sv, zv = load_int2_block_t(KC_h, stride_kcs, KP_h, stride_kps, VC_h,
-                                                           stride_vcs, VP_h, stride_vps, slots, valid, vslots,
-                                                           vmask, QK, QKP, QV, QVP)
-                st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
-                                          bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT)
-                pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
-                at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
-                    pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
-                    CONVERT)
+            if PAIRS_AHEAD:
+                # The code tiles go through Triton's software pipeline (asynchronous copies, addresses
+                # from the in-loop slot load); the (scale, zero) loads do not (they feed no dot), so
+                # here they are prefetched by hand: slot ids two blocks ahead, pairs one block ahead,
+                # so that no iteration waits a full memory latency for them (ncu of the default:
+                # 59% of the stall cycles on long_scoreboard). Not yet timed on the GPU.
+                slots, valid, vslots, vmask = load_int2_slots(r2t, lo, hi, BLOCK_N, IDX64, False)
+                sk, zk, sv, zv = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, valid)
+                slots1, valid1, vslots1, vmask1 = load_int2_slots(r2t, lo + BLOCK_N, hi, BLOCK_N, IDX64, False)
+                for n0 in tl.range(lo, hi, BLOCK_N):
+                    slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
+                    bk, bv = load_int2_codes_t(KC_h, stride_kcs, VC_h, stride_vcs, slots, valid, vslots, vmask,
+                                               QK, QKP, QV, QVP)
+                    slots2, valid2, vslots2, vmask2 = load_int2_slots(r2t, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64,
+                                                                      False)
+                    sk1, zk1, sv1, zv1 = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots1, valid1)
+                    st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
+                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT)
+                    pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
+                    at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
+                        pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
+                        CONVERT)
+                    sk, zk, sv, zv = sk1, zk1, sv1, zv1
+                    slots1, valid1 = slots2, valid2
+            else:
+                for n0 in tl.range(lo, hi, BLOCK_N):
+                    slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
+                    bk, bv = load_int2_codes_t(KC_h, stride_kcs, VC_h, stride_vcs, slots, valid, vslots, vmask,
+                                               QK, QKP, QV, QVP)
+                    sk, zk, sv, zv = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, valid)
+                    st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
+                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT)
+                    pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
+                    at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
+                        pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
+                        CONVERT)
             f = ref * A4
             acc0 = tl.trans((at0 + corr[None, :]) * f)
             acc1 = tl.trans((at1 + corr[None, :]) * f)

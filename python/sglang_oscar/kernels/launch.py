@@ -106,6 +106,16 @@ def _rows_per_program(layout: Int2Layout, num_rows: int) -> int:
     return max(1, min(r, next_pow2(max(num_rows, 1))))
 
 
+def _check_rows_per_program(r):
+    """``None`` or a validated power of two in [1, 64] (raises ValueError)."""
+    if r is None:
+        return None
+    r = int(r)
+    if r < 1 or r > 64 or r & (r - 1):
+        raise ValueError(f"rows_per_program={r} must be a power of two in [1, 64]")
+    return r
+
+
 def _check_int2_buffers(layout: Int2Layout, k_codes, k_pairs, v_codes, v_pairs, heads, device):
     check_tensor(k_codes, "k_codes", ndim=3, dtypes=torch.uint8, device=device,
                  shape=(None, heads, layout.k.head_dim // 4), last_contiguous=True)
@@ -153,6 +163,7 @@ def write_kv(
     hp_v: torch.Tensor | None = None,
     debug: bool | None = None,
     validate: bool = True,
+    rows_per_program: int | None = None,
 ) -> None:
     """Quantize rotated rows and scatter them into the INT2 buffers at ``loc``.
 
@@ -168,6 +179,10 @@ def write_kv(
         debug: check index ranges and finiteness (host sync); default ``SGLANG_OSCAR_DEBUG``.
         validate: shape/dtype/device checks (pure Python, no sync); ``False`` skips them on hot
             paths whose arguments were validated once (saves tens of microseconds of CPU).
+        rows_per_program: (token, head) rows quantized per program, a power of two <= 64
+            (default :func:`_rows_per_program`: tiles of ~2K elements). Fewer rows per program
+            give more, smaller programs (one warp per row at 1); a tuning knob for small decode
+            batches, timed by ``scripts/bench_decode.py``.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, or (debug) out-of-range indices / non-finite rows.
@@ -186,7 +201,7 @@ def write_kv(
             check_range(hp_rows, "hp_rows", 0, hp_k.shape[0], allow_negative=True)
     if n == 0:
         return
-    r = _rows_per_program(layout, n * h)
+    r = _check_rows_per_program(rows_per_program) or _rows_per_program(layout, n * h)
     vv = v if has_v else k
     vc = v_codes if has_v else k_codes
     vp = v_pairs if has_v else k_pairs
@@ -277,6 +292,7 @@ def flush_hp_rows(
     *,
     debug: bool | None = None,
     validate: bool = True,
+    rows_per_program: int | None = None,
 ) -> None:
     """Quantize HP rows ``hp_k[src_rows]`` (and V) into INT2 slots ``dst_loc``; no host sync.
 
@@ -285,7 +301,7 @@ def flush_hp_rows(
         src_rows: int ``[M]`` HP row indices; dst_loc: int ``[M]`` INT2 slots. An entry with
             either index negative is skipped (fixed-size plans can pad with -1).
 
-        validate: as :func:`write_kv`.
+        validate, rows_per_program: as :func:`write_kv`.
 
     Raises:
         ValueError: as :func:`write_kv`.
@@ -300,7 +316,7 @@ def flush_hp_rows(
         check_range(dst_loc, "dst_loc", 0, k_codes.shape[0], allow_negative=True)
     if m == 0:
         return
-    r = _rows_per_program(layout, m * h)
+    r = _check_rows_per_program(rows_per_program) or _rows_per_program(layout, m * h)
     vv = hp_v if has_v else hp_k
     vc = v_codes if has_v else k_codes
     vp = v_pairs if has_v else k_pairs
@@ -416,16 +432,19 @@ class AttnTuning:
         token_major: decode INT2 tiles with the token axis as the MMA's M dimension
             (``S^T = codes @ q^T``); used only with one (scale, zero) group per K and V row,
             otherwise ignored.
+        pairs_ahead: decode token-major INT2 loop: load each block's (scale, zero) pairs one
+            iteration early by hand (Triton's pipeliner stages only the code tiles, which feed
+            MMAs; the pair loads were synchronous). Off by default until timed on the GPU.
         maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
             registers per SM: 255 -> 8 warps, 128 -> 16, 96 -> 21, 64 -> 32) at the risk of spills.
     """
 
     __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-                 "token_major", "maxnreg")
+                 "token_major", "maxnreg", "pairs_ahead")
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
-                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None):
+                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None):
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
@@ -435,6 +454,7 @@ class AttnTuning:
         self.max_block_h = max_block_h or 64
         self.token_major = True if token_major is None else bool(token_major)
         self.maxnreg = None if maxnreg is None else int(maxnreg)
+        self.pairs_ahead = bool(pairs_ahead) if pairs_ahead is not None else False
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
@@ -560,16 +580,24 @@ def _sm_count(device) -> int:
 
 def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
                       block_n: int = 64, waves: float | None = None, max_splits: int = 256,
-                      min_split_tokens: int = 256) -> int:
+                      min_split_tokens: int = 64) -> int:
     """INT2 splits per (request, head block): ``ceil(waves x SMs / (batch x head_programs))``.
 
     ``waves`` (programs per SM the grid offers) defaults to 8 when ``batch x head_programs <=
     16`` (batch 1 of an 8-kv-head model: one wave of ~1,000 programs; more splits measured
     slower) and 32 otherwise (several full waves; 8-20% faster than 8 at batch 8-32), from the
     H200 sweep in docs/benchmarks.md. With ``max_seq_len`` (a *static* bound such as the
-    server's context length) a split keeps at least ``min_split_tokens`` keys. Depends only on
-    host constants, never on per-step lengths, so a CUDA graph captured for a batch size stays
-    valid.
+    server's context length) a split keeps at least ``min_split_tokens`` keys (at 4K x batch 1,
+    64 splits ran in 19 us, 16 splits of 256 keys in 24 us). Depends only on host constants,
+    never on per-step lengths, so a CUDA graph captured for a batch size stays valid.
+
+    Args:
+        batch: requests in the step; head_programs: programs per request (kv heads x head blocks).
+        device: where the kernel runs (its SM count; 4 for CPU / the interpreter).
+        max_seq_len, block_n, waves, max_splits, min_split_tokens: see above.
+
+    Returns:
+        The number of INT2 splits, in ``[1, max_splits]``.
     """
     sms = _sm_count(torch.device(device) if device is not None else torch.device("cpu"))
     programs = max(1, batch * head_programs)
@@ -831,6 +859,7 @@ def decode_attention(
         HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
         TOKEN_MAJOR=tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1,
         NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
+        PAIRS_AHEAD=tn.pairs_ahead,
         num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
     )
     nsp = next_pow2(ns)

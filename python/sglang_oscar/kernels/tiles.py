@@ -399,26 +399,26 @@ def load_qt_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexp
 
 
 @triton.jit
-def load_int2_block_t(KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps, slots, tmask, vslots,
-                      vmask, QK: tl.constexpr, QKP: tl.constexpr, QV: tl.constexpr, QVP: tl.constexpr):
-    """Raw loads of one token-major INT2 block (fast path, one pair group per row).
-
-    Returns ``(bk [N, QKP] u8, sk [N], zk [N], bv [QVP, N] u8, sv [N], zv [N])`` in storage dtypes;
-    masked tokens read as code 0 with zero scales. (A register prefetch of these one block ahead was
-    tried on the H200: it removed most long-scoreboard stalls but added layout shuffles, was no
-    faster, and broke the permuting conversion's element order -- docs/benchmarks.md.)
-    """
+def load_int2_codes_t(KC_h, stride_kcs, VC_h, stride_vcs, slots, tmask, vslots, vmask, QK: tl.constexpr,
+                      QKP: tl.constexpr, QV: tl.constexpr, QVP: tl.constexpr):
+    """Code tiles of one token-major INT2 block: ``bk [N, QKP]`` and ``bv [QVP, N]`` uint8 (masked -> 0)."""
     jq = tl.arange(0, QKP)
     bk = tl.load(KC_h + slots[:, None] * stride_kcs + jq[None, :],
                  mask=tmask[:, None] & (jq < QK)[None, :], other=0)
-    sk = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0)
-    zk = tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0)
     jv = tl.arange(0, QVP)
     bv = tl.load(VC_h + vslots[None, :] * stride_vcs + jv[:, None],
                  mask=(jv < QV)[:, None] & vmask[None, :], other=0)
+    return bk, bv
+
+
+@triton.jit
+def load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, tmask):
+    """``(sk, zk, sv, zv)`` ``[N]`` (storage dtype; masked -> 0) of one block, one pair group per row."""
+    sk = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0)
+    zk = tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0)
     sv = tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0)
     zv = tl.load(VP_h + slots * stride_vps + 1, mask=tmask, other=0.0)
-    return bk, sk, zk, bv, sv, zv
+    return sk, zk, sv, zv
 
 
 @triton.jit
