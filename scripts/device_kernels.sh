@@ -6,7 +6,7 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep ncu}"
-grid='[{}, {"pairs_ahead": true}, {"pairs_ahead": true, "block_n": 64}, {"convert": 2, "block_n": 64}]'
+grid='[{}, {"pairs_ahead": true}, {"convert": 5}, {"convert": 5, "pairs_ahead": true}, {"convert": 2, "block_n": 64}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do

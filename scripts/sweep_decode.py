@@ -38,6 +38,8 @@ from sglang_oscar.kernels.launch import AttnTuning  # noqa: E402
 DEFAULT_GRID = [
     {},
     {"pairs_ahead": True},
+    {"convert": 5},
+    {"convert": 5, "pairs_ahead": True},
     {"convert": 3, "block_n": 32},
     {"convert": 3, "block_n": 32, "num_stages": 3},
     {"convert": 3, "block_n": 32, "num_stages": 1},

@@ -68,6 +68,8 @@ CASES = [
     ("decode arith", lambda: _attn("d", tuning=dict(convert=0))),
     ("decode asm-perm token-major", lambda: _attn("d", tuning=dict(convert=3, token_major=True))),
     ("decode asm-perm pairs ahead", lambda: _attn("d", tuning=dict(convert=3, block_n=32, pairs_ahead=True))),
+    ("decode subnormal operands", lambda: _attn("d", tuning=dict(convert=5, block_n=32))),
+    ("decode subnormal lloyd", lambda: _attn("d", quantizer="lloyd-max", tuning=dict(convert=5, block_n=32))),
     ("decode asm-perm head-major lloyd", lambda: _attn("d", quantizer="lloyd-max",
                                                        tuning=dict(convert=3, token_major=False, num_warps=4))),
     ("decode asm lloyd g64 (fast grouped)", lambda: _attn("d", group=64, quantizer="lloyd-max", tuning=dict(convert=2))),

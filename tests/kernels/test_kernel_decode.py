@@ -131,11 +131,12 @@ def test_decode_split_count_invariance_and_kernel_written_pool():
 @pytest.mark.parametrize("token_major,convert,group,pairs_ahead", [
     (False, 1, None, False), (True, 0, None, False), (True, 4, None, False), (False, 4, None, False),
     (True, 4, 64, False), (False, 4, 32, False), (True, 4, None, True), (True, 1, None, True),
+    (True, 6, None, False), (True, 6, None, True), (True, 6, 64, False), (False, 6, None, False),
 ])
 def test_decode_tile_orientations_and_conversions(token_major, convert, group, pairs_ahead):
-    """Token-major vs head-major tiles, every CPU-runnable code conversion (4 = the emulated
-    permutation of the CUDA-only convert 3) and the hand-prefetched pair loads give the oracle's
-    answer (block_n 16 and lengths of several blocks, so the prefetch crosses blocks and ends)."""
+    """Token-major vs head-major tiles, every CPU-runnable code conversion (4 / 6 = the emulated
+    forms of the CUDA-only converts 3 / 5; 6 falls back to 4 off the token-major fast path) and the
+    hand-prefetched pair loads give the oracle's answer (block_n 16 and lengths of several blocks, so the prefetch crosses blocks and ends)."""
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT, quantizer="lloyd-max", group_size=group)
     pool = build_pool([9, 70, 20], 2, 128, 128, cfg, hp_dtype=torch.bfloat16)

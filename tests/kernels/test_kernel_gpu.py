@@ -127,7 +127,7 @@ def _zero_mean_rows(t, h, d, device):
 
 
 @pytest.mark.parametrize("tuning", [None, dict(convert=2, block_n=64), dict(convert=1, token_major=False),
-                                    dict(pairs_ahead=True)])
+                                    dict(pairs_ahead=True), dict(convert=5)])
 def test_gpu_decode_long_split_independent_of_split_count(tuning):
     """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
 
@@ -148,7 +148,9 @@ def test_gpu_decode_long_split_independent_of_split_count(tuning):
     assert rel_l2(outs[1], outs[64]) < 5e-3, (errs, rel_l2(outs[1], outs[64]))
 
 
-TUNINGS = [dict(convert=3, block_n=32, pairs_ahead=True), dict(convert=2, block_n=64, pairs_ahead=True)] + [
+TUNINGS = [dict(convert=3, block_n=32, pairs_ahead=True), dict(convert=2, block_n=64, pairs_ahead=True),
+           dict(convert=5, block_n=32), dict(convert=5, block_n=32, pairs_ahead=True),
+           dict(convert=5, block_n=32, min_block_h=16)] + [
     dict(convert=c, token_major=tm, num_warps=w, block_n=bn, min_block_h=mh)
     for c, tm, w, bn, mh in (
         (0, True, 1, 64, 8), (1, True, 1, 64, 8), (2, True, 1, 64, 8), (3, True, 1, 64, 8), (3, True, 1, 32, 8),
@@ -173,7 +175,7 @@ def test_gpu_decode_every_tuning(quantizer, group):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("convert", [0, 1, 2])
+@pytest.mark.parametrize("convert", [0, 1, 2, 5])
 def test_gpu_decode_bf16_mma(convert):
     """bf16 MMA operands (cannot run under the interpreter)."""
     fresh_seed()

@@ -31,6 +31,13 @@ CONVERT_ASM = 2  # packed PTX (prmt + lop3 on 32-bit words); CUDA only, never un
 # done with reshapes, for the interpreter tests of that bookkeeping.
 CONVERT_ASM_PERM = 3
 CONVERT_PERM_EMULATED = 4
+# decode token-major INT2 fast path only: the code bits stay where they are and the word is read as
+# fp16 *subnormals*, operand = c * 2^(2K-24) for quarter K (one AND per two codes, one shift per
+# word for its odd bytes; no 1.0 offset to remove). Same (0, 2, 1, 3) order as CONVERT_ASM_PERM;
+# the kernel pre-scales q by 2^-2K and folds 2^24 into the epilogue. CONVERT_SUBNORMAL_EMULATED
+# computes the same values with integer ops and perm4 (interpreter, any operand dtype).
+CONVERT_SUBNORMAL = 5
+CONVERT_SUBNORMAL_EMULATED = 6
 
 
 @triton.jit
@@ -109,6 +116,20 @@ def _asm_perm_source(shift: int, bit0: bool) -> str:
     )
 
 
+def _asm_subnormal_source(shift: int, bit0: bool) -> str:
+    # $0: bytes 0 and 2 (fp16 lanes low/high), $1: bytes 1 and 3; the code bits of quarter K sit
+    # at bits 2K..2K+1 of each byte and are kept in place: an fp16 with exponent 0 and mantissa
+    # m is the subnormal m * 2^-24, so lane value = c * 2^(2K-24) (bit 0 only with bit0).
+    mask = (0x00010001 if bit0 else 0x00030003) << shift
+    return (
+        "{\n.reg .b32 t;\n"
+        f"and.b32 $0, $2, {mask:#010x};\n"
+        "shr.b32 t, $2, 8;\n"
+        f"and.b32 $1, t, {mask:#010x};\n"
+        "}"
+    )
+
+
 _ASM_C0 = tl.constexpr(_asm_source(0, False))
 _ASM_C1 = tl.constexpr(_asm_source(2, False))
 _ASM_C2 = tl.constexpr(_asm_source(4, False))
@@ -125,6 +146,16 @@ _ASMP_B0 = tl.constexpr(_asm_perm_source(0, True))
 _ASMP_B1 = tl.constexpr(_asm_perm_source(2, True))
 _ASMP_B2 = tl.constexpr(_asm_perm_source(4, True))
 _ASMP_B3 = tl.constexpr(_asm_perm_source(6, True))
+
+
+_ASMS_C0 = tl.constexpr(_asm_subnormal_source(0, False))
+_ASMS_C1 = tl.constexpr(_asm_subnormal_source(2, False))
+_ASMS_C2 = tl.constexpr(_asm_subnormal_source(4, False))
+_ASMS_C3 = tl.constexpr(_asm_subnormal_source(6, False))
+_ASMS_B0 = tl.constexpr(_asm_subnormal_source(0, True))
+_ASMS_B1 = tl.constexpr(_asm_subnormal_source(2, True))
+_ASMS_B2 = tl.constexpr(_asm_subnormal_source(4, True))
+_ASMS_B3 = tl.constexpr(_asm_subnormal_source(6, True))
 
 
 @triton.jit
@@ -181,6 +212,36 @@ def _asm_perm_operand(b, K: tl.constexpr, BIT0: tl.constexpr):
 
 
 @triton.jit
+def _asm_subnormal_operand(b, K: tl.constexpr, BIT0: tl.constexpr):
+    if BIT0:
+        if K == 0:
+            r = _asm_call(b, _ASMS_B0)
+        elif K == 1:
+            r = _asm_call(b, _ASMS_B1)
+        elif K == 2:
+            r = _asm_call(b, _ASMS_B2)
+        else:
+            r = _asm_call(b, _ASMS_B3)
+    else:
+        if K == 0:
+            r = _asm_call(b, _ASMS_C0)
+        elif K == 1:
+            r = _asm_call(b, _ASMS_C1)
+        elif K == 2:
+            r = _asm_call(b, _ASMS_C2)
+        else:
+            r = _asm_call(b, _ASMS_C3)
+    return r
+
+
+@triton.jit
+def _code_subnormal(b, K: tl.constexpr, OP: tl.constexpr, BIT0: tl.constexpr):
+    """``c * 2^(2K-24)`` (or ``(c & 1) * 2^(2K-24)``) in ``OP``, exactly, by integer ops (emulation)."""
+    w = b.to(tl.int32) & ((1 if BIT0 else 3) << (2 * K))
+    return round_to(w.to(tl.float32) * 5.9604644775390625e-08, OP)  # 2^-24
+
+
+@triton.jit
 def perm4(x, KAXIS: tl.constexpr):
     """Reorder every group of 4 consecutive elements along ``KAXIS`` (0 or 1) of a 2-D tile as (0, 2, 1, 3)."""
     A: tl.constexpr = x.shape[0]
@@ -207,11 +268,17 @@ def code_operand(b, K: tl.constexpr, OP: tl.constexpr, BIT0: tl.constexpr, CONVE
     Returns ``1 + c/4`` where ``c = (b >> 2K) & 3`` (``BIT0`` False), or ``1 + (c & 1)/2``
     (``BIT0`` True). Exact in fp16, bf16 and fp32. With ``CONVERT`` 3/4 the elements of every
     group of 4 along the MMA's K axis (``KAXIS`` of the tile) come out in the order (0, 2, 1, 3).
+    ``CONVERT`` 5/6 (decode token-major fast path only) return ``c * 2^(2K-24)`` (``(c & 1) *
+    2^(2K-24)``), fp16 subnormals, in the same permuted order.
     """
     if CONVERT == 3:
         return _asm_perm_operand(b, K, BIT0)
     elif CONVERT == 4:
         return perm4(_code_bits(b, K, OP, BIT0), KAXIS)
+    elif CONVERT == 5:
+        return _asm_subnormal_operand(b, K, BIT0)
+    elif CONVERT == 6:
+        return perm4(_code_subnormal(b, K, OP, BIT0), KAXIS)
     elif CONVERT == 0:
         c = (b.to(tl.int32) >> (2 * K)) & 3
         if BIT0:

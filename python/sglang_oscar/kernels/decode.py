@@ -29,6 +29,7 @@ from .codes import round_to
 from .tiles import (
     NEG_INF,
     finish_int2_values,
+    finish_int2_values_t,
     hp_scores,
     hp_values,
     int2_scores,
@@ -64,6 +65,7 @@ def _decode_stage1(
     NS_HP, NS_Q, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False, PAIRS_AHEAD: tl.constexpr = False,
 ):
     PERM: tl.constexpr = CONVERT >= 3
+    SUB: tl.constexpr = CONVERT >= 5  # subnormal code operands (token-major fast path only)
     b = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -141,10 +143,10 @@ def _decode_stage1(
         VP_h = VP + kvh64 * stride_vph
         r2t = R2T + req * stride_r2t
         if TOKEN_MAJOR:
-            qt0, qtb0, sqt0 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 0, QK, QKP, OP, LM, PERM)
-            qt1, qtb1, sqt1 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 1, QK, QKP, OP, LM, PERM)
-            qt2, qtb2, sqt2 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 2, QK, QKP, OP, LM, PERM)
-            qt3, qtb3, sqt3 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 3, QK, QKP, OP, LM, PERM)
+            qt0, qtb0, sqt0 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 0, QK, QKP, OP, LM, PERM, SUB)
+            qt1, qtb1, sqt1 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 1, QK, QKP, OP, LM, PERM, SUB)
+            qt2, qtb2, sqt2 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 2, QK, QKP, OP, LM, PERM, SUB)
+            qt3, qtb3, sqt3 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 3, QK, QKP, OP, LM, PERM, SUB)
             mt = tl.full([BLOCK_H], NEG_INF, tl.float32)
             lt = tl.zeros([BLOCK_H], tl.float32)
             at0 = tl.zeros([QVP, BLOCK_H], tl.float32)
@@ -170,7 +172,7 @@ def _decode_stage1(
                                                                       False)
                     sk1, zk1, sv1, zv1 = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots1, valid1)
                     st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
-                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT)
+                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT, RB)
                     pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
                     at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
                         pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
@@ -184,16 +186,12 @@ def _decode_stage1(
                                                QK, QKP, QV, QVP)
                     sk, zk, sv, zv = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, valid)
                     st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
-                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT)
+                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT, RB)
                     pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
                     at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
                         pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
                         CONVERT)
-            f = ref * A4
-            acc0 = tl.trans((at0 + corr[None, :]) * f)
-            acc1 = tl.trans((at1 + corr[None, :]) * f)
-            acc2 = tl.trans((at2 + corr[None, :]) * f)
-            acc3 = tl.trans((at3 + corr[None, :]) * f)
+            acc0, acc1, acc2, acc3 = finish_int2_values_t(at0, at1, at2, at3, corr, ref, A4, CONVERT)
             m = mt
             l = lt
         else:

@@ -29,6 +29,8 @@ from .codes import (
     CONVERT_ASM_PERM,
     CONVERT_BITS,
     CONVERT_PERM_EMULATED,
+    CONVERT_SUBNORMAL,
+    CONVERT_SUBNORMAL_EMULATED,
     LOG2E,
 )
 from .compile_check import launch as _launch
@@ -425,7 +427,10 @@ class AttnTuning:
             fp16 operands), ``CONVERT_ASM_PERM`` 3 (packed PTX without byte permutes, decode INT2
             fast path only; the kernel permutes q / the V token order to match). Under the
             interpreter 2 runs as 1 and 3 as its emulation (4); where 3 is not applicable it
-            runs as 2 (extend, general path, non-fp16 operands as 1).
+            runs as 2 (extend, general path, non-fp16 operands as 1). ``CONVERT_SUBNORMAL`` 5
+            (decode token-major fast path, fp16 operands; untimed as of 2026-11-30): the code
+            bits are read in place as fp16 subnormals ``c * 2^(2K-24)`` (one AND per two codes);
+            6 is its emulation (interpreter, other operand dtypes); elsewhere they run as 3 / 4.
         min_block_h: rows of the decode query tile are padded to at least this (MMA M).
         max_block_h: a kv head's q heads are split into blocks of at most this many heads
             (a divisor of the group), so a program never straddles two kv heads.
@@ -461,8 +466,9 @@ class AttnTuning:
             val = getattr(self, name)
             if val is not None and (val < 1 or val & (val - 1)):
                 raise ValueError(f"tuning {name}={val} must be a power of two")
-        if self.convert not in (None, CONVERT_ARITH, CONVERT_BITS, CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_PERM_EMULATED):
-            raise ValueError(f"tuning convert={self.convert} must be 0, 1, 2, 3 or 4")
+        if self.convert not in (None, CONVERT_ARITH, CONVERT_BITS, CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_PERM_EMULATED,
+                                CONVERT_SUBNORMAL, CONVERT_SUBNORMAL_EMULATED):
+            raise ValueError(f"tuning convert={self.convert} must be 0..6")
 
     def resolved(self, head_dim: int, extend: bool = False) -> "AttnTuning":
         """Copy with the unset knobs filled for ``head_dim`` (max of K/V) and the platform.
@@ -535,9 +541,19 @@ def _resolved_tuning(tuning, head_dim: int, extend: bool) -> AttnTuning:
     return AttnTuning.of(tuning).resolved(head_dim, extend)
 
 
-def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool) -> int:
-    """The conversion a kernel actually runs (see :class:`AttnTuning`)."""
+def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool, subnormal_ok: bool = False) -> int:
+    """The conversion a kernel actually runs (see :class:`AttnTuning`).
+
+    ``subnormal_ok``: the launch takes the decode token-major fast path (the only one that
+    understands ``CONVERT_SUBNORMAL``'s scaling); otherwise 5/6 run as 3/4.
+    """
     interp = interpreting()
+    if convert in (CONVERT_SUBNORMAL, CONVERT_SUBNORMAL_EMULATED):
+        if permuting_ok and subnormal_ok:
+            if interp or convert == CONVERT_SUBNORMAL_EMULATED or op != torch.float16:
+                return CONVERT_SUBNORMAL_EMULATED
+            return CONVERT_SUBNORMAL
+        convert = CONVERT_ASM_PERM if convert == CONVERT_SUBNORMAL else CONVERT_PERM_EMULATED
     if convert in (CONVERT_ASM_PERM, CONVERT_PERM_EMULATED):
         if permuting_ok and (interp or convert == CONVERT_PERM_EMULATED):
             return CONVERT_PERM_EMULATED
@@ -837,7 +853,9 @@ def decode_attention(
     sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
     qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
     idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
-    convert = effective_convert(tn.convert, op, layout.k.quarter_aligned and layout.v.quarter_aligned)
+    token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
+    convert = effective_convert(tn.convert, op, layout.k.quarter_aligned and layout.v.quarter_aligned,
+                                subnormal_ok=token_major)
     grid = (bsz, hkv * bpk, ns)
     _launch(_decode_stage1, grid,
         q, q.stride(0), q.stride(1),
@@ -857,7 +875,7 @@ def decode_attention(
         LM=layout.lloyd, OP=_tl(op), PREC="ieee" if op == torch.float32 else None,
         CONVERT=convert,
         HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
-        TOKEN_MAJOR=tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1,
+        TOKEN_MAJOR=token_major,
         NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
         PAIRS_AHEAD=tn.pairs_ahead,
         num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),

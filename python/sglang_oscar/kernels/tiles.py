@@ -384,18 +384,33 @@ def store_quarters(O, ooff, rmask, acc0, acc1, acc2, acc3, inv_l, QV: tl.constex
 
 @triton.jit
 def load_qt_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexpr, QDP: tl.constexpr,
-                    OP: tl.constexpr, LM: tl.constexpr, PERM: tl.constexpr = False):
-    """Transposed :func:`load_q_quarter`: ``[QDP, M]`` operands and ``[M]`` sums."""
+                    OP: tl.constexpr, LM: tl.constexpr, PERM: tl.constexpr = False, SUB: tl.constexpr = False):
+    """Transposed :func:`load_q_quarter`: ``[QDP, M]`` operands and ``[M]`` sums.
+
+    ``SUB`` (subnormal code operands ``c * 2^(2K-24)``): the operands are ``q * 2^-2K`` and, for
+    Lloyd-Max, ``round(q * 2 RB) * 2^-2K`` (exact power-of-two scalings of the rounded values);
+    the sums stay those of the unscaled rounded ``q``.
+    """
     jq = tl.arange(0, QDP)
     if PERM:
         jq = perm4_index(jq)
     q = tl.load(Q + qoff[None, :] + (K * QD + jq)[:, None], mask=rmask[None, :] & (jq < QD)[:, None], other=0.0)
     q = round_to(q.to(tl.float32) * qscale, OP)
-    if LM:
+    sq = tl.sum(q.to(tl.float32), axis=0)
+    if SUB:
+        f: tl.constexpr = 1.0 / (4 ** K)
+        if LM:
+            qb = round_to(round_to(q.to(tl.float32) * (2.0 * RB), OP).to(tl.float32) * f, OP)
+        else:
+            qb = q
+        q = round_to(q.to(tl.float32) * f, OP)
+        if not LM:
+            qb = q
+    elif LM:
         qb = round_to(q.to(tl.float32) * RB, OP)
     else:
         qb = q
-    return q, qb, tl.sum(q.to(tl.float32), axis=0)
+    return q, qb, sq
 
 
 @triton.jit
@@ -423,10 +438,20 @@ def load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, tmask):
 
 @triton.jit
 def int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, bk, sk, zk, A4, C0,
-                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
-    """``S^T [N, M]`` from a loaded block (:func:`load_int2_block_t`)."""
-    sc = sk.to(tl.float32) * A4
-    zc = (zk.to(tl.float32) - C0) / A4
+                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
+                         RB=0.0):
+    """``S^T [N, M]`` from a loaded block (:func:`load_int2_codes_t`, :func:`load_int2_pairs_t`).
+
+    Subnormal operands (``CONVERT`` 5/6): with ``level = (A4/4) c + (B2/2) b0 + C0'`` (``C0' = A4 +
+    B2 + C0``, ``B2 = RB A4``) and q pre-scaled (:func:`load_qt_quarter`), the MMA gives
+    ``d = 2^-24 (q . c + 2 RB qb . b0)``, so ``score = s A4 2^22 (d - 2^-24 (4/A4) (z - C0') sum q)``.
+    """
+    if CONVERT >= 5:
+        sc = sk.to(tl.float32) * (A4 * 1048576.0 * 4.0)  # A4 * 2^22
+        zc = (zk.to(tl.float32) - (A4 + RB * A4 + C0)) * (4.0 / A4 * 5.9604644775390625e-08)
+    else:
+        sc = sk.to(tl.float32) * A4
+        zc = (zk.to(tl.float32) - C0) / A4
     d = tl.dot(code_operand(bk, 0, OP, False, CONVERT, 1), q0, input_precision=PREC)
     d = tl.dot(code_operand(bk, 1, OP, False, CONVERT, 1), q1, d, input_precision=PREC)
     d = tl.dot(code_operand(bk, 2, OP, False, CONVERT, 1), q2, d, input_precision=PREC)
@@ -491,8 +516,14 @@ def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, z
     beta = alpha * (ref / new_ref)
     pw = round_to(p * (sv / new_ref)[:, None], OP)
     pwf = pw.to(tl.float32)
-    pwb = round_to(pwf * RB, OP)
-    corr = corr * beta + tl.sum(pwf * ((C0 - zv) / A4)[:, None], axis=0)
+    if CONVERT >= 5:
+        # subnormal operands: acc_k = 2^(2k-24) sum pw (c + 2 RB b0); the correction is in the same
+        # (A4/4) units: sum pw (C0' - z) 4/A4 (see int2_scores_t_loaded; finish_int2_values_t)
+        pwb = round_to(pwf * (2.0 * RB), OP)
+        corr = corr * beta + tl.sum(pwf * ((A4 + RB * A4 + C0 - zv) * (4.0 / A4))[:, None], axis=0)
+    else:
+        pwb = round_to(pwf * RB, OP)
+        corr = corr * beta + tl.sum(pwf * ((C0 - zv) / A4)[:, None], axis=0)
     b = tl.broadcast_to(beta[None, :], acc0.shape)
     z0 = tl.zeros(acc0.shape, tl.float32)  # fresh MMA per block, fp32 fma (see the module doc)
     acc0 = tl.fma(acc0, b, _vt_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, z0))
@@ -500,6 +531,25 @@ def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, z
     acc2 = tl.fma(acc2, b, _vt_mma(pw, pwb, bv, 2, LM, OP, PREC, CONVERT, z0))
     acc3 = tl.fma(acc3, b, _vt_mma(pw, pwb, bv, 3, LM, OP, PREC, CONVERT, z0))
     return acc0, acc1, acc2, acc3, corr, new_ref
+
+
+@triton.jit
+def finish_int2_values_t(at0, at1, at2, at3, corr, ref, A4, CONVERT: tl.constexpr):
+    """Token-major accumulators ``[QVP, M]`` of :func:`int2_values_t_loaded` -> value units,
+    transposed to ``[M, QVP]``."""
+    if CONVERT >= 5:
+        f = ref * A4 * 0.25
+        acc0 = tl.trans((at0 * 16777216.0 + corr[None, :]) * f)  # 2^24
+        acc1 = tl.trans((at1 * 4194304.0 + corr[None, :]) * f)  # 2^22
+        acc2 = tl.trans((at2 * 1048576.0 + corr[None, :]) * f)  # 2^20
+        acc3 = tl.trans((at3 * 262144.0 + corr[None, :]) * f)  # 2^18
+    else:
+        f = ref * A4
+        acc0 = tl.trans((at0 + corr[None, :]) * f)
+        acc1 = tl.trans((at1 + corr[None, :]) * f)
+        acc2 = tl.trans((at2 + corr[None, :]) * f)
+        acc3 = tl.trans((at3 + corr[None, :]) * f)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
