@@ -13,7 +13,10 @@
 # (PYTHONPATH points at ./python). The checkpoint goes to $CKPT (default /tmp/oscar_quality/ckpt),
 # statistics and fitted rotations to $WORK; results and logs to $OUT: gpu.txt, train.log,
 # train_summary.json, train_log.jsonl, preflight.log, quality.log, quality.md, quality.json.
-# $QUALITY_ARGS adds arguments to `sglang-oscar quality` (e.g. "--eval-tokens 65536").
+# $QUALITY_ARGS adds arguments to `sglang-oscar quality` (e.g. "--eval-tokens 65536"), $SERVED_ARGS to
+# scripts/served_quality.py. Both take at most --max-seq-per-file (default 1) sequences from each
+# held-out / calibration file, round robin over the files in a seeded order; quality.md's header and
+# quality.json ("heldout_files", "calib_files") say how many files each set covers.
 # First a ~30 s preflight (PREFLIGHT=0 skips it): the same two steps on a tiny model and the
 # stdlib's email/json packages, so that a GPU-side problem stops the run before 6 minutes of training.
 set -uo pipefail
@@ -60,10 +63,10 @@ if [ "$rc" -eq 0 ] && [ "${SERVED:-0}" = 1 ]; then
   # the same checkpoint and fitted per-layer rotation served by SGLang (needs the sglang bundle:
   # carry .device-bundle/p2 or run after an earlier call installed /tmp/site); the table is
   # appended to quality.md (only 8 files come back from $OUT)
-  # shellcheck disable=SC1091
+  # shellcheck disable=SC1091,SC2086
   ( export OUT="$WORK"; source scripts/device_env.sh > "$WORK/served_env.log" 2>&1 && \
     python scripts/served_quality.py --model "$CKPT" --out "$WORK/served" --rotation "$WORK/rot_oscar.safetensors" \
-      > "$WORK/served.log" 2>&1 ) ; src=$?
+      ${SERVED_ARGS:-} > "$WORK/served.log" 2>&1 ) ; src=$?
   { echo; echo "## Served (scripts/served_quality.py, same checkpoint and rotation, rc $src)"; echo;
     cat "$WORK/served/served_quality.md" 2>/dev/null || tail -20 "$WORK/served.log"; } | tee -a "$OUT/quality.md"
   [ "$src" -eq 0 ] || rc=$src

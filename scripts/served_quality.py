@@ -11,6 +11,12 @@ checkpoint's ``calib.jsonl`` unless ``--rotation`` is given) -- and compares on 
 * the same for the BF16 server vs the plain PyTorch model (the noise floor of serving);
 * greedy continuations of ``--prompts`` held-out prompts: int2 vs BF16 token agreement.
 
+The held-out sequences (seed 1), the greedy prompts (seed 2) and the calibration sequences
+(``calib.jsonl``, the train split, seed 0) are each chosen from many files: at most
+``--max-seq-per-file`` sequences per file, round robin over the files in a seeded order, shorter
+files packed together (``sglang_oscar.calibrate.quality.select_prompt_set``; ``0`` restores the
+earlier packing of all documents). The JSON and the table record how many files each set covers.
+
 Usage (GPU box with sglang 0.5.16 + this plugin; ``scripts/device_env.sh`` sets that up):
     python scripts/served_quality.py --model CKPT --out DIR [--rotation FILE] [--seqs 8] [--seq-len 1024]
 Writes ``served_quality.json`` and ``served_quality.md`` to ``--out``; prints the table.
@@ -19,7 +25,6 @@ Writes ``served_quality.json`` and ``served_quality.md`` to ``--out``; prints th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -32,15 +37,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gpu_e2e as E  # noqa: E402  (server launch / request helpers of the e2e harness)
 
 
-def _prompt_set(tok, path: str, budget: int, seq_len: int, seed: int):
-    from sglang_oscar.calibrate.prompts import Documents, build_prompt_set
-    from sglang_oscar.calibrate.quality import read_records
+def _prompt_set(tok, path: str, budget: int, seq_len: int, seed: int, max_seq_per_file: int = 1):
+    from sglang_oscar.calibrate.quality import select_prompt_set
 
-    recs = read_records(path)
-    with open(path, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
-    docs = Documents([r["text"] for r in recs], "jsonl", path, sha)
-    return build_prompt_set(tok, path, budget=budget, seed=seed, seq_len=seq_len, pack=True, documents=docs)
+    return select_prompt_set(tok, path, budget=budget, seq_len=seq_len, seed=seed, max_seq_per_file=max_seq_per_file)[0]
+
+
+def _files(ps, n: int | None = None):
+    """Distinct files behind the first ``n`` sequences of a prompt set (``None`` without source tracking)."""
+    src = ps.meta.get("sources")
+    if src is None:
+        return None
+    return len({name for seq in src[:n] for name, _, _ in seq})
 
 
 def _mean_abs(a, b) -> float:
@@ -63,6 +71,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=32768)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-seq-per-file", type=int, default=1,
+                    help="at most this many sequences (and greedy prompts) per file, round robin over the files in a "
+                         "seeded order; shorter files are packed together (default 1; 0: pack all documents in a "
+                         "seeded order, the selection before this option)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--recent", type=int, default=256)
@@ -86,10 +98,14 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # fp32 LM head on both sides (the servers get --enable-fp32-lm-head)
     model = E.load_hf(args.model, device, fp32_head=True)
-    heldout = _prompt_set(tok, os.path.join(args.model, "heldout.jsonl"), args.seqs * args.seq_len, args.seq_len, 1)
+    heldout = _prompt_set(tok, os.path.join(args.model, "heldout.jsonl"), args.seqs * args.seq_len, args.seq_len, 1,
+                          args.max_seq_per_file)
     seqs = [list(s) for s in heldout.sequences][: args.seqs]
+    calib_files = None
     if args.rotation is None:
-        calib = _prompt_set(tok, os.path.join(args.model, "calib.jsonl"), args.calib_tokens, args.seq_len, 0)
+        calib = _prompt_set(tok, os.path.join(args.model, "calib.jsonl"), args.calib_tokens, args.seq_len, 0,
+                            args.max_seq_per_file)
+        calib_files = _files(calib)
         stats = calibrate_model(model, calib, os.path.join(args.out, "stats.safetensors"), restart=True, progress=False)
         rs = fit_rotations(stats, "oscar", min_tokens=min(4096, args.calib_tokens // 2))
         args.rotation = os.path.join(args.out, "rot_oscar.safetensors")
@@ -99,7 +115,9 @@ def main(argv=None) -> int:
     ref_bf16 = E.teacher_forced_logprobs(model, seqs)
     ref_int2 = E.teacher_forced_logprobs(model, seqs, rotation=rs, config=cfg)
     rep = {"model": args.model, "rotation": args.rotation, "sink": args.sink, "recent": args.recent,
-           "sequences": len(seqs), "seq_len": args.seq_len,
+           "sequences": len(seqs), "seq_len": args.seq_len, "max_seq_per_file": args.max_seq_per_file,
+           "heldout_files": _files(heldout, args.seqs), "calib_files": calib_files,
+           "heldout_sources": heldout.meta.get("sources", [])[: args.seqs],
            "pytorch": {"bf16_ppl": _ppl(ref_bf16), "int2_oracle_ppl": _ppl(ref_int2),
                        "int2_effect_mean_abs_dlogprob": _mean_abs(ref_int2, ref_bf16)}}
     print(json.dumps(rep["pytorch"]), flush=True)
@@ -126,9 +144,9 @@ def main(argv=None) -> int:
                     g = E.parse_generation(s.generate(E.generate_payload(q, 1, input_logprobs=True, top_logprobs=0)))
                     lps.append(g["input_logprobs"])
                 served[s.spec.name] = lps
-            prompts = [q[: args.prompt_len] for q in _prompt_set(
-                tok, os.path.join(args.model, "heldout.jsonl"), args.prompts * args.prompt_len, args.prompt_len, 2
-            ).sequences][: args.prompts]
+            prompt_set = _prompt_set(tok, os.path.join(args.model, "heldout.jsonl"), args.prompts * args.prompt_len,
+                                     args.prompt_len, 2, args.max_seq_per_file)
+            prompts = [q[: args.prompt_len] for q in prompt_set.sequences][: args.prompts]
             outs = {s.spec.name: [E.parse_generation(s.generate(E.generate_payload(p, args.new_tokens, top_logprobs=0)))
                                   ["tokens"] for p in prompts] for s in servers}
         finally:
@@ -149,7 +167,8 @@ def main(argv=None) -> int:
             "bf16_vs_pytorch_ppl_rel": bf16_ppl / rep["pytorch"]["bf16_ppl"] - 1,
             "int2_vs_oracle_mean_abs_dlogprob": _mean_abs(served["served-int2"], ref_int2),
             "bf16_vs_pytorch_mean_abs_dlogprob": _mean_abs(served["served-bf16"], ref_bf16),
-            "greedy_prompts": len(prompts), "greedy_new_tokens": args.new_tokens,
+            "greedy_prompts": len(prompts), "greedy_prompt_files": _files(prompt_set, args.prompts),
+            "greedy_new_tokens": args.new_tokens,
             "greedy_token_agreement": sum(pos) / max(len(pos), 1),
             "greedy_identical": sum(n == args.new_tokens for n in prefix),
             "greedy_mean_common_prefix": sum(prefix) / max(len(prefix), 1),
@@ -158,7 +177,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "served_quality.json"), "w") as f:
         json.dump(rep, f, indent=2)
     p = rep["pytorch"]
-    lines = [f"Served accuracy: {args.model}, {len(seqs)} held-out sequences x {args.seq_len} tokens, "
+    hf = f" from {rep['heldout_files']} held-out files" if rep["heldout_files"] is not None else ""
+    lines = [f"Served accuracy: {args.model}, {len(seqs)} held-out sequences x {args.seq_len} tokens{hf}, "
              f"sink {args.sink} / recent {args.recent}, rotation {os.path.basename(args.rotation)}", "",
              "| quantity | value |", "|---|---:|",
              f"| PyTorch BF16 ppl | {p['bf16_ppl']:.4f} |",
@@ -166,12 +186,13 @@ def main(argv=None) -> int:
              f"| INT2 effect, mean abs dlogprob (oracle vs BF16) | {p['int2_effect_mean_abs_dlogprob']:.4f} |"]
     if "served" in rep:
         s = rep["served"]
+        gf = f" from {s['greedy_prompt_files']} files" if s["greedy_prompt_files"] is not None else ""
         lines += [f"| served BF16 ppl (rel. to PyTorch) | {s['bf16_ppl']:.4f} ({100 * s['bf16_vs_pytorch_ppl_rel']:+.2f}%) |",
                   f"| served int2 ppl (rel. to the oracle) | {s['int2_ppl']:.4f} ({100 * s['int2_vs_oracle_ppl_rel']:+.2f}%) |",
                   f"| mean abs dlogprob served BF16 vs PyTorch | {s['bf16_vs_pytorch_mean_abs_dlogprob']:.4f} |",
                   f"| mean abs dlogprob served int2 vs oracle | {s['int2_vs_oracle_mean_abs_dlogprob']:.4f} |",
-                  f"| greedy int2 vs BF16: token agreement ({s['greedy_prompts']} prompts x {s['greedy_new_tokens']}) | "
-                  f"{100 * s['greedy_token_agreement']:.1f}% |",
+                  f"| greedy int2 vs BF16: token agreement ({s['greedy_prompts']} prompts{gf} x "
+                  f"{s['greedy_new_tokens']}) | {100 * s['greedy_token_agreement']:.1f}% |",
                   f"| greedy: identical continuations / mean common prefix | {s['greedy_identical']} / "
                   f"{s['greedy_mean_common_prefix']:.1f} tokens |"]
     md = "\n".join(lines) + "\n"

@@ -19,9 +19,14 @@ Outputs in ``--out``:
   byte-level BPE trained with ``tokenizers`` on the train split, saved as a
   ``PreTrainedTokenizerFast`` (``<|endoftext|>`` separates documents);
 * ``calib.jsonl``: calibration documents (a seeded sample of the **train** split);
-* ``heldout.jsonl``: evaluation documents (the **held-out** split, never trained on);
-  records are ``{"text", "key", "split"}``;
-* ``train_log.jsonl`` (one line per logged step / evaluation) and ``train_summary.json``.
+* ``heldout.jsonl``: evaluation documents (a seeded sample of the **held-out** split, never
+  trained on); records are ``{"text", "key", "split"}``, one per file. ``sglang-oscar quality``
+  and ``scripts/served_quality.py`` take at most ``--max-seq-per-file`` sequences from each file;
+* ``train_log.jsonl`` (one line per logged step / evaluation) and ``train_summary.json``
+  (``corpus.heldout_eval_files``: how many held-out files the held-out loss windows touch).
+
+The trainer's own held-out loss is the mean over ``--eval-seqs`` evenly spaced ``--seq-len``
+windows of the EOS-joined stream of (up to 2000) held-out files, so long files weigh more there.
 
 Training: AdamW, linear warmup then cosine decay to 10 %, bf16 autocast on CUDA (fp32 on CPU),
 random ``--seq-len`` windows of the token stream, seeded. The schedule runs over the wall-clock
@@ -193,8 +198,10 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                    model_max_length=1 << 30)
 
 
-def encode_documents(tokenizer, texts: list[str], batch: int = 512):
-    """One ``uint16``/``int32`` numpy token stream: every document followed by the EOS token."""
+def encode_documents(tokenizer, texts: list[str], batch: int = 512, return_lengths: bool = False):
+    """One ``uint16``/``int32`` numpy token stream: every document followed by the EOS token.
+
+    With ``return_lengths``: ``(stream, lengths)``, the tokens of each document in the stream (EOS included)."""
     import numpy as np
 
     backend = tokenizer.backend_tokenizer
@@ -205,7 +212,8 @@ def encode_documents(tokenizer, texts: list[str], batch: int = 512):
     for i in range(0, len(texts), batch):
         for enc in encode(texts[i : i + batch], add_special_tokens=False):
             chunks.append(np.asarray(enc.ids + [eos], dtype=dtype))
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+    stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+    return (stream, [len(c) for c in chunks]) if return_lengths else stream
 
 
 # ----------------------------------------------------------------------------- model
@@ -240,14 +248,40 @@ def _batch(data, starts, seq_len, device):
     return data[idx].to(device=device, dtype=torch.long, non_blocking=True)
 
 
-def evaluate(model, data, seq_len: int, n_seqs: int, batch: int, device, autocast) -> float:
-    """Mean next-token loss over ``n_seqs`` evenly spaced windows of the held-out stream."""
+def eval_starts(n_tokens: int, seq_len: int, n_seqs: int):
+    """Start offsets (``torch.long``, on the CPU) of the ``n_seqs`` evenly spaced ``seq_len``-token
+    windows of a held-out stream of ``n_tokens`` tokens that :func:`evaluate` scores (empty when the
+    stream is not longer than ``seq_len``)."""
     import torch
 
-    n = len(data) - seq_len
+    n = n_tokens - seq_len
     if n <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.linspace(0, n - 1, steps=min(n_seqs, n)).long()
+
+
+def window_files(starts, seq_len: int, doc_lengths: list[int]) -> int:
+    """Distinct documents of an EOS-joined stream (document ``i`` is ``doc_lengths[i]`` tokens long)
+    that the windows ``[s, s + seq_len)`` touch."""
+    import bisect
+    import itertools
+
+    ends = list(itertools.accumulate(doc_lengths))  # document i covers [ends[i-1], ends[i])
+    docs = set()
+    for s in (int(x) for x in starts):
+        first = bisect.bisect_right(ends, s)
+        last = bisect.bisect_right(ends, s + seq_len - 1)
+        docs.update(range(first, min(last, len(ends) - 1) + 1))
+    return len(docs)
+
+
+def evaluate(model, data, seq_len: int, n_seqs: int, batch: int, device, autocast) -> float:
+    """Mean next-token loss over ``n_seqs`` evenly spaced windows of the held-out stream (:func:`eval_starts`)."""
+    import torch
+
+    starts = eval_starts(len(data), seq_len, n_seqs).to(data.device)
+    if len(starts) == 0:
         return float("nan")
-    starts = torch.linspace(0, n - 1, steps=min(n_seqs, n), device=data.device).long()
     tot, cnt = 0.0, 0
     model.eval()
     with torch.no_grad(), autocast():
@@ -346,9 +380,11 @@ def main(argv=None) -> dict:
     log(f"tokenizer: byte-level BPE, {len(tokenizer)} tokens, trained on {acc / 1e6:.1f} MB")
 
     train_ids = encode_documents(tokenizer, [d["text"] for d in train_docs])
-    held_ids = encode_documents(tokenizer, [d["text"] for d in held_docs[:2000]])
+    held_ids, held_lengths = encode_documents(tokenizer, [d["text"] for d in held_docs[:2000]], return_lengths=True)
+    held_eval_files = window_files(eval_starts(len(held_ids), args.seq_len, args.eval_seqs), args.seq_len, held_lengths)
     log(f"tokens: {len(train_ids)} train, {len(held_ids)} held-out "
-        f"({n_bytes['train'] / max(len(train_ids), 1):.2f} bytes/token)")
+        f"({n_bytes['train'] / max(len(train_ids), 1):.2f} bytes/token); the {args.eval_seqs} held-out loss windows "
+        f"touch {held_eval_files} of {len(held_lengths)} held-out files")
     if len(train_ids) <= args.seq_len + 1:
         raise SystemExit(f"train_small_lm: only {len(train_ids)} training tokens for --seq-len {args.seq_len}")
 
@@ -451,6 +487,7 @@ def main(argv=None) -> dict:
         "corpus": {"dirs": dirs, "train_files": len(train_docs), "heldout_files": len(held_docs),
                    "train_bytes": n_bytes["train"], "heldout_bytes": n_bytes["heldout"],
                    "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(held_ids)),
+                   "heldout_eval_files": held_eval_files,
                    "heldout_keys_sha256": hashlib.sha256("\n".join(sorted(d["key"] for d in held_docs)).encode()).hexdigest()},
         "vocab_size": len(tokenizer),
         "device": str(device),

@@ -24,7 +24,15 @@ def test_oracle_side_of_the_served_check(tiny_run, tmp_path):
               "--calib-tokens", "2048"]
     # windows covering the whole sequence: nothing is quantized, the oracle reproduces BF16
     assert sq.main(common + ["--out", str(tmp_path / "full"), "--sink", "128", "--recent", "0"]) == 0
-    full = json.loads((tmp_path / "full" / "served_quality.json").read_text())["pytorch"]
+    full_rep = json.loads((tmp_path / "full" / "served_quality.json").read_text())
+    full = full_rep["pytorch"]
+    # the held-out sequences come from different held-out files, the calibration from train files
+    held_keys = {json.loads(line)["key"] for line in (ckpt / "heldout.jsonl").read_text().splitlines() if line.strip()}
+    names = [name for seq in full_rep["heldout_sources"] for name, _, _ in seq]
+    assert full_rep["sequences"] == 2 and full_rep["heldout_files"] == len(set(names)) >= 2
+    assert set(names) <= held_keys and full_rep["calib_files"] >= 2048 // 96
+    assert f"2 held-out sequences x 96 tokens from {full_rep['heldout_files']} held-out files" in (
+        tmp_path / "full" / "served_quality.md").read_text()
     assert abs(full["int2_oracle_ppl"] / full["bf16_ppl"] - 1) < 5e-3
     assert full["int2_effect_mean_abs_dlogprob"] < 5e-3
     assert math.isfinite(full["bf16_ppl"]) and full["bf16_ppl"] > 1

@@ -59,6 +59,8 @@ def test_splits_disjoint_and_deterministic(tiny_run, train_script):
         assert train_script.split_of(r["key"], 0.2) == r["split"]
     c = summary["corpus"]
     assert c["heldout_files"] == len(held) and c["train_files"] >= len(calib)
+    # the 4 evenly spaced held-out loss windows of 128 tokens touch several held-out files (recorded)
+    assert 2 <= c["heldout_eval_files"] <= min(c["heldout_files"], 8)
     assert 0.05 < c["heldout_files"] / (c["heldout_files"] + c["train_files"]) < 0.45
 
 
@@ -105,3 +107,15 @@ def test_moe_variant(tmp_path, text_tree, train_script):
     assert summary["steps"] == 3 and summary["model_type"] == "qwen3_moe"
     model = AutoModelForCausalLM.from_pretrained(out)
     assert isinstance(model, Qwen3MoeForCausalLM) and model.config.num_experts == 4
+
+
+def test_eval_windows_and_their_files(train_script):
+    starts = train_script.eval_starts(1000, 100, 4)
+    assert starts.tolist() == [0, 299, 599, 899]  # evenly spaced over [0, 900)
+    assert train_script.eval_starts(100, 100, 4).numel() == 0
+    # documents of 10, 5 and 20 tokens: [0, 10), [10, 15), [15, 35)
+    assert train_script.window_files([0], 4, [10, 5, 20]) == 1
+    assert train_script.window_files([8], 4, [10, 5, 20]) == 2  # tokens 8..11
+    assert train_script.window_files([8], 8, [10, 5, 20]) == 3  # tokens 8..15
+    assert train_script.window_files([0, 31], 4, [10, 5, 20]) == 2
+    assert train_script.window_files([12, 13], 2, [10, 5, 20]) == 1

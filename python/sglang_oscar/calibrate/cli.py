@@ -87,6 +87,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--calib-tokens", type=_positive_int, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--eval-tokens", type=_positive_int, default=32768, help="held-out tokens (default 32768)")
+    p.add_argument("--max-seq-per-file", type=int, default=1,
+                   help="at most this many --seq-len sequences per file (JSONL record) for the calibration and the "
+                        "evaluation sets, taken round robin over the files in a seeded order; files shorter than "
+                        "--seq-len are packed together (default 1; 0: pack all documents in a seeded order and use "
+                        "the first tokens, the selection before this option)")
     p.add_argument("--sink", type=int, default=64, help="BF16 sink of the +win rows (default 64)")
     p.add_argument("--recent", type=int, default=256, help="BF16 recent window of the +win rows (default 256)")
     p.add_argument("--group-size", type=int, default=None, help="OSCAR-format group size (default: head_dim)")
@@ -453,7 +458,7 @@ def _quality(args) -> int:
     rep = run_quality(args.model, out_dir=args.out_dir, calib_path=args.calib, heldout_path=args.heldout,
                       work_dir=args.work_dir, settings=settings, calib_tokens=args.calib_tokens,
                       eval_tokens=args.eval_tokens, dtype=args.dtype, device=args.device, progress=args.progress,
-                      variants=variants)
+                      variants=variants, max_seq_per_file=args.max_seq_per_file)
     print(format_markdown(rep))
     print(json.dumps(rep["outputs"]))
     return 0

@@ -19,6 +19,12 @@ by default); ``pack=False`` makes every document its own sequence, truncated to 
 (JSONL and tasks by default; a document of fewer than 2 tokens is skipped). Every sequence starts with the tokens the tokenizer adds to an
 empty string (BOS where the model uses one).
 
+:func:`build_per_document_prompt_set` is the evaluation selection of ``sglang-oscar quality``
+and ``scripts/served_quality.py``. It draws sequences from as many different documents as the
+budget allows: at most ``max_seq_per_doc`` sequences per document, taken round robin. Packing
+documents in a shuffled order cuts a budget of a few sequences out of the first one or two
+documents whenever those are long.
+
 Data shorter than the budget -> :class:`ShortDataWarning` with the token count; no text at all
 -> :class:`CalibrationError`. ``PromptSet.meta`` records the source and its sha256, the sha256 of
 all token sequences and a short hash per sequence (:func:`sequence_hash`).
@@ -267,5 +273,177 @@ def build_prompt_set(
         "num_documents": len(docs.texts),
         "documents_used": used_docs,
         "sequence_sha256": seq_hashes,
+    }
+    return PromptSet(seqs, meta)
+
+
+def build_per_document_prompt_set(
+    tokenizer,
+    documents: Documents,
+    *,
+    budget: int,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    seed: int = 0,
+    max_seq_per_doc: int = 1,
+    names: list[str] | None = None,
+) -> PromptSet:
+    """``budget`` tokens of sequences of at most ``seq_len`` tokens, drawn from as many documents as possible.
+
+    Documents are shuffled with ``random.Random(seed)`` and visited in that order, in passes:
+
+    * pass 1: a document of at least ``room`` tokens (``seq_len`` minus the tokenizer's prefix
+      tokens, :func:`_prefix_tokens`) gives one sequence of its own, its first ``room`` tokens.
+      Shorter documents are joined, EOS-separated and in the same order, into packed sequences;
+      a partly filled packed sequence is kept at the end of the pass.
+    * pass ``r`` (2 .. ``max_seq_per_doc``): every document with at least ``r * room`` tokens gives
+      its ``r``-th block of ``room`` tokens.
+
+    So every document gets its first sequence before any gets a second (round robin), and no
+    document contributes more than ``max_seq_per_doc * room`` tokens; the rest of a long document
+    is not used. Selection stops when ``budget`` tokens are collected, and the last sequence is cut
+    to the budget. The result is deterministic for given documents, tokenizer and seed.
+
+    Args:
+        documents: the texts (e.g. the records of ``heldout.jsonl``, one record per file).
+        max_seq_per_doc: the per-document cap, in sequences (>= 1).
+        names: one name per document for ``meta["sources"]`` (default: its index).
+
+    Returns:
+        A :class:`PromptSet`. Its ``meta`` has the keys of :func:`build_prompt_set`, plus
+        ``selection`` (``"per-document"``), ``max_seq_per_document``, ``max_tokens_per_document_cap``,
+        ``documents_used`` (distinct documents with at least one token in the sequences),
+        ``max_tokens_per_document`` (the most tokens one document contributed, EOS included),
+        ``single_document_sequences``, ``packed_sequences``, and ``sources``: one list per sequence
+        of ``[name, first token offset in the document, tokens]``. The offsets exclude the prefix
+        tokens and count the EOS that follows a packed document.
+
+    Raises:
+        CalibrationError: no documents, no tokens, a budget or ``seq_len`` that is too small, or
+        ``max_seq_per_doc < 1``.
+
+    Warns:
+        ShortDataWarning: fewer than ``budget`` tokens under the per-document cap.
+    """
+    if budget <= 0 or seq_len <= 1:
+        raise CalibrationError(f"token budget ({budget}) must be positive and seq_len ({seq_len}) > 1")
+    if max_seq_per_doc < 1:
+        raise CalibrationError(f"max_seq_per_doc must be >= 1, not {max_seq_per_doc}")
+    docs = documents
+    if not docs.texts:
+        raise CalibrationError(f"prompts source {docs.source} is empty: no text to select from")
+    if names is not None and len(names) != len(docs.texts):
+        raise CalibrationError(f"{len(names)} names for {len(docs.texts)} documents")
+    order = list(range(len(docs.texts)))
+    random.Random(seed).shuffle(order)
+    prefix = _prefix_tokens(tokenizer)
+    room = seq_len - len(prefix)
+    if room <= 0:
+        raise CalibrationError(f"seq_len {seq_len} leaves no room after the {len(prefix)} prefix tokens")
+    eos = tokenizer.eos_token_id
+    sep = [eos] if eos is not None else []
+    seqs: list[list[int]] = []
+    spans_of: list[list[tuple[int, int, int]]] = []  # per sequence: (document, offset, tokens)
+    contrib: dict[int, int] = {}
+    total = 0
+
+    def room_left() -> int:
+        return budget - total - len(prefix)
+
+    def full() -> bool:  # no sequence of >= 2 tokens with >= 1 document token fits any more
+        return room_left() < max(1, 2 - len(prefix))
+
+    def split_spans(spans, n):
+        head, tail, left = [], [], n
+        for d, off, cnt in spans:
+            if left >= cnt:
+                head.append((d, off, cnt))
+            elif left > 0:
+                head.append((d, off, left))
+                tail.append((d, off + left, cnt - left))
+            else:
+                tail.append((d, off, cnt))
+            left = max(left - cnt, 0)
+        return head, tail
+
+    def emit(tokens: list[int], spans) -> None:
+        nonlocal total
+        if full():
+            return
+        n = min(len(tokens), room_left())
+        seqs.append(prefix + tokens[:n])
+        total += len(seqs[-1])
+        head, _ = split_spans(spans, n)
+        spans_of.append(head)
+        for d, _, cnt in head:
+            contrib[d] = contrib.get(d, 0) + cnt
+
+    long_docs: dict[int, list[int]] = {}  # documents that can give a second sequence
+    buf: list[int] = []
+    buf_spans: list[tuple[int, int, int]] = []
+    for i in order:  # pass 1
+        if full():
+            break
+        ids = _encode(tokenizer, docs.texts[i])
+        if not ids:
+            continue
+        if len(ids) >= room:
+            if max_seq_per_doc > 1 and len(ids) >= 2 * room:
+                long_docs[i] = ids
+            emit(ids[:room], [(i, 0, room)])
+        else:
+            piece = ids + sep
+            buf.extend(piece)
+            buf_spans.append((i, 0, len(piece)))
+            if len(buf) >= room:
+                head, buf_spans = split_spans(buf_spans, room)
+                chunk, buf = buf[:room], buf[room:]
+                emit(chunk, head)
+    if buf and len(prefix) + len(buf) >= 2:
+        emit(buf, buf_spans)
+    for r in range(1, max_seq_per_doc):  # passes 2 ..
+        for i in order:
+            if full():
+                break
+            ids = long_docs.get(i)
+            if ids is not None and len(ids) >= (r + 1) * room:
+                emit(ids[r * room : (r + 1) * room], [(i, r * room, room)])
+    if total == 0:
+        raise CalibrationError(f"prompts source {docs.source} is empty: it tokenizes to no tokens")
+    if total < budget:
+        warnings.warn(
+            ShortDataWarning(
+                f"{docs.source} gives only {total} tokens ({len(seqs)} sequences from {len(contrib)} of "
+                f"{len(docs.texts)} documents) at most {max_seq_per_doc} sequence(s) of {seq_len} tokens per "
+                f"document, fewer than the token budget of {budget}; using all {total} tokens (raise the "
+                "per-document cap or add documents)"
+            ),
+            stacklevel=2,
+        )
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(json.dumps(s).encode())
+    label = (lambda d: names[d]) if names is not None else (lambda d: str(d))
+    sources = [[[label(d), off, cnt] for d, off, cnt in sp] for sp in spans_of]
+    meta = {
+        "source": docs.source,
+        "kind": docs.kind,
+        "sha256": docs.sha256,
+        "tokens_sha256": h.hexdigest(),
+        "budget": budget,
+        "tokens": total,
+        "seed": seed,
+        "seq_len": seq_len,
+        "pack": False,
+        "selection": "per-document",
+        "max_seq_per_document": max_seq_per_doc,
+        "max_tokens_per_document_cap": max_seq_per_doc * room,
+        "num_sequences": len(seqs),
+        "num_documents": len(docs.texts),
+        "documents_used": len(contrib),
+        "max_tokens_per_document": max(contrib.values()),
+        "single_document_sequences": sum(len(sp) == 1 for sp in spans_of),
+        "packed_sequences": sum(len(sp) > 1 for sp in spans_of),
+        "sources": sources,
+        "sequence_sha256": [sequence_hash(s) for s in seqs],
     }
     return PromptSet(seqs, meta)

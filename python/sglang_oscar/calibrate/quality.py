@@ -24,6 +24,14 @@ Variants (:func:`build_variants`):
   documents (:func:`.run.calibrate_model` + :func:`.fit.fit_rotations` ``oscar`` /
   ``oscar-perhead``), uniform or Lloyd-Max (``+lm``), without / with windows.
 
+Sequences (:func:`select_prompt_set`): calibration sequences come from ``calib.jsonl`` (train
+split), evaluation sequences from ``heldout.jsonl`` (held-out split), each chosen by
+:func:`.prompts.build_per_document_prompt_set`: documents (one per file) in a seeded order, at
+most ``max_seq_per_file`` sequences per file, round robin, shorter files packed together. The
+report records how many distinct files each set covers. ``max_seq_per_file=0`` restores the
+earlier selection (all documents packed in a seeded order and the first tokens used), under
+which a few long files could supply the whole set.
+
 Every row carries its true bits per KV element at the evaluation length and at 128K tokens
 (:func:`..quant.bits.bits_per_element`, :func:`..quant.baselines.kivi_bits_per_element`,
 :func:`..quant.baselines.naive_bits_per_element`) and the share of (query, key) reads that went
@@ -330,6 +338,47 @@ def check_disjoint(calib, heldout, calib_records: list[dict] | None = None,
     return rep
 
 
+# ----------------------------------------------------------------------------- data selection
+def select_prompt_set(tokenizer, path: str, *, budget: int, seq_len: int, seed: int, max_seq_per_file: int = 1,
+                      records: list[dict] | None = None):
+    """The sequences of one JSONL document file (``calib.jsonl`` / ``heldout.jsonl``).
+
+    Args:
+        tokenizer: the checkpoint's tokenizer.
+        path: the JSONL file, one record ``{"text", "key", "split"}`` per source file.
+        budget, seq_len, seed: token budget, tokens per sequence and the shuffle seed.
+        max_seq_per_file: at most this many sequences per file, round robin
+            (:func:`.prompts.build_per_document_prompt_set`); ``0``: the earlier selection, all
+            documents packed in a seeded order (:func:`.prompts.build_prompt_set` with ``pack=True``).
+        records: the file's records if already read (:func:`read_records`).
+
+    Returns:
+        ``(prompt_set, records)``; ``prompt_set.meta["files"]`` is the number of distinct files
+        (records) with tokens in the sequences. It is ``None`` under ``max_seq_per_file=0``,
+        which does not track sources.
+
+    Raises:
+        CalibrationError: malformed JSONL, no text, ``max_seq_per_file < 0``.
+    """
+    from .prompts import Documents, build_per_document_prompt_set, build_prompt_set
+
+    if max_seq_per_file < 0:
+        raise CalibrationError(f"max_seq_per_file must be >= 0, not {max_seq_per_file}")
+    recs = records if records is not None else read_records(path)
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    docs = Documents([r["text"] for r in recs], "jsonl", path, sha)
+    if max_seq_per_file == 0:
+        ps = build_prompt_set(tokenizer, path, budget=budget, seed=seed, seq_len=seq_len, pack=True, documents=docs)
+        ps.meta.update(selection="packed", files=None)
+    else:
+        names = [str(r.get("key", i)) for i, r in enumerate(recs)]
+        ps = build_per_document_prompt_set(tokenizer, docs, budget=budget, seq_len=seq_len, seed=seed,
+                                           max_seq_per_doc=max_seq_per_file, names=names)
+        ps.meta["files"] = ps.meta["documents_used"]
+    return ps, recs
+
+
 # ----------------------------------------------------------------------------- the table
 def quality_report(
     model,
@@ -385,7 +434,9 @@ def quality_report(
         if unknown:
             raise CalibrationError(f"unknown variants {unknown}; choose from {[v.name for v in rows]}")
         rows = [v for v in rows if v.name in variants or v.name in ("bf16", "bf16-oracle")]
-    _log(f"quality: {len(rows)} variants, {len(heldout.sequences)} held-out sequences ({heldout.num_tokens} tokens)")
+    files = heldout.meta.get("files")
+    _log(f"quality: {len(rows)} variants, {len(heldout.sequences)} held-out sequences ({heldout.num_tokens} tokens"
+         + (f", {files} files)" if files is not None else ")"))
     err = functional_error(model, heldout, {}, settings.oscar_config(True), window_mode="decode", include_baselines=False,
                            outputs={v.name: (v.output or oscar_output(RotationSet.data_free(geometry, "identity"),
                                                                       settings.oscar_config(False), quantize=False))
@@ -417,6 +468,8 @@ def quality_report(
         "rows": out_rows,
         "error": {k: err[k] for k in ("overall_db", "layers", "tokens", "sequences")},
         "disjoint": disjoint,
+        "heldout_files": heldout.meta.get("files"),
+        "calib_files": calib.meta.get("files"),
         "calibration": {"prompts": {k: v for k, v in calib.meta.items() if k != "sequence_sha256"},
                         "tokens_per_layer_min": min(stats.tokens_per_layer(1).values())},
         "heldout": {k: v for k, v in heldout.meta.items() if k != "sequence_sha256"},
@@ -448,11 +501,15 @@ def _log(msg: str) -> None:
 def format_markdown(rep: dict[str, Any]) -> str:
     """The report as a markdown table (one row per variant) with a short header."""
     s = rep["settings"]
+    hf, cf = rep.get("heldout_files"), rep.get("calib_files")
+    held_from = f" from {hf} held-out files" if hf is not None else " (packed held-out documents)"
+    calib_from = f" from {cf} train files" if cf is not None else ""
     lines = [
         f"Held-out teacher-forced perplexity and attention error, {rep['model_type']} ({rep['dtype']}), "
-        f"{rep['sequences']} sequences x {rep['eval_len']} tokens ({rep['tokens_scored']} scored), window_mode decode; "
+        f"{rep['sequences']} sequences x {rep['eval_len']} tokens ({rep['tokens_scored']} scored){held_from}, "
+        f"window_mode decode; "
         f"OSCAR format: group {s['group_size'] or 'head_dim'}, clip K {s['k_clip']} / V {s['v_clip']}, "
-        f"{s['scale_dtype']} scale/zero; calibration {rep['calibration']['prompts']['tokens']} tokens "
+        f"{s['scale_dtype']} scale/zero; calibration {rep['calibration']['prompts']['tokens']} tokens{calib_from} "
         f"(disjoint from evaluation: {rep['disjoint']['shared_sequences']} shared sequences).",
         "",
         f"| variant | rotation | quantizer | BF16 windows | bits/elem @{rep['eval_len']} | bits/elem @128K | "
@@ -482,6 +539,7 @@ def run_quality(
     device: str | None = None,
     progress: bool | None = None,
     variants: list[str] | None = None,
+    max_seq_per_file: int = 1,
 ) -> dict[str, Any]:
     """Load a checkpoint and its ``calib.jsonl`` / ``heldout.jsonl``, build the table, write
     ``quality.json`` and ``quality.md`` to ``out_dir``.
@@ -489,9 +547,12 @@ def run_quality(
     Args:
         model_path: checkpoint directory (model + tokenizer).
         calib_path, heldout_path: JSONL documents (default: ``calib.jsonl`` / ``heldout.jsonl`` in
-            ``model_path``); packed into ``settings.seq_len``-token sequences (seed 0 / 1).
+            ``model_path``); cut into ``settings.seq_len``-token sequences (seed 0 / 1) by
+            :func:`select_prompt_set`.
         work_dir: statistics and fitted rotations (default ``out_dir``).
         calib_tokens, eval_tokens: token budgets.
+        max_seq_per_file: at most this many sequences per file for both sets (``0``: the earlier
+            packed selection; :func:`select_prompt_set`).
         dtype, device: as :func:`.model.load_model` (``auto``: bf16 on a GPU, fp32 on a CPU).
 
     Returns:
@@ -501,7 +562,6 @@ def run_quality(
         CalibrationError, FileNotFoundError: missing/overlapping data, unsupported model.
     """
     from .model import load_model
-    from .prompts import Documents, build_prompt_set
 
     calib_path = calib_path or os.path.join(model_path, "calib.jsonl")
     heldout_path = heldout_path or os.path.join(model_path, "heldout.jsonl")
@@ -511,12 +571,8 @@ def run_quality(
     model, tok = load_model(model_path, dtype=dtype, device=device)
     sets, recs = {}, {}
     for key, path, budget, seed in (("calib", calib_path, calib_tokens, 0), ("heldout", heldout_path, eval_tokens, 1)):
-        recs[key] = read_records(path)
-        with open(path, "rb") as f:
-            sha = hashlib.sha256(f.read()).hexdigest()
-        docs = Documents([r["text"] for r in recs[key]], "jsonl", path, sha)
-        sets[key] = build_prompt_set(tok, path, budget=budget, seed=seed, seq_len=settings.seq_len, pack=True,
-                                     documents=docs)
+        sets[key], recs[key] = select_prompt_set(tok, path, budget=budget, seq_len=settings.seq_len, seed=seed,
+                                                 max_seq_per_file=max_seq_per_file)
     rep = quality_report(model, sets["calib"], sets["heldout"], settings, work_dir=work_dir or out_dir,
                          calib_records=recs["calib"], heldout_records=recs["heldout"], progress=progress,
                          variants=variants)
