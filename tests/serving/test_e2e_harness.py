@@ -27,6 +27,7 @@ def test_parse_args_defaults_and_selection(e2e, tmp_path):
     assert e2e.parse_args(["--only", "gfd"]).checks == ["d", "f", "g"]
     assert e2e.parse_args(["--only", "h", "--tp2"]).checks == ["h"]
     assert e2e.parse_args(["--only", "c", "--c-prompt-lens", "64,128"]).c_prompt_lens == [64, 128]
+    assert a.c_fp32 is False and e2e.parse_args(["--only", "c", "--c-fp32"]).c_fp32 is True
     assert a.b_lens == list(e2e.B_LENS) and a.d_lens == list(e2e.D_LENS) and a.h_lens == list(e2e.H_LENS)
     for bad in (["--only", "h"], ["--only", "a,z"], ["--only", ""], ["--load-min-len", "900", "--load-max-len", "100"],
                 ["--b-lens", "40,1020"], ["--d-lens", "x"], ["--c-prompt-lens", "1"]):
@@ -79,6 +80,45 @@ def test_server_specs_and_commands(e2e, tmp_path):
     tp2 = e2e.launch_command(by["qwen3-int2-head-tp2"], "/m")
     assert tp2[tp2.index("--tp-size") + 1] == "2" and "--oscar-rotation" in tp2
     assert set(e2e.server_specs(e2e.parse_args(["--only", "i"]), rot)[0].checks) == {"i"}
+    # --dtype float32 servers only with --c-fp32, used by c alone
+    assert not any("--dtype" in s.args or s.name in e2e.C_FP32_SERVERS.values() for s in specs)
+
+
+def test_c_fp32_server_specs(e2e, tmp_path):
+    rot = {f"{m}:{k}": f"/r/{m}_{k}.safetensors" for m in ("qwen3", "moe", "llama")
+           for k in ("layer", "head", "identity", "mismatch")}
+    plain = {s.name: s for s in e2e.server_specs(e2e.parse_args(["--tp2", "--out", str(tmp_path)]), rot)}
+    args = e2e.parse_args(["--tp2", "--c-fp32", "--out", str(tmp_path)])
+    specs = e2e.server_specs(args, rot)
+    by = {s.name: s for s in specs}
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)) and len({s.port for s in specs}) == len(specs)
+    fp32 = [*e2e.C_FP32_SERVERS.values(), e2e.C_FP32_FLOOR]
+    assert set(fp32) <= set(by) and set(by) - set(fp32) == set(plain)
+    # the servers shared with d and h are untouched (same flags, checks and environment)
+    for name in plain:
+        assert (by[name].args, by[name].checks, by[name].env, by[name].phase) == (
+            plain[name].args, plain[name].checks, plain[name].env, plain[name].phase)
+    assert by["qwen3-int2-layer"].checks == "cd" and by["qwen3-int2-head"].checks == "ch"
+    shim = e2e.fp32_shim_dir(args.work)
+    for name in fp32:
+        s = by[name]
+        cmd = e2e.launch_command(s, "/m", "py")
+        assert s.checks == "c" and s.phase == 1 and cmd[cmd.index("--dtype") + 1] == "float32"
+        path = s.env["PYTHONPATH"].split(os.pathsep)
+        assert path[:2] == [shim, e2e.HERE] and s.env["TRITON_F32_DEFAULT"] == "ieee"
+        assert "--enable-fp32-lm-head" in s.args
+    for kind, name in e2e.C_FP32_SERVERS.items():
+        a = by[name].args
+        assert a[a.index("--kv-cache-dtype") + 1] == "int2" and a[a.index("--oscar-rotation") + 1] == rot[f"qwen3:{kind}"]
+        assert a[a.index("--oscar-sink-tokens") + 1] == str(e2e.C_SINK)
+        assert a[a.index("--oscar-recent-tokens") + 1] == str(e2e.C_RECENT)
+        # the same flags as the BF16 server of the same rotation, plus --dtype float32
+        base = by[f"qwen3-int2-{kind}"].args
+        assert [x for x in a if x not in ("--dtype", "float32")] == base
+    assert "--kv-cache-dtype" not in by[e2e.C_FP32_FLOOR].args
+    # c not selected: no fp32 servers even with --c-fp32
+    assert not set(fp32) & {s.name for s in e2e.server_specs(e2e.parse_args(["--only", "d", "--c-fp32"]), rot)}
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -203,6 +243,32 @@ def test_greedy_paths_agree_with_teacher_forcing(e2e, oracle_setup):
         assert p["min_margin"] >= max(c["min_margin"] for c in alone) - 0.05  # batched vs one-by-one arithmetic
 
 
+def test_oracle_hp_dtype_fp32(e2e, tiny_qwen3, oracle_setup):
+    """The fp32 references of check c (--c-fp32): the model loaded in fp32 and the oracle's HP tier
+    in fp32 agree with the plain fp32 model to fp32 precision when nothing is quantized."""
+    from sglang_oscar.config import OscarConfig
+
+    path, _ = tiny_qwen3
+    _, ident, seq = oracle_setup
+    m32 = e2e.load_hf(path, "cpu", torch.float32)
+    m64 = e2e.load_hf(path, "cpu", torch.float64)
+    full = OscarConfig(sink_tokens=len(seq))
+    plain = e2e.teacher_forced_logprobs(m32, [seq])[0]
+    hp32 = e2e.teacher_forced_logprobs(m32, [seq], rotation=ident, config=full, hp_dtype=torch.float32)[0]
+    hp16 = e2e.teacher_forced_logprobs(m32, [seq], rotation=ident, config=full)[0]  # default: BF16 HP tier
+    assert e2e.abs_diff_stats(plain, hp32)["max"] < 1e-4  # fp32 end to end
+    assert e2e.abs_diff_stats(plain, hp16)["mean"] > 10 * e2e.abs_diff_stats(plain, hp32)["mean"]  # BF16 rounding
+    # an fp64-loaded model: the oracle still runs in fp32 (rotation, quantization, attention)
+    hp64 = e2e.teacher_forced_logprobs(m64, [seq], rotation=ident, config=full, hp_dtype=torch.float32)[0]
+    assert e2e.abs_diff_stats(hp32, hp64)["max"] < 1e-4
+    # quantizing windows: the HP dtype reaches the quantizer (rows quantized from their fp32 values)
+    cfg = OscarConfig(sink_tokens=4, recent_tokens=8)
+    q32 = e2e.teacher_forced_logprobs(m32, [seq], rotation=ident, config=cfg, hp_dtype=torch.float32, prompt_lens=[60])[0]
+    q16 = e2e.teacher_forced_logprobs(m32, [seq], rotation=ident, config=cfg, prompt_lens=[60])[0]
+    assert len(q32) == len(seq) - 1 and e2e.abs_diff_stats(q32, plain)["mean"] > 1e-2
+    assert q32 != q16 and e2e.abs_diff_stats(q32[:3], plain[:3])["max"] < 1e-4  # first positions read only the sink
+
+
 def test_rotation_files(e2e, tiny_qwen3, tmp_path):
     from sglang_oscar.calibrate.model import geometry_of
     from sglang_oscar.rotation import RotationSet
@@ -220,6 +286,191 @@ def test_rotation_files(e2e, tiny_qwen3, tmp_path):
     assert torch.equal(RotationSet.load(files["identity"]).matrices(1, "v"), torch.eye(32))
     with pytest.raises(RotationError):
         RotationSet.load(files["mismatch"]).validate(geo)
+
+
+# ----------------------------------------------------------------------------- fp32 servers of check c
+
+
+def test_fp32_shim_entry_point(e2e, tmp_path):
+    from importlib.metadata import distributions
+
+    shim = e2e.write_fp32_shim(e2e.fp32_shim_dir(str(tmp_path)))
+    assert shim == str(tmp_path / "fp32_shim")
+    eps = [ep for d in distributions(path=[shim]) for ep in d.entry_points if ep.group == "sglang.srt.plugins"]
+    assert [(ep.name, ep.value) for ep in eps] == [(e2e.FP32_SHIM_ENTRY, e2e.FP32_SHIM_VALUE)]
+    mod, fn = e2e.FP32_SHIM_VALUE.split(":")
+    assert mod == "gpu_e2e" and getattr(e2e, fn) is e2e.fp32_shim_register
+    assert os.path.isfile(os.path.join(e2e.HERE, mod + ".py"))  # importable from scripts/ (first on PYTHONPATH)
+
+
+def test_fp32_shim_hooks_route_only_fp32(e2e):
+    class Op:
+        def forward_native(self, *a, **k):
+            return ("native", a, k)
+
+    def orig(*a, **k):
+        return ("cuda", a, k)
+
+    op = Op()
+    x32, x16 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16)
+    assert e2e._fp32_native(orig, op, x32, "res")[0] == "native"
+    assert e2e._fp32_native(orig, op, x16, "res")[0] == "cuda"
+    pos = torch.arange(2)
+    assert e2e._fp32_native_rope(orig, op, pos, x32, x32)[0] == "native"
+    assert e2e._fp32_native_rope(orig, op, pos, x16, x16)[0] == "cuda"
+    assert e2e._fp32_native_rope(orig, op, pos, x32, x32, fused_set_kv_buffer_arg=object())[0] == "cuda"
+    assert e2e._fp32_native_rope(orig, op, pos, x32, x32, None, object())[0] == "cuda"
+    assert e2e._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.float32) is False
+    assert e2e._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.bfloat16) == "probe"
+    for target, hook in e2e.FP32_SHIM_HOOKS:  # every target exists in the installed SGLang
+        import pkgutil
+
+        obj_path, attr = target.rsplit(".", 1)
+        assert callable(getattr(pkgutil.resolve_name(obj_path), attr)), target
+
+
+def test_fp32_shim_loads_as_sglang_plugin(e2e, tmp_path):
+    """A fresh interpreter with the fp32 servers' environment: SGLang's own plugin loader finds the
+    shim, applies its hooks, and an fp32 RMSNorm.forward_cuda then runs forward_native (on CPU; the
+    upstream CUDA path would call flashinfer's fp16/bf16-only rmsnorm)."""
+    import subprocess
+    import sys
+
+    work = str(tmp_path)
+    e2e.write_fp32_shim(e2e.fp32_shim_dir(work))
+    env = dict(os.environ, **e2e.fp32_server_env(work), SGLANG_PLUGINS=e2e.FP32_SHIM_ENTRY)
+    code = "\n".join([
+        "import torch",
+        "from sglang.srt.plugins import load_plugins",
+        "load_plugins()",
+        "from sglang.srt.layers.layernorm import RMSNorm",
+        "from sglang.jit_kernel.norm import can_use_fused_inplace_qknorm",
+        "assert hasattr(RMSNorm.forward_cuda, '__wrapped__'), 'RMSNorm.forward_cuda not hooked'",
+        "n = RMSNorm(8, eps=1e-6)",
+        "n.weight.data.uniform_(0.5, 1.5)",
+        "x, r = torch.randn(3, 8), torch.randn(3, 8)",
+        "assert torch.equal(n.forward_cuda(x), n.forward_native(x))",
+        "a, b = n.forward_cuda(x, r)",
+        "c, d = n.forward_native(x, r)",
+        "assert torch.equal(a, c) and torch.equal(b, d)",
+        "assert can_use_fused_inplace_qknorm(128, torch.float32) is False",
+        "print('SHIM_OK')",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path), check=False)
+    assert out.returncode == 0 and "SHIM_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+# ----------------------------------------------------------------------------- check c (fake servers)
+
+
+class _FakeServer:
+    """Answers /generate like an int2 (``rotation``) or plain server would if it computed exactly
+    the oracle / HF model in this process: arbitrary new tokens, their teacher-forced log-probs."""
+
+    def __init__(self, e2e, name, model, rotation=None, config=None, hp_dtype=None):
+        from types import SimpleNamespace
+
+        self.e2e, self.model, self.rotation, self.config, self.hp = e2e, model, rotation, config, hp_dtype
+        self.spec = SimpleNamespace(name=name)
+        self.t_ready, self.error, self.log_path = 1.0, None, "-"
+
+    def alive(self):
+        return True
+
+    def log_text(self):
+        return ""
+
+    def generate(self, payload, timeout=None):
+        ids = list(payload["input_ids"])
+        new = self.e2e.random_prompt(payload["sampling_params"]["max_new_tokens"], len(ids), vocab=256)
+        lp = self.e2e.teacher_forced_logprobs(self.model, [ids + new], rotation=self.rotation, config=self.config,
+                                              prompt_lens=[len(ids)], hp_dtype=self.hp)[0]
+        meta = {"output_token_logprobs": [[lp[len(ids) - 1 + j], t, None] for j, t in enumerate(new)],
+                "completion_tokens": len(new), "finish_reason": {"type": "length"}}
+        if payload.get("logprob_start_len") == 0:
+            meta["input_token_logprobs"] = [[None, ids[0], None]] + [[lp[i], ids[i + 1], None] for i in range(len(ids) - 1)]
+        return {"output_ids": new, "meta_info": meta}
+
+
+@pytest.fixture(scope="module")
+def c_run(e2e, tiny_qwen3, tmp_path_factory):
+    """A Run of check c with --c-fp32 on the tiny checkpoint: references from precompute()."""
+    from sglang_oscar.calibrate.model import geometry_of
+    from sglang_oscar.rotation import RotationSet
+
+    path, _ = tiny_qwen3
+    out = tmp_path_factory.mktemp("c_run")
+    args = e2e.parse_args(["--only", "c", "--c-fp32", "--out", str(out / "out"), "--c-prompt-lens", "40,64",
+                           "--c-decode-tokens", "4"])
+    run = e2e.Run(args)
+    run.models["qwen3"] = path
+    run.hf["qwen3"] = e2e.load_hf(path, "cpu")
+    ident = RotationSet.data_free(geometry_of(run.hf["qwen3"].config), "identity")
+    for kind in ("layer", "head"):
+        run.rot[f"qwen3:{kind}"] = str(out / f"rot_{kind}.safetensors")
+        ident.save(run.rot[f"qwen3:{kind}"])
+    e2e.precompute(run)
+    return run
+
+
+def _c_servers(e2e, run, fp32_hp=torch.float32):
+    cfg = run.data["c_config"]
+    srv = {"qwen3-bf16": _FakeServer(e2e, "qwen3-bf16", run.hf["qwen3"]),
+           e2e.C_FP32_FLOOR: _FakeServer(e2e, e2e.C_FP32_FLOOR, run.hf["qwen3-fp32"])}
+    for kind in ("layer", "head"):
+        rs = run.data[f"c_rot_{kind}"]
+        srv[f"qwen3-int2-{kind}"] = _FakeServer(e2e, f"qwen3-int2-{kind}", run.hf["qwen3"], rs, cfg)
+        name = e2e.C_FP32_SERVERS[kind]
+        srv[name] = _FakeServer(e2e, name, run.hf["qwen3-fp32"], rs, cfg, fp32_hp)
+    return srv
+
+
+def test_check_c_fp32_criterion(e2e, c_run):
+    import torch as _t
+
+    run = c_run
+    assert run.hf["qwen3-fp32"].dtype == _t.float32 and run.hf["qwen3"].dtype == _t.bfloat16
+    assert {"c_hf_fp32", "c_oracle_fp32_layer", "c_oracle_fp32_head", "c_oracle_layer", "c_hf_bf16"} <= set(run.data)
+    run.servers = _c_servers(e2e, run)
+    res = e2e.check_c(run)
+    assert res.status == e2e.PASS, res.measured
+    d = res.detail
+    assert d["settings"]["criterion"] == "fp32" and d["bf16_pass"] is True
+    for kind in ("layer", "head"):
+        assert d["fp32"][kind]["prefill_mean"] == 0 and d["fp32"][kind]["decode_mean"] == 0
+        assert d["fp32"][kind]["server"] == e2e.C_FP32_SERVERS[kind] and d[kind]["server"] == f"qwen3-int2-{kind}"
+        assert d["fp32"][kind]["quantization_effect_mean"] > 1e-3 and d[kind]["prefill_mean"] == 0
+        assert all(r["decode_vs_oracle"]["n"] == 4 for r in d["fp32"][kind]["rows"])
+    assert d["fp32"]["noise_floor_mean"] == 0 and d["bf16_noise_floor_mean"] == 0
+    assert "--dtype float32 servers" in res.measured and "BF16 servers (reported" in res.measured
+    # an fp32 server whose windows held BF16 rows would not match the fp32 references
+    run.servers = _c_servers(e2e, run, fp32_hp=None)
+    off = e2e.check_c(run)
+    assert off.detail["fp32"]["layer"]["prefill_mean"] > 0 and off.detail["layer"]["prefill_mean"] == 0
+    # a missing fp32 server: c fails, the BF16 comparison is still reported
+    run.servers = {k: v for k, v in _c_servers(e2e, run).items() if k != e2e.C_FP32_SERVERS["head"]}
+    miss = e2e.check_c(run)
+    assert miss.status == e2e.FAIL and "fp32 comparison could not be evaluated" in miss.measured
+    assert miss.detail["bf16_pass"] is True and "error" in miss.detail["fp32"]
+
+
+def test_check_c_without_fp32_keeps_the_bf16_criterion(e2e, c_run):
+    import argparse
+
+    run = c_run
+    saved = run.args
+    run.args = argparse.Namespace(**{**vars(saved), "c_fp32": False})
+    try:
+        run.servers = {k: v for k, v in _c_servers(e2e, run).items() if not k.endswith("fp32")}
+        res = e2e.check_c(run)
+        assert res.status == e2e.PASS and "fp32" not in res.detail and res.detail["settings"]["criterion"] == "bf16"
+        assert res.measured.startswith("mean |served - oracle| logprob: layer: prefill 0, decode 0")
+        del run.servers["qwen3-int2-head"]
+        with pytest.raises(e2e.CheckError):  # as before: run_check reports "could not be evaluated"
+            e2e.check_c(run)
+    finally:
+        run.args = saved
 
 
 # ----------------------------------------------------------------------------- client side
