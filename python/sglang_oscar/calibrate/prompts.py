@@ -255,11 +255,18 @@ def build_prompt_set(
             ),
             stacklevel=2,
         )
+    meta = _base_meta(docs, seqs, budget=budget, total=total, seed=seed, seq_len=seq_len, pack=pack)
+    meta["documents_used"] = used_docs
+    return PromptSet(seqs, meta)
+
+
+def _base_meta(docs: Documents, seqs: list[list[int]], *, budget: int, total: int, seed: int, seq_len: int,
+               pack: bool) -> dict:
+    """The ``PromptSet.meta`` keys every selection records (source, hashes, budget, sizes)."""
     h = hashlib.sha256()
     for s in seqs:
         h.update(json.dumps(s).encode())
-    seq_hashes = [sequence_hash(s) for s in seqs]
-    meta = {
+    return {
         "source": docs.source,
         "kind": docs.kind,
         "sha256": docs.sha256,
@@ -271,10 +278,8 @@ def build_prompt_set(
         "pack": pack,
         "num_sequences": len(seqs),
         "num_documents": len(docs.texts),
-        "documents_used": used_docs,
-        "sequence_sha256": seq_hashes,
+        "sequence_sha256": [sequence_hash(s) for s in seqs],
     }
-    return PromptSet(seqs, meta)
 
 
 def build_per_document_prompt_set(
@@ -419,31 +424,17 @@ def build_per_document_prompt_set(
             ),
             stacklevel=2,
         )
-    h = hashlib.sha256()
-    for s in seqs:
-        h.update(json.dumps(s).encode())
     label = (lambda d: names[d]) if names is not None else (lambda d: str(d))
     sources = [[[label(d), off, cnt] for d, off, cnt in sp] for sp in spans_of]
-    meta = {
-        "source": docs.source,
-        "kind": docs.kind,
-        "sha256": docs.sha256,
-        "tokens_sha256": h.hexdigest(),
-        "budget": budget,
-        "tokens": total,
-        "seed": seed,
-        "seq_len": seq_len,
-        "pack": False,
+    meta = _base_meta(docs, seqs, budget=budget, total=total, seed=seed, seq_len=seq_len, pack=False)
+    meta.update({
         "selection": "per-document",
         "max_seq_per_document": max_seq_per_doc,
         "max_tokens_per_document_cap": max_seq_per_doc * room,
-        "num_sequences": len(seqs),
-        "num_documents": len(docs.texts),
         "documents_used": len(contrib),
         "max_tokens_per_document": max(contrib.values()),
         "single_document_sequences": sum(len(sp) == 1 for sp in spans_of),
         "packed_sequences": sum(len(sp) > 1 for sp in spans_of),
         "sources": sources,
-        "sequence_sha256": [sequence_hash(s) for s in seqs],
-    }
+    })
     return PromptSet(seqs, meta)

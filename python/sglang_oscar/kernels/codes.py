@@ -166,72 +166,43 @@ def _asm_call(b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _asm_operand(b, K: tl.constexpr, BIT0: tl.constexpr):
+def _asm_select(b, K: tl.constexpr, BIT0: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                C3: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
+    """The packed conversion of quarter ``K`` from one family of asm sources (codes / bit 0)."""
     if BIT0:
         if K == 0:
-            r = _asm_call(b, _ASM_B0)
+            r = _asm_call(b, B0)
         elif K == 1:
-            r = _asm_call(b, _ASM_B1)
+            r = _asm_call(b, B1)
         elif K == 2:
-            r = _asm_call(b, _ASM_B2)
+            r = _asm_call(b, B2)
         else:
-            r = _asm_call(b, _ASM_B3)
+            r = _asm_call(b, B3)
     else:
         if K == 0:
-            r = _asm_call(b, _ASM_C0)
+            r = _asm_call(b, C0)
         elif K == 1:
-            r = _asm_call(b, _ASM_C1)
+            r = _asm_call(b, C1)
         elif K == 2:
-            r = _asm_call(b, _ASM_C2)
+            r = _asm_call(b, C2)
         else:
-            r = _asm_call(b, _ASM_C3)
+            r = _asm_call(b, C3)
     return r
+
+
+@triton.jit
+def _asm_operand(b, K: tl.constexpr, BIT0: tl.constexpr):
+    return _asm_select(b, K, BIT0, _ASM_C0, _ASM_C1, _ASM_C2, _ASM_C3, _ASM_B0, _ASM_B1, _ASM_B2, _ASM_B3)
 
 
 @triton.jit
 def _asm_perm_operand(b, K: tl.constexpr, BIT0: tl.constexpr):
-    if BIT0:
-        if K == 0:
-            r = _asm_call(b, _ASMP_B0)
-        elif K == 1:
-            r = _asm_call(b, _ASMP_B1)
-        elif K == 2:
-            r = _asm_call(b, _ASMP_B2)
-        else:
-            r = _asm_call(b, _ASMP_B3)
-    else:
-        if K == 0:
-            r = _asm_call(b, _ASMP_C0)
-        elif K == 1:
-            r = _asm_call(b, _ASMP_C1)
-        elif K == 2:
-            r = _asm_call(b, _ASMP_C2)
-        else:
-            r = _asm_call(b, _ASMP_C3)
-    return r
+    return _asm_select(b, K, BIT0, _ASMP_C0, _ASMP_C1, _ASMP_C2, _ASMP_C3, _ASMP_B0, _ASMP_B1, _ASMP_B2, _ASMP_B3)
 
 
 @triton.jit
 def _asm_subnormal_operand(b, K: tl.constexpr, BIT0: tl.constexpr):
-    if BIT0:
-        if K == 0:
-            r = _asm_call(b, _ASMS_B0)
-        elif K == 1:
-            r = _asm_call(b, _ASMS_B1)
-        elif K == 2:
-            r = _asm_call(b, _ASMS_B2)
-        else:
-            r = _asm_call(b, _ASMS_B3)
-    else:
-        if K == 0:
-            r = _asm_call(b, _ASMS_C0)
-        elif K == 1:
-            r = _asm_call(b, _ASMS_C1)
-        elif K == 2:
-            r = _asm_call(b, _ASMS_C2)
-        else:
-            r = _asm_call(b, _ASMS_C3)
-    return r
+    return _asm_select(b, K, BIT0, _ASMS_C0, _ASMS_C1, _ASMS_C2, _ASMS_C3, _ASMS_B0, _ASMS_B1, _ASMS_B2, _ASMS_B3)
 
 
 @triton.jit

@@ -32,17 +32,15 @@ from .tiles import (
     finish_int2_values_t,
     hp_scores,
     hp_values,
+    int2_block_t,
     int2_scores,
-    int2_scores_t_loaded,
     int2_values,
-    int2_values_t_loaded,
     load_int2_codes_t,
     load_int2_pairs_t,
     load_int2_slots,
     load_q_quarter,
     load_qt_quarter,
     softmax_update,
-    softmax_update_t,
     store_quarters,
 )
 
@@ -163,19 +161,17 @@ def _decode_stage1(
                 # 59% of the stall cycles on long_scoreboard). Not yet timed on the GPU.
                 slots, valid, vslots, vmask = load_int2_slots(r2t, lo, hi, BLOCK_N, IDX64, False)
                 sk, zk, sv, zv = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, valid)
-                slots1, valid1, vslots1, vmask1 = load_int2_slots(r2t, lo + BLOCK_N, hi, BLOCK_N, IDX64, False)
+                slots1, valid1, _, _ = load_int2_slots(r2t, lo + BLOCK_N, hi, BLOCK_N, IDX64, False)
                 for n0 in tl.range(lo, hi, BLOCK_N):
                     slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
                     bk, bv = load_int2_codes_t(KC_h, stride_kcs, VC_h, stride_vcs, slots, valid, vslots, vmask,
                                                QK, QKP, QV, QVP)
-                    slots2, valid2, vslots2, vmask2 = load_int2_slots(r2t, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64,
+                    slots2, valid2, _, _ = load_int2_slots(r2t, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64,
                                                                       False)
                     sk1, zk1, sv1, zv1 = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots1, valid1)
-                    st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
-                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT, RB)
-                    pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
-                    at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
-                        pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
+                    mt, lt, at0, at1, at2, at3, corr, ref = int2_block_t(
+                        qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, bv, sv, zv,
+                        valid, mt, lt, at0, at1, at2, at3, corr, ref, A4, RB, C0, cap_log2e, HAS_CAP, LM, OP, PREC,
                         CONVERT)
                     sk, zk, sv, zv = sk1, zk1, sv1, zv1
                     slots1, valid1 = slots2, valid2
@@ -185,11 +181,9 @@ def _decode_stage1(
                     bk, bv = load_int2_codes_t(KC_h, stride_kcs, VC_h, stride_vcs, slots, valid, vslots, vmask,
                                                QK, QKP, QV, QVP)
                     sk, zk, sv, zv = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, valid)
-                    st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3,
-                                              bk, sk, zk, A4, C0, LM, OP, PREC, CONVERT, RB)
-                    pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
-                    at0, at1, at2, at3, corr, ref = int2_values_t_loaded(
-                        pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid, A4, RB, C0, LM, OP, PREC,
+                    mt, lt, at0, at1, at2, at3, corr, ref = int2_block_t(
+                        qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, bv, sv, zv,
+                        valid, mt, lt, at0, at1, at2, at3, corr, ref, A4, RB, C0, cap_log2e, HAS_CAP, LM, OP, PREC,
                         CONVERT)
             acc0, acc1, acc2, acc3 = finish_int2_values_t(at0, at1, at2, at3, corr, ref, A4, CONVERT)
             m = mt

@@ -534,6 +534,22 @@ def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, z
 
 
 @triton.jit
+def int2_block_t(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, bv, sv, zv, valid,
+                 mt, lt, at0, at1, at2, at3, corr, ref, A4, RB, C0, cap_log2e, HAS_CAP: tl.constexpr,
+                 LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
+    """One loaded token-major INT2 block into the running state: scores, online softmax, values.
+
+    Returns the new ``(mt, lt, at0..3, corr, ref)``.
+    """
+    st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, A4,
+                              C0, LM, OP, PREC, CONVERT, RB)
+    pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
+    at0, at1, at2, at3, corr, ref = int2_values_t_loaded(pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid,
+                                                         A4, RB, C0, LM, OP, PREC, CONVERT)
+    return mt, lt, at0, at1, at2, at3, corr, ref
+
+
+@triton.jit
 def finish_int2_values_t(at0, at1, at2, at3, corr, ref, A4, CONVERT: tl.constexpr):
     """Token-major accumulators ``[QVP, M]`` of :func:`int2_values_t_loaded` -> value units,
     transposed to ``[M, QVP]``."""
