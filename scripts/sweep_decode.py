@@ -79,7 +79,7 @@ def resources(kernels) -> list:
             by_regs = (65536 // (((regs * 32 + 255) // 256) * 256 * w)) * w
             by_smem = (233472 // max(k.metadata.shared + 1024, 1)) * w
             out.append({"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
-                        "warps_per_sm": min(by_regs, by_smem, 64)})
+                        "warps_per_sm": min(by_regs, by_smem, 64, 32 * w)})  # <= 32 resident blocks per SM
         except Exception as e:  # noqa: BLE001
             out.append({"error": f"{type(e).__name__}: {e}"})
     return out

@@ -163,3 +163,68 @@ def test_decode_empty_request_and_int64_offsets(monkeypatch):
     o = run_decode(pool, q_rot, mma_dtype=torch.float32)
     assert rel_l2(o[:2], ref) < 1e-4
     assert bool((o[2] == 0).all())
+
+
+@pytest.mark.parametrize("dk,dv,quantizer,window,cap,splits,sinkl,idx64", [
+    (128, 128, "uniform", None, None, 1, False, False),
+    (128, 128, "lloyd-max", 20, None, 5, False, False),
+    (64, 64, "uniform", None, 30.0, 3, True, False),
+    (192, 128, "lloyd-max", 7, 3.0, 2, False, True),
+    (256, 256, "uniform", None, None, 1, True, False),
+])
+def test_decode_subnormal_and_pairs_ahead_match_the_default(monkeypatch, dk, dv, quantizer, window, cap, splits,
+                                                           sinkl, idx64):
+    """The CUDA-only subnormal conversion (emulated: 6) with hand-prefetched pairs equals the emulated
+    GPU default (4) and the oracle on odd lengths, windows, logit caps, per-request sink lengths,
+    int64 offsets and head dims 64-256 (fp32 MMA: the two differ only by rounding)."""
+    fresh_seed()
+    if idx64:
+        monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
+    cfg = make_config(sink=4, recent=8, quantizer=quantizer)
+    lens = [1, 5, 12, 13, 29, 50, 83]
+    pool = build_pool(lens, 2, dk, dv, cfg, hp_dtype=torch.float32)
+    q = torch.randn(len(lens), 8, dk) * 2
+    kw = dict(mma_dtype=torch.float32, sliding_window=window, logit_cap=cap, num_kv_splits=splits)
+    if sinkl:
+        sl = torch.full((pool.hp_index.shape[0],), 4, dtype=torch.int32)
+        sl[pool.req_pool_indices[1:3]] = torch.tensor([2, 0], dtype=torch.int32)
+        kw["sink_lens"] = sl
+    base = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=4, block_n=16), **kw)
+    o = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=6, pairs_ahead=True, block_n=16), **kw)
+    assert rel_l2(o, base) < 1e-5
+    if not sinkl:
+        assert rel_l2(o, reference_decode(pool, q, sliding_window=window, logit_cap=cap,
+                                          hp_dtype=torch.float32)) < 1e-4
+
+
+def test_choose_num_splits_policy():
+    """8 programs per SM for <= 16 head programs, 32 otherwise; >= 64 keys per split of the bound;
+    capped; only host constants (the CPU counts 4 SMs)."""
+    from sglang_oscar.kernels import choose_num_splits
+
+    assert choose_num_splits(1, 8) == 4  # ceil(8 * 4 / 8)
+    assert choose_num_splits(1, 16) == 2
+    assert choose_num_splits(2, 16) == 4  # 32 waves: ceil(32 * 4 / 32)
+    assert choose_num_splits(1, 1) == 32
+    assert choose_num_splits(1, 1, max_seq_len=100) == 2  # ceil(100 / 64)
+    assert choose_num_splits(1, 1, max_seq_len=100, block_n=128) == 1
+    assert choose_num_splits(1, 1, waves=1000.0) == 256
+    assert choose_num_splits(10_000, 64) == 1
+
+
+def test_effective_convert_routing(monkeypatch):
+    """5/6 only on the token-major fast path (else 3/4, then 2/1); the interpreter emulates."""
+    from sglang_oscar.kernels.launch import effective_convert
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    f16 = torch.float16
+    assert effective_convert(5, f16, True, subnormal_ok=True) == 6
+    assert effective_convert(5, f16, True, subnormal_ok=False) == 4
+    assert effective_convert(3, f16, True) == 4
+    assert effective_convert(5, f16, False, subnormal_ok=True) == 1
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert effective_convert(5, f16, True, subnormal_ok=True) == 5
+    assert effective_convert(5, torch.float32, True, subnormal_ok=True) == 6
+    assert effective_convert(5, f16, True, subnormal_ok=False) == 3
+    assert effective_convert(5, f16, False, subnormal_ok=True) == 2
+    assert effective_convert(5, torch.bfloat16, False) == 1

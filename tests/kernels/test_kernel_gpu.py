@@ -175,6 +175,20 @@ def test_gpu_decode_every_tuning(quantizer, group):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("quantizer,cap", [("uniform", None), ("lloyd-max", None), ("lloyd-max", 30.0)])
+def test_gpu_decode_subnormal_operands_match_convert3(quantizer, cap):
+    """convert 5 (fp16-subnormal code operands on the tensor cores) and pairs_ahead agree with the
+    default convert 3 to well below the oracle tolerance (a flushed subnormal would not)."""
+    fresh_seed()
+    cfg = make_config(quantizer=quantizer, sink=SINK, recent=RECENT)
+    pool = build_pool([_n(20000), _n(3000), 333, 70], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    q = rotate_q(pool, torch.randn(4, 32, 128, device=DEV))
+    base = run_decode(pool, q, tuning=dict(convert=3), logit_cap=cap, num_kv_splits=None, debug=False)
+    for tn in (dict(convert=5), dict(convert=5, pairs_ahead=True), dict(convert=3, pairs_ahead=True)):
+        o = run_decode(pool, q, tuning=tn, logit_cap=cap, num_kv_splits=None, debug=False)
+        assert rel_l2(o, base) < 2e-3, (tn, rel_l2(o, base))
+
+
 @pytest.mark.parametrize("convert", [0, 1, 2, 5])
 def test_gpu_decode_bf16_mma(convert):
     """bf16 MMA operands (cannot run under the interpreter)."""

@@ -11,7 +11,8 @@ Everything here is ``@triton.jit`` and runs both compiled and under ``TRITON_INT
   ``1 + b0/2`` for bit 0 of the code), exactly, without an int->float conversion instruction:
   the code bits are placed in the top mantissa bits of ``1.0`` and the word is bit-cast. The
   offset ``1`` is removed in the epilogue (``decode.py`` docstring), so MMA operands stay small
-  (no ``1024 + c`` operands, which lose precision in tensor-core accumulation).
+  (no ``1024 + c`` operands, which lose precision in tensor-core accumulation). ``CONVERT`` 5/6
+  (decode token-major only) instead read the bits in place as fp16 subnormals ``c * 2^(2K-24)``.
 """
 
 from __future__ import annotations

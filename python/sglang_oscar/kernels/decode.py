@@ -14,7 +14,7 @@ each range cut into equal ``BLOCK_N``-aligned chunks computed on the device from
 Each split writes its normalised partial output and base-2 log-sum-exp (``-inf`` when empty).
 The grid depends only on host constants, so the launch can be captured in a CUDA graph.
 INT2 splits use token-major tiles (``TOKEN_MAJOR``, one pair group per row) or head-major tiles
-(:mod:`.tiles`); with the permuting code conversion (``CONVERT`` 3/4) q is loaded with permuted
+(:mod:`.tiles`); with the permuting code conversions (``CONVERT`` 3-6) q is loaded with permuted
 columns and the V code tile with permuted tokens (``perm4_index``), HP splits never permute.
 
 Stage 2, grid ``(batch, q_heads)``: merges the splits (zeros when no split saw a key).

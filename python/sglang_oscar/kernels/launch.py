@@ -99,22 +99,30 @@ def rotate_rows_hp(x: torch.Tensor, rotation: torch.Tensor, hp_dtype: torch.dtyp
 # ---------------------------------------------------------------------------------------------
 
 
-def _rows_per_program(layout: Int2Layout, num_rows: int) -> int:
+def _rows_per_program(layout: Int2Layout, num_rows: int, budget: int | None = None) -> int:
     """Rows per write program: ~2K (interpreter: ~8K) tile elements, one-hot axis included."""
     worst = max(4 * layout.k.quarter_p2 * (layout.k.num_groups_p2 if layout.k.num_groups > 1 else 1),
                 4 * layout.v.quarter_p2 * (layout.v.num_groups_p2 if layout.v.num_groups > 1 else 1))
-    budget = 8192 if interpreting() else 2048
+    if budget is None:
+        budget = 8192 if interpreting() else 2048
     r = min(64, 1 << (max(1, budget // worst).bit_length() - 1))
     return max(1, min(r, next_pow2(max(num_rows, 1))))
 
 
-def _check_rows_per_program(r):
-    """``None`` or a validated power of two in [1, 64] (raises ValueError)."""
+def _check_rows_per_program(r, layout: Int2Layout):
+    """``None`` or a power of two in [1, the layout's tile budget] (:func:`_rows_per_program`).
+
+    Raises:
+        ValueError: not a power of two, or more rows than one program's tile budget allows.
+    """
     if r is None:
         return None
     r = int(r)
-    if r < 1 or r > 64 or r & (r - 1):
-        raise ValueError(f"rows_per_program={r} must be a power of two in [1, 64]")
+    cap = _rows_per_program(layout, 1 << 30, budget=2048)  # the GPU tile budget, on every platform
+    if r < 1 or r > cap or r & (r - 1):
+        raise ValueError(f"rows_per_program={r} must be a power of two in [1, {cap}] for this layout "
+                         f"(head dims {layout.k.head_dim}/{layout.v.head_dim}, groups {layout.k.group_size}/"
+                         f"{layout.v.group_size})")
     return r
 
 
@@ -181,8 +189,8 @@ def write_kv(
         debug: check index ranges and finiteness (host sync); default ``SGLANG_OSCAR_DEBUG``.
         validate: shape/dtype/device checks (pure Python, no sync); ``False`` skips them on hot
             paths whose arguments were validated once (saves tens of microseconds of CPU).
-        rows_per_program: (token, head) rows quantized per program, a power of two <= 64
-            (default :func:`_rows_per_program`: tiles of ~2K elements). Fewer rows per program
+        rows_per_program: (token, head) rows quantized per program, a power of two up to the
+            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements). Fewer rows per program
             give more, smaller programs (one warp per row at 1); a tuning knob for small decode
             batches, timed by ``scripts/bench_decode.py``.
 
@@ -203,7 +211,7 @@ def write_kv(
             check_range(hp_rows, "hp_rows", 0, hp_k.shape[0], allow_negative=True)
     if n == 0:
         return
-    r = _check_rows_per_program(rows_per_program) or _rows_per_program(layout, n * h)
+    r = _check_rows_per_program(rows_per_program, layout) or _rows_per_program(layout, n * h)
     vv = v if has_v else k
     vc = v_codes if has_v else k_codes
     vp = v_pairs if has_v else k_pairs
@@ -318,7 +326,7 @@ def flush_hp_rows(
         check_range(dst_loc, "dst_loc", 0, k_codes.shape[0], allow_negative=True)
     if m == 0:
         return
-    r = _check_rows_per_program(rows_per_program) or _rows_per_program(layout, m * h)
+    r = _check_rows_per_program(rows_per_program, layout) or _rows_per_program(layout, m * h)
     vv = hp_v if has_v else hp_k
     vc = v_codes if has_v else k_codes
     vp = v_pairs if has_v else k_pairs
@@ -478,13 +486,18 @@ class AttnTuning:
         iteration, the permuting packed conversion (``CONVERT_ASM_PERM``), token-major tiles,
         q heads padded to 8 -- 168 registers and 18.5 KB of shared memory per program, so ~11
         programs share an SM (64 keys: 255 registers, 35 KB, 6 programs; 15-20% slower).
-        Elsewhere the conversion defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the
-        interpreter).
+        Under the interpreter decode defaults to ``CONVERT_PERM_EMULATED`` (the same permutation);
+        extend defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the interpreter).
         """
         interp = interpreting()
         t = AttnTuning(**self.as_dict())
         if t.convert is None:
-            t.convert = CONVERT_ASM_PERM if not (interp or extend) else CONVERT_ASM
+            # the interpreter runs decode with the emulated permutation of the GPU default, so the
+            # CPU tests exercise its bookkeeping (q column / V token permutation)
+            if extend:
+                t.convert = CONVERT_ASM
+            else:
+                t.convert = CONVERT_PERM_EMULATED if interp else CONVERT_ASM_PERM
 
         if interp:
             t.block_n = t.block_n or 16
@@ -819,8 +832,7 @@ def decode_attention(
     if num_hp_splits is None:
         num_hp_splits = decode_num_hp_splits(sink, recent)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_splits(bsz, hkv * bpk, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
-                                          waves=None if tn.num_warps == 1 else 8.0 / tn.num_warps)
+        num_kv_splits = choose_num_splits(bsz, hkv * bpk, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n)
     if num_hp_splits < 1 or num_kv_splits < 1:
         raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
     ns = num_hp_splits + num_kv_splits

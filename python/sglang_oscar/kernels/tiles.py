@@ -16,7 +16,9 @@ INT2 scores, fast path (every quarter inside one group; ``G % Q == 0``). With th
               = (s * A4) * (q . E + qb . B - ((z - C0) / A4) * sum(q)),    qb = q * B2 / A4,
 
 where ``sum(q)`` is taken over the *rounded* operand values: one MMA chain (two for Lloyd-Max)
-and two fp32 operations per score. Only codes are converted; operands stay in [1, 1.75].
+and two fp32 operations per score. Only codes are converted; operands stay in [1, 1.75]. (The
+decode token-major variant ``CONVERT`` 5/6 uses fp16-subnormal operands ``c * 2^(2K-24)`` instead,
+with q and the epilogue rescaled: :func:`int2_scores_t_loaded`.)
 
 V, fast path: with softmax weights ``p`` and per-token pairs ``(sv, zv)``,
 ``sum_n p sv (level - zv) = A4 * ref * (sum_n pw (E + RB*B) + sum_n pw (C0 - zv) / A4)`` where
@@ -32,9 +34,12 @@ pair loads, round to the operand dtype, MMA.
 Softmax runs in base 2 (``exp2``); masked keys get ``-inf``; a row with no visible key so far
 keeps ``m = -inf`` and contributes nothing.
 
-Accumulation: the value MMAs of every block start from a zero accumulator and the block's product
-is added to the running fp32 accumulator by an ordinary (round-to-nearest) fp32 ``fma`` (not
-``acc * beta + dot``, which Triton's combine pass folds back into ``dot(.., acc * beta)``). Tensor
+Accumulation (one-group fast paths, decode): the value MMAs of every block start from a zero
+accumulator and the block's product is added to the running fp32 accumulator by an ordinary
+(round-to-nearest) fp32 ``fma`` (not ``acc * beta + dot``, which Triton's combine pass folds back
+into ``dot(.., acc * beta)``). The grouped / general value paths and the HP tier still feed the
+running accumulator to the MMA: they hold values (no zero-point term cancels against them) and
+the HP tier spans at most ``sink + recent`` keys, so the truncation bias stays at fp32 level there. Tensor
 cores truncate the low bits when they accumulate; fed the running accumulator directly, that bias
 grows with the number of blocks a split walks, and the zero-point correction (which cancels most
 of ``sum pw E``) amplifies it: measured on the H200, a 64K-token split of zero-mean random data
@@ -49,6 +54,8 @@ import triton.language as tl
 from .codes import code_operand, level_of, perm4_index, round_to, to_operand
 
 NEG_INF = tl.constexpr(float("-inf"))
+# subnormal code operands (CONVERT 5/6): q operands carry 2^(SUB_SHIFT - 2K), see load_qt_quarter
+SUB_SHIFT = tl.constexpr(8)
 
 
 @triton.jit
@@ -387,9 +394,11 @@ def load_qt_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexp
                     OP: tl.constexpr, LM: tl.constexpr, PERM: tl.constexpr = False, SUB: tl.constexpr = False):
     """Transposed :func:`load_q_quarter`: ``[QDP, M]`` operands and ``[M]`` sums.
 
-    ``SUB`` (subnormal code operands ``c * 2^(2K-24)``): the operands are ``q * 2^-2K`` and, for
-    Lloyd-Max, ``round(q * 2 RB) * 2^-2K`` (exact power-of-two scalings of the rounded values);
-    the sums stay those of the unscaled rounded ``q``.
+    ``SUB`` (subnormal code operands ``c * 2^(2K-24)``): the operands are ``q * 2^(SUB_SHIFT-2K)``
+    and, for Lloyd-Max, ``round(q * 2 RB) * 2^(SUB_SHIFT-2K)`` -- power-of-two scalings of the
+    rounded values, exact while they stay fp16-normal (``SUB_SHIFT`` = 8 keeps quarter 3's operand
+    4x the rounded q, so only elements below ~2^-16 go subnormal; overflow needs |q| > 256 after
+    the softmax pre-scale); the sums stay those of the unscaled rounded ``q``.
     """
     jq = tl.arange(0, QDP)
     if PERM:
@@ -398,7 +407,7 @@ def load_qt_quarter(Q, qoff, rmask, qscale, RB, K: tl.constexpr, QD: tl.constexp
     q = round_to(q.to(tl.float32) * qscale, OP)
     sq = tl.sum(q.to(tl.float32), axis=0)
     if SUB:
-        f: tl.constexpr = 1.0 / (4 ** K)
+        f: tl.constexpr = (2.0 ** SUB_SHIFT) / (4 ** K)
         if LM:
             qb = round_to(round_to(q.to(tl.float32) * (2.0 * RB), OP).to(tl.float32) * f, OP)
         else:
@@ -437,18 +446,19 @@ def load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, tmask):
 
 
 @triton.jit
-def int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, bk, sk, zk, A4, C0,
-                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
-                         RB=0.0):
-    """``S^T [N, M]`` from a loaded block (:func:`load_int2_codes_t`, :func:`load_int2_pairs_t`).
+def int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, bk, sk, zk, A4, C0, RB,
+                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
+    """``S^T [N, M]`` from a loaded block (:func:`load_int2_codes_t`, :func:`load_int2_pairs_t`);
+    ``RB = B2 / A4`` (Lloyd-Max bit-0 coefficient, ``layout.affine_levels``).
 
     Subnormal operands (``CONVERT`` 5/6): with ``level = (A4/4) c + (B2/2) b0 + C0'`` (``C0' = A4 +
-    B2 + C0``, ``B2 = RB A4``) and q pre-scaled (:func:`load_qt_quarter`), the MMA gives
-    ``d = 2^-24 (q . c + 2 RB qb . b0)``, so ``score = s A4 2^22 (d - 2^-24 (4/A4) (z - C0') sum q)``.
+    B2 + C0``, ``B2 = RB A4``) and q pre-scaled by ``2^(S-2K)`` (:func:`load_qt_quarter`, ``S =
+    SUB_SHIFT``), the MMA gives ``d = 2^(S-24) (q . c + 2 RB q . b0)``, so ``score = s A4 2^(22-S)
+    (d - 2^(S-24) (4/A4) (z - C0') sum q)``.
     """
     if CONVERT >= 5:
-        sc = sk.to(tl.float32) * (A4 * 1048576.0 * 4.0)  # A4 * 2^22
-        zc = (zk.to(tl.float32) - (A4 + RB * A4 + C0)) * (4.0 / A4 * 5.9604644775390625e-08)
+        sc = sk.to(tl.float32) * (A4 * (2.0 ** (22 - SUB_SHIFT)))
+        zc = (zk.to(tl.float32) - (A4 + RB * A4 + C0)) * (4.0 / A4 * (2.0 ** (SUB_SHIFT - 24)))
     else:
         sc = sk.to(tl.float32) * A4
         zc = (zk.to(tl.float32) - C0) / A4
@@ -463,20 +473,6 @@ def int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3,
         d = tl.dot(code_operand(bk, 3, OP, True, CONVERT, 1), qb3, d, input_precision=PREC)
     sqt = sq0 + sq1 + sq2 + sq3
     return sc[:, None] * (d - zc[:, None] * sqt[None, :])
-
-
-@triton.jit
-def int2_scores_t(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, KC_h, stride_kcs, KP_h, stride_kps,
-                  slots, tmask, A4, C0, QK: tl.constexpr, QKP: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr,
-                  PREC: tl.constexpr, CONVERT: tl.constexpr):
-    """``S^T [N, M]`` of INT2 keys (fast path, one group per row)."""
-    jq = tl.arange(0, QKP)
-    bk = tl.load(KC_h + slots[:, None] * stride_kcs + jq[None, :],
-                 mask=tmask[:, None] & (jq < QK)[None, :], other=0)  # [N, QKP] uint8
-    sk = tl.load(KP_h + slots * stride_kps, mask=tmask, other=0.0)
-    zk = tl.load(KP_h + slots * stride_kps + 1, mask=tmask, other=0.0)
-    return int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3, bk, sk, zk, A4, C0,
-                                LM, OP, PREC, CONVERT)
 
 
 @triton.jit
@@ -542,7 +538,7 @@ def int2_block_t(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, s
     Returns the new ``(mt, lt, at0..3, corr, ref)``.
     """
     st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, A4,
-                              C0, LM, OP, PREC, CONVERT, RB)
+                              C0, RB, LM, OP, PREC, CONVERT)
     pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
     at0, at1, at2, at3, corr, ref = int2_values_t_loaded(pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid,
                                                          A4, RB, C0, LM, OP, PREC, CONVERT)
@@ -566,19 +562,3 @@ def finish_int2_values_t(at0, at1, at2, at3, corr, ref, A4, CONVERT: tl.constexp
         acc2 = tl.trans((at2 + corr[None, :]) * f)
         acc3 = tl.trans((at3 + corr[None, :]) * f)
     return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def int2_values_t(p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs, VP_h, stride_vps, slots, tmask,
-                  vslots, vmask, A4, RB, C0, QV: tl.constexpr, QVP: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr,
-                  PREC: tl.constexpr, CONVERT: tl.constexpr):
-    """Transposed :func:`int2_values` (fast path, one group per row, running-reference units):
-    ``acc_k^T [QVP, M]``, ``p [N, M]``. ``vslots``/``vmask``: slots of the code tile (token order
-    permuted for the permuting conversion, else ``slots``/``tmask``)."""
-    jv = tl.arange(0, QVP)
-    bv = tl.load(VC_h + vslots[None, :] * stride_vcs + jv[:, None],
-                 mask=(jv < QV)[:, None] & vmask[None, :], other=0)  # [QVP, N] uint8
-    sv = tl.load(VP_h + slots * stride_vps, mask=tmask, other=0.0)
-    zv = tl.load(VP_h + slots * stride_vps + 1, mask=tmask, other=0.0)
-    return int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, sv, zv, tmask, A4, RB, C0,
-                                LM, OP, PREC, CONVERT)
