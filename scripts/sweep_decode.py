@@ -156,8 +156,8 @@ def main(argv=None) -> int:
                         if not math.isfinite(err) or err > args.tol:
                             run["status"] = f"WRONG {err:.1e}"
                         else:
-                            run["ms"] = bd.bench(lambda: case.run_int2(tuning=tn, num_kv_splits=ns, workspace=ws,
-                                                                       out=out), smoke)
+                            run["ms"] = bd.bench(lambda c=case, t=tn, n=ns, w=ws, o=out: c.run_int2(
+                                tuning=t, num_kv_splits=n, workspace=w, out=o), smoke)
                             run["tbps"] = point["bytes"] / (run["ms"] * 1e-3) / 1e12
                     except Exception as e:  # noqa: BLE001
                         run["status"] = f"FAIL {type(e).__name__}: {str(e)[:160]}"
