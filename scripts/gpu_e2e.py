@@ -76,7 +76,8 @@ CHECKS: dict[str, str] = {
 }
 DEFAULT_CHECKS = "abcdefgi"  # h needs --tp2 (a 2-GPU machine)
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"  # SKIP: not run (the harness's --budget ran out); not a pass
+BUDGET_CUT = "the harness's time budget cut the wait short"
 
 # Tiny checkpoints. head_dim 128 everywhere (the served geometry of real models); vocab a multiple of 64.
 VOCAB = 2048
@@ -1156,7 +1157,8 @@ class Run:
         if letter not in self.args.checks:
             return
         if self.left() <= 0:
-            self.record(CheckResult(letter, FAIL, f"not run: the time budget of {self.args.budget:.0f} s was used up"))
+            self.record(CheckResult(letter, SKIP, f"not run: the time budget of {self.args.budget:.0f} s was used up "
+                                                  f"(rerun with --only {letter})"))
             return
         t = time.time()
         try:
@@ -1187,6 +1189,8 @@ class Run:
         with ThreadPoolExecutor(max_workers=max(1, len(waiting))) as ex:
             list(ex.map(lambda s: s.wait_healthy(timeout(s)), waiting))
         for s in waiting:
+            if s.t_ready is None and s.error and timeout(s) < self.args.start_timeout and s.error.startswith("not healthy"):
+                s.error += f" ({BUDGET_CUT}; rerun the checks it serves with --only)"
             self.log(f"server {s.spec.name}: " + (f"healthy after {s.t_ready - s.t_start:.0f} s" if s.t_ready
                                                  else f"NOT healthy: {s.error}"))
 
@@ -1693,6 +1697,12 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
     return out
 
 
+def _unevaluated_status(errors: dict[str, str]) -> str:
+    """SKIP when every reason a check could not be evaluated is the harness's own time budget."""
+    budget = ("time budget", BUDGET_CUT)
+    return SKIP if errors and all(any(b in e for b in budget) for e in errors.values()) else FAIL
+
+
 def check_fg(run: Run) -> None:
     ch = set(run.args.checks)
     res: dict[str, Any] = {}
@@ -1715,7 +1725,8 @@ def check_fg(run: Run) -> None:
                             f"--mem-fraction-static {run.args.sizing_mem_fraction:g}, group 128, fp16 scales)",
                             {"long": res, "errors": errors})
         else:
-            r = CheckResult("f", FAIL, f"could not be evaluated: {errors or 'max_total_num_tokens not found'}",
+            r = CheckResult("f", _unevaluated_status(errors),
+                            f"could not be evaluated: {errors or 'max_total_num_tokens not found'}",
                             {"long": res, "errors": errors})
         run.record(r)
     if "g" in ch:
@@ -1723,7 +1734,7 @@ def check_fg(run: Run) -> None:
             bf, i2 = res["long-bf16"]["long"]["decode_tok_s"], res["long-int2"]["long"]["decode_tok_s"]
             sb, si = res["long-bf16"]["short"]["decode_tok_s"], res["long-int2"]["short"]["decode_tok_s"]
         except KeyError:
-            run.record(CheckResult("g", FAIL, f"could not be evaluated: {errors or 'no decode timings'}",
+            run.record(CheckResult("g", _unevaluated_status(errors), f"could not be evaluated: {errors or 'no decode timings'}",
                                    {"long": res, "errors": errors}))
             return
         ratio = i2 / bf

@@ -595,3 +595,18 @@ def test_dry_run_prints_every_server(e2e, capsys):
 def test_plugin_entry_point_is_seen(e2e):
     ep = e2e.plugin_entry_point()
     assert ep["oscar"] and ep["value"] == "sglang_oscar.plugin:register" and "oscar" not in ep["others"]
+
+
+def test_budget_exhaustion_is_reported_as_not_run(e2e, tmp_path):
+    """A check the --budget left no time for is SKIP (not run, and not a pass), not FAIL."""
+    assert e2e._unevaluated_status({"long-int2": f"server not healthy after 22 s (x; {e2e.BUDGET_CUT}; rerun)"}) \
+        == e2e.SKIP
+    assert e2e._unevaluated_status({"long-bf16": "time budget of 370 s used up",
+                                    "long-int2": f"not healthy ({e2e.BUDGET_CUT})"}) == e2e.SKIP
+    assert e2e._unevaluated_status({"long-int2": "exited with code 1: CUDA out of memory"}) == e2e.FAIL
+    assert e2e._unevaluated_status({}) == e2e.FAIL
+    run = e2e.Run(e2e.parse_args(["--only", "a", "--budget", "1", "--out", str(tmp_path / "o")]))
+    run.deadline = time.time() - 1.0
+    run.run_check("a", lambda r: pytest.fail("must not run"))
+    res = run.results["a"]
+    assert res.status == e2e.SKIP and "--only a" in res.measured
