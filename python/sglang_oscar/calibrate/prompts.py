@@ -197,12 +197,7 @@ def build_prompt_set(
         raise CalibrationError(f"prompts source {docs.source} is empty: no text to calibrate on")
     if pack is None:
         pack = docs.kind in ("text", "dataset")
-    order = list(range(len(docs.texts)))
-    random.Random(seed).shuffle(order)
-    prefix = _prefix_tokens(tokenizer)
-    room = seq_len - len(prefix)
-    if room <= 0:
-        raise CalibrationError(f"seq_len {seq_len} leaves no room after the {len(prefix)} prefix tokens")
+    order, prefix, room = _shuffled_order_and_room(tokenizer, len(docs.texts), seed, seq_len)
     eos = tokenizer.eos_token_id
     seqs: list[list[int]] = []
     total = 0
@@ -258,6 +253,22 @@ def build_prompt_set(
     meta = _base_meta(docs, seqs, budget=budget, total=total, seed=seed, seq_len=seq_len, pack=pack)
     meta["documents_used"] = used_docs
     return PromptSet(seqs, meta)
+
+
+def _shuffled_order_and_room(tokenizer, num_docs: int, seed: int, seq_len: int) -> tuple[list[int], list[int], int]:
+    """Document order (``random.Random(seed)`` shuffle), the tokenizer's prefix tokens and the room
+    left for document tokens in a sequence of ``seq_len``.
+
+    Raises:
+        CalibrationError: ``seq_len`` leaves no room after the prefix tokens.
+    """
+    order = list(range(num_docs))
+    random.Random(seed).shuffle(order)
+    prefix = _prefix_tokens(tokenizer)
+    room = seq_len - len(prefix)
+    if room <= 0:
+        raise CalibrationError(f"seq_len {seq_len} leaves no room after the {len(prefix)} prefix tokens")
+    return order, prefix, room
 
 
 def _base_meta(docs: Documents, seqs: list[list[int]], *, budget: int, total: int, seed: int, seq_len: int,
@@ -338,12 +349,7 @@ def build_per_document_prompt_set(
         raise CalibrationError(f"prompts source {docs.source} is empty: no text to select from")
     if names is not None and len(names) != len(docs.texts):
         raise CalibrationError(f"{len(names)} names for {len(docs.texts)} documents")
-    order = list(range(len(docs.texts)))
-    random.Random(seed).shuffle(order)
-    prefix = _prefix_tokens(tokenizer)
-    room = seq_len - len(prefix)
-    if room <= 0:
-        raise CalibrationError(f"seq_len {seq_len} leaves no room after the {len(prefix)} prefix tokens")
+    order, prefix, room = _shuffled_order_and_room(tokenizer, len(docs.texts), seed, seq_len)
     eos = tokenizer.eos_token_id
     sep = [eos] if eos is not None else []
     seqs: list[list[int]] = []
