@@ -501,7 +501,7 @@ def _vt_mma(pw, pwb, bv, K: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr, PR
 
 
 @triton.jit
-def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, zvr, tmask, A4, RB, C0,
+def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, zvr, A4, RB, C0,
                          LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
     """Transposed :func:`int2_values` (fast path, one group per row, running-reference units) on a
     loaded block: ``acc_k^T [QVP, M]``, ``p [N, M]``, ``bv [QVP, N]`` (token order permuted for the
@@ -540,8 +540,8 @@ def int2_block_t(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, s
     st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, A4,
                               C0, RB, LM, OP, PREC, CONVERT)
     pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
-    at0, at1, at2, at3, corr, ref = int2_values_t_loaded(pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, valid,
-                                                         A4, RB, C0, LM, OP, PREC, CONVERT)
+    at0, at1, at2, at3, corr, ref = int2_values_t_loaded(pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, A4, RB,
+                                                         C0, LM, OP, PREC, CONVERT)
     return mt, lt, at0, at1, at2, at3, corr, ref
 
 
