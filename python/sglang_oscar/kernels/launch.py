@@ -616,8 +616,9 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
     16`` (batch 1 of an 8-kv-head model: one wave of ~1,000 programs; more splits measured
     slower) and 32 otherwise (several full waves; 8-20% faster than 8 at batch 8-32), from the
     H200 sweep in docs/benchmarks.md. With ``max_seq_len`` (a *static* bound such as the
-    server's context length) a split keeps at least ``min_split_tokens`` keys (at 4K x batch 1,
-    64 splits ran in 19 us, 16 splits of 256 keys in 24 us). Depends only on host constants,
+    server's context length) a split keeps at least ``min_split_tokens`` keys (at 4K x batch 1:
+    16 splits of 256 keys 24 us, 128 splits 21 us with the default tuning; 64 splits of the
+    earlier ``block_n`` 64 tuning 19 us). Depends only on host constants,
     never on per-step lengths, so a CUDA graph captured for a batch size stays valid.
 
     Args:
