@@ -86,6 +86,27 @@ def _sha256_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def parse_jsonl(text: str, source: str, text_field: str = "text") -> list[dict]:
+    """The JSON objects of JSONL ``text`` (one per non-empty line), each with a ``text_field`` key.
+
+    Raises:
+        CalibrationError: a line that is not valid JSON or not an object with ``text_field``
+        (the message names ``source`` and the line number).
+    """
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"{source}:{n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict) or text_field not in obj:
+            raise CalibrationError(f"{source}:{n}: record has no {text_field!r} field")
+        out.append(obj)
+    return out
+
+
 def load_documents(source: str, text_field: str = "text") -> Documents:
     """Read the documents of ``source`` (module docstring).
 
@@ -99,17 +120,7 @@ def load_documents(source: str, text_field: str = "text") -> Documents:
         sha = _sha256_bytes(raw)
         text = raw.decode("utf-8", errors="replace")
         if source.endswith(".jsonl"):
-            docs = []
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise CalibrationError(f"{source}:{n}: not valid JSON ({exc.msg})") from None
-                if not isinstance(obj, dict) or text_field not in obj:
-                    raise CalibrationError(f"{source}:{n}: record has no {text_field!r} field")
-                docs.append(str(obj[text_field]))
+            docs = [str(obj[text_field]) for obj in parse_jsonl(text, source, text_field)]
             return Documents(docs, "jsonl", source, sha)
         docs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n")]
         return Documents([d for d in docs if d], "text", source, sha)

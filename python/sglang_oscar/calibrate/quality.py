@@ -61,6 +61,7 @@ from ..rotation import RotationSet
 from . import CalibrationError
 from .capture import AttentionCall
 from .oracle import OutputFn, RotationCache, check_dense, low_reads, mha_output
+from .prompts import parse_jsonl
 
 LONG_CONTEXT = 131072
 HP_DTYPE = torch.bfloat16
@@ -283,19 +284,8 @@ def read_records(path: str) -> list[dict[str, Any]]:
     Raises:
         CalibrationError: a line that is not a JSON object with a ``text`` field.
     """
-    out = []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or "text" not in rec:
-                raise CalibrationError(f"{path}:{n}: record has no 'text' field")
-            out.append(rec)
-    return out
+        return parse_jsonl(f.read(), path)
 
 
 def _doc_hash(text: str) -> str:
