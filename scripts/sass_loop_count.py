@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Static cost of the decode stage-1 kernel: compile it for sm_90 on a machine without a GPU and
+count the SASS instructions of its loops (the INT2 loop is the last one), plus registers, spill
+stack and shared memory.
+
+    python scripts/sass_loop_count.py '{}' '{"convert": 5}'      # tunings as JSON (TRITON_INTERPRET unset)
+
+Uses ``kernels.compile_check.compile_only`` with the small CPU pool of tests/kernels/compile_sm90.py
+(32 q / 8 kv heads, head_dim 128) and the Triton wheel's ``cuobjdump``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+import triton  # noqa: E402
+
+import compile_sm90  # noqa: E402
+from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
+    """``(start, end, opcode counts)`` of every backward-branch loop in a SASS listing."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    out = []
+    for a, text in ins:
+        if "BRA" in text:
+            t = re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])
+            if t and int(t.group(1), 16) < a:
+                lo = int(t.group(1), 16)
+                body = [x for b, x in ins if lo <= b <= a]
+                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+                out.append((lo, a, ops))
+    return out
+
+
+def main(argv=None) -> int:
+    tunings = [json.loads(a) for a in (argv if argv is not None else sys.argv[1:])] or [{}]
+    for tn in tunings:
+        COMPILED.clear()
+        with compile_only("cuda", 90):
+            compile_sm90._attn("d", tuning=tn)
+        k = next(c[3] for c in COMPILED if c[0] == "_decode_stage1")
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        usage = " ".join(x.strip() for x in res.splitlines() if "REG" in x)
+        print(f"{json.dumps(tn)}: {usage} shared {k.metadata.shared}")
+        for lo, hi, ops in loops(sass):
+            print(f"  loop {lo:#x}-{hi:#x}: {sum(ops.values())} instructions; {ops.most_common(10)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
