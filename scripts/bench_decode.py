@@ -56,13 +56,12 @@ from sglang_oscar.kernels.launch import AttnTuning, choose_num_splits, plan_head
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256
 
-SWEEP = [  # compared with the default (convert 3, block_n 32, one warp; docs/kernels.md)
-    dict(convert=2, token_major=True, num_warps=1, block_n=64),  # the default before 2026-11-30
-    dict(convert=3, token_major=True, num_warps=1, block_n=32, pairs_ahead=True),  # untimed as of 2026-11-30
-    dict(convert=5, token_major=True, num_warps=1, block_n=32),  # untimed as of 2026-11-30
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, pairs_ahead=True),
-    dict(convert=3, token_major=True, num_warps=1, block_n=16, num_stages=3),
-    dict(convert=3, token_major=True, num_warps=1, block_n=64),
+SWEEP = [  # compared with the default (convert 5 + pairs_ahead, block_n 32, one warp; docs/kernels.md)
+    dict(convert=3, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),  # default before 2026-11-30 (2)
+    dict(convert=5, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),
+    dict(convert=2, token_major=True, num_warps=1, block_n=64, pairs_ahead=False),  # default before 2026-11-30 (1)
+    dict(convert=5, token_major=True, num_warps=1, block_n=64),
+    dict(convert=5, token_major=True, num_warps=1, block_n=16, num_stages=3),
     dict(convert=2, token_major=False, num_warps=1, block_n=64, min_block_h=4),
 ]
 

@@ -174,8 +174,8 @@ def test_decode_empty_request_and_int64_offsets(monkeypatch):
 ])
 def test_decode_subnormal_and_pairs_ahead_match_the_default(monkeypatch, dk, dv, quantizer, window, cap, splits,
                                                            sinkl, idx64):
-    """The CUDA-only subnormal conversion (emulated: 6) with hand-prefetched pairs equals the emulated
-    GPU default (4) and the oracle on odd lengths, windows, logit caps, per-request sink lengths,
+    """The CUDA-only subnormal conversion (emulated: 6) with hand-prefetched pairs (the GPU default)
+    equals the emulated permuting conversion (4) without them and the oracle on odd lengths, windows, logit caps, per-request sink lengths,
     int64 offsets and head dims 64-256 (fp32 MMA: the two differ only by rounding)."""
     fresh_seed()
     if idx64:
@@ -189,7 +189,7 @@ def test_decode_subnormal_and_pairs_ahead_match_the_default(monkeypatch, dk, dv,
         sl = torch.full((pool.hp_index.shape[0],), 4, dtype=torch.int32)
         sl[pool.req_pool_indices[1:3]] = torch.tensor([2, 0], dtype=torch.int32)
         kw["sink_lens"] = sl
-    base = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=4, block_n=16), **kw)
+    base = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=4, pairs_ahead=False, block_n=16), **kw)
     o = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=6, pairs_ahead=True, block_n=16), **kw)
     assert rel_l2(o, base) < 1e-5
     if not sinkl:
@@ -224,7 +224,9 @@ def test_effective_convert_routing(monkeypatch):
     assert effective_convert(5, f16, False, subnormal_ok=True) == 1
     monkeypatch.delenv("TRITON_INTERPRET")
     assert effective_convert(5, f16, True, subnormal_ok=True) == 5
-    assert effective_convert(5, torch.float32, True, subnormal_ok=True) == 6
+    # fp32 / bf16 operands on the GPU: 5 takes 3's route (the plain bit trick)
+    assert effective_convert(5, torch.float32, True, subnormal_ok=True) == 1
+    assert effective_convert(5, torch.bfloat16, True, subnormal_ok=True) == 1
     assert effective_convert(5, f16, True, subnormal_ok=False) == 3
     assert effective_convert(5, f16, False, subnormal_ok=True) == 2
     assert effective_convert(5, torch.bfloat16, False) == 1

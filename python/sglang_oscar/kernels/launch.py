@@ -436,9 +436,9 @@ class AttnTuning:
             fast path only; the kernel permutes q / the V token order to match). Under the
             interpreter 2 runs as 1 and 3 as its emulation (4); where 3 is not applicable it
             runs as 2 (extend, general path, non-fp16 operands as 1). ``CONVERT_SUBNORMAL`` 5
-            (decode token-major fast path, fp16 operands; untimed as of 2026-11-30): the code
-            bits are read in place as fp16 subnormals ``c * 2^(2K-24)`` (one AND per two codes);
-            6 is its emulation (interpreter, other operand dtypes); elsewhere they run as 3 / 4.
+            (GPU decode default; token-major fast path, fp16 operands): the code bits are read
+            in place as fp16 subnormals ``c * 2^(2K-24)`` (one AND per two codes); 6 is its
+            emulation (interpreter); fp32/bf16 operands on the GPU and the other paths run 5 as 3.
         min_block_h: rows of the decode query tile are padded to at least this (MMA M).
         max_block_h: a kv head's q heads are split into blocks of at most this many heads
             (a divisor of the group), so a program never straddles two kv heads.
@@ -447,7 +447,7 @@ class AttnTuning:
             otherwise ignored.
         pairs_ahead: decode token-major INT2 loop: load each block's (scale, zero) pairs one
             iteration early by hand (Triton's pipeliner stages only the code tiles, which feed
-            MMAs; the pair loads were synchronous). Off by default until timed on the GPU.
+            MMAs; the pair loads were synchronous). Default on for decode (``None``).
         maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
             registers per SM: 255 -> 8 warps, 128 -> 16, 96 -> 21, 64 -> 32) at the risk of spills.
@@ -467,7 +467,7 @@ class AttnTuning:
         self.max_block_h = max_block_h or 64
         self.token_major = True if token_major is None else bool(token_major)
         self.maxnreg = None if maxnreg is None else int(maxnreg)
-        self.pairs_ahead = bool(pairs_ahead) if pairs_ahead is not None else False
+        self.pairs_ahead = None if pairs_ahead is None else bool(pairs_ahead)
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
@@ -481,13 +481,15 @@ class AttnTuning:
     def resolved(self, head_dim: int, extend: bool = False) -> "AttnTuning":
         """Copy with the unset knobs filled for ``head_dim`` (max of K/V) and the platform.
 
-        GPU decode defaults (H200 sweep, ``scripts/sweep_decode.py``, docs/benchmarks.md): one
+        GPU decode defaults (H200 sweeps, ``scripts/sweep_decode.py``, docs/benchmarks.md): one
         warp per program up to head_dim 128 (no cross-warp softmax reductions), 32 keys per
-        iteration, the permuting packed conversion (``CONVERT_ASM_PERM``), token-major tiles,
-        q heads padded to 8 -- 168 registers and 18.5 KB of shared memory per program, so ~11
-        programs share an SM (64 keys: 255 registers, 35 KB, 6 programs; 15-20% slower).
-        Under the interpreter decode defaults to ``CONVERT_PERM_EMULATED`` (the same permutation);
-        extend defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the interpreter).
+        iteration, codes read as fp16 subnormals (``CONVERT_SUBNORMAL``), (scale, zero) pairs
+        loaded one block ahead (``pairs_ahead``), token-major tiles, q heads padded to 8 --
+        194 registers, no spills, 18.5 KB of shared memory per program (2026-11-30 sweep:
+        1.19x faster than ``CONVERT_ASM_PERM`` without ``pairs_ahead`` at 32K x 1, 1.25x at
+        128K x 1). Under the interpreter decode defaults to ``CONVERT_SUBNORMAL_EMULATED`` (the
+        same permutation and scaling); extend defaults to ``CONVERT_ASM`` (run as
+        ``CONVERT_BITS`` under the interpreter) and no ``pairs_ahead``.
         """
         interp = interpreting()
         t = AttnTuning(**self.as_dict())
@@ -497,7 +499,9 @@ class AttnTuning:
             if extend:
                 t.convert = CONVERT_ASM
             else:
-                t.convert = CONVERT_PERM_EMULATED if interp else CONVERT_ASM_PERM
+                t.convert = CONVERT_SUBNORMAL_EMULATED if interp else CONVERT_SUBNORMAL
+        if t.pairs_ahead is None:
+            t.pairs_ahead = not extend
 
         if interp:
             t.block_n = t.block_n or 16
@@ -563,9 +567,12 @@ def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool, subnorm
     interp = interpreting()
     if convert in (CONVERT_SUBNORMAL, CONVERT_SUBNORMAL_EMULATED):
         if permuting_ok and subnormal_ok:
-            if interp or convert == CONVERT_SUBNORMAL_EMULATED or op != torch.float16:
+            if interp or convert == CONVERT_SUBNORMAL_EMULATED:
                 return CONVERT_SUBNORMAL_EMULATED
-            return CONVERT_SUBNORMAL
+            if op == torch.float16:
+                return CONVERT_SUBNORMAL
+            # fp32 / bf16 operands on the GPU: the fp16-subnormal trick does not apply; take the
+            # path ``CONVERT_ASM_PERM`` takes (plain bit trick for non-fp16 operands)
         convert = CONVERT_ASM_PERM if convert == CONVERT_SUBNORMAL else CONVERT_PERM_EMULATED
     if convert in (CONVERT_ASM_PERM, CONVERT_PERM_EMULATED):
         if permuting_ok and (interp or convert == CONVERT_PERM_EMULATED):
