@@ -440,7 +440,7 @@ def write_flush_cost(case: Case, layout: Int2Layout, device, smoke: bool, decode
         out["flush_ms"] = bench(lambda: flush_hp_rows(case.hp_k, case.hp_v, src, dst, case.k_codes, case.k_pairs,
                                                       case.v_codes, case.v_pairs, layout, debug=False,
                                                       validate=False), smoke)
-        # fewer rows per program (more, smaller programs) -- a tuning knob, default unchanged
+        # rows per program forced to 1 / 2 / 4 (the default picks fewer rows for small grids)
         for r in (1, 2, 4):
             out[f"write_ms_r{r}"] = bench(lambda r=r: write_kv(
                 k, v, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, layout, hp_rows=hp_rows,

@@ -6,13 +6,13 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep ncu}"
-grid='[{}, {"pairs_ahead": true}, {"convert": 5}, {"convert": 5, "pairs_ahead": true}, {"convert": 2, "block_n": 64}]'
+grid='[{}, {"convert": 3, "pairs_ahead": false}, {"maxnreg": 168}, {"maxnreg": 128}, {"block_n": 16, "num_stages": 3}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do
   case "$s" in
     tests)
-      timeout 330 python -m pytest -q -m gpu tests/kernels -k "decode or extend" -p no:cacheprovider \
+      timeout 330 python -m pytest -q -m gpu tests/kernels -k "decode or extend or write" -p no:cacheprovider \
         > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log";;
     sweep)
       timeout 240 python scripts/sweep_decode.py --contexts "${SWEEP_CONTEXTS:-4096,32768,131072}" \

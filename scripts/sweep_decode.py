@@ -35,21 +35,18 @@ import bench_decode as bd  # noqa: E402
 from sglang_oscar.kernels import Int2Layout, decode_num_hp_splits, decode_workspace  # noqa: E402
 from sglang_oscar.kernels.launch import AttnTuning  # noqa: E402
 
-DEFAULT_GRID = [
+DEFAULT_GRID = [  # {} = the default (convert 5 + pairs_ahead, block_n 32, one warp)
     {},
-    {"pairs_ahead": True},
-    {"convert": 5},
-    {"convert": 5, "pairs_ahead": True},
-    {"convert": 3, "block_n": 32},
-    {"convert": 3, "block_n": 32, "num_stages": 3},
-    {"convert": 3, "block_n": 32, "num_stages": 1},
-    {"convert": 3, "block_n": 32, "maxnreg": 128},
-    {"convert": 3, "block_n": 16},
-    {"convert": 3, "block_n": 16, "num_stages": 3},
-    {"convert": 3, "block_n": 16, "maxnreg": 96},
-    {"convert": 3, "block_n": 16, "num_stages": 4, "maxnreg": 96},
-    {"convert": 2, "block_n": 16},
-    {"convert": 2, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    {"pairs_ahead": False},
+    {"convert": 3, "pairs_ahead": False},  # the default before 2026-11-30 (second session)
+    {"num_stages": 3},
+    {"maxnreg": 168},  # 194 -> 168 registers: 11-12 programs per SM instead of 10
+    {"maxnreg": 128},
+    {"block_n": 16},
+    {"block_n": 16, "num_stages": 3},
+    {"block_n": 16, "maxnreg": 128},
+    {"block_n": 64},
+    {"convert": 2, "block_n": 128, "num_warps": 4, "num_stages": 3, "pairs_ahead": False},
 ]
 
 

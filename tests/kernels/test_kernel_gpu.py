@@ -56,10 +56,34 @@ def _n(x: int) -> int:
     (64, 64, 16, "uniform", "float32"),
 ])
 def test_gpu_write_flush_dequant_bytes(dk, dv, group, quantizer, sdt):
+    _write_flush_dequant_bytes(dk, dv, group, quantizer, sdt, _n(8192))
+
+
+@pytest.mark.parametrize("n", [32, 64, 3])
+@pytest.mark.parametrize("dk,dv,group,quantizer,sdt", [
+    (128, 128, None, "uniform", "float16"),
+    (192, 128, 64, "lloyd-max", "bfloat16"),
+])
+def test_gpu_write_flush_decode_sized(n, dk, dv, group, quantizer, sdt):
+    """Decode-sized writes (batch x 8 kv heads rows) with the rows per program that the small-grid
+    policy picks (``min_programs=256``: 1-2 rows, see ``WRITE_MIN_PROGRAMS``): bytes must equal the
+    reference quantizer's as for prefill-sized ones."""
+    from sglang_oscar.kernels.launch import _rows_per_program
+
+    layout = _layout(dk, dv, group, quantizer, sdt)
+    _write_flush_dequant_bytes(dk, dv, group, quantizer, sdt, n,
+                               rows_per_program=_rows_per_program(layout, n * 8, min_programs=256))
+
+
+def _layout(dk, dv, group, quantizer, sdt):
+    return Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92, quantizer=quantizer,
+                             scale_dtype=sdt)
+
+
+def _write_flush_dequant_bytes(dk, dv, group, quantizer, sdt, n, rows_per_program=None):
     fresh_seed()
-    n, h = _n(8192), 8
-    layout = Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92, quantizer=quantizer,
-                               scale_dtype=sdt)
+    h = 8
+    layout = _layout(dk, dv, group, quantizer, sdt)
     k = random_rows(n, h, dk, DEV).to(torch.bfloat16)
     v = random_rows(n, h, dv, DEV).to(torch.bfloat16)
     num_slots = 2 * n + 16
@@ -67,12 +91,12 @@ def test_gpu_write_flush_dequant_bytes(dk, dv, group, quantizer, sdt):
     for t in buf.values():
         t.view(torch.uint8).fill_(0xAB)
     loc = torch.randperm(n, device=DEV)
-    loc[::97] = -1
+    loc[1::97] = -1
     hp_k = poison_(torch.empty(n, h, dk, dtype=torch.bfloat16, device=DEV))
     hp_v = poison_(torch.empty(n, h, dv, dtype=torch.bfloat16, device=DEV))
     hp_rows = torch.randperm(n, device=DEV).to(torch.int32)
     write_kv(k, v, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout, hp_rows=hp_rows,
-             hp_k=hp_k, hp_v=hp_v)
+             hp_k=hp_k, hp_v=hp_v, rows_per_program=rows_per_program)
     ok = loc >= 0
     kq = quantize_rows(k[ok], group_size=group, clip_ratio=0.96, quantizer=quantizer, scale_dtype=sdt)
     vq = quantize_rows(v[ok], group_size=group, clip_ratio=0.92, quantizer=quantizer, scale_dtype=sdt)
@@ -82,7 +106,8 @@ def test_gpu_write_flush_dequant_bytes(dk, dv, group, quantizer, sdt):
     assert torch.equal(hp_k[hp_rows.long()], k) and torch.equal(hp_v[hp_rows.long()], v)
     # flush the HP copies into the second half: identical bytes
     dst = n + 8 + torch.arange(n, device=DEV)
-    flush_hp_rows(hp_k, hp_v, hp_rows, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
+    flush_hp_rows(hp_k, hp_v, hp_rows, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
+                  rows_per_program=rows_per_program)
     for name in buf:
         assert torch.equal(buf[name][dst[ok]].view(torch.uint8), buf[name][sl].view(torch.uint8)), name
     out = dequantize_slots(buf["k_codes"], buf["k_pairs"], sl, group_size=group, quantizer=quantizer,

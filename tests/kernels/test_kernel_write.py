@@ -218,3 +218,25 @@ def test_rows_per_program_must_be_a_power_of_two_within_the_tile_budget(rpp):
     with pytest.raises(ValueError, match="rows_per_program"):
         write_kv(k, k, torch.arange(2), buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
                  rows_per_program=rpp)
+
+
+def test_rows_per_program_default_policy(monkeypatch):
+    """GPU: full ~2K-element tiles (16 rows at head_dim 128, one group) for prefill-sized writes;
+    with ``min_programs`` fewer rows until the grid has that many programs (decode-sized writes);
+    the interpreter keeps its ~8K-element tiles."""
+    from sglang_oscar.kernels import launch
+
+    layout = Int2Layout.create(128, 128, k_clip_ratio=0.96, v_clip_ratio=0.92)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rpp = launch._rows_per_program
+    assert rpp(layout, 8192 * 8, min_programs=256) == 16  # prefill chunk: tile budget
+    assert rpp(layout, 32 * 8, min_programs=256) == 1  # decode, batch 32 x 8 kv heads
+    assert rpp(layout, 64 * 8, min_programs=256) == 2
+    assert rpp(layout, 2048, min_programs=256) == 8
+    assert rpp(layout, 3, min_programs=256) == 1
+    assert rpp(layout, 32 * 8, min_programs=1) == 16
+    assert rpp(layout, 3, min_programs=1) == 4
+    assert rpp(layout, 32 * 8) == rpp(layout, 32 * 8, min_programs=launch.WRITE_MIN_PROGRAMS)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert rpp(layout, 32 * 8) == 64
+    assert rpp(layout, 5) == 8

@@ -99,13 +99,32 @@ def rotate_rows_hp(x: torch.Tensor, rotation: torch.Tensor, hp_dtype: torch.dtyp
 # ---------------------------------------------------------------------------------------------
 
 
-def _rows_per_program(layout: Int2Layout, num_rows: int, budget: int | None = None) -> int:
-    """Rows per write program: ~2K (interpreter: ~8K) tile elements, one-hot axis included."""
+# GPU: fewer rows per write / flush program until the grid has this many programs. 1 = off (full
+# tiles always). 256 halved decode-sized write + flush time on the H200 (bench_decode's forced
+# rows_per_program=1 variant, 2026-11-30); switch it on once test_gpu_write_flush_decode_sized has
+# passed on the GPU (not run yet: the session's device time ran out).
+WRITE_MIN_PROGRAMS = 1
+
+
+def _rows_per_program(layout: Int2Layout, num_rows: int, budget: int | None = None,
+                      min_programs: int | None = None) -> int:
+    """Rows per write / flush program: the largest power of two whose tile stays within ~2K
+    (interpreter: ~8K) elements, one-hot axis included, and -- on the GPU -- that still gives the
+    grid ``min_programs`` (default :data:`WRITE_MIN_PROGRAMS`, currently 1 = off) programs where
+    there are that many rows. Decode writes are small (batch x kv_heads rows: 256 at batch 32 x 8
+    kv heads): with 16 rows per program they run 16 latency-bound programs; 1 row per program
+    halved write + flush time on the H200 (bench_decode, 2026-11-30: 42.0 -> 21.4 us at batch 32,
+    3.8% of the decode step). Prefill writes keep the full tiles; the interpreter always does."""
     worst = max(4 * layout.k.quarter_p2 * (layout.k.num_groups_p2 if layout.k.num_groups > 1 else 1),
                 4 * layout.v.quarter_p2 * (layout.v.num_groups_p2 if layout.v.num_groups > 1 else 1))
+    interp = interpreting()
     if budget is None:
-        budget = 8192 if interpreting() else 2048
+        budget = 8192 if interp else 2048
     r = min(64, 1 << (max(1, budget // worst).bit_length() - 1))
+    if min_programs is None:
+        min_programs = 1 if interp else WRITE_MIN_PROGRAMS
+    while r > 1 and -(-num_rows // r) < min_programs:
+        r //= 2
     return max(1, min(r, next_pow2(max(num_rows, 1))))
 
 
@@ -118,7 +137,7 @@ def _check_rows_per_program(r, layout: Int2Layout):
     if r is None:
         return None
     r = int(r)
-    cap = _rows_per_program(layout, 1 << 30, budget=2048)  # the GPU tile budget, on every platform
+    cap = _rows_per_program(layout, 1 << 30, budget=2048, min_programs=1)  # the GPU tile budget, on every platform
     if r < 1 or r > cap or r & (r - 1):
         raise ValueError(f"rows_per_program={r} must be a power of two in [1, {cap}] for this layout "
                          f"(head dims {layout.k.head_dim}/{layout.v.head_dim}, groups {layout.k.group_size}/"
@@ -190,9 +209,9 @@ def write_kv(
         validate: shape/dtype/device checks (pure Python, no sync); ``False`` skips them on hot
             paths whose arguments were validated once (saves tens of microseconds of CPU).
         rows_per_program: (token, head) rows quantized per program, a power of two up to the
-            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements). Fewer rows per program
-            give more, smaller programs (one warp per row at 1); a tuning knob for small decode
-            batches, timed by ``scripts/bench_decode.py``.
+            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements, fewer
+            rows on the GPU until the grid has 256 programs). Fewer rows per program give more,
+            smaller programs (one warp per row at 1); timed by ``scripts/bench_decode.py``.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, or (debug) out-of-range indices / non-finite rows.
