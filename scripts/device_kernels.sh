@@ -6,7 +6,7 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep ncu}"
-grid='[{}, {"convert": 3, "pairs_ahead": false}, {"maxnreg": 168}, {"maxnreg": 128}, {"block_n": 16, "num_stages": 3}]'
+grid='[{}, {"convert": 3, "pairs_ahead": false}, {"unroll": 2}, {"maxnreg": 168}, {"block_n": 16, "num_stages": 3}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do

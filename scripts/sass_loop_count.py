@@ -3,7 +3,7 @@
 count the SASS instructions of its loops (the INT2 loop is the last one), plus registers, spill
 stack and shared memory.
 
-    python scripts/sass_loop_count.py '{}' '{"convert": 5}'      # tunings as JSON (TRITON_INTERPRET unset)
+    python scripts/sass_loop_count.py '{}' '{"convert": 3, "pairs_ahead": false}'   # tunings as JSON (TRITON_INTERPRET unset)
 
 Uses ``kernels.compile_check.compile_only`` with the small CPU pool of tests/kernels/compile_sm90.py
 (32 q / 8 kv heads, head_dim 128) and the Triton wheel's ``cuobjdump``.

@@ -40,7 +40,9 @@ DEFAULT_GRID = [  # {} = the default (convert 5 + pairs_ahead, block_n 32, one w
     {"pairs_ahead": False},
     {"convert": 3, "pairs_ahead": False},  # the default before 2026-11-30 (second session)
     {"num_stages": 3},
-    {"maxnreg": 168},  # 194 -> 168 registers: 11-12 programs per SM instead of 10
+    {"unroll": 2},  # two key blocks per iteration: 255 registers, 8 programs per SM (sm_90 SASS)
+    {"unroll": 2, "block_n": 16},
+    {"maxnreg": 168},  # 194 -> 168 registers: 12 programs per SM instead of 8 (if no spills hurt)
     {"maxnreg": 128},
     {"block_n": 16},
     {"block_n": 16, "num_stages": 3},
@@ -73,7 +75,12 @@ def resources(kernels) -> list:
             k._init_handles()
             w = k.metadata.num_warps
             regs = max(k.n_regs, 1)
-            by_regs = (65536 // (((regs * 32 + 255) // 256) * 256 * w)) * w
+            # registers: allocated per thread in steps of 8, per warp from one of the 4 scheduler
+            # partitions' 16K registers (ncu's "Block Limit Registers": 194 -> 8 one-warp programs)
+            per_partition = 16384 // (((regs + 7) // 8) * 8 * 32)
+            by_regs = (4 * per_partition // w) * w
+            # shared memory: at the largest carveout (228 KB + 1 KB per block); the driver may pick a
+            # smaller one (ncu showed 8 blocks of 18.5 KB)
             by_smem = (233472 // max(k.metadata.shared + 1024, 1)) * w
             out.append({"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
                         "warps_per_sm": min(by_regs, by_smem, 64, 32 * w)})  # <= 32 resident blocks per SM

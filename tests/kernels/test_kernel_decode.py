@@ -172,7 +172,7 @@ def test_decode_empty_request_and_int64_offsets(monkeypatch):
     (192, 128, "lloyd-max", 7, 3.0, 2, False, True),
     (256, 256, "uniform", None, None, 1, True, False),
 ])
-def test_decode_subnormal_and_pairs_ahead_match_the_default(monkeypatch, dk, dv, quantizer, window, cap, splits,
+def test_decode_subnormal_and_pairs_ahead_match_convert4(monkeypatch, dk, dv, quantizer, window, cap, splits,
                                                            sinkl, idx64):
     """The CUDA-only subnormal conversion (emulated: 6) with hand-prefetched pairs (the GPU default)
     equals the emulated permuting conversion (4) without them and the oracle on odd lengths, windows, logit caps, per-request sink lengths,
@@ -197,6 +197,23 @@ def test_decode_subnormal_and_pairs_ahead_match_the_default(monkeypatch, dk, dv,
                                           hp_dtype=torch.float32)) < 1e-4
 
 
+@pytest.mark.parametrize("unroll,pairs_ahead,splits", [(2, True, 1), (2, False, 3), (4, True, 2)])
+def test_decode_unrolled_int2_loop_matches_the_oracle(unroll, pairs_ahead, splits):
+    """``unroll`` (Triton's loop_unroll_factor on the token-major INT2 loop; block counts per split
+    that are not multiples of it leave a remainder iteration) changes no result."""
+    fresh_seed()
+    cfg = make_config(sink=4, recent=8, quantizer="lloyd-max")
+    lens = [1, 13, 29, 50, 83, 131]
+    pool = build_pool(lens, 2, 128, 128, cfg, hp_dtype=torch.float32)
+    q = torch.randn(len(lens), 8, 128) * 2
+    kw = dict(mma_dtype=torch.float32, num_kv_splits=splits)
+    base = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=6, pairs_ahead=pairs_ahead, block_n=16), **kw)
+    o = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=6, pairs_ahead=pairs_ahead, block_n=16,
+                                                          unroll=unroll), **kw)
+    assert rel_l2(o, base) < 1e-6
+    assert rel_l2(o, reference_decode(pool, q, hp_dtype=torch.float32)) < 1e-4
+
+
 def test_choose_num_splits_policy():
     """8 programs per SM for <= 16 head programs, 32 otherwise; >= 64 keys per split of the bound;
     capped; only host constants (the CPU counts 4 SMs)."""
@@ -210,6 +227,25 @@ def test_choose_num_splits_policy():
     assert choose_num_splits(1, 1, max_seq_len=100, block_n=128) == 1
     assert choose_num_splits(1, 1, waves=1000.0) == 256
     assert choose_num_splits(10_000, 64) == 1
+
+
+def test_default_tuning_resolution(monkeypatch):
+    """The defaults the GPU and the interpreter actually run (docs/kernels.md "Defaults")."""
+    from sglang_oscar.kernels.launch import AttnTuning
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    t = AttnTuning().resolved(128)
+    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps, t.unroll) == (5, True, 32, 1, None)
+    t = AttnTuning().resolved(256)  # larger heads: the GPU-tested convert 3, no pairs_ahead
+    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (3, False, 64, 2)
+    t = AttnTuning().resolved(128, extend=True)
+    assert (t.convert, t.pairs_ahead) == (2, False)
+    assert AttnTuning(convert=3).resolved(128).pairs_ahead is True  # unset knobs take their default
+    assert AttnTuning(pairs_ahead=False).resolved(128).pairs_ahead is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = AttnTuning().resolved(128)
+    assert (t.convert, t.pairs_ahead) == (6, True)
+    assert (AttnTuning().resolved(512).convert, AttnTuning().resolved(512).pairs_ahead) == (4, False)
 
 
 def test_effective_convert_routing(monkeypatch):

@@ -126,6 +126,7 @@ DECODE_CASES = {
     "d512_gqa2": ([8192, 5000], 8, 4, 512, 512, None, "uniform", "bfloat16", None, None),
     "window_cap": ([16384] * 8, 32, 8, 128, 128, None, "uniform", "float16", 4096, 30.0),
     "gqa6": ([10000] * 4, 24, 4, 128, 128, None, "uniform", "float16", None, None),
+    "d64_gqa4_lloyd": ([30000, 1000, 77], 16, 4, 64, 64, None, "lloyd-max", "float16", None, 30.0),
 }
 
 
@@ -175,13 +176,15 @@ def test_gpu_decode_long_split_independent_of_split_count(tuning):
 
 TUNINGS = [dict(convert=3, block_n=32, pairs_ahead=False), dict(convert=3, block_n=32, pairs_ahead=True),
            dict(convert=2, block_n=64, pairs_ahead=True), dict(convert=5, block_n=32, pairs_ahead=False),
-           dict(convert=5, block_n=32), dict(convert=5, block_n=32, pairs_ahead=True),
-           dict(convert=5, block_n=32, min_block_h=16)] + [
-    dict(convert=c, token_major=tm, num_warps=w, block_n=bn, min_block_h=mh)
-    for c, tm, w, bn, mh in (
-        (0, True, 1, 64, 8), (1, True, 1, 64, 8), (2, True, 1, 64, 8), (3, True, 1, 64, 8), (3, True, 1, 32, 8),
-        (3, True, 1, 16, 8),
-        (2, False, 4, 64, 16), (3, False, 4, 64, 16), (2, True, 2, 32, 16), (1, False, 1, 128, 4),
+           dict(convert=5, block_n=32),  # the default (pairs_ahead on)
+           dict(convert=5, block_n=32, min_block_h=16), dict(convert=5, block_n=32, unroll=2),
+           dict(convert=5, block_n=16, unroll=4, pairs_ahead=False), dict(convert=5, block_n=64, num_warps=2)] + [
+    dict(convert=c, token_major=tm, num_warps=w, block_n=bn, min_block_h=mh, pairs_ahead=pa)
+    for c, tm, w, bn, mh, pa in (
+        (0, True, 1, 64, 8, False), (1, True, 1, 64, 8, True), (2, True, 1, 64, 8, False), (3, True, 1, 64, 8, True),
+        (3, True, 1, 32, 8, False), (3, True, 1, 16, 8, True),
+        (2, False, 4, 64, 16, False), (3, False, 4, 64, 16, False), (2, True, 2, 32, 16, True),
+        (1, False, 1, 128, 4, False),
     )
 ]
 
@@ -216,7 +219,7 @@ def test_gpu_decode_subnormal_operands_match_convert3(quantizer, cap):
         assert rel_l2(o, base) < 2e-3, (tn, rel_l2(o, base))
 
 
-@pytest.mark.parametrize("convert", [0, 1, 2, 5])
+@pytest.mark.parametrize("convert", [0, 1, 2])  # 2 / 3 / 5 run as 1 with bf16 operands
 def test_gpu_decode_bf16_mma(convert):
     """bf16 MMA operands (cannot run under the interpreter)."""
     fresh_seed()

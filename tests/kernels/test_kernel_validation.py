@@ -168,3 +168,6 @@ def test_head_block_plan():
         plan_head_blocks(10, 4)
     with pytest.raises(ValueError):
         AttnTuning(block_n=48)
+    with pytest.raises(ValueError, match="unroll"):
+        AttnTuning(unroll=3)
+    assert AttnTuning(unroll=1).unroll is None and AttnTuning(unroll=2).unroll == 2

@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 
 # CONVERT modes of code_operand.
 CONVERT_ARITH = 0  # shift/and, int->float convert, fma (reference form)
-CONVERT_BITS = 1  # mantissa bit trick in plain Triton (default)
+CONVERT_BITS = 1  # mantissa bit trick in plain Triton (what 2-5 become with non-fp16 operands)
 CONVERT_ASM = 2  # packed PTX (prmt + lop3 on 32-bit words); CUDA only, never under the interpreter
 # packed PTX without byte permutes: each group of 4 consecutive K elements comes out in the order
 # (0, 2, 1, 3); the kernels compensate by permuting q's K index / the V tile's token order the
@@ -36,7 +36,8 @@ CONVERT_PERM_EMULATED = 4
 # fp16 *subnormals*, operand = c * 2^(2K-24) for quarter K (one AND per two codes, one shift per
 # word for its odd bytes; no 1.0 offset to remove). Same (0, 2, 1, 3) order as CONVERT_ASM_PERM;
 # the kernel pre-scales q by 2^-2K and folds 2^24 into the epilogue. CONVERT_SUBNORMAL_EMULATED
-# computes the same values with integer ops and perm4 (interpreter, any operand dtype).
+# computes the same values with integer ops and perm4 (interpreter, any operand dtype). GPU decode
+# default up to head_dim 128 (AttnTuning.resolved); extend defaults to CONVERT_ASM.
 CONVERT_SUBNORMAL = 5
 CONVERT_SUBNORMAL_EMULATED = 6
 

@@ -113,8 +113,8 @@ def _rows_per_program(layout: Int2Layout, num_rows: int, budget: int | None = No
     grid ``min_programs`` (default :data:`WRITE_MIN_PROGRAMS`, currently 1 = off) programs where
     there are that many rows. Decode writes are small (batch x kv_heads rows: 256 at batch 32 x 8
     kv heads): with 16 rows per program they run 16 latency-bound programs; 1 row per program
-    halved write + flush time on the H200 (bench_decode, 2026-11-30: 42.0 -> 21.4 us at batch 32,
-    3.8% of the decode step). Prefill writes keep the full tiles; the interpreter always does."""
+    halved write + flush time on the H200 (bench_decode, 2026-11-30: 42.0 -> 21.3 us at batch 32,
+    7.1% -> 3.6% of the default decode step at 32K). Prefill writes keep the full tiles; the interpreter always does."""
     worst = max(4 * layout.k.quarter_p2 * (layout.k.num_groups_p2 if layout.k.num_groups > 1 else 1),
                 4 * layout.v.quarter_p2 * (layout.v.num_groups_p2 if layout.v.num_groups > 1 else 1))
     interp = interpreting()
@@ -209,8 +209,8 @@ def write_kv(
         validate: shape/dtype/device checks (pure Python, no sync); ``False`` skips them on hot
             paths whose arguments were validated once (saves tens of microseconds of CPU).
         rows_per_program: (token, head) rows quantized per program, a power of two up to the
-            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements, fewer
-            rows on the GPU until the grid has 256 programs). Fewer rows per program give more,
+            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements; the
+            small-grid policy is off, ``WRITE_MIN_PROGRAMS``). Fewer rows per program give more,
             smaller programs (one warp per row at 1); timed by ``scripts/bench_decode.py``.
 
     Raises:
@@ -455,7 +455,7 @@ class AttnTuning:
             fast path only; the kernel permutes q / the V token order to match). Under the
             interpreter 2 runs as 1 and 3 as its emulation (4); where 3 is not applicable it
             runs as 2 (extend, general path, non-fp16 operands as 1). ``CONVERT_SUBNORMAL`` 5
-            (GPU decode default; token-major fast path, fp16 operands): the code bits are read
+            (GPU decode default up to head_dim 128; token-major fast path, fp16 operands): the code bits are read
             in place as fp16 subnormals ``c * 2^(2K-24)`` (one AND per two codes); 6 is its
             emulation (interpreter); fp32/bf16 operands on the GPU and the other paths run 5 as 3.
         min_block_h: rows of the decode query tile are padded to at least this (MMA M).
@@ -466,17 +466,21 @@ class AttnTuning:
             otherwise ignored.
         pairs_ahead: decode token-major INT2 loop: load each block's (scale, zero) pairs one
             iteration early by hand (Triton's pipeliner stages only the code tiles, which feed
-            MMAs; the pair loads were synchronous). Default on for decode (``None``).
+            MMAs; the pair loads were synchronous). ``None`` = on for decode up to head_dim 128.
+        unroll: decode token-major INT2 loop: Triton's ``loop_unroll_factor`` (2 = two key
+            blocks per iteration, so their loads and conversions can overlap); ``None``/1 = no
+            unrolling (default). CPU-tested and compiled for sm_90 only (not timed yet).
         maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
             registers per SM: 255 -> 8 warps, 128 -> 16, 96 -> 21, 64 -> 32) at the risk of spills.
     """
 
     __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-                 "token_major", "maxnreg", "pairs_ahead")
+                 "token_major", "maxnreg", "pairs_ahead", "unroll")
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
-                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None):
+                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
+                 unroll=None):
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
@@ -487,6 +491,9 @@ class AttnTuning:
         self.token_major = True if token_major is None else bool(token_major)
         self.maxnreg = None if maxnreg is None else int(maxnreg)
         self.pairs_ahead = None if pairs_ahead is None else bool(pairs_ahead)
+        self.unroll = None if unroll is None or int(unroll) == 1 else int(unroll)
+        if self.unroll is not None and self.unroll not in (2, 4):
+            raise ValueError(f"tuning unroll={unroll} must be 1, 2 or 4")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
@@ -504,11 +511,18 @@ class AttnTuning:
         warp per program up to head_dim 128 (no cross-warp softmax reductions), 32 keys per
         iteration, codes read as fp16 subnormals (``CONVERT_SUBNORMAL``), (scale, zero) pairs
         loaded one block ahead (``pairs_ahead``), token-major tiles, q heads padded to 8 --
-        194 registers, no spills, 18.5 KB of shared memory per program (2026-11-30 sweep:
-        1.19x faster than ``CONVERT_ASM_PERM`` without ``pairs_ahead`` at 32K x 1, 1.25x at
-        128K x 1). Under the interpreter decode defaults to ``CONVERT_SUBNORMAL_EMULATED`` (the
-        same permutation and scaling); extend defaults to ``CONVERT_ASM`` (run as
+        194 registers, no spills, 18.5 KB of shared memory per program, 8 programs per SM
+        (2026-11-30 sweep: 1.19x faster than ``CONVERT_ASM_PERM`` without ``pairs_ahead`` at
+        32K x 1, 1.25x at 128K x 1). These two apply up to head_dim 128, the only size timed
+        and GPU-tested with them; larger heads keep ``CONVERT_ASM_PERM`` without
+        ``pairs_ahead`` (GPU-tested at 256 / 512). Under the interpreter decode defaults to the
+        emulations (``CONVERT_SUBNORMAL_EMULATED`` with ``pairs_ahead`` up to 128,
+        ``CONVERT_PERM_EMULATED`` above); extend defaults to ``CONVERT_ASM`` (run as
         ``CONVERT_BITS`` under the interpreter) and no ``pairs_ahead``.
+
+        Note: a knob left unset takes its default even when others are set, so
+        ``{"convert": 3}`` resolves to ``convert=3, pairs_ahead=True`` for decode up to head_dim
+        128; name ``pairs_ahead=False`` for the pre-2026-11-30 default.
         """
         interp = interpreting()
         t = AttnTuning(**self.as_dict())
@@ -517,10 +531,12 @@ class AttnTuning:
             # CPU tests exercise its bookkeeping (q column / V token permutation)
             if extend:
                 t.convert = CONVERT_ASM
-            else:
+            elif head_dim <= 128:
                 t.convert = CONVERT_SUBNORMAL_EMULATED if interp else CONVERT_SUBNORMAL
+            else:
+                t.convert = CONVERT_PERM_EMULATED if interp else CONVERT_ASM_PERM
         if t.pairs_ahead is None:
-            t.pairs_ahead = not extend
+            t.pairs_ahead = not extend and head_dim <= 128
 
         if interp:
             t.block_n = t.block_n or 16
@@ -640,11 +656,12 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
 
     ``waves`` (programs per SM the grid offers) defaults to 8 when ``batch x head_programs <=
     16`` (batch 1 of an 8-kv-head model: one wave of ~1,000 programs; more splits measured
-    slower) and 32 otherwise (several full waves; 8-20% faster than 8 at batch 8-32), from the
-    H200 sweep in docs/benchmarks.md. With ``max_seq_len`` (a *static* bound such as the
-    server's context length) a split keeps at least ``min_split_tokens`` keys (at 4K x batch 1:
-    16 splits of 256 keys 24 us, 128 splits 21 us with the default tuning; 64 splits of the
-    earlier ``block_n`` 64 tuning 19 us). Depends only on host constants,
+    slower) and 32 otherwise (several full waves; with the current default 9-63% faster than 8
+    at batch 8-32 except 4K x 8, 12% slower), from the H200 sweeps in docs/benchmarks.md. With
+    ``max_seq_len`` (a *static* bound such as the server's context length) a split keeps at
+    least ``min_split_tokens`` keys (at 4K x batch 1: 16 splits of 256 keys 24 us and 128 splits
+    21 us with the convert-3 tuning, 128 splits 17.7 us with the current default; 64 splits of
+    the earlier ``block_n`` 64 tuning 19 us). Depends only on host constants,
     never on per-step lengths, so a CUDA graph captured for a batch size stays valid.
 
     Args:
@@ -916,7 +933,7 @@ def decode_attention(
         HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
         TOKEN_MAJOR=token_major,
         NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
-        PAIRS_AHEAD=tn.pairs_ahead,
+        PAIRS_AHEAD=tn.pairs_ahead, UNROLL=tn.unroll,
         num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
     )
     nsp = next_pow2(ns)

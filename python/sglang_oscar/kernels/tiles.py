@@ -63,7 +63,7 @@ def load_int2_slots(r2t, n0, hi, BLOCK_N: tl.constexpr, IDX64: tl.constexpr, PER
     """Slot ids of positions ``[n0, n0 + BLOCK_N)`` below ``hi`` from a ``req_to_token`` row.
 
     Returns ``(slots, valid, vslots, vmask)``: key slots and their mask (invalid -> slot 0), and
-    the same for the value tile, whose token order is permuted when ``PERM`` (convert 3).
+    the same for the value tile, whose token order is permuted when ``PERM`` (converts 3-6).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     tm = pos < hi
