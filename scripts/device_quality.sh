@@ -19,6 +19,10 @@
 # quality.json ("heldout_files", "calib_files") say how many files each set covers.
 # First a ~30 s preflight (PREFLIGHT=0 skips it): the same two steps on a tiny model and the
 # stdlib's email/json packages, so that a GPU-side problem stops the run before 6 minutes of training.
+# STAGE=train stops after training, STAGE=eval skips it (needs $CKPT from a STAGE=train call on the
+# same warm machine): the issue's 10 minutes of training do not fit in one 600 s call with the
+# evaluation, so run `STAGE=train bash scripts/device_quality.sh 9.5 ...` and at once (the machine
+# goes back 30 s after a call) `STAGE=eval SERVED=1 bash scripts/device_quality.sh`.
 set -uo pipefail
 minutes=6
 if [[ "${1:-}" =~ ^[0-9]+([.][0-9]+)?$ ]]; then minutes="$1"; shift; fi
@@ -34,7 +38,12 @@ python -c "import torch, transformers, tokenizers, sys; print('python', sys.vers
 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)" | tee -a "$OUT/gpu.txt"
 
 DEVICE="${DEVICE:-cuda}"
-if [ "${PREFLIGHT:-1}" = 1 ]; then
+STAGE="${STAGE:-all}"
+case "$STAGE" in all|train|eval) ;; *) echo "STAGE must be all, train or eval (got '$STAGE')"; exit 2;; esac
+if [ "$STAGE" = eval ] && [ ! -f "$CKPT/config.json" ]; then
+  echo "STAGE=eval: no checkpoint in $CKPT (run STAGE=train on this machine first, or set CKPT)"; exit 2
+fi
+if [ "${PREFLIGHT:-1}" = 1 ] && [ "$STAGE" != eval ]; then
   stdlib=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
   pre=/tmp/oscar_quality/preflight
   { python scripts/train_small_lm.py "$@" --out "$pre" --device "$DEVICE" --max-steps 3 --layers 2 --hidden 64 --heads 4 \
@@ -49,11 +58,17 @@ if [ "${PREFLIGHT:-1}" = 1 ]; then
   echo "preflight ok after $(( $(date +%s) - start )) s"
 fi
 
-python scripts/train_small_lm.py --out "$CKPT" --minutes "$minutes" --device "$DEVICE" "$@" 2>&1 | tee "$OUT/train.log"
-rc=${PIPESTATUS[0]}
-cp "$CKPT/train_summary.json" "$CKPT/train_log.jsonl" "$OUT/" 2>/dev/null
-if [ "$rc" -ne 0 ]; then echo "training failed (rc $rc)"; exit "$rc"; fi
-echo "training done after $(( $(date +%s) - start )) s"
+if [ "$STAGE" != eval ]; then
+  python scripts/train_small_lm.py --out "$CKPT" --minutes "$minutes" --device "$DEVICE" "$@" 2>&1 | tee "$OUT/train.log"
+  rc=${PIPESTATUS[0]}
+  cp "$CKPT/train_summary.json" "$CKPT/train_log.jsonl" "$OUT/" 2>/dev/null
+  if [ "$rc" -ne 0 ]; then echo "training failed (rc $rc)"; exit "$rc"; fi
+  echo "training done after $(( $(date +%s) - start )) s"
+  if [ "$STAGE" = train ]; then echo "STAGE=train: checkpoint in $CKPT"; exit 0; fi
+else
+  cp "$CKPT/train_summary.json" "$CKPT/train_log.jsonl" "$OUT/" 2>/dev/null
+  echo "STAGE=eval: using the checkpoint in $CKPT"
+fi
 
 # shellcheck disable=SC2086
 python scripts/quality.py --model "$CKPT" --out-dir "$OUT" --work-dir "$WORK" --device "$DEVICE" --no-progress \
