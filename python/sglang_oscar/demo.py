@@ -3,8 +3,9 @@
 Fits OSCAR rotations on one draw of synthetic Q/K/V (:mod:`.reference.synthetic`), then on a
 held-out draw measures the attention-output error (dB, :func:`.reference.relative_error_db`)
 of naive INT2, Hadamard and OSCAR caches against unquantized attention, with the uniform and
-Lloyd-Max quantizers, and their bits per element at that context length. Later issues swap
-the synthetic data for a tiny seeded model and the served path.
+Lloyd-Max quantizers, and their bits per element at that context length; Hadamard and OSCAR
+also without the BF16 windows, at equal bits. The same comparison on a trained language model is
+``sglang-oscar quality`` (docs/quality.md).
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def run_demo(
             out = oscar_attention(q, k, v, rk, rv, cfg)
             bpe = bits_per_element(head_dim, group_size, cfg.scale_dtype, seq_len, cfg.sink_tokens, cfg.recent_tokens)
             rows.append(DemoRow(f"{name} + sink/recent", quantizer, relative_error_db(out, exact), bpe))
-    # The same OSCAR cache without its BF16 windows: what the windows buy.
+    # Hadamard and OSCAR without their BF16 windows (equal bits): what the windows buy, and the
+    # rotations compared on the INT2 tier alone.
     cfg = OscarConfig(group_size=group_size, sink_tokens=0, recent_tokens=0)
-    out = oscar_attention(q, k, v, r_k.float(), r_v.float(), cfg)
     bpe = bits_per_element(head_dim, group_size, cfg.scale_dtype, seq_len, 0, 0)
-    rows.append(DemoRow("OSCAR, no windows", "uniform", relative_error_db(out, exact), bpe))
+    for name, (rk, rv) in schemes[1:]:
+        out = oscar_attention(q, k, v, rk, rv, cfg)
+        rows.append(DemoRow(f"{name}, no windows", "uniform", relative_error_db(out, exact), bpe))
     return rows
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from calib_tiny import build_model, make_text, make_tokenizer, save_model
 from sglang_oscar.calibrate import CalibrationError, ShortDataWarning
-from sglang_oscar.calibrate.model import geometry_of
+from sglang_oscar.calibrate.model import check_model_path, geometry_of, load_model, looks_local
 from sglang_oscar.calibrate.prompts import Documents, build_prompt_set, load_documents
 from sglang_oscar.cli.main import main
 
@@ -170,3 +170,31 @@ def test_public_helpers_are_documented():
                 ppl._nll, model_id_of, recipes.default_paths, LatentRotationSet.matrix):
         assert obj.__doc__ and obj.__doc__.strip() and not obj.__doc__.startswith(obj.__name__ + "("), obj
     assert "float32 ``[R, R]``" in latent_fake_quant.__doc__
+
+
+def test_missing_model_directory(tmp_path, monkeypatch, capsys):
+    """A local-looking --model that does not exist says so (not Hugging Face's repo-id error)."""
+    missing = str(tmp_path / "nomodel")
+    msg = r"model directory .*nomodel does not exist \(pass a local HF checkpoint directory or a Hub id like Qwen/Qwen3-8B\)"
+    with pytest.raises(FileNotFoundError, match=msg):
+        load_model(missing, device="cpu")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for rel in ("./nomodel", "../nomodel", "~/nomodel", "a/b/nomodel"):
+        with pytest.raises(FileNotFoundError, match=r"model directory " + rel.replace(".", r"\.") + " does not exist"):
+            load_model(rel, device="cpu")
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="is a file, not a model directory"):
+        load_model(str(a_file), device="cpu")
+    # the CLI verbs that load a model report it as a usage error
+    txt = _text_file(tmp_path / "a.txt", make_text(2, 20, 0))
+    for verb in ("calibrate", "error", "ppl"):
+        rc = main([verb, "--model", missing, "--prompts", txt, "--out", str(tmp_path / f"{verb}.out")])
+        err = capsys.readouterr().err
+        assert rc == 2 and "does not exist (pass a local HF checkpoint directory" in err and "Repo id" not in err
+    # Hub ids are still Hub ids (nothing is downloaded here); a ~ path that exists is expanded
+    for hub_id in ("Qwen/Qwen3-8B", "gpt2"):
+        assert not looks_local(hub_id) and check_model_path(hub_id) == hub_id
+    (tmp_path / "ckpt").mkdir()
+    assert looks_local("ckpt") and check_model_path("~/ckpt") == str(tmp_path / "ckpt")

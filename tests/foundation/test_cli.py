@@ -61,5 +61,16 @@ def test_demo_table(capsys):
     rows = {line[:40].strip() + "|" + line[41:51].strip(): float(line[51:62]) for line in out.splitlines() if "sink/recent" in line or "naive" in line}
     assert rows["OSCAR + sink/recent|uniform"] < rows["Hadamard + sink/recent|uniform"] < rows["no rotation + sink/recent|uniform"]
     assert rows["no rotation + sink/recent|uniform"] < rows["naive INT2 (no rotation, no windows)|symmetric"]
+    nowin = {line[:40].strip(): float(line[51:62]) for line in out.splitlines() if line.startswith(("Hadamard, no", "OSCAR, no"))}
+    assert set(nowin) == {"Hadamard, no windows", "OSCAR, no windows"}
+    assert rows["Hadamard + sink/recent|uniform"] < nowin["Hadamard, no windows"]  # the windows help
+    assert rows["OSCAR + sink/recent|uniform"] < nowin["OSCAR, no windows"]
     assert main(["demo", "--context", "100"]) == 0  # shorter than the query count
     assert main(["demo", "--context", "0"]) == 2
+
+
+def test_hub_id_config_is_refused_with_the_way_out(tmp_path, capsys):
+    assert main(["hadamard", "--config", "NoOrg/NoSuchModel", "--out", str(tmp_path / "r.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "NoOrg/NoSuchModel does not exist" in err and "fit --config HUB_ID" in err
+    assert not (tmp_path / "r.safetensors").exists()

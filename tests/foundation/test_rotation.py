@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -184,6 +185,27 @@ def test_upstream_pt_files_load(tmp_path):
     torch.save({"layers": {}}, tmp_path / "k_rotation_qqt_r_h_pbr.pt")
     with pytest.raises(RotationError, match="exactly one of each"):
         RotationSet.load(str(tmp_path))
+
+
+def test_junk_upstream_pt_names_the_problem(tmp_path, capsys):
+    """A file torch.load cannot read: the exception type and what was expected, not a bare ``101``."""
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"hello, not a checkpoint")
+    good = tmp_path / "v.pt"
+    torch.save({"layers": {0: {"rotation": torch.eye(4)}}}, good)
+    msg = r"junk\.pt is not a torch\.save file of a rotation tensor/dict: torch\.load\(weights_only=True\) failed with \w+Error: "
+    with pytest.raises(RotationError, match=msg):
+        RotationSet.from_paths(str(junk), str(good))
+    with pytest.raises(RotationError, match=msg):
+        RotationSet.from_upstream_pt(str(good), str(junk))
+    # through `sglang-oscar convert` too
+    from sglang_oscar.cli.main import main
+
+    out = tmp_path / "o.safetensors"
+    assert main(["convert", "--k", str(junk), "--v", str(good), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"junk\.pt is not a torch\.save file of a rotation tensor/dict: .* failed with \w+Error: ", err)
+    assert not out.exists()
 
 
 def test_tp_slicing_of_per_head_rotations():

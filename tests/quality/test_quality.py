@@ -10,7 +10,8 @@ import torch
 
 from sglang_oscar.calibrate import CalibrationError
 from sglang_oscar.calibrate.prompts import PromptSet
-from sglang_oscar.calibrate.quality import check_disjoint, kivi_int2_key_reads, read_records, select_prompt_set
+from sglang_oscar.calibrate.quality import (check_disjoint, kivi_int2_key_reads, read_records, run_quality,
+                                            select_prompt_set)
 from sglang_oscar.cli.main import main
 from sglang_oscar.quant.baselines import kivi_bits_per_element
 from sglang_oscar.quant.bits import bits_per_element
@@ -175,3 +176,21 @@ def test_refuses_overlapping_files(random_ckpt, tmp_path):
     rc = main(["quality", "--model", str(random_ckpt), "--calib", heldout, "--heldout", heldout,
                "--out-dir", str(tmp_path), *[str(a) for a in QUALITY_ARGS]])
     assert rc == 2 and not (tmp_path / "quality.json").exists()
+
+
+def test_missing_checkpoint_directory(tmp_path, capsys):
+    """A missing --model names the directory, not <dir>/calib.jsonl."""
+    missing = str(tmp_path / "nonexistent")
+    with pytest.raises(FileNotFoundError, match=r"model directory .*nonexistent does not exist \(pass a local checkpoint"):
+        run_quality(missing, out_dir=str(tmp_path / "out"))
+    # also with explicit --calib / --heldout files
+    calib = tmp_path / "c.jsonl"
+    calib.write_text('{"text": "x"}\n')
+    with pytest.raises(FileNotFoundError, match=r"model directory .*nonexistent does not exist"):
+        run_quality(missing, out_dir=str(tmp_path / "out"), calib_path=str(calib), heldout_path=str(calib))
+    with pytest.raises(FileNotFoundError, match=r"model directory .*c\.jsonl is a file, not a directory"):
+        run_quality(str(calib), out_dir=str(tmp_path / "out"))
+    rc = main(["quality", "--model", missing, "--out-dir", str(tmp_path / "out"), *[str(a) for a in QUALITY_ARGS]])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"model directory {missing} does not exist" in err and "calib.jsonl does not exist" not in err
+    assert not (tmp_path / "out").exists()

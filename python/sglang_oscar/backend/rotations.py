@@ -54,14 +54,14 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         config.check_head_dims(*dims)
     except ValueError as exc:
         raise ValueError(f"--kv-cache-quant-group-size {config.group_size}: {exc} "
-                         f"(the model's head_dims are {dims}); pick a group size dividing them") from exc
+                         f"(the model's head_dims are {dims})") from None
     from ..kernels.layout import Int2Layout
 
     for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in geometry.layers}):
         try:
             Int2Layout.from_config(config, dk, dv)
         except ValueError as exc:
-            raise ValueError(f"--kv-cache-dtype int2 cannot serve this model: {exc}; use --kv-cache-dtype auto") from exc
+            raise ValueError(f"--kv-cache-dtype int2 cannot serve this model: {exc}; use --kv-cache-dtype auto") from None
     if config.rotation_path is None:
         rs = RotationSet.data_free(geometry)
         if log:
@@ -72,11 +72,11 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         rs = RotationSet.from_paths(config.rotation_path, config.rotation_v_path)
     except FileNotFoundError as exc:
         raise ValueError(f"--oscar-rotation: {exc}; pass an existing rotation file or directory, or drop "
-                         f"the flag to use the data-free Hadamard rotation") from exc
+                         f"the flag to use the data-free Hadamard rotation") from None
     try:
         rs.validate(geometry)
     except ValueError as exc:
-        raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from exc
+        raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from None
     if log:
         logger.info("sglang-oscar: rotation %s (%s, %d layers)", config.rotation_path,
                     "per kv head" if rs.per_head else "per layer", len(rs.layer_ids))

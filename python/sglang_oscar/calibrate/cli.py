@@ -21,7 +21,7 @@ import shlex
 import sys
 import warnings
 
-from ..rotation.rotation_set import DEFAULT_ORTHO_TOL
+from ..constants import DEFAULT_ORTHO_TOL
 from . import FIT_METHODS
 
 DEFAULT_ERROR_TOKENS = 8192

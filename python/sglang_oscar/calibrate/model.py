@@ -93,6 +93,43 @@ def model_id_of(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__)
 
 
+_MODEL_PATH_HINT = "pass a local HF checkpoint directory or a Hub id like Qwen/Qwen3-8B"
+
+
+def looks_local(path: str) -> bool:
+    """Whether ``path`` names a local directory rather than a Hugging Face Hub id.
+
+    Local: anything that exists, an absolute path, a path starting with ``./``, ``../`` or
+    ``~``, ``.``/``..``, or one with more than one ``/`` (a Hub id is ``name`` or
+    ``namespace/name``). Anything else (``Qwen/Qwen3-8B``, ``gpt2``) may be a Hub id.
+    """
+    p = str(path)
+    if os.path.exists(os.path.expanduser(p)):
+        return True
+    return (os.path.isabs(p) or p in (".", "..") or p.startswith(("./", "../", "~", ".\\", "..\\"))
+            or p.count("/") > 1)
+
+
+def check_model_path(path: str) -> str:
+    """``path`` with ``~`` expanded; raise early for a local-looking path that is no directory.
+
+    A Hub id is returned unchanged (nothing is downloaded here).
+
+    Raises:
+        FileNotFoundError: a local-looking ``path`` that does not exist.
+        NotADirectoryError: a local ``path`` that is a file.
+    """
+    p = str(path)
+    if not looks_local(p):
+        return p
+    full = os.path.expanduser(p)
+    if not os.path.exists(full):
+        raise FileNotFoundError(f"model directory {p} does not exist ({_MODEL_PATH_HINT})")
+    if not os.path.isdir(full):
+        raise NotADirectoryError(f"model path {p} is a file, not a model directory ({_MODEL_PATH_HINT})")
+    return full
+
+
 def load_model(
     path: str,
     *,
@@ -109,14 +146,17 @@ def load_model(
 
     Raises:
         CalibrationError: a config that is not a causal LM, or no tokenizer.
+        FileNotFoundError, NotADirectoryError: a local path (absolute, ``./``, ``../``, ``~``) that
+            is not a directory (:func:`check_model_path`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    path = check_model_path(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         if not os.path.exists(path) and "/" not in path:
-            raise FileNotFoundError(f"model {path} is neither a local directory nor a hub id") from None
+            raise FileNotFoundError(f"model {path} is neither a local directory nor a hub id ({_MODEL_PATH_HINT})") from None
         raise CalibrationError(f"cannot read the config of {path}: {exc}") from None
     geometry_of(config)  # fail early with a clear message
     torch_dtype = resolve_dtype(dtype, device)

@@ -549,10 +549,17 @@ def run_quality(
         The report (:func:`quality_report`) with ``model`` and ``outputs`` added.
 
     Raises:
-        CalibrationError, FileNotFoundError: missing/overlapping data, unsupported model.
+        CalibrationError, FileNotFoundError: missing checkpoint directory, missing/overlapping data,
+            unsupported model.
     """
     from .model import load_model
 
+    if not os.path.isdir(model_path):
+        what = "is a file, not a directory" if os.path.exists(model_path) else "does not exist"
+        raise FileNotFoundError(
+            f"model directory {model_path} {what} (pass a local checkpoint directory holding the model, its tokenizer "
+            "and calib.jsonl / heldout.jsonl, as scripts/train_small_lm.py writes)"
+        )
     calib_path = calib_path or os.path.join(model_path, "calib.jsonl")
     heldout_path = heldout_path or os.path.join(model_path, "heldout.jsonl")
     for p in (calib_path, heldout_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..rotation.rotation_set import DEFAULT_ORTHO_TOL
+from ..constants import DEFAULT_ORTHO_TOL
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -11,12 +11,11 @@ import argparse
 import importlib
 import sys
 
-# Modules that provide ``add_commands(subparsers)``. A module listed here that is missing
-# is a packaging bug, so it raises instead of being skipped.
+# Modules that provide ``add_commands(subparsers)``; a missing one is a packaging bug and raises.
 _COMMAND_MODULES = (
-    "sglang_oscar.cli.core_cmds",  # hadamard, validate, bpe, demo
-    "sglang_oscar.calibrate.cli",  # calibrate, fit, error, ppl
-    "sglang_oscar.evals.cli",  # serve, eval, compare
+    "sglang_oscar.cli.core_cmds",  # hadamard, validate, convert, bpe, demo
+    "sglang_oscar.calibrate.cli",  # calibrate, fit, error, ppl, quality, validate-rotation, validate-latent, recipe-cmd
+    "sglang_oscar.evals.cli",  # serve, eval, eval-recipe, compare
 )
 
 
@@ -31,13 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # that part is not built yet
-                continue
-            raise
-        module.add_commands(sub)
+        importlib.import_module(name).add_commands(sub)
     return parser
 
 

@@ -160,7 +160,10 @@ def _as_dict(config) -> dict[str, Any]:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"model config {path} does not exist")
+            raise FileNotFoundError(
+                f"model config {path} does not exist (a local config.json or model directory is read; "
+                "for a Hub id, download the model's config.json, or use `sglang-oscar fit --config HUB_ID`, "
+                "which writes a local copy next to the rotation)")
         try:
             with open(path) as f:
                 config = json.load(f)

@@ -29,12 +29,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import __version__
+from ..constants import DEFAULT_ORTHO_TOL
 from .geometry import ModelGeometry
 from .hadamard import default_hadamard
 
 FORMAT_VERSIONS = (1, 2)
 METADATA_KEY = "oscar"
-DEFAULT_ORTHO_TOL = 1e-3
 METHODS = ("oscar", "oscar-perhead", "hadamard", "identity")
 
 
@@ -345,7 +345,8 @@ class RotationSet:
         """Read an upstream pair of ``torch.save`` files (``layers[id]["rotation"]``).
 
         Raises:
-            RotationError: a file without a ``layers`` dict or a ``rotation`` entry.
+            RotationError: a file ``torch.load`` cannot read, or one without a ``layers`` dict or a
+                ``rotation`` entry.
         """
         stores = []
         metas = []
@@ -353,7 +354,10 @@ class RotationSet:
             try:
                 obj = torch.load(p, map_location="cpu", weights_only=True)
             except Exception as exc:
-                raise RotationError(f"{p} could not be read with torch.load(weights_only=True): {exc}") from exc
+                raise RotationError(
+                    f"{p} is not a torch.save file of a rotation tensor/dict: torch.load(weights_only=True) failed "
+                    f"with {type(exc).__name__}: {exc}"
+                ) from exc
             if not isinstance(obj, dict) or not isinstance(obj.get("layers"), dict):
                 raise RotationError(f"{p} has no 'layers' dict: not an upstream OSCAR rotation file")
             store = {}
