@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 
-from conftest import REPO, TINY_MODEL, write_text_tree
+from quality_helpers import REPO, TINY_MODEL, write_text_tree
 
 SCRIPT = str(REPO / "scripts" / "device_quality.sh")
 QUALITY_ARGS = ("--seq-len 128 --calib-tokens 2048 --eval-tokens 512 --sink 4 --recent 16 --kivi-residual 16 "

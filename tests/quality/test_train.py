@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from conftest import TINY_MODEL
+from quality_helpers import TINY_MODEL
 
 
 def _records(path):
