@@ -6,16 +6,16 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep ncu}"
-grid='[{}, {"convert": 3, "pairs_ahead": false}, {"unroll": 2}, {"maxnreg": 168}, {"block_n": 16, "num_stages": 3}]'
+grid='[{}, {"convert": 3, "pairs_ahead": false}, {"unroll": 2}, {"maxnreg": 168}, {"maxnreg": 128}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 128}, {"block_n": 16, "maxnreg": 128}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do
   case "$s" in
     tests)
-      timeout 330 python -m pytest -q -m gpu tests/kernels -k "decode or extend or write" -p no:cacheprovider \
+      timeout 360 python -m pytest -q -m gpu tests/kernels -k "decode or extend or write" -p no:cacheprovider \
         > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log";;
     sweep)
-      timeout 240 python scripts/sweep_decode.py --contexts "${SWEEP_CONTEXTS:-4096,32768,131072}" \
+      timeout 200 python scripts/sweep_decode.py --contexts "${SWEEP_CONTEXTS:-4096,32768,131072}" \
         --batches "${SWEEP_BATCHES:-1,8,32}" --waves "${SWEEP_WAVES:-8,32}" \
         --grid "$grid" \
         --out "$OUT/sweep.md" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?";;
