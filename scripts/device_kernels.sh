@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One device call for the kernel work of issue 3 (no sglang needed): GPU kernel tests, the
+# Device calls for the kernel work of issue 3 (no sglang needed): GPU kernel tests, the
 # tuning/splits sweep and ncu issue-stall metrics of the default decode kernel at 128K x batch 1.
-#   bash scripts/device_kernels.sh [tests|sweep|ncu ...]   (default: all three; results in $OUT)
+#   bash scripts/device_kernels.sh [tests|sweep|ncu ...]   (default: tests sweep, <= 560 s; results in $OUT)
+#   bash scripts/device_kernels.sh ncu                     (a second call, ~10-150 s)
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
-steps="${*:-tests sweep ncu}"
+steps="${*:-tests sweep}"
 grid='[{}, {"convert": 3, "pairs_ahead": false}, {"unroll": 2}, {"maxnreg": 168}, {"maxnreg": 128}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 128}, {"block_n": 16, "maxnreg": 128}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'

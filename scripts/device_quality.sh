@@ -19,16 +19,25 @@
 # quality.json ("heldout_files", "calib_files") say how many files each set covers.
 # First a ~30 s preflight (PREFLIGHT=0 skips it): the same two steps on a tiny model and the
 # stdlib's email/json packages, so that a GPU-side problem stops the run before 6 minutes of training.
-# STAGE=train stops after training, STAGE=eval skips it (needs $CKPT from a STAGE=train call on the
-# same warm machine): the issue's 10 minutes of training do not fit in one 600 s call with the
-# evaluation, so run `STAGE=train bash scripts/device_quality.sh 9.5 ...` and at once (the machine
-# goes back 30 s after a call) `STAGE=eval SERVED=1 bash scripts/device_quality.sh`.
+# STAGE=train stops after training, STAGE=eval skips it (needs a finished $CKPT from a STAGE=train
+# call on the same warm machine). TRAIN_MINUTES counts the training loop only; corpus collection,
+# the tokenizer and saving add ~1 minute, the preflight ~30 s. So a 600 s device call holds at most
+# ~8 minutes of training and nothing else: `STAGE=train PREFLIGHT=0 bash scripts/device_quality.sh 8 ...`,
+# then at once (the machine goes back 30 s after a call) `STAGE=eval SERVED=1 bash scripts/device_quality.sh`.
 set -uo pipefail
 minutes=6
 if [[ "${1:-}" =~ ^[0-9]+([.][0-9]+)?$ ]]; then minutes="$1"; shift; fi
 OUT="${OUT:-/tmp/out}"
 CKPT="${CKPT:-/tmp/oscar_quality/ckpt}"
 WORK="${WORK:-/tmp/oscar_quality/work}"
+STAGE="${STAGE:-all}"
+case "$CKPT" in ""|/) echo "CKPT must name a checkpoint directory (got '$CKPT')"; exit 2;; esac
+case "$STAGE" in all|train|eval) ;; *) echo "STAGE must be all, train or eval (got '$STAGE')"; exit 2;; esac
+if [ "$STAGE" = eval ] && [ ! -f "$CKPT/train_summary.json" ]; then
+  # train_summary.json is written last: a checkpoint without it is missing or unfinished
+  echo "STAGE=eval: no finished checkpoint in $CKPT (no train_summary.json; run STAGE=train on this machine first, or set CKPT)"
+  exit 2
+fi
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
@@ -38,11 +47,6 @@ python -c "import torch, transformers, tokenizers, sys; print('python', sys.vers
 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)" | tee -a "$OUT/gpu.txt"
 
 DEVICE="${DEVICE:-cuda}"
-STAGE="${STAGE:-all}"
-case "$STAGE" in all|train|eval) ;; *) echo "STAGE must be all, train or eval (got '$STAGE')"; exit 2;; esac
-if [ "$STAGE" = eval ] && [ ! -f "$CKPT/config.json" ]; then
-  echo "STAGE=eval: no checkpoint in $CKPT (run STAGE=train on this machine first, or set CKPT)"; exit 2
-fi
 if [ "${PREFLIGHT:-1}" = 1 ] && [ "$STAGE" != eval ]; then
   stdlib=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
   pre=/tmp/oscar_quality/preflight
@@ -59,6 +63,7 @@ if [ "${PREFLIGHT:-1}" = 1 ] && [ "$STAGE" != eval ]; then
 fi
 
 if [ "$STAGE" != eval ]; then
+  rm -rf "$CKPT"  # a killed run must not leave an older checkpoint behind for STAGE=eval
   python scripts/train_small_lm.py --out "$CKPT" --minutes "$minutes" --device "$DEVICE" "$@" 2>&1 | tee "$OUT/train.log"
   rc=${PIPESTATUS[0]}
   cp "$CKPT/train_summary.json" "$CKPT/train_log.jsonl" "$OUT/" 2>/dev/null
@@ -66,8 +71,9 @@ if [ "$STAGE" != eval ]; then
   echo "training done after $(( $(date +%s) - start )) s"
   if [ "$STAGE" = train ]; then echo "STAGE=train: checkpoint in $CKPT"; exit 0; fi
 else
-  cp "$CKPT/train_summary.json" "$CKPT/train_log.jsonl" "$OUT/" 2>/dev/null
-  echo "STAGE=eval: using the checkpoint in $CKPT"
+  cp "$CKPT/train_summary.json" "$CKPT/train_log.jsonl" "$OUT/"
+  echo "STAGE=eval: using the checkpoint in $CKPT ($(python -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print(d['steps'], 'steps,', round(d['total_seconds']), 's of training')" "$CKPT/train_summary.json"))"
 fi
 
 # shellcheck disable=SC2086
@@ -79,6 +85,7 @@ if [ "$rc" -eq 0 ] && [ "${SERVED:-0}" = 1 ]; then
   # carry .device-bundle/p2 or run after an earlier call installed /tmp/site); the table is
   # appended to quality.md (only 8 files come back from $OUT)
   # shellcheck disable=SC1091,SC2086
+  rm -rf "$WORK/served"  # no table of an earlier call on this machine
   ( export OUT="$WORK"; source scripts/device_env.sh > "$WORK/served_env.log" 2>&1 && \
     python scripts/served_quality.py --model "$CKPT" --out "$WORK/served" --rotation "$WORK/rot_oscar.safetensors" \
       ${SERVED_ARGS:-} > "$WORK/served.log" 2>&1 ) ; src=$?

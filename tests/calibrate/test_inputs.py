@@ -198,3 +198,8 @@ def test_missing_model_directory(tmp_path, monkeypatch, capsys):
         assert not looks_local(hub_id) and check_model_path(hub_id) == hub_id
     (tmp_path / "ckpt").mkdir()
     assert looks_local("ckpt") and check_model_path("~/ckpt") == str(tmp_path / "ckpt")
+    # dir/name under an existing local directory is local (train_small_lm's default runs/small_lm)
+    (tmp_path / "runs").mkdir()
+    assert looks_local("runs/small_lm") and not looks_local("nosuchorg/small_lm")
+    with pytest.raises(FileNotFoundError, match=r"model directory runs/small_lm does not exist"):
+        load_model("runs/small_lm", device="cpu")

@@ -63,6 +63,8 @@ def test_demo_table(capsys):
     assert rows["no rotation + sink/recent|uniform"] < rows["naive INT2 (no rotation, no windows)|symmetric"]
     nowin = {line[:40].strip(): float(line[51:62]) for line in out.splitlines() if line.startswith(("Hadamard, no", "OSCAR, no"))}
     assert set(nowin) == {"Hadamard, no windows", "OSCAR, no windows"}
+    bits = {line[:40].strip(): float(line[62:]) for line in out.splitlines() if line.startswith(("Hadamard, no", "OSCAR, no"))}
+    assert bits["Hadamard, no windows"] == bits["OSCAR, no windows"] == 2.25  # equal bits: D=G=128, fp16 pairs
     assert rows["Hadamard + sink/recent|uniform"] < nowin["Hadamard, no windows"]  # the windows help
     assert rows["OSCAR + sink/recent|uniform"] < nowin["OSCAR, no windows"]
     assert main(["demo", "--context", "100"]) == 0  # shorter than the query count
@@ -72,5 +74,20 @@ def test_demo_table(capsys):
 def test_hub_id_config_is_refused_with_the_way_out(tmp_path, capsys):
     assert main(["hadamard", "--config", "NoOrg/NoSuchModel", "--out", str(tmp_path / "r.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert "NoOrg/NoSuchModel does not exist" in err and "fit --config HUB_ID" in err
+    assert "NoOrg/NoSuchModel does not exist" in err and "fit --method hadamard --config HUB_ID --out" in err
     assert not (tmp_path / "r.safetensors").exists()
+
+
+def test_help_does_not_import_torch():
+    """Building the parser (every verb's options) stays torch-free, so --help and usage errors are fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sglang_oscar.cli.main import build_parser; p = build_parser(); "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, sorted(m for m in sys.modules if m in "
+            "('torch', 'numpy')); print(' '.join(sorted(p._subparsers._group_actions[0].choices)))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert set(res.stdout.split()) == {  # every verb registered
+        "hadamard", "validate", "convert", "bpe", "demo", "calibrate", "fit", "error", "ppl", "quality",
+        "validate-rotation", "validate-latent", "recipe-cmd", "serve", "eval", "eval-recipe", "compare"}

@@ -193,7 +193,7 @@ def test_junk_upstream_pt_names_the_problem(tmp_path, capsys):
     junk.write_bytes(b"hello, not a checkpoint")
     good = tmp_path / "v.pt"
     torch.save({"layers": {0: {"rotation": torch.eye(4)}}}, good)
-    msg = r"junk\.pt is not a torch\.save file of a rotation tensor/dict: torch\.load\(weights_only=True\) failed with \w+Error: "
+    msg = r"junk\.pt could not be read by torch\.load\(weights_only=True\) \(\w+Error: .*\); expected an upstream OSCAR rotation file"
     with pytest.raises(RotationError, match=msg):
         RotationSet.from_paths(str(junk), str(good))
     with pytest.raises(RotationError, match=msg):
@@ -204,7 +204,7 @@ def test_junk_upstream_pt_names_the_problem(tmp_path, capsys):
     out = tmp_path / "o.safetensors"
     assert main(["convert", "--k", str(junk), "--v", str(good), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"junk\.pt is not a torch\.save file of a rotation tensor/dict: .* failed with \w+Error: ", err)
+    assert re.search(r"junk\.pt could not be read by torch\.load\(weights_only=True\) \(\w+Error: .*'layers' dict", err)
     assert not out.exists()
 
 

@@ -188,7 +188,7 @@ def test_missing_checkpoint_directory(tmp_path, capsys):
     calib.write_text('{"text": "x"}\n')
     with pytest.raises(FileNotFoundError, match=r"model directory .*nonexistent does not exist"):
         run_quality(missing, out_dir=str(tmp_path / "out"), calib_path=str(calib), heldout_path=str(calib))
-    with pytest.raises(FileNotFoundError, match=r"model directory .*c\.jsonl is a file, not a directory"):
+    with pytest.raises(NotADirectoryError, match=r"model path .*c\.jsonl is a file, not a model directory"):
         run_quality(str(calib), out_dir=str(tmp_path / "out"))
     rc = main(["quality", "--model", missing, "--out-dir", str(tmp_path / "out"), *[str(a) for a in QUALITY_ARGS]])
     err = capsys.readouterr().err

@@ -9,6 +9,7 @@ rank (:func:`rank_rotations`).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -53,8 +54,10 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     try:
         config.check_head_dims(*dims)
     except ValueError as exc:
-        raise ValueError(f"--kv-cache-quant-group-size {config.group_size}: {exc} "
-                         f"(the model's head_dims are {dims})") from None
+        common = math.gcd(*dims)
+        raise ValueError(f"--kv-cache-quant-group-size {config.group_size} does not fit this model: {exc}; the "
+                         f"model's head_dims are {dims}: pick a common divisor (e.g. {common}) or leave it unset "
+                         "for one group per row") from None
     from ..kernels.layout import Int2Layout
 
     for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in geometry.layers}):

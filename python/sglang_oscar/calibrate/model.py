@@ -100,14 +100,15 @@ def looks_local(path: str) -> bool:
     """Whether ``path`` names a local directory rather than a Hugging Face Hub id.
 
     Local: anything that exists, an absolute path, a path starting with ``./``, ``../`` or
-    ``~``, ``.``/``..``, or one with more than one ``/`` (a Hub id is ``name`` or
-    ``namespace/name``). Anything else (``Qwen/Qwen3-8B``, ``gpt2``) may be a Hub id.
+    ``~``, ``.``/``..``, one with more than one ``/`` (a Hub id is ``name`` or
+    ``namespace/name``), or ``dir/name`` whose ``dir`` is an existing local directory (e.g.
+    ``runs/small_lm`` before training). Anything else (``Qwen/Qwen3-8B``, ``gpt2``) may be a Hub id.
     """
     p = str(path)
     if os.path.exists(os.path.expanduser(p)):
         return True
     return (os.path.isabs(p) or p in (".", "..") or p.startswith(("./", "../", "~", ".\\", "..\\"))
-            or p.count("/") > 1)
+            or p.count("/") > 1 or ("/" in p and os.path.isdir(p.split("/", 1)[0])))
 
 
 def check_model_path(path: str) -> str:

@@ -472,7 +472,8 @@ class AttnTuning:
             unrolling (default). CPU-tested and compiled for sm_90 only (not timed yet).
         maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
-            registers per SM: 255 -> 8 warps, 128 -> 16, 96 -> 21, 64 -> 32) at the risk of spills.
+            registers per SM, 16K per scheduler partition, allocated per warp in steps of 256:
+            255 or 194 -> 8 warps, 168 -> 12, 128 -> 16, 96 -> 20, 64 -> 32) at the risk of spills.
     """
 
     __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",

@@ -162,8 +162,8 @@ def _as_dict(config) -> dict[str, Any]:
         if not os.path.exists(path):
             raise FileNotFoundError(
                 f"model config {path} does not exist (a local config.json or model directory is read; "
-                "for a Hub id, download the model's config.json, or use `sglang-oscar fit --config HUB_ID`, "
-                "which writes a local copy next to the rotation)")
+                "for a Hub id, download the model's config.json, or run `sglang-oscar fit --method hadamard "
+                "--config HUB_ID --out FILE.safetensors`, which writes a local copy next to the rotation)")
         try:
             with open(path) as f:
                 config = json.load(f)

@@ -355,8 +355,8 @@ class RotationSet:
                 obj = torch.load(p, map_location="cpu", weights_only=True)
             except Exception as exc:
                 raise RotationError(
-                    f"{p} is not a torch.save file of a rotation tensor/dict: torch.load(weights_only=True) failed "
-                    f"with {type(exc).__name__}: {exc}"
+                    f"{p} could not be read by torch.load(weights_only=True) ({type(exc).__name__}: {exc}); expected "
+                    "an upstream OSCAR rotation file: a torch.save dict with a 'layers' dict of tensors"
                 ) from exc
             if not isinstance(obj, dict) or not isinstance(obj.get("layers"), dict):
                 raise RotationError(f"{p} has no 'layers' dict: not an upstream OSCAR rotation file")
