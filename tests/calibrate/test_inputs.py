@@ -53,8 +53,9 @@ def test_datasets_source_local_directory(tokenizer, tmp_path):
 
 def test_short_data_warns_with_count(tokenizer, tmp_path):
     txt = _text_file(tmp_path / "a.txt", make_text(2, 30, 1))
-    with pytest.warns(ShortDataWarning, match=r"has only (\d+) tokens .* budget of 30000"):
+    with pytest.warns(ShortDataWarning, match=r"has only (\d+) tokens .* budget of 30000") as rec:
         ps = build_prompt_set(tokenizer, txt, seq_len=64)
+    assert rec[0].filename == __file__  # attributed to the caller of build_prompt_set
     assert 0 < ps.num_tokens < 30000
     # through the CLI too (the warning names the count)
     out = tmp_path / "s.safetensors"

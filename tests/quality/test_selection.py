@@ -79,9 +79,10 @@ def test_one_sequence_per_file():
 
 
 def test_all_files_and_packing_of_short_ones():
-    with pytest.warns(ShortDataWarning, match="at most 1 sequence"):
+    with pytest.warns(ShortDataWarning, match="at most 1 sequence") as rec:
         ps = build_per_document_prompt_set(IdTokenizer(), _corpus(LENGTHS), budget=10**6, seq_len=SEQ, seed=3,
                                            max_seq_per_doc=1)
+    assert rec[0].filename == __file__  # attributed to the caller of the selection
     pos = _decode(ps.sequences)
     assert len(pos) == ps.meta["documents_used"] == len(LENGTHS)  # every file, the short ones packed
     short = range(N_LONG, len(LENGTHS))

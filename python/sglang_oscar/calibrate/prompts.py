@@ -251,16 +251,9 @@ def build_prompt_set(
             total += len(seq)
             if total >= budget:
                 break
-    if total == 0:
-        raise CalibrationError(f"prompts source {docs.source} is empty: it tokenizes to no tokens")
-    if total < budget:
-        warnings.warn(
-            ShortDataWarning(
-                f"calibration data {docs.source} has only {total} tokens ({len(docs.texts)} documents), fewer than "
-                f"the token budget of {budget}; using all {total} tokens"
-            ),
-            stacklevel=2,
-        )
+    _check_total(docs, total, budget, lambda: (
+        f"calibration data {docs.source} has only {total} tokens ({len(docs.texts)} documents), fewer than "
+        f"the token budget of {budget}; using all {total} tokens"))
     meta = _base_meta(docs, seqs, budget=budget, total=total, seed=seed, seq_len=seq_len, pack=pack)
     meta["documents_used"] = used_docs
     return PromptSet(seqs, meta)
@@ -280,6 +273,20 @@ def _shuffled_order_and_room(tokenizer, num_docs: int, seed: int, seq_len: int) 
     if room <= 0:
         raise CalibrationError(f"seq_len {seq_len} leaves no room after the {len(prefix)} prefix tokens")
     return order, prefix, room
+
+
+def _check_total(docs, total: int, budget: int, short_message) -> None:
+    """The end of every prompt-set selection: no tokens at all -> :class:`CalibrationError`;
+    fewer than ``budget`` -> :class:`ShortDataWarning` with ``short_message()`` (attributed to the
+    selection function's caller).
+
+    Raises:
+        CalibrationError: the source tokenizes to no tokens.
+    """
+    if total == 0:
+        raise CalibrationError(f"prompts source {docs.source} is empty: it tokenizes to no tokens")
+    if total < budget:
+        warnings.warn(ShortDataWarning(short_message()), stacklevel=3)
 
 
 def _base_meta(docs: Documents, seqs: list[list[int]], *, budget: int, total: int, seed: int, seq_len: int,
@@ -429,18 +436,11 @@ def build_per_document_prompt_set(
             ids = long_docs.get(i)
             if ids is not None and len(ids) >= (r + 1) * room:
                 emit(ids[r * room : (r + 1) * room], [(i, r * room, room)])
-    if total == 0:
-        raise CalibrationError(f"prompts source {docs.source} is empty: it tokenizes to no tokens")
-    if total < budget:
-        warnings.warn(
-            ShortDataWarning(
-                f"{docs.source} gives only {total} tokens ({len(seqs)} sequences from {len(contrib)} of "
-                f"{len(docs.texts)} documents) at most {max_seq_per_doc} sequence(s) of {seq_len} tokens per "
-                f"document, fewer than the token budget of {budget}; using all {total} tokens (raise the "
-                "per-document cap or add documents)"
-            ),
-            stacklevel=2,
-        )
+    _check_total(docs, total, budget, lambda: (
+        f"{docs.source} gives only {total} tokens ({len(seqs)} sequences from {len(contrib)} of "
+        f"{len(docs.texts)} documents) at most {max_seq_per_doc} sequence(s) of {seq_len} tokens per "
+        f"document, fewer than the token budget of {budget}; using all {total} tokens (raise the "
+        "per-document cap or add documents)"))
     label = (lambda d: names[d]) if names is not None else (lambda d: str(d))
     sources = [[[label(d), off, cnt] for d, off, cnt in sp] for sp in spans_of]
     meta = _base_meta(docs, seqs, budget=budget, total=total, seed=seed, seq_len=seq_len, pack=False)
