@@ -61,7 +61,7 @@ SWEEP = [  # compared with the default (convert 5 + pairs_ahead, block_n 32, one
     dict(convert=5, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),
     dict(convert=2, token_major=True, num_warps=1, block_n=64, pairs_ahead=False),  # default before 2026-11-30 (1)
     dict(convert=5, token_major=True, num_warps=1, block_n=64),
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, unroll=2),  # untimed as of 2026-11-30
+    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=1),  # best at 32K x 32 (sweep 2026-11-30 (3))
     dict(convert=5, token_major=True, num_warps=1, block_n=16, num_stages=3),
     dict(convert=2, token_major=False, num_warps=1, block_n=64, min_block_h=4),
 ]

@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # Device calls for the kernel work of issue 3 (no sglang needed): GPU kernel tests, the
 # tuning/splits sweep and ncu issue-stall metrics of the default decode kernel at 128K x batch 1.
-#   bash scripts/device_kernels.sh [tests|sweep|ncu ...]   (default: tests sweep, <= 560 s; results in $OUT)
-#   bash scripts/device_kernels.sh ncu                     (a second call, ~10-150 s)
+#   bash scripts/device_kernels.sh [tests|tunings|matrix|sweep|ncu ...]   (default: tests sweep, <= 530 s;
+#                                                   results in $OUT)
+#   bash scripts/device_kernels.sh tunings matrix          (a second call, <= 500 s; ncu alone in a third, ~10-150 s)
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep}"
-grid='[{}, {"convert": 3, "pairs_ahead": false}, {"unroll": 2}, {"maxnreg": 168}, {"maxnreg": 128}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 128}, {"block_n": 16, "maxnreg": 128}]'
+grid='[{}, {"convert": 3, "pairs_ahead": false}, {"maxnreg": 168}, {"maxnreg": 128}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 128}, {"block_n": 16, "maxnreg": 128}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do
   case "$s" in
-    tests)
-      timeout 360 python -m pytest -q -m gpu tests/kernels -k "decode or extend or write" -p no:cacheprovider \
-        > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log";;
+    tests)  # -v: one line per test as it ends, so a timeout still says which passed / failed
+      timeout 330 python -m pytest -v -rf --tb=short -m gpu tests/kernels -k "(decode or extend or write) and not every_tuning" \
+        -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"
+      grep -E "(FAILED|ERROR)( |$)" "$OUT/gpu_tests.log" | head -20; tail -1 "$OUT/gpu_tests.log";;
+    tunings)  # test_gpu_decode_every_tuning: ~90 s per parameter set (19 tunings to compile)
+      timeout 300 python -m pytest -v -rf --tb=short -m gpu tests/kernels -k every_tuning -p no:cacheprovider \
+        > "$OUT/gpu_tunings.log" 2>&1; echo "gpu tuning tests rc=$?"
+      grep -E "(PASSED|FAILED|ERROR)( |$)" "$OUT/gpu_tunings.log" | sed 's/.*:://' | head; tail -1 "$OUT/gpu_tunings.log";;
+    matrix)  # decode correctness per head_dim x tuning, vs the oracle (~2.5 min)
+      timeout 200 python scripts/decode_matrix.py --json "$OUT/matrix.json" > "$OUT/matrix.txt" 2>&1
+      echo "decode matrix rc=$?"; grep -E "BAD|ERROR|cases" "$OUT/matrix.txt" | head -20;;
     sweep)
       timeout 200 python scripts/sweep_decode.py --contexts "${SWEEP_CONTEXTS:-4096,32768,131072}" \
         --batches "${SWEEP_BATCHES:-1,8,32}" --waves "${SWEEP_WAVES:-8,32}" \

@@ -40,8 +40,6 @@ DEFAULT_GRID = [  # {} = the default (convert 5 + pairs_ahead, block_n 32, one w
     {"pairs_ahead": False},
     {"convert": 3, "pairs_ahead": False},  # the default before 2026-11-30 (second session)
     {"num_stages": 3},
-    {"unroll": 2},  # two key blocks per iteration: 255 registers, 8 programs per SM (sm_90 SASS)
-    {"unroll": 2, "block_n": 16},
     {"maxnreg": 168},  # 194 -> 168 registers (24 B spill): 12 programs by registers, still 8 by shared memory
     {"maxnreg": 128},  # 96 B spill, 723 instr / 32 keys; 16 programs by registers, still 8 by shared memory
     {"num_stages": 1},  # 168 registers, 4 KB shared memory: 12 programs per SM, no async-copy pipeline

@@ -2,7 +2,8 @@
 """Train a small Qwen3-architecture language model on text that is available offline (issue 7).
 
 The model is the real ``transformers`` Qwen3 architecture (``Qwen3Config`` / ``Qwen3ForCausalLM``:
-GQA, QK-norm, RoPE; ``--moe`` for ``Qwen3MoeConfig``), small enough to train in minutes, so that
+GQA, QK-norm, RoPE; ``--moe`` for ``Qwen3MoeConfig``; ``--arch llama`` for a ``LlamaConfig`` of the
+same sizes, i.e. without QK-norm, as an ablation), small enough to train in minutes, so that
 the KV-cache accuracy table (``sglang-oscar quality``, docs/quality.md) runs on a *trained* model
 and not on random weights.
 
@@ -218,7 +219,10 @@ def encode_documents(tokenizer, texts: list[str], batch: int = 512, return_lengt
 
 # ----------------------------------------------------------------------------- model
 def build_config(args, tokenizer):
-    """``Qwen3Config`` (or ``Qwen3MoeConfig`` with ``--moe``) of the run."""
+    """``Qwen3Config`` (``Qwen3MoeConfig`` with ``--moe``, ``LlamaConfig`` with ``--arch llama``) of the run.
+
+    ``--moe`` with ``--arch llama`` is refused by :func:`parse_args`.
+    """
     import transformers as tf
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -228,6 +232,10 @@ def build_config(args, tokenizer):
                   rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
                   tie_word_embeddings=args.tie_embeddings, bos_token_id=eos, eos_token_id=eos, pad_token_id=pad,
                   rms_norm_eps=1e-6, use_cache=True)
+    if args.arch == "llama":
+        # the same sizes without Qwen3's per-head RMSNorm on q and k (QK-norm): an ablation of whether
+        # QK-norm is what leaves the K/V of these small models without outlier channels (docs/quality.md)
+        return tf.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if args.moe:
         return tf.Qwen3MoeConfig(**common, num_experts=args.experts, num_experts_per_tok=args.experts_per_tok,
                                  moe_intermediate_size=args.moe_intermediate, decoder_sparse_step=1,
@@ -317,6 +325,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heldout-mb", type=float, default=2.0, help="text written to heldout.jsonl (held-out split)")
     # model
     p.add_argument("--moe", action="store_true", help="Qwen3MoeConfig instead of Qwen3Config")
+    p.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3",
+                   help="qwen3 (default; GQA, QK-norm, RoPE) or llama (the same sizes without QK-norm)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -341,7 +351,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--eval-seqs", type=int, default=32)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.moe and args.arch == "llama":
+        p.error("--moe builds a Qwen3-MoE model and cannot be combined with --arch llama")
+    return args
 
 
 def main(argv=None) -> dict:

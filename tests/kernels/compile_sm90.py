@@ -71,7 +71,6 @@ CASES = [
     ("decode subnormal operands (default)", lambda: _attn("d", tuning=dict(convert=5, block_n=32))),
     ("decode subnormal, pairs in the loop", lambda: _attn("d", tuning=dict(convert=5, block_n=32, pairs_ahead=False))),
     ("decode subnormal lloyd", lambda: _attn("d", quantizer="lloyd-max", tuning=dict(convert=5, block_n=32))),
-    ("decode default unrolled x2", lambda: _attn("d", tuning=dict(unroll=2))),
     ("decode asm-perm head-major lloyd", lambda: _attn("d", quantizer="lloyd-max",
                                                        tuning=dict(convert=3, token_major=False, num_warps=4))),
     ("decode asm lloyd g64 (fast grouped)", lambda: _attn("d", group=64, quantizer="lloyd-max", tuning=dict(convert=2))),

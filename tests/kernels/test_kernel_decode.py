@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sglang_oscar.kernels import Int2Layout
 from kv_fixtures import (
     build_pool,
     fresh_seed,
@@ -125,7 +126,9 @@ def test_decode_split_count_invariance_and_kernel_written_pool():
             for ns, nh in ((1, 1), (2, 3), (7, 2))]
     for o in outs:
         assert rel_l2(o, ref) < 1e-4
-        assert rel_l2(o, outs[0]) < 1e-6
+        # split counts only change the fp32 summation order: <= 8.6e-7 over 40 seeds with head_dim
+        # 64's conversion (bit trick, convert 1), 2.7e-7 with the permuting one it used before
+        assert rel_l2(o, outs[0]) < 3e-6
 
 
 @pytest.mark.parametrize("token_major,convert,group,pairs_ahead", [
@@ -197,23 +200,6 @@ def test_decode_subnormal_and_pairs_ahead_match_convert4(monkeypatch, dk, dv, qu
                                           hp_dtype=torch.float32)) < 1e-4
 
 
-@pytest.mark.parametrize("unroll,pairs_ahead,splits", [(2, True, 1), (2, False, 3), (4, True, 2)])
-def test_decode_unrolled_int2_loop_matches_the_oracle(unroll, pairs_ahead, splits):
-    """``unroll`` (Triton's loop_unroll_factor on the token-major INT2 loop; block counts per split
-    that are not multiples of it leave a remainder iteration) changes no result."""
-    fresh_seed()
-    cfg = make_config(sink=4, recent=8, quantizer="lloyd-max")
-    lens = [1, 13, 29, 50, 83, 131]
-    pool = build_pool(lens, 2, 128, 128, cfg, hp_dtype=torch.float32)
-    q = torch.randn(len(lens), 8, 128) * 2
-    kw = dict(mma_dtype=torch.float32, num_kv_splits=splits)
-    base = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=6, pairs_ahead=pairs_ahead, block_n=16), **kw)
-    o = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=6, pairs_ahead=pairs_ahead, block_n=16,
-                                                          unroll=unroll), **kw)
-    assert rel_l2(o, base) < 1e-6
-    assert rel_l2(o, reference_decode(pool, q, hp_dtype=torch.float32)) < 1e-4
-
-
 def test_choose_num_splits_policy():
     """8 programs per SM for <= 16 head programs, 32 otherwise; >= 64 keys per split of the bound;
     capped; only host constants (the CPU counts 4 SMs)."""
@@ -235,7 +221,7 @@ def test_default_tuning_resolution(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = AttnTuning().resolved(128)
-    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps, t.unroll) == (5, True, 32, 1, None)
+    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (5, True, 32, 1)
     t = AttnTuning().resolved(256)  # larger heads: the GPU-tested convert 3, no pairs_ahead
     assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (3, False, 64, 2)
     t = AttnTuning().resolved(128, extend=True)
@@ -246,6 +232,27 @@ def test_default_tuning_resolution(monkeypatch):
     t = AttnTuning().resolved(128)
     assert (t.convert, t.pairs_ahead) == (6, True)
     assert (AttnTuning().resolved(512).convert, AttnTuning().resolved(512).pairs_ahead) == (4, False)
+    # head_dim 64: no permuting conversion (wrong on the GPU at quarters of 16 codes)
+    assert (AttnTuning().resolved(64).convert, AttnTuning().resolved(64).pairs_ahead) == (2, False)
+    assert (AttnTuning().resolved(80).convert, AttnTuning().resolved(80).pairs_ahead) == (6, True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    t = AttnTuning().resolved(64)
+    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (2, False, 32, 1)
+
+
+def test_permuting_conversions_need_quarters_of_32_codes():
+    """``permuting_ok``: the H200 gave 0.47-0.58 rel. L2 with convert 3 / 5 at head_dim 64
+    (``scripts/decode_matrix.py``); the decode wrapper routes such layouts to 2 (GPU) / 1 (interpreter)."""
+    from sglang_oscar.kernels.launch import permuting_ok
+
+    def lay(dk, dv, group=None):
+        return Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92)
+
+    assert permuting_ok(lay(128, 128)) and permuting_ok(lay(192, 128)) and permuting_ok(lay(256, 256, 128))
+    assert permuting_ok(lay(80, 80)) and permuting_ok(lay(512, 512))
+    assert not permuting_ok(lay(64, 64)) and not permuting_ok(lay(64, 64, 16))
+    assert not permuting_ok(lay(128, 64))  # the smaller of K and V decides
+    assert not permuting_ok(lay(128, 128, 16))  # quarters span several groups
 
 
 def test_effective_convert_routing(monkeypatch):

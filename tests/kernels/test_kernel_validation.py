@@ -168,6 +168,5 @@ def test_head_block_plan():
         plan_head_blocks(10, 4)
     with pytest.raises(ValueError):
         AttnTuning(block_n=48)
-    with pytest.raises(ValueError, match="unroll"):
-        AttnTuning(unroll=3)
-    assert AttnTuning(unroll=1).unroll is None and AttnTuning(unroll=2).unroll == 2
+    with pytest.raises(ValueError, match="unknown tuning keys"):  # removed: wrong on the GPU (2026-11-30 (3))
+        AttnTuning.of({"unroll": 2})

@@ -236,7 +236,8 @@ def test_rows_per_program_default_policy(monkeypatch):
     assert rpp(layout, 3, min_programs=256) == 1
     assert rpp(layout, 32 * 8, min_programs=1) == 16
     assert rpp(layout, 3, min_programs=1) == 4
-    assert rpp(layout, 32 * 8) == 16  # shipped default: the small-grid policy is off (WRITE_MIN_PROGRAMS 1)
+    assert rpp(layout, 32 * 8) == 1  # shipped default: the small-grid policy with WRITE_MIN_PROGRAMS 256
+    assert rpp(layout, 8192 * 8) == 16
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert rpp(layout, 32 * 8) == 64
     assert rpp(layout, 5) == 8

@@ -119,3 +119,35 @@ def test_eval_windows_and_their_files(train_script):
     assert train_script.window_files([8], 8, [10, 5, 20]) == 3  # tokens 8..15
     assert train_script.window_files([0, 31], 4, [10, 5, 20]) == 2
     assert train_script.window_files([12, 13], 2, [10, 5, 20]) == 1
+
+
+def test_llama_variant_has_no_qk_norm(tmp_path, text_tree, train_script, capsys):
+    """``--arch llama``: the same sizes as the Qwen3 default, without QK-norm (the ablation of
+    docs/quality.md); the checkpoint loads as a Llama model; ``--moe`` with it is refused."""
+    import pytest
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    out = tmp_path / "llama"
+    common = [*TINY_MODEL, "--seq-len", "64", "--batch", "2", "--no-system-text", "--text-dir", str(text_tree),
+              "--heldout-frac", "0.2", "--eval-every", "0", "--eval-seqs", "2", "--max-mb", "0.1"]
+    summary = train_script.main(["--out", str(out), "--device", "cpu", "--max-steps", "3", "--arch", "llama", *common])
+    assert summary["steps"] == 3 and summary["model_type"] == "llama"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(model, LlamaForCausalLM) and model.config.head_dim == 32
+    assert not any("q_norm" in n or "k_norm" in n for n, _ in model.named_parameters())
+    qwen = AutoModelForCausalLM.from_config(train_script.build_config(
+        train_script.parse_args(["--out", str(out), *TINY_MODEL]), _Tok()))
+    assert any("k_norm" in n for n, _ in qwen.named_parameters())  # the default keeps QK-norm
+    with pytest.raises(SystemExit):
+        train_script.parse_args(["--out", str(tmp_path / "x"), "--arch", "llama", "--moe"])
+    assert "--moe" in capsys.readouterr().err
+
+
+class _Tok:
+    """The tokenizer attributes ``build_config`` reads."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def __len__(self):
+        return 384

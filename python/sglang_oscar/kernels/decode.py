@@ -61,7 +61,6 @@ def _decode_stage1(
     LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IDX64: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
     NS_HP, NS_Q, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False, PAIRS_AHEAD: tl.constexpr = False,
-    UNROLL: tl.constexpr = None,
 ):
     PERM: tl.constexpr = CONVERT >= 3
     SUB: tl.constexpr = CONVERT >= 5  # subnormal code operands (token-major fast path only)
@@ -164,7 +163,7 @@ def _decode_stage1(
                 slots, valid, vslots, vmask = load_int2_slots(r2t, lo, hi, BLOCK_N, IDX64, False)
                 sk, zk, sv, zv = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, valid)
                 slots1, valid1, _, _ = load_int2_slots(r2t, lo + BLOCK_N, hi, BLOCK_N, IDX64, False)
-                for n0 in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL):
+                for n0 in tl.range(lo, hi, BLOCK_N):
                     slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
                     bk, bv = load_int2_codes_t(KC_h, stride_kcs, VC_h, stride_vcs, slots, valid, vslots, vmask,
                                                QK, QKP, QV, QVP)
@@ -178,7 +177,7 @@ def _decode_stage1(
                     sk, zk, sv, zv = sk1, zk1, sv1, zv1
                     slots1, valid1 = slots2, valid2
             else:
-                for n0 in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL):
+                for n0 in tl.range(lo, hi, BLOCK_N):
                     slots, valid, vslots, vmask = load_int2_slots(r2t, n0, hi, BLOCK_N, IDX64, PERM)
                     bk, bv = load_int2_codes_t(KC_h, stride_kcs, VC_h, stride_vcs, slots, valid, vslots, vmask,
                                                QK, QKP, QV, QVP)

@@ -99,18 +99,18 @@ def rotate_rows_hp(x: torch.Tensor, rotation: torch.Tensor, hp_dtype: torch.dtyp
 # ---------------------------------------------------------------------------------------------
 
 
-# GPU: fewer rows per write / flush program until the grid has this many programs. 1 = off (full
-# tiles always). 256 halved decode-sized write + flush time on the H200 (bench_decode's forced
-# rows_per_program=1 variant, 2026-11-30); switch it on once test_gpu_write_flush_decode_sized has
-# passed on the GPU (not run yet: the session's device time ran out).
-WRITE_MIN_PROGRAMS = 1
+# GPU: fewer rows per write / flush program until the grid has this many programs (1 would mean
+# full tiles always). 256 halved decode-sized write + flush time on the H200 (bench_decode's forced
+# rows_per_program=1 variant, 2026-11-30); test_gpu_write_flush_decode_sized (bytes equal to the
+# reference quantizer's at 1-2 rows per program) passed on the H200 (2026-11-30, third session).
+WRITE_MIN_PROGRAMS = 256
 
 
 def _rows_per_program(layout: Int2Layout, num_rows: int, budget: int | None = None,
                       min_programs: int | None = None) -> int:
     """Rows per write / flush program: the largest power of two whose tile stays within ~2K
     (interpreter: ~8K) elements, one-hot axis included, and -- on the GPU -- that still gives the
-    grid ``min_programs`` (default :data:`WRITE_MIN_PROGRAMS`, currently 1 = off) programs where
+    grid ``min_programs`` (default :data:`WRITE_MIN_PROGRAMS`, 256) programs where
     there are that many rows. Decode writes are small (batch x kv_heads rows: 256 at batch 32 x 8
     kv heads): with 16 rows per program they run 16 latency-bound programs; 1 row per program
     halved write + flush time on the H200 (bench_decode, 2026-11-30: 42.0 -> 21.3 us at batch 32,
@@ -209,8 +209,8 @@ def write_kv(
         validate: shape/dtype/device checks (pure Python, no sync); ``False`` skips them on hot
             paths whose arguments were validated once (saves tens of microseconds of CPU).
         rows_per_program: (token, head) rows quantized per program, a power of two up to the
-            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements; the
-            small-grid policy is off, ``WRITE_MIN_PROGRAMS``). Fewer rows per program give more,
+            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements, fewer rows
+            while the grid has under ``WRITE_MIN_PROGRAMS`` = 256 programs). Fewer rows per program give more,
             smaller programs (one warp per row at 1); timed by ``scripts/bench_decode.py``.
 
     Raises:
@@ -467,9 +467,6 @@ class AttnTuning:
         pairs_ahead: decode token-major INT2 loop: load each block's (scale, zero) pairs one
             iteration early by hand (Triton's pipeliner stages only the code tiles, which feed
             MMAs; the pair loads were synchronous). ``None`` = on for decode up to head_dim 128.
-        unroll: decode token-major INT2 loop: Triton's ``loop_unroll_factor`` (2 = two key
-            blocks per iteration, so their loads and conversions can overlap); ``None``/1 = no
-            unrolling (default). CPU-tested and compiled for sm_90 only (not timed yet).
         maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
             registers per SM, 16K per scheduler partition, allocated per warp in steps of 256:
@@ -477,11 +474,10 @@ class AttnTuning:
     """
 
     __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-                 "token_major", "maxnreg", "pairs_ahead", "unroll")
+                 "token_major", "maxnreg", "pairs_ahead")
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
-                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
-                 unroll=None):
+                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None):
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
@@ -492,9 +488,6 @@ class AttnTuning:
         self.token_major = True if token_major is None else bool(token_major)
         self.maxnreg = None if maxnreg is None else int(maxnreg)
         self.pairs_ahead = None if pairs_ahead is None else bool(pairs_ahead)
-        self.unroll = None if unroll is None or int(unroll) == 1 else int(unroll)
-        if self.unroll is not None and self.unroll not in (2, 4):
-            raise ValueError(f"tuning unroll={unroll} must be 1, 2 or 4")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
@@ -514,12 +507,14 @@ class AttnTuning:
         loaded one block ahead (``pairs_ahead``), token-major tiles, q heads padded to 8 --
         194 registers, no spills, 18.5 KB of shared memory per program, 8 programs per SM
         (2026-11-30 sweep: 1.19x faster than ``CONVERT_ASM_PERM`` without ``pairs_ahead`` at
-        32K x 1, 1.25x at 128K x 1). These two apply up to head_dim 128, the only size timed
-        and GPU-tested with them; larger heads keep ``CONVERT_ASM_PERM`` without
-        ``pairs_ahead`` (GPU-tested at 256 / 512). Under the interpreter decode defaults to the
-        emulations (``CONVERT_SUBNORMAL_EMULATED`` with ``pairs_ahead`` up to 128,
-        ``CONVERT_PERM_EMULATED`` above); extend defaults to ``CONVERT_ASM`` (run as
-        ``CONVERT_BITS`` under the interpreter) and no ``pairs_ahead``.
+        32K x 1, 1.25x at 128K x 1). These two apply from head_dim 65 up to 128 (timed and
+        GPU-tested at 128); larger heads keep ``CONVERT_ASM_PERM`` without ``pairs_ahead``
+        (GPU-tested at 192 / 256 / 512); head_dim 64 and below, where the permuting conversions
+        are wrong on the GPU (:data:`PERMUTE_MIN_QUARTER`), take ``CONVERT_ASM`` without
+        ``pairs_ahead`` (GPU-tested at 64). Under the interpreter decode defaults to the
+        emulations (``CONVERT_SUBNORMAL_EMULATED`` with ``pairs_ahead`` for 65-128,
+        ``CONVERT_PERM_EMULATED`` above, ``CONVERT_BITS`` at 64); extend defaults to ``CONVERT_ASM``
+        (run as ``CONVERT_BITS`` under the interpreter) and no ``pairs_ahead``.
 
         Note: a knob left unset takes its default even when others are set, so
         ``{"convert": 3}`` resolves to ``convert=3, pairs_ahead=True`` for decode up to head_dim
@@ -527,17 +522,18 @@ class AttnTuning:
         """
         interp = interpreting()
         t = AttnTuning(**self.as_dict())
+        small = next_pow2(max(1, head_dim // 4)) < PERMUTE_MIN_QUARTER  # head_dim <= 64
         if t.convert is None:
             # the interpreter runs decode with the emulated permutation of the GPU default, so the
             # CPU tests exercise its bookkeeping (q column / V token permutation)
-            if extend:
+            if extend or small:
                 t.convert = CONVERT_ASM
             elif head_dim <= 128:
                 t.convert = CONVERT_SUBNORMAL_EMULATED if interp else CONVERT_SUBNORMAL
             else:
                 t.convert = CONVERT_PERM_EMULATED if interp else CONVERT_ASM_PERM
         if t.pairs_ahead is None:
-            t.pairs_ahead = not extend and head_dim <= 128
+            t.pairs_ahead = not extend and not small and head_dim <= 128
 
         if interp:
             t.block_n = t.block_n or 16
@@ -592,6 +588,24 @@ def _resolved_tuning(tuning, head_dim: int, extend: bool) -> AttnTuning:
             hit = _TUNING_CACHE[key] = AttnTuning.of(tuning).resolved(head_dim, extend)
         return hit
     return AttnTuning.of(tuning).resolved(head_dim, extend)
+
+
+# Smallest padded quarter (head_dim / 4, rounded up to a power of two) of K and V at which the
+# permuting conversions (``CONVERT_ASM_PERM`` 3, ``CONVERT_SUBNORMAL`` 5) are used. They assume the
+# register order in which the GPU holds a code tile's bytes; at head_dim 64 (quarter 16) that order
+# differs: on the H200 every permuting tuning was 0.47-0.58 rel. L2 off the oracle while 0/1/2 were
+# within 2.6e-3 (`scripts/decode_matrix.py`, 2026-11-30, third session); quarters of 32 (head_dim
+# 128, 192 padded to 64, 256, 512) were within 3.3e-3 with every conversion.
+PERMUTE_MIN_QUARTER = 32
+
+
+def permuting_ok(layout: Int2Layout) -> bool:
+    """Whether the decode kernel may use a permuting conversion for ``layout``: every quarter of a
+    K and a V row inside one group (:attr:`TensorLayout.quarter_aligned`) and padded quarters of at
+    least :data:`PERMUTE_MIN_QUARTER` codes. Applies under the interpreter too, so CPU tests take
+    the path the GPU takes."""
+    return (layout.k.quarter_aligned and layout.v.quarter_aligned
+            and min(layout.k.quarter_p2, layout.v.quarter_p2) >= PERMUTE_MIN_QUARTER)
 
 
 def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool, subnormal_ok: bool = False) -> int:
@@ -911,8 +925,7 @@ def decode_attention(
     qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
     idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
     token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
-    convert = effective_convert(tn.convert, op, layout.k.quarter_aligned and layout.v.quarter_aligned,
-                                subnormal_ok=token_major)
+    convert = effective_convert(tn.convert, op, permuting_ok(layout), subnormal_ok=token_major)
     grid = (bsz, hkv * bpk, ns)
     _launch(_decode_stage1, grid,
         q, q.stride(0), q.stride(1),
@@ -934,7 +947,7 @@ def decode_attention(
         HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
         TOKEN_MAJOR=token_major,
         NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
-        PAIRS_AHEAD=tn.pairs_ahead, UNROLL=tn.unroll,
+        PAIRS_AHEAD=tn.pairs_ahead,
         num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
     )
     nsp = next_pow2(ns)
