@@ -7,7 +7,7 @@ for bf16 outputs). Meant for a device call when a GPU test fails without details
 which tunings a head_dim may default to; it uses the kernel tests' fixtures (poisoned pools at
 random non-contiguous slots), so every case reads exactly what the tests read.
 
-    python scripts/decode_matrix.py                       # GPU, default matrix (~1-2 min incl. compiles)
+    python scripts/decode_matrix.py                       # GPU, default matrix (~3 min incl. compiles)
     TRITON_INTERPRET=1 python scripts/decode_matrix.py --device cpu --scale 0.002 --splits 2  # CPU dry run
 """
 
@@ -31,6 +31,7 @@ GEOMETRIES = [  # (dk, dv, hq, hkv, quantizer, group, logit cap)
     (64, 64, 16, 4, "lloyd-max", None, 30.0),
     (64, 64, 16, 4, "uniform", None, None),
     (64, 64, 16, 4, "uniform", 16, None),
+    (128, 64, 16, 4, "uniform", None, None),  # the smaller of K / V decides the conversion
     (128, 128, 32, 8, "lloyd-max", None, 30.0),
     (128, 128, 32, 8, "uniform", None, None),
     (192, 128, 8, 8, "uniform", None, None),
@@ -68,7 +69,8 @@ def main() -> int:
         q = torch.randn(len(lens), hq, dk, device=args.device)
         ref = reference_decode(pool, q, logit_cap=cap)
         qr = rotate_q(pool, q).to(torch.bfloat16)
-        splits = args.splits or choose_num_splits(len(lens), hkv, max_seq_len=max(lens))
+        splits = args.splits or choose_num_splits(len(lens), hkv, device=torch.device(args.device),
+                                                     max_seq_len=max(lens))
         for tn in TUNINGS:
             name = f"dk{dk} dv{dv} {quantizer} g{group} cap{cap} tuning={json.dumps(tn)}"
             try:

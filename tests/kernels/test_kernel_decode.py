@@ -71,8 +71,8 @@ def test_decode_window_edges(sink, recent):
     """Every request of the batch sits at a different sink/recent boundary."""
     fresh_seed()
     cfg = make_config(sink=sink, recent=recent)
-    pool = build_pool(EDGE_LENS, 2, 64, 64, cfg, hp_dtype=torch.float32)
-    q = torch.randn(len(EDGE_LENS), 4, 64)
+    pool = build_pool(EDGE_LENS, 2, 80, 80, cfg, hp_dtype=torch.float32)  # 80: the permuted-V path, padded quarters
+    q = torch.randn(len(EDGE_LENS), 4, 80)
     ref = reference_decode(pool, q, hp_dtype=torch.float32)
     o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, num_kv_splits=2)
     assert rel_l2(o, ref) < 1e-4
@@ -83,8 +83,8 @@ def test_decode_sliding_window_and_cap(window, cap):
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
     lens = [3, 12, 25, 40]
-    pool = build_pool(lens, 2, 64, 64, cfg, hp_dtype=torch.float32)
-    q = torch.randn(len(lens), 6, 64) * 2
+    pool = build_pool(lens, 2, 80, 80, cfg, hp_dtype=torch.float32)
+    q = torch.randn(len(lens), 6, 80) * 2
     ref = reference_decode(pool, q, sliding_window=window, logit_cap=cap, hp_dtype=torch.float32)
     o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, sliding_window=window, logit_cap=cap)
     assert rel_l2(o, ref) < 1e-4
@@ -95,8 +95,8 @@ def test_decode_head_blocks_never_straddle(hq, hkv, max_block_h, min_block_h):
     """Groups split into blocks that divide them (6 -> 3+3, 8 -> 4+4), rows padded to min_block_h."""
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
-    pool = build_pool([14, 22], hkv, 64, 64, cfg, hp_dtype=torch.float32, per_head_rotation=True)
-    q = torch.randn(2, hq, 64)
+    pool = build_pool([14, 22], hkv, 80, 80, cfg, hp_dtype=torch.float32, per_head_rotation=True)
+    q = torch.randn(2, hq, 80)
     ref = reference_decode(pool, q, hp_dtype=torch.float32)
     o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32,
                    tuning=dict(max_block_h=max_block_h, min_block_h=min_block_h))
@@ -157,10 +157,10 @@ def test_decode_empty_request_and_int64_offsets(monkeypatch):
     fresh_seed()
     monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
     cfg = make_config(sink=SINK, recent=RECENT)
-    pool = build_pool([17, 30], 2, 64, 64, cfg, hp_dtype=torch.float32)
-    q = torch.randn(2, 4, 64)
+    pool = build_pool([17, 30], 2, 80, 80, cfg, hp_dtype=torch.float32)
+    q = torch.randn(2, 4, 80)
     ref = reference_decode(pool, q, hp_dtype=torch.float32)
-    q_rot = torch.cat([rotate_q(pool, q), torch.randn(1, 4, 64)])
+    q_rot = torch.cat([rotate_q(pool, q), torch.randn(1, 4, 80)])
     pool.req_pool_indices = torch.cat([pool.req_pool_indices, pool.req_pool_indices[:1]])
     pool.seq_lens = torch.cat([pool.seq_lens, torch.zeros(1, dtype=torch.int64)])
     o = run_decode(pool, q_rot, mma_dtype=torch.float32)
@@ -171,7 +171,7 @@ def test_decode_empty_request_and_int64_offsets(monkeypatch):
 @pytest.mark.parametrize("dk,dv,quantizer,window,cap,splits,sinkl,idx64", [
     (128, 128, "uniform", None, None, 1, False, False),
     (128, 128, "lloyd-max", 20, None, 5, False, False),
-    (64, 64, "uniform", None, 30.0, 3, True, False),
+    (80, 80, "uniform", None, 30.0, 3, True, False),  # padded quarters (20 -> 32); 64 takes no permutation
     (192, 128, "lloyd-max", 7, 3.0, 2, False, True),
     (256, 256, "uniform", None, None, 1, True, False),
 ])
@@ -179,7 +179,7 @@ def test_decode_subnormal_and_pairs_ahead_match_convert4(monkeypatch, dk, dv, qu
                                                            sinkl, idx64):
     """The CUDA-only subnormal conversion (emulated: 6) with hand-prefetched pairs (the GPU default)
     equals the emulated permuting conversion (4) without them and the oracle on odd lengths, windows, logit caps, per-request sink lengths,
-    int64 offsets and head dims 64-256 (fp32 MMA: the two differ only by rounding)."""
+    int64 offsets and head dims 80-256 (fp32 MMA: the two differ only by rounding)."""
     fresh_seed()
     if idx64:
         monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
@@ -237,6 +237,8 @@ def test_default_tuning_resolution(monkeypatch):
     assert (AttnTuning().resolved(80).convert, AttnTuning().resolved(80).pairs_ahead) == (6, True)
     monkeypatch.delenv("TRITON_INTERPRET")
     t = AttnTuning().resolved(64)
+    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (2, False, 32, 1)
+    t = AttnTuning().resolved(128, min_head_dim=64)  # K 128 / V 64: the smaller one decides
     assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (2, False, 32, 1)
 
 

@@ -37,7 +37,7 @@ CONVERT_PERM_EMULATED = 4
 # word for its odd bytes; no 1.0 offset to remove). Same (0, 2, 1, 3) order as CONVERT_ASM_PERM;
 # the kernel pre-scales q by 2^-2K and folds 2^24 into the epilogue. CONVERT_SUBNORMAL_EMULATED
 # computes the same values with integer ops and perm4 (interpreter, any operand dtype). GPU decode
-# default up to head_dim 128 (AttnTuning.resolved); extend defaults to CONVERT_ASM.
+# default for head_dim 65-128 (AttnTuning.resolved); extend defaults to CONVERT_ASM.
 CONVERT_SUBNORMAL = 5
 CONVERT_SUBNORMAL_EMULATED = 6
 
