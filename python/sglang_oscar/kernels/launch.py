@@ -511,11 +511,12 @@ class AttnTuning:
         32K x 1, 1.25x at 128K x 1). These two apply from head_dim 65 up to 128 (timed and
         GPU-tested at 128); larger heads keep ``CONVERT_ASM_PERM`` without ``pairs_ahead``
         (GPU-tested at 192 / 256 / 512); when K or V has head_dim 64 or less (``min_head_dim``),
-        where the permuting conversions are wrong on the GPU (:data:`PERMUTE_MIN_QUARTER`), decode
-        takes ``CONVERT_ASM`` without ``pairs_ahead`` (GPU-tested at 64 / 64). Under the interpreter decode defaults to the
-        emulations (``CONVERT_SUBNORMAL_EMULATED`` with ``pairs_ahead`` for 65-128,
-        ``CONVERT_PERM_EMULATED`` above, ``CONVERT_BITS`` at 64); extend defaults to ``CONVERT_ASM``
-        (run as ``CONVERT_BITS`` under the interpreter) and no ``pairs_ahead``.
+        where the permuting conversions are wrong on the GPU (:data:`PERMUTE_MIN_QUARTER`),
+        decode takes ``CONVERT_ASM`` without ``pairs_ahead`` (GPU-tested at 64 / 64). Under the
+        interpreter decode defaults to the emulations (``CONVERT_SUBNORMAL_EMULATED`` with
+        ``pairs_ahead`` for 65-128, ``CONVERT_PERM_EMULATED`` above, ``CONVERT_BITS`` at 64);
+        extend defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the interpreter) and no
+        ``pairs_ahead``.
 
         Note: a knob left unset takes its default even when others are set, so
         ``{"convert": 3}`` resolves to ``convert=3, pairs_ahead=True`` for decode at head_dim
