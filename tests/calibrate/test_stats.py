@@ -232,3 +232,31 @@ def test_every_kv_head_is_required(tokenizer):
     k = torch.randn(5, 1, 32)  # one of two kv heads: a per-rank blind spot
     with pytest.raises(CalibrationError, match="every kv head"):
         st.add_pass1(0, q, k, k)
+
+
+def test_spectrum_of_planted_second_moments():
+    """``CalibrationStats.spectrum``: rank-one keys give top-1 1 and eff. dim 1, values spread
+    equally over two directions 0.5 and 2, isotropic queries ~1/D and ~D (by hand)."""
+    model = build_model("qwen3")
+    geo = geometry_of(model.config)
+    st = CalibrationStats(geo)
+    lg = geo.layers[0]
+    hkv, d, g = lg.num_kv_heads, lg.head_dim_k, geo.num_q_heads // lg.num_kv_heads
+    n = 20000
+    torch.manual_seed(0)
+    u = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0]
+    k = (torch.randn(n, hkv, 1, dtype=torch.float64) * u[:, 0]).float()  # every key on one direction
+    v = (torch.randn(n, hkv, 1, dtype=torch.float64) * u[:, 1]
+         + torch.randn(n, hkv, 1, dtype=torch.float64) * u[:, 2]).float()  # two equal directions
+    q = torch.randn(n, hkv * g, d)
+    st.add_pass1(lg.layer_id, q, k, v)
+    spec = st.spectrum()
+    assert set(spec) == {lg.layer_id}  # layers without statistics give no entry
+    r = spec[lg.layer_id]
+    assert r["k_top1"] == pytest.approx(1.0, abs=1e-6) and r["k_eff_dim"] == pytest.approx(1.0, abs=1e-5)
+    assert r["v_top1"] == pytest.approx(0.5, abs=0.02) and r["v_eff_dim"] == pytest.approx(2.0, abs=0.02)
+    # isotropic: eff. dim D / (1 + D / rows) in expectation, top-1 a little above 1 / D
+    rows = n * g
+    assert r["q_eff_dim"] == pytest.approx(d / (1 + d / rows), rel=0.02)
+    assert 1.0 / d < r["q_top1"] < 1.5 / d
+    assert r["k_top1_max"] >= r["k_top1"]

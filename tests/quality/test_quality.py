@@ -103,7 +103,17 @@ def test_rows_and_bf16(report, random_ckpt):
         assert math.isfinite(r["ppl"]) and math.isfinite(r["error_db"])
         assert r["ppl_rel_change"] == pytest.approx(r["ppl"] / own - 1.0, rel=1e-6, abs=1e-9)
     # files: table, JSON, statistics and both fitted rotations
-    assert md.count("\n| ") == len(ROWS) + 1 and "| oscar-head+lm+win |" in md
+    table, spec_md = md.split("Spectral concentration")
+    assert table.count("\n| ") == len(ROWS) + 1 and "| oscar-head+lm+win |" in table
+    # the spectrum diagnostic: one row per layer, the same numbers as the JSON
+    spec = rep["spectrum"]
+    assert sorted(spec, key=int) == [str(i) for i in range(len(spec))] and len(spec) >= 2
+    assert spec_md.count("\n| ") == len(spec) + 1 and f"head_dim {rep['head_dim']}" in spec_md
+    for lid, r in spec.items():
+        for t in "qkv":
+            assert 1.0 / rep["head_dim"] <= r[f"{t}_top1"] <= r[f"{t}_top1_max"] <= 1.0
+            assert 1.0 <= r[f"{t}_eff_dim"] <= rep["head_dim"]
+        assert f"| {lid} | {r['q_top1']:.3f} | {r['q_eff_dim']:.1f} |" in spec_md
     assert {p.name for p in (res / "work").iterdir()} >= {"stats.safetensors", "rot_oscar.safetensors",
                                                           "rot_oscar-perhead.safetensors"}
 

@@ -464,6 +464,8 @@ def quality_report(
                         "tokens_per_layer_min": min(stats.tokens_per_layer(1).values())},
         "heldout": {k: v for k, v in heldout.meta.items() if k != "sequence_sha256"},
         "rotations": {m: os.path.join(work_dir, f"rot_{m}.safetensors") for m in rotations},
+        "spectrum": {str(lid): row for lid, row in stats.spectrum().items()},
+        "head_dim": max(lg.head_dim_k for lg in geometry.layers),
     }
 
 
@@ -512,6 +514,21 @@ def format_markdown(rep: dict[str, Any]) -> str:
             f"{r['bits_128k']:.3f} | {100 * r['int2_read_fraction']:.1f}% | {r['error_db']:.2f} | {r['ppl']:.4f} | "
             f"{100 * r['ppl_rel_change']:+.2f}% |"
         )
+    spec = rep.get("spectrum")
+    if spec:
+        lines += [
+            "",
+            f"Spectral concentration of the calibration statistics per layer (mean over kv heads; top-1 = "
+            f"largest eigenvalue / trace, eff. dim = trace^2 / sum of squared eigenvalues, out of head_dim "
+            f"{rep.get('head_dim', '?')}; Q = the query covariance OSCAR's K rotation is fitted on):",
+            "",
+            "| layer | Q top-1 | Q eff. dim | K top-1 | K eff. dim | V top-1 | V eff. dim |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for lid in sorted(spec, key=int):
+            r = spec[lid]
+            lines.append(f"| {lid} | {r['q_top1']:.3f} | {r['q_eff_dim']:.1f} | {r['k_top1']:.3f} | {r['k_eff_dim']:.1f} | "
+                         f"{r['v_top1']:.3f} | {r['v_eff_dim']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -163,6 +163,45 @@ class CalibrationStats:
             raise CalibrationError(f"layer {layer_id} has no latent statistics")
         return self.sums["c_sum"][layer_id] / n
 
+    def spectrum(self) -> dict[int, dict[str, float]]:
+        """How concentrated each layer's second moments are (a diagnostic of what a fitted rotation can gain).
+
+        Per MHA/GQA layer with pass-1 statistics and per kv head ``h``, the eigenvalues ``lam`` of
+        the query covariance ``C_h`` (the ``qqt`` objective) and of the raw key / value second
+        moments ``K_sum[h] / T``, ``V_sum[h] / T`` give ``top1 = lam_max / sum(lam)`` (1 for a
+        rank-one matrix, ``1/D`` for an isotropic one) and the participation ratio
+        ``eff_dim = sum(lam)^2 / sum(lam^2)`` (the number of directions holding the energy: ``D``
+        when isotropic, 1 when rank one). With one (scale, zero) pair per row a rotation changes the
+        quantization error only through the rotated rows' range, and a Hadamard rotation already
+        makes rows Gaussian-like unless a few directions hold most of the energy; a low ``eff_dim``
+        (or a high ``top1``) is where a covariance-aware rotation has something to gain.
+
+        Returns:
+            ``{layer_id: {"q_top1", "q_top1_max", "q_eff_dim", "k_...", "v_..."}}`` (floats; ``*_top1``
+            and ``*_eff_dim`` averaged over kv heads, ``*_top1_max`` the largest head's); layers
+            without pass-1 statistics and MLA models give no entry.
+        """
+        out: dict[int, dict[str, float]] = {}
+        if self.is_mla:
+            return out
+        for lid in self.geometry.layer_ids:
+            n = self.tokens[1].get(lid, 0)
+            if n == 0 or lid not in self.sums["k_sum"] or self.q_rows.get(lid, 0) == 0:
+                continue
+            mats = {"q": self.query_covariance(lid), "k": self.sums["k_sum"][lid] / n, "v": self.sums["v_sum"][lid] / n}
+            row: dict[str, float] = {}
+            for name, m in mats.items():
+                m = m.double().cpu()
+                lam = torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).clamp_min(0.0)  # [H_kv, D] ascending
+                total = lam.sum(-1).clamp_min(1e-300)
+                top1 = lam[..., -1] / total
+                eff = total ** 2 / (lam ** 2).sum(-1).clamp_min(1e-300)
+                row[f"{name}_top1"] = float(top1.mean())
+                row[f"{name}_top1_max"] = float(top1.max())
+                row[f"{name}_eff_dim"] = float(eff.mean())
+            out[lid] = row
+        return out
+
     def check_complete(self) -> None:
         """Raise unless every attention layer has statistics of every pass."""
         if not self.complete:
