@@ -466,6 +466,7 @@ def quality_report(
         "rotations": {m: os.path.join(work_dir, f"rot_{m}.safetensors") for m in rotations},
         "spectrum": {str(lid): row for lid, row in stats.spectrum().items()},
         "head_dim": max(lg.head_dim_k for lg in geometry.layers),
+        "head_dim_v": max(lg.head_dim_v for lg in geometry.layers),
     }
 
 
@@ -520,7 +521,8 @@ def format_markdown(rep: dict[str, Any]) -> str:
             "",
             f"Spectral concentration of the calibration statistics per layer (mean over kv heads; top-1 = "
             f"largest eigenvalue / trace, eff. dim = trace^2 / sum of squared eigenvalues, out of head_dim "
-            f"{rep.get('head_dim', '?')}; Q = the query covariance OSCAR's K rotation is fitted on):",
+            f"{rep.get('head_dim', '?')} for Q and K, {rep.get('head_dim_v', rep.get('head_dim', '?'))} for V; "
+            f"Q = the query covariance OSCAR's K rotation is fitted on):",
             "",
             "| layer | Q top-1 | Q eff. dim | K top-1 | K eff. dim | V top-1 | V eff. dim |",
             "|---|---:|---:|---:|---:|---:|---:|",

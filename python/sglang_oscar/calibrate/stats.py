@@ -173,8 +173,9 @@ class CalibrationStats:
         ``eff_dim = sum(lam)^2 / sum(lam^2)`` (the number of directions holding the energy: ``D``
         when isotropic, 1 when rank one). With one (scale, zero) pair per row a rotation changes the
         quantization error only through the rotated rows' range, and a Hadamard rotation already
-        makes rows Gaussian-like unless a few directions hold most of the energy; a low ``eff_dim``
-        (or a high ``top1``) is where a covariance-aware rotation has something to gain.
+        makes rows Gaussian-like unless a few directions hold most of the energy; our hypothesis
+        (not yet checked against a trained-model run) is that a low ``eff_dim`` (or a high
+        ``top1``) is where a covariance-aware rotation has something to gain.
 
         Returns:
             ``{layer_id: {"q_top1", "q_top1_max", "q_eff_dim", "k_...", "v_..."}}`` (floats; ``*_top1``

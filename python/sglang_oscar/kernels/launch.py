@@ -455,7 +455,8 @@ class AttnTuning:
             fast path only; the kernel permutes q / the V token order to match). Under the
             interpreter 2 runs as 1 and 3 as its emulation (4); where 3 is not applicable it
             runs as 2 (extend, general path, non-fp16 operands as 1). ``CONVERT_SUBNORMAL`` 5
-            (GPU decode default up to head_dim 128; token-major fast path, fp16 operands): the code bits are read
+            (GPU decode default when K and V head_dim are both in 65-128; token-major fast path,
+            fp16 operands; never where :func:`permuting_ok` is false): the code bits are read
             in place as fp16 subnormals ``c * 2^(2K-24)`` (one AND per two codes); 6 is its
             emulation (interpreter); fp32/bf16 operands on the GPU and the other paths run 5 as 3.
         min_block_h: rows of the decode query tile are padded to at least this (MMA M).
@@ -466,7 +467,8 @@ class AttnTuning:
             otherwise ignored.
         pairs_ahead: decode token-major INT2 loop: load each block's (scale, zero) pairs one
             iteration early by hand (Triton's pipeliner stages only the code tiles, which feed
-            MMAs; the pair loads were synchronous). ``None`` = on for decode up to head_dim 128.
+            MMAs; the pair loads were synchronous). ``None`` = on for decode when K and V head_dim
+            are both in 65-128.
         maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
             registers per SM, 16K per scheduler partition, allocated per warp in steps of 256:
@@ -514,7 +516,8 @@ class AttnTuning:
         where the permuting conversions are wrong on the GPU (:data:`PERMUTE_MIN_QUARTER`),
         decode takes ``CONVERT_ASM`` without ``pairs_ahead`` (GPU-tested at 64 / 64). Under the
         interpreter decode defaults to the emulations (``CONVERT_SUBNORMAL_EMULATED`` with
-        ``pairs_ahead`` for 65-128, ``CONVERT_PERM_EMULATED`` above, ``CONVERT_BITS`` at 64);
+        ``pairs_ahead`` for 65-128, ``CONVERT_PERM_EMULATED`` above, ``CONVERT_ASM`` run as
+        ``CONVERT_BITS`` when K or V is <= 64);
         extend defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the interpreter) and no
         ``pairs_ahead``.
 
