@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         usage = " ".join(x.strip() for x in res.splitlines() if "REG" in x)
         print(f"{json.dumps(tn)}: {usage} shared {k.metadata.shared}")
         for lo, hi, ops in loops(sass):
-            print(f"  loop {lo:#x}-{hi:#x}: {sum(ops.values())} instructions; {ops.most_common(10)}")
+            print(f"  loop {lo:#x}-{hi:#x}: {sum(ops.values())} instructions; {ops.most_common()}")
     return 0
 
 
