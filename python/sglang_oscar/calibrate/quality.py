@@ -574,14 +574,12 @@ def run_quality(
     from .model import check_model_path, load_model
 
     needs_dir = not (calib_path and heldout_path)  # the default calib.jsonl / heldout.jsonl live in the checkpoint
-    missing = FileNotFoundError(
-        f"model directory {model_path} does not exist (pass a local checkpoint directory holding the model, its "
-        "tokenizer and calib.jsonl / heldout.jsonl, as scripts/train_small_lm.py writes, or --calib and --heldout)")
     if needs_dir and not os.path.exists(os.path.expanduser(model_path)):
-        raise missing
-    model_path = check_model_path(model_path)  # ~ expanded; a file or a missing local directory is named
-    if needs_dir and not os.path.isdir(model_path):
-        raise missing
+        raise FileNotFoundError(
+            f"model directory {model_path} does not exist (pass a local checkpoint directory holding the model, its "
+            "tokenizer and calib.jsonl / heldout.jsonl, as scripts/train_small_lm.py writes, or --calib and --heldout)")
+    # ~ expanded; an existing path is local, so a file is refused here (NotADirectoryError)
+    model_path = check_model_path(model_path)
     calib_path = calib_path or os.path.join(model_path, "calib.jsonl")
     heldout_path = heldout_path or os.path.join(model_path, "heldout.jsonl")
     for p in (calib_path, heldout_path):

@@ -443,6 +443,32 @@ def dequantize_slots(
 # ---------------------------------------------------------------------------------------------
 
 
+# Smallest padded quarter (head_dim / 4, rounded up to a power of two) of K and V at which the
+# permuting conversions (``CONVERT_ASM_PERM`` 3, ``CONVERT_SUBNORMAL`` 5) are used. They assume the
+# register order in which the GPU holds a code tile's bytes; at head_dim 64 (quarter 16) that order
+# differs (our reading of the failure): on the H200 every permuting tuning was 0.56-0.58 rel. L2 off
+# the oracle while 0/1/2 were within 2.6e-3 (`scripts/decode_matrix.py`, 2026-11-30, third session);
+# head_dim 128, 192/128 and 256 were within 3.3e-3 with every conversion, and 512 passes the
+# GPU decode test with its default (convert 3). Head dims 80-112 (padded quarters of 32) are allowed
+# the permuting conversions but have not run on a GPU.
+PERMUTE_MIN_QUARTER = 32
+
+
+def _permutable_head_dim(head_dim: int) -> bool:
+    """``head_dim``'s padded quarter (:attr:`TensorLayout.quarter_p2`) has at least
+    :data:`PERMUTE_MIN_QUARTER` codes (false for head_dim <= 64)."""
+    return next_pow2(max(1, head_dim // 4)) >= PERMUTE_MIN_QUARTER
+
+
+def permuting_ok(layout: Int2Layout) -> bool:
+    """Whether the decode kernel may use a permuting conversion for ``layout``: every quarter of a
+    K and a V row inside one group (:attr:`TensorLayout.quarter_aligned`) and padded quarters of at
+    least :data:`PERMUTE_MIN_QUARTER` codes. Applies under the interpreter too, so CPU tests take
+    the path the GPU takes."""
+    return (layout.k.quarter_aligned and layout.v.quarter_aligned
+            and _permutable_head_dim(layout.k.head_dim) and _permutable_head_dim(layout.v.head_dim))
+
+
 class AttnTuning:
     """Launch knobs of the attention kernels (defaults depend on CUDA vs interpreter).
 
@@ -528,7 +554,7 @@ class AttnTuning:
         interp = interpreting()
         t = AttnTuning(**self.as_dict())
         # K or V of head_dim <= 64: no permuting conversion (see permuting_ok)
-        small = next_pow2(max(1, (min_head_dim or head_dim) // 4)) < PERMUTE_MIN_QUARTER
+        small = not _permutable_head_dim(min_head_dim or head_dim)
         if t.convert is None:
             # the interpreter runs decode with the emulated permutation of the GPU default, so the
             # CPU tests exercise its bookkeeping (q column / V token permutation)
@@ -597,26 +623,6 @@ def _resolved_tuning(tuning, layout: Int2Layout, extend: bool) -> AttnTuning:
             hit = _TUNING_CACHE[key] = AttnTuning.of(tuning).resolved(hi, extend, min_head_dim=lo)
         return hit
     return AttnTuning.of(tuning).resolved(hi, extend, min_head_dim=lo)
-
-
-# Smallest padded quarter (head_dim / 4, rounded up to a power of two) of K and V at which the
-# permuting conversions (``CONVERT_ASM_PERM`` 3, ``CONVERT_SUBNORMAL`` 5) are used. They assume the
-# register order in which the GPU holds a code tile's bytes; at head_dim 64 (quarter 16) that order
-# differs (our reading of the failure): on the H200 every permuting tuning was 0.56-0.58 rel. L2 off
-# the oracle while 0/1/2 were within 2.6e-3 (`scripts/decode_matrix.py`, 2026-11-30, third session);
-# head_dim 128, 192/128 and 256 were within 3.3e-3 with every conversion, and 512 passes the
-# GPU decode test with its default (convert 3). Head dims 80-112 (padded quarters of 32) are allowed
-# the permuting conversions but have not run on a GPU.
-PERMUTE_MIN_QUARTER = 32
-
-
-def permuting_ok(layout: Int2Layout) -> bool:
-    """Whether the decode kernel may use a permuting conversion for ``layout``: every quarter of a
-    K and a V row inside one group (:attr:`TensorLayout.quarter_aligned`) and padded quarters of at
-    least :data:`PERMUTE_MIN_QUARTER` codes. Applies under the interpreter too, so CPU tests take
-    the path the GPU takes."""
-    return (layout.k.quarter_aligned and layout.v.quarter_aligned
-            and min(layout.k.quarter_p2, layout.v.quarter_p2) >= PERMUTE_MIN_QUARTER)
 
 
 def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool, subnormal_ok: bool = False) -> int:
