@@ -51,7 +51,7 @@ from sglang_oscar.kernels import (  # noqa: E402
     interpreting,
     write_kv,
 )
-from sglang_oscar.kernels.launch import AttnTuning, choose_num_splits, plan_head_blocks  # noqa: E402
+from sglang_oscar.kernels.launch import STAGES1_MIN_PAIRS, AttnTuning, choose_num_splits, plan_head_blocks  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256
@@ -63,7 +63,7 @@ SWEEP = [  # compared with the default (convert 5 + pairs_ahead, block_n 32, one
     dict(convert=5, token_major=True, num_warps=1, block_n=64),
     dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=1),  # best at 32K x 32 (sweep 2026-11-30 (3))
     dict(convert=5, token_major=True, num_warps=1, block_n=16, num_stages=3),
-    dict(convert=2, token_major=False, num_warps=1, block_n=64, min_block_h=4),
+    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=2),  # default at batch x kv heads >= 256 before 2026-11-30 (4)
 ]
 
 
@@ -473,7 +473,8 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
                  f"run {elapsed:.0f} s{' (SMOKE: interpreter timings are meaningless)' if smoke else ''}; "
                  f"timing: {TIMING['mode']}" + (" (CUDA graph of 16 calls, 256 MB L2 flush before each, flush time "
                                                 "subtracted)" if TIMING["mode"] == "graph" else ""))
-    lines.append(f"INT2 default tuning: `{json.dumps(default_tuning, sort_keys=True)}`")
+    lines.append(f"INT2 default tuning: `{json.dumps(default_tuning, sort_keys=True)}` below {STAGES1_MIN_PAIRS} "
+                 f"(request, kv head) pairs per step, `num_stages` 1 from there (launch.STAGES1_MIN_PAIRS)")
     lines.append("")
     lines.append("| ctx | batch | INT2 default | INT2 best | SGLang triton BF16 (best splits) | SDPA BF16 | "
                  "INT2 BW (best) | BF16 BW (fastest) | INT2 / fastest BF16 speed-up | best INT2 config |")

@@ -35,7 +35,7 @@ import bench_decode as bd  # noqa: E402
 from sglang_oscar.kernels import Int2Layout, decode_num_hp_splits, decode_workspace  # noqa: E402
 from sglang_oscar.kernels.launch import AttnTuning  # noqa: E402
 
-DEFAULT_GRID = [  # {} = the default (convert 5 + pairs_ahead, block_n 32, one warp)
+DEFAULT_GRID = [  # {} = the default (convert 5 + pairs_ahead, block_n 32, one warp; num_stages 1 from 256 (request, kv head) pairs)
     {},
     {"pairs_ahead": False},
     {"convert": 3, "pairs_ahead": False},  # the default before 2026-11-30 (second session)

@@ -242,6 +242,41 @@ def test_default_tuning_resolution(monkeypatch):
     assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (2, False, 32, 1)
 
 
+def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
+    """GPU decode at head_dim 65-128: no async-copy pipeline from STAGES1_MIN_PAIRS (request, kv head)
+    pairs; an explicit num_stages, other head dims, extend and the interpreter keep theirs; the
+    decode wrapper resolves with B x H_kv."""
+    from sglang_oscar.kernels import launch
+    from sglang_oscar.kernels.launch import STAGES1_MIN_PAIRS, AttnTuning, _resolved_tuning
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert STAGES1_MIN_PAIRS == 256
+    assert AttnTuning().resolved(128).num_stages == 2
+    assert AttnTuning().resolved(128, pairs=255).num_stages == 2
+    assert AttnTuning().resolved(128, pairs=256).num_stages == 1
+    assert AttnTuning().resolved(96, pairs=4096).num_stages == 1
+    assert AttnTuning(num_stages=2).resolved(128, pairs=256).num_stages == 2
+    assert AttnTuning().resolved(256, pairs=4096).num_stages == 2  # larger heads: unmeasured, unchanged
+    assert AttnTuning().resolved(64, pairs=4096).num_stages == 2  # convert-2 path: unchanged
+    assert AttnTuning().resolved(128, extend=True, pairs=4096).num_stages == 2
+    lay = Int2Layout.create(128, 128)
+    assert _resolved_tuning(None, lay, False, pairs=32 * 8).num_stages == 1
+    assert _resolved_tuning(None, lay, False, pairs=8 * 8).num_stages == 2
+    assert _resolved_tuning({"num_stages": 3}, lay, False, pairs=32 * 8).num_stages == 3
+
+    seen = []
+    real = launch._resolved_tuning
+    monkeypatch.setattr(launch, "_resolved_tuning", lambda *a, **k: seen.append(k.get("pairs")) or real(*a, **k))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert AttnTuning().resolved(128, pairs=4096).num_stages == 1  # the interpreter's own default
+    fresh_seed()
+    pool = build_pool([40, 9, 70], 2, 64, 64, make_config(sink=SINK, recent=RECENT), hp_dtype=torch.float32)
+    q = torch.randn(3, 4, 64)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32)
+    assert seen == [3 * 2]
+    assert rel_l2(o, reference_decode(pool, q, hp_dtype=torch.float32)) < 1e-4
+
+
 def test_permuting_conversions_need_quarters_of_32_codes():
     """``permuting_ok``: the H200 gave 0.47-0.58 rel. L2 with convert 3 / 5 at head_dim 64
     (``scripts/decode_matrix.py``); the decode wrapper routes such layouts to 2 (GPU) / 1 (interpreter)."""

@@ -127,6 +127,8 @@ DECODE_CASES = {
     "window_cap": ([16384] * 8, 32, 8, 128, 128, None, "uniform", "float16", 4096, 30.0),
     "gqa6": ([10000] * 4, 24, 4, 128, 128, None, "uniform", "float16", None, None),
     "d64_gqa4_lloyd": ([30000, 1000, 77], 16, 4, 64, 64, None, "lloyd-max", "float16", None, 30.0),
+    # 32 x 8 = 256 (request, kv head) pairs: the num_stages-1 default (launch.STAGES1_MIN_PAIRS)
+    "b32_lloyd_window_cap": ([6000] * 32, 32, 8, 128, 128, None, "lloyd-max", "bfloat16", 2048, 30.0),
 }
 
 

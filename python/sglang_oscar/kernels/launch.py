@@ -453,6 +453,15 @@ def dequantize_slots(
 # the permuting conversions but have not run on a GPU.
 PERMUTE_MIN_QUARTER = 32
 
+# GPU decode, head_dim 65-128 default path: from this many (request, kv head) pairs per step the
+# INT2 loop runs without the async-copy pipeline (``num_stages`` 1: 168 instead of 194 registers,
+# 4 KB instead of 18.5 KB of shared memory, 12 instead of 8 resident programs per SM). H200,
+# Qwen3-8B layer, batch 32 x 8 kv heads = 256 (bench_decode 2026-11-30, fourth session): 16K / 32K
+# / 64K -9% / -12% / -13%, 128K 0%, 4K +3%; the third session's sweep gave -12% at 32K x 32. At
+# batch 8 (64 pairs) it was within -1.5% / +4% and at batch 1 13-68% slower, so below the bound
+# the two-stage pipeline stays. A host constant of the batch size only (CUDA-graph safe).
+STAGES1_MIN_PAIRS = 256
+
 
 def _permutable_head_dim(head_dim: int) -> bool:
     """``head_dim``'s padded quarter (:attr:`TensorLayout.quarter_p2`) has at least
@@ -526,9 +535,11 @@ class AttnTuning:
                                 CONVERT_SUBNORMAL, CONVERT_SUBNORMAL_EMULATED):
             raise ValueError(f"tuning convert={self.convert} must be 0..6")
 
-    def resolved(self, head_dim: int, extend: bool = False, min_head_dim: int | None = None) -> "AttnTuning":
+    def resolved(self, head_dim: int, extend: bool = False, min_head_dim: int | None = None,
+                 pairs: int | None = None) -> "AttnTuning":
         """Copy with the unset knobs filled for ``head_dim`` (max of K/V), ``min_head_dim`` (min of
-        K/V; default ``head_dim``) and the platform.
+        K/V; default ``head_dim``), ``pairs`` (decode: requests x kv heads of the step; ``None`` =
+        few) and the platform.
 
         GPU decode defaults (H200 sweeps, ``scripts/sweep_decode.py``, docs/benchmarks.md): one
         warp per program up to head_dim 128 (no cross-warp softmax reductions), 32 keys per
@@ -543,7 +554,8 @@ class AttnTuning:
         decode takes ``CONVERT_ASM`` without ``pairs_ahead`` (GPU-tested at 64 / 64). Under the
         interpreter decode defaults to the emulations (``CONVERT_SUBNORMAL_EMULATED`` with
         ``pairs_ahead`` for 65-128, ``CONVERT_PERM_EMULATED`` above, ``CONVERT_ASM`` run as
-        ``CONVERT_BITS`` when K or V is <= 64);
+        ``CONVERT_BITS`` when K or V is <= 64); GPU decode at head_dim 65-128 with ``pairs`` >=
+        :data:`STAGES1_MIN_PAIRS` (batch 32 of an 8-kv-head model) takes ``num_stages`` 1, 2 otherwise;
         extend defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the interpreter) and no
         ``pairs_ahead``.
 
@@ -583,7 +595,8 @@ class AttnTuning:
             t.block_n = t.block_n or (32 if head_dim <= 128 else 64)
             t.block_m = t.block_m or 64
             t.num_warps = t.num_warps or max(1, head_dim // 128)
-            t.num_stages = t.num_stages or 2
+            many = pairs is not None and pairs >= STAGES1_MIN_PAIRS and not small and head_dim <= 128
+            t.num_stages = t.num_stages or (1 if many else 2)
             t.min_block_h = t.min_block_h or 8
         return t
 
@@ -611,18 +624,20 @@ class AttnTuning:
 _TUNING_CACHE: dict = {}
 
 
-def _resolved_tuning(tuning, layout: Int2Layout, extend: bool) -> AttnTuning:
-    """:meth:`AttnTuning.resolved` for ``layout``'s K/V head dims, memoized for ``None`` and dict
-    tunings (hot path)."""
+def _resolved_tuning(tuning, layout: Int2Layout, extend: bool, pairs: int | None = None) -> AttnTuning:
+    """:meth:`AttnTuning.resolved` for ``layout``'s K/V head dims and ``pairs`` (requests x kv
+    heads), memoized for ``None`` and dict tunings (hot path)."""
     hi = max(layout.k.head_dim, layout.v.head_dim)
     lo = min(layout.k.head_dim, layout.v.head_dim)
+    # only the side of STAGES1_MIN_PAIRS matters to resolved(): one cache entry per side
+    pairs = None if pairs is None or pairs < STAGES1_MIN_PAIRS else STAGES1_MIN_PAIRS
     if tuning is None or isinstance(tuning, dict):
-        key = (None if tuning is None else tuple(sorted(tuning.items())), hi, lo, extend, interpreting())
+        key = (None if tuning is None else tuple(sorted(tuning.items())), hi, lo, extend, pairs, interpreting())
         hit = _TUNING_CACHE.get(key)
         if hit is None:
-            hit = _TUNING_CACHE[key] = AttnTuning.of(tuning).resolved(hi, extend, min_head_dim=lo)
+            hit = _TUNING_CACHE[key] = AttnTuning.of(tuning).resolved(hi, extend, min_head_dim=lo, pairs=pairs)
         return hit
-    return AttnTuning.of(tuning).resolved(hi, extend, min_head_dim=lo)
+    return AttnTuning.of(tuning).resolved(hi, extend, min_head_dim=lo, pairs=pairs)
 
 
 def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool, subnormal_ok: bool = False) -> int:
@@ -877,7 +892,8 @@ def decode_attention(
         workspace: ``(o_part, lse)`` from :func:`decode_workspace` with at least
             ``num_hp_splits + num_kv_splits`` splits (CUDA graphs: allocate before capture).
         mma_dtype: operand dtype of the MMAs (default fp16, fp32 when the HP dtype is fp32).
-        tuning: dict / :class:`AttnTuning`.
+        tuning: dict / :class:`AttnTuning`; unset knobs take :meth:`AttnTuning.resolved`'s defaults
+            for this layout and ``B x H_kv`` (``num_stages`` depends on it).
         sink_lens: optional int32 ``[max_reqs]``: request ``r`` reads only positions
             ``< min(sink_lens[r], sink)`` from sink rows and the rest of ``[0, sink)`` through
             INT2 (never from the recent ring, which covers positions ``>= sink``). Used by the
@@ -892,12 +908,12 @@ def decode_attention(
     Raises:
         ValueError: unsupported layout, mismatched shapes/dtypes/devices, (debug) bad indices.
     """
-    tn = _resolved_tuning(tuning, layout, False)
     if validate:
         _check_attn_common(layout, q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
                            sink, recent, sliding_window, logit_cap)
     dev, hkv = q.device, k_codes.shape[1]
     bsz, hq, dk = q.shape
+    tn = _resolved_tuning(tuning, layout, False, pairs=bsz * hkv)
     dv = layout.v.head_dim
     group, hpb, bpk, block_h = plan_head_blocks(hq, hkv, tn.min_block_h, tn.max_block_h)
     if validate:
