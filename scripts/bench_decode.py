@@ -59,7 +59,7 @@ SINK, RECENT = 64, 256
 SWEEP = [  # compared with the default (convert 5 + pairs_ahead, block_n 32, one warp; docs/kernels.md)
     dict(convert=3, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),  # default before 2026-11-30 (2)
     dict(convert=5, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),
-    dict(convert=2, token_major=True, num_warps=1, block_n=64, pairs_ahead=False),  # default before 2026-11-30 (1)
+    dict(convert=5, token_major=True, num_warps=1, block_n=32, defer_sums=False),  # default before 2026-11-30 (4)
     dict(convert=5, token_major=True, num_warps=1, block_n=64),
     dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=1),  # best at 32K x 32 (sweep 2026-11-30 (3))
     dict(convert=5, token_major=True, num_warps=1, block_n=16, num_stages=3),

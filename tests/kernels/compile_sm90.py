@@ -69,6 +69,8 @@ CASES = [
     ("decode asm-perm token-major", lambda: _attn("d", tuning=dict(convert=3, token_major=True, pairs_ahead=False))),
     ("decode asm-perm pairs ahead", lambda: _attn("d", tuning=dict(convert=3, block_n=32, pairs_ahead=True))),
     ("decode subnormal operands (default)", lambda: _attn("d", tuning=dict(convert=5, block_n=32))),
+    ("decode subnormal, sums per block", lambda: _attn("d", tuning=dict(convert=5, block_n=32, defer_sums=False))),
+    ("decode subnormal, one stage (batch x kv heads >= 256)", lambda: _attn("d", tuning=dict(convert=5, num_stages=1))),
     ("decode subnormal, pairs in the loop", lambda: _attn("d", tuning=dict(convert=5, block_n=32, pairs_ahead=False))),
     ("decode subnormal lloyd", lambda: _attn("d", quantizer="lloyd-max", tuning=dict(convert=5, block_n=32))),
     ("decode asm-perm head-major lloyd", lambda: _attn("d", quantizer="lloyd-max",

@@ -131,21 +131,26 @@ def test_decode_split_count_invariance_and_kernel_written_pool():
         assert rel_l2(o, outs[0]) < 3e-6
 
 
-@pytest.mark.parametrize("token_major,convert,group,pairs_ahead", [
-    (False, 1, None, False), (True, 0, None, False), (True, 4, None, False), (False, 4, None, False),
-    (True, 4, 64, False), (False, 4, 32, False), (True, 4, None, True), (True, 1, None, True),
-    (True, 6, None, False), (True, 6, None, True), (True, 6, 64, False), (False, 6, None, False),
+@pytest.mark.parametrize("token_major,convert,group,pairs_ahead,defer", [
+    (False, 1, None, False, False), (True, 0, None, False, False), (True, 4, None, False, False),
+    (False, 4, None, False, False), (True, 4, 64, False, False), (False, 4, 32, False, False),
+    (True, 4, None, True, False), (True, 1, None, True, False), (True, 6, None, False, False),
+    (True, 6, None, True, False), (True, 6, 64, False, False), (False, 6, None, False, False),
+    (True, 6, None, True, True), (True, 4, None, False, True), (True, 0, None, True, True),
+    (False, 4, None, False, True),
 ])
-def test_decode_tile_orientations_and_conversions(token_major, convert, group, pairs_ahead):
+def test_decode_tile_orientations_and_conversions(token_major, convert, group, pairs_ahead, defer):
     """Token-major vs head-major tiles, every CPU-runnable code conversion (4 / 6 = the emulated
-    forms of the CUDA-only converts 3 / 5; 6 falls back to 4 off the token-major fast path) and the
-    hand-prefetched pair loads give the oracle's answer (block_n 16 and lengths of several blocks, so the prefetch crosses blocks and ends)."""
+    forms of the CUDA-only converts 3 / 5; 6 falls back to 4 off the token-major fast path), the
+    hand-prefetched pair loads and the deferred softmax / zero-point sums (``defer_sums``; ignored by
+    head-major tiles) give the oracle's answer (block_n 16 and lengths of several blocks, so the
+    prefetch crosses blocks and ends)."""
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT, quantizer="lloyd-max", group_size=group)
     pool = build_pool([9, 70, 20], 2, 128, 128, cfg, hp_dtype=torch.bfloat16)
     q = torch.randn(3, 8, 128)
     ref = reference_decode(pool, q)
-    tn = dict(token_major=token_major, convert=convert, pairs_ahead=pairs_ahead, block_n=16)
+    tn = dict(token_major=token_major, convert=convert, pairs_ahead=pairs_ahead, block_n=16, defer_sums=defer)
     o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float16, tuning=tn)
     assert rel_l2(o, ref) < 1e-2
     o32 = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, tuning=tn, num_kv_splits=1)
@@ -221,16 +226,20 @@ def test_default_tuning_resolution(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = AttnTuning().resolved(128)
-    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (5, True, 32, 1)
+    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps, t.defer_sums) == (5, True, 32, 1, True)
     t = AttnTuning().resolved(256)  # larger heads: the GPU-tested convert 3, no pairs_ahead
-    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (3, False, 64, 2)
+    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps, t.defer_sums) == (3, False, 64, 2, False)
+    assert AttnTuning(pairs_ahead=True).resolved(256).defer_sums is False  # only where GPU-tested (65-128)
     t = AttnTuning().resolved(128, extend=True)
-    assert (t.convert, t.pairs_ahead) == (2, False)
+    assert (t.convert, t.pairs_ahead, t.defer_sums) == (2, False, False)
+    assert AttnTuning(pairs_ahead=False).resolved(128).defer_sums is False
+    assert AttnTuning(num_stages=1).resolved(128).defer_sums is False  # 1 stage: keep its registers
+    assert AttnTuning(num_stages=1, defer_sums=True).resolved(128).defer_sums is True  # explicit wins
     assert AttnTuning(convert=3).resolved(128).pairs_ahead is True  # unset knobs take their default
     assert AttnTuning(pairs_ahead=False).resolved(128).pairs_ahead is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     t = AttnTuning().resolved(128)
-    assert (t.convert, t.pairs_ahead) == (6, True)
+    assert (t.convert, t.pairs_ahead, t.defer_sums) == (6, True, True)  # the GPU default's path
     assert (AttnTuning().resolved(512).convert, AttnTuning().resolved(512).pairs_ahead) == (4, False)
     # head_dim 64: no permuting conversion (wrong on the GPU at quarters of 16 codes)
     assert (AttnTuning().resolved(64).convert, AttnTuning().resolved(64).pairs_ahead) == (2, False)
@@ -254,6 +263,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     assert AttnTuning().resolved(128).num_stages == 2
     assert AttnTuning().resolved(128, pairs=255).num_stages == 2
     assert AttnTuning().resolved(128, pairs=256).num_stages == 1
+    assert AttnTuning().resolved(128, pairs=255).defer_sums is True  # 2 stages: deferred sums
+    assert AttnTuning().resolved(128, pairs=256).defer_sums is False  # 1 stage: not
     assert AttnTuning().resolved(96, pairs=4096).num_stages == 1
     assert AttnTuning(num_stages=2).resolved(128, pairs=256).num_stages == 2
     assert AttnTuning().resolved(256, pairs=4096).num_stages == 2  # larger heads: unmeasured, unchanged
@@ -269,6 +280,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     monkeypatch.setattr(launch, "_resolved_tuning", lambda *a, **k: seen.append(k.get("pairs")) or real(*a, **k))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert AttnTuning().resolved(128, pairs=4096).num_stages == 1  # the interpreter's own default
+    assert AttnTuning().resolved(128, pairs=4096).defer_sums is False  # ... but the GPU's choice of sums
+    assert AttnTuning().resolved(128, pairs=8).defer_sums is True
     fresh_seed()
     pool = build_pool([40, 9, 70], 2, 64, 64, make_config(sink=SINK, recent=RECENT), hp_dtype=torch.float32)
     q = torch.randn(3, 4, 64)

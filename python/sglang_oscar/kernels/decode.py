@@ -61,6 +61,7 @@ def _decode_stage1(
     LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IDX64: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
     NS_HP, NS_Q, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False, PAIRS_AHEAD: tl.constexpr = False,
+    DEFER_SUMS: tl.constexpr = False,
 ):
     PERM: tl.constexpr = CONVERT >= 3
     SUB: tl.constexpr = CONVERT >= 5  # subnormal code operands (token-major fast path only)
@@ -146,12 +147,16 @@ def _decode_stage1(
             qt2, qtb2, sqt2 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 2, QK, QKP, OP, LM, PERM, SUB)
             qt3, qtb3, sqt3 = load_qt_quarter(Q, qoff, rmask, qscale, RB, 3, QK, QKP, OP, LM, PERM, SUB)
             mt = tl.full([BLOCK_H], NEG_INF, tl.float32)
-            lt = tl.zeros([BLOCK_H], tl.float32)
+            if DEFER_SUMS:  # per-position partial sums, reduced once after the loop
+                lt = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+                corr = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+            else:
+                lt = tl.zeros([BLOCK_H], tl.float32)
+                corr = tl.zeros([BLOCK_H], tl.float32)
             at0 = tl.zeros([QVP, BLOCK_H], tl.float32)
             at1 = tl.zeros([QVP, BLOCK_H], tl.float32)
             at2 = tl.zeros([QVP, BLOCK_H], tl.float32)
             at3 = tl.zeros([QVP, BLOCK_H], tl.float32)
-            corr = tl.zeros([BLOCK_H], tl.float32)
             ref = 0.0
             if PAIRS_AHEAD:
                 # The code tiles go through Triton's software pipeline (asynchronous copies, addresses
@@ -173,7 +178,7 @@ def _decode_stage1(
                     mt, lt, at0, at1, at2, at3, corr, ref = int2_block_t(
                         qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, bv, sv, zv,
                         valid, mt, lt, at0, at1, at2, at3, corr, ref, A4, RB, C0, cap_log2e, HAS_CAP, LM, OP, PREC,
-                        CONVERT)
+                        CONVERT, DEFER_SUMS)
                     sk, zk, sv, zv = sk1, zk1, sv1, zv1
                     slots1, valid1 = slots2, valid2
             else:
@@ -185,7 +190,10 @@ def _decode_stage1(
                     mt, lt, at0, at1, at2, at3, corr, ref = int2_block_t(
                         qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, bv, sv, zv,
                         valid, mt, lt, at0, at1, at2, at3, corr, ref, A4, RB, C0, cap_log2e, HAS_CAP, LM, OP, PREC,
-                        CONVERT)
+                        CONVERT, DEFER_SUMS)
+            if DEFER_SUMS:
+                lt = tl.sum(lt, axis=0)
+                corr = tl.sum(corr, axis=0)
             acc0, acc1, acc2, acc3 = finish_int2_values_t(at0, at1, at2, at3, corr, ref, A4, CONVERT)
             m = mt
             l = lt

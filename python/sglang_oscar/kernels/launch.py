@@ -504,6 +504,12 @@ class AttnTuning:
             iteration early by hand (Triton's pipeliner stages only the code tiles, which feed
             MMAs; the pair loads were synchronous). ``None`` = on for decode when K and V head_dim
             are both in 65-128.
+        defer_sums: decode token-major INT2 loop: keep the softmax denominator and the V zero-point
+            correction as ``[block_n, M]`` tiles of per-position partial sums, summed once after
+            the loop, instead of reducing them across lanes every block (sm_90 SASS: 691 -> 668
+            warp-instructions per 32 keys, 194 -> 202 registers). ``None`` = on at K and V
+            head_dim 65-128 where ``pairs_ahead`` is on and the loop keeps 2 pipeline stages (with 1
+            stage the extra registers cost the occupancy that stage count is for: 168 -> 194).
         maxnreg: register cap per thread given to ``ptxas`` (Triton's ``maxnreg`` launch
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
             registers per SM, 16K per scheduler partition, allocated per warp in steps of 256:
@@ -511,10 +517,11 @@ class AttnTuning:
     """
 
     __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-                 "token_major", "maxnreg", "pairs_ahead")
+                 "token_major", "maxnreg", "pairs_ahead", "defer_sums")
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
-                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None):
+                 min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
+                 defer_sums=None):
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
@@ -525,6 +532,7 @@ class AttnTuning:
         self.token_major = True if token_major is None else bool(token_major)
         self.maxnreg = None if maxnreg is None else int(maxnreg)
         self.pairs_ahead = None if pairs_ahead is None else bool(pairs_ahead)
+        self.defer_sums = None if defer_sums is None else bool(defer_sums)
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
@@ -555,7 +563,10 @@ class AttnTuning:
         interpreter decode defaults to the emulations (``CONVERT_SUBNORMAL_EMULATED`` with
         ``pairs_ahead`` for 65-128, ``CONVERT_PERM_EMULATED`` above, ``CONVERT_ASM`` run as
         ``CONVERT_BITS`` when K or V is <= 64); GPU decode at head_dim 65-128 with ``pairs`` >=
-        :data:`STAGES1_MIN_PAIRS` (batch 32 of an 8-kv-head model) takes ``num_stages`` 1, 2 otherwise;
+        :data:`STAGES1_MIN_PAIRS` (batch 32 of an 8-kv-head model) takes ``num_stages`` 1, 2 otherwise,
+        and with 2 stages and ``pairs_ahead`` the deferred sums (``defer_sums``; H200 sweep,
+        2026-11-30 (4): -4% to -7% at 32K / 128K x batch 1 and 8; the interpreter follows the same
+        rule by ``pairs``);
         extend defaults to ``CONVERT_ASM`` (run as ``CONVERT_BITS`` under the interpreter) and no
         ``pairs_ahead``.
 
@@ -578,6 +589,7 @@ class AttnTuning:
                 t.convert = CONVERT_PERM_EMULATED if interp else CONVERT_ASM_PERM
         if t.pairs_ahead is None:
             t.pairs_ahead = not extend and not small and head_dim <= 128
+        many = pairs is not None and pairs >= STAGES1_MIN_PAIRS and not small and head_dim <= 128
 
         if interp:
             t.block_n = t.block_n or 16
@@ -595,9 +607,11 @@ class AttnTuning:
             t.block_n = t.block_n or (32 if head_dim <= 128 else 64)
             t.block_m = t.block_m or 64
             t.num_warps = t.num_warps or max(1, head_dim // 128)
-            many = pairs is not None and pairs >= STAGES1_MIN_PAIRS and not small and head_dim <= 128
             t.num_stages = t.num_stages or (1 if many else 2)
             t.min_block_h = t.min_block_h or 8
+        if t.defer_sums is None:
+            staged = (not many) if interp else t.num_stages >= 2
+            t.defer_sums = bool(t.pairs_ahead) and not extend and not small and head_dim <= 128 and staged
         return t
 
     @classmethod
@@ -980,7 +994,7 @@ def decode_attention(
         HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
         TOKEN_MAJOR=token_major,
         NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
-        PAIRS_AHEAD=tn.pairs_ahead,
+        PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
         num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
     )
     nsp = next_pow2(ns)

@@ -476,8 +476,10 @@ def int2_scores_t_loaded(q0, q1, q2, q3, qb0, qb1, qb2, qb3, sq0, sq1, sq2, sq3,
 
 
 @triton.jit
-def softmax_update_t(s, valid, m, l, cap_log2e, HAS_CAP: tl.constexpr):
-    """:func:`softmax_update` on ``S^T [N, M]`` (reductions over axis 0)."""
+def softmax_update_t(s, valid, m, l, cap_log2e, HAS_CAP: tl.constexpr, DEFER: tl.constexpr = False):
+    """:func:`softmax_update` on ``S^T [N, M]`` (reductions over axis 0). ``DEFER``: ``l`` is an
+    ``[N, M]`` tile of per-position partial sums (no cross-lane reduction per block; the caller sums
+    it over axis 0 once at the end)."""
     if HAS_CAP:
         t = cap_log2e * (2.0 * tl.sigmoid(2.0 * s) - 1.0)
     else:
@@ -487,7 +489,10 @@ def softmax_update_t(s, valid, m, l, cap_log2e, HAS_CAP: tl.constexpr):
     m_use = tl.where(m_new == NEG_INF, 0.0, m_new)
     alpha = tl.exp2(m - m_use)
     p = tl.exp2(t - m_use[None, :])
-    l = l * alpha + tl.sum(p, axis=0)
+    if DEFER:
+        l = tl.fma(l, tl.broadcast_to(alpha[None, :], l.shape), p)
+    else:
+        l = l * alpha + tl.sum(p, axis=0)
     return p, alpha, m_new, l
 
 
@@ -502,10 +507,13 @@ def _vt_mma(pw, pwb, bv, K: tl.constexpr, LM: tl.constexpr, OP: tl.constexpr, PR
 
 @triton.jit
 def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, zvr, A4, RB, C0,
-                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
+                         LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
+                         DEFER: tl.constexpr = False):
     """Transposed :func:`int2_values` (fast path, one group per row, running-reference units) on a
     loaded block: ``acc_k^T [QVP, M]``, ``p [N, M]``, ``bv [QVP, N]`` (token order permuted for the
-    permuting conversion), ``svr``/``zvr`` ``[N]`` in storage dtype. Returns ``(acc0..3, corr, ref)``."""
+    permuting conversion), ``svr``/``zvr`` ``[N]`` in storage dtype. Returns ``(acc0..3, corr, ref)``.
+    ``DEFER``: ``corr`` is an ``[N, M]`` tile of per-position partial sums (summed over axis 0 by
+    the caller once at the end) instead of ``[M]``."""
     sv = svr.to(tl.float32)
     zv = zvr.to(tl.float32)
     new_ref = tl.maximum(tl.maximum(ref, tl.max(sv, axis=0)), 1e-30)
@@ -516,10 +524,14 @@ def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, z
         # subnormal operands: acc_k = 2^(2k-24) sum pw (c + 2 RB b0); the correction is in the same
         # (A4/4) units: sum pw (C0' - z) 4/A4 (see int2_scores_t_loaded; finish_int2_values_t)
         pwb = round_to(pwf * (2.0 * RB), OP)
-        corr = corr * beta + tl.sum(pwf * ((A4 + RB * A4 + C0 - zv) * (4.0 / A4))[:, None], axis=0)
+        zt = (A4 + RB * A4 + C0 - zv) * (4.0 / A4)
     else:
         pwb = round_to(pwf * RB, OP)
-        corr = corr * beta + tl.sum(pwf * ((C0 - zv) / A4)[:, None], axis=0)
+        zt = (C0 - zv) / A4
+    if DEFER:
+        corr = tl.fma(corr, tl.broadcast_to(beta[None, :], corr.shape), pwf * zt[:, None])
+    else:
+        corr = corr * beta + tl.sum(pwf * zt[:, None], axis=0)
     b = tl.broadcast_to(beta[None, :], acc0.shape)
     z0 = tl.zeros(acc0.shape, tl.float32)  # fresh MMA per block, fp32 fma (see the module doc)
     acc0 = tl.fma(acc0, b, _vt_mma(pw, pwb, bv, 0, LM, OP, PREC, CONVERT, z0))
@@ -532,16 +544,18 @@ def int2_values_t_loaded(p, alpha, acc0, acc1, acc2, acc3, corr, ref, bv, svr, z
 @triton.jit
 def int2_block_t(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, bv, sv, zv, valid,
                  mt, lt, at0, at1, at2, at3, corr, ref, A4, RB, C0, cap_log2e, HAS_CAP: tl.constexpr,
-                 LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr):
+                 LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
+                 DEFER: tl.constexpr = False):
     """One loaded token-major INT2 block into the running state: scores, online softmax, values.
 
-    Returns the new ``(mt, lt, at0..3, corr, ref)``.
+    Returns the new ``(mt, lt, at0..3, corr, ref)`` (``DEFER``: ``lt`` and ``corr`` are ``[N, M]``
+    per-position partial sums, see :func:`softmax_update_t`).
     """
     st = int2_scores_t_loaded(qt0, qt1, qt2, qt3, qtb0, qtb1, qtb2, qtb3, sqt0, sqt1, sqt2, sqt3, bk, sk, zk, A4,
                               C0, RB, LM, OP, PREC, CONVERT)
-    pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP)
+    pt, alpha, mt, lt = softmax_update_t(st, valid[:, None], mt, lt, cap_log2e, HAS_CAP, DEFER)
     at0, at1, at2, at3, corr, ref = int2_values_t_loaded(pt, alpha, at0, at1, at2, at3, corr, ref, bv, sv, zv, A4, RB,
-                                                         C0, LM, OP, PREC, CONVERT)
+                                                         C0, LM, OP, PREC, CONVERT, DEFER)
     return mt, lt, at0, at1, at2, at3, corr, ref
 
 
