@@ -59,11 +59,11 @@ SINK, RECENT = 64, 256
 SWEEP = [  # compared with the default (convert 5 + pairs_ahead, block_n 32, one warp; docs/kernels.md)
     dict(convert=3, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),  # default before 2026-11-30 (2)
     dict(convert=5, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, defer_sums=False),  # default before 2026-11-30 (4)
+    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=2, defer_sums=False),  # default before 2026-11-30 (4)
     dict(convert=5, token_major=True, num_warps=1, block_n=64),
     dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=1),  # best at 32K x 32 (sweep 2026-11-30 (3))
     dict(convert=5, token_major=True, num_warps=1, block_n=16, num_stages=3),
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=2),  # default at batch x kv heads >= 256 before 2026-11-30 (4)
+    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=2),  # 2 stages + deferred sums at every batch
 ]
 
 
@@ -474,7 +474,7 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
                  f"timing: {TIMING['mode']}" + (" (CUDA graph of 16 calls, 256 MB L2 flush before each, flush time "
                                                 "subtracted)" if TIMING["mode"] == "graph" else ""))
     lines.append(f"INT2 default tuning: `{json.dumps(default_tuning, sort_keys=True)}` below {STAGES1_MIN_PAIRS} "
-                 f"(request, kv head) pairs per step, `num_stages` 1 from there (launch.STAGES1_MIN_PAIRS)")
+                 f"(request, kv head) pairs per step, `num_stages` 1 and no `defer_sums` from there (launch.STAGES1_MIN_PAIRS)")
     lines.append("")
     lines.append("| ctx | batch | INT2 default | INT2 best | SGLang triton BF16 (best splits) | SDPA BF16 | "
                  "INT2 BW (best) | BF16 BW (fastest) | INT2 / fastest BF16 speed-up | best INT2 config |")

@@ -282,6 +282,7 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     assert AttnTuning().resolved(128, pairs=4096).num_stages == 1  # the interpreter's own default
     assert AttnTuning().resolved(128, pairs=4096).defer_sums is False  # ... but the GPU's choice of sums
     assert AttnTuning().resolved(128, pairs=8).defer_sums is True
+    assert AttnTuning(num_stages=1).resolved(128, pairs=8).defer_sums is False  # as on the GPU
     fresh_seed()
     pool = build_pool([40, 9, 70], 2, 64, 64, make_config(sink=SINK, recent=RECENT), hp_dtype=torch.float32)
     q = torch.randn(3, 4, 64)

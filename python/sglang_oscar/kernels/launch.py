@@ -458,8 +458,12 @@ PERMUTE_MIN_QUARTER = 32
 # 4 KB instead of 18.5 KB of shared memory, 12 instead of 8 resident programs per SM). H200,
 # Qwen3-8B layer, batch 32 x 8 kv heads = 256 (bench_decode 2026-11-30, fourth session): 16K / 32K
 # / 64K -9% / -12% / -13%, 128K 0%, 4K +3%; the third session's sweep gave -12% at 32K x 32. At
-# batch 8 (64 pairs) it was within -1.5% / +4% and at batch 1 13-68% slower, so below the bound
-# the two-stage pipeline stays. A host constant of the batch size only (CUDA-graph safe).
+# batch 8 (64 pairs) it was within -1.6% / +5.7% and at batch 1 12-84% slower (the same bench
+# runs' sweeps), so below the bound the two-stage pipeline stays. Keyed on pairs, not on the
+# batch: the grid (pairs x the split policy's splits, which also follow pairs) decides occupancy.
+# Timed only for one (scale, zero) group per row at head_dim 128; other layouts at head_dim 65-128
+# follow the same rule (GPU-tested for correctness: test_gpu_decode_every_tuning runs num_stages 1
+# on the general path). A host constant of the batch size only (CUDA-graph safe).
 STAGES1_MIN_PAIRS = 256
 
 
@@ -610,7 +614,12 @@ class AttnTuning:
             t.num_stages = t.num_stages or (1 if many else 2)
             t.min_block_h = t.min_block_h or 8
         if t.defer_sums is None:
-            staged = (not many) if interp else t.num_stages >= 2
+            # the interpreter resolves num_stages to 1 regardless, so it follows the GPU's choice:
+            # an explicit num_stages, else the pairs bound
+            if interp:
+                staged = self.num_stages >= 2 if self.num_stages is not None else not many
+            else:
+                staged = t.num_stages >= 2
             t.defer_sums = bool(t.pairs_ahead) and not extend and not small and head_dim <= 128 and staged
         return t
 
