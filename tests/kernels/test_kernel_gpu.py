@@ -178,7 +178,8 @@ def test_gpu_decode_long_split_independent_of_split_count(tuning):
 
 TUNINGS = [dict(convert=3, block_n=32, pairs_ahead=False), dict(convert=3, block_n=32, pairs_ahead=True),
            dict(convert=2, block_n=64, pairs_ahead=True), dict(convert=5, block_n=32, pairs_ahead=False),
-           dict(convert=5, block_n=32),  # the default (pairs_ahead on)
+           dict(convert=5, block_n=32),  # the default (pairs_ahead and, below 256 pairs, defer_sums on)
+           dict(convert=5, block_n=32, defer_sums=False), dict(convert=5, block_n=32, num_stages=1, defer_sums=True),
            dict(convert=5, block_n=32, min_block_h=16), dict(convert=5, block_n=32, num_stages=1),
            dict(convert=5, block_n=16, pairs_ahead=False), dict(convert=5, block_n=64, num_warps=2)] + [
     dict(convert=c, token_major=tm, num_warps=w, block_n=bn, min_block_h=mh, pairs_ahead=pa)
