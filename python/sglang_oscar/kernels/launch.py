@@ -582,6 +582,9 @@ class AttnTuning:
         t = AttnTuning(**self.as_dict())
         # K or V of head_dim <= 64: no permuting conversion (see permuting_ok)
         small = not _permutable_head_dim(min_head_dim or head_dim)
+        # decode with K and V head_dim in 65-128: the timed fast path (pairs_ahead, num_stages by
+        # pairs, defer_sums)
+        fast = not extend and not small and head_dim <= 128
         if t.convert is None:
             # the interpreter runs decode with the emulated permutation of the GPU default, so the
             # CPU tests exercise its bookkeeping (q column / V token permutation)
@@ -592,8 +595,8 @@ class AttnTuning:
             else:
                 t.convert = CONVERT_PERM_EMULATED if interp else CONVERT_ASM_PERM
         if t.pairs_ahead is None:
-            t.pairs_ahead = not extend and not small and head_dim <= 128
-        many = pairs is not None and pairs >= STAGES1_MIN_PAIRS and not small and head_dim <= 128
+            t.pairs_ahead = fast
+        many = fast and pairs is not None and pairs >= STAGES1_MIN_PAIRS
 
         if interp:
             t.block_n = t.block_n or 16
@@ -620,7 +623,7 @@ class AttnTuning:
                 staged = self.num_stages >= 2 if self.num_stages is not None else not many
             else:
                 staged = t.num_stages >= 2
-            t.defer_sums = bool(t.pairs_ahead) and not extend and not small and head_dim <= 128 and staged
+            t.defer_sums = fast and bool(t.pairs_ahead) and staged
         return t
 
     @classmethod
