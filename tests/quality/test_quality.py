@@ -22,7 +22,7 @@ QUALITY_ARGS = ["--seq-len", SEQ, "--calib-tokens", 2048, "--eval-tokens", 512, 
                 "--no-progress"]
 ROWS = ["bf16", "bf16-oracle", "naive-int2", "kivi-g16", "kivi-g8", "hadamard", "hadamard+win", "oscar-layer",
         "oscar-layer+win", "oscar-layer+lm", "oscar-layer+lm+win", "oscar-head", "oscar-head+win", "oscar-head+lm",
-        "oscar-head+lm+win"]
+        "oscar-head+lm+win", "kvcov-head", "kvcov-head+win"]
 
 
 def _write_jsonl(path, docs):
@@ -104,7 +104,7 @@ def test_rows_and_bf16(report, random_ckpt):
         assert r["ppl_rel_change"] == pytest.approx(r["ppl"] / own - 1.0, rel=1e-6, abs=1e-9)
     # files: table, JSON, statistics and both fitted rotations
     table, spec_md = md.split("Spectral concentration")
-    assert table.count("\n| ") == len(ROWS) + 1 and "| oscar-head+lm+win |" in table
+    assert table.count("\n| ") == len(ROWS) + 1 and "| kvcov-head+win |" in table
     # the spectrum diagnostic: one row per layer, the same numbers as the JSON
     spec = rep["spectrum"]
     assert sorted(spec, key=int) == [str(i) for i in range(len(spec))] and len(spec) >= 2
@@ -115,7 +115,8 @@ def test_rows_and_bf16(report, random_ckpt):
             assert 1.0 <= r[f"{t}_eff_dim"] <= rep["head_dim"]
         assert f"| {lid} | {r['q_top1']:.3f} | {r['q_eff_dim']:.1f} |" in spec_md
     assert {p.name for p in (res / "work").iterdir()} >= {"stats.safetensors", "rot_oscar.safetensors",
-                                                          "rot_oscar-perhead.safetensors"}
+                                                          "rot_oscar-perhead.safetensors",
+                                                          "rot_perhead-kv.safetensors"}
 
 
 def test_error_ordering(report):
@@ -140,6 +141,43 @@ def test_error_ordering(report):
     # a random model's perplexity moves by about 1% in either direction under any cache: compare how far each
     # cache moves it, not the direction
     assert abs(ppl["naive-int2"] - ppl["bf16"]) > 2 * abs(ppl["oscar-head+win"] - ppl["bf16"])
+
+
+def test_kvcov_rows_use_the_perhead_kv_rotation(report, random_ckpt):
+    """The kvcov-head rows are upstream's per-head recipe: the saved rotation is U_desc H of each kv head's
+    raw K / V second moment, and the rows' error and perplexity are those of that rotation."""
+    from sglang_oscar.calibrate.error import functional_error
+    from sglang_oscar.calibrate.model import load_model
+    from sglang_oscar.calibrate.ppl import perplexity
+    from sglang_oscar.calibrate.stats import CalibrationStats
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation import RotationSet
+    from sglang_oscar.rotation.hadamard import default_hadamard
+
+    rep, _, res = report
+    rows = {r["name"]: r for r in rep["rows"]}
+    rs = RotationSet.load(str(res / "work" / "rot_perhead-kv.safetensors"))
+    stats = CalibrationStats.load(str(res / "work" / "stats.safetensors"))
+    assert rs.metadata["objective"] == "cov_eig_hadamard_perhead"
+    for lid in (0, 1):
+        n = stats.tokens_per_layer(1)[lid]
+        for which, key in (("k", "k_sum"), ("v", "v_sum")):
+            r = (rs.k if which == "k" else rs.v)[lid].double()
+            cov = stats.sums[key][lid] / n
+            assert r.shape == (2, 32, 32)
+            for h in range(2):
+                u = r[h] @ default_hadamard(32).T  # R = U_desc H -> U_desc (fp32 file: tolerances 1e-5)
+                lam = torch.diagonal(u.T @ cov[h] @ u)
+                assert torch.all(lam[:-1] >= lam[1:] - 1e-5 * lam[0]), (lid, which, h)
+                assert torch.allclose(u.T @ cov[h] @ u, torch.diag(lam), atol=1e-5 * float(lam[0]))
+    model, tok = load_model(str(random_ckpt), dtype="float32", device="cpu")
+    ps, _ = select_prompt_set(tok, str(random_ckpt / "heldout.jsonl"), budget=512, seq_len=SEQ, seed=1, max_seq_per_file=1)
+    cfg = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT)
+    err = functional_error(model, ps, {"kv": rs}, cfg, include_baselines=False, progress=False)
+    assert rows["kvcov-head+win"]["error_db"] == pytest.approx(err["overall_db"]["kv"], abs=1e-6)
+    ppl = perplexity(model, ps, rs, OscarConfig(sink_tokens=0, recent_tokens=0), window_mode="decode", progress=False)
+    assert rows["kvcov-head"]["ppl"] == pytest.approx(ppl["int2"]["ppl"], rel=1e-6)
+    assert rows["kvcov-head"]["error_db"] != rows["oscar-head"]["error_db"]
 
 
 def test_bits_and_reads(report):

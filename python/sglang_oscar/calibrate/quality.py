@@ -22,7 +22,12 @@ Variants (:func:`build_variants`):
   data-free Hadamard rotation, without / with the BF16 sink + recent windows;
 * ``oscar-layer[+lm][+win]`` / ``oscar-head[+lm][+win]``: rotations fitted on the calibration
   documents (:func:`.run.calibrate_model` + :func:`.fit.fit_rotations` ``oscar`` /
-  ``oscar-perhead``), uniform or Lloyd-Max (``+lm``), without / with windows.
+  ``oscar-perhead``), uniform or Lloyd-Max (``+lm``), without / with windows;
+* ``kvcov-head[+win]``: upstream's per-head recipe (:func:`.fit.fit_rotations` ``perhead-kv``:
+  eigenvectors of each kv head's raw K / V second moment in descending order times the Hadamard,
+  no permutation), uniform, without / with windows. Descending order puts the dominant direction
+  on the Hadamard's all-ones row, so a row's component along it becomes a constant that the
+  per-row zero point represents exactly.
 
 Sequences (:func:`select_prompt_set`): calibration sequences come from ``calib.jsonl`` (train
 split), evaluation sequences from ``heldout.jsonl`` (held-out split), each chosen by
@@ -222,8 +227,9 @@ def build_variants(geometry, rotations: dict[str, RotationSet], settings: Qualit
 
     Args:
         geometry: the model's :class:`..rotation.geometry.ModelGeometry` (MHA/GQA).
-        rotations: fitted sets ``{"oscar": per-layer set, "oscar-perhead": per-head set}``
-            (either may be missing; its rows are then left out).
+        rotations: fitted sets ``{"oscar": per-layer set, "oscar-perhead": per-head set,
+            "perhead-kv": per-head K/V-covariance set}`` (any may be missing; its rows are then
+            left out).
         settings: :class:`QualitySettings`.
 
     Raises:
@@ -274,6 +280,9 @@ def build_variants(geometry, rotations: dict[str, RotationSet], settings: Qualit
         fmt_rows("oscar-layer", "OSCAR per layer", rotations["oscar"], ("uniform", "lloyd-max"))
     if "oscar-perhead" in rotations:
         fmt_rows("oscar-head", "OSCAR per kv head", rotations["oscar-perhead"], ("uniform", "lloyd-max"))
+    if "perhead-kv" in rotations:
+        fmt_rows("kvcov-head", "K/V covariance per kv head (upstream per-head recipe)", rotations["perhead-kv"],
+                 ("uniform",))
     return rows
 
 
@@ -414,7 +423,7 @@ def quality_report(
     os.makedirs(work_dir, exist_ok=True)
     stats = calibrate_model(model, calib, os.path.join(work_dir, "stats.safetensors"), restart=True, progress=progress)
     rotations = {}
-    for method in ("oscar", "oscar-perhead"):
+    for method in ("oscar", "oscar-perhead", "perhead-kv"):
         rs = fit_rotations(stats, method, min_tokens=settings.min_tokens)
         rs.save(os.path.join(work_dir, f"rot_{method}.safetensors"))
         rotations[method] = rs
