@@ -242,3 +242,42 @@ def test_missing_checkpoint_directory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and f"model directory {missing} does not exist" in err and "calib.jsonl does not exist" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_rotation_ablation_script(report, random_ckpt, capsys):
+    """scripts/rotation_ablation.py rebuilds the table's fitted rotations from the same statistics
+    (OSCAR per head = qqt_asc_P / sst_asc_P, upstream per-head = ktk_desc_N / vtv_desc_N), scores
+    Hadamard like the report's baseline, and names a misspelled or misplaced rotation."""
+    import importlib.util
+
+    from sglang_oscar.calibrate.stats import CalibrationStats
+    from sglang_oscar.rotation import RotationSet
+
+    from quality_helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("rotation_ablation", REPO / "scripts" / "rotation_ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, _, res = report
+    stats = CalibrationStats.load(str(res / "work" / "stats.safetensors"))
+    for (kk, kv), saved in ((("qqt_asc_P", "sst_asc_P"), "rot_oscar-perhead"), (("ktk_desc_N", "vtv_desc_N"), "rot_perhead-kv")):
+        built = mod.build(stats, kk, kv)
+        ref = RotationSet.load(str(res / "work" / f"{saved}.safetensors"))
+        for lid in (0, 1):
+            # the same eigh on the same float64 moments (same eigenvector signs); the files hold fp32
+            for a, b in ((built.k[lid], ref.k[lid]), (built.v[lid], ref.v[lid])):
+                assert a.shape == b.shape == (2, 32, 32)
+                assert torch.allclose(a.double(), b.double(), atol=1e-5), (saved, lid)
+    with pytest.raises(ValueError, match="a V objective, given for K"):
+        mod.build(stats, "sst_asc_P", "had")
+    with pytest.raises(ValueError, match=r"expected 'had' or <qqt\|ktk\|sst\|vtv>_<asc\|desc>_<P\|N>"):
+        mod.build(stats, "qqt_up_P", "had")
+    rc = mod.main(["--model", str(random_ckpt), "--stats", str(res / "work" / "stats.safetensors"), "--sink", str(SINK),
+                   "--recent", str(RECENT), "--seq-len", str(SEQ), "--eval-tokens", "512", "--device", "cpu",
+                   "--pairs", "had:had,ktk_desc_N:vtv_desc_N"])
+    out = capsys.readouterr().out
+    lines = {ln.split(" overall")[0].strip(): float(ln.split("overall")[1].split("dB")[0]) for ln in out.splitlines()
+             if " overall " in ln}
+    assert rc == 0 and lines["K:had V:had"] == lines["hadamard"]
+    rows = {r["name"]: r for r in report[0]["rows"]}
+    assert lines["K:ktk_desc_N V:vtv_desc_N"] == pytest.approx(rows["kvcov-head+win"]["error_db"], abs=0.02)

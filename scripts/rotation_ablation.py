@@ -1,0 +1,189 @@
+"""Which part of a fitted rotation helps: K and V rotations ablated separately (issue 7 diagnostic).
+
+For a checkpoint and its calibration statistics (``sglang-oscar quality`` writes both: the model
+directory and ``<work-dir>/stats.safetensors``), every listed (K rotation, V rotation) pair is
+built per kv head from the statistics and scored by :func:`sglang_oscar.calibrate.error.functional_error`
+(attention-output error in dB against exact attention, per layer and overall; the OSCAR INT2
+format at group = head_dim with the given BF16 sink / recent windows) on the held-out sequences
+that ``quality`` scores (``heldout.jsonl``, seed 1, at most one sequence per file).
+
+A rotation is ``had`` (the normalised Hadamard) or ``<source>_<order>_<perm>``:
+
+* source: ``qqt`` (the GQA query second moment, OSCAR's K objective), ``ktk`` (raw K second
+  moment), ``sst`` (score-weighted V second moment, OSCAR's V objective), ``vtv`` (raw V);
+* order: ``asc`` (eigenvectors in ascending eigenvalue order, OSCAR's ``U``) or ``desc``;
+* perm: ``P`` (times OSCAR's eigenvalue-sorted bit-reversal permutation) or ``N`` (none).
+
+``qqt_asc_P`` / ``sst_asc_P`` is OSCAR's ``U H P`` (spec 3.4), ``ktk_desc_N`` / ``vtv_desc_N``
+upstream's per-head recipe (``fit --method perhead-kv``). With one (scale, zero) pair per row,
+``desc`` puts the dominant direction on the Hadamard's all-ones row 0, so a row's component
+along it becomes a constant, which the zero point represents exactly; ``asc`` puts it on the
+last row, a +-1 pattern.
+
+With ``--o-proj`` the same error is also measured after the layer's output projection
+(``||(o_INT2 - o) W_o^T||^2 / ||o W_o^T||^2``: the attention block's contribution to the residual
+stream, which weighs each output direction by how much the model uses it). With ``--ppl`` every
+pair's teacher-forced perplexity is computed too
+(:func:`sglang_oscar.calibrate.ppl.perplexity`, ``window_mode="decode"``, the same windows), as
+``quality``'s rows are.
+
+    python scripts/rotation_ablation.py --model CKPT --stats WORK/stats.safetensors \\
+        [--sink 64 --recent 256 --seq-len 2048 --eval-tokens 32768 --device cuda] [--ppl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from sglang_oscar.calibrate.error import functional_error  # noqa: E402
+from sglang_oscar.calibrate.oracle import RotationCache, mha_output, oracle_capture  # noqa: E402
+from sglang_oscar.calibrate.ppl import perplexity  # noqa: E402
+from sglang_oscar.calibrate.quality import select_prompt_set  # noqa: E402
+from sglang_oscar.calibrate.stats import CalibrationStats  # noqa: E402
+from sglang_oscar.config import OscarConfig  # noqa: E402
+from sglang_oscar.rotation import RotationSet  # noqa: E402
+from sglang_oscar.rotation.hadamard import default_hadamard, eig_bitrev_permutation  # noqa: E402
+
+PAIRS = [("had", "had"), ("qqt_asc_P", "sst_asc_P"), ("qqt_asc_P", "had"), ("had", "sst_asc_P"),
+         ("ktk_desc_N", "had"), ("had", "vtv_desc_N"), ("ktk_desc_N", "vtv_desc_N"),
+         ("ktk_asc_N", "had"), ("had", "vtv_asc_N"), ("qqt_desc_N", "had"), ("had", "sst_desc_N"),
+         ("ktk_desc_P", "had")]
+SOURCES = {"qqt": "k", "ktk": "k", "sst": "v", "vtv": "v"}
+
+
+def composed(cov: torch.Tensor, order: str, perm: bool) -> torch.Tensor:
+    """``U H`` or ``U H P`` of one ``[D, D]`` second moment (float64 ``[D, D]``; ``order`` asc|desc)."""
+    c = 0.5 * (cov + cov.T)
+    lam, u = torch.linalg.eigh(c.double())
+    if order == "desc":
+        u = u.flip(-1)
+    r = u @ default_hadamard(c.shape[0])
+    if perm:
+        r = r @ eig_bitrev_permutation(lam)
+    return r
+
+
+def parse_kind(kind: str, side: str) -> tuple[str, str, bool] | None:
+    """``None`` for ``had``, else ``(source, order, perm)``; ``ValueError`` names a bad spelling."""
+    if kind == "had":
+        return None
+    parts = kind.split("_")
+    if len(parts) != 3 or parts[0] not in SOURCES or parts[1] not in ("asc", "desc") or parts[2] not in ("P", "N"):
+        raise ValueError(f"rotation {kind!r}: expected 'had' or <qqt|ktk|sst|vtv>_<asc|desc>_<P|N>")
+    if SOURCES[parts[0]] != side:
+        raise ValueError(f"rotation {kind!r} is a {SOURCES[parts[0]].upper()} objective, given for {side.upper()}")
+    return parts[0], parts[1], parts[2] == "P"
+
+
+def build(stats: CalibrationStats, kind_k: str, kind_v: str) -> RotationSet:
+    """Per-kv-head rotation set ``[H_kv, D, D]`` per layer for one (K, V) pair."""
+    geo = stats.geometry
+    spec_k, spec_v = parse_kind(kind_k, "k"), parse_kind(kind_v, "v")
+    k, v = {}, {}
+    for lid in geo.layer_ids:
+        n = stats.tokens_per_layer(1)[lid]
+        src = {"qqt": lambda: stats.query_covariance(lid), "ktk": lambda: stats.sums["k_sum"][lid] / n,
+               "sst": lambda: stats.value_covariance(lid), "vtv": lambda: stats.sums["v_sum"][lid] / n}
+
+        def one(spec, raw):
+            base = src[raw]()
+            if spec is None:
+                d = base.shape[-1]
+                return default_hadamard(d).expand(base.shape[0], d, d).clone()
+            return torch.stack([composed(c, spec[1], spec[2]) for c in src[spec[0]]()])
+
+        k[lid], v[lid] = one(spec_k, "ktk"), one(spec_v, "vtv")
+    return RotationSet(k, v, {"method": "ablation"})
+
+
+def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig) -> dict[str, Any]:
+    """Attention-output error after each layer's ``o_proj`` (dB, per layer and overall).
+
+    Every layer sees the model's own inputs (as in ``functional_error``); the exact output and each
+    rotation's INT2 output ``[T, H_q, D_v]`` are flattened to ``[T, H_q * D_v]`` and multiplied by
+    ``o_proj.weight^T`` (float32) before ``10 log10(sum ||e||^2 / sum ||o||^2)``.
+    """
+    caches = {name: RotationCache(rs) for name, rs in rots.items()}
+    num: dict[int, dict[str, float]] = {}
+    den: dict[int, float] = {}
+
+    def on_attention(call):
+        lid = call.layer_id
+        w = call.module.o_proj.weight.float()
+        num.setdefault(lid, dict.fromkeys(rots, 0.0))
+        for b in range(call.query.shape[0]):
+            exact = mha_output(call, b, None, None, cfg, "decode")
+            ref = exact.reshape(exact.shape[0], -1) @ w.T
+            den[lid] = den.get(lid, 0.0) + float(ref.double().pow(2).sum())
+            for name, c in caches.items():
+                out = mha_output(call, b, c.get(lid, "k", exact.device), c.get(lid, "v", exact.device), cfg, "decode")
+                num[lid][name] += float(((out - exact).reshape(exact.shape[0], -1) @ w.T).double().pow(2).sum())
+        return None
+
+    device = next(model.parameters()).device
+    with oracle_capture(model, False, on_attention, None):
+        for seq in prompts.sequences:
+            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+
+    def db(n, d):
+        return 10 * math.log10(max(n, 1e-30) / d)
+
+    return {"layers": {str(lid): {m: db(num[lid][m], den[lid]) for m in rots} for lid in sorted(num)},
+            "overall_db": {m: db(sum(num[lid][m] for lid in num), sum(den.values())) for m in rots}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint directory with heldout.jsonl")
+    ap.add_argument("--stats", required=True, help="calibration statistics (sglang-oscar quality's work dir)")
+    ap.add_argument("--sink", type=int, default=64)
+    ap.add_argument("--recent", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--eval-tokens", type=int, default=32768)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--pairs", default=None, help="comma-separated K:V pairs, e.g. 'had:had,qqt_desc_N:sst_desc_N' "
+                    "(default: the built-in list)")
+    ap.add_argument("--o-proj", action="store_true", help="also the error after each layer's o_proj")
+    ap.add_argument("--ppl", action="store_true", help="also the teacher-forced perplexity of every pair")
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pairs = PAIRS if args.pairs is None else [tuple(p.split(":")) for p in args.pairs.split(",")]
+    stats = CalibrationStats.load(args.stats)
+    rots = {f"K:{a} V:{b}": build(stats, a, b) for a, b in pairs}
+    tok = AutoTokenizer.from_pretrained(args.model)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    ps = select_prompt_set(tok, os.path.join(args.model, "heldout.jsonl"), budget=args.eval_tokens,
+                           seq_len=args.seq_len, seed=1)[0]
+    cfg = OscarConfig(sink_tokens=args.sink, recent_tokens=args.recent)
+    rep = functional_error(model, ps, rots, cfg, progress=False, allow_other_model=True)
+    print(f"attention error (dB), sink {args.sink} / recent {args.recent}, {len(ps.sequences)} sequences x "
+          f"{args.seq_len} tokens; per layer {list(rep['layers'])}")
+    for m in rep["methods"]:
+        print(f"{m:32s} overall {rep['overall_db'][m]:7.2f} dB  layers "
+              + " ".join(f"{rep['layers'][lid][m]:6.1f}" for lid in rep["layers"]))
+    if args.o_proj:
+        rep_o = o_proj_error(model, ps, rots, cfg)
+        print("after o_proj:")
+        for m in rots:
+            print(f"{m:32s} o_proj  {rep_o['overall_db'][m]:7.2f} dB  layers "
+                  + " ".join(f"{rep_o['layers'][lid][m]:6.1f}" for lid in rep_o["layers"]))
+    if args.ppl:
+        for name, rs in rots.items():
+            r = perplexity(model, ps, rs, cfg, window_mode="decode", progress=False, allow_other_model=True)
+            print(f"{name:32s} ppl {r['int2']['ppl']:.4f}  bf16 {r['bf16']['ppl']:.4f}  "
+                  f"change {100 * (r['int2']['ppl'] / r['bf16']['ppl'] - 1):+.2f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
