@@ -16,9 +16,11 @@ A rotation is ``had`` (the normalised Hadamard) or ``<source>_<order>_<perm>``:
 
 ``qqt_asc_P`` / ``sst_asc_P`` is OSCAR's ``U H P`` (spec 3.4), ``ktk_desc_N`` / ``vtv_desc_N``
 upstream's per-head recipe (``fit --method perhead-kv``). With one (scale, zero) pair per row,
-``desc`` puts the dominant direction on the Hadamard's all-ones row 0, so a row's component
-along it becomes a constant, which the zero point represents exactly; ``asc`` puts it on the
-last row, a +-1 pattern.
+``desc`` puts the dominant direction on the Hadamard's all-ones row 0 (power-of-two head_dim;
+the block Hadamard of e.g. 192 has non-zeros only in its first block there), so a row's
+component along it becomes a constant, which the zero point represents exactly; ``asc`` puts it
+on the last row, a +-1 pattern. ``P`` permutes coordinates after the Hadamard, which changes
+nothing at group = head_dim (the format this script scores): ``*_P`` and ``*_N`` score alike.
 
 With ``--o-proj`` the same error is also measured after the layer's output projection
 (``||(o_INT2 - o) W_o^T||^2 / ||o W_o^T||^2``: the attention block's contribution to the residual
@@ -28,7 +30,8 @@ pair's teacher-forced perplexity is computed too
 ``quality``'s rows are.
 
     python scripts/rotation_ablation.py --model CKPT --stats WORK/stats.safetensors \\
-        [--sink 64 --recent 256 --seq-len 2048 --eval-tokens 32768 --device cuda] [--ppl]
+        [--sink 64 --recent 256 --seq-len 2048 --eval-tokens 32768 --device cuda] [--o-proj] [--ppl] \\
+        [--pairs had:had,qqt_desc_N:sst_desc_N]
 """
 
 from __future__ import annotations
@@ -60,7 +63,21 @@ SOURCES = {"qqt": "k", "ktk": "k", "sst": "v", "vtv": "v"}
 
 
 def composed(cov: torch.Tensor, order: str, perm: bool) -> torch.Tensor:
-    """``U H`` or ``U H P`` of one ``[D, D]`` second moment (float64 ``[D, D]``; ``order`` asc|desc)."""
+    """``U H`` or ``U H P`` of one second moment.
+
+    Args:
+        cov: ``[D, D]`` symmetric PSD matrix (any float dtype; symmetrised, computed in float64).
+        order: ``"asc"`` (``U`` = eigenvectors in ascending eigenvalue order) or ``"desc"``.
+        perm: append OSCAR's eigenvalue-sorted bit-reversal permutation ``P``.
+
+    Returns:
+        float64 ``[D, D]`` orthogonal rotation.
+
+    Raises:
+        ValueError: ``order`` is neither ``"asc"`` nor ``"desc"``.
+    """
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
     c = 0.5 * (cov + cov.T)
     lam, u = torch.linalg.eigh(c.double())
     if order == "desc":
@@ -84,7 +101,21 @@ def parse_kind(kind: str, side: str) -> tuple[str, str, bool] | None:
 
 
 def build(stats: CalibrationStats, kind_k: str, kind_v: str) -> RotationSet:
-    """Per-kv-head rotation set ``[H_kv, D, D]`` per layer for one (K, V) pair."""
+    """Per-kv-head rotation set for one (K, V) pair.
+
+    Args:
+        stats: complete MHA/GQA calibration statistics (both passes: ``sst`` needs pass 2).
+        kind_k, kind_v: rotation names (module docstring): a K objective or ``had`` for K, a V
+            objective or ``had`` for V.
+
+    Returns:
+        :class:`RotationSet` with float64 ``[H_kv, D_k, D_k]`` K and ``[H_kv, D_v, D_v]`` V matrices
+        per layer (saved as fp32 if written).
+
+    Raises:
+        ValueError: a misspelled rotation or an objective given for the other side.
+        CalibrationError: statistics without the second pass (``sst``).
+    """
     geo = stats.geometry
     spec_k, spec_v = parse_kind(kind_k, "k"), parse_kind(kind_v, "v")
     k, v = {}, {}
@@ -108,8 +139,24 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
     """Attention-output error after each layer's ``o_proj`` (dB, per layer and overall).
 
     Every layer sees the model's own inputs (as in ``functional_error``); the exact output and each
-    rotation's INT2 output ``[T, H_q, D_v]`` are flattened to ``[T, H_q * D_v]`` and multiplied by
-    ``o_proj.weight^T`` (float32) before ``10 log10(sum ||e||^2 / sum ||o||^2)``.
+    rotation's INT2 output ``[T, H_q, D_v]`` (fp32) are flattened to ``[T, H_q * D_v]`` (heads
+    concatenated, the order in which Llama/Qwen3-style attention feeds ``o_proj``) and multiplied
+    by ``o_proj.weight^T`` (fp32; the bias cancels in the error and is left out of the reference
+    too) before ``10 log10(sum ||e||^2 / sum ||o W^T||^2)``.
+
+    Args:
+        model: loaded MHA/GQA causal LM whose attention modules have an ``o_proj`` applied to the
+            plain concatenation of the heads (no output gate).
+        prompts: held-out :class:`~sglang_oscar.calibrate.prompts.PromptSet`.
+        rots: ``{name: RotationSet}``.
+        cfg: windows and quantizer (decode window mode).
+
+    Returns:
+        ``{"layers": {str(layer): {name: dB}}, "overall_db": {name: dB},
+        "reference_energy": {str(layer): sum ||o W^T||^2}}`` (float64 sums over tokens).
+
+    Raises:
+        ValueError: an attention module without ``o_proj``.
     """
     caches = {name: RotationCache(rs) for name, rs in rots.items()}
     num: dict[int, dict[str, float]] = {}
@@ -117,6 +164,9 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
 
     def on_attention(call):
         lid = call.layer_id
+        if not hasattr(call.module, "o_proj"):
+            raise ValueError(f"layer {lid}: {type(call.module).__name__} has no o_proj; --o-proj needs "
+                             "Llama/Qwen3-style attention")
         w = call.module.o_proj.weight.float()
         num.setdefault(lid, dict.fromkeys(rots, 0.0))
         for b in range(call.query.shape[0]):
@@ -137,7 +187,8 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
         return 10 * math.log10(max(n, 1e-30) / d)
 
     return {"layers": {str(lid): {m: db(num[lid][m], den[lid]) for m in rots} for lid in sorted(num)},
-            "overall_db": {m: db(sum(num[lid][m] for lid in num), sum(den.values())) for m in rots}}
+            "overall_db": {m: db(sum(num[lid][m] for lid in num), sum(den.values())) for m in rots},
+            "reference_energy": {str(lid): den[lid] for lid in sorted(den)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pairs = PAIRS if args.pairs is None else [tuple(p.split(":")) for p in args.pairs.split(",")]
+    bad = [":".join(p) for p in pairs if len(p) != 2]
+    if bad:
+        ap.error(f"--pairs entries must be K:V (e.g. had:sst_desc_N), got {bad}")
     stats = CalibrationStats.load(args.stats)
     rots = {f"K:{a} V:{b}": build(stats, a, b) for a, b in pairs}
     tok = AutoTokenizer.from_pretrained(args.model)

@@ -244,6 +244,12 @@ def test_missing_checkpoint_directory(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def model_geometry(model):
+    from sglang_oscar.calibrate.model import geometry_of
+
+    return geometry_of(model.config)
+
+
 def test_rotation_ablation_script(report, random_ckpt, capsys):
     """scripts/rotation_ablation.py rebuilds the table's fitted rotations from the same statistics
     (OSCAR per head = qqt_asc_P / sst_asc_P, upstream per-head = ktk_desc_N / vtv_desc_N), scores
@@ -274,10 +280,41 @@ def test_rotation_ablation_script(report, random_ckpt, capsys):
         mod.build(stats, "qqt_up_P", "had")
     rc = mod.main(["--model", str(random_ckpt), "--stats", str(res / "work" / "stats.safetensors"), "--sink", str(SINK),
                    "--recent", str(RECENT), "--seq-len", str(SEQ), "--eval-tokens", "512", "--device", "cpu",
-                   "--pairs", "had:had,ktk_desc_N:vtv_desc_N"])
+                   "--pairs", "had:had,ktk_desc_N:vtv_desc_N", "--o-proj", "--ppl"])
     out = capsys.readouterr().out
-    lines = {ln.split(" overall")[0].strip(): float(ln.split("overall")[1].split("dB")[0]) for ln in out.splitlines()
-             if " overall " in ln}
+
+    def values(tag):
+        return {ln.split(f" {tag}")[0].strip(): float(ln.split(tag)[1].split()[0]) for ln in out.splitlines()
+                if f" {tag} " in ln}
+
+    lines, proj, ppl = values("overall"), values("o_proj"), values("ppl")
     assert rc == 0 and lines["K:had V:had"] == lines["hadamard"]
     rows = {r["name"]: r for r in report[0]["rows"]}
     assert lines["K:ktk_desc_N V:vtv_desc_N"] == pytest.approx(rows["kvcov-head+win"]["error_db"], abs=0.02)
+    # --ppl: the table's perplexities of the same caches (same sequences, windows, decode mode)
+    assert ppl["K:had V:had"] == pytest.approx(rows["hadamard+win"]["ppl"], rel=1e-4)
+    assert ppl["K:ktk_desc_N V:vtv_desc_N"] == pytest.approx(rows["kvcov-head+win"]["ppl"], rel=1e-4)
+    # --o-proj: the reference is what the model's own o_proj computes (heads concatenated in the model's order)
+    assert set(proj) == {"K:had V:had", "K:ktk_desc_N V:vtv_desc_N"} and all(v < 0 for v in proj.values())
+    from sglang_oscar.calibrate.model import load_model
+
+    model, tok = load_model(str(random_ckpt), dtype="float32", device="cpu")
+    ps, _ = select_prompt_set(tok, str(random_ckpt / "heldout.jsonl"), budget=512, seq_len=SEQ, seed=1, max_seq_per_file=1)
+    energy: dict[str, float] = {}
+    hooks = [layer.self_attn.o_proj.register_forward_hook(
+        lambda m, _i, o, lid=str(i): energy.__setitem__(lid, energy.get(lid, 0.0) + float(o.double().pow(2).sum())))
+        for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        for s in ps.sequences:
+            model(input_ids=torch.tensor([s]))
+    for h in hooks:
+        h.remove()
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation import RotationSet
+
+    rep_o = mod.o_proj_error(model, ps, {"had": RotationSet.data_free(model_geometry(model), "hadamard")},
+                             OscarConfig(sink_tokens=SINK, recent_tokens=RECENT))
+    assert rep_o["overall_db"]["had"] == pytest.approx(proj["K:had V:had"], abs=0.01)
+    assert set(rep_o["reference_energy"]) == set(energy) == {"0", "1"}
+    for lid, e in energy.items():
+        assert rep_o["reference_energy"][lid] == pytest.approx(e, rel=1e-4), lid
