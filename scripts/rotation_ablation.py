@@ -18,8 +18,9 @@ A rotation is ``had`` (the normalised Hadamard) or ``<source>_<order>_<perm>``:
 upstream's per-head recipe (``fit --method perhead-kv``). With one (scale, zero) pair per row,
 ``desc`` puts the dominant direction on the Hadamard's all-ones row 0 (power-of-two head_dim;
 the block Hadamard of e.g. 192 has non-zeros only in its first block there), so a row's
-component along it becomes a constant, which the zero point represents exactly; ``asc`` puts it
-on the last row, a +-1 pattern. ``P`` permutes coordinates after the Hadamard, which changes
+component along it becomes a constant, which the zero point absorbs (exactly without clipping;
+nearly with the symmetric clip, whose threshold moves with the offset); ``asc`` puts it on the
+last row, a +-1 pattern that widens the row's range. ``P`` permutes coordinates after the Hadamard, which changes
 nothing at group = head_dim (the format this script scores): ``*_P`` and ``*_N`` score alike.
 
 With ``--o-proj`` the same error is also measured after the layer's output projection

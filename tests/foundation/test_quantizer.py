@@ -187,3 +187,34 @@ def test_fake_quantize_is_quantize_then_dequantize():
     got = fake_quantize(x, **kw)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, dequantize_rows(quantize_rows(x, **kw)).to(torch.bfloat16))
+
+
+def test_dominant_direction_on_hadamard_row0():
+    """A rotation ``U H`` whose first column of ``U`` is a row's dominant direction turns that
+    component into a per-row constant (the Hadamard's all-ones row 0), which the zero point absorbs:
+    exactly without clipping, nearly with the symmetric clip; on the last row (a +-1 pattern) it
+    widens the range (docs/quality.md, run 5). Figures quoted there."""
+    from sglang_oscar.quant.int2 import fake_quantize
+    from sglang_oscar.rotation.hadamard import default_hadamard
+
+    torch.manual_seed(0)
+    d = 128
+    u, _ = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))
+    h = default_hadamard(d)
+    rest = torch.randn(1000, d, dtype=torch.float64)
+    rest = rest - (rest @ u[:, :1]) @ u[:, :1].T
+    rots = {"desc": u @ h, "asc": torch.cat([u[:, 1:], u[:, :1]], 1) @ h}
+
+    def err(order, a, clip):
+        y = (rest + a * u[:, 0]) @ rots[order]
+        yh = fake_quantize(y.float(), quantizer="uniform", clip_ratio=clip, scale_dtype="float32")
+        return float(((yh.double() - y) ** 2).sum() / (rest ** 2).sum())
+
+    no_clip = [err("desc", a, 0.0) for a in (0.0, 5.0, 20.0)]
+    assert no_clip[1] == pytest.approx(no_clip[0], rel=1e-5) and no_clip[2] == pytest.approx(no_clip[0], rel=1e-5)
+    assert no_clip[0] == pytest.approx(0.2506, abs=5e-4)
+    desc = [err("desc", a, 0.96) for a in (0.0, 5.0, 20.0)]
+    asc = [err("asc", a, 0.96) for a in (0.0, 5.0, 20.0)]
+    assert desc == pytest.approx([0.1567, 0.1724, 0.1783], abs=5e-4)
+    assert asc == pytest.approx([0.1569, 0.1863, 0.4527], abs=5e-4)
+    assert err("asc", 20.0, 0.0) > 2 * no_clip[0]

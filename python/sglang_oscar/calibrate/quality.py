@@ -26,8 +26,9 @@ Variants (:func:`build_variants`):
 * ``kvcov-head[+win]``: upstream's per-head recipe (:func:`.fit.fit_rotations` ``perhead-kv``:
   eigenvectors of each kv head's raw K / V second moment in descending order times the Hadamard,
   no permutation), uniform, without / with windows. Descending order puts the dominant direction
-  on the Hadamard's all-ones row, so a row's component along it becomes a constant that the
-  per-row zero point represents exactly.
+  on the Hadamard's all-ones row, so a row's component along it becomes a constant, which the
+  per-row zero point absorbs (exactly without clipping; nearly with the symmetric clip, whose
+  threshold moves with the offset).
 
 Sequences (:func:`select_prompt_set`): calibration sequences come from ``calib.jsonl`` (train
 split), evaluation sequences from ``heldout.jsonl`` (held-out split), each chosen by
