@@ -194,8 +194,10 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="checkpoint directory with heldout.jsonl")
-    ap.add_argument("--stats", required=True, help="calibration statistics (sglang-oscar quality's work dir)")
+    ap.add_argument("--model", required=True, help="local checkpoint directory with heldout.jsonl "
+                    "(scripts/train_small_lm.py writes one)")
+    ap.add_argument("--stats", required=True, help="calibration statistics of that model: sglang-oscar quality's "
+                    "<work-dir>/stats.safetensors (or that directory)")
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--recent", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -205,20 +207,46 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: the built-in list)")
     ap.add_argument("--o-proj", action="store_true", help="also the error after each layer's o_proj")
     ap.add_argument("--ppl", action="store_true", help="also the teacher-forced perplexity of every pair")
+    ap.add_argument("--allow-other-model", action="store_true",
+                    help="accept statistics recorded for another model of the same geometry")
     args = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     pairs = PAIRS if args.pairs is None else [tuple(p.split(":")) for p in args.pairs.split(",")]
     bad = [":".join(p) for p in pairs if len(p) != 2]
     if bad:
         ap.error(f"--pairs entries must be K:V (e.g. had:sst_desc_N), got {bad}")
-    stats = CalibrationStats.load(args.stats)
-    rots = {f"K:{a} V:{b}": build(stats, a, b) for a, b in pairs}
+    for a, b in pairs:
+        try:
+            parse_kind(a, "k"), parse_kind(b, "v")
+        except ValueError as exc:
+            ap.error(f"--pairs: {exc}")
+    if args.sink < 0 or args.recent < 0 or args.seq_len < 2 or args.eval_tokens < args.seq_len:
+        ap.error("--sink and --recent must be >= 0, --seq-len >= 2 and --eval-tokens >= --seq-len")
+    if args.sink + args.recent >= args.seq_len:
+        ap.error(f"--sink {args.sink} + --recent {args.recent} cover every key of a --seq-len {args.seq_len} sequence: "
+                 "nothing would be quantized; use a longer --seq-len or smaller windows")
+    heldout = os.path.join(args.model, "heldout.jsonl")
+    if not os.path.isfile(heldout):
+        ap.error(f"--model {args.model}: no {heldout}; pass a local checkpoint directory written by "
+                 "scripts/train_small_lm.py (it holds heldout.jsonl)")
+    stats_path = os.path.join(args.stats, "stats.safetensors") if os.path.isdir(args.stats) else args.stats
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_oscar.calibrate import CalibrationError
+    from sglang_oscar.calibrate.model import config_fingerprint, geometry_of
+
+    try:
+        stats = CalibrationStats.load(stats_path)
+        config = AutoConfig.from_pretrained(args.model)
+        stats.check_model(geometry_of(config), what=f"--model {args.model}",
+                          fingerprint=config_fingerprint(config, args.model), allow_other_model=args.allow_other_model)
+        rots = {f"K:{a} V:{b}": build(stats, a, b) for a, b in pairs}
+    except (CalibrationError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     tok = AutoTokenizer.from_pretrained(args.model)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    ps = select_prompt_set(tok, os.path.join(args.model, "heldout.jsonl"), budget=args.eval_tokens,
-                           seq_len=args.seq_len, seed=1)[0]
+    ps = select_prompt_set(tok, heldout, budget=args.eval_tokens, seq_len=args.seq_len, seed=1)[0]
     cfg = OscarConfig(sink_tokens=args.sink, recent_tokens=args.recent)
     rep = functional_error(model, ps, rots, cfg, progress=False, allow_other_model=True)
     print(f"attention error (dB), sink {args.sink} / recent {args.recent}, {len(ps.sequences)} sequences x "

@@ -318,3 +318,36 @@ def test_rotation_ablation_script(report, random_ckpt, capsys):
     assert set(rep_o["reference_energy"]) == set(energy) == {"0", "1"}
     for lid, e in energy.items():
         assert rep_o["reference_energy"][lid] == pytest.approx(e, rel=1e-4), lid
+
+
+def test_rotation_ablation_refuses_bad_input(report, random_ckpt, tmp_path, capsys):
+    """Bad arguments stop before the model is loaded, each with a message naming the fix."""
+    import importlib.util
+    import shutil
+
+    from quality_helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("rotation_ablation", REPO / "scripts" / "rotation_ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    work = report[2] / "work"
+    base = ["--model", str(random_ckpt), "--stats", str(work), "--seq-len", str(SEQ), "--eval-tokens", "512",
+            "--device", "cpu"]
+    for extra, msg in ((["--pairs", "sst_asc_P:had"], "a V objective, given for K"),
+                       (["--pairs", "had"], "entries must be K:V"),
+                       (["--sink", "64", "--recent", "64"], "nothing would be quantized"),
+                       (["--sink", "-1"], "must be >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            mod.main(base + extra)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):
+        mod.main(["--model", str(tmp_path / "missing"), "--stats", str(work)])
+    assert "pass a local checkpoint directory written by scripts/train_small_lm.py" in capsys.readouterr().err
+    # the same checkpoint under another name: statistics of "another model" unless allowed
+    other = tmp_path / "renamed"
+    shutil.copytree(random_ckpt, other)
+    assert mod.main(["--model", str(other), *base[2:], "--sink", str(SINK), "--recent", str(RECENT),
+                     "--pairs", "had:had"]) == 2
+    assert "was made for another model than --model" in capsys.readouterr().err
+    assert mod.main(["--model", str(other), *base[2:], "--sink", str(SINK), "--recent", str(RECENT),
+                     "--pairs", "had:had", "--allow-other-model"]) == 0

@@ -38,9 +38,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_bpe)
 
     p = sub.add_parser("demo", help="CPU demo: naive vs Hadamard vs OSCAR INT2 on synthetic attention data")
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--group-size", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context", type=int, default=4096, help="tokens of synthetic context (default 4096)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="INT2 group size along head_dim (default: one group per row of 128)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="data seed: rotations are fitted on draw seed+1 and scored on draw seed+2 (default 0)")
     p.set_defaults(func=_demo)
 
 
