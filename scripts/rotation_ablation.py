@@ -23,6 +23,12 @@ nearly with the symmetric clip, whose threshold moves with the offset); ``asc`` 
 last row, a +-1 pattern that widens the row's range. ``P`` permutes coordinates after the Hadamard, which changes
 nothing at group = head_dim (the format this script scores): ``*_P`` and ``*_N`` score alike.
 
+With ``--k-detail`` the K side is broken down per pair, relative to Hadamard: the energy of the
+keys' quantization error (back in the model's frame), the energy of the score error it causes,
+``(q . e_k)^2`` over every (query, key) pair of a GQA group, and the mean squared range of the
+rotated rows (what sets the INT2 step). A rotation can lower the first and the third and still
+raise the second when its error lines up with the query's directions.
+
 With ``--o-proj`` the same error is also measured after the layer's output projection
 (``||(o_INT2 - o) W_o^T||^2 / ||o W_o^T||^2``: the attention block's contribution to the residual
 stream, which weighs each output direction by how much the model uses it). With ``--ppl`` every
@@ -52,6 +58,7 @@ from sglang_oscar.calibrate.oracle import RotationCache, mha_output, oracle_capt
 from sglang_oscar.calibrate.ppl import perplexity  # noqa: E402
 from sglang_oscar.calibrate.quality import select_prompt_set  # noqa: E402
 from sglang_oscar.calibrate.stats import CalibrationStats  # noqa: E402
+from sglang_oscar.quant.int2 import fake_quantize  # noqa: E402
 from sglang_oscar.config import OscarConfig  # noqa: E402
 from sglang_oscar.rotation import RotationSet  # noqa: E402
 from sglang_oscar.rotation.hadamard import default_hadamard, eig_bitrev_permutation  # noqa: E402
@@ -192,6 +199,51 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
             "reference_energy": {str(lid): den[lid] for lid in sorted(den)}}
 
 
+def key_error_detail(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig) -> dict[str, dict[str, float]]:
+    """Where each set's K quantization error lands (all positions quantized, no windows).
+
+    For every layer and kv head: ``y = k R`` (``k`` ``[T, D]`` post-RoPE keys, ``R`` the set's K
+    rotation), ``e = (deq(quant(y)) - y) R^T`` with ``cfg``'s group size, K clip, scale dtype and
+    quantizer, and the group's queries ``q`` ``[T, G, D]``.
+
+    Args:
+        model: loaded MHA/GQA causal LM; prompts: held-out sequences; rots: ``{name: RotationSet}``;
+        cfg: the INT2 format (windows are ignored).
+
+    Returns:
+        ``{name: {"key_mse": sum ||e||^2, "score_err": sum over layers of mean (q . e)^2,
+        "range_sq": sum over layers of mean (max(y) - min(y))^2}}`` (float64 sums).
+    """
+    out = {name: {"key_mse": 0.0, "score_err": 0.0, "range_sq": 0.0} for name in rots}
+    caches = {name: RotationCache(rs) for name, rs in rots.items()}
+
+    def on_attention(call):
+        lid = call.layer_id
+        for b in range(call.query.shape[0]):
+            q, k, _ = call.rows(b)
+            t, hq, d = q.shape
+            hkv = k.shape[1]
+            qg = q.float().reshape(t, hkv, hq // hkv, d)
+            for name, c in caches.items():
+                r = c.get(lid, "k", k.device)
+                r = r if r.dim() == 3 else r.expand(hkv, d, d)
+                y = torch.einsum("thd,hde->the", k.float(), r)
+                yh = fake_quantize(y, group_size=cfg.group_size, clip_ratio=cfg.k_clip_ratio,
+                                   quantizer=cfg.quantizer, scale_dtype=cfg.scale_dtype)
+                e = torch.einsum("the,hde->thd", yh - y, r)
+                o = out[name]
+                o["key_mse"] += float(e.double().pow(2).sum())
+                o["score_err"] += float(torch.einsum("tkgd,skd->tkgs", qg, e).double().pow(2).mean())
+                o["range_sq"] += float((y.amax(-1) - y.amin(-1)).double().pow(2).mean())
+        return None
+
+    device = next(model.parameters()).device
+    with oracle_capture(model, False, on_attention, None):
+        for seq in prompts.sequences:
+            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="local checkpoint directory with heldout.jsonl "
@@ -206,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", default=None, help="comma-separated K:V pairs, e.g. 'had:had,qqt_desc_N:sst_desc_N' "
                     "(default: the built-in list)")
     ap.add_argument("--o-proj", action="store_true", help="also the error after each layer's o_proj")
+    ap.add_argument("--k-detail", action="store_true", help="also where each K rotation's error lands "
+                    "(key error, score error, row range; relative to Hadamard)")
     ap.add_argument("--ppl", action="store_true", help="also the teacher-forced perplexity of every pair")
     ap.add_argument("--allow-other-model", action="store_true",
                     help="accept statistics recorded for another model of the same geometry")
@@ -260,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         for m in rots:
             print(f"{m:32s} o_proj  {rep_o['overall_db'][m]:7.2f} dB  layers "
                   + " ".join(f"{rep_o['layers'][lid][m]:6.1f}" for lid in rep_o["layers"]))
+    if args.k_detail:
+        det = key_error_detail(model, ps, {"hadamard": RotationSet.data_free(stats.geometry, "hadamard"), **rots}, cfg)
+        base = det.pop("hadamard")
+        print("K error vs Hadamard (dB; all positions quantized): key error / score error (q . e_k)^2 / row range^2")
+        for m, v in det.items():
+            print(f"{m:32s} k_detail " + " ".join(f"{10 * math.log10(v[x] / base[x]):+6.2f}"
+                                                  for x in ("key_mse", "score_err", "range_sq")))
     if args.ppl:
         for name, rs in rots.items():
             r = perplexity(model, ps, rs, cfg, window_mode="decode", progress=False, allow_other_model=True)
