@@ -202,17 +202,21 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
 def key_error_detail(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig) -> dict[str, dict[str, float]]:
     """Where each set's K quantization error lands (all positions quantized, no windows).
 
-    For every layer and kv head: ``y = k R`` (``k`` ``[T, D]`` post-RoPE keys, ``R`` the set's K
-    rotation), ``e = (deq(quant(y)) - y) R^T`` with ``cfg``'s group size, K clip, scale dtype and
-    quantizer, and the group's queries ``q`` ``[T, G, D]``.
+    For every attention call (layer x sequence) and kv head: ``y = bf16(k R)`` (``k`` ``[T, D]``
+    post-RoPE keys, ``R`` the set's K rotation, per layer ``[D, D]`` or per kv head
+    ``[H_kv, D, D]``; rounded to BF16 as the cache's rows are), ``e = (deq(quant(y)) - y) R^T``
+    with ``cfg``'s group size, K clip, scale dtype and quantizer, and the kv head's group of
+    queries ``q`` ``[T, G, D]`` (query head ``j`` reads kv head ``j // G``).
 
     Args:
         model: loaded MHA/GQA causal LM; prompts: held-out sequences; rots: ``{name: RotationSet}``;
         cfg: the INT2 format (windows are ignored).
 
     Returns:
-        ``{name: {"key_mse": sum ||e||^2, "score_err": sum over layers of mean (q . e)^2,
-        "range_sq": sum over layers of mean (max(y) - min(y))^2}}`` (float64 sums).
+        ``{name: {"key_mse", "score_err", "range_sq"}}``, float64 sums over attention calls of:
+        ``sum ||e||^2`` over tokens and kv heads; the mean of ``(q_t . e_s)^2`` over every query
+        ``t``, key ``s`` (all ``T^2`` pairs: no causal mask, no softmax scale) and query head; the
+        mean of ``(max(y) - min(y))^2`` over rows. Only ratios between sets are meaningful.
     """
     out = {name: {"key_mse": 0.0, "score_err": 0.0, "range_sq": 0.0} for name in rots}
     caches = {name: RotationCache(rs) for name, rs in rots.items()}
@@ -223,17 +227,19 @@ def key_error_detail(model, prompts, rots: dict[str, RotationSet], cfg: OscarCon
             q, k, _ = call.rows(b)
             t, hq, d = q.shape
             hkv = k.shape[1]
-            qg = q.float().reshape(t, hkv, hq // hkv, d)
+            qg = q.double().reshape(t, hkv, hq // hkv, d)
             for name, c in caches.items():
                 r = c.get(lid, "k", k.device)
                 r = r if r.dim() == 3 else r.expand(hkv, d, d)
-                y = torch.einsum("thd,hde->the", k.float(), r)
+                y = torch.einsum("thd,hde->the", k.float(), r).to(torch.bfloat16).float()
                 yh = fake_quantize(y, group_size=cfg.group_size, clip_ratio=cfg.k_clip_ratio,
                                    quantizer=cfg.quantizer, scale_dtype=cfg.scale_dtype)
-                e = torch.einsum("the,hde->thd", yh - y, r)
+                e = torch.einsum("the,hde->thd", yh - y, r).double()
                 o = out[name]
-                o["key_mse"] += float(e.double().pow(2).sum())
-                o["score_err"] += float(torch.einsum("tkgd,skd->tkgs", qg, e).double().pow(2).mean())
+                o["key_mse"] += float(e.pow(2).sum())
+                # sum_{t,s} (q_t . e_s)^2 = sum_t q_t^T (sum_s e_s e_s^T) q_t: no [T, T] score tensor
+                m = torch.einsum("shd,she->hde", e, e)
+                o["score_err"] += float(torch.einsum("tkgd,kde,tkge->", qg, m, qg)) / (t * t * hq)
                 o["range_sq"] += float((y.amax(-1) - y.amin(-1)).double().pow(2).mean())
         return None
 

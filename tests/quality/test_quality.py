@@ -354,7 +354,8 @@ def test_rotation_ablation_refuses_bad_input(report, random_ckpt, tmp_path, caps
 
 
 def test_rotation_ablation_key_error_detail(report, random_ckpt):
-    """--k-detail's sums, recomputed head by head (kv head h serves queries h*G .. h*G+G-1)."""
+    """--k-detail's sums, recomputed head by head with an explicit score matrix (kv head h serves
+    queries h*G .. h*G+G-1), for a per-head and a per-layer set and a non-default format."""
     import importlib.util
 
     from sglang_oscar.calibrate.model import load_model
@@ -362,6 +363,7 @@ def test_rotation_ablation_key_error_detail(report, random_ckpt):
     from sglang_oscar.calibrate.stats import CalibrationStats
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.quant.int2 import fake_quantize
+    from sglang_oscar.rotation import RotationSet
 
     from quality_helpers import REPO
 
@@ -369,32 +371,37 @@ def test_rotation_ablation_key_error_detail(report, random_ckpt):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     stats = CalibrationStats.load(str(report[2] / "work" / "stats.safetensors"))
-    rs = mod.build(stats, "qqt_asc_P", "had")
+    sets = {"head": mod.build(stats, "qqt_asc_P", "had"),
+            "layer": RotationSet.load(str(report[2] / "work" / "rot_oscar.safetensors"))}
     model, tok = load_model(str(random_ckpt), dtype="float32", device="cpu")
     ps, _ = select_prompt_set(tok, str(random_ckpt / "heldout.jsonl"), budget=256, seq_len=SEQ, seed=1, max_seq_per_file=1)
-    cfg = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT)
-    got = mod.key_error_detail(model, ps, {"fit": rs}, cfg)["fit"]
-    want = {"key_mse": 0.0, "score_err": 0.0, "range_sq": 0.0}
+    cfg = OscarConfig(sink_tokens=SINK, recent_tokens=RECENT, group_size=16, scale_dtype="float32", k_clip_ratio=0.9)
+    got = mod.key_error_detail(model, ps, sets, cfg)
+    want = {n: {"key_mse": 0.0, "score_err": 0.0, "range_sq": 0.0} for n in sets}
 
     def on(call):
         q, k, _ = call.rows(0)
-        r = rs.matrices(call.layer_id, "k").float()
         g = q.shape[1] // k.shape[1]
-        se, rg, n = 0.0, 0.0, 0
-        for h in range(k.shape[1]):
-            y = k[:, h].float() @ r[h]
-            e = (fake_quantize(y, clip_ratio=cfg.k_clip_ratio, scale_dtype="float16") - y) @ r[h].T
-            want["key_mse"] += float(e.double().pow(2).sum())
-            for j in range(g):
-                se += float((q[:, h * g + j].double() @ e.double().T).pow(2).sum())
-                n += q.shape[0] * e.shape[0]
-            rg += float((y.amax(-1) - y.amin(-1)).double().pow(2).sum())
-        want["score_err"] += se / n
-        want["range_sq"] += rg / (k.shape[0] * k.shape[1])
+        for name, rs in sets.items():
+            r = rs.matrices(call.layer_id, "k").float()
+            se, rg, n = 0.0, 0.0, 0
+            for h in range(k.shape[1]):
+                rh = r[h] if r.dim() == 3 else r
+                y = (k[:, h].float() @ rh).to(torch.bfloat16).float()
+                e = (fake_quantize(y, group_size=16, clip_ratio=0.9, scale_dtype="float32") - y) @ rh.T
+                want[name]["key_mse"] += float(e.double().pow(2).sum())
+                for j in range(g):
+                    se += float((q[:, h * g + j].double() @ e.double().T).pow(2).sum())
+                    n += q.shape[0] * e.shape[0]
+                rg += float((y.amax(-1) - y.amin(-1)).double().pow(2).sum())
+            want[name]["score_err"] += se / n
+            want[name]["range_sq"] += rg / (k.shape[0] * k.shape[1])
         return None
 
     with oracle_capture(model, False, on, None):
         for s in ps.sequences:
             model(input_ids=torch.tensor([s]), use_cache=False)
-    for key in want:
-        assert got[key] == pytest.approx(want[key], rel=1e-4), key
+    assert sets["layer"].k[0].dim() == 2  # the per-layer branch is exercised
+    for name in sets:
+        for key in want[name]:
+            assert got[name][key] == pytest.approx(want[name][key], rel=1e-4), (name, key)
