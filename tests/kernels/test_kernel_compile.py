@@ -34,6 +34,22 @@ def test_all_kernels_compile_for_sm90():
     assert res.stdout.count("ok ") >= 15
 
 
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas not found")
+def test_gluon_kernel_compiles_for_sm90():
+    """scripts/gluon_compile_check.py: a Gluon kernel reaches a cubin with SASS on this CPU box."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "'cubin'" in res.stdout and "'ttgir'" in res.stdout
+    count = int(res.stdout.split(";")[1].split()[0])
+    assert 20 <= count <= 200, res.stdout
+    env["TRITON_INTERPRET"] = "1"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "unset TRITON_INTERPRET" in res.stderr
+
+
 def test_bench_decode_smoke(tmp_path):
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
