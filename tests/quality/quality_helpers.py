@@ -15,16 +15,20 @@ TINY_MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "
               "--intermediate", "128", "--vocab", "384", "--max-positions", "512"]
 
 
-def load_train_script():
-    """``scripts/train_small_lm.py`` imported as a module."""
-    name = "train_small_lm"
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (once; cached in ``sys.modules``)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "train_small_lm.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_train_script():
+    """``scripts/train_small_lm.py`` imported as a module."""
+    return load_script("train_small_lm")
 
 
 def _words(n: int, seed: int) -> list[str]:

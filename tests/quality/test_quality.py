@@ -16,6 +16,8 @@ from sglang_oscar.cli.main import main
 from sglang_oscar.quant.baselines import kivi_bits_per_element
 from sglang_oscar.quant.bits import bits_per_element
 
+from quality_helpers import load_script
+
 SEQ, SINK, RECENT, RES = 128, 4, 16, 16
 QUALITY_ARGS = ["--seq-len", SEQ, "--calib-tokens", 2048, "--eval-tokens", 512, "--sink", SINK, "--recent", RECENT,
                 "--kivi-residual", RES, "--kivi-group", 16, "--kivi-group", 8, "--min-tokens", 1000, "--device", "cpu",
@@ -244,26 +246,14 @@ def test_missing_checkpoint_directory(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def model_geometry(model):
-    from sglang_oscar.calibrate.model import geometry_of
-
-    return geometry_of(model.config)
-
-
 def test_rotation_ablation_script(report, random_ckpt, capsys):
     """scripts/rotation_ablation.py rebuilds the table's fitted rotations from the same statistics
     (OSCAR per head = qqt_asc_P / sst_asc_P, upstream per-head = ktk_desc_N / vtv_desc_N), scores
     Hadamard like the report's baseline, and names a misspelled or misplaced rotation."""
-    import importlib.util
-
     from sglang_oscar.calibrate.stats import CalibrationStats
     from sglang_oscar.rotation import RotationSet
 
-    from quality_helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("rotation_ablation", REPO / "scripts" / "rotation_ablation.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("rotation_ablation")
     _, _, res = report
     stats = CalibrationStats.load(str(res / "work" / "stats.safetensors"))
     for (kk, kv), saved in ((("qqt_asc_P", "sst_asc_P"), "rot_oscar-perhead"), (("ktk_desc_N", "vtv_desc_N"), "rot_perhead-kv")):
@@ -296,7 +286,7 @@ def test_rotation_ablation_script(report, random_ckpt, capsys):
     assert ppl["K:ktk_desc_N V:vtv_desc_N"] == pytest.approx(rows["kvcov-head+win"]["ppl"], rel=1e-4)
     # --o-proj: the reference is what the model's own o_proj computes (heads concatenated in the model's order)
     assert set(proj) == {"K:had V:had", "K:ktk_desc_N V:vtv_desc_N"} and all(v < 0 for v in proj.values())
-    from sglang_oscar.calibrate.model import load_model
+    from sglang_oscar.calibrate.model import geometry_of, load_model
 
     model, tok = load_model(str(random_ckpt), dtype="float32", device="cpu")
     ps, _ = select_prompt_set(tok, str(random_ckpt / "heldout.jsonl"), budget=512, seq_len=SEQ, seed=1, max_seq_per_file=1)
@@ -312,7 +302,7 @@ def test_rotation_ablation_script(report, random_ckpt, capsys):
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.rotation import RotationSet
 
-    rep_o = mod.o_proj_error(model, ps, {"had": RotationSet.data_free(model_geometry(model), "hadamard")},
+    rep_o = mod.o_proj_error(model, ps, {"had": RotationSet.data_free(geometry_of(model.config), "hadamard")},
                              OscarConfig(sink_tokens=SINK, recent_tokens=RECENT))
     assert rep_o["overall_db"]["had"] == pytest.approx(proj["K:had V:had"], abs=0.01)
     assert set(rep_o["reference_energy"]) == set(energy) == {"0", "1"}
@@ -322,14 +312,9 @@ def test_rotation_ablation_script(report, random_ckpt, capsys):
 
 def test_rotation_ablation_refuses_bad_input(report, random_ckpt, tmp_path, capsys):
     """Bad arguments stop before the model is loaded, each with a message naming the fix."""
-    import importlib.util
     import shutil
 
-    from quality_helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("rotation_ablation", REPO / "scripts" / "rotation_ablation.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("rotation_ablation")
     work = report[2] / "work"
     base = ["--model", str(random_ckpt), "--stats", str(work), "--seq-len", str(SEQ), "--eval-tokens", "512",
             "--device", "cpu"]
@@ -356,8 +341,6 @@ def test_rotation_ablation_refuses_bad_input(report, random_ckpt, tmp_path, caps
 def test_rotation_ablation_key_error_detail(report, random_ckpt):
     """--k-detail's sums, recomputed head by head with an explicit score matrix (kv head h serves
     queries h*G .. h*G+G-1), for a per-head and a per-layer set and a non-default format."""
-    import importlib.util
-
     from sglang_oscar.calibrate.model import load_model
     from sglang_oscar.calibrate.oracle import oracle_capture
     from sglang_oscar.calibrate.stats import CalibrationStats
@@ -365,11 +348,7 @@ def test_rotation_ablation_key_error_detail(report, random_ckpt):
     from sglang_oscar.quant.int2 import fake_quantize
     from sglang_oscar.rotation import RotationSet
 
-    from quality_helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("rotation_ablation", REPO / "scripts" / "rotation_ablation.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("rotation_ablation")
     stats = CalibrationStats.load(str(report[2] / "work" / "stats.safetensors"))
     sets = {"head": mod.build(stats, "qqt_asc_P", "had"),
             "layer": RotationSet.load(str(report[2] / "work" / "rot_oscar.safetensors"))}
