@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from sglang_oscar.calibrate.error import functional_error  # noqa: E402
+from sglang_oscar.calibrate.model import input_device  # noqa: E402
 from sglang_oscar.calibrate.oracle import RotationCache, mha_output, oracle_capture  # noqa: E402
 from sglang_oscar.calibrate.ppl import perplexity  # noqa: E402
 from sglang_oscar.calibrate.quality import select_prompt_set  # noqa: E402
@@ -143,6 +144,15 @@ def build(stats: CalibrationStats, kind_k: str, kind_v: str) -> RotationSet:
     return RotationSet(k, v, {"method": "ablation"})
 
 
+def run_captured(model, prompts, on_attention) -> None:
+    """Run ``model`` over every held-out sequence with ``on_attention`` seeing each attention call
+    (:func:`sglang_oscar.calibrate.oracle.oracle_capture`; the model keeps its own attention)."""
+    device = input_device(model)
+    with oracle_capture(model, False, on_attention, None):
+        for seq in prompts.sequences:
+            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+
+
 def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig) -> dict[str, Any]:
     """Attention-output error after each layer's ``o_proj`` (dB, per layer and overall).
 
@@ -186,10 +196,7 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
                 num[lid][name] += float(((out - exact).reshape(exact.shape[0], -1) @ w.T).double().pow(2).sum())
         return None
 
-    device = next(model.parameters()).device
-    with oracle_capture(model, False, on_attention, None):
-        for seq in prompts.sequences:
-            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+    run_captured(model, prompts, on_attention)
 
     def db(n, d):
         return 10 * math.log10(max(n, 1e-30) / d)
@@ -243,10 +250,7 @@ def key_error_detail(model, prompts, rots: dict[str, RotationSet], cfg: OscarCon
                 o["range_sq"] += float((y.amax(-1) - y.amin(-1)).double().pow(2).mean())
         return None
 
-    device = next(model.parameters()).device
-    with oracle_capture(model, False, on_attention, None):
-        for seq in prompts.sequences:
-            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+    run_captured(model, prompts, on_attention)
     return out
 
 
