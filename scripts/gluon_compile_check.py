@@ -14,15 +14,17 @@ GPU only.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from sglang_oscar.kernels.compile_check import cuobjdump  # noqa: E402
 
 
 @gluon.jit
@@ -33,24 +35,13 @@ def scale2(x_ptr, y_ptr, n, BLOCK: gl.constexpr):
     gl.store(y_ptr + offs, gl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
-def sass_of(cubin: bytes) -> str:
-    """SASS listing of a cubin (the Triton wheel's ``cuobjdump``)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter has no compiler", file=sys.stderr)
         return 2
     src = GluonASTSource(scale2, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    sass = sass_of(k.asm["cubin"])
+    sass = cuobjdump(k.asm["cubin"], "-sass")
     count = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
     print(f"triton {triton.__version__}: artefacts {sorted(k.asm)}; {count} SASS instructions")
     return 0

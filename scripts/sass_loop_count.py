@@ -15,20 +15,14 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
-import triton  # noqa: E402
-
 import compile_sm90  # noqa: E402
-from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+from sglang_oscar.kernels.compile_check import COMPILED, compile_only, cuobjdump  # noqa: E402
 
 
 def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
@@ -57,11 +51,8 @@ def main(argv=None) -> int:
         with compile_only("cuda", 90):
             compile_sm90._attn("d", tuning=tn)
         k = next(c[3] for c in COMPILED if c[0] == "_decode_stage1")
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
+        res = cuobjdump(k.asm["cubin"], "-res-usage")
+        sass = cuobjdump(k.asm["cubin"], "-sass")
         usage = " ".join(x.strip() for x in res.splitlines() if "REG" in x)
         print(f"{json.dumps(tn)}: {usage} shared {k.metadata.shared}")
         for lo, hi, ops in loops(sass):

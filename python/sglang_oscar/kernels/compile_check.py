@@ -86,3 +86,25 @@ def launch(kernel, grid, *args, **kwargs):
     if _TARGET is not None:
         return compile_launch(kernel, args, kwargs)
     return kernel[grid](*args, **kwargs)
+
+
+def cuobjdump(cubin: bytes, flag: str = "-sass") -> str:
+    """Output of the Triton wheel's ``cuobjdump <flag>`` on a cubin (``-sass``: the SASS listing,
+    ``-res-usage``: registers / stack / shared memory per kernel).
+
+    Raises:
+        subprocess.CalledProcessError: ``cuobjdump`` failed.
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
