@@ -51,19 +51,22 @@ from sglang_oscar.kernels import (  # noqa: E402
     interpreting,
     write_kv,
 )
-from sglang_oscar.kernels.launch import STAGES1_MIN_PAIRS, AttnTuning, choose_num_splits, plan_head_blocks  # noqa: E402
+from sglang_oscar.kernels.launch import (  # noqa: E402
+    STAGES1_MIN_PAIRS,
+    AttnTuning,
+    choose_num_splits,
+    decode_engine,
+    plan_head_blocks,
+)
 
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256
 
-SWEEP = [  # compared with the default (convert 5 + pairs_ahead, block_n 32, one warp; docs/kernels.md)
-    dict(convert=3, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),  # default before 2026-11-30 (2)
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, pairs_ahead=False),
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=2, defer_sums=False),  # default before 2026-11-30 (4)
-    dict(convert=5, token_major=True, num_warps=1, block_n=64),
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=1),  # best at 32K x 32 (sweep 2026-11-30 (3))
-    dict(convert=5, token_major=True, num_warps=1, block_n=16, num_stages=3),
-    dict(convert=5, token_major=True, num_warps=1, block_n=32, num_stages=2),  # 2 stages + deferred sums at every batch
+SWEEP = [  # compared with the default (the Gluon engine where it applies: kernels/gluon_decode.py)
+    dict(engine="triton"),  # the Triton stage 1 with its defaults (the default before 2026-11-30 (6))
+    dict(engine="triton", num_stages=1),  # best Triton tuning at 32K x 32 (sweep 2026-11-30 (3))
+    dict(engine="gluon", maxnreg=255),  # no register cap (172 registers: 11 programs per SM)
+    dict(engine="gluon", block_n=16),
 ]
 
 
@@ -340,8 +343,10 @@ def main(argv=None) -> int:
                 case = Case(bsz, ctx, device, layout, with_bf16=True)
                 r = {"ctx": ctx, "batch": bsz}
                 _, _, bpk, _ = plan_head_blocks(HQ, HKV, default_tuning["min_block_h"], default_tuning["max_block_h"])
+                engine = decode_engine(AttnTuning.of(None).resolved(D), layout, case.q, torch.float16, False)
                 ns = choose_num_splits(bsz, HKV * bpk, device=device, max_seq_len=ctx,
-                                       block_n=default_tuning["block_n"])
+                                       block_n=default_tuning["block_n"], engine=engine)
+                r["engine"] = engine
                 ws = decode_workspace(bsz, HQ, D, ns + decode_num_hp_splits(SINK, RECENT), device)
                 out = torch.empty(bsz, HQ, D, dtype=torch.bfloat16, device=device)
                 ref = case.run_int2(num_kv_splits=ns, workspace=ws, out=out).float().clone()
@@ -473,6 +478,9 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
                  f"run {elapsed:.0f} s{' (SMOKE: interpreter timings are meaningless)' if smoke else ''}; "
                  f"timing: {TIMING['mode']}" + (" (CUDA graph of 16 calls, 256 MB L2 flush before each, flush time "
                                                 "subtracted)" if TIMING["mode"] == "graph" else ""))
+    engines = sorted({r["engine"] for r in rows if r.get("engine")})
+    lines.append(f"INT2 default engine (stage 1): {', '.join(engines) or 'n/a'} (``engine=None`` resolves to the Gluon "
+                 "kernel where it applies, kernels/gluon_decode.py; Triton knobs below apply to the Triton engine)")
     lines.append(f"INT2 default tuning: `{json.dumps(default_tuning, sort_keys=True)}` below {STAGES1_MIN_PAIRS} "
                  f"(request, kv head) pairs per step, `num_stages` 1 and no `defer_sums` from there (launch.STAGES1_MIN_PAIRS)")
     lines.append("")

@@ -8,7 +8,7 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep}"
-grid='[{}, {"convert": 3, "pairs_ahead": false}, {"maxnreg": 168}, {"maxnreg": 128}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 128}, {"block_n": 16, "maxnreg": 128}]'
+grid='[{}, {"engine": "gluon", "block_n": 16}, {"engine": "triton"}, {"engine": "triton", "num_stages": 1}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do

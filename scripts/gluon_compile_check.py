@@ -9,6 +9,11 @@ developed against static instruction counts on the CPU box and tested against th
 GPU only.
 
     python scripts/gluon_compile_check.py     # prints the artefacts and the SASS instruction count
+    python scripts/gluon_compile_check.py --decode [--block-n 32]   # the Gluon decode loop (JSON)
+
+``--decode`` compiles ``kernels.gluon_decode._gluon_decode_stage1`` (32 q / 8 kv heads, head_dim 128)
+and prints one JSON line: registers, spill stack, shared memory, and the opcode counts of each
+backward-branch loop (the HP-tier loop, then the INT2 key loop).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from sglang_oscar.kernels.compile_check import cuobjdump  # noqa: E402
+from sglang_oscar.kernels.compile_check import cuobjdump, sass_loops  # noqa: E402
 
 
 @gluon.jit
@@ -35,10 +40,44 @@ def scale2(x_ptr, y_ptr, n, BLOCK: gl.constexpr):
     gl.store(y_ptr + offs, gl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
-def main() -> int:
+def decode_loop_stats(block_n: int = 32) -> dict:
+    """Compile the Gluon decode kernel for sm_90 through the real launch path (``decode_attention``
+    with ``engine="gluon"`` inside ``compile_check.compile_only``, on the small CPU pool of
+    tests/kernels/compile_sm90.py: 32 q / 8 kv heads, head_dim 128, so Triton specialises the
+    strides as it would on the GPU) and return its resource use and loop opcodes."""
+    import re
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
+    import compile_sm90
+
+    from sglang_oscar.kernels.compile_check import COMPILED, compile_only
+
+    with compile_only("cuda", 90):
+        before = len(COMPILED)
+        compile_sm90._attn("d", tuning=dict(engine="gluon", block_n=block_n))
+        k = next(c[3] for c in COMPILED[before:] if c[0] == "_gluon_decode_stage1")
+    usage = cuobjdump(k.asm["cubin"], "-res-usage")
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    loops = [dict(ops) for _, _, ops in sass_loops(cuobjdump(k.asm["cubin"], "-sass"))]
+    return {"block_n": block_n, "registers": int(m.group(1)), "stack": int(m.group(2)),
+            "shared": int(k.metadata.shared), "loops": loops,
+            "loop_instructions": [sum(x.values()) for x in loops]}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--decode", action="store_true", help="compile the Gluon decode loop, print JSON stats")
+    ap.add_argument("--block-n", type=int, default=32, choices=(16, 32, 64))
+    args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter has no compiler", file=sys.stderr)
         return 2
+    if args.decode:
+        print(json.dumps(decode_loop_stats(args.block_n)))
+        return 0
     src = GluonASTSource(scale2, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     sass = cuobjdump(k.asm["cubin"], "-sass")

@@ -11,10 +11,8 @@ Uses ``kernels.compile_check.compile_only`` with the small CPU pool of tests/ker
 
 from __future__ import annotations
 
-import collections
 import json
 import os
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,25 +21,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 import compile_sm90  # noqa: E402
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only, cuobjdump  # noqa: E402
-
-
-def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
-    """``(start, end, opcode counts)`` of every backward-branch loop in a SASS listing."""
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-    out = []
-    for a, text in ins:
-        if "BRA" in text:
-            t = re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])
-            if t and int(t.group(1), 16) < a:
-                lo = int(t.group(1), 16)
-                body = [x for b, x in ins if lo <= b <= a]
-                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
-                out.append((lo, a, ops))
-    return out
+from sglang_oscar.kernels.compile_check import sass_loops as loops  # noqa: E402
 
 
 def main(argv=None) -> int:

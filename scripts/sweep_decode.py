@@ -35,20 +35,15 @@ import bench_decode as bd  # noqa: E402
 from sglang_oscar.kernels import Int2Layout, decode_num_hp_splits, decode_workspace  # noqa: E402
 from sglang_oscar.kernels.launch import AttnTuning  # noqa: E402
 
-DEFAULT_GRID = [  # {} = the default (convert 5 + pairs_ahead, block_n 32, one warp; num_stages 1 from 256 (request, kv head) pairs)
+DEFAULT_GRID = [  # {} = the default: the Gluon engine where it applies (kernels/gluon_decode.py)
     {},
-    {"pairs_ahead": False},
-    {"convert": 3, "pairs_ahead": False},  # the default before 2026-11-30 (second session)
-    {"num_stages": 3},
-    {"maxnreg": 168},  # 194 -> 168 registers (24 B spill): 12 programs by registers, still 8 by shared memory
-    {"maxnreg": 128},  # 96 B spill, 723 instr / 32 keys; 16 programs by registers, still 8 by shared memory
-    {"num_stages": 1},  # 168 registers, 4 KB shared memory: 12 programs per SM, no async-copy pipeline
-    {"num_stages": 1, "maxnreg": 128},  # 56 B spill, 714 instr / 32 keys: 16 programs per SM
-    {"block_n": 16},
-    {"block_n": 16, "num_stages": 3},
-    {"block_n": 16, "maxnreg": 128},
-    {"block_n": 64},
-    {"convert": 2, "block_n": 128, "num_warps": 4, "num_stages": 3, "pairs_ahead": False},
+    {"engine": "gluon", "maxnreg": 255},  # no register cap: 172 registers, 11 programs per SM
+    {"engine": "gluon", "block_n": 16},
+    # the Triton engine (the default before 2026-11-30 (6)) and some of its knobs
+    {"engine": "triton"},
+    {"engine": "triton", "num_stages": 1},  # 168 registers, 4 KB shared memory: 12 programs per SM
+    {"engine": "triton", "maxnreg": 168},
+    {"engine": "triton", "block_n": 16, "num_stages": 3},
 ]
 
 

@@ -154,8 +154,10 @@ def _zero_mean_rows(t, h, d, device):
     return torch.randn(t, h, d, device=device)
 
 
-@pytest.mark.parametrize("tuning", [None, dict(convert=2, block_n=64), dict(convert=1, token_major=False),
-                                    dict(convert=3, pairs_ahead=False), dict(convert=5, pairs_ahead=False)])
+@pytest.mark.parametrize("tuning", [None, dict(engine="triton"), dict(convert=2, block_n=64, engine="triton"),
+                                    dict(convert=1, token_major=False, engine="triton"),
+                                    dict(convert=3, pairs_ahead=False, engine="triton"),
+                                    dict(convert=5, pairs_ahead=False, engine="triton")])
 def test_gpu_decode_long_split_independent_of_split_count(tuning):
     """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
 
@@ -200,8 +202,8 @@ def test_gpu_decode_every_tuning(quantizer, group):
     q = torch.randn(4, 32, 128, device=DEV)
     ref = reference_decode(pool, q)
     errs = {}
-    for tn in TUNINGS:
-        o = run_decode(pool, rotate_q(pool, q), tuning=tn, num_kv_splits=None, debug=False)
+    for tn in TUNINGS:  # Triton knobs: run them on the Triton engine (unset, uniform layouts take Gluon)
+        o = run_decode(pool, rotate_q(pool, q), tuning=dict(tn, engine="triton"), num_kv_splits=None, debug=False)
         errs[str(tn)] = rel_l2(o, ref)
     bad = {k: v for k, v in errs.items() if not v < 1e-2}
     assert not bad, bad
@@ -215,10 +217,11 @@ def test_gpu_decode_subnormal_operands_match_convert3(quantizer, cap):
     cfg = make_config(quantizer=quantizer, sink=SINK, recent=RECENT)
     pool = build_pool([_n(20000), _n(3000), 333, 70], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
     q = rotate_q(pool, torch.randn(4, 32, 128, device=DEV))
-    base = run_decode(pool, q, tuning=dict(convert=3, pairs_ahead=False), logit_cap=cap, num_kv_splits=None,
+    base = run_decode(pool, q, tuning=dict(convert=3, pairs_ahead=False, engine="triton"), logit_cap=cap,
+                      num_kv_splits=None,
                       debug=False)
     for tn in (dict(convert=5, pairs_ahead=False), dict(convert=5, pairs_ahead=True), dict(convert=3, pairs_ahead=True)):
-        o = run_decode(pool, q, tuning=tn, logit_cap=cap, num_kv_splits=None, debug=False)
+        o = run_decode(pool, q, tuning=dict(tn, engine="triton"), logit_cap=cap, num_kv_splits=None, debug=False)
         assert rel_l2(o, base) < 2e-3, (tn, rel_l2(o, base))
 
 
@@ -321,3 +324,92 @@ def test_gpu_extend_window_cap_fp32():
     o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32, sliding_window=w,
                    logit_cap=20.0, debug=False)
     assert rel_l2(o, ref) < 1e-4
+
+
+# ---- Gluon engine (kernels/gluon_decode.py): the INT2 splits with explicit register layouts
+
+GLUON_CASES = {
+    # name: (lens, hq, hkv, window, sink_lens, num_kv_splits, block_n)
+    "b1_ctx128k": ([131072], 32, 8, None, False, None, 32),
+    "b64_mixed": (None, 32, 8, None, False, None, 32),
+    "gqa6_uncapped": ([10000] * 4, 24, 4, None, False, None, 32),
+    "gqa16_two_head_blocks": ([20000, 3000], 32, 2, None, False, None, 32),
+    "mha_bn16_hp_fp16": ([5000, 700], 8, 8, None, False, 7, 16),
+    "window_sinklens": ([16384] * 8, 32, 8, 4096, True, None, 32),
+}
+
+
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_gpu_decode_gluon_vs_reference(name):
+    """engine='gluon' against the oracle (BF16 output) and the Triton engine on the same pool."""
+    fresh_seed()
+    lens, hq, hkv, window, sinkl, ns, bn = GLUON_CASES[name]
+    if lens is None:
+        lens = [random.randint(1, _n(8192)) for _ in range(64 if SCALE >= 0.1 else 4)]
+        lens[:4] = [1, SINK, SINK + RECENT, SINK + RECENT + 1]
+    lens = [max(1, _n(x)) if x > 1000 else x for x in lens]
+    window = _n(window) if window else window
+    cfg = make_config(sink=SINK, recent=RECENT)
+    hp_dtype = torch.float16 if "hp_fp16" in name else torch.bfloat16
+    pool = build_pool(lens, hkv, 128, 128, cfg, hp_dtype=hp_dtype, device=DEV)
+    q = torch.randn(len(lens), hq, 128, device=DEV)
+    kw = dict(sliding_window=window, num_kv_splits=ns, debug=False)
+    if sinkl:
+        sl = torch.full((pool.hp_index.shape[0],), SINK, dtype=torch.int32, device=DEV)
+        sl[pool.req_pool_indices[1:3]] = torch.tensor([SINK // 2, 0], dtype=torch.int32, device=DEV)
+        kw["sink_lens"] = sl
+    qr = rotate_q(pool, q).to(torch.bfloat16)
+    tn = dict(engine="gluon", block_n=bn, maxnreg=255 if "uncapped" in name else None)
+    o = run_decode(pool, qr, tuning=tn, out_dtype=torch.bfloat16, **kw)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, **kw)
+    assert rel_l2(o, base) < 5e-3
+    if not sinkl:
+        assert rel_l2(o, reference_decode(pool, q, sliding_window=window)) < 1e-2
+
+
+@pytest.mark.parametrize("tuning", [dict(engine="gluon"), dict(engine="gluon", block_n=16)])
+def test_gpu_decode_gluon_long_split_independent_of_split_count(tuning):
+    """As test_gpu_decode_long_split_independent_of_split_count, for the Gluon engine."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    lens = [_n(131072), _n(65536)]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV, rows=_zero_mean_rows)
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    ref = reference_decode(pool, q)
+    outs = {ns: run_decode(pool, rotate_q(pool, q), tuning=tuning, num_kv_splits=ns, debug=False)
+            for ns in (1, 2, 64)}
+    errs = {ns: rel_l2(o, ref) for ns, o in outs.items()}
+    assert all(e < 1e-2 for e in errs.values()), errs
+    assert rel_l2(outs[1], outs[64]) < 5e-3, (errs, rel_l2(outs[1], outs[64]))
+
+
+def test_gpu_decode_gluon_cuda_graph_replay():
+    """The Gluon launch captures in a CUDA graph; replay with shorter lengths equals eager."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    lens = [_n(9000), _n(4000), 700, 300]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    b, hq = len(lens), 32
+    q_static = rotate_q(pool, torch.randn(b, hq, 128, device=DEV)).to(torch.bfloat16)
+    seq_static = pool.seq_lens.clone()
+    out = torch.empty(b, hq, 128, dtype=torch.bfloat16, device=DEV)
+    ws = decode_workspace(b, hq, 128, 66, DEV)
+
+    def step():
+        decode_attention(q_static, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v,
+                         pool.hp_index, pool.req_to_token, pool.req_pool_indices, seq_static, pool.layout,
+                         sink=SINK, recent=RECENT, num_kv_splits=64, num_hp_splits=2, workspace=ws, out=out,
+                         tuning=dict(engine="gluon"), debug=False)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seq_static.copy_(pool.seq_lens - 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = out.clone()
+    step()
+    torch.cuda.synchronize()
+    assert torch.equal(got, out)

@@ -25,7 +25,6 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels import decode_attention, extend_attention
-from ..kernels.launch import choose_num_splits, plan_head_blocks
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from .rotations import model_geometry, rank_rotations, served_rotation_set
 
@@ -159,13 +158,13 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         kc, kp, vc, vp, hk, hv = self.pool.int2_buffers(layer.layer_id)
         bs = q_rot.shape[0]
-        _, _, bpk, _ = plan_head_blocks(layer.tp_q_head_num, layer.tp_k_head_num)
-        splits = choose_num_splits(bs, layer.tp_k_head_num * bpk, device=q.device, max_seq_len=self.max_context_len)
+        # the split count follows from the batch size, the head counts, the engine and the static
+        # context bound (decode_attention's default), never from this step's lengths (CUDA graphs)
         o = decode_attention(
             q_rot, kc, kp, vc, vp, hk, hv, self.windows.hp_index, self._int2_req_to_token,
             forward_batch.req_pool_indices, forward_batch.seq_lens, self.layout,
             sink=self.config.sink_tokens, recent=self.config.recent_tokens, sm_scale=layer.scaling,
-            logit_cap=layer.logit_cap or None, out_dtype=torch.float32, num_kv_splits=splits,
+            logit_cap=layer.logit_cap or None, out_dtype=torch.float32, max_seq_len=self.max_context_len,
             sink_lens=self.windows.sink_lens, validate=False,
         )
         return _rotate(o, rv, q.dtype, transpose=True).reshape(bs, layer.tp_q_head_num * layer.v_head_dim)

@@ -75,7 +75,10 @@ def compile_launch(kernel, args: tuple, kwargs: dict):
         else:
             raise TypeError(f"cannot describe argument {name}={v!r} for offline compile")
     t0 = time.time()
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=_TARGET, options=options)
+    source = ASTSource
+    if type(kernel).__name__ == "GluonJITFunction":  # Gluon kernels compile from their own AST source
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=_TARGET, options=options)
     COMPILED.append((kernel.__name__, dict((k, v) for k, v in constexprs.items() if not hasattr(v, "data_ptr")),
                      time.time() - t0, compiled))
     return compiled
@@ -108,3 +111,26 @@ def cuobjdump(cubin: bytes, flag: str = "-sass") -> str:
         return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def sass_loops(sass: str) -> list:
+    """``(start, end, opcode Counter)`` of every backward-branch loop in a SASS listing
+    (:func:`cuobjdump` ``-sass``); predicates are stripped, so ``@P0 LDG.E`` counts as ``LDG``."""
+    import collections
+    import re
+
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    out = []
+    for a, text in ins:
+        if "BRA" in text:
+            t = re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])
+            if t and int(t.group(1), 16) < a:
+                lo = int(t.group(1), 16)
+                body = [x for b, x in ins if lo <= b <= a]
+                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+                out.append((lo, a, ops))
+    return out

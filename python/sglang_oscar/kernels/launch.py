@@ -33,11 +33,13 @@ from .codes import (
     CONVERT_SUBNORMAL_EMULATED,
     LOG2E,
 )
+from .compile_check import active as compiling_offline
 from .compile_check import launch as _launch
 from .decode import _decode_stage1, _decode_stage2
 from .dequant import _dequant_kernel
 from .extend import _extend_kernel
 from .flush import _flush_kernel
+from .gluon_decode import gluon_decode_supported, launch_gluon_decode
 from .layout import TORCH_TO_TL, Int2Layout, next_pow2
 from .validate import (
     INDEX_DTYPES,
@@ -518,14 +520,23 @@ class AttnTuning:
             option; ``None`` = no cap). Fewer registers let more warps share an SM (65,536
             registers per SM, 16K per scheduler partition, allocated per warp in steps of 256:
             255 or 194 -> 8 warps, 168 -> 12, 128 -> 16, 96 -> 20, 64 -> 32) at the risk of spills.
+        engine: decode stage 1: ``"triton"`` (:mod:`.decode`, every layout) or ``"gluon"``
+            (:mod:`.gluon_decode`: explicit register layouts, no layout changes in the INT2 loop;
+            CUDA sm_80+, head_dim 128, one fp16 pair group per row, uniform levels, fp16 operands,
+            no logit cap -- naming ``"gluon"`` for a call outside that scope raises ``ValueError``
+            with the reason). ``None`` = ``"gluon"`` where it applies, else ``"triton"`` (so the
+            interpreter and every other layout run Triton). The merge is Triton either way; with
+            ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or 32) and
+            ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy offers 12
+            per SM at batch 1, :func:`choose_num_splits`).
     """
 
     __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-                 "token_major", "maxnreg", "pairs_ahead", "defer_sums")
+                 "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine")
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
                  min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
-                 defer_sums=None):
+                 defer_sums=None, engine=None):
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
@@ -537,6 +548,9 @@ class AttnTuning:
         self.maxnreg = None if maxnreg is None else int(maxnreg)
         self.pairs_ahead = None if pairs_ahead is None else bool(pairs_ahead)
         self.defer_sums = None if defer_sums is None else bool(defer_sums)
+        if engine not in (None, "triton", "gluon"):
+            raise ValueError(f"tuning engine={engine!r} must be 'triton' or 'gluon'")
+        self.engine = engine
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
@@ -724,12 +738,13 @@ def _sm_count(device) -> int:
 
 def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
                       block_n: int = 64, waves: float | None = None, max_splits: int = 256,
-                      min_split_tokens: int = 64) -> int:
+                      min_split_tokens: int = 64, engine: str = "triton") -> int:
     """INT2 splits per (request, head block): ``ceil(waves x SMs / (batch x head_programs))``.
 
     ``waves`` (programs per SM the grid offers) defaults to 8 when ``batch x head_programs <=
     16`` (batch 1 of an 8-kv-head model: one wave of ~1,000 programs; more splits measured
-    slower) and 32 otherwise (several full waves; with the current default 9-63% faster than 8
+    slower; 12 with ``engine="gluon"``, whose 168-register programs fit 12 per SM: 63.6 vs 74.8 us
+    at 128K x 1, 30.9 vs 29.8 us at 32K x 1, H200 sweep 2026-11-30 (6)) and 32 otherwise (several full waves; with the current default 9-63% faster than 8
     at batch 8-32 except 4K x 8, 12% slower), from the H200 sweeps in docs/benchmarks.md. With
     ``max_seq_len`` (a *static* bound such as the server's context length) a split keeps at
     least ``min_split_tokens`` keys (at 4K x batch 1: 16 splits of 256 keys 24 us and 128 splits
@@ -748,7 +763,7 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
     sms = _sm_count(torch.device(device) if device is not None else torch.device("cpu"))
     programs = max(1, batch * head_programs)
     if waves is None:
-        waves = 8.0 if programs <= 16 else 32.0
+        waves = (12.0 if engine == "gluon" else 8.0) if programs <= 16 else 32.0
     ns = math.ceil(waves * sms / programs)
     if max_seq_len is not None:
         ns = min(ns, max(1, math.ceil(max_seq_len / max(min_split_tokens, block_n))))
@@ -854,16 +869,48 @@ def _debug_request_indices(req_pool_indices, seq_lens, hp_index, req_to_token, h
 # ---------------------------------------------------------------------------------------------
 
 
+#: register cap of the Gluon decode kernel unless the tuning names one (12 one-warp programs per SM)
+GLUON_MAXNREG = 168
+
+
+def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma_dtype: torch.dtype,
+                  has_cap: bool) -> str:
+    """The stage-1 engine a decode call runs: the tuning's ``engine``, or with ``None`` ``"gluon"``
+    where :func:`.gluon_decode.gluon_decode_supported` accepts the call (a CUDA sm_80+ device, not
+    an offline compile) and ``block_n`` is 16 / 32, else ``"triton"``.
+
+    Raises:
+        ValueError: ``engine="gluon"`` named for a call it cannot run (the reason is in the message).
+    """
+    why = gluon_decode_supported(layout, q, mma_dtype, has_cap)
+    if why is None and tuning.block_n not in (16, 32):
+        why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
+    if tuning.engine == "gluon" and why is not None:
+        raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
+                         "use engine='triton' (or leave engine unset), which covers every layout")
+    if tuning.engine is not None:
+        return tuning.engine
+    # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
+    # left unset it compiles the Triton kernel, as before the Gluon engine existed
+    return "gluon" if why is None and not compiling_offline() else "triton"
+
+
 def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
     """Stage-1 scratch ``(o_part [B, H_q, S, D_v] fp32, lse [B, H_q, S] fp32)`` (preallocate for graphs)."""
     return (torch.empty((batch, num_q_heads, total_splits, head_dim_v), dtype=torch.float32, device=device),
             torch.empty((batch, num_q_heads, total_splits), dtype=torch.float32, device=device))
 
 
+#: HP positions per default HP split (:func:`decode_num_hp_splits`)
+HP_SPLIT_POSITIONS = 48
+
+
 def decode_num_hp_splits(sink: int, recent: int) -> int:
-    """Default HP splits: one per 128 HP positions, 1..8 (a BF16 position costs several INT2 ones,
-    so HP splits are kept short to not be the long pole at short contexts)."""
-    return int(max(1, min(8, math.ceil((sink + recent) / 128))))
+    """Default HP splits: one per :data:`HP_SPLIT_POSITIONS` (48) HP positions, 1..8 (a BF16 position
+    costs several INT2 ones, so HP splits are kept short to not be the long pole at short contexts:
+    7 splits for the default 64 + 256; 128 positions per split before the Gluon engine, whose HP
+    loop is slower per key than its INT2 loop)."""
+    return int(max(1, min(8, math.ceil((sink + recent) / HP_SPLIT_POSITIONS))))
 
 
 def decode_attention(
@@ -950,7 +997,8 @@ def decode_attention(
     if num_hp_splits is None:
         num_hp_splits = decode_num_hp_splits(sink, recent)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_splits(bsz, hkv * bpk, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n)
+        num_kv_splits = choose_num_splits(bsz, hkv * bpk, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
+                                          engine=decode_engine(tn, layout, q, op, logit_cap is not None and logit_cap > 0))
     if num_hp_splits < 1 or num_kv_splits < 1:
         raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
     ns = num_hp_splits + num_kv_splits
@@ -985,30 +1033,39 @@ def decode_attention(
     idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
     token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
     convert = effective_convert(tn.convert, op, permuting_ok(layout), subnormal_ok=token_major)
-    grid = (bsz, hkv * bpk, ns)
-    _launch(_decode_stage1, grid,
-        q, q.stride(0), q.stride(1),
-        k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
-        v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
-        hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
-        hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
-        hp_index if sink_lens is None else sink_lens,
-        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
-        qscale, cap_log2e, sink, recent, sliding_window or 0,
-        *_attn_constants(layout),
-        GROUP=group, HEADS_PER_BLOCK=hpb, BLOCKS_PER_KV=bpk, BLOCK_H=block_h,
-        QK=layout.k.quarter, QKP=layout.k.quarter_p2, GK=layout.k.group_size, NGK=layout.k.num_groups,
-        K_FAST=layout.k.quarter_aligned,
-        QV=layout.v.quarter, QVP=layout.v.quarter_p2, GV=layout.v.group_size, NGV=layout.v.num_groups,
-        V_FAST=layout.v.quarter_aligned,
-        LM=layout.lloyd, OP=_tl(op), PREC="ieee" if op == torch.float32 else None,
-        CONVERT=convert,
-        HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
-        TOKEN_MAJOR=token_major,
-        NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
-        PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
-        num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
-    )
+    gluon = decode_engine(tn, layout, q, op, has_cap) == "gluon"
+    if gluon:
+        # stage 1, both tiers, in one Gluon launch (kernels/gluon_decode.py)
+        launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
+                            req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
+                            sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
+                            block_n=tn.block_n, idx64=idx64,
+                            maxnreg=None if interpreting() else (tn.maxnreg or GLUON_MAXNREG))
+    else:
+        grid = (bsz, hkv * bpk, ns)
+        _launch(_decode_stage1, grid,
+            q, q.stride(0), q.stride(1),
+            k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
+            v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
+            hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
+            hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+            hp_index if sink_lens is None else sink_lens,
+            o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
+            qscale, cap_log2e, sink, recent, sliding_window or 0,
+            *_attn_constants(layout),
+            GROUP=group, HEADS_PER_BLOCK=hpb, BLOCKS_PER_KV=bpk, BLOCK_H=block_h,
+            QK=layout.k.quarter, QKP=layout.k.quarter_p2, GK=layout.k.group_size, NGK=layout.k.num_groups,
+            K_FAST=layout.k.quarter_aligned,
+            QV=layout.v.quarter, QVP=layout.v.quarter_p2, GV=layout.v.group_size, NGV=layout.v.num_groups,
+            V_FAST=layout.v.quarter_aligned,
+            LM=layout.lloyd, OP=_tl(op), PREC="ieee" if op == torch.float32 else None,
+            CONVERT=convert,
+            HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
+            TOKEN_MAJOR=token_major,
+            NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
+            PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
+            num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
+        )
     nsp = next_pow2(ns)
     _launch(_decode_stage2, (bsz, hq),
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),

@@ -1,0 +1,526 @@
+"""Gluon INT2 decode loop: the INT2 splits of decode attention with explicit register layouts.
+
+The Triton stage-1 kernel (:mod:`.decode`) spends about a sixth of its instructions moving the
+converted code tiles between the register layout they are loaded in and the layout the tensor
+cores read (shared-memory round trips and warp shuffles, ``scripts/sass_loop_count.py``). This
+kernel is written in Gluon (``triton.experimental.gluon``), where every tensor's distribution over
+lanes and registers is chosen explicitly, and loads the packed codes so that each thread already
+holds the words whose codes it feeds to ``mma.sync`` (m16n8k16): no layout change anywhere in the
+loop. It computes exactly the INT2 splits of :func:`.decode._decode_stage1` (same split ranges,
+same partial outputs and base-2 log-sum-exp), so the HP splits and the merge stay Triton.
+
+Scope (:func:`gluon_decode_supported`): CUDA sm_80+, K and V head_dim 128, one (scale, zero) pair
+per row in fp16, uniform levels, fp16 MMA operands, no logit cap; sliding window and per-request
+sink lengths are supported. One warp per program, ``BLOCK_N`` keys per iteration.
+
+How the operands line up (head_dim 128: a K or V row is 32 bytes = 8 words; byte ``j`` holds
+the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sglang_oscar.quant`):
+
+* **Code conversion.** ``w & (3 << 2k | 3 << 16+2k)`` leaves two fp16 *subnormals* in a 32-bit
+  register, of value ``c * 2^(2k-24)`` (``k`` = the quarter); ``w >> 8`` does the same for the odd
+  bytes. One AND per two codes, one shift per word, no int->float conversion; q carries
+  ``2^(8-2k)`` so every product is ``q c 2^-16`` (the Triton kernel's ``CONVERT=5`` operands).
+* **K (scores, S^T = codes q^T).** The A operand ``[BLOCK_N, 128]`` of ``mma.sync`` gives thread
+  ``(g, t)`` (``lane = 4 g + t``) rows ``g, g+8, ...`` and, per row, 32 of the 128 reduction
+  positions. Those are made the 32 codes of words ``2t, 2t+1`` of the row (one 8-byte load): the
+  reduction order is free, so the logical column ``c`` is *defined* as the dim those codes belong
+  to (:func:`k_column_dims`) and q is loaded in the same order.
+* **V (values, O^T = codes^T P^T).** The A operand ``[128, BLOCK_N]`` gives thread ``(g, t)`` 16
+  output rows and, per 16 keys, keys ``2t, 2t+1, 2t+8, 2t+9``: the 16 codes of word ``g`` of each
+  of those keys (one 4-byte load per key). Two keys' bytes are paired with one ``prmt`` so a
+  register holds the same dim of keys ``2t`` and ``2t+1``. Output row ``r`` is dim
+  :func:`v_row_dims` ``[r]``; the epilogue stores through that map and undoes ``2^(2k-24)``.
+* **P.** The score accumulator (rows = keys) is the transpose of the B operand the value MMA
+  needs (rows = keys along the reduction); one ``movmatrix.trans`` per 8x8 tile moves it.
+
+Numerics follow :mod:`.tiles`' token-major path: per block a fresh MMA, folded into the running
+accumulator with an fp32 FMA (tensor cores truncate when they accumulate, and the zero-point
+correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` is scaled by
+``v_scale / ref`` (``ref`` = running max of the V scales) so the fp16 operand stays in ``[0, 1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compile_check import launch as _launch
+
+try:  # Gluon ships with triton >= 3.5; this module is optional (the Triton kernels cover everything)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - exercised only with an older triton
+    HAVE_GLUON = False
+
+HEAD_DIM = 128
+HEADS_PER_PROGRAM = 8  # the MMA's N: q heads of one kv head per program (padded, masked)
+NEG_INF = float("-inf")  # host-side; the kernel uses NEG_INF_C
+
+
+def k_column_dims(head_dim: int = HEAD_DIM) -> list[int]:
+    """Dim of K fed at logical reduction column ``c`` of the score MMA, for ``c`` in ``[0, 128)``.
+
+    ``c = 8 o + 2 t + h``: thread ``t``'s words ``2t + o // 8``; ``o % 8 < 4`` the even bytes,
+    else the odd ones (after ``>> 8``); ``h`` the low / high 16-bit half (bytes 0/1 vs 2/3);
+    ``o % 4`` the quarter. Returns a permutation of ``range(128)``.
+    """
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"the Gluon decode loop is built for head_dim {HEAD_DIM}, not {head_dim}")
+    q = head_dim // 4
+    dims = []
+    for c in range(head_dim):
+        o, t, h = c // 8, (c // 2) % 4, c % 2
+        word = 2 * t + o // 8
+        byte = 2 * h + (o // 4) % 2
+        dims.append(4 * word + byte + q * (o % 4))
+    return dims
+
+
+def v_row_dims(head_dim: int = HEAD_DIM) -> list[int]:
+    """Dim of V held in row ``r`` of the value accumulator ``O^T`` (``r = 8 m + g``: word ``g``,
+    byte ``m // 4`` of it, quarter ``m % 4``). Returns a permutation of ``range(128)``."""
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"the Gluon decode loop is built for head_dim {HEAD_DIM}, not {head_dim}")
+    q = head_dim // 4
+    return [4 * (r % 8) + (r // 8) // 4 + q * ((r // 8) % 4) for r in range(head_dim)]
+
+
+def _k_asm() -> str:
+    # pack=2: $16 = word 2t, $17 = word 2t+1 of one key row; 16 outputs, each two fp16 subnormals
+    lines = ["{", ".reg .b32 a8, b8;", "shr.b32 a8, $16, 8;", "shr.b32 b8, $17, 8;"]
+    o = 0
+    for src in ("$16", "a8", "$17", "b8"):
+        for k in range(4):
+            lines.append(f"and.b32 ${o}, {src}, 0x{(0x00030003 << (2 * k)):08X};")
+            o += 1
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _v_asm() -> str:
+    # pack=2: $16 / $17 = word g of keys 2t / 2t+1; output m = 4 byte + quarter, low half key 2t
+    lines = ["{", ".reg .b32 x, y, x8, y8;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;",
+             "shr.b32 x8, x, 8;", "shr.b32 y8, y, 8;"]
+    o = 0
+    for src in ("x", "x8", "y", "y8"):
+        for k in range(4):
+            lines.append(f"and.b32 ${o}, {src}, 0x{(0x00030003 << (2 * k)):08X};")
+            o += 1
+    lines.append("}")
+    return "\n".join(lines)
+
+
+if HAVE_GLUON:
+    K_ASM = gl.constexpr(_k_asm())
+    V_ASM = gl.constexpr(_v_asm())
+    MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+    OUT16 = gl.constexpr("=r," * 16 + "r,r")
+    NEG_INF_C = gl.constexpr(float("-inf"))
+
+    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+    DA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+    DB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+    # K words [BLOCK_N, 8]: thread (g, t) holds words 2t, 2t+1 of rows g, g+8, ...
+    KW = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
+    # V words [BLOCK_N, 8]: thread (g, t) holds word g of keys 2t, 2t+1, 2t+8, 2t+9, ...
+    VW = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
+    # HP rows [BLOCK_N, 128] (bf16 / fp16): 16-byte loads, 16 lanes per row
+    HW = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0]))
+    ROW1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # one key per lane
+
+    @gluon.jit
+    def _join16(o):
+        a0 = gl.join(o[0], o[1])
+        a1 = gl.join(o[2], o[3])
+        a2 = gl.join(o[4], o[5])
+        a3 = gl.join(o[6], o[7])
+        a4 = gl.join(o[8], o[9])
+        a5 = gl.join(o[10], o[11])
+        a6 = gl.join(o[12], o[13])
+        a7 = gl.join(o[14], o[15])
+        return gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
+
+    @gluon.jit
+    def _k_operand(kw, BLOCK_N: gl.constexpr):
+        """K words ``[BLOCK_N, 8]`` int32 (layout KW) -> A operand ``[BLOCK_N, 128]`` fp16 (DA)."""
+        o = gl.inline_asm_elementwise(K_ASM, OUT16, [kw], dtype=(gl.float16,) * 16, is_pure=True, pack=2)
+        # join appends its new axis last: d is [BLOCK_N, 8, b0, b1, b2, b3], output o = 8 b3 + 4 b2 + 2 b1 + b0
+        d = _join16(o)
+        e = gl.reshape(d, [BLOCK_N, 4, 2, 2, 2, 2, 2])  # word = 2 t + h
+        e = gl.permute(e, [0, 6, 5, 4, 3, 1, 2])  # column = 8 o + 2 t + h
+        a = gl.reshape(e, [BLOCK_N, 128])
+        return gl.convert_layout(a, DA, assert_trivial=True)
+
+    @gluon.jit
+    def _v_operand(vw, BLOCK_N: gl.constexpr):
+        """V words ``[BLOCK_N, 8]`` int32 (layout VW) -> A operand ``[128, BLOCK_N]`` fp16 (DA)."""
+        o = gl.inline_asm_elementwise(V_ASM, OUT16, [vw], dtype=(gl.float16,) * 16, is_pure=True, pack=2)
+        d = _join16(o)  # [BLOCK_N, 8 (word g), b0, b1, b2, b3], m = 8 b3 + 4 b2 + 2 b1 + b0 = 4 byte + quarter
+        e = gl.permute(d, [5, 4, 3, 2, 1, 0])  # row = 8 m + g
+        a = gl.reshape(e, [128, BLOCK_N])
+        return gl.convert_layout(a, DA, assert_trivial=True)
+
+    @gluon.jit
+    def _p_operand(pw, BLOCK_N: gl.constexpr):
+        """``P [BLOCK_N, 8]`` (any 16-bit float) in the accumulator layout -> B operand of the value MMA (DB)."""
+        y = gl.inline_asm_elementwise(MOVM_ASM, "=r,r", [pw], dtype=pw.dtype, is_pure=True, pack=2)
+        # movmatrix transposed each 8x8 tile in place: y[8i + a, b] holds P[8i + b, a]
+        z = gl.reshape(gl.permute(gl.reshape(y, [BLOCK_N // 8, 8, 8]), [0, 2, 1]), [BLOCK_N, 8])
+        return gl.convert_layout(z, DB, assert_trivial=True)
+
+    @gluon.jit
+    def _load_slots(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
+        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` in the K-row and the V-key layouts (0 past ``hi``)."""
+        rk = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW))
+        sk = gl.load(R2T_r + rk, mask=rk < hi, other=0)
+        sv = gl.convert_layout(sk, gl.SliceLayout(1, VW))  # warp shuffles, no second gather
+        if IDX64:
+            return sk.to(gl.int64), sv.to(gl.int64)
+        else:
+            return sk.to(gl.int32), sv.to(gl.int32)
+
+    @gluon.jit
+    def _load_words(sk, sv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps):
+        """K / V code words and the (scale, zero) words of the keys at slots ``sk`` / ``sv``
+        (the same keys in two layouts). Keys past the range read slot 0, masked later."""
+        wk = gl.arange(0, 8, layout=gl.SliceLayout(0, KW))
+        kw = gl.load(KC_h + sk[:, None] * stride_kcs + wk[None, :])
+        wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
+        vw = gl.load(VC_h + sv[:, None] * stride_vcs + wv[None, :])
+        kp = gl.load(KP_h + sk * stride_kps)
+        vp = gl.load(VP_h + sk * stride_vps)
+        return kw, vw, kp, vp
+
+    @gluon.jit
+    def _lo_half(w):
+        return (w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _hi_half(w):
+        return (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _block(w, n0, hi, rows, qb, qsum, m, ref, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr):
+        """One block of keys ``[n0, n0 + BLOCK_N)`` (words ``w`` from :func:`_load_words`) into the
+        running state ``(m, ref, lt, corr, acc)``: scores, online softmax (base 2), values."""
+        kw, vw, kp, vp = w
+        valid = (n0 + rows) < hi
+        # scores: s = sk 2^16 (d - zk 2^-16 sum q), d = 2^-16 q.c (subnormal operands, module doc)
+        d = mma_v2(_k_operand(kw, BLOCK_N), qb, zero_s)
+        kp_m = gl.convert_layout(kp, gl.SliceLayout(1, MMA), assert_trivial=True)
+        vp_m = gl.convert_layout(vp, gl.SliceLayout(1, MMA), assert_trivial=True)
+        sc = _lo_half(kp_m) * 65536.0
+        zc = _hi_half(kp_m) * (1.0 / 65536.0)
+        s = (d - zc[:, None] * qsum[None, :]) * sc[:, None]
+        s = gl.where(valid[:, None], s, NEG_INF_C)
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        # values: P scaled by v_scale / ref (ref = running max of the V scales, keeps P <= 1);
+        # keys past the range read slot 0, whose pairs may be anything (even NaN): zero them
+        sv = gl.where(valid, _lo_half(vp_m), 0.0)
+        zv = gl.where(valid, _hi_half(vp_m), 0.0)
+        new_ref = gl.maximum(ref, gl.max(sv, axis=0))
+        beta = alpha * (ref / new_ref)
+        pw = (p * (sv / new_ref)[:, None]).to(gl.float16)
+        lt = lt * alpha[None, :] + p
+        corr = corr * beta[None, :] + pw.to(gl.float32) * zv[:, None]
+        o = mma_v2(_v_operand(vw, BLOCK_N), _p_operand(pw, BLOCK_N), zero_o)
+        acc = acc * beta[None, :] + o
+        return m_new, new_ref, lt, corr, acc
+
+    @gluon.jit
+    def _int2_split(Q, stride_qb, stride_qh, KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
+                    VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, KDIM, VDIM, R2T, stride_r2t,
+                    OPART, stride_ob, stride_oh, stride_os, lse_ptr,
+                    b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
+                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
+        """INT2 split ``spq`` of ``NS_Q`` over ``[max(sink_r, window start), L - recent)``."""
+        mid_hi = gl.minimum(gl.maximum(L - recent, sink), L)
+        mid_lo = gl.maximum(sink_r, win_lo)
+        n_mid = gl.maximum(mid_hi - mid_lo, 0)
+        chunk = gl.cdiv(gl.cdiv(n_mid, NS_Q), BLOCK_N) * BLOCK_N
+        lo = mid_lo + spq * chunk
+        hi = gl.minimum(lo + chunk, mid_hi)
+        if hi <= lo:  # empty split (short context): only its log-sum-exp, which the merge skips on
+            gl.store(lse_ptr, gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA)), mask=hmask_o)
+        else:
+            # q as the B operand [128, 8]: column c of head h is q[h, KDIM[c]] * qscale, rounded to
+            # fp16, times 2^(8 - 2k) for the quarter k of that dim (exact power-of-two scaling)
+            cq = gl.arange(0, 128, layout=gl.SliceLayout(1, DB))
+            hq = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
+            hmask = (h0 + hq) < GROUP
+            kdim = gl.load(KDIM + cq)
+            heads = (kvh * GROUP + h0 + hq).to(gl.int64)
+            qv = gl.load(Q + b.to(gl.int64) * stride_qb + heads[None, :] * stride_qh + kdim[:, None],
+                         mask=hmask[None, :], other=0.0)
+            qr = (qv.to(gl.float32) * qscale).to(gl.float16)
+            qsum = gl.convert_layout(gl.sum(qr.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))
+            qf = gl.exp2((8 - 2 * (kdim // 32)).to(gl.float32))
+            qb = (qr.to(gl.float32) * qf[:, None]).to(gl.float16)
+
+            kvh64 = kvh.to(gl.int64)
+            KC_h = KC + kvh64 * stride_kch
+            KP_h = KP + kvh64 * stride_kph
+            VC_h = VC + kvh64 * stride_vch
+            VP_h = VP + kvh64 * stride_vph
+            R2T_r = R2T + req * stride_r2t
+
+            m = gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA))
+            lt = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
+            corr = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
+            acc = gl.full([128, 8], 0.0, gl.float32, MMA)
+            ref = 1e-30
+            zero_s = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
+            zero_o = gl.full([128, 8], 0.0, gl.float32, MMA)
+            rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+
+            # software pipeline in registers: slot ids two blocks ahead, code / pair words one block
+            # ahead (their latency hides behind a block of math; two blocks ahead measured no faster)
+            slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
+            w0 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
+            slk, slv = _load_slots(R2T_r, lo + BLOCK_N, hi, BLOCK_N, IDX64)
+            for n0 in range(lo, hi, BLOCK_N):
+                slk2, slv2 = _load_slots(R2T_r, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64)
+                w1 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
+                m, ref, lt, corr, acc = _block(w0, n0, hi, rows, qb, qsum, m, ref, lt, corr, acc, zero_s, zero_o,
+                                               BLOCK_N)
+                w0 = w1
+                slk, slv = slk2, slv2
+
+            l_h = gl.sum(lt, axis=0)
+            c_h = gl.sum(corr, axis=0)
+            has = l_h > 0.0
+            inv_l = gl.where(has, 1.0 / gl.where(has, l_h, 1.0), 0.0)
+            r_o = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+            vdim = gl.load(VDIM + r_o)
+            # O = ref (2^(24-2k) acc - sum pw zv), k = the quarter of the row's dim
+            rf = gl.exp2((24 - 2 * (vdim // 32)).to(gl.float32))
+            out = (acc * rf[:, None] - c_h[None, :]) * (ref * inv_l)[None, :]
+            obase = OPART + b.to(gl.int64) * stride_ob + sp * stride_os
+            gl.store(obase + heads_o[None, :] * stride_oh + vdim[:, None], out, mask=hmask_o[None, :])
+            lse = gl.where(has, m + gl.log2(gl.where(has, l_h, 1.0)), NEG_INF_C)
+            gl.store(lse_ptr, lse, mask=hmask_o)
+
+    @gluon.jit
+    def _hp_split(Q, stride_qb, stride_qh, HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh, HPI, stride_hpi,
+                  OPART, stride_ob, stride_oh, stride_os, lse_ptr,
+                  b, kvh, h0, req, L, sink_r, win_lo, sp, heads_o, hmask_o, qscale, sink, recent, NS_HP,
+                  GROUP: gl.constexpr, HP_BLOCK: gl.constexpr):
+        """HP split ``sp`` of ``NS_HP``: BF16/FP16 sink rows then recent-ring rows, one virtual range
+        (``_decode_stage1``'s HP branch). Scores from fp16 operands (q and the K rows rounded to
+        fp16, as in the Triton kernel); values from the V rows as stored (bf16 / fp16) and P as a
+        rounded part plus the rounded remainder (two MMAs); P goes through ``movmatrix``, V^T
+        through a shared-memory layout change (this tier is at most ``sink + recent`` keys)."""
+        n_sink = gl.minimum(sink_r, L)
+        rec_start = gl.maximum(sink, L - recent)
+        n_hp = n_sink + gl.maximum(L - rec_start, 0)
+        chunk = gl.cdiv(gl.cdiv(n_hp, NS_HP), HP_BLOCK) * HP_BLOCK
+        lo = sp * chunk
+        hi = gl.minimum(lo + chunk, n_hp)
+        if hi <= lo:
+            gl.store(lse_ptr, gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA)), mask=hmask_o)
+        else:
+            ring = gl.maximum(recent, 1)
+            cq = gl.arange(0, 128, layout=gl.SliceLayout(1, DB))
+            hq = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
+            heads = (kvh * GROUP + h0 + hq).to(gl.int64)
+            qv = gl.load(Q + b.to(gl.int64) * stride_qb + heads[None, :] * stride_qh + cq[:, None],
+                         mask=((h0 + hq) < GROUP)[None, :], other=0.0)
+            # scores in fp16 (K rows rounded to fp16, as the Triton kernel does); values in the HP
+            # buffer's own dtype with P split into a rounded part and the rounded remainder (two
+            # MMAs), so P keeps ~16 significant bits even when the rows are bf16
+            qn = (qv.to(gl.float32) * qscale).to(gl.float16)
+            kvh64 = kvh.to(gl.int64)
+            HK_h = HK + kvh64 * stride_hkh
+            HV_h = HV + kvh64 * stride_hvh
+            HPI_r = HPI + req * stride_hpi
+            m = gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA))
+            lt = gl.full([HP_BLOCK, 8], 0.0, gl.float32, MMA)
+            acc = gl.full([128, 8], 0.0, gl.float32, MMA)
+            zero_s = gl.full([HP_BLOCK, 8], 0.0, gl.float32, MMA)
+            zero_o = gl.full([128, 8], 0.0, gl.float32, MMA)
+            # row bookkeeping one key per lane (HP_BLOCK <= 32), then broadcast to the load layout
+            rows_1 = gl.arange(0, HP_BLOCK, layout=ROW1)
+            d_a = gl.arange(0, 128, layout=gl.SliceLayout(0, HW))
+            for v0 in range(lo, hi, HP_BLOCK):
+                v = v0 + rows_1
+                tm = v < hi
+                pos = gl.where(v < n_sink, v, rec_start + v - n_sink)
+                entry = gl.where(pos < sink, pos, sink + pos % ring)
+                hrow = gl.load(HPI_r + entry, mask=tm, other=-1)
+                valid1 = tm & (hrow >= 0) & (pos >= win_lo)
+                hrow = gl.convert_layout(gl.where(valid1, hrow, 0).to(gl.int64), gl.SliceLayout(1, HW))
+                valid = gl.convert_layout(valid1, gl.SliceLayout(1, HW))
+                kt = gl.load(HK_h + hrow[:, None] * stride_hkr + d_a[None, :])  # [HP_BLOCK, 128]
+                # rows past the range or without an HP row may hold anything: their values read as 0
+                vt = gl.load(HV_h + hrow[:, None] * stride_hvr + d_a[None, :], mask=valid[:, None], other=0.0)
+                s = mma_v2(gl.convert_layout(kt.to(gl.float32).to(gl.float16), DA), qn, zero_s)
+                valid_m = gl.convert_layout(valid1, gl.SliceLayout(1, MMA))
+                s = gl.where(valid_m[:, None], s, NEG_INF_C)
+                m_new = gl.maximum(m, gl.max(s, axis=0))
+                # a block whose keys are all invalid (e.g. sink rows outside a sliding window) keeps
+                # m = -inf: exponentiate against 0 there, not -inf - (-inf) = NaN
+                m_use = gl.where(m_new == NEG_INF_C, 0.0, m_new)
+                alpha = gl.exp2(m - m_use)
+                p = gl.exp2(s - m_use[None, :])
+                lt = lt * alpha[None, :] + p
+                vT = gl.convert_layout(gl.permute(vt, [1, 0]), DA)
+                p_hi = p.to(HK.dtype.element_ty)
+                p_lo = (p - p_hi.to(gl.float32)).to(HK.dtype.element_ty)
+                o = mma_v2(vT, _p_operand(p_lo, HP_BLOCK), mma_v2(vT, _p_operand(p_hi, HP_BLOCK), zero_o))
+                acc = acc * alpha[None, :] + o
+                m = m_new
+            l_h = gl.sum(lt, axis=0)
+            has = l_h > 0.0
+            inv_l = gl.where(has, 1.0 / gl.where(has, l_h, 1.0), 0.0)
+            r_o = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+            obase = OPART + b.to(gl.int64) * stride_ob + sp.to(gl.int64) * stride_os
+            gl.store(obase + heads_o[None, :] * stride_oh + r_o[:, None], acc * inv_l[None, :], mask=hmask_o[None, :])
+            lse = gl.where(has, m + gl.log2(gl.where(has, l_h, 1.0)), NEG_INF_C)
+            gl.store(lse_ptr, lse, mask=hmask_o)
+
+    @gluon.jit
+    def _gluon_decode_stage1(
+        Q, stride_qb, stride_qh,
+        KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
+        VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph,
+        HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh, HPI, stride_hpi,
+        KDIM, VDIM,
+        R2T, stride_r2t, RPI, SEQ, SINKL,
+        OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
+        qscale, sink, recent, window, NS_HP, NS_Q,
+        GROUP: gl.constexpr, BLOCKS_PER_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+        HAS_WINDOW: gl.constexpr, HAS_SINKL: gl.constexpr, IDX64: gl.constexpr, HP_BLOCK: gl.constexpr = 16,
+    ):
+        """Stage 1 of decode attention (the grid and outputs of :func:`.decode._decode_stage1`): split
+        ``program_id(2)`` of request ``program_id(0)`` for 8 q heads of one kv head; splits
+        ``[0, NS_HP)`` read the HP rows (sink, then the recent ring), ``[NS_HP, NS_HP + NS_Q)`` the INT2
+        middle.
+
+        ``KC``/``VC``: the code buffers viewed as int32 words ``[S, H_kv, 8]``; ``KP``/``VP``: the
+        (scale, zero) pairs viewed as int32 ``[S, H_kv, 1]`` (fp16 scale in the low half).
+        ``KDIM [128]`` / ``VDIM [128]``: :func:`k_column_dims` / :func:`v_row_dims` (int32).
+        Writes ``OPART[b, h, split, :]`` (normalised, fp32) and ``LSE[b, h, split]`` (base 2).
+        """
+        b = gl.program_id(0)
+        hb = gl.program_id(1)
+        sp = gl.program_id(2)
+        kvh = hb // BLOCKS_PER_KV
+        h0 = (hb % BLOCKS_PER_KV) * 8
+        req = gl.load(RPI + b).to(gl.int64)
+        L = gl.load(SEQ + b).to(gl.int32)
+        if HAS_SINKL:
+            sink_r = gl.minimum(gl.load(SINKL + req).to(gl.int32), sink)
+        else:
+            sink_r = L * 0 + sink
+        if HAS_WINDOW:
+            win_lo = gl.maximum(L - window, 0)
+        else:
+            win_lo = L * 0
+        h_o = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        hmask_o = (h0 + h_o) < GROUP
+        heads_o = (kvh * GROUP + h0 + h_o).to(gl.int64)
+        lse_ptr = LSE + b.to(gl.int64) * stride_lb + heads_o * stride_lh + sp
+        if sp < NS_HP:
+            _hp_split(Q, stride_qb, stride_qh, HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh, HPI,
+                      stride_hpi, OPART, stride_ob, stride_oh, stride_os, lse_ptr,
+                      b, kvh, h0, req, L, sink_r, win_lo, sp, heads_o, hmask_o, qscale, sink, recent, NS_HP,
+                      GROUP, HP_BLOCK)
+        else:
+            _int2_split(Q, stride_qb, stride_qh, KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
+                        VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, KDIM, VDIM, R2T, stride_r2t,
+                        OPART, stride_ob, stride_oh, stride_os, lse_ptr,
+                        b, kvh, h0, req, L, sink_r, win_lo, sp - NS_HP, sp.to(gl.int64), heads_o, hmask_o, qscale,
+                        sink, recent, NS_Q, GROUP, BLOCK_N, IDX64)
+
+
+_CAPABILITY: dict = {}
+
+
+def _capability(device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
+def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_cap: bool) -> str | None:
+    """``None`` when :func:`launch_gluon_decode` handles this call, else the reason it does not."""
+    from .compile_check import active as compiling_offline
+
+    if not HAVE_GLUON:
+        return "triton has no Gluon"
+    if not compiling_offline():  # an offline sm_90 compile (compile_check.compile_only) takes CPU tensors
+        if q.device.type != "cuda":
+            return "not a CUDA device (Gluon kernels do not run under TRITON_INTERPRET)"
+        if _capability(q.device) < (8, 0):
+            return "needs sm_80+ (mma.sync m16n8k16, movmatrix)"
+    if layout.k.head_dim != HEAD_DIM or layout.v.head_dim != HEAD_DIM:
+        return f"head_dim {layout.k.head_dim}/{layout.v.head_dim} (built for {HEAD_DIM})"
+    if layout.k.num_groups != 1 or layout.v.num_groups != 1:
+        return "more than one (scale, zero) group per row"
+    if layout.lloyd:
+        return "Lloyd-Max levels"
+    if layout.scale_dtype != torch.float16:
+        return f"scale dtype {layout.scale_dtype}"
+    if mma_dtype != torch.float16:
+        return f"MMA operands {mma_dtype}"
+    if has_cap:
+        return "logit cap"
+    return None
+
+
+_DIM_MAPS: dict = {}
+
+
+def _dim_maps(device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = str(device)
+    if key not in _DIM_MAPS:
+        _DIM_MAPS[key] = (torch.tensor(k_column_dims(), dtype=torch.int32, device=device),
+                          torch.tensor(v_row_dims(), dtype=torch.int32, device=device))
+    return _DIM_MAPS[key]
+
+
+def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
+                        seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window, num_hp_splits: int,
+                        num_kv_splits: int, block_n: int, idx64: bool, maxnreg: int | None = None) -> None:
+    """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
+
+    Arguments as in :func:`sglang_oscar.kernels.launch.decode_attention` (already validated there,
+    and :func:`gluon_decode_supported` returned ``None``): ``q [B, H_q, 128]``, the INT2 buffers
+    (uint8 codes ``[S, H_kv, 32]``, fp16 pairs ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]``
+    (bf16 / fp16) and ``hp_index``, the index tensors, the stage-1
+    workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]`` (fp32) it writes into,
+    ``qscale`` (softmax scale x log2 e), ``maxnreg`` (register cap given to ptxas). The grid depends only on host constants (CUDA graphs).
+
+    Raises:
+        ValueError: a code or pair buffer whose rows cannot be read as 32-bit words.
+    """
+    bsz, hq, _ = q.shape
+    hkv = k_codes.shape[1]
+    group = hq // hkv
+    bpk = -(-group // HEADS_PER_PROGRAM)
+    try:
+        kc, vc = k_codes.view(torch.int32), v_codes.view(torch.int32)
+        kp, vp = k_pairs.view(torch.int32), v_pairs.view(torch.int32)
+    except RuntimeError as e:
+        raise ValueError(f"engine='gluon' reads codes and pairs as 32-bit words; these buffers cannot be viewed "
+                         f"so ({e}); allocate them with Int2Layout.allocate") from e
+    kdim, vdim = _dim_maps(q.device)
+    _launch(_gluon_decode_stage1, (bsz, hkv * bpk, num_hp_splits + num_kv_splits),
+        q, q.stride(0), q.stride(1),
+        kc, kc.stride(0), kc.stride(1), kp, kp.stride(0), kp.stride(1),
+        vc, vc.stride(0), vc.stride(1), vp, vp.stride(0), vp.stride(1),
+        hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1), hp_index, hp_index.stride(0),
+        kdim, vdim,
+        req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+        req_to_token if sink_lens is None else sink_lens,
+        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
+        qscale, sink, recent, sliding_window or 0, num_hp_splits, num_kv_splits,
+        GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=idx64, HP_BLOCK=16,
+        num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    )
