@@ -413,3 +413,27 @@ def test_gpu_decode_gluon_cuda_graph_replay():
     step()
     torch.cuda.synchronize()
     assert torch.equal(got, out)
+
+
+def test_gpu_decode_gluon_on_served_pool_views():
+    """The served pool keeps codes and pairs of a (slot, kv head) in one 36-byte row
+    (pool/int2_pool.py: codes = row[:32], pairs = row[32:].view(fp16)); the Gluon engine reads them
+    as int32 words through those strided views (no 8-byte alignment) and must match the Triton
+    engine and the oracle there too."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    lens = [_n(20000), 777, 300]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    views = []
+    for codes, pairs in ((pool.k_codes, pool.k_pairs), (pool.v_codes, pool.v_pairs)):
+        row = torch.empty(codes.shape[0], codes.shape[1], 36, dtype=torch.uint8, device=DEV)
+        row[..., :32] = codes
+        row[..., 32:] = pairs.view(torch.uint8).reshape(codes.shape[0], codes.shape[1], 4)
+        views += [row[..., :32], row[..., 32:].view(torch.float16)]
+    served = dataclasses.replace(pool, k_codes=views[0], k_pairs=views[1], v_codes=views[2], v_pairs=views[3])
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    qr = rotate_q(pool, q)
+    o = run_decode(served, qr, tuning=dict(engine="gluon"), num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), num_kv_splits=None, debug=False)
+    assert rel_l2(o, base) < 5e-3
+    assert rel_l2(o, reference_decode(pool, q)) < 1e-2

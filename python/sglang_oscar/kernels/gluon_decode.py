@@ -278,7 +278,8 @@ if HAVE_GLUON:
             rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
 
             # software pipeline in registers: slot ids two blocks ahead, code / pair words one block
-            # ahead (their latency hides behind a block of math; two blocks ahead measured no faster)
+            # ahead (their latency hides behind a block of math; two blocks ahead was slower at most points
+            # timed, 2026-11-30 (6), and does not fit 168 registers)
             slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
             w0 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
             slk, slv = _load_slots(R2T_r, lo + BLOCK_N, hi, BLOCK_N, IDX64)
