@@ -89,7 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--waves", default="2,8,16,32")
-    ap.add_argument("--grid", default=None, help="JSON list of tunings (default: the built-in grid)")
+    ap.add_argument("--grid", default=None, help="JSON list of tunings (default: the built-in grid); an entry "
+                    "without \"engine\" runs the default engine (Gluon where it applies) unless it names a "
+                    "Triton-only knob (AttnTuning.TRITON_ONLY)")
     ap.add_argument("--tol", type=float, default=1e-2)
     ap.add_argument("--profile", default=None, help="JSON tuning: run only it (for ncu), 20 launches")
     ap.add_argument("--out", default=None)

@@ -1,9 +1,13 @@
 """CPU checks of the Gluon decode loop (kernels/gluon_decode.py), which cannot run under the interpreter.
 
-* The operand bookkeeping: the kernel's conversion (its PTX, emulated here on int32 words with the
-  pairing ``pack=2`` gives in its register layouts) followed by its join / reshape / permute chain
-  puts the code of dim ``k_column_dims()[c]`` at K column ``c`` and of dim ``v_row_dims()[r]`` at
-  V row ``r``, scaled by ``2^(2k-24)`` for the dim's quarter ``k``; the ``movmatrix`` step returns P.
+* The operand bookkeeping: the kernel's conversion (its own PTX text, run by a small emulator of
+  the three instructions it uses, with the pairing ``pack=2`` gives in its register layouts), the
+  kernel's join tree and its reshape / permute constants (``K_WORD_SPLIT``, ``K_PERM``, ``V_PERM``)
+  put the code of dim ``k_column_dims()[c]`` at K column ``c`` and of dim ``v_row_dims()[r]`` at V
+  row ``r``, scaled by ``2^(2k-24)`` for the dim's quarter ``k``; ``movmatrix`` + ``P_PERM``
+  return P; the in-kernel formulas equal the maps. (The join tree is re-written here: a
+  different tree would change the joined axis order, which the maps would then not match.)
+* The engine resolution (``launch.decode_engine``): scope checks and refusals.
 * The compiled INT2 loop (sm_90, offline, through the real launch path): no spills in the loops, no
   shared-memory traffic, shuffles only for the slot ids and the softmax's row reductions, one
   ``movmatrix`` per 8 keys, the expected tensor-core instruction count.
@@ -21,7 +25,18 @@ import sys
 import pytest
 import torch
 from kv_fixtures import fresh_seed
-from sglang_oscar.kernels.gluon_decode import _k_asm, _v_asm, k_column_dims, v_row_dims
+from sglang_oscar.kernels.gluon_decode import (
+    K_PERM,
+    K_WORD_SPLIT,
+    P_PERM,
+    V_PERM,
+    _k_asm,
+    _k_dims,
+    _v_asm,
+    _v_dims,
+    k_column_dims,
+    v_row_dims,
+)
 from sglang_oscar.quant.packing import pack_quarter
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -34,16 +49,34 @@ def _half_values(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, hi
 
 
-def _asm_and_masks(text: str) -> list[tuple[str, int]]:
-    """``(source register, mask)`` of each ``and.b32 $o`` line of a conversion, in output order."""
-    out = []
+def _run_ptx(text: str, inputs: dict) -> dict:
+    """Emulate the PTX subset the conversions use (``shr.b32``, ``and.b32``, ``prmt.b32`` with an
+    immediate selector, ``.reg`` declarations) on int64 tensors holding 32-bit patterns; returns
+    every register written, ``$0``.. included. ``prmt`` follows the PTX ISA: selector nibble ``i``
+    (low 3 bits) picks byte ``i`` of the result from the 8-byte pool ``{b, a}`` (bytes 0-3 of a)."""
+    regs = dict(inputs)
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
     for line in text.splitlines():
-        if line.startswith("and.b32 $"):
-            _, rest = line.split(" ", 1)
-            dst, src, mask = (x.strip(" ;") for x in rest.split(","))
-            assert int(dst[1:]) == len(out)
-            out.append((src, int(mask, 16)))
-    return out
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [x.strip() for x in rest.split(",")]
+        if op == "shr.b32":
+            regs[args[0]] = (val(args[1]) & 0xFFFFFFFF) >> int(args[2], 0)
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "prmt.b32":
+            a_, b_, sel = val(args[1]), val(args[2]), int(args[3], 0)
+            pool = [(a_ >> (8 * i)) & 0xFF for i in range(4)] + [(b_ >> (8 * i)) & 0xFF for i in range(4)]
+            regs[args[0]] = sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+        else:
+            raise AssertionError(f"unexpected PTX {line!r}")
+    return regs
 
 
 def _join16(outs: list[torch.Tensor]) -> torch.Tensor:
@@ -70,16 +103,13 @@ def test_k_operand_bookkeeping(block_n):
     fresh_seed()
     codes = torch.randint(0, 4, (block_n, 128))
     words = pack_quarter(codes).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [N, 8]
-    regs = {}
     outs = [torch.zeros(block_n, 8) for _ in range(16)]
     for t in range(4):  # KW layout: a thread's consecutive registers are words 2t, 2t+1 (pack=2)
-        regs["$16"], regs["$17"] = words[:, 2 * t], words[:, 2 * t + 1]
-        regs["a8"], regs["b8"] = regs["$16"] >> 8, regs["$17"] >> 8
-        for o, (src, mask) in enumerate(_asm_and_masks(_k_asm())):
-            lo, hi = _half_values(regs[src] & mask)
-            outs[o][:, 2 * t], outs[o][:, 2 * t + 1] = lo, hi
+        regs = _run_ptx(_k_asm(), {"$16": words[:, 2 * t], "$17": words[:, 2 * t + 1]})
+        for o in range(16):  # output register o: its low half is element 2t, its high half 2t+1
+            outs[o][:, 2 * t], outs[o][:, 2 * t + 1] = _half_values(regs[f"${o}"])
     d = _join16(outs)  # [N, 8, b0, b1, b2, b3]
-    a = d.reshape(block_n, 4, 2, 2, 2, 2, 2).permute(0, 6, 5, 4, 3, 1, 2).reshape(block_n, 128)
+    a = d.reshape(block_n, *K_WORD_SPLIT, 2, 2, 2, 2).permute(*K_PERM).reshape(block_n, 128)
     dims = k_column_dims()
     assert torch.equal(a, codes[:, dims].float() * _quarter_scale(dims))
 
@@ -90,32 +120,87 @@ def test_v_operand_bookkeeping(block_n):
     codes = torch.randint(0, 4, (block_n, 128))
     words = pack_quarter(codes).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [N tokens, 8]
     outs = [torch.zeros(block_n, 8) for _ in range(16)]
-    masks = _asm_and_masks(_v_asm())
     for k in range(0, block_n, 2):  # VW layout: consecutive registers are keys 2t, 2t+1 (pack=2)
-        w0, w1 = words[k], words[k + 1]
-        b0 = [(w0 >> (8 * i)) & 0xFF for i in range(4)]
-        b1 = [(w1 >> (8 * i)) & 0xFF for i in range(4)]
-        regs = {"x": b0[0] | b0[1] << 8 | b1[0] << 16 | b1[1] << 24,  # prmt 0x5410
-                "y": b0[2] | b0[3] << 8 | b1[2] << 16 | b1[3] << 24}  # prmt 0x7632
-        regs["x8"], regs["y8"] = regs["x"] >> 8, regs["y"] >> 8
-        for o, (src, mask) in enumerate(masks):
-            lo, hi = _half_values(regs[src] & mask)
-            outs[o][k], outs[o][k + 1] = lo, hi
+        regs = _run_ptx(_v_asm(), {"$16": words[k], "$17": words[k + 1]})
+        for o in range(16):
+            outs[o][k], outs[o][k + 1] = _half_values(regs[f"${o}"])
     d = _join16(outs)  # [N, 8, b0, b1, b2, b3]
-    a = d.permute(5, 4, 3, 2, 1, 0).reshape(128, block_n)
+    a = d.permute(*V_PERM).reshape(128, block_n)
     dims = v_row_dims()
     assert torch.equal(a, codes.t()[dims].float() * _quarter_scale(dims)[:, None])
 
 
+def test_in_kernel_dim_formulas_match_the_maps():
+    """The kernel computes the maps with integer ops (_k_dims / _v_dims, no tables): same values."""
+    c = torch.arange(128)
+    assert torch.equal(_k_dims.fn(c), torch.tensor(k_column_dims()))
+    assert torch.equal(_v_dims.fn(c), torch.tensor(v_row_dims()))
+
+
+def _movmatrix_trans(x: torch.Tensor) -> torch.Tensor:
+    """``movmatrix.sync.aligned.m8n8.trans.b16`` on each 8-row tile of an m16n8 accumulator-layout
+    tensor ``[N, 8]``, in the kernel's labels: the source fragment gives lane ``4 g + t`` row ``g``,
+    columns ``2t, 2t+1`` of the tile; the result gives the same lane row ``g``, columns ``2t, 2t+1``
+    of the transposed tile (PTX ISA), which the kernel's tensor still labels ``(8i + g, 2t + j)``."""
+    y = torch.empty_like(x)
+    for i in range(x.shape[0] // 8):
+        tile = x[8 * i:8 * i + 8]
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for j in range(2):
+                y[8 * i + g, 2 * t + j] = tile.t()[g, 2 * t + j]
+    return y
+
+
 def test_p_operand_bookkeeping():
-    """movmatrix.trans on each 8x8 tile of the accumulator layout, then the kernel's reshape chain,
-    gives P back in the B-operand labelling."""
+    """movmatrix.trans, then the kernel's reshape / P_PERM / reshape, gives P back (B-operand labels)."""
     p = torch.randn(32, 8)
-    y = torch.empty_like(p)
-    for i in range(4):  # thread (g, t) ends up holding P[8i + 2t + j, g] under the label (8i + g, 2t + j)
-        y[8 * i:8 * i + 8] = p[8 * i:8 * i + 8].t()
-    z = y.reshape(4, 8, 8).permute(0, 2, 1).reshape(32, 8)
+    z = _movmatrix_trans(p).reshape(4, 8, 8).permute(*P_PERM).reshape(32, 8)
     assert torch.equal(z, p)
+
+
+def test_engine_resolution(monkeypatch):
+    """decode_engine: Triton-only knobs keep Triton; the Gluon scope is checked, and naming the Gluon
+    engine outside it is a ValueError with the reason."""
+    import sglang_oscar.kernels.launch as L
+    from sglang_oscar.kernels import Int2Layout
+    from sglang_oscar.kernels.compile_check import compile_only
+
+    lay = Int2Layout.create(128, 128)
+    q = torch.zeros(1, 8, 128)
+    t = L.AttnTuning.of
+    # under the interpreter (this suite) the Gluon engine never applies
+    assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "triton"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        L.decode_engine(t({"engine": "gluon"}).resolved(128), lay, q, torch.float16, False)
+    # the scope checks, as on a GPU (an offline compile skips the device checks)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with compile_only("cuda", 90):
+        g = t({"engine": "gluon"}).resolved(128)
+        assert L.decode_engine(g, lay, q, torch.float16, False, torch.bfloat16) == "gluon"
+        for args, why in (((lay, q, torch.float16, False, torch.float32), "HP rows in torch.float32"),
+                          ((lay, q, torch.float32, False), "MMA operands"),
+                          ((lay, q, torch.float16, True), "logit cap"),
+                          ((Int2Layout.create(128, 128, quantizer="lloyd-max"), q, torch.float16, False), "Lloyd"),
+                          ((Int2Layout.create(64, 64), q, torch.float16, False), "head_dim 64"),
+                          ((Int2Layout.create(128, 128, group_size=64), q, torch.float16, False), "group")):
+            with pytest.raises(ValueError, match=why):
+                L.decode_engine(g, *args)
+        odd = torch.zeros(10, 2, 37, dtype=torch.uint8)[..., 1:33]  # storage offset of 1 byte
+        with pytest.raises(ValueError, match="32-bit words"):
+            L.decode_engine(g, lay, q, torch.float16, False, torch.bfloat16, (odd,))
+        with pytest.raises(ValueError, match="block_n 64"):
+            L.decode_engine(t({"engine": "gluon", "block_n": 64}).resolved(128), lay, q, torch.float16, False)
+        # unset engine: an offline compile keeps Triton unless told; on a GPU (not offline) the
+        # Gluon engine, except when a Triton-only knob is named
+        assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "triton"
+    monkeypatch.setattr(L, "compiling_offline", lambda: False)
+    monkeypatch.setattr(L, "gluon_decode_supported", lambda *a, **k: None)
+    assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "gluon"
+    assert L.decode_engine(t({"maxnreg": 200}).resolved(128), lay, q, torch.float16, False) == "gluon"
+    for knob in L.AttnTuning.TRITON_ONLY:
+        val = {"convert": 3, "token_major": True, "pairs_ahead": False, "defer_sums": False}.get(knob, 1)
+        assert L.decode_engine(t({knob: val}).resolved(128), lay, q, torch.float16, False) == "triton", knob
 
 
 @pytest.mark.parametrize("block_n", [16, 32])
@@ -128,8 +213,7 @@ def test_gluon_decode_loop_compiles_without_layout_traffic(block_n):
                          timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     stats = json.loads(res.stdout.strip().splitlines()[-1])
-    # at the default 168-register cap ptxas parks 8 bytes outside the loops; nothing spills inside them
-    assert stats["stack"] <= 16, stats
+    assert stats["stack"] == 0, stats  # no spills at the default 168-register cap
     assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
     assert stats["shared"] <= 4096, stats  # the HP tier's V^T tile only
     assert len(stats["loops"]) == 2, stats["loop_instructions"]  # HP loop, INT2 loop

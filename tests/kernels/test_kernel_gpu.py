@@ -334,6 +334,7 @@ GLUON_CASES = {
     "b64_mixed": (None, 32, 8, None, False, None, 32),
     "gqa6_uncapped": ([10000] * 4, 24, 4, None, False, None, 32),
     "gqa16_two_head_blocks": ([20000, 3000], 32, 2, None, False, None, 32),
+    "gqa12_partial_head_block": ([9000, 2500], 24, 2, None, False, None, 32),
     "mha_bn16_hp_fp16": ([5000, 700], 8, 8, None, False, 7, 16),
     "window_sinklens": ([16384] * 8, 32, 8, 4096, True, None, 32),
 }

@@ -1,4 +1,4 @@
-"""Gluon INT2 decode loop: the INT2 splits of decode attention with explicit register layouts.
+"""Gluon decode stage 1: the HP and INT2 splits of decode attention with explicit register layouts.
 
 The Triton stage-1 kernel (:mod:`.decode`) spends about a sixth of its instructions moving the
 converted code tiles between the register layout they are loaded in and the layout the tensor
@@ -6,12 +6,15 @@ cores read (shared-memory round trips and warp shuffles, ``scripts/sass_loop_cou
 kernel is written in Gluon (``triton.experimental.gluon``), where every tensor's distribution over
 lanes and registers is chosen explicitly, and loads the packed codes so that each thread already
 holds the words whose codes it feeds to ``mma.sync`` (m16n8k16): no layout change anywhere in the
-loop. It computes exactly the INT2 splits of :func:`.decode._decode_stage1` (same split ranges,
-same partial outputs and base-2 log-sum-exp), so the HP splits and the merge stay Triton.
+loop. It computes exactly what :func:`.decode._decode_stage1` computes (same grid, split ranges,
+partial outputs and base-2 log-sum-exp, HP splits included), so the merge (stage 2) is shared.
 
-Scope (:func:`gluon_decode_supported`): CUDA sm_80+, K and V head_dim 128, one (scale, zero) pair
-per row in fp16, uniform levels, fp16 MMA operands, no logit cap; sliding window and per-request
-sink lengths are supported. One warp per program, ``BLOCK_N`` keys per iteration.
+Scope (:func:`gluon_decode_supported`): CUDA sm_80+ (not under ``TRITON_INTERPRET``), K and V
+head_dim 128, one (scale, zero) pair per row in fp16, uniform levels, fp16 MMA operands, bf16 or
+fp16 HP rows, no logit cap, code / pair buffers readable as 32-bit words; sliding window and
+per-request sink lengths are supported. One warp per program, ``BLOCK_N`` keys per iteration.
+Keys past a split's range read slot 0 (masked afterwards), so the pool needs a slot 0 (SGLang
+keeps it as padding).
 
 How the operands line up (head_dim 128: a K or V row is 32 bytes = 8 words; byte ``j`` holds
 the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sglang_oscar.quant`):
@@ -24,7 +27,8 @@ the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sgla
   ``(g, t)`` (``lane = 4 g + t``) rows ``g, g+8, ...`` and, per row, 32 of the 128 reduction
   positions. Those are made the 32 codes of words ``2t, 2t+1`` of the row (one 8-byte load): the
   reduction order is free, so the logical column ``c`` is *defined* as the dim those codes belong
-  to (:func:`k_column_dims`) and q is loaded in the same order.
+  to (:func:`k_column_dims`) and q is loaded in the same order. (Two 4-byte loads per row: the
+  strides do not tell the compiler the pair is 8-byte aligned.)
 * **V (values, O^T = codes^T P^T).** The A operand ``[128, BLOCK_N]`` gives thread ``(g, t)`` 16
   output rows and, per 16 keys, keys ``2t, 2t+1, 2t+8, 2t+9``: the 16 codes of word ``g`` of each
   of those keys (one 4-byte load per key). Two keys' bytes are paired with one ``prmt`` so a
@@ -56,7 +60,13 @@ except ImportError:  # pragma: no cover - exercised only with an older triton
 
 HEAD_DIM = 128
 HEADS_PER_PROGRAM = 8  # the MMA's N: q heads of one kv head per program (padded, masked)
-NEG_INF = float("-inf")  # host-side; the kernel uses NEG_INF_C
+# The operand bookkeeping, shared with tests/kernels/test_gluon_layout.py (which replays it in torch):
+# the 16 outputs of a conversion are joined pairwise into [..., 8 words, b0, b1, b2, b3] (join appends
+# its new axis last), then K splits the word axis into (t, half) and permutes, V permutes.
+K_WORD_SPLIT = (4, 2)
+K_PERM = (0, 6, 5, 4, 3, 1, 2)  # [N, t, h, b0, b1, b2, b3] -> column 8 o + 2 t + h, o = 8 b3 + 4 b2 + 2 b1 + b0
+V_PERM = (5, 4, 3, 2, 1, 0)  # [N, g, b0, b1, b2, b3] -> row 8 m + g, m = 8 b3 + 4 b2 + 2 b1 + b0
+P_PERM = (0, 2, 1)  # per 8x8 tile, after movmatrix.trans
 
 
 def k_column_dims(head_dim: int = HEAD_DIM) -> list[int]:
@@ -118,6 +128,10 @@ if HAVE_GLUON:
     MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
     OUT16 = gl.constexpr("=r," * 16 + "r,r")
     NEG_INF_C = gl.constexpr(float("-inf"))
+    K_WORD_SPLIT_C = gl.constexpr(K_WORD_SPLIT)
+    K_PERM_C = gl.constexpr(K_PERM)
+    V_PERM_C = gl.constexpr(V_PERM)
+    P_PERM_C = gl.constexpr(P_PERM)
 
     MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
     DA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
@@ -143,13 +157,26 @@ if HAVE_GLUON:
         return gl.join(gl.join(gl.join(a0, a1), gl.join(a2, a3)), gl.join(gl.join(a4, a5), gl.join(a6, a7)))
 
     @gluon.jit
+    def _k_dims(c):
+        """In-kernel :func:`k_column_dims`: dim of K at score-MMA column ``c`` (int32 tensor)."""
+        o = c // 8
+        return 4 * (2 * ((c // 2) % 4) + o // 8) + 2 * (c % 2) + (o // 4) % 2 + 32 * (o % 4)
+
+    @gluon.jit
+    def _v_dims(r):
+        """In-kernel :func:`v_row_dims`: dim of V at value-accumulator row ``r`` (int32 tensor)."""
+        m = r // 8
+        return 4 * (r % 8) + m // 4 + 32 * (m % 4)
+
+    @gluon.jit
     def _k_operand(kw, BLOCK_N: gl.constexpr):
         """K words ``[BLOCK_N, 8]`` int32 (layout KW) -> A operand ``[BLOCK_N, 128]`` fp16 (DA)."""
         o = gl.inline_asm_elementwise(K_ASM, OUT16, [kw], dtype=(gl.float16,) * 16, is_pure=True, pack=2)
         # join appends its new axis last: d is [BLOCK_N, 8, b0, b1, b2, b3], output o = 8 b3 + 4 b2 + 2 b1 + b0
         d = _join16(o)
-        e = gl.reshape(d, [BLOCK_N, 4, 2, 2, 2, 2, 2])  # word = 2 t + h
-        e = gl.permute(e, [0, 6, 5, 4, 3, 1, 2])  # column = 8 o + 2 t + h
+        e = gl.reshape(d, [BLOCK_N, K_WORD_SPLIT_C[0], K_WORD_SPLIT_C[1], 2, 2, 2, 2])  # word = 2 t + h
+        e = gl.permute(e, [K_PERM_C[0], K_PERM_C[1], K_PERM_C[2], K_PERM_C[3], K_PERM_C[4], K_PERM_C[5],
+                           K_PERM_C[6]])  # column = 8 o + 2 t + h
         a = gl.reshape(e, [BLOCK_N, 128])
         return gl.convert_layout(a, DA, assert_trivial=True)
 
@@ -158,7 +185,7 @@ if HAVE_GLUON:
         """V words ``[BLOCK_N, 8]`` int32 (layout VW) -> A operand ``[128, BLOCK_N]`` fp16 (DA)."""
         o = gl.inline_asm_elementwise(V_ASM, OUT16, [vw], dtype=(gl.float16,) * 16, is_pure=True, pack=2)
         d = _join16(o)  # [BLOCK_N, 8 (word g), b0, b1, b2, b3], m = 8 b3 + 4 b2 + 2 b1 + b0 = 4 byte + quarter
-        e = gl.permute(d, [5, 4, 3, 2, 1, 0])  # row = 8 m + g
+        e = gl.permute(d, [V_PERM_C[0], V_PERM_C[1], V_PERM_C[2], V_PERM_C[3], V_PERM_C[4], V_PERM_C[5]])  # row = 8 m + g
         a = gl.reshape(e, [128, BLOCK_N])
         return gl.convert_layout(a, DA, assert_trivial=True)
 
@@ -167,7 +194,7 @@ if HAVE_GLUON:
         """``P [BLOCK_N, 8]`` (any 16-bit float) in the accumulator layout -> B operand of the value MMA (DB)."""
         y = gl.inline_asm_elementwise(MOVM_ASM, "=r,r", [pw], dtype=pw.dtype, is_pure=True, pack=2)
         # movmatrix transposed each 8x8 tile in place: y[8i + a, b] holds P[8i + b, a]
-        z = gl.reshape(gl.permute(gl.reshape(y, [BLOCK_N // 8, 8, 8]), [0, 2, 1]), [BLOCK_N, 8])
+        z = gl.reshape(gl.permute(gl.reshape(y, [BLOCK_N // 8, 8, 8]), [P_PERM_C[0], P_PERM_C[1], P_PERM_C[2]]), [BLOCK_N, 8])
         return gl.convert_layout(z, DB, assert_trivial=True)
 
     @gluon.jit
@@ -233,7 +260,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _int2_split(Q, stride_qb, stride_qh, KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
-                    VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, KDIM, VDIM, R2T, stride_r2t,
+                    VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                     OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                     b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
@@ -247,12 +274,12 @@ if HAVE_GLUON:
         if hi <= lo:  # empty split (short context): only its log-sum-exp, which the merge skips on
             gl.store(lse_ptr, gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA)), mask=hmask_o)
         else:
-            # q as the B operand [128, 8]: column c of head h is q[h, KDIM[c]] * qscale, rounded to
+            # q as the B operand [128, 8]: column c of head h is q[h, k_dims(c)] * qscale, rounded to
             # fp16, times 2^(8 - 2k) for the quarter k of that dim (exact power-of-two scaling)
             cq = gl.arange(0, 128, layout=gl.SliceLayout(1, DB))
             hq = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
             hmask = (h0 + hq) < GROUP
-            kdim = gl.load(KDIM + cq)
+            kdim = _k_dims(cq)
             heads = (kvh * GROUP + h0 + hq).to(gl.int64)
             qv = gl.load(Q + b.to(gl.int64) * stride_qb + heads[None, :] * stride_qh + kdim[:, None],
                          mask=hmask[None, :], other=0.0)
@@ -296,7 +323,7 @@ if HAVE_GLUON:
             has = l_h > 0.0
             inv_l = gl.where(has, 1.0 / gl.where(has, l_h, 1.0), 0.0)
             r_o = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-            vdim = gl.load(VDIM + r_o)
+            vdim = _v_dims(r_o)
             # O = ref (2^(24-2k) acc - sum pw zv), k = the quarter of the row's dim
             rf = gl.exp2((24 - 2 * (vdim // 32)).to(gl.float32))
             out = (acc * rf[:, None] - c_h[None, :]) * (ref * inv_l)[None, :]
@@ -355,7 +382,7 @@ if HAVE_GLUON:
                 valid1 = tm & (hrow >= 0) & (pos >= win_lo)
                 hrow = gl.convert_layout(gl.where(valid1, hrow, 0).to(gl.int64), gl.SliceLayout(1, HW))
                 valid = gl.convert_layout(valid1, gl.SliceLayout(1, HW))
-                kt = gl.load(HK_h + hrow[:, None] * stride_hkr + d_a[None, :])  # [HP_BLOCK, 128]
+                kt = gl.load(HK_h + hrow[:, None] * stride_hkr + d_a[None, :], mask=valid[:, None], other=0.0)
                 # rows past the range or without an HP row may hold anything: their values read as 0
                 vt = gl.load(HV_h + hrow[:, None] * stride_hvr + d_a[None, :], mask=valid[:, None], other=0.0)
                 s = mma_v2(gl.convert_layout(kt.to(gl.float32).to(gl.float16), DA), qn, zero_s)
@@ -389,7 +416,6 @@ if HAVE_GLUON:
         KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
         VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph,
         HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh, HPI, stride_hpi,
-        KDIM, VDIM,
         R2T, stride_r2t, RPI, SEQ, SINKL,
         OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
         qscale, sink, recent, window, NS_HP, NS_Q,
@@ -403,7 +429,6 @@ if HAVE_GLUON:
 
         ``KC``/``VC``: the code buffers viewed as int32 words ``[S, H_kv, 8]``; ``KP``/``VP``: the
         (scale, zero) pairs viewed as int32 ``[S, H_kv, 1]`` (fp16 scale in the low half).
-        ``KDIM [128]`` / ``VDIM [128]``: :func:`k_column_dims` / :func:`v_row_dims` (int32).
         Writes ``OPART[b, h, split, :]`` (normalised, fp32) and ``LSE[b, h, split]`` (base 2).
         """
         b = gl.program_id(0)
@@ -432,7 +457,7 @@ if HAVE_GLUON:
                       GROUP, HP_BLOCK)
         else:
             _int2_split(Q, stride_qb, stride_qh, KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
-                        VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, KDIM, VDIM, R2T, stride_r2t,
+                        VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                         OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                         b, kvh, h0, req, L, sink_r, win_lo, sp - NS_HP, sp.to(gl.int64), heads_o, hmask_o, qscale,
                         sink, recent, NS_Q, GROUP, BLOCK_N, IDX64)
@@ -448,15 +473,34 @@ def _capability(device) -> tuple[int, int]:
     return _CAPABILITY[idx]
 
 
-def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_cap: bool) -> str | None:
-    """``None`` when :func:`launch_gluon_decode` handles this call, else the reason it does not."""
+def _words_viewable(t: torch.Tensor) -> bool:
+    """Whether ``t.view(torch.int32)`` works: last dim contiguous, its bytes, the other strides and the
+    storage offset all multiples of 4 bytes."""
+    es = t.element_size()
+    return (t.stride(-1) == 1 and (t.shape[-1] * es) % 4 == 0 and (t.storage_offset() * es) % 4 == 0
+            and all((st * es) % 4 == 0 for st in t.stride()[:-1]))
+
+
+def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_cap: bool,
+                           hp_dtype: torch.dtype | None = None, buffers: tuple = ()) -> str | None:
+    """``None`` when :func:`launch_gluon_decode` handles this decode call, else the reason it does not.
+
+    Args:
+        layout: the call's ``Int2Layout``; q: ``[B, H_q, D_k]`` (its device decides);
+        mma_dtype: the resolved MMA operand dtype; has_cap: a logit cap is set;
+        hp_dtype: dtype of the HP rows (bf16 / fp16 supported; ``None`` = not checked);
+        buffers: the code and pair buffers, which the kernel reads as 32-bit words.
+    """
     from .compile_check import active as compiling_offline
+    from .launch import interpreting
 
     if not HAVE_GLUON:
         return "triton has no Gluon"
+    if interpreting():
+        return "TRITON_INTERPRET is set (Gluon kernels do not run under the interpreter)"
     if not compiling_offline():  # an offline sm_90 compile (compile_check.compile_only) takes CPU tensors
         if q.device.type != "cuda":
-            return "not a CUDA device (Gluon kernels do not run under TRITON_INTERPRET)"
+            return "not a CUDA device"
         if _capability(q.device) < (8, 0):
             return "needs sm_80+ (mma.sync m16n8k16, movmatrix)"
     if layout.k.head_dim != HEAD_DIM or layout.v.head_dim != HEAD_DIM:
@@ -469,20 +513,15 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
         return f"scale dtype {layout.scale_dtype}"
     if mma_dtype != torch.float16:
         return f"MMA operands {mma_dtype}"
+    if hp_dtype is not None and hp_dtype not in (torch.bfloat16, torch.float16):
+        return f"HP rows in {hp_dtype} (bf16 or fp16)"
     if has_cap:
         return "logit cap"
+    for t in buffers:
+        if not _words_viewable(t):
+            return (f"a code / pair buffer (shape {tuple(t.shape)}, strides {t.stride()}, offset "
+                    f"{t.storage_offset()}) cannot be read as 32-bit words")
     return None
-
-
-_DIM_MAPS: dict = {}
-
-
-def _dim_maps(device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = str(device)
-    if key not in _DIM_MAPS:
-        _DIM_MAPS[key] = (torch.tensor(k_column_dims(), dtype=torch.int32, device=device),
-                          torch.tensor(v_row_dims(), dtype=torch.int32, device=device))
-    return _DIM_MAPS[key]
 
 
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
@@ -490,15 +529,16 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
                         num_kv_splits: int, block_n: int, idx64: bool, maxnreg: int | None = None) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
-    Arguments as in :func:`sglang_oscar.kernels.launch.decode_attention` (already validated there,
-    and :func:`gluon_decode_supported` returned ``None``): ``q [B, H_q, 128]``, the INT2 buffers
+    Arguments as in :func:`sglang_oscar.kernels.launch.decode_attention` (which checked them unless
+    called with ``validate=False``, and :func:`gluon_decode_supported` returned ``None``): ``q [B, H_q, 128]``, the INT2 buffers
     (uint8 codes ``[S, H_kv, 32]``, fp16 pairs ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]``
     (bf16 / fp16) and ``hp_index``, the index tensors, the stage-1
     workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]`` (fp32) it writes into,
     ``qscale`` (softmax scale x log2 e), ``maxnreg`` (register cap given to ptxas). The grid depends only on host constants (CUDA graphs).
 
     Raises:
-        ValueError: a code or pair buffer whose rows cannot be read as 32-bit words.
+        ValueError: a code or pair buffer whose rows cannot be read as 32-bit words (callers check
+            :func:`gluon_decode_supported` first, which names that case).
     """
     bsz, hq, _ = q.shape
     hkv = k_codes.shape[1]
@@ -510,13 +550,11 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
     except RuntimeError as e:
         raise ValueError(f"engine='gluon' reads codes and pairs as 32-bit words; these buffers cannot be viewed "
                          f"so ({e}); allocate them with Int2Layout.allocate") from e
-    kdim, vdim = _dim_maps(q.device)
     _launch(_gluon_decode_stage1, (bsz, hkv * bpk, num_hp_splits + num_kv_splits),
         q, q.stride(0), q.stride(1),
         kc, kc.stride(0), kc.stride(1), kp, kp.stride(0), kp.stride(1),
         vc, vc.stride(0), vc.stride(1), vp, vp.stride(0), vp.stride(1),
         hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1), hp_index, hp_index.stride(0),
-        kdim, vdim,
         req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
         req_to_token if sink_lens is None else sink_lens,
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),

@@ -39,6 +39,7 @@ from .decode import _decode_stage1, _decode_stage2
 from .dequant import _dequant_kernel
 from .extend import _extend_kernel
 from .flush import _flush_kernel
+from .gluon_decode import HEADS_PER_PROGRAM as _GLUON_HEADS
 from .gluon_decode import gluon_decode_supported, launch_gluon_decode
 from .layout import TORCH_TO_TL, Int2Layout, next_pow2
 from .validate import (
@@ -523,20 +524,28 @@ class AttnTuning:
         engine: decode stage 1: ``"triton"`` (:mod:`.decode`, every layout) or ``"gluon"``
             (:mod:`.gluon_decode`: explicit register layouts, no layout changes in the INT2 loop;
             CUDA sm_80+, head_dim 128, one fp16 pair group per row, uniform levels, fp16 operands,
-            no logit cap -- naming ``"gluon"`` for a call outside that scope raises ``ValueError``
-            with the reason). ``None`` = ``"gluon"`` where it applies, else ``"triton"`` (so the
-            interpreter and every other layout run Triton). The merge is Triton either way; with
+            bf16 / fp16 HP rows, no logit cap -- naming ``"gluon"`` for a call outside that scope
+            raises ``ValueError`` with the reason). ``None`` = ``"gluon"`` where it applies, else
+            ``"triton"`` (so the interpreter and every other layout run Triton); a tuning that names
+            any Triton-only knob (:attr:`TRITON_ONLY`: ``convert``, ``num_stages``, ...) with
+            ``engine`` unset runs Triton, so the knobs it names take effect. The merge is Triton either way; with
             ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or 32) and
             ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy offers 12
             per SM at batch 1, :func:`choose_num_splits`).
     """
 
-    __slots__ = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-                 "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine")
+    KNOBS = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
+             "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine")
+    #: knobs only the Triton engine has: naming one (with ``engine`` unset) selects Triton
+    TRITON_ONLY = ("block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h", "token_major",
+                   "pairs_ahead", "defer_sums")
+    __slots__ = KNOBS + ("explicit",)
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
                  min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
                  defer_sums=None, engine=None):
+        #: the knobs given a value here (resolved() keeps this set; decode_engine reads it)
+        self.explicit = frozenset(k for k, v in locals().items() if k in self.KNOBS and v is not None)
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
@@ -594,6 +603,7 @@ class AttnTuning:
         """
         interp = interpreting()
         t = AttnTuning(**self.as_dict())
+        t.explicit = self.explicit
         # K or V of head_dim <= 64: no permuting conversion (see permuting_ok)
         small = not _permutable_head_dim(min_head_dim or head_dim)
         # decode with K and V head_dim in 65-128: the timed fast path (pairs_ahead, num_stages by
@@ -647,14 +657,14 @@ class AttnTuning:
         if isinstance(tuning, cls):
             return tuning
         if isinstance(tuning, dict):
-            unknown = set(tuning) - set(cls.__slots__)
+            unknown = set(tuning) - set(cls.KNOBS)
             if unknown:
-                raise ValueError(f"unknown tuning keys {sorted(unknown)}; allowed: {cls.__slots__}")
+                raise ValueError(f"unknown tuning keys {sorted(unknown)}; allowed: {cls.KNOBS}")
             return cls(**tuning)
         raise ValueError(f"tuning must be a dict or AttnTuning, got {type(tuning).__name__}")
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+        return {k: getattr(self, k) for k in self.KNOBS}
 
     def launch_options(self) -> dict:
         """Extra Triton launch options (only those that are set; the interpreter ignores them)."""
@@ -741,21 +751,24 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
                       min_split_tokens: int = 64, engine: str = "triton") -> int:
     """INT2 splits per (request, head block): ``ceil(waves x SMs / (batch x head_programs))``.
 
-    ``waves`` (programs per SM the grid offers) defaults to 8 when ``batch x head_programs <=
-    16`` (batch 1 of an 8-kv-head model: one wave of ~1,000 programs; more splits measured
-    slower; 12 with ``engine="gluon"``, whose 168-register programs fit 12 per SM: 63.6 vs 74.8 us
-    at 128K x 1, 30.9 vs 29.8 us at 32K x 1, H200 sweep 2026-11-30 (6)) and 32 otherwise (several full waves; with the current default 9-63% faster than 8
-    at batch 8-32 except 4K x 8, 12% slower), from the H200 sweeps in docs/benchmarks.md. With
-    ``max_seq_len`` (a *static* bound such as the server's context length) a split keeps at
-    least ``min_split_tokens`` keys (at 4K x batch 1: 16 splits of 256 keys 24 us and 128 splits
-    21 us with the convert-3 tuning, 128 splits 17.7 us with the current default; 64 splits of
-    the earlier ``block_n`` 64 tuning 19 us). Depends only on host constants,
-    never on per-step lengths, so a CUDA graph captured for a batch size stays valid.
+    ``waves`` (programs per SM the grid offers) defaults, when ``batch x head_programs <= 16``
+    (batch 1 of an 8-kv-head model), to 8 for the Triton engine (one wave of ~1,000 programs; more
+    splits measured slower) and to 12 for the Gluon engine (its 168-register programs fit 12 per
+    SM: 63.6 vs 74.8 us at 128K x 1, 30.9 vs 29.8 us at 32K x 1, H200 sweep 2026-11-30 (6)), and
+    otherwise to 32 (several full waves; with the Triton default 9-63% faster than 8 at batch 8-32
+    except 4K x 8, 12% slower), from the H200 sweeps in docs/benchmarks.md. With ``max_seq_len``
+    (a *static* bound such as the server's context length) a split keeps at least
+    ``min_split_tokens`` keys (at 4K x batch 1: 16 splits of 256 keys 24 us and 128 splits 21 us
+    with the convert-3 tuning, 128 splits 17.7 us with the fifth session's default; 64 splits of
+    the earlier ``block_n`` 64 tuning 19 us). Depends only on host constants, never on per-step
+    lengths, so a CUDA graph captured for a batch size stays valid.
 
     Args:
-        batch: requests in the step; head_programs: programs per request (kv heads x head blocks).
+        batch: requests in the step; head_programs: programs per request (kv heads x head blocks
+            of the engine: :func:`plan_head_blocks` for Triton, blocks of 8 q heads for Gluon).
         device: where the kernel runs (its SM count; 4 for CPU / the interpreter).
         max_seq_len, block_n, waves, max_splits, min_split_tokens: see above.
+        engine: ``"triton"`` or ``"gluon"`` (:func:`decode_engine`), for the default ``waves``.
 
     Returns:
         The number of INT2 splits, in ``[1, max_splits]``.
@@ -874,15 +887,20 @@ GLUON_MAXNREG = 168
 
 
 def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma_dtype: torch.dtype,
-                  has_cap: bool) -> str:
-    """The stage-1 engine a decode call runs: the tuning's ``engine``, or with ``None`` ``"gluon"``
-    where :func:`.gluon_decode.gluon_decode_supported` accepts the call (a CUDA sm_80+ device, not
-    an offline compile) and ``block_n`` is 16 / 32, else ``"triton"``.
+                  has_cap: bool, hp_dtype: torch.dtype | None = None, buffers: tuple = ()) -> str:
+    """The stage-1 engine a decode call runs: the tuning's ``engine``; with ``None``, ``"triton"`` if
+    the tuning names a Triton-only knob (:attr:`AttnTuning.TRITON_ONLY`), else ``"gluon"`` where
+    :func:`.gluon_decode.gluon_decode_supported` accepts the call (a CUDA sm_80+ device, not the
+    interpreter, not an offline compile) and ``block_n`` is 16 / 32, else ``"triton"``.
+
+    Args:
+        tuning: the resolved :class:`AttnTuning`; layout, q, mma_dtype, has_cap, hp_dtype, buffers:
+            as :func:`.gluon_decode.gluon_decode_supported` takes them.
 
     Raises:
         ValueError: ``engine="gluon"`` named for a call it cannot run (the reason is in the message).
     """
-    why = gluon_decode_supported(layout, q, mma_dtype, has_cap)
+    why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
     if why is None and tuning.block_n not in (16, 32):
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
     if tuning.engine == "gluon" and why is not None:
@@ -890,6 +908,8 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
                          "use engine='triton' (or leave engine unset), which covers every layout")
     if tuning.engine is not None:
         return tuning.engine
+    if any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY):
+        return "triton"
     # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
     # left unset it compiles the Triton kernel, as before the Gluon engine existed
     return "gluon" if why is None and not compiling_offline() else "triton"
@@ -994,11 +1014,16 @@ def decode_attention(
         check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
     op = _mma_dtype(mma_dtype, hp_k.dtype)
     out_dtype = out_dtype or (out.dtype if out is not None else q.dtype)
+    engine = decode_engine(tn, layout, q, op, logit_cap is not None and logit_cap > 0, hp_k.dtype,
+                           (k_codes, k_pairs, v_codes, v_pairs))
+    gluon = engine == "gluon"
     if num_hp_splits is None:
         num_hp_splits = decode_num_hp_splits(sink, recent)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_splits(bsz, hkv * bpk, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
-                                          engine=decode_engine(tn, layout, q, op, logit_cap is not None and logit_cap > 0))
+        # programs per request: kv heads x head blocks (the Gluon kernel's blocks hold 8 q heads)
+        programs = hkv * (-(-group // _GLUON_HEADS) if gluon else bpk)
+        num_kv_splits = choose_num_splits(bsz, programs, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
+                                          engine=engine)
     if num_hp_splits < 1 or num_kv_splits < 1:
         raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
     ns = num_hp_splits + num_kv_splits
@@ -1009,9 +1034,11 @@ def decode_attention(
         check_tensor(o_part, "workspace o_part", ndim=4, dtypes=torch.float32, device=dev,
                      shape=(None, hq, None, dv), last_contiguous=True)
         check_tensor(lse, "workspace lse", ndim=3, dtypes=torch.float32, device=dev, shape=(None, hq, None))
-        if o_part.shape[0] < bsz or lse.shape[0] < bsz or o_part.shape[2] < ns or lse.shape[2] < ns:
-            raise ValueError(f"workspace too small for batch {bsz} and {ns} splits: "
-                             f"{tuple(o_part.shape)}, {tuple(lse.shape)}")
+    # always (four integer compares): a workspace sized for another split count would be written past its end
+    if o_part.shape[0] < bsz or lse.shape[0] < bsz or o_part.shape[2] < ns or lse.shape[2] < ns:
+        raise ValueError(f"workspace too small for batch {bsz} and {ns} splits: "
+                         f"{tuple(o_part.shape)}, {tuple(lse.shape)}; size it with decode_num_hp_splits + "
+                         "num_kv_splits, or pass both split counts")
     if rotation_v is None:
         if out is None:
             out = torch.empty((bsz, hq, dv), dtype=out_dtype, device=dev)
@@ -1033,14 +1060,12 @@ def decode_attention(
     idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
     token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
     convert = effective_convert(tn.convert, op, permuting_ok(layout), subnormal_ok=token_major)
-    gluon = decode_engine(tn, layout, q, op, has_cap) == "gluon"
     if gluon:
         # stage 1, both tiers, in one Gluon launch (kernels/gluon_decode.py)
         launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
                             req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
                             sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
-                            block_n=tn.block_n, idx64=idx64,
-                            maxnreg=None if interpreting() else (tn.maxnreg or GLUON_MAXNREG))
+                            block_n=tn.block_n, idx64=idx64, maxnreg=tn.maxnreg or GLUON_MAXNREG)
     else:
         grid = (bsz, hkv * bpk, ns)
         _launch(_decode_stage1, grid,
