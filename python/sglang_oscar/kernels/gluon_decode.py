@@ -97,29 +97,23 @@ def v_row_dims(head_dim: int = HEAD_DIM) -> list[int]:
     return [4 * (r % 8) + (r // 8) // 4 + q * ((r // 8) % 4) for r in range(head_dim)]
 
 
+def _and_lines(sources) -> list[str]:
+    # output 4 i + k: the two codes of quarter k in the 16-bit halves of source register i
+    return [f"and.b32 ${4 * i + k}, {src}, 0x{(0x00030003 << (2 * k)):08X};"
+            for i, src in enumerate(sources) for k in range(4)]
+
+
 def _k_asm() -> str:
     # pack=2: $16 = word 2t, $17 = word 2t+1 of one key row; 16 outputs, each two fp16 subnormals
-    lines = ["{", ".reg .b32 a8, b8;", "shr.b32 a8, $16, 8;", "shr.b32 b8, $17, 8;"]
-    o = 0
-    for src in ("$16", "a8", "$17", "b8"):
-        for k in range(4):
-            lines.append(f"and.b32 ${o}, {src}, 0x{(0x00030003 << (2 * k)):08X};")
-            o += 1
-    lines.append("}")
-    return "\n".join(lines)
+    return "\n".join(["{", ".reg .b32 a8, b8;", "shr.b32 a8, $16, 8;", "shr.b32 b8, $17, 8;",
+                      *_and_lines(("$16", "a8", "$17", "b8")), "}"])
 
 
 def _v_asm() -> str:
     # pack=2: $16 / $17 = word g of keys 2t / 2t+1; output m = 4 byte + quarter, low half key 2t
-    lines = ["{", ".reg .b32 x, y, x8, y8;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;",
-             "shr.b32 x8, x, 8;", "shr.b32 y8, y, 8;"]
-    o = 0
-    for src in ("x", "x8", "y", "y8"):
-        for k in range(4):
-            lines.append(f"and.b32 ${o}, {src}, 0x{(0x00030003 << (2 * k)):08X};")
-            o += 1
-    lines.append("}")
-    return "\n".join(lines)
+    return "\n".join(["{", ".reg .b32 x, y, x8, y8;", "prmt.b32 x, $16, $17, 0x5410;",
+                      "prmt.b32 y, $16, $17, 0x7632;", "shr.b32 x8, x, 8;", "shr.b32 y8, y, 8;",
+                      *_and_lines(("x", "x8", "y", "y8")), "}"])
 
 
 if HAVE_GLUON:
