@@ -179,7 +179,8 @@ if HAVE_GLUON:
         """V words ``[BLOCK_N, 8]`` int32 (layout VW) -> A operand ``[128, BLOCK_N]`` fp16 (DA)."""
         o = gl.inline_asm_elementwise(V_ASM, OUT16, [vw], dtype=(gl.float16,) * 16, is_pure=True, pack=2)
         d = _join16(o)  # [BLOCK_N, 8 (word g), b0, b1, b2, b3], m = 8 b3 + 4 b2 + 2 b1 + b0 = 4 byte + quarter
-        e = gl.permute(d, [V_PERM_C[0], V_PERM_C[1], V_PERM_C[2], V_PERM_C[3], V_PERM_C[4], V_PERM_C[5]])  # row = 8 m + g
+        # row = 8 m + g
+        e = gl.permute(d, [V_PERM_C[0], V_PERM_C[1], V_PERM_C[2], V_PERM_C[3], V_PERM_C[4], V_PERM_C[5]])
         a = gl.reshape(e, [128, BLOCK_N])
         return gl.convert_layout(a, DA, assert_trivial=True)
 
@@ -188,7 +189,8 @@ if HAVE_GLUON:
         """``P [BLOCK_N, 8]`` (any 16-bit float) in the accumulator layout -> B operand of the value MMA (DB)."""
         y = gl.inline_asm_elementwise(MOVM_ASM, "=r,r", [pw], dtype=pw.dtype, is_pure=True, pack=2)
         # movmatrix transposed each 8x8 tile in place: y[8i + a, b] holds P[8i + b, a]
-        z = gl.reshape(gl.permute(gl.reshape(y, [BLOCK_N // 8, 8, 8]), [P_PERM_C[0], P_PERM_C[1], P_PERM_C[2]]), [BLOCK_N, 8])
+        z = gl.permute(gl.reshape(y, [BLOCK_N // 8, 8, 8]), [P_PERM_C[0], P_PERM_C[1], P_PERM_C[2]])
+        z = gl.reshape(z, [BLOCK_N, 8])
         return gl.convert_layout(z, DB, assert_trivial=True)
 
     @gluon.jit
@@ -519,16 +521,18 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
 
 
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
-                        seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window, num_hp_splits: int,
-                        num_kv_splits: int, block_n: int, idx64: bool, maxnreg: int | None = None) -> None:
+                        seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window,
+                        num_hp_splits: int, num_kv_splits: int, block_n: int, idx64: bool,
+                        maxnreg: int | None = None) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
     Arguments as in :func:`sglang_oscar.kernels.launch.decode_attention` (which checked them unless
-    called with ``validate=False``, and :func:`gluon_decode_supported` returned ``None``): ``q [B, H_q, 128]``, the INT2 buffers
-    (uint8 codes ``[S, H_kv, 32]``, fp16 pairs ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]``
-    (bf16 / fp16) and ``hp_index``, the index tensors, the stage-1
-    workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]`` (fp32) it writes into,
-    ``qscale`` (softmax scale x log2 e), ``maxnreg`` (register cap given to ptxas). The grid depends only on host constants (CUDA graphs).
+    called with ``validate=False``, and :func:`gluon_decode_supported` returned ``None``):
+    ``q [B, H_q, 128]``, the INT2 buffers (uint8 codes ``[S, H_kv, 32]``, fp16 pairs
+    ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]`` (bf16 / fp16) and ``hp_index``, the index
+    tensors, the stage-1 workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]``
+    (fp32) it writes into, ``qscale`` (softmax scale x log2 e), ``maxnreg`` (register cap given to
+    ptxas). The grid depends only on host constants (CUDA graphs).
 
     Raises:
         ValueError: a code or pair buffer whose rows cannot be read as 32-bit words (callers check

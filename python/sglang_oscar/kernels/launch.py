@@ -528,10 +528,10 @@ class AttnTuning:
             raises ``ValueError`` with the reason). ``None`` = ``"gluon"`` where it applies, else
             ``"triton"`` (so the interpreter and every other layout run Triton); a tuning that names
             any Triton-only knob (:attr:`TRITON_ONLY`: ``convert``, ``num_stages``, ...) with
-            ``engine`` unset runs Triton, so the knobs it names take effect. The merge is Triton either way; with
-            ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or 32) and
-            ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy offers 12
-            per SM at batch 1, :func:`choose_num_splits`).
+            ``engine`` unset runs Triton, so the knobs it names take effect. The merge is Triton
+            either way; with ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or
+            32) and ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy
+            offers 12 per SM at batch 1, :func:`choose_num_splits`).
     """
 
     KNOBS = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
