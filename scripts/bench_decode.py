@@ -344,7 +344,9 @@ def main(argv=None) -> int:
                 r = {"ctx": ctx, "batch": bsz}
                 _, _, bpk, _ = plan_head_blocks(HQ, HKV, default_tuning["min_block_h"], default_tuning["max_block_h"])
                 engine = decode_engine(AttnTuning.of(None).resolved(D), layout, case.q, torch.float16, False)
-                ns = choose_num_splits(bsz, HKV * bpk, device=device, max_seq_len=ctx,
+                # programs per request as decode_attention counts them (Gluon: blocks of 8 q heads)
+                programs = HKV * (-(-(HQ // HKV) // 8) if engine == "gluon" else bpk)
+                ns = choose_num_splits(bsz, programs, device=device, max_seq_len=ctx,
                                        block_n=default_tuning["block_n"], engine=engine)
                 r["engine"] = engine
                 ws = decode_workspace(bsz, HQ, D, ns + decode_num_hp_splits(SINK, RECENT), device)

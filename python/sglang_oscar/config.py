@@ -14,6 +14,7 @@ DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
+DECODE_ENGINES = ("auto", "triton", "gluon")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,9 @@ class OscarConfig:
             with ``rotation_v_path`` set, the upstream K ``.pt`` file.
         rotation_v_path: the upstream V ``.pt`` file paired with ``rotation_path`` (set by the
             ``SGLANG_OSCAR_K/V_ROTATION_PATH`` aliases), else ``None``.
+        decode_engine: decode attention's stage-1 kernel: ``"auto"`` (the Gluon kernel where it
+            applies, else Triton; ``kernels.launch.decode_engine``), ``"triton"`` or ``"gluon"``
+            (refused with the reason for a model it cannot run).
     """
 
     group_size: int | None = None
@@ -42,8 +46,11 @@ class OscarConfig:
     scale_dtype: str = "float16"
     rotation_path: str | None = None
     rotation_v_path: str | None = None
+    decode_engine: str = "auto"
 
     def __post_init__(self):
+        if self.decode_engine not in DECODE_ENGINES:
+            raise ValueError(f"decode_engine must be one of {DECODE_ENGINES}, got {self.decode_engine!r}")
         check_clip_ratio(self.k_clip_ratio, "K clip ratio")
         check_clip_ratio(self.v_clip_ratio, "V clip ratio")
         check_quantizer(self.quantizer)

@@ -158,7 +158,8 @@ def _zero_mean_rows(t, h, d, device):
                                     dict(convert=1, token_major=False, engine="triton"),
                                     dict(convert=3, pairs_ahead=False, engine="triton"),
                                     dict(convert=5, pairs_ahead=False, engine="triton"),
-                                    dict(engine="gluon"), dict(engine="gluon", block_n=16)])
+                                    pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", block_n=16), id="gluon-bn16")])
 def test_gpu_decode_long_split_independent_of_split_count(tuning):
     """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
 
@@ -249,7 +250,8 @@ def test_gpu_decode_fp32_exact():
     assert rel_l2(o, ref) < 1e-4
 
 
-@pytest.mark.parametrize("tuning", [None, dict(engine="triton")])  # None: the Gluon engine on a GPU
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="triton"), id="triton")])
 def test_gpu_decode_cuda_graph_replay(tuning):
     """Capture once at the maximum lengths, replay with shorter lengths and new queries."""
     fresh_seed()

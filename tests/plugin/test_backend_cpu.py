@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend
+from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_tuning
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
 from sglang_oscar.reference.attention import oscar_attention
@@ -67,6 +67,7 @@ class Served:
         be._hp_rows = None
         be._missed_seen = 0
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
+        be._decode_tuning = decode_tuning(config)
         be.max_context_len = CTX
         self.be = be
         self.r2t = be._int2_req_to_token
@@ -145,6 +146,26 @@ def test_prefill_then_decode_match_the_oracle(setup):
     ref = quantize_rows(k_rot, **config.quant_kwargs("k"))
     slots = sv.r2t[1, :52].long()
     assert torch.equal(kc[slots], ref.codes)
+
+
+def test_decode_engine_flag_reaches_the_kernels(setup):
+    """--oscar-decode-engine: "triton" decodes as "auto" does on this CPU box (both run Triton here);
+    "gluon" reaches decode_attention, which refuses it here with the reason (no Gluon under the
+    interpreter), at the first decode step."""
+    import dataclasses
+
+    seq, config, rk, rv = setup
+    outs = {}
+    for engine in ("auto", "triton"):
+        sv = Served(dataclasses.replace(config, decode_engine=engine), rk, rv)
+        sv.extend(1, seq, 0, 40)
+        outs[engine] = sv.decode(1, seq, 40)
+    assert torch.equal(outs["auto"], outs["triton"])
+    assert _rel(outs["triton"], _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2
+    sv = Served(dataclasses.replace(config, decode_engine="gluon"), rk, rv)
+    sv.extend(1, seq, 0, 40)
+    with pytest.raises(ValueError, match="engine='gluon' cannot run this decode call: TRITON_INTERPRET"):
+        sv.decode(1, seq, 40)
 
 
 # Chunking changes the batch shape of the rotation GEMM, whose fp32 rounding can move a rotated

@@ -41,6 +41,12 @@ def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose:
     return torch.einsum(eq, xv, r).reshape(t, h, r.shape[-1]).to(out_dtype)
 
 
+def decode_tuning(config) -> dict | None:
+    """The ``tuning`` the backend passes to ``decode_attention`` for ``--oscar-decode-engine``:
+    ``None`` for ``auto`` (the kernels pick: Gluon where it applies), else ``{"engine": name}``."""
+    return None if config.decode_engine == "auto" else {"engine": config.decode_engine}
+
+
 class OscarTritonAttnBackend(TritonAttnBackend):
     """Triton attention over :class:`~sglang_oscar.pool.OscarMHATokenToKVPool` (module docstring).
 
@@ -73,6 +79,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self._hp_rows = None
         self._missed_seen = 0
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
+        self._decode_tuning = decode_tuning(self.config)
 
     # ------------------------------------------------------------------ per-forward bookkeeping
     def _token_tables(self, fb):
@@ -165,7 +172,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             forward_batch.req_pool_indices, forward_batch.seq_lens, self.layout,
             sink=self.config.sink_tokens, recent=self.config.recent_tokens, sm_scale=layer.scaling,
             logit_cap=layer.logit_cap or None, out_dtype=torch.float32, max_seq_len=self.max_context_len,
-            sink_lens=self.windows.sink_lens, validate=False,
+            sink_lens=self.windows.sink_lens, validate=False, tuning=self._decode_tuning,
         )
         return _rotate(o, rv, q.dtype, transpose=True).reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 

@@ -38,6 +38,13 @@ def compile_only(backend: str = "cuda", arch: int = 90, warp_size: int = 32):
         _TARGET = prev
 
 
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (CPU interpreter)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def active() -> bool:
     return _TARGET is not None
 

@@ -45,8 +45,12 @@ correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` is s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .compile_check import active as _compiling_offline
+from .compile_check import interpreting as _interpreting
 from .compile_check import launch as _launch
 
 try:  # Gluon ships with triton >= 3.5; this module is optional (the Triton kernels cover everything)
@@ -471,10 +475,14 @@ def _capability(device) -> tuple[int, int]:
 
 def _words_viewable(t: torch.Tensor) -> bool:
     """Whether ``t.view(torch.int32)`` works: last dim contiguous, its bytes, the other strides and the
-    storage offset all multiples of 4 bytes."""
-    es = t.element_size()
-    return (t.stride(-1) == 1 and (t.shape[-1] * es) % 4 == 0 and (t.storage_offset() * es) % 4 == 0
-            and all((st * es) % 4 == 0 for st in t.stride()[:-1]))
+    storage offset all multiples of 4 bytes (memoized on those numbers: this runs on every call)."""
+    return _viewable(t.stride(), t.storage_offset(), t.shape[-1], t.element_size())
+
+
+@functools.lru_cache(maxsize=256)
+def _viewable(strides: tuple, offset: int, last: int, es: int) -> bool:
+    return (strides[-1] == 1 and (last * es) % 4 == 0 and (offset * es) % 4 == 0
+            and all((st * es) % 4 == 0 for st in strides[:-1]))
 
 
 def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_cap: bool,
@@ -487,14 +495,11 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
         hp_dtype: dtype of the HP rows (bf16 / fp16 supported; ``None`` = not checked);
         buffers: the code and pair buffers, which the kernel reads as 32-bit words.
     """
-    from .compile_check import active as compiling_offline
-    from .launch import interpreting
-
     if not HAVE_GLUON:
         return "triton has no Gluon"
-    if interpreting():
+    if _interpreting():
         return "TRITON_INTERPRET is set (Gluon kernels do not run under the interpreter)"
-    if not compiling_offline():  # an offline sm_90 compile (compile_check.compile_only) takes CPU tensors
+    if not _compiling_offline():  # an offline sm_90 compile (compile_check.compile_only) takes CPU tensors
         if q.device.type != "cuda":
             return "not a CUDA device"
         if _capability(q.device) < (8, 0):

@@ -34,6 +34,7 @@ from .codes import (
     LOG2E,
 )
 from .compile_check import active as compiling_offline
+from .compile_check import interpreting
 from .compile_check import launch as _launch
 from .decode import _decode_stage1, _decode_stage2
 from .dequant import _dequant_kernel
@@ -51,11 +52,6 @@ from .validate import (
     debug_enabled,
 )
 from .write import _write_kernel
-
-
-def interpreting() -> bool:
-    """True under ``TRITON_INTERPRET=1`` (CPU interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _tl(dt: torch.dtype):
@@ -532,6 +528,9 @@ class AttnTuning:
             either way; with ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or
             32) and ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy
             offers 12 per SM at batch 1, :func:`choose_num_splits`).
+
+    Note: :meth:`as_dict` of a *resolved* tuning names every knob, Triton-only ones included, so
+    passed back as a tuning it selects the Triton engine; pass ``None`` or ``{}`` for the default.
     """
 
     KNOBS = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",

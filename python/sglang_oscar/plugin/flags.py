@@ -75,6 +75,12 @@ FLAGS = (
     Flag("oscar_scale_dtype", "--oscar-scale-dtype", "scale_dtype", str,
          "INT2 KV cache: dtype of the per-group (scale, zero) pairs (default float16).",
          env="SGLANG_MIXED_KV_SCALE_DTYPE", choices=("float32", "float16", "bfloat16")),
+    Flag("oscar_decode_engine", "--oscar-decode-engine", "decode_engine", str,
+         "INT2 KV cache: decode-attention kernel: auto (default: the Gluon kernel where it applies -- "
+         "head_dim 128, uniform levels, one fp16 (scale, zero) pair per row, no logit cap -- else Triton), "
+         "triton, or gluon (a model it cannot run fails at its first decode step, CUDA-graph capture "
+         "included, with the reason).",
+         choices=("auto", "triton", "gluon")),
 )
 K_ROTATION_ENV = "SGLANG_OSCAR_K_ROTATION_PATH"
 V_ROTATION_ENV = "SGLANG_OSCAR_V_ROTATION_PATH"
