@@ -31,9 +31,11 @@ from .tiles import (
     finish_int2_values,
     finish_int2_values_t,
     hp_scores,
+    hp_split_range,
     hp_values,
     int2_block_t,
     int2_scores,
+    int2_split_range,
     int2_values,
     load_int2_codes_t,
     load_int2_pairs_t,
@@ -98,12 +100,7 @@ def _decode_stage1(
 
     if sp < NS_HP:
         # ---------------- HP tier: sink [0, n_sink) then recent [rec_start, L), one virtual range
-        n_sink = tl.minimum(sink_r, L)
-        rec_start = tl.maximum(sink, L - recent)
-        n_hp = n_sink + tl.maximum(L - rec_start, 0)
-        chunk = tl.cdiv(tl.cdiv(n_hp, NS_HP), BLOCK_N) * BLOCK_N
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, n_hp)
+        n_sink, rec_start, lo, hi = hp_split_range(sink_r, L, sink, recent, sp, NS_HP, BLOCK_N)
         ring = tl.maximum(recent, 1)
         q0, qb0, sq0 = load_q_quarter(Q, qoff, rmask, qscale, RB, 0, QK, QKP, OP, LM)
         q1, qb1, sq1 = load_q_quarter(Q, qoff, rmask, qscale, RB, 1, QK, QKP, OP, LM)
@@ -130,12 +127,7 @@ def _decode_stage1(
     else:
         # ---------------- INT2 tier: [max(sink, window start), L - recent)
         # sink positions without a row ([sink_r, sink)) are read here too, never from the ring
-        mid_hi = tl.minimum(tl.maximum(L - recent, sink), L)
-        mid_lo = tl.maximum(sink_r, win_lo)
-        n_mid = tl.maximum(mid_hi - mid_lo, 0)
-        chunk = tl.cdiv(tl.cdiv(n_mid, NS_Q), BLOCK_N) * BLOCK_N
-        lo = mid_lo + (sp - NS_HP) * chunk
-        hi = tl.minimum(lo + chunk, mid_hi)
+        lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, sp - NS_HP, NS_Q, BLOCK_N)
         KC_h = KC + kvh64 * stride_kch
         KP_h = KP + kvh64 * stride_kph
         VC_h = VC + kvh64 * stride_vch

@@ -52,6 +52,7 @@ import torch
 from .compile_check import active as _compiling_offline
 from .compile_check import interpreting as _interpreting
 from .compile_check import launch as _launch
+from .tiles import hp_split_range, int2_split_range
 
 try:  # Gluon ships with triton >= 3.5; this module is optional (the Triton kernels cover everything)
     from triton.experimental import gluon
@@ -265,12 +266,7 @@ if HAVE_GLUON:
                     b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
         """INT2 split ``spq`` of ``NS_Q`` over ``[max(sink_r, window start), L - recent)``."""
-        mid_hi = gl.minimum(gl.maximum(L - recent, sink), L)
-        mid_lo = gl.maximum(sink_r, win_lo)
-        n_mid = gl.maximum(mid_hi - mid_lo, 0)
-        chunk = gl.cdiv(gl.cdiv(n_mid, NS_Q), BLOCK_N) * BLOCK_N
-        lo = mid_lo + spq * chunk
-        hi = gl.minimum(lo + chunk, mid_hi)
+        lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, spq, NS_Q, BLOCK_N)
         if hi <= lo:  # empty split (short context): only its log-sum-exp, which the merge skips on
             gl.store(lse_ptr, gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA)), mask=hmask_o)
         else:
@@ -342,12 +338,7 @@ if HAVE_GLUON:
         fp16, as in the Triton kernel); values from the V rows as stored (bf16 / fp16) and P as a
         rounded part plus the rounded remainder (two MMAs); P goes through ``movmatrix``, V^T
         through a shared-memory layout change (this tier is at most ``sink + recent`` keys)."""
-        n_sink = gl.minimum(sink_r, L)
-        rec_start = gl.maximum(sink, L - recent)
-        n_hp = n_sink + gl.maximum(L - rec_start, 0)
-        chunk = gl.cdiv(gl.cdiv(n_hp, NS_HP), HP_BLOCK) * HP_BLOCK
-        lo = sp * chunk
-        hi = gl.minimum(lo + chunk, n_hp)
+        n_sink, rec_start, lo, hi = hp_split_range(sink_r, L, sink, recent, sp, NS_HP, HP_BLOCK)
         if hi <= lo:
             gl.store(lse_ptr, gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA)), mask=hmask_o)
         else:

@@ -59,6 +59,34 @@ SUB_SHIFT = tl.constexpr(8)
 
 
 @triton.jit
+def hp_split_range(sink_r, L, sink, recent, split, num_splits, BLOCK: tl.constexpr):
+    """HP split ``split`` of ``num_splits`` (decode): the HP positions are sink ``[0, n_sink)`` then
+    recent ``[rec_start, L)``, one virtual range ``[0, n_hp)`` cut into equal ``BLOCK``-aligned
+    chunks. Returns ``(n_sink, rec_start, lo, hi)`` (virtual indices; ``lo >= hi`` = empty).
+    Shared by the Triton and the Gluon stage 1, so both cut the splits the same way."""
+    n_sink = tl.minimum(sink_r, L)
+    rec_start = tl.maximum(sink, L - recent)
+    n_hp = n_sink + tl.maximum(L - rec_start, 0)
+    chunk = tl.cdiv(tl.cdiv(n_hp, num_splits), BLOCK) * BLOCK
+    lo = split * chunk
+    return n_sink, rec_start, lo, tl.minimum(lo + chunk, n_hp)
+
+
+@triton.jit
+def int2_split_range(sink_r, win_lo, L, sink, recent, split, num_splits, BLOCK: tl.constexpr):
+    """INT2 split ``split`` of ``num_splits`` (decode) of the middle ``[max(sink_r, win_lo),
+    min(max(L - recent, sink), L))`` -- sink positions without a row (``[sink_r, sink)``) included,
+    never the recent ring -- cut into equal ``BLOCK``-aligned chunks. Returns ``(lo, hi)``
+    (positions; ``lo >= hi`` = empty). Shared by the Triton and the Gluon stage 1."""
+    mid_hi = tl.minimum(tl.maximum(L - recent, sink), L)
+    mid_lo = tl.maximum(sink_r, win_lo)
+    n_mid = tl.maximum(mid_hi - mid_lo, 0)
+    chunk = tl.cdiv(tl.cdiv(n_mid, num_splits), BLOCK) * BLOCK
+    lo = mid_lo + split * chunk
+    return lo, tl.minimum(lo + chunk, mid_hi)
+
+
+@triton.jit
 def load_int2_slots(r2t, n0, hi, BLOCK_N: tl.constexpr, IDX64: tl.constexpr, PERM: tl.constexpr):
     """Slot ids of positions ``[n0, n0 + BLOCK_N)`` below ``hi`` from a ``req_to_token`` row.
 
