@@ -56,6 +56,7 @@ from sglang_oscar.kernels.launch import (  # noqa: E402
     AttnTuning,
     choose_num_splits,
     decode_engine,
+    gluon_head_blocks,
     plan_head_blocks,
 )
 
@@ -345,7 +346,7 @@ def main(argv=None) -> int:
                 _, _, bpk, _ = plan_head_blocks(HQ, HKV, default_tuning["min_block_h"], default_tuning["max_block_h"])
                 engine = decode_engine(AttnTuning.of(None).resolved(D), layout, case.q, torch.float16, False)
                 # programs per request as decode_attention counts them (Gluon: blocks of 8 q heads)
-                programs = HKV * (-(-(HQ // HKV) // 8) if engine == "gluon" else bpk)
+                programs = HKV * (gluon_head_blocks(HQ // HKV) if engine == "gluon" else bpk)
                 ns = choose_num_splits(bsz, programs, device=device, max_seq_len=ctx,
                                        block_n=default_tuning["block_n"], engine=engine)
                 r["engine"] = engine

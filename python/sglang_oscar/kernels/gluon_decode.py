@@ -25,10 +25,10 @@ the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sgla
   ``2^(8-2k)`` so every product is ``q c 2^-16`` (the Triton kernel's ``CONVERT=5`` operands).
 * **K (scores, S^T = codes q^T).** The A operand ``[BLOCK_N, 128]`` of ``mma.sync`` gives thread
   ``(g, t)`` (``lane = 4 g + t``) rows ``g, g+8, ...`` and, per row, 32 of the 128 reduction
-  positions. Those are made the 32 codes of words ``2t, 2t+1`` of the row (one 8-byte load): the
-  reduction order is free, so the logical column ``c`` is *defined* as the dim those codes belong
-  to (:func:`k_column_dims`) and q is loaded in the same order. (Two 4-byte loads per row: the
-  strides do not tell the compiler the pair is 8-byte aligned.)
+  positions. Those are made the 32 codes of words ``2t, 2t+1`` of the row (two 4-byte loads: the
+  strides do not tell the compiler the pair is 8-byte aligned): the reduction order is free, so the
+  logical column ``c`` is *defined* as the dim those codes belong to (:func:`k_column_dims`) and q
+  is loaded in the same order.
 * **V (values, O^T = codes^T P^T).** The A operand ``[128, BLOCK_N]`` gives thread ``(g, t)`` 16
   output rows and, per 16 keys, keys ``2t, 2t+1, 2t+8, 2t+9``: the 16 codes of word ``g`` of each
   of those keys (one 4-byte load per key). Two keys' bytes are paired with one ``prmt`` so a
@@ -65,6 +65,11 @@ except ImportError:  # pragma: no cover - exercised only with an older triton
 
 HEAD_DIM = 128
 HEADS_PER_PROGRAM = 8  # the MMA's N: q heads of one kv head per program (padded, masked)
+
+
+def head_blocks(group: int) -> int:
+    """Programs per kv head: blocks of :data:`HEADS_PER_PROGRAM` q heads (the last one masked)."""
+    return -(-group // HEADS_PER_PROGRAM)
 # The operand bookkeeping, shared with tests/kernels/test_gluon_layout.py (which replays it in torch):
 # the 16 outputs of a conversion are joined pairwise into [..., 8 words, b0, b1, b2, b3] (join appends
 # its new axis last), then K splits the word axis into (t, half) and permutes, V permutes.
@@ -537,7 +542,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
     bsz, hq, _ = q.shape
     hkv = k_codes.shape[1]
     group = hq // hkv
-    bpk = -(-group // HEADS_PER_PROGRAM)
+    bpk = head_blocks(group)
     try:
         kc, vc = k_codes.view(torch.int32), v_codes.view(torch.int32)
         kp, vp = k_pairs.view(torch.int32), v_pairs.view(torch.int32)

@@ -40,8 +40,8 @@ from .decode import _decode_stage1, _decode_stage2
 from .dequant import _dequant_kernel
 from .extend import _extend_kernel
 from .flush import _flush_kernel
-from .gluon_decode import HEADS_PER_PROGRAM as _GLUON_HEADS
 from .gluon_decode import gluon_decode_supported, launch_gluon_decode
+from .gluon_decode import head_blocks as gluon_head_blocks
 from .layout import TORCH_TO_TL, Int2Layout, next_pow2
 from .validate import (
     INDEX_DTYPES,
@@ -899,16 +899,17 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
     Raises:
         ValueError: ``engine="gluon"`` named for a call it cannot run (the reason is in the message).
     """
+    if tuning.engine == "triton" or (tuning.engine is None
+                                     and any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY)):
+        return "triton"  # no scope check needed (hot path)
     why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
     if why is None and tuning.block_n not in (16, 32):
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
-    if tuning.engine == "gluon" and why is not None:
-        raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
-                         "use engine='triton' (or leave engine unset), which covers every layout")
-    if tuning.engine is not None:
-        return tuning.engine
-    if any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY):
-        return "triton"
+    if tuning.engine == "gluon":
+        if why is not None:
+            raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
+                             "use engine='triton' (or leave engine unset), which covers every layout")
+        return "gluon"
     # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
     # left unset it compiles the Triton kernel, as before the Gluon engine existed
     return "gluon" if why is None and not compiling_offline() else "triton"
@@ -1020,7 +1021,7 @@ def decode_attention(
         num_hp_splits = decode_num_hp_splits(sink, recent)
     if num_kv_splits is None:
         # programs per request: kv heads x head blocks (the Gluon kernel's blocks hold 8 q heads)
-        programs = hkv * (-(-group // _GLUON_HEADS) if gluon else bpk)
+        programs = hkv * (gluon_head_blocks(group) if gluon else bpk)
         num_kv_splits = choose_num_splits(bsz, programs, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
                                           engine=engine)
     if num_hp_splits < 1 or num_kv_splits < 1:
