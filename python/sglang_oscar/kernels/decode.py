@@ -17,7 +17,7 @@ INT2 splits use token-major tiles (``TOKEN_MAJOR``, one pair group per row) or h
 (:mod:`.tiles`); with the permuting code conversions (``CONVERT`` 3-6) q is loaded with permuted
 columns and the V code tile with permuted tokens (``perm4_index``), HP splits never permute.
 
-Stage 2, grid ``(batch, q_heads)``: merges the splits (zeros when no split saw a key).
+Stage 2, grid ``(batch, q_heads, dim blocks)``: merges the splits (zeros when no split saw a key).
 """
 
 from __future__ import annotations
@@ -219,27 +219,32 @@ def _decode_stage1(
 def _decode_stage2(
     OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
     O, stride_b, stride_h, NS,
-    NSP: tl.constexpr, SB: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+    NSP: tl.constexpr, SB: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr,
     OUT_DT: tl.constexpr,
 ):
+    """Merge of the splits for request ``program_id(0)``, q head ``program_id(1)`` and output dims
+    ``[BD * program_id(2), + BD)``: ``O = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)``.
+    Chunks of ``SB`` splits x ``BD`` dims (unrolled, independent loads: one memory round trip
+    for a few hundred splits); splits with ``lse = -inf`` (empty) are not read."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    d = tl.program_id(2) * BD + tl.arange(0, BD)
+    dm = d < DV
     s_all = tl.arange(0, NSP)
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + s_all, mask=s_all < NS, other=NEG_INF)
-    mx = tl.max(lse, axis=0)
+    lse_row = LSE + b * stride_lb + h * stride_lh
+    mx = tl.max(tl.load(lse_row + s_all, mask=s_all < NS, other=NEG_INF), axis=0)
     mx = tl.where(mx == NEG_INF, 0.0, mx)
-    d = tl.arange(0, DVP)
-    acc = tl.zeros([DVP], tl.float32)
+    acc = tl.zeros([BD], tl.float32)
     tot = 0.0
     base = OPART + b * stride_ob + h * stride_oh
     for s0 in tl.static_range(0, NSP, SB):
         ss = s0 + tl.arange(0, SB)
         sm = ss < NS
-        ls = tl.load(LSE + b * stride_lb + h * stride_lh + ss, mask=sm, other=NEG_INF)
+        ls = tl.load(lse_row + ss, mask=sm, other=NEG_INF)
         w = tl.exp2(ls - mx)
         live = sm & (ls > NEG_INF)  # empty splits: no read of their (zero) partial output
-        o = tl.load(base + ss[:, None] * stride_os + d[None, :], mask=live[:, None] & (d < DV)[None, :], other=0.0)
+        o = tl.load(base + ss[:, None] * stride_os + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
         tot += tl.sum(w, axis=0)
     inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
-    tl.store(O + b * stride_b + h * stride_h + d, round_to(acc * inv, OUT_DT), mask=d < DV)
+    tl.store(O + b * stride_b + h * stride_h + d, round_to(acc * inv, OUT_DT), mask=dm)

@@ -25,8 +25,9 @@ the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sgla
   ``2^(8-2k)`` so every product is ``q c 2^-16`` (the Triton kernel's ``CONVERT=5`` operands).
 * **K (scores, S^T = codes q^T).** The A operand ``[BLOCK_N, 128]`` of ``mma.sync`` gives thread
   ``(g, t)`` (``lane = 4 g + t``) rows ``g, g+8, ...`` and, per row, 32 of the 128 reduction
-  positions. Those are made the 32 codes of words ``2t, 2t+1`` of the row (two 4-byte loads: the
-  strides do not tell the compiler the pair is 8-byte aligned): the reduction order is free, so the
+  positions. Those are made the 32 codes of words ``2t, 2t+1`` of the row (one 8-byte load when
+  the byte strides are multiples of 16, as Triton specialises them; two 4-byte loads otherwise,
+  e.g. the served pool's 36-byte rows): the reduction order is free, so the
   logical column ``c`` is *defined* as the dim those codes belong to (:func:`k_column_dims`) and q
   is loaded in the same order.
 * **V (values, O^T = codes^T P^T).** The A operand ``[128, BLOCK_N]`` gives thread ``(g, t)`` 16
@@ -46,6 +47,7 @@ correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` is s
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -205,7 +207,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_slots(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
-        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` in the K-row and the V-key layouts (0 past ``hi``)."""
+        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` in the K-row and the V-key layouts (0 past ``hi``);
+        int64 when ``IDX64`` (a buffer of 2 GiB or more: byte offsets overflow int32), else int32."""
         rk = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW))
         sk = gl.load(R2T_r + rk, mask=rk < hi, other=0)
         sv = gl.convert_layout(sk, gl.SliceLayout(1, VW))  # warp shuffles, no second gather
@@ -217,14 +220,30 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_words(sk, sv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps):
         """K / V code words and the (scale, zero) words of the keys at slots ``sk`` / ``sv``
-        (the same keys in two layouts). Keys past the range read slot 0, masked later."""
+        (the same keys in two layouts). Keys past the range read slot 0, masked later.
+
+        The buffers come as byte pointers with byte strides, so Triton's stride specialisation
+        (multiples of 16 bytes) shows the compiler when the K words ``2t, 2t+1`` of a row are
+        8-byte aligned: one 8-byte load instead of two. (Row addresses as zero-extended 32 x 32 ->
+        64-bit products took 11 fewer instructions per 32 keys but were up to 16% slower at batch 8
+        and 32, H200 call 4 of 2026-11-30 (7): the loop is latency-bound, docs/benchmarks.md.)"""
         wk = gl.arange(0, 8, layout=gl.SliceLayout(0, KW))
-        kw = gl.load(KC_h + sk[:, None] * stride_kcs + wk[None, :])
         wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
-        vw = gl.load(VC_h + sv[:, None] * stride_vcs + wv[None, :])
-        kp = gl.load(KP_h + sk * stride_kps)
-        vp = gl.load(VP_h + sk * stride_vps)
+        krow = (KC_h + sk * stride_kcs).to(gl.pointer_type(gl.int32), bitcast=True)
+        vrow = (VC_h + sv * stride_vcs).to(gl.pointer_type(gl.int32), bitcast=True)
+        kw = gl.load(krow[:, None] + wk[None, :])
+        vw = gl.load(vrow[:, None] + wv[None, :])
+        kp = gl.load((KP_h + sk * stride_kps).to(gl.pointer_type(gl.int32), bitcast=True))
+        vp = gl.load((VP_h + sk * stride_vps).to(gl.pointer_type(gl.int32), bitcast=True))
         return kw, vw, kp, vp
+
+    @gluon.jit
+    def _rcp(x):
+        """``1 / x`` by ``rcp.approx.ftz.f32`` (1 ulp; ``/`` compiles to a range-checked division per
+        numerator). Used for ``1 / ref``, which enters P and the rescale factor alike, so its error
+        cancels in the output up to rounding."""
+        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _lo_half(w):
@@ -235,29 +254,36 @@ if HAVE_GLUON:
         return (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
 
     @gluon.jit
-    def _block(w, n0, hi, rows, qb, qsum, m, ref, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr):
+    def _block(w, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr,
+               MASKED: gl.constexpr):
         """One block of keys ``[n0, n0 + BLOCK_N)`` (words ``w`` from :func:`_load_words`) into the
-        running state ``(m, ref, lt, corr, acc)``: scores, online softmax (base 2), values."""
+        running state ``(m, ref, lt, corr, acc)``: scores, online softmax (base 2), values.
+        ``MASKED``: the block may reach past ``hi`` (only a split's last block can: split ranges
+        are ``BLOCK_N``-aligned, :func:`.tiles.int2_split_range`); full blocks skip every mask."""
         kw, vw, kp, vp = w
-        valid = (n0 + rows) < hi
-        # scores: s = sk 2^16 (d - zk 2^-16 sum q), d = 2^-16 q.c (subnormal operands, module doc)
+        # scores in units of 2^16: u = sk (d - zk qsum_u) with d = 2^-16 q.c (subnormal operands,
+        # module doc) and qsum_u = 2^-16 sum q, so the score is s = 2^16 u (exact power-of-two
+        # scaling) and the 2^16 goes into the max and the exponent's FFMA
         d = mma_v2(_k_operand(kw, BLOCK_N), qb, zero_s)
         kp_m = gl.convert_layout(kp, gl.SliceLayout(1, MMA), assert_trivial=True)
         vp_m = gl.convert_layout(vp, gl.SliceLayout(1, MMA), assert_trivial=True)
-        sc = _lo_half(kp_m) * 65536.0
-        zc = _hi_half(kp_m) * (1.0 / 65536.0)
-        s = (d - zc[:, None] * qsum[None, :]) * sc[:, None]
-        s = gl.where(valid[:, None], s, NEG_INF_C)
-        m_new = gl.maximum(m, gl.max(s, axis=0))
+        u = (d - _hi_half(kp_m)[:, None] * qsum_u[None, :]) * _lo_half(kp_m)[:, None]
+        sv = _lo_half(vp_m)
+        zv = _hi_half(vp_m)
+        if MASKED:
+            # keys past the range read slot 0, whose pairs may be anything (even NaN): zero them
+            valid = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))) < hi
+            u = gl.where(valid[:, None], u, NEG_INF_C)
+            sv = gl.where(valid, sv, 0.0)
+            zv = gl.where(valid, zv, 0.0)
+        m_new = gl.maximum(m, gl.max(u, axis=0) * 65536.0)
         alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        # values: P scaled by v_scale / ref (ref = running max of the V scales, keeps P <= 1);
-        # keys past the range read slot 0, whose pairs may be anything (even NaN): zero them
-        sv = gl.where(valid, _lo_half(vp_m), 0.0)
-        zv = gl.where(valid, _hi_half(vp_m), 0.0)
+        p = gl.exp2(u * 65536.0 - m_new[None, :])
+        # values: P scaled by v_scale / ref (ref = running max of the V scales, keeps P <= 1)
         new_ref = gl.maximum(ref, gl.max(sv, axis=0))
-        beta = alpha * (ref / new_ref)
-        pw = (p * (sv / new_ref)[:, None]).to(gl.float16)
+        inv_ref = _rcp(new_ref)
+        beta = alpha * (ref * inv_ref)
+        pw = (p * (sv * inv_ref)[:, None]).to(gl.float16)
         lt = lt * alpha[None, :] + p
         corr = corr * beta[None, :] + pw.to(gl.float32) * zv[:, None]
         o = mma_v2(_v_operand(vw, BLOCK_N), _p_operand(pw, BLOCK_N), zero_o)
@@ -285,7 +311,7 @@ if HAVE_GLUON:
             qv = gl.load(Q + b.to(gl.int64) * stride_qb + heads[None, :] * stride_qh + kdim[:, None],
                          mask=hmask[None, :], other=0.0)
             qr = (qv.to(gl.float32) * qscale).to(gl.float16)
-            qsum = gl.convert_layout(gl.sum(qr.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))
+            qsum_u = gl.convert_layout(gl.sum(qr.to(gl.float32), axis=0), gl.SliceLayout(0, MMA)) * (1.0 / 65536.0)
             qf = gl.exp2((8 - 2 * (kdim // 32)).to(gl.float32))
             qb = (qr.to(gl.float32) * qf[:, None]).to(gl.float16)
 
@@ -303,7 +329,6 @@ if HAVE_GLUON:
             ref = 1e-30
             zero_s = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             zero_o = gl.full([128, 8], 0.0, gl.float32, MMA)
-            rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
 
             # software pipeline in registers: slot ids two blocks ahead, code / pair words one block
             # ahead (their latency hides behind a block of math; two blocks ahead was slower at most points
@@ -311,13 +336,17 @@ if HAVE_GLUON:
             slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
             w0 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
             slk, slv = _load_slots(R2T_r, lo + BLOCK_N, hi, BLOCK_N, IDX64)
-            for n0 in range(lo, hi, BLOCK_N):
+            full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N  # the full blocks, then at most one partial block
+            for n0 in range(lo, full_hi, BLOCK_N):
                 slk2, slv2 = _load_slots(R2T_r, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64)
                 w1 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
-                m, ref, lt, corr, acc = _block(w0, n0, hi, rows, qb, qsum, m, ref, lt, corr, acc, zero_s, zero_o,
-                                               BLOCK_N)
+                m, ref, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o,
+                                               BLOCK_N, False)
                 w0 = w1
                 slk, slv = slk2, slv2
+            if full_hi < hi:
+                m, ref, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s,
+                                               zero_o, BLOCK_N, True)
 
             l_h = gl.sum(lt, axis=0)
             c_h = gl.sum(corr, axis=0)
@@ -423,8 +452,9 @@ if HAVE_GLUON:
         ``[0, NS_HP)`` read the HP rows (sink, then the recent ring), ``[NS_HP, NS_HP + NS_Q)`` the INT2
         middle.
 
-        ``KC``/``VC``: the code buffers viewed as int32 words ``[S, H_kv, 8]``; ``KP``/``VP``: the
-        (scale, zero) pairs viewed as int32 ``[S, H_kv, 1]`` (fp16 scale in the low half).
+        ``KC``/``VC``: the code buffers ``[S, H_kv, 32]`` and ``KP``/``VP``: the (scale, zero) pairs
+        ``[S, H_kv, 4]`` (fp16 scale in bytes 0-1), all as byte pointers with byte strides, read as
+        int32 words (:func:`_load_words`).
         Writes ``OPART[b, h, split, :]`` (normalised, fp32) and ``LSE[b, h, split]`` (base 2).
         """
         b = gl.program_id(0)
@@ -457,6 +487,14 @@ if HAVE_GLUON:
                         OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                         b, kvh, h0, req, L, sink_r, win_lo, sp - NS_HP, sp.to(gl.int64), heads_o, hmask_o, qscale,
                         sink, recent, NS_Q, GROUP, BLOCK_N, IDX64)
+
+
+def _needs_idx64(*byte_views) -> bool:
+    """Slot x stride byte offsets may reach 2**31: 64-bit row addresses (``SGLANG_OSCAR_FORCE_IDX64=1``
+    forces them, as for the Triton kernels)."""
+    if os.environ.get("SGLANG_OSCAR_FORCE_IDX64", "") == "1":
+        return True
+    return any(t.numel() >= 2**31 - 1 for t in byte_views)
 
 
 _CAPABILITY: dict = {}
@@ -523,7 +561,7 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
 
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
                         seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window,
-                        num_hp_splits: int, num_kv_splits: int, block_n: int, idx64: bool,
+                        num_hp_splits: int, num_kv_splits: int, block_n: int,
                         maxnreg: int | None = None) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
@@ -543,9 +581,9 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
     hkv = k_codes.shape[1]
     group = hq // hkv
     bpk = head_blocks(group)
-    try:
-        kc, vc = k_codes.view(torch.int32), v_codes.view(torch.int32)
-        kp, vp = k_pairs.view(torch.int32), v_pairs.view(torch.int32)
+    try:  # read as int32 words through byte pointers (the strides below are in bytes)
+        kc, vc = k_codes.view(torch.int32).view(torch.uint8), v_codes.view(torch.int32).view(torch.uint8)
+        kp, vp = k_pairs.view(torch.int32).view(torch.uint8), v_pairs.view(torch.int32).view(torch.uint8)
     except RuntimeError as e:
         raise ValueError(f"engine='gluon' reads codes and pairs as 32-bit words; these buffers cannot be viewed "
                          f"so ({e}); allocate them with Int2Layout.allocate") from e
@@ -559,6 +597,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
         qscale, sink, recent, sliding_window or 0, num_hp_splits, num_kv_splits,
         GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=idx64, HP_BLOCK=16,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=_needs_idx64(kc, kp, vc, vp),
+        HP_BLOCK=16,
         num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )

@@ -915,6 +915,55 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
     return "gluon" if why is None and not compiling_offline() else "triton"
 
 
+#: merge (stage 2): split x dim elements per unrolled chunk, and the smallest grid (programs) that the
+#: choice of output dims per program aims at (``decode_merge``)
+MERGE_CHUNK = 4096
+MERGE_MIN_PROGRAMS = 2048
+
+
+def merge_block_d(bsz: int, hq: int, dv: int) -> int:
+    """Output dims per merge program: the largest of 16 / 32 / 64 / 128 (at most ``next_pow2(dv)``)
+    whose grid ``bsz x hq x ceil(dv / block_d)`` still has :data:`MERGE_MIN_PROGRAMS` programs,
+    else 16. H200, one warp per program, 32 q heads, D_v 128 (``scripts/profile_decode.py --merge``, call 2,
+    2026-11-30 (7), docs/benchmarks.md): best 16 at batch 1 (205 splits 3.9 us; 32 dims 4.6 us),
+    32 at batch 8 (6.0 us; 16: 6.2), 64 at batch 32 (6.2 us; 128: 6.6)."""
+    top = next_pow2(dv)
+    bd = 16
+    for cand in (32, 64, 128):
+        if cand <= top and bsz * hq * -(-dv // cand) >= MERGE_MIN_PROGRAMS:
+            bd = cand
+    return min(bd, top)
+
+
+def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+                 block_d: int | None = None, chunk: int = MERGE_CHUNK, num_warps: int = 1) -> None:
+    """Stage 2 of decode attention: merge ``num_splits`` partial outputs into ``out``.
+
+    Args:
+        o_part: ``[B, H_q, >= num_splits, D_v]`` fp32 normalised partial outputs (stage 1).
+        lse: ``[B, H_q, >= num_splits]`` fp32 base-2 log-sum-exp of each split (``-inf`` = empty).
+        out: ``[B, H_q, D_v]`` (any float dtype, last dim contiguous), written: the LSE-weighted
+            mean of the splits, zeros where every split is empty.
+        block_d: output dims per program (grid ``(B, H_q, ceil(D_v / block_d))``; ``None`` =
+            :func:`merge_block_d`). Before 2026-11-30 (7) the grid was ``(B, H_q)`` with two warps: at
+            batch 1 32 programs each read a few hundred 512-byte rows in 16 dependent steps, 10.9
+            of the 67.3 us of a 128K x 1 decode call on the H200 (``scripts/profile_decode.py``).
+        chunk: splits x dims per unrolled step (all loads of a few hundred splits in flight at once).
+        num_warps: warps per program (one was fastest at every point timed).
+
+    The grid depends only on shapes (CUDA graphs).
+    """
+    bsz, hq, dv = out.shape
+    nsp = next_pow2(num_splits)
+    bd = min(next_pow2(dv), block_d or merge_block_d(bsz, hq, dv))
+    _launch(_decode_stage2, (bsz, hq, triton.cdiv(dv, bd)),
+        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
+        out, out.stride(0), out.stride(1), num_splits,
+        NSP=nsp, SB=max(1, min(nsp, chunk // bd)), BD=bd, DV=dv, OUT_DT=_tl(out.dtype),
+        num_warps=num_warps,
+    )
+
+
 def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
     """Stage-1 scratch ``(o_part [B, H_q, S, D_v] fp32, lse [B, H_q, S] fp32)`` (preallocate for graphs)."""
     return (torch.empty((batch, num_q_heads, total_splits, head_dim_v), dtype=torch.float32, device=device),
@@ -1065,7 +1114,7 @@ def decode_attention(
         launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
                             req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
                             sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
-                            block_n=tn.block_n, idx64=idx64, maxnreg=tn.maxnreg or GLUON_MAXNREG)
+                            block_n=tn.block_n, maxnreg=tn.maxnreg or GLUON_MAXNREG)
     else:
         grid = (bsz, hkv * bpk, ns)
         _launch(_decode_stage1, grid,
@@ -1091,13 +1140,7 @@ def decode_attention(
             PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
             num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
         )
-    nsp = next_pow2(ns)
-    _launch(_decode_stage2, (bsz, hq),
-        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
-        o_rot, o_rot.stride(0), o_rot.stride(1), ns,
-        NSP=nsp, SB=min(nsp, 16), DV=dv, DVP=next_pow2(dv), OUT_DT=_tl(o_rot.dtype),
-        num_warps=4 if dv >= 256 else 2,
-    )
+    decode_merge(o_part, lse, o_rot, ns)
     if rotation_v is None:
         return o_rot
     o = _counter_rotate(o_rot, rotation_v, hkv, out_dtype)
