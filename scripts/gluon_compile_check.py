@@ -9,7 +9,7 @@ developed against static instruction counts on the CPU box and tested against th
 GPU only.
 
     python scripts/gluon_compile_check.py     # prints the artefacts and the SASS instruction count
-    python scripts/gluon_compile_check.py --decode [--block-n 32]   # the Gluon decode loop (JSON)
+    python scripts/gluon_compile_check.py --decode [--block-n 32] [--tuning '{"async_stages": 3}']   # decode loop (JSON)
 
 ``--decode`` compiles ``kernels.gluon_decode._gluon_decode_stage1`` (32 q / 8 kv heads, head_dim 128)
 and prints one JSON line: registers, spill stack, shared memory, and the opcode counts of each
@@ -40,7 +40,7 @@ def scale2(x_ptr, y_ptr, n, BLOCK: gl.constexpr):
     gl.store(y_ptr + offs, gl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
-def decode_loop_stats(block_n: int = 32) -> dict:
+def decode_loop_stats(block_n: int = 32, tuning: dict | None = None) -> dict:
     """Compile the Gluon decode kernel for sm_90 through the real launch path (``decode_attention``
     with ``engine="gluon"`` inside ``compile_check.compile_only``, on the small CPU pool of
     tests/kernels/compile_sm90.py: 32 q / 8 kv heads, head_dim 128, so Triton specialises the
@@ -54,7 +54,7 @@ def decode_loop_stats(block_n: int = 32) -> dict:
 
     with compile_only("cuda", 90):
         before = len(COMPILED)
-        compile_sm90._attn("d", tuning=dict(engine="gluon", block_n=block_n))
+        compile_sm90._attn("d", tuning=dict(tuning or {}, engine="gluon", block_n=block_n))
         k = next(c[3] for c in COMPILED[before:] if c[0] == "_gluon_decode_stage1")
     usage = cuobjdump(k.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
@@ -71,12 +71,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--decode", action="store_true", help="compile the Gluon decode loop, print JSON stats")
     ap.add_argument("--block-n", type=int, default=32, choices=(16, 32, 64))
+    ap.add_argument("--tuning", default=None, help='more knobs of the Gluon decode tuning, JSON (e.g. \'{"async_stages": 3}\')')
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter has no compiler", file=sys.stderr)
         return 2
     if args.decode:
-        print(json.dumps(decode_loop_stats(args.block_n)))
+        print(json.dumps(decode_loop_stats(args.block_n, json.loads(args.tuning) if args.tuning else None)))
         return 0
     src = GluonASTSource(scale2, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})

@@ -194,6 +194,16 @@ def test_engine_resolution(monkeypatch):
         # unset engine: an offline compile keeps Triton unless told; on a GPU (not offline) the
         # Gluon engine, except when a Triton-only knob is named
         assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "triton"
+        # async_stages is a Gluon knob: named with the engine unset it asks for Gluon (an offline
+        # compile then compiles it, and the scope is enforced like engine='gluon')
+        assert L.decode_engine(t({"async_stages": 3}).resolved(128), lay, q, torch.float16, False) == "gluon"
+        with pytest.raises(ValueError, match="logit cap"):
+            L.decode_engine(t({"async_stages": 2}).resolved(128), lay, q, torch.float16, True)
+    with pytest.raises(ValueError, match="Gluon-engine knob"):
+        t({"async_stages": 3, "engine": "triton"})
+    with pytest.raises(ValueError, match="async_stages=5"):
+        t({"async_stages": 5})
+    assert t({"async_stages": 0}).resolved(128).async_stages == 0
     monkeypatch.setattr(L, "compiling_offline", lambda: False)
     monkeypatch.setattr(L, "gluon_decode_supported", lambda *a, **k: None)
     assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "gluon"
@@ -201,6 +211,30 @@ def test_engine_resolution(monkeypatch):
     for knob in L.AttnTuning.TRITON_ONLY:
         val = {"convert": 3, "token_major": True, "pairs_ahead": False, "defer_sums": False}.get(knob, 1)
         assert L.decode_engine(t({knob: val}).resolved(128), lay, q, torch.float16, False) == "triton", knob
+
+
+@pytest.mark.parametrize("block_n,stages", [(16, 3), (32, 2), (32, 4)])
+def test_gluon_decode_async_loop_compiles(block_n, stages):
+    """sm_90 SASS of the ``async_stages`` variant: code and pair words reach shared memory by
+    ``cp.async`` (LDGSTS) and come back by LDS; the only global loads of the INT2 loop are the
+    slot ids; no local memory; the ring fits (2.3 KB per stage at block_n 32)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py"), "--decode",
+                          "--block-n", str(block_n), "--tuning", json.dumps({"async_stages": stages})],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    assert stats["stack"] <= 16, stats
+    assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
+    ring = stages * (2 * block_n * 8 * 4 + 2 * block_n * 4)
+    assert ring <= stats["shared"] <= ring + 4096, stats
+    ops = stats["loops"][-1]
+    # K words: block_n / 8 rows x one 8-byte copy; V words: block_n / 4 keys; pairs: one K and one V
+    # word per lane (block_n / 32 each)
+    assert ops["LDGSTS"] == block_n // 8 + block_n // 4 + 2 * max(1, block_n // 32), ops
+    # slot ids only: block_n / 8 rows in the K-row layout + one per lane for the pair copies
+    assert ops["LDG"] == block_n // 8 + max(1, block_n // 32), ops
+    assert ops["HMMA"] == block_n // 16 * 8 * 2, ops
 
 
 @pytest.mark.parametrize("block_n", [16, 32])

@@ -59,7 +59,7 @@ from .tiles import hp_split_range, int2_split_range
 try:  # Gluon ships with triton >= 3.5; this module is optional (the Triton kernels cover everything)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - exercised only with an older triton
@@ -149,6 +149,9 @@ if HAVE_GLUON:
     # HP rows [BLOCK_N, 128] (bf16 / fp16): 16-byte loads, 16 lanes per row
     HW = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0]))
     ROW1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # one key per lane
+    # shared-memory rings of the asynchronous variant (ASYNC stages): word tiles row-major, pairs 1-D
+    SM2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    SM1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     @gluon.jit
     def _join16(o):
@@ -238,6 +241,42 @@ if HAVE_GLUON:
         return kw, vw, kp, vp
 
     @gluon.jit
+    def _issue_words(sk, sv, s1, ring, st, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps):
+        """``cp.async`` of the words :func:`_load_words` reads, into stage ``st`` of ``ring`` =
+        ``(K words, V words, K pairs, V pairs)`` shared tiles: the code words by the threads that read
+        them back (:func:`_read_words`), the pair words one key per lane (slots ``s1``, layout ROW1:
+        the read-back layout replicates each key over 4 lanes, whose copies would need guards)."""
+        ksm, vsm, kpsm, vpsm = ring
+        wk = gl.arange(0, 8, layout=gl.SliceLayout(0, KW))
+        wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
+        krow = (KC_h + sk * stride_kcs).to(gl.pointer_type(gl.int32), bitcast=True)
+        vrow = (VC_h + sv * stride_vcs).to(gl.pointer_type(gl.int32), bitcast=True)
+        async_copy.async_copy_global_to_shared(ksm.index(st), krow[:, None] + wk[None, :])
+        async_copy.async_copy_global_to_shared(vsm.index(st), vrow[:, None] + wv[None, :])
+        async_copy.async_copy_global_to_shared(kpsm.index(st), (KP_h + s1 * stride_kps).to(gl.pointer_type(gl.int32),
+                                                                                           bitcast=True))
+        async_copy.async_copy_global_to_shared(vpsm.index(st), (VP_h + s1 * stride_vps).to(gl.pointer_type(gl.int32),
+                                                                                           bitcast=True))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _load_slots1(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
+        """Slot ids of keys ``[n0, n0 + BLOCK_N)``, one key per lane (0 past ``hi``)."""
+        r = n0 + gl.arange(0, BLOCK_N, layout=ROW1)
+        s1 = gl.load(R2T_r + r, mask=r < hi, other=0)
+        if IDX64:
+            return s1.to(gl.int64)
+        else:
+            return s1.to(gl.int32)
+
+    @gluon.jit
+    def _read_words(ring, st):
+        """The words of stage ``st`` in the layouts :func:`_load_words` returns them in."""
+        ksm, vsm, kpsm, vpsm = ring
+        return (ksm.index(st).load(KW), vsm.index(st).load(VW), kpsm.index(st).load(gl.SliceLayout(1, KW)),
+                vpsm.index(st).load(gl.SliceLayout(1, KW)))
+
+    @gluon.jit
     def _rcp(x):
         """``1 / x`` by ``rcp.approx.ftz.f32`` (1 ulp; ``/`` compiles to a range-checked division per
         numerator). Used for ``1 / ref``, which enters P and the rescale factor alike, so its error
@@ -295,7 +334,7 @@ if HAVE_GLUON:
                     VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                     OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                     b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
-                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
+                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr):
         """INT2 split ``spq`` of ``NS_Q`` over ``[max(sink_r, window start), L - recent)``."""
         lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, spq, NS_Q, BLOCK_N)
         if hi <= lo:  # empty split (short context): only its log-sum-exp, which the merge skips on
@@ -330,23 +369,54 @@ if HAVE_GLUON:
             zero_s = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             zero_o = gl.full([128, 8], 0.0, gl.float32, MMA)
 
-            # software pipeline in registers: slot ids two blocks ahead, code / pair words one block
-            # ahead (their latency hides behind a block of math; two blocks ahead was slower at most points
-            # timed, 2026-11-30 (6), and does not fit 168 registers)
-            slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
-            w0 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
-            slk, slv = _load_slots(R2T_r, lo + BLOCK_N, hi, BLOCK_N, IDX64)
             full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N  # the full blocks, then at most one partial block
-            for n0 in range(lo, full_hi, BLOCK_N):
-                slk2, slv2 = _load_slots(R2T_r, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64)
-                w1 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
-                m, ref, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o,
-                                               BLOCK_N, False)
-                w0 = w1
-                slk, slv = slk2, slv2
-            if full_hi < hi:
-                m, ref, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s,
-                                               zero_o, BLOCK_N, True)
+            if ASYNC == 0:
+                # software pipeline in registers: slot ids two blocks ahead, code / pair words one block
+                # ahead (their latency hides behind a block of math; two blocks ahead was slower at most
+                # points timed, 2026-11-30 (6), and does not fit 168 registers)
+                slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
+                w0 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
+                slk, slv = _load_slots(R2T_r, lo + BLOCK_N, hi, BLOCK_N, IDX64)
+                for n0 in range(lo, full_hi, BLOCK_N):
+                    slk2, slv2 = _load_slots(R2T_r, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64)
+                    w1 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
+                                     stride_vps)
+                    m, ref, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o,
+                                                   BLOCK_N, False)
+                    w0 = w1
+                    slk, slv = slk2, slv2
+                if full_hi < hi:
+                    m, ref, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s,
+                                                   zero_o, BLOCK_N, True)
+            else:
+                # pipeline through shared memory: code / pair words of ASYNC - 1 blocks in flight by
+                # cp.async (no registers held for them), slot ids one block ahead of their copy
+                ring = (gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
+                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
+                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1),
+                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1))
+                slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
+                sl1 = _load_slots1(R2T_r, lo, hi, BLOCK_N, IDX64)
+                for i in gl.static_range(ASYNC - 1):
+                    _issue_words(slk, slv, sl1, ring, i, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
+                                 stride_vps)
+                    slk, slv = _load_slots(R2T_r, lo + (i + 1) * BLOCK_N, hi, BLOCK_N, IDX64)
+                    sl1 = _load_slots1(R2T_r, lo + (i + 1) * BLOCK_N, hi, BLOCK_N, IDX64)
+                st = 0
+                for n0 in range(lo, full_hi, BLOCK_N):
+                    # block n0 + (ASYNC - 1) BLOCK_N into the stage block n0 - BLOCK_N was read from
+                    _issue_words(slk, slv, sl1, ring, (st + ASYNC - 1) % ASYNC, KC_h, stride_kcs, KP_h, stride_kps,
+                                 VC_h, stride_vcs, VP_h, stride_vps)
+                    slk, slv = _load_slots(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
+                    sl1 = _load_slots1(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
+                    async_copy.wait_group(ASYNC - 1)  # block n0's group has landed
+                    m, ref, lt, corr, acc = _block(_read_words(ring, st), n0, hi, qb, qsum_u, m, ref, lt, corr,
+                                                   acc, zero_s, zero_o, BLOCK_N, False)
+                    st = (st + 1) % ASYNC
+                async_copy.wait_group(0)
+                if full_hi < hi:
+                    m, ref, lt, corr, acc = _block(_read_words(ring, st), full_hi, hi, qb, qsum_u, m, ref, lt,
+                                                   corr, acc, zero_s, zero_o, BLOCK_N, True)
 
             l_h = gl.sum(lt, axis=0)
             c_h = gl.sum(corr, axis=0)
@@ -445,7 +515,8 @@ if HAVE_GLUON:
         OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
         qscale, sink, recent, window, NS_HP, NS_Q,
         GROUP: gl.constexpr, BLOCKS_PER_KV: gl.constexpr, BLOCK_N: gl.constexpr,
-        HAS_WINDOW: gl.constexpr, HAS_SINKL: gl.constexpr, IDX64: gl.constexpr, HP_BLOCK: gl.constexpr = 16,
+        HAS_WINDOW: gl.constexpr, HAS_SINKL: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr = 0,
+        HP_BLOCK: gl.constexpr = 16,
     ):
         """Stage 1 of decode attention (the grid and outputs of :func:`.decode._decode_stage1`): split
         ``program_id(2)`` of request ``program_id(0)`` for 8 q heads of one kv head; splits
@@ -486,7 +557,7 @@ if HAVE_GLUON:
                         VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                         OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                         b, kvh, h0, req, L, sink_r, win_lo, sp - NS_HP, sp.to(gl.int64), heads_o, hmask_o, qscale,
-                        sink, recent, NS_Q, GROUP, BLOCK_N, IDX64)
+                        sink, recent, NS_Q, GROUP, BLOCK_N, IDX64, ASYNC)
 
 
 def _needs_idx64(*byte_views) -> bool:
@@ -562,7 +633,7 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
                         seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window,
                         num_hp_splits: int, num_kv_splits: int, block_n: int,
-                        maxnreg: int | None = None) -> None:
+                        maxnreg: int | None = None, async_stages: int = 0) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
     Arguments as in :func:`sglang_oscar.kernels.launch.decode_attention` (which checked them unless
@@ -598,6 +669,6 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         qscale, sink, recent, sliding_window or 0, num_hp_splits, num_kv_splits,
         GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=_needs_idx64(kc, kp, vc, vp),
-        HP_BLOCK=16,
+        ASYNC=async_stages, HP_BLOCK=16,
         num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )

@@ -528,13 +528,19 @@ class AttnTuning:
             either way; with ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or
             32) and ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy
             offers 12 per SM at batch 1, :func:`choose_num_splits`).
+        async_stages: Gluon engine only: ``0`` / ``None`` = the next block's code and pair words
+            are loaded into registers one block ahead (default); ``n`` in 2-4 = they go through a
+            ring of ``n`` shared-memory stages by ``cp.async``, ``n - 1`` blocks ahead, no registers
+            held while in flight (2.3 KB per stage at ``block_n`` 32). Naming it with ``engine``
+            unset selects the Gluon engine (``ValueError`` where it cannot run); with
+            ``engine="triton"`` it is refused.
 
     Note: :meth:`as_dict` of a *resolved* tuning names every knob, Triton-only ones included, so
     passed back as a tuning it selects the Triton engine; pass ``None`` or ``{}`` for the default.
     """
 
     KNOBS = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-             "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine")
+             "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine", "async_stages")
     #: knobs only the Triton engine has: naming one (with ``engine`` unset) selects Triton
     TRITON_ONLY = ("block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h", "token_major",
                    "pairs_ahead", "defer_sums")
@@ -542,7 +548,7 @@ class AttnTuning:
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
                  min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
-                 defer_sums=None, engine=None):
+                 defer_sums=None, engine=None, async_stages=None):
         #: the knobs given a value here (resolved() keeps this set; decode_engine reads it)
         self.explicit = frozenset(k for k, v in locals().items() if k in self.KNOBS and v is not None)
         self.block_n = block_n
@@ -559,6 +565,11 @@ class AttnTuning:
         if engine not in (None, "triton", "gluon"):
             raise ValueError(f"tuning engine={engine!r} must be 'triton' or 'gluon'")
         self.engine = engine
+        self.async_stages = None if async_stages is None else int(async_stages)
+        if self.async_stages not in (None, 0, 2, 3, 4):
+            raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers) or 2-4 (shared-memory stages)")
+        if self.async_stages and engine == "triton":
+            raise ValueError("tuning async_stages is a Gluon-engine knob; drop it or use engine='gluon'")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
@@ -905,9 +916,9 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
     why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
     if why is None and tuning.block_n not in (16, 32):
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
-    if tuning.engine == "gluon":
+    if tuning.engine == "gluon" or (tuning.engine is None and tuning.async_stages):
         if why is not None:
-            raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
+            raise ValueError(f"tuning engine='gluon' (or async_stages) cannot run this decode call: {why}; "
                              "use engine='triton' (or leave engine unset), which covers every layout")
         return "gluon"
     # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
@@ -1114,7 +1125,8 @@ def decode_attention(
         launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
                             req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
                             sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
-                            block_n=tn.block_n, maxnreg=tn.maxnreg or GLUON_MAXNREG)
+                            block_n=tn.block_n, maxnreg=tn.maxnreg or GLUON_MAXNREG,
+                            async_stages=tn.async_stages or 0)
     else:
         grid = (bsz, hkv * bpk, ns)
         _launch(_decode_stage1, grid,
