@@ -14,7 +14,7 @@ kernels is the gap between launches inside a graph.
 
 ``--merge`` times ``launch.decode_merge`` (CUDA-graph cold-L2 timing, launch included) on random
 partial outputs for 32 q heads, D_v 128, at (batch, splits) = (1, 205), (1, 40), (8, 73), (32, 24)
-(the default split counts of 128K x 1, 4K x 1, batch 8 and batch 32) over a grid of ``block_d``,
+(the default split counts of 128K x 1, a short split count at batch 1, batch 8 and batch 32) over a grid of ``block_d``,
 ``chunk`` and ``num_warps``, and prints the six fastest and the default's time per point.
 """
 
@@ -74,8 +74,8 @@ def kernel_times(fn, reps: int) -> dict:
         torch.cuda.synchronize()
     times: dict = {}
     for ev in prof.events():
-        # the L2 flush (zero_ of a 256 MB buffer) is an elementwise kernel: leave it out
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "elementwise" not in ev.name:
+        # the L2 flush (zero_ of a 256 MB buffer) is torch's fill kernel: leave it out
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "FillFunctor" not in ev.name:
             times.setdefault(ev.name, []).append(ev.device_time)
     return times
 

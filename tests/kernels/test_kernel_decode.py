@@ -330,6 +330,7 @@ def test_effective_convert_routing(monkeypatch):
     (1, 4, 37, 128, None, 4096),  # default tiles: 16 dims per program, one chunk of 64 splits
     (2, 3, 9, 96, 64, 256),  # D_v not a power of two (masked dims), several chunks of 4 splits
     (3, 2, 1, 64, 16, 4096),  # one split
+    (2, 2, 5, 512, None, 4096),  # D_v 512: several dim blocks
 ])
 def test_decode_merge_matches_lse_weighted_mean(bsz, hq, ns, dv, block_d, chunk):
     """Stage 2 alone (``launch.decode_merge``) vs its formula: the base-2-LSE-weighted mean of the
@@ -353,3 +354,20 @@ def test_decode_merge_matches_lse_weighted_mean(bsz, hq, ns, dv, block_d, chunk)
     assert torch.isfinite(out).all()
     assert torch.equal(out[-1, -1], torch.zeros(dv))
     assert rel_l2(out, expect) < 1e-5
+    out16 = torch.full((bsz, hq, dv), float("nan"), dtype=torch.bfloat16)  # rounded on the way out
+    decode_merge(o_part, lse, out16, ns, block_d=block_d, chunk=chunk)
+    assert rel_l2(out16.float(), expect) < 1e-2
+
+
+def test_decode_merge_rejects_bad_arguments():
+    from sglang_oscar.kernels.launch import decode_merge
+
+    o_part, lse, out = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4), torch.zeros(1, 2, 8)
+    for kw, match in ((dict(num_splits=5), "num_splits=5"), (dict(num_splits=0), "num_splits=0"),
+                      (dict(num_splits=2, block_d=12), "block_d=12"), (dict(num_splits=2, chunk=100), "chunk=100")):
+        with pytest.raises(ValueError, match=match):
+            decode_merge(o_part, lse, out, **kw)
+    with pytest.raises(ValueError, match="do not match"):
+        decode_merge(o_part, lse, torch.zeros(1, 3, 8), 2)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        decode_merge(o_part, lse, torch.zeros(1, 2, 16)[..., ::2], 2)

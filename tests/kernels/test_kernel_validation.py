@@ -170,3 +170,22 @@ def test_head_block_plan():
         AttnTuning(block_n=48)
     with pytest.raises(ValueError, match="unknown tuning keys"):  # removed: wrong on the GPU (2026-11-30 (3))
         AttnTuning.of({"unroll": 2})
+
+
+def test_needs_idx64_uses_the_offset_extent_of_strided_views(monkeypatch):
+    """The served pool's code / pair views are slices of 36-byte rows: their largest offset exceeds
+    numel(), so the int32/int64 choice must use the extent (reviewed 2026-11-30 (7): 7.8M slots x 8
+    kv heads gave a 1.997e9-element code view whose byte offsets reach 2.246e9)."""
+    from sglang_oscar.kernels.validate import needs_idx64, offset_extent
+
+    monkeypatch.delenv("SGLANG_OSCAR_FORCE_IDX64", raising=False)
+    rows = torch.empty(7_800_000, 8, 36, dtype=torch.uint8, device="meta")
+    codes, pairs = rows[..., :32], rows[..., 32:]
+    assert codes.numel() < 2**31 - 1 < offset_extent(codes)
+    assert offset_extent(codes) == (7_800_000 - 1) * 8 * 36 + 7 * 36 + 31
+    assert needs_idx64(codes) and needs_idx64(pairs)
+    small = torch.empty(1000, 8, 36, dtype=torch.uint8, device="meta")
+    assert not needs_idx64(small[..., :32], None)
+    assert offset_extent(torch.empty(0, 4)) == 0
+    monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
+    assert needs_idx64(small)

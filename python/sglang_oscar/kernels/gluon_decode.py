@@ -47,7 +47,6 @@ correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` is s
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -55,6 +54,7 @@ from .compile_check import active as _compiling_offline
 from .compile_check import interpreting as _interpreting
 from .compile_check import launch as _launch
 from .tiles import hp_split_range, int2_split_range
+from .validate import needs_idx64
 
 try:  # Gluon ships with triton >= 3.5; this module is optional (the Triton kernels cover everything)
     from triton.experimental import gluon
@@ -278,9 +278,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rcp(x):
-        """``1 / x`` by ``rcp.approx.ftz.f32`` (1 ulp; ``/`` compiles to a range-checked division per
-        numerator). Used for ``1 / ref``, which enters P and the rescale factor alike, so its error
-        cancels in the output up to rounding."""
+        """``1 / x`` by ``rcp.approx.ftz.f32`` (within 1 ulp; ``/`` compiles to a range-checked
+        division per numerator). Used for ``1 / ref``: while ``ref`` stays the same, the rescale
+        factor ``ref * (1 / ref)`` may be ``1 +- 1 ulp`` instead of exactly 1, and it multiplies the
+        value sums (not the softmax denominator) once per block, so the output can drift by about
+        ``blocks x 2^-23`` relative: ~2e-5 at the default split counts, ~5e-4 for one split over 128K
+        keys (``x`` normal; ``ref`` starts at 1e-30)."""
         return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
                                          is_pure=True, pack=1)
 
@@ -560,14 +563,6 @@ if HAVE_GLUON:
                         sink, recent, NS_Q, GROUP, BLOCK_N, IDX64, ASYNC)
 
 
-def _needs_idx64(*byte_views) -> bool:
-    """Slot x stride byte offsets may reach 2**31: 64-bit row addresses (``SGLANG_OSCAR_FORCE_IDX64=1``
-    forces them, as for the Triton kernels)."""
-    if os.environ.get("SGLANG_OSCAR_FORCE_IDX64", "") == "1":
-        return True
-    return any(t.numel() >= 2**31 - 1 for t in byte_views)
-
-
 _CAPABILITY: dict = {}
 
 
@@ -668,7 +663,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
         qscale, sink, recent, sliding_window or 0, num_hp_splits, num_kv_splits,
         GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=_needs_idx64(kc, kp, vc, vp),
+        HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=needs_idx64(kc, kp, vc, vp),
         ASYNC=async_stages, HP_BLOCK=16,
         num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -50,6 +49,7 @@ from .validate import (
     check_range,
     check_tensor,
     debug_enabled,
+    needs_idx64,
 )
 from .write import _write_kernel
 
@@ -807,16 +807,6 @@ def _score_scales(sm_scale: float, logit_cap) -> tuple[float, float, bool]:
     return sm_scale * LOG2E, 1.0, False
 
 
-def _needs_idx64(*tensors) -> bool:
-    """Element offsets of some buffer reach 2**31: index math in int64 (else int32, cheaper).
-
-    ``SGLANG_OSCAR_FORCE_IDX64=1`` forces the int64 path (tests).
-    """
-    if os.environ.get("SGLANG_OSCAR_FORCE_IDX64", "") == "1":
-        return True
-    return any(t is not None and t.numel() >= 2**31 - 1 for t in tensors)
-
-
 def _mma_dtype(mma_dtype, hp_dtype: torch.dtype) -> torch.dtype:
     if mma_dtype is None:
         mma_dtype = torch.float32 if hp_dtype == torch.float32 else torch.float16
@@ -918,8 +908,9 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
     if tuning.engine == "gluon" or (tuning.engine is None and tuning.async_stages):
         if why is not None:
-            raise ValueError(f"tuning engine='gluon' (or async_stages) cannot run this decode call: {why}; "
-                             "use engine='triton' (or leave engine unset), which covers every layout")
+            raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
+                             "use engine='triton' (or leave engine unset and async_stages unset), which covers "
+                             "every layout")
         return "gluon"
     # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
     # left unset it compiles the Triton kernel, as before the Gluon engine existed
@@ -935,9 +926,10 @@ MERGE_MIN_PROGRAMS = 2048
 def merge_block_d(bsz: int, hq: int, dv: int) -> int:
     """Output dims per merge program: the largest of 16 / 32 / 64 / 128 (at most ``next_pow2(dv)``)
     whose grid ``bsz x hq x ceil(dv / block_d)`` still has :data:`MERGE_MIN_PROGRAMS` programs,
-    else 16. H200, one warp per program, 32 q heads, D_v 128 (``scripts/profile_decode.py --merge``, call 2,
-    2026-11-30 (7), docs/benchmarks.md): best 16 at batch 1 (205 splits 3.9 us; 32 dims 4.6 us),
-    32 at batch 8 (6.0 us; 16: 6.2), 64 at batch 32 (6.2 us; 128: 6.6)."""
+    else 16. A compromise between the H200 timings (one warp per program, 32 q heads, D_v 128,
+    2026-11-30 (7), call 2, docs/benchmarks.md): at batch 1 (205 splits) 16 dims was fastest
+    (3.9 us), at batch 32 (24 splits) 64 (6.2 us; 128: 6.6); at batch 8 (73 splits) this rule picks
+    16 (6.2 us) where 32 was fastest (6.0 us) -- no single program-count threshold fits all three."""
     top = next_pow2(dv)
     bd = 16
     for cand in (32, 64, 128):
@@ -951,20 +943,41 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
     """Stage 2 of decode attention: merge ``num_splits`` partial outputs into ``out``.
 
     Args:
-        o_part: ``[B, H_q, >= num_splits, D_v]`` fp32 normalised partial outputs (stage 1).
-        lse: ``[B, H_q, >= num_splits]`` fp32 base-2 log-sum-exp of each split (``-inf`` = empty).
+        o_part: ``[B, H_q, >= num_splits, D_v]`` fp32 normalised partial outputs (stage 1), last dim
+            contiguous.
+        lse: ``[B, H_q, >= num_splits]`` fp32 base-2 log-sum-exp of each split (``-inf`` = empty),
+            last dim contiguous.
         out: ``[B, H_q, D_v]`` (any float dtype, last dim contiguous), written: the LSE-weighted
             mean of the splits, zeros where every split is empty.
-        block_d: output dims per program (grid ``(B, H_q, ceil(D_v / block_d))``; ``None`` =
-            :func:`merge_block_d`). Before 2026-11-30 (7) the grid was ``(B, H_q)`` with two warps: at
-            batch 1 32 programs each read a few hundred 512-byte rows in 16 dependent steps, 10.9
-            of the 67.3 us of a 128K x 1 decode call on the H200 (``scripts/profile_decode.py``).
-        chunk: splits x dims per unrolled step (all loads of a few hundred splits in flight at once).
-        num_warps: warps per program (one was fastest at every point timed).
+        num_splits: splits to merge, ``>= 1``.
+        block_d: output dims per program, a power of two (grid ``(B, H_q, ceil(D_v / block_d))``;
+            ``None`` = :func:`merge_block_d`). Before 2026-11-30 (7) the grid was ``(B, H_q)`` with
+            two warps: at batch 1, 32 programs each read a few hundred 512-byte rows in 16 dependent
+            steps, 10.9 of the 67.3 us of a 128K x 1 decode call on the H200
+            (``scripts/profile_decode.py``).
+        chunk: splits x dims per unrolled step, a power of two (all loads of a few hundred splits in
+            flight at once).
+        num_warps: warps per program (one was fastest or within 0.1 us of it at every point timed).
+
+    Raises:
+        ValueError: shapes that do not match, ``num_splits`` outside ``[1, o_part.shape[2]]``, a
+            last dim that is not contiguous, ``block_d`` / ``chunk`` not powers of two.
 
     The grid depends only on shapes (CUDA graphs).
     """
     bsz, hq, dv = out.shape
+    if tuple(o_part.shape[:2]) != (bsz, hq) or o_part.shape[3] != dv or tuple(lse.shape[:2]) != (bsz, hq):
+        raise ValueError(f"decode_merge: o_part {tuple(o_part.shape)} / lse {tuple(lse.shape)} do not match out "
+                         f"{tuple(out.shape)} ([B, H_q, splits, D_v] / [B, H_q, splits] / [B, H_q, D_v])")
+    if not 1 <= num_splits <= min(o_part.shape[2], lse.shape[2]):
+        raise ValueError(f"decode_merge: num_splits={num_splits} must be in [1, {min(o_part.shape[2], lse.shape[2])}] "
+                         "(the workspace's split dimension)")
+    for name, t in (("o_part", o_part), ("lse", lse), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"decode_merge: {name} needs a contiguous last dim (stride {t.stride()})")
+    for name, v in (("block_d", block_d), ("chunk", chunk)):
+        if v is not None and (v < 1 or v & (v - 1)):
+            raise ValueError(f"decode_merge: {name}={v} must be a power of two")
     nsp = next_pow2(num_splits)
     bd = min(next_pow2(dv), block_d or merge_block_d(bsz, hq, dv))
     _launch(_decode_stage2, (bsz, hq, triton.cdiv(dv, bd)),
@@ -1117,7 +1130,7 @@ def decode_attention(
         return o_rot if rotation_v is None else o_rot.to(out_dtype)
     sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
     qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
-    idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
+    idx64 = needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
     token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
     convert = effective_convert(tn.convert, op, permuting_ok(layout), subnormal_ok=token_major)
     if gluon:
@@ -1258,7 +1271,7 @@ def extend_attention(
         group = hq // hkv
         sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
         qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
-        idx64 = _needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
+        idx64 = needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
         grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)
         _launch(_extend_kernel, grid,
             q, q.stride(0), q.stride(1),

@@ -14,6 +14,25 @@ import torch
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def offset_extent(t: torch.Tensor) -> int:
+    """Largest element offset a kernel can form into ``t``'s storage from its data pointer:
+    ``sum((size_i - 1) * |stride_i|)`` (elements of ``t.dtype``; 0 for an empty tensor). For a
+    strided view (e.g. the served pool's codes ``rows[..., :32]`` out of 36-byte rows) this exceeds
+    ``numel()``, which therefore cannot decide whether int32 offsets suffice."""
+    if t.numel() == 0:
+        return 0
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+
+
+def needs_idx64(*tensors) -> bool:
+    """Some buffer's offsets (in its own element units, :func:`offset_extent`) reach 2**31 - 1: index
+    math in int64 (else int32, cheaper). Kernels that address a buffer in bytes pass byte views.
+    ``SGLANG_OSCAR_FORCE_IDX64=1`` forces the int64 path (tests)."""
+    if os.environ.get("SGLANG_OSCAR_FORCE_IDX64", "") == "1":
+        return True
+    return any(t is not None and offset_extent(t) >= 2**31 - 1 for t in tensors)
+
+
 def debug_enabled(debug: bool | None) -> bool:
     """``debug`` if given, else ``SGLANG_OSCAR_DEBUG`` in ``{"1", "true", "yes", "on"}``."""
     if debug is not None:
