@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Device calls for the kernel work of issue 3 (no sglang needed): GPU kernel tests, the
 # tuning/splits sweep and ncu issue-stall metrics of the default decode kernel at 128K x batch 1.
-#   bash scripts/device_kernels.sh [tests|tunings|matrix|sweep|ncu ...]   (default: tests sweep, <= 530 s;
+#   bash scripts/device_kernels.sh [tests|tunings|matrix|sweep|profile|ncu ...]   (default: tests sweep, <= 530 s;
 #                                                   results in $OUT)
 #   bash scripts/device_kernels.sh tunings matrix          (a second call, <= 560 s; ncu alone in a third, ~10-150 s)
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 steps="${*:-tests sweep}"
-grid='[{}, {"engine": "gluon", "block_n": 16}, {"engine": "triton"}, {"engine": "triton", "num_stages": 1}]'
+grid='[{}, {"engine": "gluon", "block_n": 16}, {"async_stages": 3}, {"engine": "triton"}, {"engine": "triton", "num_stages": 1}]'
 grid="${SWEEP_GRID:-$grid}"
 tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do
@@ -29,6 +29,9 @@ for s in $steps; do
         --batches "${SWEEP_BATCHES:-1,8,32}" --waves "${SWEEP_WAVES:-8,32}" \
         --grid "$grid" \
         --out "$OUT/sweep.md" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?";;
+    profile)  # device time per kernel of a decode call (stage 1, merge) vs the whole call (~40 s)
+      timeout 120 python scripts/profile_decode.py --contexts 4096,32768,131072 --batches 1,8,32 \
+        --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1; echo "profile rc=$?"; cat "$OUT/profile.md";;
     ncu)
       timeout 150 ncu --clock-control none -k regex:_decode_stage1 -s 5 -c 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
