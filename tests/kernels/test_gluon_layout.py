@@ -201,6 +201,13 @@ def test_engine_resolution(monkeypatch):
             L.decode_engine(t({"async_stages": 2}).resolved(128), lay, q, torch.float16, True)
     with pytest.raises(ValueError, match="Gluon-engine knob"):
         t({"async_stages": 3, "engine": "triton"})
+    with pytest.raises(ValueError, match=r"Triton-only knob\(s\) \['num_stages'\]"):  # not silently dropped
+        L.decode_engine(t({"async_stages": 3, "num_stages": 2}).resolved(128), lay, q, torch.float16, False)
+    with pytest.raises(ValueError, match="async_stages=3.7 must be an integer"):
+        t({"async_stages": 3.7})
+    with pytest.raises(ValueError, match="block_n='x' must be an integer"):
+        t({"block_n": "x"})
+    assert t({"block_n": "32"}).block_n == 32
     with pytest.raises(ValueError, match="async_stages=5"):
         t({"async_stages": 5})
     assert t({"async_stages": 0}).resolved(128).async_stages == 0

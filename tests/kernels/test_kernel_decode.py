@@ -367,7 +367,15 @@ def test_decode_merge_rejects_bad_arguments():
                       (dict(num_splits=2, block_d=12), "block_d=12"), (dict(num_splits=2, chunk=100), "chunk=100")):
         with pytest.raises(ValueError, match=match):
             decode_merge(o_part, lse, out, **kw)
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match=r"o_part has shape \(1, 2, 4, 8\); dim 1 must be 3"):
         decode_merge(o_part, lse, torch.zeros(1, 3, 8), 2)
-    with pytest.raises(ValueError, match="contiguous last dim"):
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
         decode_merge(o_part, lse, torch.zeros(1, 2, 16)[..., ::2], 2)
+    with pytest.raises(ValueError, match="lse must have 3 dims"):  # extra dims used to pass and merge garbage
+        decode_merge(o_part, lse[..., None], out, 2)
+    with pytest.raises(ValueError, match="o_part has dtype"):
+        decode_merge(o_part.half(), lse, out, 2)
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        decode_merge(o_part, lse, out.double(), 2)
+    with pytest.raises(ValueError, match="num_splits=2.5"):
+        decode_merge(o_part, lse, out, 2.5)

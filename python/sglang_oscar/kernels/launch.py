@@ -481,6 +481,17 @@ def permuting_ok(layout: Int2Layout) -> bool:
             and _permutable_head_dim(layout.k.head_dim) and _permutable_head_dim(layout.v.head_dim))
 
 
+def _int_knob(name: str, value) -> int:
+    """``value`` as an int (ints and integral strings / floats), else ``ValueError`` naming the knob."""
+    try:
+        iv = int(value)
+    except (TypeError, ValueError):
+        iv = None
+    if iv is None or isinstance(value, bool) or (isinstance(value, float) and value != iv):
+        raise ValueError(f"tuning {name}={value!r} must be an integer")
+    return iv
+
+
 class AttnTuning:
     """Launch knobs of the attention kernels (defaults depend on CUDA vs interpreter).
 
@@ -565,13 +576,16 @@ class AttnTuning:
         if engine not in (None, "triton", "gluon"):
             raise ValueError(f"tuning engine={engine!r} must be 'triton' or 'gluon'")
         self.engine = engine
-        self.async_stages = None if async_stages is None else int(async_stages)
+        self.async_stages = None if async_stages is None else _int_knob("async_stages", async_stages)
         if self.async_stages not in (None, 0, 2, 3, 4):
             raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers) or 2-4 (shared-memory stages)")
         if self.async_stages and engine == "triton":
             raise ValueError("tuning async_stages is a Gluon-engine knob; drop it or use engine='gluon'")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
+        for name in ("block_n", "block_m", "min_block_h", "max_block_h", "num_warps", "num_stages"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _int_knob(name, getattr(self, name)))
         for name in ("block_n", "block_m", "min_block_h", "num_warps"):
             val = getattr(self, name)
             if val is not None and (val < 1 or val & (val - 1)):
@@ -902,15 +916,21 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
     """
     if tuning.engine == "triton" or (tuning.engine is None
                                      and any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY)):
+        if tuning.async_stages:
+            named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
+            raise ValueError(f"tuning async_stages={tuning.async_stages} is a Gluon-engine knob, but the tuning also "
+                             f"names Triton-only knob(s) {named}, which select the Triton engine; drop one or the other")
         return "triton"  # no scope check needed (hot path)
     why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
     if why is None and tuning.block_n not in (16, 32):
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
     if tuning.engine == "gluon" or (tuning.engine is None and tuning.async_stages):
         if why is not None:
-            raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
-                             "use engine='triton' (or leave engine unset and async_stages unset), which covers "
-                             "every layout")
+            if tuning.engine == "gluon":
+                raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
+                                 "use engine='triton' (or leave engine unset), which covers every layout")
+            raise ValueError(f"tuning async_stages={tuning.async_stages} selects the Gluon engine, which cannot run "
+                             f"this decode call: {why}; drop async_stages (the Triton engine covers every layout)")
         return "gluon"
     # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
     # left unset it compiles the Triton kernel, as before the Gluon engine existed
@@ -960,24 +980,26 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
         num_warps: warps per program (one was fastest or within 0.1 us of it at every point timed).
 
     Raises:
-        ValueError: shapes that do not match, ``num_splits`` outside ``[1, o_part.shape[2]]``, a
-            last dim that is not contiguous, ``block_d`` / ``chunk`` not powers of two.
+        ValueError: wrong dims / shapes / dtypes / devices, ``num_splits`` not an int in
+            ``[1, o_part.shape[2]]``, a last dim that is not contiguous, ``block_d`` / ``chunk`` not
+            powers of two.
 
     The grid depends only on shapes (CUDA graphs).
     """
+    check_tensor(out, "decode_merge: out", ndim=3, last_contiguous=True)
+    check_float(out, "decode_merge: out")
     bsz, hq, dv = out.shape
-    if tuple(o_part.shape[:2]) != (bsz, hq) or o_part.shape[3] != dv or tuple(lse.shape[:2]) != (bsz, hq):
-        raise ValueError(f"decode_merge: o_part {tuple(o_part.shape)} / lse {tuple(lse.shape)} do not match out "
-                         f"{tuple(out.shape)} ([B, H_q, splits, D_v] / [B, H_q, splits] / [B, H_q, D_v])")
-    if not 1 <= num_splits <= min(o_part.shape[2], lse.shape[2]):
-        raise ValueError(f"decode_merge: num_splits={num_splits} must be in [1, {min(o_part.shape[2], lse.shape[2])}] "
-                         "(the workspace's split dimension)")
-    for name, t in (("o_part", o_part), ("lse", lse), ("out", out)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"decode_merge: {name} needs a contiguous last dim (stride {t.stride()})")
+    check_tensor(o_part, "decode_merge: o_part", ndim=4, dtypes=torch.float32, device=out.device,
+                 shape=(bsz, hq, None, dv), last_contiguous=True)
+    check_tensor(lse, "decode_merge: lse", ndim=3, dtypes=torch.float32, device=out.device, shape=(bsz, hq, None),
+                 last_contiguous=True)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) \
+            or not 1 <= num_splits <= min(o_part.shape[2], lse.shape[2]):
+        raise ValueError(f"decode_merge: num_splits={num_splits!r} must be an int in "
+                         f"[1, {min(o_part.shape[2], lse.shape[2])}] (the workspace's split dimension)")
     for name, v in (("block_d", block_d), ("chunk", chunk)):
-        if v is not None and (v < 1 or v & (v - 1)):
-            raise ValueError(f"decode_merge: {name}={v} must be a power of two")
+        if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
+            raise ValueError(f"decode_merge: {name}={v!r} must be a power of two")
     nsp = next_pow2(num_splits)
     bd = min(next_pow2(dv), block_d or merge_block_d(bsz, hq, dv))
     _launch(_decode_stage2, (bsz, hq, triton.cdiv(dv, bd)),
