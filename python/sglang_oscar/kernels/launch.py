@@ -958,8 +958,27 @@ def merge_block_d(bsz: int, hq: int, dv: int) -> int:
     return min(bd, top)
 
 
+def _check_merge_args(o_part, lse, out, num_splits, block_d, chunk) -> None:
+    """The argument checks of :func:`decode_merge` (``ValueError`` naming the problem)."""
+    check_tensor(out, "decode_merge: out", ndim=3, last_contiguous=True)
+    check_float(out, "decode_merge: out")
+    bsz, hq, dv = out.shape
+    check_tensor(o_part, "decode_merge: o_part", ndim=4, dtypes=torch.float32, device=out.device,
+                 shape=(bsz, hq, None, dv), last_contiguous=True)
+    check_tensor(lse, "decode_merge: lse", ndim=3, dtypes=torch.float32, device=out.device, shape=(bsz, hq, None),
+                 last_contiguous=True)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) \
+            or not 1 <= num_splits <= min(o_part.shape[2], lse.shape[2]):
+        raise ValueError(f"decode_merge: num_splits={num_splits!r} must be an int in "
+                         f"[1, {min(o_part.shape[2], lse.shape[2])}] (the workspace's split dimension)")
+    for name, v in (("block_d", block_d), ("chunk", chunk)):
+        if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
+            raise ValueError(f"decode_merge: {name}={v!r} must be a power of two")
+
+
 def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int,
-                 block_d: int | None = None, chunk: int = MERGE_CHUNK, num_warps: int = 1) -> None:
+                 block_d: int | None = None, chunk: int = MERGE_CHUNK, num_warps: int = 1,
+                 validate: bool = True) -> None:
     """Stage 2 of decode attention: merge ``num_splits`` partial outputs into ``out``.
 
     Args:
@@ -978,6 +997,8 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
         chunk: splits x dims per unrolled step, a power of two (all loads of a few hundred splits in
             flight at once).
         num_warps: warps per program (one was fastest or within 0.1 us of it at every point timed).
+        validate: check the arguments (``decode_attention`` passes its own ``validate``: its
+            workspace checks cover these, and the serving hot path skips host checks).
 
     Raises:
         ValueError: wrong dims / shapes / dtypes / devices, ``num_splits`` not an int in
@@ -986,20 +1007,9 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
 
     The grid depends only on shapes (CUDA graphs).
     """
-    check_tensor(out, "decode_merge: out", ndim=3, last_contiguous=True)
-    check_float(out, "decode_merge: out")
+    if validate:
+        _check_merge_args(o_part, lse, out, num_splits, block_d, chunk)
     bsz, hq, dv = out.shape
-    check_tensor(o_part, "decode_merge: o_part", ndim=4, dtypes=torch.float32, device=out.device,
-                 shape=(bsz, hq, None, dv), last_contiguous=True)
-    check_tensor(lse, "decode_merge: lse", ndim=3, dtypes=torch.float32, device=out.device, shape=(bsz, hq, None),
-                 last_contiguous=True)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) \
-            or not 1 <= num_splits <= min(o_part.shape[2], lse.shape[2]):
-        raise ValueError(f"decode_merge: num_splits={num_splits!r} must be an int in "
-                         f"[1, {min(o_part.shape[2], lse.shape[2])}] (the workspace's split dimension)")
-    for name, v in (("block_d", block_d), ("chunk", chunk)):
-        if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
-            raise ValueError(f"decode_merge: {name}={v!r} must be a power of two")
     nsp = next_pow2(num_splits)
     bd = min(next_pow2(dv), block_d or merge_block_d(bsz, hq, dv))
     _launch(_decode_stage2, (bsz, hq, triton.cdiv(dv, bd)),
@@ -1187,7 +1197,7 @@ def decode_attention(
             PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
             num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
         )
-    decode_merge(o_part, lse, o_rot, ns)
+    decode_merge(o_part, lse, o_rot, ns, validate=validate)
     if rotation_v is None:
         return o_rot
     o = _counter_rotate(o_rot, rotation_v, hkv, out_dtype)
