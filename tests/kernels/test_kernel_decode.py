@@ -379,3 +379,17 @@ def test_decode_merge_rejects_bad_arguments():
         decode_merge(o_part, lse, out.double(), 2)
     with pytest.raises(ValueError, match="num_splits=2.5"):
         decode_merge(o_part, lse, out, 2.5)
+
+
+def test_merge_block_d_rule():
+    """Output dims per merge program: the largest of 16-128 that keeps 2,048 programs, else 16, capped
+    by next_pow2(D_v) (H200 timings in docs/benchmarks.md, seventh session)."""
+    from sglang_oscar.kernels.launch import merge_block_d
+
+    assert merge_block_d(1, 32, 128) == 16  # 256 programs at 16: fewer than 2,048 anyway
+    assert merge_block_d(8, 32, 128) == 16  # 32 would leave 1,024
+    assert merge_block_d(32, 32, 128) == 64  # 2,048 programs
+    assert merge_block_d(64, 32, 128) == 128
+    assert merge_block_d(64, 32, 96) == 128  # next_pow2(96)
+    assert merge_block_d(1, 32, 512) == 16
+    assert merge_block_d(1, 1, 8) == 8  # never wider than the head
