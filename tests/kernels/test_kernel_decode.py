@@ -393,3 +393,28 @@ def test_merge_block_d_rule():
     assert merge_block_d(64, 32, 96) == 128  # next_pow2(96)
     assert merge_block_d(1, 32, 512) == 16
     assert merge_block_d(1, 1, 8) == 8  # never wider than the head
+
+
+def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
+    """decode_attention takes a preallocated workspace with more rows than the step's batch (a CUDA
+    graph's buffers): the merge reads the first B rows (its argument check accepted only exactly B
+    for a while, 2026-11-30 (7))."""
+    from sglang_oscar.kernels import decode_attention, decode_num_hp_splits, decode_workspace
+    from sglang_oscar.kernels.launch import decode_merge
+
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    pool = build_pool([20, 9], 2, 64, 64, cfg, hp_dtype=torch.float32)
+    q = torch.randn(2, 4, 64)
+    nhp = decode_num_hp_splits(SINK, RECENT)
+    ws = decode_workspace(5, 4, 64, 3 + nhp, q.device)
+    o = decode_attention(rotate_q(pool, q), pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k,
+                         pool.hp_v, pool.hp_index, pool.req_to_token, pool.req_pool_indices, pool.seq_lens,
+                         pool.layout, sink=SINK, recent=RECENT, num_kv_splits=3, num_hp_splits=nhp, workspace=ws,
+                         mma_dtype=torch.float32)
+    assert rel_l2(o, reference_decode(pool, q, hp_dtype=torch.float32)) < 1e-4
+    out = torch.full((2, 4, 64), float("nan"))
+    decode_merge(ws[0], ws[1], out, 3 + nhp)  # the public merge accepts the larger workspace too
+    assert torch.equal(out, o)
+    with pytest.raises(ValueError, match="fewer than the 2 requests"):
+        decode_merge(ws[0][:1], ws[1][:1], out, 3 + nhp)

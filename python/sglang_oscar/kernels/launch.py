@@ -964,9 +964,12 @@ def _check_merge_args(o_part, lse, out, num_splits, block_d, chunk) -> None:
     check_float(out, "decode_merge: out")
     bsz, hq, dv = out.shape
     check_tensor(o_part, "decode_merge: o_part", ndim=4, dtypes=torch.float32, device=out.device,
-                 shape=(bsz, hq, None, dv), last_contiguous=True)
-    check_tensor(lse, "decode_merge: lse", ndim=3, dtypes=torch.float32, device=out.device, shape=(bsz, hq, None),
+                 shape=(None, hq, None, dv), last_contiguous=True)
+    check_tensor(lse, "decode_merge: lse", ndim=3, dtypes=torch.float32, device=out.device, shape=(None, hq, None),
                  last_contiguous=True)
+    if o_part.shape[0] < bsz or lse.shape[0] < bsz:  # a workspace preallocated for a larger batch is fine
+        raise ValueError(f"decode_merge: o_part {tuple(o_part.shape)} / lse {tuple(lse.shape)} hold fewer than "
+                         f"the {bsz} requests of out")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) \
             or not 1 <= num_splits <= min(o_part.shape[2], lse.shape[2]):
         raise ValueError(f"decode_merge: num_splits={num_splits!r} must be an int in "
@@ -982,10 +985,11 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
     """Stage 2 of decode attention: merge ``num_splits`` partial outputs into ``out``.
 
     Args:
-        o_part: ``[B, H_q, >= num_splits, D_v]`` fp32 normalised partial outputs (stage 1), last dim
+        o_part: ``[>= B, H_q, >= num_splits, D_v]`` fp32 normalised partial outputs (stage 1; a
+            workspace from :func:`decode_workspace`, possibly sized for a larger batch), last dim
             contiguous.
-        lse: ``[B, H_q, >= num_splits]`` fp32 base-2 log-sum-exp of each split (``-inf`` = empty),
-            last dim contiguous.
+        lse: ``[>= B, H_q, >= num_splits]`` fp32 base-2 log-sum-exp of each split (``-inf`` =
+            empty), last dim contiguous.
         out: ``[B, H_q, D_v]`` (any float dtype, last dim contiguous), written: the LSE-weighted
             mean of the splits, zeros where every split is empty.
         num_splits: splits to merge, ``>= 1``.
@@ -997,8 +1001,8 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
         chunk: splits x dims per unrolled step, a power of two (all loads of a few hundred splits in
             flight at once).
         num_warps: warps per program (one was fastest or within 0.1 us of it at every point timed).
-        validate: check the arguments (``decode_attention`` passes its own ``validate``: its
-            workspace checks cover these, and the serving hot path skips host checks).
+        validate: check the arguments (``decode_attention`` passes ``False``: it has checked its
+            workspace and output already).
 
     Raises:
         ValueError: wrong dims / shapes / dtypes / devices, ``num_splits`` not an int in
@@ -1197,7 +1201,7 @@ def decode_attention(
             PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
             num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
         )
-    decode_merge(o_part, lse, o_rot, ns, validate=validate)
+    decode_merge(o_part, lse, o_rot, ns, validate=False)  # workspace and output checked above
     if rotation_v is None:
         return o_rot
     o = _counter_rotate(o_rot, rotation_v, hkv, out_dtype)
