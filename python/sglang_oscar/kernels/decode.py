@@ -42,6 +42,7 @@ from .tiles import (
     load_int2_slots,
     load_q_quarter,
     load_qt_quarter,
+    request_sink_len,
     softmax_update,
     store_quarters,
 )
@@ -79,10 +80,7 @@ def _decode_stage1(
     req = tl.load(RPI + b).to(tl.int64)
     L = tl.load(SEQ + b).to(tl.int32)
     # Sink positions read from HP rows: [0, sink_r); ``sink`` stays the hp_index layout offset.
-    if HAS_SINKL:
-        sink_r = tl.minimum(tl.load(SINKL + req).to(tl.int32), sink)
-    else:
-        sink_r = L * 0 + sink
+    sink_r = request_sink_len(SINKL, req, sink, L, HAS_SINKL)
 
     qoff = b.to(tl.int64) * stride_qb + heads * stride_qh
 

@@ -24,6 +24,7 @@ from .tiles import (
     int2_scores,
     int2_values,
     load_q_quarter,
+    request_sink_len,
     softmax_update,
     store_quarters,
 )
@@ -57,10 +58,7 @@ def _extend_kernel(
         req = tl.load(RPI + b).to(tl.int64)
         q_start = tl.load(QO_INDPTR + b).to(tl.int64)
         prefix = tl.load(PREFIX + b).to(tl.int32)
-        if HAS_SINKL:
-            sink_r = tl.minimum(tl.load(SINKL + req).to(tl.int32), sink)
-        else:
-            sink_r = prefix * 0 + sink
+        sink_r = request_sink_len(SINKL, req, sink, prefix, HAS_SINKL)
         mi = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = mi < ext
         pos_q = prefix + mi

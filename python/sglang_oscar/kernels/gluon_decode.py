@@ -53,7 +53,7 @@ import torch
 from .compile_check import active as _compiling_offline
 from .compile_check import interpreting as _interpreting
 from .compile_check import launch as _launch
-from .tiles import hp_split_range, int2_split_range
+from .tiles import hp_split_range, int2_split_range, request_sink_len
 from .validate import needs_idx64
 
 try:  # Gluon ships with triton >= 3.5; this module is optional (the Triton kernels cover everything)
@@ -538,10 +538,7 @@ if HAVE_GLUON:
         h0 = (hb % BLOCKS_PER_KV) * 8
         req = gl.load(RPI + b).to(gl.int64)
         L = gl.load(SEQ + b).to(gl.int32)
-        if HAS_SINKL:
-            sink_r = gl.minimum(gl.load(SINKL + req).to(gl.int32), sink)
-        else:
-            sink_r = L * 0 + sink
+        sink_r = request_sink_len(SINKL, req, sink, L, HAS_SINKL)
         if HAS_WINDOW:
             win_lo = gl.maximum(L - window, 0)
         else:

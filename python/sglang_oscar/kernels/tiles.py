@@ -73,6 +73,18 @@ def hp_split_range(sink_r, L, sink, recent, split, num_splits, BLOCK: tl.constex
 
 
 @triton.jit
+def request_sink_len(SINKL, req, sink, like, HAS_SINKL: tl.constexpr):
+    """Sink positions request ``req`` reads from HP rows: ``min(SINKL[req], sink)`` with per-request
+    sink lengths (``HAS_SINKL``), else ``sink`` (int32, ``like`` gives the scalar type: any int32
+    value of the program). ``sink`` itself stays the ``hp_index`` layout offset. Shared by the
+    Triton decode and extend kernels and the Gluon decode kernel."""
+    if HAS_SINKL:
+        return tl.minimum(tl.load(SINKL + req).to(tl.int32), sink)
+    else:
+        return like * 0 + sink
+
+
+@triton.jit
 def int2_split_range(sink_r, win_lo, L, sink, recent, split, num_splits, BLOCK: tl.constexpr):
     """INT2 split ``split`` of ``num_splits`` (decode) of the middle ``[max(sink_r, win_lo),
     min(max(L - recent, sink), L))`` -- sink positions without a row (``[sink_r, sink)``) included,
