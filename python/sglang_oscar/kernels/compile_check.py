@@ -91,6 +91,12 @@ def compile_launch(kernel, args: tuple, kwargs: dict):
     return compiled
 
 
+def row_args(*tensors) -> tuple:
+    """``(t, t.stride(0), t.stride(1))`` for each tensor, flattened: how the attention kernels take
+    a buffer of rows ``[rows, heads, ...]`` (or ``q``) -- its pointer and its row and head strides."""
+    return tuple(x for t in tensors for x in (t, t.stride(0), t.stride(1)))
+
+
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, or an offline compile inside :func:`compile_only`."""
     if _TARGET is not None:

@@ -53,6 +53,7 @@ import torch
 from .compile_check import active as _compiling_offline
 from .compile_check import interpreting as _interpreting
 from .compile_check import launch as _launch
+from .compile_check import row_args
 from .tiles import hp_split_range, int2_split_range, request_sink_len
 from .validate import needs_idx64
 
@@ -651,10 +652,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         raise ValueError(f"engine='gluon' reads codes and pairs as 32-bit words; these buffers cannot be viewed "
                          f"so ({e}); allocate them with Int2Layout.allocate") from e
     _launch(_gluon_decode_stage1, (bsz, hkv * bpk, num_hp_splits + num_kv_splits),
-        q, q.stride(0), q.stride(1),
-        kc, kc.stride(0), kc.stride(1), kp, kp.stride(0), kp.stride(1),
-        vc, vc.stride(0), vc.stride(1), vp, vp.stride(0), vp.stride(1),
-        hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1), hp_index, hp_index.stride(0),
+        *row_args(q, kc, kp, vc, vp, hp_k, hp_v), hp_index, hp_index.stride(0),
         req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
         req_to_token if sink_lens is None else sink_lens,
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),

@@ -35,6 +35,7 @@ from .codes import (
 from .compile_check import active as compiling_offline
 from .compile_check import interpreting
 from .compile_check import launch as _launch
+from .compile_check import row_args
 from .decode import _decode_stage1, _decode_stage2
 from .dequant import _dequant_kernel
 from .extend import _extend_kernel
@@ -1179,10 +1180,7 @@ def decode_attention(
     else:
         grid = (bsz, hkv * bpk, ns)
         _launch(_decode_stage1, grid,
-            q, q.stride(0), q.stride(1),
-            k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
-            v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
-            hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
+            *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v),
             hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
             hp_index if sink_lens is None else sink_lens,
             o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
@@ -1310,10 +1308,7 @@ def extend_attention(
         idx64 = needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
         grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)
         _launch(_extend_kernel, grid,
-            q, q.stride(0), q.stride(1),
-            k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
-            v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
-            hp_k, hp_k.stride(0), hp_k.stride(1), hp_v, hp_v.stride(0), hp_v.stride(1),
+            *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v),
             hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, qo_indptr,
             extend_prefix_lens, extend_seq_lens, hp_index if sink_lens is None else sink_lens,
             o_rot, o_rot.stride(0), o_rot.stride(1), lse, lse.stride(0), lse.stride(1),
