@@ -210,16 +210,41 @@ if HAVE_GLUON:
         return gl.convert_layout(z, DB, assert_trivial=True)
 
     @gluon.jit
-    def _load_slots(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
-        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` in the K-row and the V-key layouts (0 past ``hi``);
-        int64 when ``IDX64`` (a buffer of 2 GiB or more: byte offsets overflow int32), else int32."""
-        rk = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW))
-        sk = gl.load(R2T_r + rk, mask=rk < hi, other=0)
-        sv = gl.convert_layout(sk, gl.SliceLayout(1, VW))  # warp shuffles, no second gather
+    def _idx(x, IDX64: gl.constexpr):
+        """Slot ids for address math: int64 when ``IDX64`` (a buffer of 2 GiB or more: byte offsets
+        overflow int32), else int32."""
         if IDX64:
-            return sk.to(gl.int64), sv.to(gl.int64)
+            return x.to(gl.int64)
         else:
-            return sk.to(gl.int32), sv.to(gl.int32)
+            return x.to(gl.int32)
+
+    @gluon.jit
+    def _slot_ids(R2T_r, n0, hi, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` from a ``req_to_token`` row, in ``layout`` (0 past ``hi``)."""
+        r = n0 + gl.arange(0, BLOCK_N, layout=layout)
+        return gl.load(R2T_r + r, mask=r < hi, other=0)
+
+    @gluon.jit
+    def _load_slots(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
+        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` in the K-row and the V-key layouts (0 past ``hi``)."""
+        sk = _slot_ids(R2T_r, n0, hi, BLOCK_N, gl.SliceLayout(1, KW))
+        sv = gl.convert_layout(sk, gl.SliceLayout(1, VW))  # warp shuffles, no second gather
+        return _idx(sk, IDX64), _idx(sv, IDX64)
+
+    @gluon.jit
+    def _code_ptrs(sk, sv, KC_h, stride_kcs, VC_h, stride_vcs):
+        """Pointers (int32 words) to the K code words ``[BLOCK_N, 8]`` of the keys at slots ``sk``
+        (layout KW) and the V code words of the keys at slots ``sv`` (layout VW)."""
+        wk = gl.arange(0, 8, layout=gl.SliceLayout(0, KW))
+        wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
+        krow = (KC_h + sk * stride_kcs).to(gl.pointer_type(gl.int32), bitcast=True)
+        vrow = (VC_h + sv * stride_vcs).to(gl.pointer_type(gl.int32), bitcast=True)
+        return krow[:, None] + wk[None, :], vrow[:, None] + wv[None, :]
+
+    @gluon.jit
+    def _pair_ptr(s, P_h, stride_ps):
+        """Pointers to the (scale, zero) word of the keys at slots ``s``."""
+        return (P_h + s * stride_ps).to(gl.pointer_type(gl.int32), bitcast=True)
 
     @gluon.jit
     def _load_words(sk, sv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps):
@@ -231,14 +256,11 @@ if HAVE_GLUON:
         8-byte aligned: one 8-byte load instead of two. (Row addresses as zero-extended 32 x 32 ->
         64-bit products took 11 fewer instructions per 32 keys but were up to 16% slower at batch 8
         and 32, H200 call 4 of 2026-11-30 (7): the loop is latency-bound, docs/benchmarks.md.)"""
-        wk = gl.arange(0, 8, layout=gl.SliceLayout(0, KW))
-        wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
-        krow = (KC_h + sk * stride_kcs).to(gl.pointer_type(gl.int32), bitcast=True)
-        vrow = (VC_h + sv * stride_vcs).to(gl.pointer_type(gl.int32), bitcast=True)
-        kw = gl.load(krow[:, None] + wk[None, :])
-        vw = gl.load(vrow[:, None] + wv[None, :])
-        kp = gl.load((KP_h + sk * stride_kps).to(gl.pointer_type(gl.int32), bitcast=True))
-        vp = gl.load((VP_h + sk * stride_vps).to(gl.pointer_type(gl.int32), bitcast=True))
+        kptr, vptr = _code_ptrs(sk, sv, KC_h, stride_kcs, VC_h, stride_vcs)
+        kw = gl.load(kptr)
+        vw = gl.load(vptr)
+        kp = gl.load(_pair_ptr(sk, KP_h, stride_kps))
+        vp = gl.load(_pair_ptr(sk, VP_h, stride_vps))
         return kw, vw, kp, vp
 
     @gluon.jit
@@ -248,27 +270,17 @@ if HAVE_GLUON:
         them back (:func:`_read_words`), the pair words one key per lane (slots ``s1``, layout ROW1:
         the read-back layout replicates each key over 4 lanes, whose copies would need guards)."""
         ksm, vsm, kpsm, vpsm = ring
-        wk = gl.arange(0, 8, layout=gl.SliceLayout(0, KW))
-        wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
-        krow = (KC_h + sk * stride_kcs).to(gl.pointer_type(gl.int32), bitcast=True)
-        vrow = (VC_h + sv * stride_vcs).to(gl.pointer_type(gl.int32), bitcast=True)
-        async_copy.async_copy_global_to_shared(ksm.index(st), krow[:, None] + wk[None, :])
-        async_copy.async_copy_global_to_shared(vsm.index(st), vrow[:, None] + wv[None, :])
-        async_copy.async_copy_global_to_shared(kpsm.index(st), (KP_h + s1 * stride_kps).to(gl.pointer_type(gl.int32),
-                                                                                           bitcast=True))
-        async_copy.async_copy_global_to_shared(vpsm.index(st), (VP_h + s1 * stride_vps).to(gl.pointer_type(gl.int32),
-                                                                                           bitcast=True))
+        kptr, vptr = _code_ptrs(sk, sv, KC_h, stride_kcs, VC_h, stride_vcs)
+        async_copy.async_copy_global_to_shared(ksm.index(st), kptr)
+        async_copy.async_copy_global_to_shared(vsm.index(st), vptr)
+        async_copy.async_copy_global_to_shared(kpsm.index(st), _pair_ptr(s1, KP_h, stride_kps))
+        async_copy.async_copy_global_to_shared(vpsm.index(st), _pair_ptr(s1, VP_h, stride_vps))
         async_copy.commit_group()
 
     @gluon.jit
     def _load_slots1(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
         """Slot ids of keys ``[n0, n0 + BLOCK_N)``, one key per lane (0 past ``hi``)."""
-        r = n0 + gl.arange(0, BLOCK_N, layout=ROW1)
-        s1 = gl.load(R2T_r + r, mask=r < hi, other=0)
-        if IDX64:
-            return s1.to(gl.int64)
-        else:
-            return s1.to(gl.int32)
+        return _idx(_slot_ids(R2T_r, n0, hi, BLOCK_N, ROW1), IDX64)
 
     @gluon.jit
     def _read_words(ring, st):
