@@ -54,10 +54,8 @@ from sglang_oscar.kernels import (  # noqa: E402
 from sglang_oscar.kernels.launch import (  # noqa: E402
     STAGES1_MIN_PAIRS,
     AttnTuning,
-    choose_num_splits,
     decode_engine,
-    gluon_head_blocks,
-    plan_head_blocks,
+    default_num_kv_splits,
 )
 
 HQ, HKV, D = 32, 8, 128
@@ -343,12 +341,10 @@ def main(argv=None) -> int:
                 t0 = time.time()
                 case = Case(bsz, ctx, device, layout, with_bf16=True)
                 r = {"ctx": ctx, "batch": bsz}
-                _, _, bpk, _ = plan_head_blocks(HQ, HKV, default_tuning["min_block_h"], default_tuning["max_block_h"])
-                engine = decode_engine(AttnTuning.of(None).resolved(D), layout, case.q, torch.float16, False)
-                # programs per request as decode_attention counts them (Gluon: blocks of 8 q heads)
-                programs = HKV * (gluon_head_blocks(HQ // HKV) if engine == "gluon" else bpk)
-                ns = choose_num_splits(bsz, programs, device=device, max_seq_len=ctx,
-                                       block_n=default_tuning["block_n"], engine=engine)
+                tn = AttnTuning.of(None).resolved(D)
+                engine = decode_engine(tn, layout, case.q, torch.float16, False)
+                # the split count decode_attention would choose (sized ahead for the workspace)
+                ns = default_num_kv_splits(tn, engine, bsz, HQ, HKV, device=device, max_seq_len=ctx)
                 r["engine"] = engine
                 ws = decode_workspace(bsz, HQ, D, ns + decode_num_hp_splits(SINK, RECENT), device)
                 out = torch.empty(bsz, HQ, D, dtype=torch.bfloat16, device=device)

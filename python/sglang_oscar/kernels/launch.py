@@ -1025,6 +1025,23 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
     )
 
 
+def default_num_kv_splits(tuning: AttnTuning, engine: str, bsz: int, num_q_heads: int, num_kv_heads: int, *,
+                          device=None, max_seq_len: int | None = None, blocks_per_kv: int | None = None) -> int:
+    """The INT2 split count :func:`decode_attention` uses when ``num_kv_splits`` is ``None``:
+    :func:`choose_num_splits` over ``kv heads x head blocks`` programs per request, head blocks as the
+    engine forms them (Triton: :func:`plan_head_blocks` of the resolved ``tuning``; Gluon: blocks of
+    8 q heads). ``engine``: from :func:`decode_engine`; ``blocks_per_kv``: the Triton plan's
+    blocks when the caller has it already (else computed). Callers sizing a workspace ahead of the
+    call (benchmarks, CUDA-graph buffers) use this to match the call's own choice."""
+    if engine == "gluon":
+        per_kv = gluon_head_blocks(num_q_heads // num_kv_heads)
+    else:
+        per_kv = blocks_per_kv or plan_head_blocks(num_q_heads, num_kv_heads, tuning.min_block_h,
+                                                   tuning.max_block_h)[2]
+    return choose_num_splits(bsz, num_kv_heads * per_kv, device=device, max_seq_len=max_seq_len,
+                             block_n=tuning.block_n, engine=engine)
+
+
 def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
     """Stage-1 scratch ``(o_part [B, H_q, S, D_v] fp32, lse [B, H_q, S] fp32)`` (preallocate for graphs)."""
     return (torch.empty((batch, num_q_heads, total_splits, head_dim_v), dtype=torch.float32, device=device),
@@ -1130,10 +1147,8 @@ def decode_attention(
     if num_hp_splits is None:
         num_hp_splits = decode_num_hp_splits(sink, recent)
     if num_kv_splits is None:
-        # programs per request: kv heads x head blocks (the Gluon kernel's blocks hold 8 q heads)
-        programs = hkv * (gluon_head_blocks(group) if gluon else bpk)
-        num_kv_splits = choose_num_splits(bsz, programs, device=dev, max_seq_len=max_seq_len, block_n=tn.block_n,
-                                          engine=engine)
+        num_kv_splits = default_num_kv_splits(tn, engine, bsz, hq, hkv, device=dev, max_seq_len=max_seq_len,
+                                              blocks_per_kv=bpk)
     if num_hp_splits < 1 or num_kv_splits < 1:
         raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
     ns = num_hp_splits + num_kv_splits
