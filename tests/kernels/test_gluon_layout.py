@@ -220,17 +220,24 @@ def test_engine_resolution(monkeypatch):
         assert L.decode_engine(t({knob: val}).resolved(128), lay, q, torch.float16, False) == "triton", knob
 
 
+def _compile_stats(block_n: int, tuning: dict | None = None) -> dict:
+    """``scripts/gluon_compile_check.py --decode`` in a subprocess without the interpreter: the JSON of
+    the Gluon decode kernel compiled for sm_90 (registers, stack, shared memory, loop opcodes)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py"), "--decode", "--block-n", str(block_n)]
+    if tuning:
+        cmd += ["--tuning", json.dumps(tuning)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("block_n,stages", [(16, 3), (32, 2), (32, 4)])
 def test_gluon_decode_async_loop_compiles(block_n, stages):
     """sm_90 SASS of the ``async_stages`` variant: code and pair words reach shared memory by
     ``cp.async`` (LDGSTS) and come back by LDS; the only global loads of the INT2 loop are the
     slot ids; no local memory; the ring fits (2.3 KB per stage at block_n 32)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py"), "--decode",
-                          "--block-n", str(block_n), "--tuning", json.dumps({"async_stages": stages})],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    stats = _compile_stats(block_n, {"async_stages": stages})
     assert stats["stack"] <= 16, stats
     assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
     ring = stages * (2 * block_n * 8 * 4 + 2 * block_n * 4)
@@ -248,12 +255,7 @@ def test_gluon_decode_async_loop_compiles(block_n, stages):
 def test_gluon_decode_loop_compiles_without_layout_traffic(block_n):
     """sm_90 SASS (compiled through decode_attention's real launch): the INT2 key loop never moves
     operands through shared memory; the HP loop (at most sink + recent keys) may, once per block."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py"), "--decode",
-                          "--block-n", str(block_n)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    stats = _compile_stats(block_n)
     # at the default 168-register cap no loop touches local memory; the prologue may park two
     # output pointers there (16 bytes, reloaded once in the epilogue)
     assert stats["stack"] <= 16, stats
