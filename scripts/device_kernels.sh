@@ -32,11 +32,17 @@ for s in $steps; do
     profile)  # device time per kernel of a decode call (stage 1, merge) vs the whole call (~40 s)
       timeout 120 python scripts/profile_decode.py --contexts 4096,32768,131072 --batches 1,8,32 \
         --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1; echo "profile rc=$?"; cat "$OUT/profile.md";;
-    ncu)
+    ncu)  # NCU_TAG names the files; with NCU_SASS=1 also the per-SASS-instruction stall samples (csv)
+      tag="${NCU_TAG:-ncu}"
       timeout 150 ncu --clock-control none -k regex:_decode_stage1 -s 5 -c 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
-        --section WarpStateStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-        python scripts/sweep_decode.py --profile "$tuning" --waves 8 --contexts 131072 --batches 1 \
-        > "$OUT/ncu.txt" 2>&1; echo "ncu rc=$?";;
+        --section WarpStateStats --section SourceCounters \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        --import-source no -f -o "/tmp/$tag" \
+        python scripts/sweep_decode.py --profile "$tuning" --waves "${NCU_WAVES:-12}" \
+        --contexts "${NCU_CONTEXT:-131072}" --batches "${NCU_BATCH:-1}" > "$OUT/$tag.txt" 2>&1; echo "ncu rc=$?"
+      ncu -i "/tmp/$tag.ncu-rep" >> "$OUT/$tag.txt" 2>&1
+      [ "${NCU_SASS:-0}" = 1 ] && ncu -i "/tmp/$tag.ncu-rep" --page source --print-source sass --csv \
+        > "$OUT/${tag}_sass.csv" 2>&1; true;;
   esac
 done
