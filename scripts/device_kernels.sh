@@ -14,7 +14,8 @@ tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
 for s in $steps; do
   case "$s" in
     tests)  # -v: one line per test as it ends, so a timeout still says which passed / failed
-      timeout 330 python -m pytest -v -rf --tb=short -m gpu tests/kernels -k "(decode or extend or write) and not every_tuning" \
+      timeout "${TESTS_TIMEOUT:-330}" python -m pytest -v -rf --tb=short -m gpu tests/kernels \
+        -k "${TESTS_K:-(decode or extend or write) and not every_tuning}" \
         -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"
       grep -E "(FAILED|ERROR)( |$)" "$OUT/gpu_tests.log" | head -20; tail -1 "$OUT/gpu_tests.log";;
     tunings)  # test_gpu_decode_every_tuning: ~90-100 s per parameter set (21 tunings to compile)
