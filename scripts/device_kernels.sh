@@ -4,6 +4,8 @@
 #   bash scripts/device_kernels.sh [tests|tunings|matrix|sweep|profile|ncu ...]   (default: tests sweep, <= 530 s;
 #                                                   results in $OUT)
 #   bash scripts/device_kernels.sh tunings matrix          (a second call, <= 560 s; ncu alone in a third, ~10-150 s)
+# ncu: NCU_TUNING (JSON), NCU_TAG (file name), NCU_SASS=1 (per-instruction csv), NCU_WAVES / NCU_CONTEXT /
+#      NCU_BATCH / NCU_POOL (sweep_decode.py --pool-layout)
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
@@ -38,10 +40,10 @@ for s in $steps; do
       timeout 150 ncu --clock-control none -k regex:_decode_stage1 -s 5 -c 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
         --section WarpStateStats --section SourceCounters \
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,smsp__inst_executed.sum" \
         --import-source no -f -o "/tmp/$tag" \
         python scripts/sweep_decode.py --profile "$tuning" --waves "${NCU_WAVES:-12}" \
-        --contexts "${NCU_CONTEXT:-131072}" --batches "${NCU_BATCH:-1}" > "$OUT/$tag.txt" 2>&1; echo "ncu rc=$?"
+        --contexts "${NCU_CONTEXT:-131072}" --batches "${NCU_BATCH:-1}" --pool-layout "${NCU_POOL:-random}" > "$OUT/$tag.txt" 2>&1; echo "ncu rc=$?"
       ncu -i "/tmp/$tag.ncu-rep" >> "$OUT/$tag.txt" 2>&1
       [ "${NCU_SASS:-0}" = 1 ] && ncu -i "/tmp/$tag.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/${tag}_sass.csv" 2>&1; true;;
