@@ -292,7 +292,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _read_slots(slot_ring, st, IDX64: gl.constexpr):
-        """Slot ids of stage ``st`` in the K-row, V-key and one-per-lane layouts."""
+        """Slot ids of stage ``st`` in the K-row, V-key and one-per-lane layouts (int64 when
+        ``IDX64``, else int32, whatever the ring's dtype)."""
         sm = slot_ring.index(st)
         sk = sm.load(gl.SliceLayout(1, KW))
         sv = sm.load(gl.SliceLayout(1, VW))
@@ -300,7 +301,7 @@ if HAVE_GLUON:
         if IDX64:
             return sk.to(gl.int64), sv.to(gl.int64), s1.to(gl.int64)
         else:
-            return sk, sv, s1
+            return sk.to(gl.int32), sv.to(gl.int32), s1.to(gl.int32)
 
     @gluon.jit
     def _read_words(ring, st):
@@ -460,12 +461,15 @@ if HAVE_GLUON:
                 # Groups: prologue word groups for blocks 0 .. ASYNC - 2, then one group per iteration j
                 # with the words of block j + ASYNC - 1 and the slots of block j + SLOT_LEAD.
                 SLOT_LEAD: gl.constexpr = 2 * ASYNC - 1
-                SR: gl.constexpr = 2 * ASYNC + 2  # slot stages: >= SLOT_LEAD - ASYNC + 2
+                # slot stages: the prologue fills 2 ASYNC - 1 without wrapping, and a stage is rewritten
+                # ASYNC + 2 iterations after it was read (a simulation of the group accounting: >= 2 ASYNC - 1)
+                SR: gl.constexpr = 2 * ASYNC + 2
                 ring = (gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
                         gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
                         gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1),
                         gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1))
-                slot_ring = gl.allocate_shared_memory(gl.int32, [SR, BLOCK_N], SM1)
+                # in req_to_token's own dtype (int32 in SGLang; int64 allowed): a copy converts nothing
+                slot_ring = gl.allocate_shared_memory(R2T.dtype.element_ty, [SR, BLOCK_N], SM1)
                 for i in gl.static_range(SLOT_LEAD):
                     _issue_slots(R2T_r, lo + i * BLOCK_N, hi, slot_ring, i, BLOCK_N)
                 async_copy.commit_group()

@@ -579,7 +579,8 @@ class AttnTuning:
         self.engine = engine
         self.async_stages = None if async_stages is None else _int_knob("async_stages", async_stages)
         if self.async_stages not in (None, 0, 2, 3, 4, -2, -3, -4):  # negative: slot ids through smem too
-            raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers) or 2-4 (shared-memory stages)")
+            raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers), 2-4 (shared-memory stages) "
+                             "or -2..-4 (the same with the slot ids through shared memory, branch exp/slot-ring)")
         if self.async_stages and engine == "triton":
             raise ValueError("tuning async_stages is a Gluon-engine knob; drop it or use engine='gluon'")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
