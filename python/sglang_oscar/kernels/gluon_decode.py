@@ -295,13 +295,8 @@ if HAVE_GLUON:
         """Slot ids of stage ``st`` in the K-row, V-key and one-per-lane layouts (int64 when
         ``IDX64``, else int32, whatever the ring's dtype)."""
         sm = slot_ring.index(st)
-        sk = sm.load(gl.SliceLayout(1, KW))
-        sv = sm.load(gl.SliceLayout(1, VW))
-        s1 = sm.load(ROW1)
-        if IDX64:
-            return sk.to(gl.int64), sv.to(gl.int64), s1.to(gl.int64)
-        else:
-            return sk.to(gl.int32), sv.to(gl.int32), s1.to(gl.int32)
+        return (_idx(sm.load(gl.SliceLayout(1, KW)), IDX64), _idx(sm.load(gl.SliceLayout(1, VW)), IDX64),
+                _idx(sm.load(ROW1), IDX64))
 
     @gluon.jit
     def _read_words(ring, st):
