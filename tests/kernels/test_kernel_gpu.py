@@ -160,7 +160,8 @@ def _zero_mean_rows(t, h, d, device):
                                     dict(convert=5, pairs_ahead=False, engine="triton"),
                                     pytest.param(dict(engine="gluon"), id="gluon"),
                                     pytest.param(dict(engine="gluon", block_n=16), id="gluon-bn16"),
-                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-async3")])
+                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-async3"),
+                                    pytest.param(dict(engine="gluon", async_stages=-3), id="gluon-slotring3")])
 def test_gpu_decode_long_split_independent_of_split_count(tuning):
     """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
 
@@ -253,6 +254,7 @@ def test_gpu_decode_fp32_exact():
 
 @pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
                                     pytest.param(dict(engine="gluon", async_stages=3), id="gluon-async3"),
+                                    pytest.param(dict(engine="gluon", async_stages=-3), id="gluon-slotring3"),
                                     pytest.param(dict(engine="triton"), id="triton")])
 def test_gpu_decode_cuda_graph_replay(tuning):
     """Capture once at the maximum lengths, replay with shorter lengths and new queries."""
@@ -350,6 +352,11 @@ GLUON_CASES = {
     "window_sinklens_async3": ([16384] * 8, 32, 8, 4096, True, None, 32),
     "mha_bn16_async4": ([5000, 700], 8, 8, None, False, 7, 16),
     "idx64_forced_async3": ([3000, 40000], 32, 8, None, False, None, 32),
+    # slot ids through shared memory too (async_stages = -digit after "slotring")
+    "b1_ctx128k_slotring3": ([131072], 32, 8, None, False, None, 32),
+    "b64_mixed_slotring2": (None, 32, 8, None, False, None, 32),
+    "window_sinklens_slotring3": ([16384] * 8, 32, 8, 4096, True, None, 32),
+    "mha_bn16_slotring4": ([5000, 700], 8, 8, None, False, 7, 16),
 }
 
 
@@ -376,7 +383,8 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
         kw["sink_lens"] = sl
     qr = rotate_q(pool, q).to(torch.bfloat16)
     tn = dict(engine="gluon", block_n=bn, maxnreg=255 if "uncapped" in name else None,
-              async_stages=int(name[name.index("async") + 5]) if "async" in name else None)
+              async_stages=int(name[name.index("async") + 5]) if "async" in name
+              else -int(name[name.index("slotring") + 8]) if "slotring" in name else None)
     o = run_decode(pool, qr, tuning=tn, out_dtype=torch.bfloat16, **kw)
     base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, **kw)
     assert rel_l2(o, base) < 5e-3

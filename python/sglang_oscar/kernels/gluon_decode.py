@@ -283,6 +283,22 @@ if HAVE_GLUON:
         return _idx(_slot_ids(R2T_r, n0, hi, BLOCK_N, ROW1), IDX64)
 
     @gluon.jit
+    def _issue_slots(R2T_r, n0, hi, slot_ring, st, BLOCK_N: gl.constexpr):
+        """``cp.async`` of the slot ids of keys ``[n0, n0 + BLOCK_N)`` into stage ``st`` of ``slot_ring``
+        (one key per lane; positions past ``hi`` read the slot of key ``hi - 1``: a real row, masked
+        later). Not committed here: it joins the caller's group."""
+        r = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=ROW1), hi - 1)
+        async_copy.async_copy_global_to_shared(slot_ring.index(st), R2T_r + r)
+
+    @gluon.jit
+    def _read_slots(slot_ring, st, IDX64: gl.constexpr):
+        """Slot ids of stage ``st`` in the K-row, V-key and one-per-lane layouts (int64 when
+        ``IDX64``, else int32, whatever the ring's dtype)."""
+        sm = slot_ring.index(st)
+        return (_idx(sm.load(gl.SliceLayout(1, KW)), IDX64), _idx(sm.load(gl.SliceLayout(1, VW)), IDX64),
+                _idx(sm.load(ROW1), IDX64))
+
+    @gluon.jit
     def _read_words(ring, st):
         """The words of stage ``st`` in the layouts :func:`_load_words` returns them in."""
         ksm, vsm, kpsm, vpsm = ring
@@ -350,7 +366,8 @@ if HAVE_GLUON:
                     VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                     OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                     b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
-                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr):
+                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr,
+                    SLOT_RING: gl.constexpr):
         """INT2 split ``spq`` of ``NS_Q`` over ``[max(sink_r, window start), L - recent)``."""
         lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, spq, NS_Q, BLOCK_N)
         if hi <= lo:  # empty split (short context): only its log-sum-exp, which the merge skips on
@@ -404,7 +421,7 @@ if HAVE_GLUON:
                 if full_hi < hi:
                     m, ref, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s,
                                                    zero_o, BLOCK_N, True)
-            else:
+            elif not SLOT_RING:
                 # pipeline through shared memory: code / pair words of ASYNC - 1 blocks in flight by
                 # cp.async (no registers held for them), slot ids one block ahead of their copy
                 ring = (gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
@@ -433,6 +450,45 @@ if HAVE_GLUON:
                 if full_hi < hi:
                     m, ref, lt, corr, acc = _block(_read_words(ring, st), full_hi, hi, qb, qsum_u, m, ref, lt,
                                                    corr, acc, zero_s, zero_o, BLOCK_N, True)
+            else:
+                # slot ids through shared memory as well: SLOT_LEAD = 2 ASYNC - 1 blocks ahead by cp.async,
+                # read back by LDS in the three layouts, so no global load is waited on in the loop.
+                # Groups: prologue word groups for blocks 0 .. ASYNC - 2, then one group per iteration j
+                # with the words of block j + ASYNC - 1 and the slots of block j + SLOT_LEAD.
+                SLOT_LEAD: gl.constexpr = 2 * ASYNC - 1
+                # slot stages: the prologue fills 2 ASYNC - 1 without wrapping, and a stage is rewritten
+                # ASYNC + 2 iterations after it was read (a simulation of the group accounting: >= 2 ASYNC - 1)
+                SR: gl.constexpr = 2 * ASYNC + 2
+                ring = (gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
+                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
+                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1),
+                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1))
+                # in req_to_token's own dtype (int32 in SGLang; int64 allowed): a copy converts nothing
+                slot_ring = gl.allocate_shared_memory(R2T.dtype.element_ty, [SR, BLOCK_N], SM1)
+                for i in gl.static_range(SLOT_LEAD):
+                    _issue_slots(R2T_r, lo + i * BLOCK_N, hi, slot_ring, i, BLOCK_N)
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+                for i in gl.static_range(ASYNC - 1):
+                    sk, sv, s1 = _read_slots(slot_ring, i, IDX64)
+                    _issue_words(sk, sv, s1, ring, i, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
+                                 stride_vps)
+                j = 0
+                for n0 in range(lo, full_hi, BLOCK_N):
+                    # slots of block j + ASYNC - 1 (group j + ASYNC - 1 - SLOT_LEAD, or the prologue)
+                    async_copy.wait_group(SLOT_LEAD - ASYNC)
+                    sk, sv, s1 = _read_slots(slot_ring, (j + ASYNC - 1) % SR, IDX64)
+                    _issue_slots(R2T_r, n0 + SLOT_LEAD * BLOCK_N, hi, slot_ring, (j + SLOT_LEAD) % SR, BLOCK_N)
+                    _issue_words(sk, sv, s1, ring, (j + ASYNC - 1) % ASYNC, KC_h, stride_kcs, KP_h, stride_kps,
+                                 VC_h, stride_vcs, VP_h, stride_vps)  # commits this iteration's group
+                    async_copy.wait_group(ASYNC - 1)  # block j's words have landed
+                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), n0, hi, qb, qsum_u, m, ref, lt,
+                                                   corr, acc, zero_s, zero_o, BLOCK_N, False)
+                    j += 1
+                async_copy.wait_group(0)
+                if full_hi < hi:
+                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), full_hi, hi, qb, qsum_u, m, ref,
+                                                   lt, corr, acc, zero_s, zero_o, BLOCK_N, True)
 
             l_h = gl.sum(lt, axis=0)
             c_h = gl.sum(corr, axis=0)
@@ -532,6 +588,7 @@ if HAVE_GLUON:
         qscale, sink, recent, window, NS_HP, NS_Q,
         GROUP: gl.constexpr, BLOCKS_PER_KV: gl.constexpr, BLOCK_N: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKL: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr = 0,
+        SLOT_RING: gl.constexpr = False,
         HP_BLOCK: gl.constexpr = 16,
     ):
         """Stage 1 of decode attention (the grid and outputs of :func:`.decode._decode_stage1`): split
@@ -570,7 +627,7 @@ if HAVE_GLUON:
                         VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                         OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                         b, kvh, h0, req, L, sink_r, win_lo, sp - NS_HP, sp.to(gl.int64), heads_o, hmask_o, qscale,
-                        sink, recent, NS_Q, GROUP, BLOCK_N, IDX64, ASYNC)
+                        sink, recent, NS_Q, GROUP, BLOCK_N, IDX64, ASYNC, SLOT_RING)
 
 
 _CAPABILITY: dict = {}
@@ -638,7 +695,7 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
                         seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window,
                         num_hp_splits: int, num_kv_splits: int, block_n: int,
-                        maxnreg: int | None = None, async_stages: int = 0) -> None:
+                        maxnreg: int | None = None, async_stages: int = 0, slot_ring: bool = False) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
     Arguments as in :func:`sglang_oscar.kernels.launch.decode_attention` (which checked them unless
@@ -671,6 +728,6 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         qscale, sink, recent, sliding_window or 0, num_hp_splits, num_kv_splits,
         GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=needs_idx64(kc, kp, vc, vp),
-        ASYNC=async_stages, HP_BLOCK=16,
+        ASYNC=async_stages, SLOT_RING=slot_ring, HP_BLOCK=16,
         num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )

@@ -578,8 +578,9 @@ class AttnTuning:
             raise ValueError(f"tuning engine={engine!r} must be 'triton' or 'gluon'")
         self.engine = engine
         self.async_stages = None if async_stages is None else _int_knob("async_stages", async_stages)
-        if self.async_stages not in (None, 0, 2, 3, 4):
-            raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers) or 2-4 (shared-memory stages)")
+        if self.async_stages not in (None, 0, 2, 3, 4, -2, -3, -4):  # negative: slot ids through smem too
+            raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers), 2-4 (shared-memory stages) "
+                             "or -2..-4 (the same with the slot ids through shared memory, branch exp/slot-ring)")
         if self.async_stages and engine == "triton":
             raise ValueError("tuning async_stages is a Gluon-engine knob; drop it or use engine='gluon'")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
@@ -1191,7 +1192,7 @@ def decode_attention(
                             req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
                             sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
                             block_n=tn.block_n, maxnreg=tn.maxnreg or GLUON_MAXNREG,
-                            async_stages=tn.async_stages or 0)
+                            async_stages=abs(tn.async_stages or 0), slot_ring=(tn.async_stages or 0) < 0)
     else:
         grid = (bsz, hkv * bpk, ns)
         _launch(_decode_stage1, grid,
