@@ -196,6 +196,7 @@ class Case:
         self.hp_index = torch.arange(batch * n_hp, device=device, dtype=torch.int32).view(batch, n_hp).contiguous()
         self.q = torch.randn(batch, HQ, D, device=device, generator=g).to(torch.bfloat16)
         self.kv_bf16 = None
+        self.kv_indices = None
         if with_bf16:
             # BF16 paged pool with the same slot layout (for SGLang) and dense K/V (for SDPA)
             self.k_buf = _randn_bf16((self.num_slots, HKV, D), device, g)
@@ -221,6 +222,54 @@ class Case:
             self.req_to_token, self.req_pool_indices, self.seq_lens, self.layout, sink=sink, recent=recent,
             tuning=tuning, num_kv_splits=num_kv_splits, workspace=workspace, out=out,
             max_seq_len=self.ctx, debug=False, validate=False)
+
+
+POOL_LAYOUTS = ("random", "served", "served-random", "sorted", "sorted-hm-pairs", "sorted-hm-all")
+
+
+def apply_pool_layout(case: Case, mode: str) -> None:
+    """Re-lay the case's INT2 pool and slot ids (the BF16 paged pool SGLang's kernel reads takes
+    the same slot ids).
+
+    * ``random``: as :class:`Case` builds it: each request's slots a random permutation, codes and
+      (scale, zero) pairs in separate slot-major tensors ``[slots, kv heads, ...]``.
+    * ``served``: the served pool's rows (``pool.int2_pool.int2_row_storage`` /
+      ``int2_row_views``: codes + pairs in one 36-byte row per (slot, kv head), head-major memory)
+      with each request's slots consecutive, as SGLang's allocator hands out a prompt's slots on a
+      fresh server; ``served-random``: the same rows with :class:`Case`'s random slots.
+    * diagnostics (separate tensors, consecutive slots): ``sorted`` (slot-major), ``sorted-hm-pairs``
+      (pairs head-major), ``sorted-hm-all`` (codes and pairs head-major).
+
+    Every kernel takes the views' strides, so outputs do not depend on the layout (the callers
+    check each variant against the default tuning on the same case)."""
+    if mode not in POOL_LAYOUTS:
+        raise ValueError(f"pool layout {mode!r}: one of {POOL_LAYOUTS}")
+    if mode == "random":
+        return
+    if mode != "served-random":
+        n = case.batch * case.ctx
+        case.req_to_token = torch.arange(n, dtype=torch.int32, device=case.q.device).view(case.batch, case.ctx)
+        if case.kv_indices is not None:
+            case.kv_indices = case.req_to_token.reshape(-1).to(torch.int64)
+    if mode.startswith("served"):
+        from sglang_oscar.pool.int2_pool import int2_row_storage, int2_row_views
+
+        sdt = case.layout.scale_dtype
+        for c, pn in (("k_codes", "k_pairs"), ("v_codes", "v_pairs")):
+            codes, pairs = getattr(case, c), getattr(case, pn)
+            rows = int2_row_storage(codes.shape[0], codes.shape[1], codes.shape[2] + pairs.shape[2] * pairs.element_size(),
+                                    codes.device)
+            rc, rp = int2_row_views(rows, codes.shape[2] * 4, sdt)
+            rc.copy_(codes)
+            rp.copy_(pairs)
+            setattr(case, c, rc)
+            setattr(case, pn, rp)
+        return
+    names = {"sorted": (), "sorted-hm-pairs": ("k_pairs", "v_pairs"),
+             "sorted-hm-all": ("k_pairs", "v_pairs", "k_codes", "v_codes")}[mode]
+    for name in names:
+        t = getattr(case, name)
+        setattr(case, name, t.transpose(0, 1).contiguous().transpose(0, 1))
 
 
 def make_sglang(case: Case):
@@ -293,6 +342,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="only the default INT2 tuning")
     ap.add_argument("--scale-dtype", default="float16")
     ap.add_argument("--smoke-sglang", action="store_true", help="also run SGLang's kernel in --smoke (slow)")
+    ap.add_argument("--pool-layout", default="random", choices=POOL_LAYOUTS,
+                    help="INT2 pool storage and slot order (apply_pool_layout); 'served' = the served pool's "
+                         "rows with each request's slots consecutive")
     ap.add_argument("--timing", choices=("graph", "do_bench"), default="graph",
                     help="graph: CUDA graphs with a cold L2 (default); do_bench: triton.testing.do_bench")
     args = ap.parse_args(argv)
@@ -316,7 +368,7 @@ def main(argv=None) -> int:
     layout = Int2Layout.create(D, D, scale_dtype=args.scale_dtype, k_clip_ratio=0.96, v_clip_ratio=0.92)
     t_start = time.time()
     info = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter)",
-            "torch": torch.__version__}
+            "torch": torch.__version__, "pool_layout": args.pool_layout}
     try:
         import triton
 
@@ -340,6 +392,7 @@ def main(argv=None) -> int:
             try:
                 t0 = time.time()
                 case = Case(bsz, ctx, device, layout, with_bf16=True)
+                apply_pool_layout(case, args.pool_layout)
                 r = {"ctx": ctx, "batch": bsz}
                 tn = AttnTuning.of(None).resolved(D)
                 engine = decode_engine(tn, layout, case.q, torch.float16, False)
@@ -477,6 +530,8 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
                  f"run {elapsed:.0f} s{' (SMOKE: interpreter timings are meaningless)' if smoke else ''}; "
                  f"timing: {TIMING['mode']}" + (" (CUDA graph of 16 calls, 256 MB L2 flush before each, flush time "
                                                 "subtracted)" if TIMING["mode"] == "graph" else ""))
+    lines.append(f"INT2 pool layout: `{info.get('pool_layout')}` (bench_decode.apply_pool_layout: slot order and "
+                 "storage of the INT2 rows; SGLang's BF16 kernel reads the same slot ids)")
     engines = sorted({r["engine"] for r in rows if r.get("engine")})
     lines.append(f"INT2 default engine (stage 1): {', '.join(engines) or 'n/a'} (``engine=None`` resolves to the Gluon "
                  "kernel where it applies, kernels/gluon_decode.py; Triton knobs below apply to the Triton engine)")

@@ -53,30 +53,6 @@ def splits_for(waves: float, batch: int, sms: int, ctx: int, block_n: int) -> in
     return int(max(1, min(ns, math.ceil(ctx / block_n))))
 
 
-POOL_LAYOUTS = ("random", "sorted", "sorted-hm-pairs", "sorted-hm-all")
-
-
-def apply_pool_layout(case, mode: str) -> None:
-    """Re-lay the benchmark case's pool (a diagnostic of where the read traffic goes).
-
-    ``random``: as ``bench_decode.Case`` builds it (slot ids a random permutation, codes and pairs
-    slot-major ``[slots, kv heads, ...]`` as the served pool stores them); ``sorted``: each request's
-    slots consecutive; ``sorted-hm-pairs``: sorted, and the (scale, zero) pairs stored head-major
-    (``[kv heads, slots, 2]`` memory, passed as a ``[slots, kv heads, 2]`` view), so one 32-byte
-    sector holds 8 consecutive tokens of one kv head instead of one token of all 8 kv heads;
-    ``sorted-hm-all``: the codes head-major as well. The kernels take any strides, so the results
-    must not change (the sweep checks them against the default tuning on the same layout)."""
-    if mode == "random":
-        return
-    n = case.batch * case.ctx
-    case.req_to_token = torch.arange(n, dtype=torch.int32, device=case.q.device).view(case.batch, case.ctx)
-    names = ("k_pairs", "v_pairs") + (("k_codes", "v_codes") if mode == "sorted-hm-all" else ())
-    if mode != "sorted":
-        for name in names:
-            t = getattr(case, name)
-            setattr(case, name, t.transpose(0, 1).contiguous().transpose(0, 1))
-
-
 def compiled_stage1() -> dict:
     """``id -> CompiledKernel`` of every compiled stage-1 variant (Triton's in-process cache)."""
     from sglang_oscar.kernels.decode import _decode_stage1
@@ -117,8 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default=None, help="JSON list of tunings (default: the built-in grid); an entry "
                     "without \"engine\" runs the default engine (Gluon where it applies) unless it names a "
                     "Triton-only knob (AttnTuning.TRITON_ONLY)")
-    ap.add_argument("--pool-layout", default="random", choices=POOL_LAYOUTS,
-                    help="slot ids and pool storage of the benchmark case (a diagnostic: see apply_pool_layout)")
+    ap.add_argument("--pool-layout", default="random", choices=bd.POOL_LAYOUTS,
+                    help="slot ids and pool storage of the benchmark case (bench_decode.apply_pool_layout)")
     ap.add_argument("--tol", type=float, default=1e-2)
     ap.add_argument("--profile", default=None, help="JSON tuning: run only it (for ncu), 20 launches")
     ap.add_argument("--out", default=None)
@@ -145,7 +121,7 @@ def main(argv=None) -> int:
     if args.profile:
         tn = json.loads(args.profile)
         case = bd.Case(batches[0], contexts[0], device, layout, with_bf16=False)
-        apply_pool_layout(case, args.pool_layout)
+        bd.apply_pool_layout(case, args.pool_layout)
         bn = AttnTuning.of(tn).resolved(bd.D).block_n
         ns = splits_for(waves[0], batches[0], sms, contexts[0], bn)
         ws = decode_workspace(batches[0], bd.HQ, bd.D, ns + decode_num_hp_splits(bd.SINK, bd.RECENT), device)
@@ -163,7 +139,7 @@ def main(argv=None) -> int:
         for b in batches:
             t0 = time.time()
             case = bd.Case(b, ctx, device, layout, with_bf16=False)
-            apply_pool_layout(case, args.pool_layout)
+            bd.apply_pool_layout(case, args.pool_layout)
             ref_ns = splits_for(8, b, sms, ctx, 64)
             ref = case.run_int2(num_kv_splits=ref_ns).float()
             point = {"ctx": ctx, "batch": b, "bytes": case.int2_bytes(), "runs": []}

@@ -211,6 +211,17 @@ def test_engine_resolution(monkeypatch):
     with pytest.raises(ValueError, match="async_stages=5"):
         t({"async_stages": 5})
     assert t({"async_stages": 0}).resolved(128).async_stages == 0
+    # async_slots: a bool, needs the cp.async words, Gluon-only like async_stages
+    with pytest.raises(ValueError, match="async_slots=True needs async_stages 2-4"):
+        t({"async_stages": 0, "async_slots": True})
+    with pytest.raises(ValueError, match="must be true or false"):
+        t({"async_slots": 1})
+    with pytest.raises(ValueError, match="async_slots is a Gluon-engine knob"):
+        t({"async_slots": True, "engine": "triton"})
+    assert L.gluon_pipeline(t(None)) == {"async_stages": L.GLUON_ASYNC_STAGES, "slot_ring": True}
+    assert L.gluon_pipeline(t({"async_stages": 0})) == {"async_stages": 0, "slot_ring": False}
+    assert L.gluon_pipeline(t({"async_stages": 3, "async_slots": False})) == {"async_stages": 3, "slot_ring": False}
+    assert L.gluon_pipeline(t({"async_slots": True})) == {"async_stages": 2, "slot_ring": True}
     monkeypatch.setattr(L, "compiling_offline", lambda: False)
     monkeypatch.setattr(L, "gluon_decode_supported", lambda *a, **k: None)
     assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "gluon"
@@ -234,10 +245,11 @@ def _compile_stats(block_n: int, tuning: dict | None = None) -> dict:
 
 @pytest.mark.parametrize("block_n,stages", [(16, 3), (32, 2), (32, 4)])
 def test_gluon_decode_async_loop_compiles(block_n, stages):
-    """sm_90 SASS of the ``async_stages`` variant: code and pair words reach shared memory by
-    ``cp.async`` (LDGSTS) and come back by LDS; the only global loads of the INT2 loop are the
-    slot ids; no local memory; the ring fits (2.3 KB per stage at block_n 32)."""
-    stats = _compile_stats(block_n, {"async_stages": stages})
+    """sm_90 SASS of the ``async_stages`` variant without the slot ring (``async_slots`` False): code
+    and pair words reach shared memory by ``cp.async`` (LDGSTS) and come back by LDS; the only
+    global loads of the INT2 loop are the slot ids; no local memory; the ring fits (2.3 KB per
+    stage at block_n 32)."""
+    stats = _compile_stats(block_n, {"async_stages": stages, "async_slots": False})
     assert stats["stack"] <= 16, stats
     assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
     ring = stages * (2 * block_n * 8 * 4 + 2 * block_n * 4)
@@ -251,11 +263,30 @@ def test_gluon_decode_async_loop_compiles(block_n, stages):
     assert ops["HMMA"] == block_n // 16 * 8 * 2, ops
 
 
+@pytest.mark.parametrize("block_n,stages", [(16, None), (32, None), (32, 3)])
+def test_gluon_decode_slot_ring_loop_compiles(block_n, stages):
+    """sm_90 SASS of the default pipeline (``async_stages`` 2, slot ring on) and of 3 stages: the
+    INT2 loop waits on no global load -- code / pair words and the slot ids all arrive by
+    ``cp.async`` (LDGSTS: the words as above plus one slot copy per lane) -- no local memory, and
+    the shared memory is the word ring plus a slot ring of ``2 stages + 2`` stages."""
+    stats = _compile_stats(block_n, None if stages is None else {"async_stages": stages})
+    st = stages or 2
+    assert stats["stack"] <= 16, stats
+    assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
+    ring = st * (2 * block_n * 8 * 4 + 2 * block_n * 4) + (2 * st + 2) * block_n * 4
+    assert ring <= stats["shared"] <= ring + 4096, stats
+    ops = stats["loops"][-1]
+    assert ops.get("LDG", 0) == 0, ops
+    assert ops["LDGSTS"] == block_n // 8 + block_n // 4 + 3 * max(1, block_n // 32), ops
+    assert ops["HMMA"] == block_n // 16 * 8 * 2, ops
+
+
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_gluon_decode_loop_compiles_without_layout_traffic(block_n):
-    """sm_90 SASS (compiled through decode_attention's real launch): the INT2 key loop never moves
-    operands through shared memory; the HP loop (at most sink + recent keys) may, once per block."""
-    stats = _compile_stats(block_n)
+    """sm_90 SASS (compiled through decode_attention's real launch) of the register pipeline
+    (``async_stages`` 0): the INT2 key loop never moves operands through shared memory; the HP loop
+    (at most sink + recent keys) may, once per block."""
+    stats = _compile_stats(block_n, {"async_stages": 0})
     # at the default 168-register cap no loop touches local memory; the prologue may park two
     # output pointers there (16 bytes, reloaded once in the epilogue)
     assert stats["stack"] <= 16, stats

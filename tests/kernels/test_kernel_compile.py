@@ -60,3 +60,35 @@ def test_bench_decode_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     text = out.read_text()
     assert "| ctx | batch |" in text and "Write (quantize+scatter" in text
+
+
+def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
+    """bench_decode.apply_pool_layout re-lays a case without changing what any slot holds: the
+    served pool's head-major 36-byte rows with the same (random) slot ids give the decode output of
+    the separate slot-major tensors exactly, and so do head-major codes / pairs with sorted slots
+    against slot-major ones; sorting the slots (a different slot -> key mapping) changes it."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import bench_decode as bd
+    from sglang_oscar.kernels import Int2Layout
+
+    monkeypatch.setattr(bd, "HQ", 4)
+    monkeypatch.setattr(bd, "HKV", 2)
+    layout = Int2Layout.create(bd.D, bd.D, scale_dtype="float16", k_clip_ratio=0.96, v_clip_ratio=0.92)
+
+    def run(mode):
+        case = bd.Case(2, 352, torch.device("cpu"), layout, with_bf16=False)
+        bd.apply_pool_layout(case, mode)
+        return case, case.run_int2(num_kv_splits=2).float()
+
+    base_case, base = run("random")
+    served_case, served = run("served-random")
+    assert served_case.k_codes.stride() == (36, served_case.k_codes.shape[0] * 36, 1)
+    assert torch.equal(served, base)
+    _, srt = run("sorted")
+    _, hm = run("sorted-hm-all")
+    assert torch.equal(hm, srt)
+    assert not torch.equal(srt, base)
+    with pytest.raises(ValueError, match="pool layout"):
+        bd.apply_pool_layout(base_case, "bogus")

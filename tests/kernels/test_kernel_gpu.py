@@ -160,8 +160,10 @@ def _zero_mean_rows(t, h, d, device):
                                     dict(convert=5, pairs_ahead=False, engine="triton"),
                                     pytest.param(dict(engine="gluon"), id="gluon"),
                                     pytest.param(dict(engine="gluon", block_n=16), id="gluon-bn16"),
-                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-async3"),
-                                    pytest.param(dict(engine="gluon", async_stages=-3), id="gluon-slotring3")])
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
+                                    pytest.param(dict(engine="gluon", async_stages=3, async_slots=False),
+                                                 id="gluon-async3"),
+                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-slotring3")])
 def test_gpu_decode_long_split_independent_of_split_count(tuning):
     """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
 
@@ -253,8 +255,10 @@ def test_gpu_decode_fp32_exact():
 
 
 @pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
-                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-async3"),
-                                    pytest.param(dict(engine="gluon", async_stages=-3), id="gluon-slotring3"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
+                                    pytest.param(dict(engine="gluon", async_stages=3, async_slots=False),
+                                                 id="gluon-async3"),
+                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-slotring3"),
                                     pytest.param(dict(engine="triton"), id="triton")])
 def test_gpu_decode_cuda_graph_replay(tuning):
     """Capture once at the maximum lengths, replay with shorter lengths and new queries."""
@@ -346,13 +350,18 @@ GLUON_CASES = {
     "mha_bn16_hp_fp16": ([5000, 700], 8, 8, None, False, 7, 16),
     "window_sinklens": ([16384] * 8, 32, 8, 4096, True, None, 32),
     "idx64_forced": ([3000, 40000], 32, 8, None, False, None, 32),  # 64-bit row addresses
-    # the cp.async variant (async_stages = the digit after "async")
+    # the register pipeline (async_stages 0; the default until 2026-11-30 (8))
+    "b1_ctx128k_regs": ([131072], 32, 8, None, False, None, 32),
+    "b64_mixed_regs": (None, 32, 8, None, False, None, 32),
+    "window_sinklens_regs": ([16384] * 8, 32, 8, 4096, True, None, 32),
+    "idx64_forced_regs": ([3000, 40000], 32, 8, None, False, None, 32),
+    # the cp.async words without the slot ring (async_stages = the digit after "async", async_slots False)
     "b1_ctx128k_async3": ([131072], 32, 8, None, False, None, 32),
     "b64_mixed_async2": (None, 32, 8, None, False, None, 32),
     "window_sinklens_async3": ([16384] * 8, 32, 8, 4096, True, None, 32),
     "mha_bn16_async4": ([5000, 700], 8, 8, None, False, 7, 16),
     "idx64_forced_async3": ([3000, 40000], 32, 8, None, False, None, 32),
-    # slot ids through shared memory too (async_stages = -digit after "slotring")
+    # slot ids through shared memory too (async_stages = the digit after "slotring"; the default has 2)
     "b1_ctx128k_slotring3": ([131072], 32, 8, None, False, None, 32),
     "b64_mixed_slotring2": (None, 32, 8, None, False, None, 32),
     "window_sinklens_slotring3": ([16384] * 8, 32, 8, 4096, True, None, 32),
@@ -382,9 +391,13 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
         sl[pool.req_pool_indices[1:3]] = torch.tensor([SINK // 2, 0], dtype=torch.int32, device=DEV)
         kw["sink_lens"] = sl
     qr = rotate_q(pool, q).to(torch.bfloat16)
-    tn = dict(engine="gluon", block_n=bn, maxnreg=255 if "uncapped" in name else None,
-              async_stages=int(name[name.index("async") + 5]) if "async" in name
-              else -int(name[name.index("slotring") + 8]) if "slotring" in name else None)
+    tn = dict(engine="gluon", block_n=bn, maxnreg=255 if "uncapped" in name else None)
+    if "_regs" in name:
+        tn["async_stages"] = 0
+    elif "async" in name:
+        tn.update(async_stages=int(name[name.index("async") + 5]), async_slots=False)
+    elif "slotring" in name:
+        tn["async_stages"] = int(name[name.index("slotring") + 8])
     o = run_decode(pool, qr, tuning=tn, out_dtype=torch.bfloat16, **kw)
     base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, **kw)
     assert rel_l2(o, base) < 5e-3
@@ -392,25 +405,32 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
         assert rel_l2(o, reference_decode(pool, q, sliding_window=window)) < 1e-2
 
 
-def test_gpu_decode_gluon_on_served_pool_views():
-    """The served pool keeps codes and pairs of a (slot, kv head) in one 36-byte row
-    (pool/int2_pool.py: codes = row[:32], pairs = row[32:].view(fp16)); the Gluon engine reads them
-    as int32 words through those strided views (no 8-byte alignment) and must match the Triton
-    engine and the oracle there too."""
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-major"])
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
+                                    pytest.param(dict(engine="triton"), id="triton")])
+def test_gpu_decode_on_served_pool_views(head_major, tuning):
+    """The served pool keeps codes and pairs of a (slot, kv head) in one 36-byte row, head-major
+    (pool/int2_pool.py int2_row_storage / int2_row_views: codes = row[:32], pairs =
+    row[32:].view(fp16)); the engines read them through those strided views (no 8-byte
+    alignment, head stride = slots x 36 bytes) and must match the contiguous pool and the oracle."""
+    from sglang_oscar.pool.int2_pool import int2_row_storage, int2_row_views
+
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
     lens = [_n(20000), 777, 300]
     pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
     views = []
     for codes, pairs in ((pool.k_codes, pool.k_pairs), (pool.v_codes, pool.v_pairs)):
-        row = torch.empty(codes.shape[0], codes.shape[1], 36, dtype=torch.uint8, device=DEV)
-        row[..., :32] = codes
-        row[..., 32:] = pairs.view(torch.uint8).reshape(codes.shape[0], codes.shape[1], 4)
-        views += [row[..., :32], row[..., 32:].view(torch.float16)]
+        rows = int2_row_storage(codes.shape[0], codes.shape[1], 36, DEV, head_major=head_major)
+        rc, rp = int2_row_views(rows, 128, torch.float16)
+        rc.copy_(codes)
+        rp.copy_(pairs)
+        views += [rc, rp]
     served = dataclasses.replace(pool, k_codes=views[0], k_pairs=views[1], v_codes=views[2], v_pairs=views[3])
     q = torch.randn(len(lens), 32, 128, device=DEV)
     qr = rotate_q(pool, q)
-    o = run_decode(served, qr, tuning=dict(engine="gluon"), num_kv_splits=None, debug=False)
+    o = run_decode(served, qr, tuning=tuning, num_kv_splits=None, debug=False)
     base = run_decode(pool, qr, tuning=dict(engine="triton"), num_kv_splits=None, debug=False)
     assert rel_l2(o, base) < 5e-3
     assert rel_l2(o, reference_decode(pool, q)) < 1e-2

@@ -223,6 +223,13 @@ def test_pool_refuses_bf16_access_and_reports_true_sizes(setup):
         pool.set_kv_buffer(None, torch.tensor([1]), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D))
     # D=64, G=32, fp16 pairs: 16 code bytes + 2 groups x 2 x 2 bytes = 24 per head, K and V
     assert pool.k_buffer[0].shape == (513, HKV, 24) and pool.int2_bytes_per_token() == 2 * 24 * HKV
+    # head-major memory: one kv head's rows at consecutive slots are adjacent
+    assert pool.k_buffer[0].stride() == (24, 513 * 24, 1) and pool.v_buffer[0].stride() == (24, 513 * 24, 1)
+    kc, kp, vc, vp, _, _ = pool.int2_buffers(0)
+    assert kc.data_ptr() == pool.k_buffer[0].data_ptr() and kp.data_ptr() == pool.k_buffer[0].data_ptr() + 16
+    assert kp.dtype == torch.float16 and kp.shape == (513, HKV, 4) and kp.stride() == (12, 513 * 12, 1)
+    with pytest.raises(RuntimeError, match="cannot move KV slots"):
+        pool._move_kv_cache_impl(torch.tensor([3]), torch.tensor([2]))
     from sglang_oscar.pool.sizing import int2_cell_size
     assert int2_cell_size(config, HKV, D, D, 1) == pool.int2_bytes_per_token()
     # byte rows and HP arenas are what get_kv_size_bytes reports

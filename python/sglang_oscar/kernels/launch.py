@@ -540,27 +540,37 @@ class AttnTuning:
             either way; with ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or
             32) and ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy
             offers 12 per SM at batch 1, :func:`choose_num_splits`).
-        async_stages: Gluon engine only: ``0`` / ``None`` = the next block's code and pair words
-            are loaded into registers one block ahead (default); ``n`` in 2-4 = they go through a
-            ring of ``n`` shared-memory stages by ``cp.async``, ``n - 1`` blocks ahead, no registers
-            held while in flight (2.3 KB per stage at ``block_n`` 32). Naming it with ``engine``
-            unset selects the Gluon engine (``ValueError`` where it cannot run); with
-            ``engine="triton"`` it is refused.
+        async_stages: Gluon engine only: ``0`` = the next block's code and pair words are loaded
+            into registers one block ahead; ``n`` in 2-4 = they go through a ring of ``n``
+            shared-memory stages by ``cp.async``, ``n - 1`` blocks ahead, no registers held while
+            in flight (2.3 KB per stage at ``block_n`` 32). ``None`` = :data:`GLUON_ASYNC_STAGES`
+            (2). Naming it with ``engine`` unset selects the Gluon engine (``ValueError`` where it
+            cannot run); with ``engine="triton"`` it is refused.
+        async_slots: Gluon engine only, with ``async_stages`` 2-4: the slot ids of each block also
+            reach shared memory by ``cp.async``, ``2 async_stages - 1`` blocks ahead, so the INT2
+            loop waits on no global load (``False``: they are loaded one block ahead of their
+            words' copy, and that load is waited on in the loop). ``None`` = on whenever
+            ``async_stages`` is 2-4 (H200, 2026-11-30 (8): 4-6% faster at 32K / 128K x batch 1,
+            up to 8% at batch 8-32; docs/benchmarks.md, eighth session). Same engine rules as
+            ``async_stages``; ``True`` with ``async_stages`` 0 is refused.
 
     Note: :meth:`as_dict` of a *resolved* tuning names every knob, Triton-only ones included, so
     passed back as a tuning it selects the Triton engine; pass ``None`` or ``{}`` for the default.
     """
 
     KNOBS = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-             "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine", "async_stages")
+             "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine", "async_stages", "async_slots")
     #: knobs only the Triton engine has: naming one (with ``engine`` unset) selects Triton
+    #: knobs only the Gluon engine has: giving one a true / non-zero value (with ``engine`` unset)
+    #: selects Gluon
+    GLUON_ONLY = ("async_stages", "async_slots")
     TRITON_ONLY = ("block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h", "token_major",
                    "pairs_ahead", "defer_sums")
     __slots__ = KNOBS + ("explicit",)
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
                  min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
-                 defer_sums=None, engine=None, async_stages=None):
+                 defer_sums=None, engine=None, async_stages=None, async_slots=None):
         #: the knobs given a value here (resolved() keeps this set; decode_engine reads it)
         self.explicit = frozenset(k for k, v in locals().items() if k in self.KNOBS and v is not None)
         self.block_n = block_n
@@ -578,11 +588,17 @@ class AttnTuning:
             raise ValueError(f"tuning engine={engine!r} must be 'triton' or 'gluon'")
         self.engine = engine
         self.async_stages = None if async_stages is None else _int_knob("async_stages", async_stages)
-        if self.async_stages not in (None, 0, 2, 3, 4, -2, -3, -4):  # negative: slot ids through smem too
-            raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers), 2-4 (shared-memory stages) "
-                             "or -2..-4 (the same with the slot ids through shared memory, branch exp/slot-ring)")
-        if self.async_stages and engine == "triton":
-            raise ValueError("tuning async_stages is a Gluon-engine knob; drop it or use engine='gluon'")
+        if self.async_stages not in (None, 0, 2, 3, 4):
+            raise ValueError(f"tuning async_stages={async_stages} must be 0 (registers) or 2-4 (shared-memory stages)")
+        if async_slots is not None and not isinstance(async_slots, bool):
+            raise ValueError(f"tuning async_slots={async_slots!r} must be true or false")
+        self.async_slots = async_slots
+        if async_slots and self.async_stages == 0:
+            raise ValueError("tuning async_slots=True needs async_stages 2-4 (the slot ids share the cp.async "
+                             "pipeline); drop async_slots or set async_stages")
+        for name in ("async_stages", "async_slots"):
+            if getattr(self, name) and engine == "triton":
+                raise ValueError(f"tuning {name} is a Gluon-engine knob; drop it or use engine='gluon'")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "max_block_h", "num_warps", "num_stages"):
@@ -900,6 +916,21 @@ def _debug_request_indices(req_pool_indices, seq_lens, hp_index, req_to_token, h
 
 #: register cap of the Gluon decode kernel unless the tuning names one (12 one-warp programs per SM)
 GLUON_MAXNREG = 168
+#: cp.async stages of the Gluon decode kernel unless the tuning names ``async_stages`` (H200 sweeps,
+#: 2026-11-30 (8): 2 stages with the slot ids in the ring too were the fastest of 0 / 2 / 3 stages at
+#: 32K / 128K x batch 1, 8 and 32 but for 32K x 32, 1-4% behind the register pipeline)
+GLUON_ASYNC_STAGES = 2
+
+
+def gluon_pipeline(tuning: "AttnTuning") -> dict:
+    """``{"async_stages": n, "slot_ring": bool}`` the Gluon decode launch takes for ``tuning``:
+    ``async_stages`` or :data:`GLUON_ASYNC_STAGES`; the slot ring per ``async_slots``, on by
+    default whenever the words go through the ``cp.async`` ring."""
+    stages = GLUON_ASYNC_STAGES if tuning.async_stages is None else tuning.async_stages
+    slots = bool(stages) if tuning.async_slots is None else bool(tuning.async_slots)
+    if slots and not stages:
+        raise ValueError("tuning async_slots=True needs async_stages 2-4")
+    return {"async_stages": stages, "slot_ring": slots}
 
 
 def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma_dtype: torch.dtype,
@@ -918,21 +949,25 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
     """
     if tuning.engine == "triton" or (tuning.engine is None
                                      and any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY)):
-        if tuning.async_stages:
+        gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if getattr(tuning, k))
+        if gluon_named:
             named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
-            raise ValueError(f"tuning async_stages={tuning.async_stages} is a Gluon-engine knob, but the tuning also "
-                             f"names Triton-only knob(s) {named}, which select the Triton engine; drop one or the other")
+            raise ValueError(f"tuning {', '.join(gluon_named)} {'is a Gluon-engine knob' if len(gluon_named) == 1 else 'are Gluon-engine knobs'}, "
+                             f"but the tuning also names Triton-only knob(s) {named}, which select the Triton engine; "
+                             "drop one or the other")
         return "triton"  # no scope check needed (hot path)
     why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
     if why is None and tuning.block_n not in (16, 32):
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
-    if tuning.engine == "gluon" or (tuning.engine is None and tuning.async_stages):
+    gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if getattr(tuning, k))
+    if tuning.engine == "gluon" or (tuning.engine is None and gluon_named):
         if why is not None:
             if tuning.engine == "gluon":
                 raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
                                  "use engine='triton' (or leave engine unset), which covers every layout")
-            raise ValueError(f"tuning async_stages={tuning.async_stages} selects the Gluon engine, which cannot run "
-                             f"this decode call: {why}; drop async_stages (the Triton engine covers every layout)")
+            knobs = ", ".join(f"{k}={getattr(tuning, k)}" for k in gluon_named)
+            raise ValueError(f"tuning {knobs} selects the Gluon engine, which cannot run this decode call: {why}; "
+                             f"drop {' and '.join(gluon_named)} (the Triton engine covers every layout)")
         return "gluon"
     # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
     # left unset it compiles the Triton kernel, as before the Gluon engine existed
@@ -1192,7 +1227,7 @@ def decode_attention(
                             req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
                             sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
                             block_n=tn.block_n, maxnreg=tn.maxnreg or GLUON_MAXNREG,
-                            async_stages=abs(tn.async_stages or 0), slot_ring=(tn.async_stages or 0) < 0)
+                            **gluon_pipeline(tn))
     else:
         grid = (bsz, hkv * bpk, ns)
         _launch(_decode_stage1, grid,

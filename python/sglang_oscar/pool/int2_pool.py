@@ -4,8 +4,14 @@ Storage per layer (``H`` = local kv heads, ``S = size + page_size`` slots):
 
 * ``k_buffer[l]`` uint8 ``[S, H, D_k/4 + 2*NG_k*sb]``: per (slot, head) the quarter-split 2-bit
   codes followed by the ``(scale, zero)`` pairs of its groups in the scale dtype (``sb`` bytes
-  each); ``v_buffer[l]`` likewise. One byte row per slot keeps SGLang's slot-row machinery
-  (``data_ptrs``/``data_strides``, CPU offload copies) working unchanged.
+  each); ``v_buffer[l]`` likewise. The memory is head-major (``[H, S, row]``, exposed as the
+  ``[S, H, row]`` view :func:`int2_row_storage` returns): a decode program reads one kv head, so
+  consecutive slots of that head are adjacent and a run of slots is read in whole 32-byte sectors
+  (H200, 2026-11-30 (8): 11% faster decode attention at 128K x batch 1 and 20-30% at batch 8-32
+  than slot-major rows, where each program took 4 bytes of (scale, zero) and 36 of 288 bytes per
+  slot; docs/benchmarks.md, eighth session). Every kernel takes the strides of the views, SGLang's
+  CPU offload copies index the view, and SGLang's raw slot-row mover (``move_kv_cache``, which
+  assumes slot-major rows) is refused: it serves speculative decoding, which the plugin refuses.
 * ``hp_k_buffer[l]`` / ``hp_v_buffer[l]`` ``[R, H, D]`` in the model dtype: the BF16 copies of
   the rotated rows for the sink and recent windows (:class:`~.windows.HPWindows`).
 
@@ -33,6 +39,27 @@ def int2_row_bytes(layout: Int2Layout, which: str) -> int:
     """Bytes of one (slot, kv head) row of K (``which="k"``) or V: codes + pairs."""
     t = layout.k if which == "k" else layout.v
     return t.head_dim // 4 + 2 * t.num_groups * layout.scale_dtype.itemsize
+
+
+def int2_row_storage(slots: int, kv_heads: int, row_bytes: int, device, *, head_major: bool = True) -> torch.Tensor:
+    """Zeroed INT2 rows of one layer's K or V: uint8 ``[slots, kv_heads, row_bytes]``.
+
+    ``head_major`` (the pool's layout): the memory is ``[kv_heads, slots, row_bytes]`` and the
+    result its transposed view (strides ``(row_bytes, slots * row_bytes, 1)``), so the rows of one
+    kv head at consecutive slots are adjacent; ``False``: a contiguous slot-major tensor (tests and
+    benchmarks compare the two).
+    """
+    if head_major:
+        return torch.zeros((kv_heads, slots, row_bytes), dtype=torch.uint8, device=device).transpose(0, 1)
+    return torch.zeros((slots, kv_heads, row_bytes), dtype=torch.uint8, device=device)
+
+
+def int2_row_views(rows: torch.Tensor, head_dim: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, pairs)`` views of INT2 rows ``[slots, kv_heads, row_bytes]`` (uint8, any strides
+    with a contiguous last dim): codes uint8 ``[slots, kv_heads, head_dim / 4]`` (``row[:D/4]``) and
+    the ``(scale, zero)`` pairs ``[slots, kv_heads, 2 * groups]`` in ``scale_dtype`` (the rest)."""
+    q = head_dim // 4
+    return rows[..., :q], rows[..., q:].view(scale_dtype)
 
 
 class OscarMHATokenToKVPool(MHATokenToKVPool):
@@ -73,19 +100,16 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
         h = self.head_num
         hp_rows = self.windows.num_rows
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-            self.k_buffer = [torch.zeros((rows, h, self.row_bytes_k), dtype=torch.uint8, device=self.device)
-                             for _ in range(self.layer_num)]
-            self.v_buffer = [torch.zeros((rows, h, self.row_bytes_v), dtype=torch.uint8, device=self.device)
-                             for _ in range(self.layer_num)]
+            self.k_buffer = [int2_row_storage(rows, h, self.row_bytes_k, self.device) for _ in range(self.layer_num)]
+            self.v_buffer = [int2_row_storage(rows, h, self.row_bytes_v, self.device) for _ in range(self.layer_num)]
             self.hp_k_buffer = [torch.zeros((hp_rows, h, self.head_dim), dtype=self.hp_dtype, device=self.device)
                                 for _ in range(self.layer_num)]
             self.hp_v_buffer = [torch.zeros((hp_rows, h, self.v_head_dim), dtype=self.hp_dtype, device=self.device)
                                 for _ in range(self.layer_num)]
         self.k_scale_buffer = self.v_scale_buffer = self.dq_k_buffer = self.dq_v_buffer = None
-        qk, qv = self.head_dim // 4, self.v_head_dim // 4
         sdt = self.layout.scale_dtype
         self._views = [
-            (kb[..., :qk], kb[..., qk:].view(sdt), vb[..., :qv], vb[..., qv:].view(sdt))
+            (*int2_row_views(kb, self.head_dim, sdt), *int2_row_views(vb, self.v_head_dim, sdt))
             for kb, vb in zip(self.k_buffer, self.v_buffer)
         ]
         self._kv_buffer_descs = self._build_kv_buffer_descs()
@@ -141,6 +165,13 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
             "the INT2 KV pool (--kv-cache-dtype int2) is written only by the OSCAR triton attention "
             "backend; something tried to write BF16 rows directly (a fused RoPE+KV write or another "
             "attention backend). Use --attention-backend triton, or serve with --kv-cache-dtype auto"
+        )
+
+    def _move_kv_cache_impl(self, tgt_loc, src_loc):
+        raise RuntimeError(
+            "the INT2 KV pool (--kv-cache-dtype int2) cannot move KV slots (move_kv_cache): its rows are "
+            "head-major and its sink/recent BF16 windows are keyed by request, not by slot. This path serves "
+            "speculative decoding and the multi-ended allocator; serve those with --kv-cache-dtype auto"
         )
 
     def set_kv_buffer_prefix_valid(self, *args, **kwargs):
