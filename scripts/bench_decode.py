@@ -233,7 +233,7 @@ def apply_pool_layout(case: Case, mode: str) -> None:
 
     * ``random``: as :class:`Case` builds it: each request's slots a random permutation, codes and
       (scale, zero) pairs in separate slot-major tensors ``[slots, kv heads, ...]``.
-    * ``served``: the served pool's rows (``pool.int2_pool.int2_row_storage`` /
+    * ``served``: the served pool's rows (``pool.rows.int2_row_storage`` /
       ``int2_row_views``: codes + pairs in one 36-byte row per (slot, kv head), head-major memory)
       with each request's slots consecutive, as SGLang's allocator hands out a prompt's slots on a
       fresh server; ``served-random``: the same rows with :class:`Case`'s random slots.
@@ -252,7 +252,7 @@ def apply_pool_layout(case: Case, mode: str) -> None:
         if case.kv_indices is not None:
             case.kv_indices = case.req_to_token.reshape(-1).to(torch.int64)
     if mode.startswith("served"):
-        from sglang_oscar.pool.int2_pool import int2_row_storage, int2_row_views
+        from sglang_oscar.pool.rows import int2_row_storage, int2_row_views
 
         sdt = case.layout.scale_dtype
         for c, pn in (("k_codes", "k_pairs"), ("v_codes", "v_pairs")):

@@ -411,10 +411,10 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
                                     pytest.param(dict(engine="triton"), id="triton")])
 def test_gpu_decode_on_served_pool_views(head_major, tuning):
     """The served pool keeps codes and pairs of a (slot, kv head) in one 36-byte row, head-major
-    (pool/int2_pool.py int2_row_storage / int2_row_views: codes = row[:32], pairs =
+    (pool/rows.py int2_row_storage / int2_row_views: codes = row[:32], pairs =
     row[32:].view(fp16)); the engines read them through those strided views (no 8-byte
     alignment, head stride = slots x 36 bytes) and must match the contiguous pool and the oracle."""
-    from sglang_oscar.pool.int2_pool import int2_row_storage, int2_row_views
+    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views
 
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)

@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from ..config import OscarConfig
 from ..kernels import write_kv
 from ..kernels.layout import Int2Layout
+from .rows import int2_row_storage, int2_row_views
 from .sizing import hp_row_bytes
 from .windows import HPWindows
 
@@ -39,27 +40,6 @@ def int2_row_bytes(layout: Int2Layout, which: str) -> int:
     """Bytes of one (slot, kv head) row of K (``which="k"``) or V: codes + pairs."""
     t = layout.k if which == "k" else layout.v
     return t.head_dim // 4 + 2 * t.num_groups * layout.scale_dtype.itemsize
-
-
-def int2_row_storage(slots: int, kv_heads: int, row_bytes: int, device, *, head_major: bool = True) -> torch.Tensor:
-    """Zeroed INT2 rows of one layer's K or V: uint8 ``[slots, kv_heads, row_bytes]``.
-
-    ``head_major`` (the pool's layout): the memory is ``[kv_heads, slots, row_bytes]`` and the
-    result its transposed view (strides ``(row_bytes, slots * row_bytes, 1)``), so the rows of one
-    kv head at consecutive slots are adjacent; ``False``: a contiguous slot-major tensor (tests and
-    benchmarks compare the two).
-    """
-    if head_major:
-        return torch.zeros((kv_heads, slots, row_bytes), dtype=torch.uint8, device=device).transpose(0, 1)
-    return torch.zeros((slots, kv_heads, row_bytes), dtype=torch.uint8, device=device)
-
-
-def int2_row_views(rows: torch.Tensor, head_dim: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, pairs)`` views of INT2 rows ``[slots, kv_heads, row_bytes]`` (uint8, any strides
-    with a contiguous last dim): codes uint8 ``[slots, kv_heads, head_dim / 4]`` (``row[:D/4]``) and
-    the ``(scale, zero)`` pairs ``[slots, kv_heads, 2 * groups]`` in ``scale_dtype`` (the rest)."""
-    q = head_dim // 4
-    return rows[..., :q], rows[..., q:].view(scale_dtype)
 
 
 class OscarMHATokenToKVPool(MHATokenToKVPool):
