@@ -39,7 +39,9 @@ DEFAULT_GRID = [  # {} = the default: the Gluon engine where it applies (kernels
     {},
     {"engine": "gluon", "maxnreg": 255},  # no register cap: 172 registers, 11 programs per SM
     {"engine": "gluon", "block_n": 16},
-    {"async_stages": 3},  # Gluon, code / pair words through a 3-stage cp.async ring (7.6% faster at 128K x 32)
+    {"async_stages": 0},  # Gluon, the register pipeline (the default until 2026-11-30 (8))
+    {"async_stages": 3},  # Gluon, 3 cp.async stages (+ the slot ring, on by default)
+    {"async_stages": 2, "async_slots": False},  # Gluon, the word ring without the slot ring
     # the Triton engine (the default before 2026-11-30 (6)) and some of its knobs
     {"engine": "triton"},
     {"engine": "triton", "num_stages": 1},  # 168 registers, 4 KB shared memory: 12 programs per SM

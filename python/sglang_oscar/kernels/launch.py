@@ -550,8 +550,9 @@ class AttnTuning:
             reach shared memory by ``cp.async``, ``2 async_stages - 1`` blocks ahead, so the INT2
             loop waits on no global load (``False``: they are loaded one block ahead of their
             words' copy, and that load is waited on in the loop). ``None`` = on whenever
-            ``async_stages`` is 2-4 (H200, 2026-11-30 (8): 4-6% faster at 32K / 128K x batch 1,
-            up to 8% at batch 8-32; docs/benchmarks.md, eighth session). Same engine rules as
+            ``async_stages`` is 2-4 (H200, 2026-11-30 (8), against the register pipeline: 0-6%
+            faster at batch 1, from 4% slower at 32K x 32 to 7% faster at batch 8-32;
+            docs/benchmarks.md, eighth session). Same engine rules as
             ``async_stages``; ``True`` with ``async_stages`` 0 is refused.
 
     Note: :meth:`as_dict` of a *resolved* tuning names every knob, Triton-only ones included, so

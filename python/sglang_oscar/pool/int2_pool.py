@@ -7,11 +7,15 @@ Storage per layer (``H`` = local kv heads, ``S = size + page_size`` slots):
   each); ``v_buffer[l]`` likewise. The memory is head-major (``[H, S, row]``, exposed as the
   ``[S, H, row]`` view :func:`int2_row_storage` returns): a decode program reads one kv head, so
   consecutive slots of that head are adjacent and a run of slots is read in whole 32-byte sectors
-  (H200, 2026-11-30 (8): 11% faster decode attention at 128K x batch 1 and 20-30% at batch 8-32
-  than slot-major rows, where each program took 4 bytes of (scale, zero) and 36 of 288 bytes per
-  slot; docs/benchmarks.md, eighth session). Every kernel takes the strides of the views, SGLang's
-  CPU offload copies index the view, and SGLang's raw slot-row mover (``move_kv_cache``, which
-  assumes slot-major rows) is refused: it serves speculative decoding, which the plugin refuses.
+  (slot-major, each program took 4 bytes of (scale, zero) from a sector all 8 kv heads' programs
+  fetched). H200, 2026-11-30 (8), consecutive slots, decode attention at 32K / 128K context:
+  these rows 18.6 / 44.5 us at batch 1 (sweep, call 8) vs 19.0 / 46.4 us slot-major (sweep, call
+  3); 263 / 946 us at batch 32 (bench_decode, call 7) vs 288 / 1295 us slot-major (call 3).
+  Separate head-major code and pair tensors were faster still at batch 1 (18.0 / 41.2 us: 8-byte
+  aligned code words); docs/benchmarks.md, eighth session. Every kernel takes the strides of the
+  views, SGLang's CPU offload copies index the view, and SGLang's raw slot-row mover
+  (``move_kv_cache``, which assumes slot-major rows) is refused: it serves speculative decoding
+  (refused by the plugin) and the multi-ended allocator.
 * ``hp_k_buffer[l]`` / ``hp_v_buffer[l]`` ``[R, H, D]`` in the model dtype: the BF16 copies of
   the rotated rows for the sink and recent windows (:class:`~.windows.HPWindows`).
 
