@@ -5,8 +5,8 @@ For each (context, batch) point of the Qwen3-8B layer geometry of ``bench_decode
 heads, head_dim 128, sink 64 + recent 256, fp16 scales), times every tuning of ``--grid`` at
 every split count given by ``--waves`` (INT2 splits = ceil(waves x SMs / (batch x kv heads)),
 so ``waves`` is the number of one-warp programs per SM the grid offers), with the same CUDA-graph
-cold-L2 timing as ``bench_decode.py``. Every variant's output is compared with the default
-tuning's (rel. L2; ``WRONG`` above ``--tol``) before it is timed. Prints one table per point
+cold-L2 timing as ``bench_decode.py``. Every variant's output is compared with the Triton
+engine's, default tuning (rel. L2; ``WRONG`` above ``--tol``) before it is timed. Prints one table per point
 (time in us; best first) and writes JSON. Also prints, per tuning, the compiled kernel's
 registers / spill bytes / shared memory and the resulting warps per SM.
 
@@ -143,7 +143,8 @@ def main(argv=None) -> int:
             case = bd.Case(b, ctx, device, layout, with_bf16=False)
             bd.apply_pool_layout(case, args.pool_layout)
             ref_ns = splits_for(8, b, sms, ctx, 64)
-            ref = case.run_int2(num_kv_splits=ref_ns).float()
+            # the reference: the Triton engine (the grid's entries include the default Gluon pipeline)
+            ref = case.run_int2(tuning={"engine": "triton"}, num_kv_splits=ref_ns).float()
             point = {"ctx": ctx, "batch": b, "bytes": case.int2_bytes(), "runs": []}
             for tn in grid:
                 bn = AttnTuning.of(tn).resolved(bd.D).block_n

@@ -222,6 +222,23 @@ def test_engine_resolution(monkeypatch):
     assert L.gluon_pipeline(t({"async_stages": 0})) == {"async_stages": 0, "slot_ring": False}
     assert L.gluon_pipeline(t({"async_stages": 3, "async_slots": False})) == {"async_stages": 3, "slot_ring": False}
     assert L.gluon_pipeline(t({"async_slots": True})) == {"async_stages": 2, "slot_ring": True}
+    assert L.gluon_pipeline(t({"async_slots": False})) == {"async_stages": 2, "slot_ring": False}
+    # 0 / False are Gluon choices too (the default is 2 stages + the slot ring): refused with Triton,
+    # and they select the Gluon engine (which cannot run here: no CUDA device)
+    for knob, val in (("async_stages", 0), ("async_slots", False)):
+        with pytest.raises(ValueError, match="Gluon-engine knob"):
+            t({knob: val, "engine": "triton"})
+        with pytest.raises(ValueError, match=r"Triton-only knob\(s\) \['convert'\]"):
+            L.decode_engine(t({knob: val, "convert": 3}).resolved(128), lay, q, torch.float16, False)
+        with pytest.raises(ValueError, match=f"{knob}={val} selects the Gluon engine, which cannot run"):
+            L.decode_engine(t({knob: val}).resolved(128), lay, q, torch.float16, False)
+    # engine='gluon' with a Triton-only knob: refused, not silently dropped
+    with pytest.raises(ValueError, match=r"engine='gluon' with Triton-engine knob\(s\) \['convert', 'num_stages'\]"):
+        L.decode_engine(t({"engine": "gluon", "convert": 3, "num_stages": 3}).resolved(128), lay, q, torch.float16, False)
+    # the resolved-tuning cache keys on the value's type: True == 1 must not let 1 through
+    L._resolved_tuning({"async_slots": True}, lay, False)
+    with pytest.raises(ValueError, match="must be true or false"):
+        L._resolved_tuning({"async_slots": 1}, lay, False)
     monkeypatch.setattr(L, "compiling_offline", lambda: False)
     monkeypatch.setattr(L, "gluon_decode_supported", lambda *a, **k: None)
     assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "gluon"

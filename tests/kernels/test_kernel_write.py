@@ -93,6 +93,41 @@ def test_write_matches_quantize_rows(dk, dv, group, quantizer, sdt, kclip, vclip
     assert bool(torch.isnan(hp_k[rest].float()).all()) and bool(torch.isnan(hp_v[rest].float()).all())
 
 
+def test_write_and_flush_k_only():
+    """``v=None`` (K only: one program column, no V programs): K slots and K HP rows get exactly the
+    bytes of the K + V call, and the V buffers and V HP rows are not touched."""
+    fresh_seed()
+    n, h, num_slots, d = 9, 2, 19, 128
+    layout = Int2Layout.create(d, d, k_clip_ratio=0.96, v_clip_ratio=0.92)
+    k = random_rows(n, h, d).to(torch.bfloat16)
+    loc = torch.randperm(num_slots)[:n]
+    hp_rows = torch.randperm(13)[:n].to(torch.int32)
+    bufs, hps = [], []
+    for kv in (True, False):
+        buf = layout.allocate(num_slots, h, "cpu")
+        for t in buf.values():
+            t.view(torch.uint8).fill_(0xAB)
+        hp_k = poison_(torch.empty(13, h, d, dtype=torch.bfloat16))
+        hp_v = poison_(torch.empty(13, h, d, dtype=torch.bfloat16))
+        write_kv(k, k if kv else None, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"] if kv else None,
+                 buf["v_pairs"] if kv else None, layout, hp_rows=hp_rows, hp_k=hp_k, hp_v=hp_v if kv else None)
+        bufs.append(buf)
+        hps.append((hp_k, hp_v))
+    assert torch.equal(bufs[0]["k_codes"], bufs[1]["k_codes"])
+    assert torch.equal(bufs[0]["k_pairs"].view(torch.uint8), bufs[1]["k_pairs"].view(torch.uint8))
+    for hp_k, _ in hps:
+        assert torch.equal(hp_k[hp_rows.long()], k)
+    assert bool((bufs[1]["v_codes"] == 0xAB).all()) and bool((bufs[1]["v_pairs"].view(torch.uint8) == 0xAB).all())
+    assert bool(torch.isnan(hps[1][1].float()).all())
+    # flush K only from the K HP rows into fresh slots: the same K bytes
+    buf = layout.allocate(num_slots, h, "cpu")
+    for t in buf.values():
+        t.view(torch.uint8).fill_(0xAB)
+    flush_hp_rows(hps[1][0], None, hp_rows, loc, buf["k_codes"], buf["k_pairs"], None, None, layout)
+    assert torch.equal(buf["k_codes"], bufs[0]["k_codes"])
+    assert bool((buf["v_codes"] == 0xAB).all())
+
+
 def test_write_edge_values():
     """Ties in |x|, exact zeros, constant rows (scale floor), large offsets (|min|/2^15 floor), tiny rows."""
     fresh_seed()

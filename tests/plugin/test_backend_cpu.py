@@ -229,7 +229,7 @@ def test_pool_refuses_bf16_access_and_reports_true_sizes(setup):
     assert kc.data_ptr() == pool.k_buffer[0].data_ptr() and kp.data_ptr() == pool.k_buffer[0].data_ptr() + 16
     assert kp.dtype == torch.float16 and kp.shape == (513, HKV, 4) and kp.stride() == (12, 513 * 12, 1)
     with pytest.raises(RuntimeError, match="cannot move KV slots"):
-        pool._move_kv_cache_impl(torch.tensor([3]), torch.tensor([2]))
+        pool.move_kv_cache(torch.tensor([3]), torch.tensor([2]))
     from sglang_oscar.pool.sizing import int2_cell_size
     assert int2_cell_size(config, HKV, D, D, 1) == pool.int2_bytes_per_token()
     # byte rows and HP arenas are what get_kv_size_bytes reports

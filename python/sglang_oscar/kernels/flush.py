@@ -73,10 +73,13 @@ def _flush_kernel(
     ok = valid & (src >= 0) & (dst >= 0)
     src = tl.where(ok, src, 0)
     dst = tl.where(ok, dst, 0)
-    quantize_rows_to_slots(HPK, stride_kn, stride_kh, src, dst, ok, hh, KC, stride_kcs, stride_kch,
-                           KP, stride_kps, stride_kph, R, QK, QKP, GK, NGK, NGKP, CLIP_KK, LLOYD, SDT,
-                           smin, k_t0, k_t1, k_t2)
-    if HAS_V:
-        quantize_rows_to_slots(HPV, stride_vn, stride_vh, src, dst, ok, hh, VC, stride_vcs, stride_vch,
-                               VP, stride_vps, stride_vph, R, QV, QVP, GV, NGV, NGVP, CLIP_KV, LLOYD, SDT,
-                               smin, v_t0, v_t1, v_t2)
+    # K rows in programs (pid, 0), V rows in (pid, 1): independent latency chains (as in _write_kernel)
+    if tl.program_id(1) == 0:
+        quantize_rows_to_slots(HPK, stride_kn, stride_kh, src, dst, ok, hh, KC, stride_kcs, stride_kch,
+                               KP, stride_kps, stride_kph, R, QK, QKP, GK, NGK, NGKP, CLIP_KK, LLOYD, SDT,
+                               smin, k_t0, k_t1, k_t2)
+    else:
+        if HAS_V:
+            quantize_rows_to_slots(HPV, stride_vn, stride_vh, src, dst, ok, hh, VC, stride_vcs, stride_vch,
+                                   VP, stride_vps, stride_vph, R, QV, QVP, GV, NGV, NGVP, CLIP_KV, LLOYD, SDT,
+                                   smin, v_t0, v_t1, v_t2)

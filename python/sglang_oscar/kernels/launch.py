@@ -237,7 +237,7 @@ def write_kv(
     hrows = hp_rows if has_hp else loc
     hk = hp_k if has_hp else k
     hv = hp_v if (has_hp and has_v) else hk
-    grid = (triton.cdiv(n * h, r),)
+    grid = (triton.cdiv(n * h, r), 2 if has_v else 1)  # K programs, V programs
     _launch(_write_kernel, grid,
         k, k.stride(0), k.stride(1), vv, vv.stride(0), vv.stride(1), loc, n, h,
         k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
@@ -349,7 +349,7 @@ def flush_hp_rows(
     vv = hp_v if has_v else hp_k
     vc = v_codes if has_v else k_codes
     vp = v_pairs if has_v else k_pairs
-    _launch(_flush_kernel, (triton.cdiv(m * h, r),),
+    _launch(_flush_kernel, (triton.cdiv(m * h, r), 2 if has_v else 1),
         hp_k, hp_k.stride(0), hp_k.stride(1), vv, vv.stride(0), vv.stride(1), src_rows, dst_loc, m, h,
         k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
         vc, vc.stride(0), vc.stride(1), vp, vp.stride(0), vp.stride(1),
@@ -536,7 +536,8 @@ class AttnTuning:
             raises ``ValueError`` with the reason). ``None`` = ``"gluon"`` where it applies, else
             ``"triton"`` (so the interpreter and every other layout run Triton); a tuning that names
             any Triton-only knob (:attr:`TRITON_ONLY`: ``convert``, ``num_stages``, ...) with
-            ``engine`` unset runs Triton, so the knobs it names take effect. The merge is Triton
+            ``engine`` unset runs Triton, so the knobs it names take effect (with ``engine="gluon"``
+            naming one is refused: the Gluon engine has none of them). The merge is Triton
             either way; with ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or
             32) and ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy
             offers 12 per SM at batch 1, :func:`choose_num_splits`).
@@ -544,8 +545,8 @@ class AttnTuning:
             into registers one block ahead; ``n`` in 2-4 = they go through a ring of ``n``
             shared-memory stages by ``cp.async``, ``n - 1`` blocks ahead, no registers held while
             in flight (2.3 KB per stage at ``block_n`` 32). ``None`` = :data:`GLUON_ASYNC_STAGES`
-            (2). Naming it with ``engine`` unset selects the Gluon engine (``ValueError`` where it
-            cannot run); with ``engine="triton"`` it is refused.
+            (2). Naming it (0 included) with ``engine`` unset selects the Gluon engine
+            (``ValueError`` where it cannot run); with ``engine="triton"`` it is refused.
         async_slots: Gluon engine only, with ``async_stages`` 2-4: the slot ids of each block also
             reach shared memory by ``cp.async``, ``2 async_stages - 1`` blocks ahead, so the INT2
             loop waits on no global load (``False``: they are loaded one block ahead of their
@@ -561,10 +562,11 @@ class AttnTuning:
 
     KNOBS = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
              "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine", "async_stages", "async_slots")
-    #: knobs only the Triton engine has: naming one (with ``engine`` unset) selects Triton
-    #: knobs only the Gluon engine has: giving one a true / non-zero value (with ``engine`` unset)
-    #: selects Gluon
+    #: knobs only the Gluon engine has: naming one (any value, 0 / False included: those are Gluon
+    #: choices too) with ``engine`` unset selects Gluon; with ``engine="triton"`` it is refused
     GLUON_ONLY = ("async_stages", "async_slots")
+    #: knobs only the Triton engine has: naming one (with ``engine`` unset) selects Triton; with
+    #: ``engine="gluon"`` it is refused
     TRITON_ONLY = ("block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h", "token_major",
                    "pairs_ahead", "defer_sums")
     __slots__ = KNOBS + ("explicit",)
@@ -597,9 +599,11 @@ class AttnTuning:
         if async_slots and self.async_stages == 0:
             raise ValueError("tuning async_slots=True needs async_stages 2-4 (the slot ids share the cp.async "
                              "pipeline); drop async_slots or set async_stages")
-        for name in ("async_stages", "async_slots"):
-            if getattr(self, name) and engine == "triton":
-                raise ValueError(f"tuning {name} is a Gluon-engine knob; drop it or use engine='gluon'")
+        gluon_named = [k for k in self.GLUON_ONLY if k in self.explicit]
+        if gluon_named and engine == "triton":
+            what = "is a Gluon-engine knob" if len(gluon_named) == 1 else "are Gluon-engine knobs"
+            raise ValueError(f"tuning {' and '.join(gluon_named)} {what}; drop it or use engine='gluon'")
+
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
         for name in ("block_n", "block_m", "min_block_h", "max_block_h", "num_warps", "num_stages"):
@@ -725,7 +729,10 @@ def _resolved_tuning(tuning, layout: Int2Layout, extend: bool, pairs: int | None
     # only the side of STAGES1_MIN_PAIRS matters to resolved(): one cache entry per side
     pairs = None if pairs is None or pairs < STAGES1_MIN_PAIRS else STAGES1_MIN_PAIRS
     if tuning is None or isinstance(tuning, dict):
-        key = (None if tuning is None else tuple(sorted(tuning.items())), hi, lo, extend, pairs, interpreting())
+        # the value's type is part of the key: True == 1 would otherwise let {"async_slots": 1} hit the
+        # entry of {"async_slots": True} and skip AttnTuning's type check
+        key = (None if tuning is None else tuple(sorted((k, type(v).__name__, v) for k, v in tuning.items())),
+               hi, lo, extend, pairs, interpreting())
         hit = _TUNING_CACHE.get(key)
         if hit is None:
             hit = _TUNING_CACHE[key] = AttnTuning.of(tuning).resolved(hi, extend, min_head_dim=lo, pairs=pairs)
@@ -937,7 +944,9 @@ def gluon_pipeline(tuning: "AttnTuning") -> dict:
 def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma_dtype: torch.dtype,
                   has_cap: bool, hp_dtype: torch.dtype | None = None, buffers: tuple = ()) -> str:
     """The stage-1 engine a decode call runs: the tuning's ``engine``; with ``None``, ``"triton"`` if
-    the tuning names a Triton-only knob (:attr:`AttnTuning.TRITON_ONLY`), else ``"gluon"`` where
+    the tuning names a Triton-only knob (:attr:`AttnTuning.TRITON_ONLY`), ``"gluon"`` if it names a
+    Gluon-only one (:attr:`AttnTuning.GLUON_ONLY`, any value; ``ValueError`` if the call is outside
+    the Gluon scope or the tuning names knobs of both), else ``"gluon"`` where
     :func:`.gluon_decode.gluon_decode_supported` accepts the call (a CUDA sm_80+ device, not the
     interpreter, not an offline compile) and ``block_n`` is 16 / 32, else ``"triton"``.
 
@@ -946,11 +955,12 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
             as :func:`.gluon_decode.gluon_decode_supported` takes them.
 
     Raises:
-        ValueError: ``engine="gluon"`` named for a call it cannot run (the reason is in the message).
+        ValueError: ``engine="gluon"`` or a Gluon-only knob named for a call the Gluon engine cannot
+            run (the reason is in the message), or Gluon-only and Triton-only knobs named together.
     """
     if tuning.engine == "triton" or (tuning.engine is None
                                      and any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY)):
-        gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if getattr(tuning, k))
+        gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if k in tuning.explicit)
         if gluon_named:
             named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
             raise ValueError(f"tuning {', '.join(gluon_named)} {'is a Gluon-engine knob' if len(gluon_named) == 1 else 'are Gluon-engine knobs'}, "
@@ -960,7 +970,12 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
     why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
     if why is None and tuning.block_n not in (16, 32):
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
-    gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if getattr(tuning, k))
+    gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if k in tuning.explicit)
+    if tuning.engine == "gluon":
+        triton_named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
+        if triton_named:
+            raise ValueError(f"tuning engine='gluon' with Triton-engine knob(s) {triton_named}, which the Gluon "
+                             "engine does not have; drop them or use engine='triton'")
     if tuning.engine == "gluon" or (tuning.engine is None and gluon_named):
         if why is not None:
             if tuning.engine == "gluon":

@@ -230,8 +230,11 @@ def _write_kernel(
     NGVP: tl.constexpr,
     CLIP_KV: tl.constexpr,
 ):
-    """One program = ``R`` consecutive (token, head) rows; K (and V) in the same program."""
+    """One program = ``R`` consecutive (token, head) rows of K (``program_id(1)`` 0) or of V (1):
+    the two quantizations are independent latency chains (each a 31-step threshold search), so
+    they run in separate programs; each program also copies its own rows to the HP buffer."""
     pid = tl.program_id(0)
+    kv = tl.program_id(1)
     r = pid * R + tl.arange(0, R)
     valid = r < N * H
     n = tl.where(valid, r // H, 0)
@@ -241,25 +244,31 @@ def _write_kernel(
     dst = tl.where(ok, loc, 0)
     n64 = n.to(tl.int64)
     hh64 = hh.to(tl.int64)
-    quantize_rows_to_slots(K, stride_kn, stride_kh, n64, dst, ok, hh64, KC, stride_kcs, stride_kch,
-                           KP, stride_kps, stride_kph, R, QK, QKP, GK, NGK, NGKP, CLIP_KK, LLOYD, SDT,
-                           smin, k_t0, k_t1, k_t2)
-    if HAS_V:
-        quantize_rows_to_slots(V, stride_vn, stride_vh, n64, dst, ok, hh64, VC, stride_vcs, stride_vch,
-                               VP, stride_vps, stride_vph, R, QV, QVP, GV, NGV, NGVP, CLIP_KV, LLOYD, SDT,
-                               smin, v_t0, v_t1, v_t2)
     if HAS_HP:
         hrow = tl.load(HP_ROWS + n, mask=valid, other=-1).to(tl.int64)
         okh = valid & (hrow >= 0)
         hrow = tl.where(okh, hrow, 0)
-        jk = tl.arange(0, 4 * QKP)
-        ck = (jk // QKP) * QK + (jk % QKP)
-        mk = okh[:, None] & ((jk % QKP) < QK)[None, :]
-        xk = tl.load(K + n64[:, None] * stride_kn + hh64[:, None] * stride_kh + ck[None, :], mask=mk)
-        tl.store(HPK + hrow[:, None] * stride_hkr + hh64[:, None] * stride_hkh + ck[None, :], xk, mask=mk)
+    if kv == 0:
+        quantize_rows_to_slots(K, stride_kn, stride_kh, n64, dst, ok, hh64, KC, stride_kcs, stride_kch,
+                               KP, stride_kps, stride_kph, R, QK, QKP, GK, NGK, NGKP, CLIP_KK, LLOYD, SDT,
+                               smin, k_t0, k_t1, k_t2)
+        if HAS_HP:
+            _copy_rows(K, stride_kn, stride_kh, n64, HPK, stride_hkr, stride_hkh, hrow, hh64, okh, QK, QKP)
+    else:
         if HAS_V:
-            jv = tl.arange(0, 4 * QVP)
-            cv = (jv // QVP) * QV + (jv % QVP)
-            mv = okh[:, None] & ((jv % QVP) < QV)[None, :]
-            xv = tl.load(V + n64[:, None] * stride_vn + hh64[:, None] * stride_vh + cv[None, :], mask=mv)
-            tl.store(HPV + hrow[:, None] * stride_hvr + hh64[:, None] * stride_hvh + cv[None, :], xv, mask=mv)
+            quantize_rows_to_slots(V, stride_vn, stride_vh, n64, dst, ok, hh64, VC, stride_vcs, stride_vch,
+                                   VP, stride_vps, stride_vph, R, QV, QVP, GV, NGV, NGVP, CLIP_KV, LLOYD, SDT,
+                                   smin, v_t0, v_t1, v_t2)
+            if HAS_HP:
+                _copy_rows(V, stride_vn, stride_vh, n64, HPV, stride_hvr, stride_hvh, hrow, hh64, okh, QV, QVP)
+
+
+@triton.jit
+def _copy_rows(X, stride_xn, stride_xh, n64, HP, stride_hr, stride_hh, hrow, hh64, okh,
+               Q: tl.constexpr, QP: tl.constexpr):
+    """Copy rows ``X[n, hh, :4Q]`` to ``HP[hrow, hh, :]`` (``okh`` rows only) as stored."""
+    j = tl.arange(0, 4 * QP)
+    c = (j // QP) * Q + (j % QP)
+    m = okh[:, None] & ((j % QP) < Q)[None, :]
+    x = tl.load(X + n64[:, None] * stride_xn + hh64[:, None] * stride_xh + c[None, :], mask=m)
+    tl.store(HP + hrow[:, None] * stride_hr + hh64[:, None] * stride_hh + c[None, :], x, mask=m)

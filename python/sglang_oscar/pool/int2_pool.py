@@ -14,8 +14,8 @@ Storage per layer (``H`` = local kv heads, ``S = size + page_size`` slots):
   Separate head-major code and pair tensors were faster still at batch 1 (18.0 / 41.2 us: 8-byte
   aligned code words); docs/benchmarks.md, eighth session. Every kernel takes the strides of the
   views, SGLang's CPU offload copies index the view, and SGLang's raw slot-row mover
-  (``move_kv_cache``, which assumes slot-major rows) is refused: it serves speculative decoding
-  (refused by the plugin) and the multi-ended allocator.
+  (``move_kv_cache``, which assumes slot-major rows) is refused with a message; its callers
+  (speculative decoding, the unified pool's multi-ended allocator) are features the plugin refuses.
 * ``hp_k_buffer[l]`` / ``hp_v_buffer[l]`` ``[R, H, D]`` in the model dtype: the BF16 copies of
   the rotated rows for the sink and recent windows (:class:`~.windows.HPWindows`).
 
@@ -151,7 +151,7 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
             "attention backend). Use --attention-backend triton, or serve with --kv-cache-dtype auto"
         )
 
-    def _move_kv_cache_impl(self, tgt_loc, src_loc):
+    def move_kv_cache(self, tgt_loc, src_loc):
         raise RuntimeError(
             "the INT2 KV pool (--kv-cache-dtype int2) cannot move KV slots (move_kv_cache): its rows are "
             "head-major and its sink/recent BF16 windows are keyed by request, not by slot. This path serves "
