@@ -434,3 +434,60 @@ def test_gpu_decode_on_served_pool_views(head_major, tuning):
     base = run_decode(pool, qr, tuning=dict(engine="triton"), num_kv_splits=None, debug=False)
     assert rel_l2(o, base) < 5e-3
     assert rel_l2(o, reference_decode(pool, q)) < 1e-2
+
+
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", async_stages=4), id="gluon-slotring4"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs")])
+def test_gpu_decode_gluon_int64_req_to_token(tuning):
+    """``req_to_token`` / ``hp_index`` in int64 (SGLang's are int32; the kernels take either): the slot
+    ring then copies 8-byte slot ids by ``cp.async`` into an int64 ring; results must match the
+    Triton engine and the oracle as with int32 tables."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    lens = [_n(40000), _n(5000), 300]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV, index_dtype=torch.int64)
+    assert pool.req_to_token.dtype == torch.int64
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    qr = rotate_q(pool, q).to(torch.bfloat16)
+    o = run_decode(pool, qr, tuning=tuning, out_dtype=torch.bfloat16, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, num_kv_splits=None,
+                      debug=False)
+    assert rel_l2(o, base) < 5e-3
+    assert rel_l2(o, reference_decode(pool, q)) < 1e-2
+
+
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-major"])
+def test_gpu_write_flush_into_served_rows(head_major):
+    """write_kv and flush_hp_rows into the served pool's 36-byte row views (pool/rows.py; head-major
+    as served, slot-major for comparison) store the bytes they store into contiguous code / pair
+    tensors, and touch no other row."""
+    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views
+
+    fresh_seed()
+    n, h, slots = _n(4096), 8, _n(4096) * 2 + 7
+    layout = _layout(128, 128, None, "uniform", "float16")
+    k = torch.randn(n, h, 128, device=DEV).to(torch.bfloat16)
+    v = torch.randn(n, h, 128, device=DEV).to(torch.bfloat16)
+    loc = torch.randperm(slots, device=DEV)[:n]
+    ref = layout.allocate(slots, h, DEV)
+    write_kv(k, v, loc, ref["k_codes"], ref["k_pairs"], ref["v_codes"], ref["v_pairs"], layout)
+    views = []
+    for _ in range(2):
+        rows = int2_row_storage(slots, h, 36, DEV, head_major=head_major)
+        rows.fill_(0xAB)
+        views.append((rows, *int2_row_views(rows, 128, torch.float16)))
+    (kr, kc, kp), (vr, vc, vp) = views
+    write_kv(k, v, loc, kc, kp, vc, vp, layout)
+    for codes, pairs, name in ((kc, kp, "k"), (vc, vp, "v")):
+        assert torch.equal(codes[loc], ref[f"{name}_codes"][loc])
+        assert torch.equal(pairs[loc].view(torch.uint8), ref[f"{name}_pairs"][loc].view(torch.uint8))
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    assert bool((kr[untouched] == 0xAB).all()) and bool((vr[untouched] == 0xAB).all())
+    # flush the same rows from HP copies into other slots of the views: the same bytes again
+    dst = torch.nonzero(untouched).flatten()[:n]
+    src = torch.arange(n, device=DEV, dtype=torch.int32)
+    flush_hp_rows(k, v, src, dst, kc, kp, vc, vp, layout)
+    assert torch.equal(kc[dst], ref["k_codes"][loc]) and torch.equal(vc[dst], ref["v_codes"][loc])
+    assert torch.equal(vp[dst].view(torch.uint8), ref["v_pairs"][loc].view(torch.uint8))
