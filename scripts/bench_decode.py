@@ -240,8 +240,8 @@ def apply_pool_layout(case: Case, mode: str) -> None:
     * diagnostics (separate tensors, consecutive slots): ``sorted`` (slot-major), ``sorted-hm-pairs``
       (pairs head-major), ``sorted-hm-all`` (codes and pairs head-major).
 
-    Every kernel takes the views' strides, so outputs do not depend on the layout (the callers
-    check each variant against the default tuning on the same case)."""
+    Every kernel takes the views' strides, so outputs do not depend on the layout (each caller
+    compares its variants with a reference run on the same, re-laid case)."""
     if mode not in POOL_LAYOUTS:
         raise ValueError(f"pool layout {mode!r}: one of {POOL_LAYOUTS}")
     if mode == "random":

@@ -423,12 +423,10 @@ def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
 def test_default_num_kv_splits_counts_the_engines_head_blocks():
     """The split count decode_attention picks by default (and benchmarks size workspaces with): the
     Gluon engine runs one program per 8 q heads, the Triton engine per plan_head_blocks block."""
-    import torch as _t
-
     from sglang_oscar.kernels.launch import AttnTuning, choose_num_splits, default_num_kv_splits, plan_head_blocks
 
     tn = AttnTuning.of(None).resolved(128)
-    cpu = _t.device("cpu")
+    cpu = torch.device("cpu")
     for bsz, hq, hkv in ((1, 32, 8), (8, 32, 8), (1, 64, 4), (2, 24, 2)):
         bpk = plan_head_blocks(hq, hkv, tn.min_block_h, tn.max_block_h)[2]
         assert default_num_kv_splits(tn, "triton", bsz, hq, hkv, device=cpu, max_seq_len=131072) == \

@@ -493,6 +493,11 @@ def _int_knob(name: str, value) -> int:
     return iv
 
 
+def _gluon_knobs(names) -> str:
+    """The verb phrase of the Gluon-only-knob refusals, singular or plural by ``names``."""
+    return "is a Gluon-engine knob" if len(names) == 1 else "are Gluon-engine knobs"
+
+
 class AttnTuning:
     """Launch knobs of the attention kernels (defaults depend on CUDA vs interpreter).
 
@@ -601,8 +606,8 @@ class AttnTuning:
                              "pipeline); drop async_slots or set async_stages")
         gluon_named = [k for k in self.GLUON_ONLY if k in self.explicit]
         if gluon_named and engine == "triton":
-            what = "is a Gluon-engine knob" if len(gluon_named) == 1 else "are Gluon-engine knobs"
-            raise ValueError(f"tuning {' and '.join(gluon_named)} {what}; drop it or use engine='gluon'")
+            raise ValueError(f"tuning {' and '.join(gluon_named)} {_gluon_knobs(gluon_named)}; drop it or use "
+                             "engine='gluon'")
 
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"tuning maxnreg={self.maxnreg} must be in [24, 255]")
@@ -933,11 +938,10 @@ GLUON_ASYNC_STAGES = 2
 def gluon_pipeline(tuning: "AttnTuning") -> dict:
     """``{"async_stages": n, "slot_ring": bool}`` the Gluon decode launch takes for ``tuning``:
     ``async_stages`` or :data:`GLUON_ASYNC_STAGES`; the slot ring per ``async_slots``, on by
-    default whenever the words go through the ``cp.async`` ring."""
+    default whenever the words go through the ``cp.async`` ring (:class:`AttnTuning` refuses
+    ``async_slots=True`` with ``async_stages`` 0)."""
     stages = GLUON_ASYNC_STAGES if tuning.async_stages is None else tuning.async_stages
     slots = bool(stages) if tuning.async_slots is None else bool(tuning.async_slots)
-    if slots and not stages:
-        raise ValueError("tuning async_slots=True needs async_stages 2-4")
     return {"async_stages": stages, "slot_ring": slots}
 
 
@@ -958,19 +962,17 @@ def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma
         ValueError: ``engine="gluon"`` or a Gluon-only knob named for a call the Gluon engine cannot
             run (the reason is in the message), or Gluon-only and Triton-only knobs named together.
     """
+    gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if k in tuning.explicit)
     if tuning.engine == "triton" or (tuning.engine is None
                                      and any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY)):
-        gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if k in tuning.explicit)
         if gluon_named:
             named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
-            raise ValueError(f"tuning {', '.join(gluon_named)} {'is a Gluon-engine knob' if len(gluon_named) == 1 else 'are Gluon-engine knobs'}, "
-                             f"but the tuning also names Triton-only knob(s) {named}, which select the Triton engine; "
-                             "drop one or the other")
+            raise ValueError(f"tuning {', '.join(gluon_named)} {_gluon_knobs(gluon_named)}, but the tuning also names "
+                             f"Triton-only knob(s) {named}, which select the Triton engine; drop one or the other")
         return "triton"  # no scope check needed (hot path)
     why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
     if why is None and tuning.block_n not in (16, 32):
         why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
-    gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if k in tuning.explicit)
     if tuning.engine == "gluon":
         triton_named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
         if triton_named:
@@ -1234,9 +1236,6 @@ def decode_attention(
         return o_rot if rotation_v is None else o_rot.to(out_dtype)
     sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
     qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
-    idx64 = needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
-    token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
-    convert = effective_convert(tn.convert, op, permuting_ok(layout), subnormal_ok=token_major)
     if gluon:
         # stage 1, both tiers, in one Gluon launch (kernels/gluon_decode.py)
         launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
@@ -1245,6 +1244,10 @@ def decode_attention(
                             block_n=tn.block_n, maxnreg=tn.maxnreg or GLUON_MAXNREG,
                             **gluon_pipeline(tn))
     else:
+        # the Gluon launcher decides its own index width (on byte views); the rest is Triton-only too
+        idx64 = needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
+        token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
+        convert = effective_convert(tn.convert, op, permuting_ok(layout), subnormal_ok=token_major)
         grid = (bsz, hkv * bpk, ns)
         _launch(_decode_stage1, grid,
             *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v),
