@@ -264,6 +264,15 @@ if HAVE_GLUON:
         return kw, vw, kp, vp
 
     @gluon.jit
+    def _word_ring(ASYNC: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The ``cp.async`` ring of ``ASYNC`` stages :func:`_issue_words` fills: ``(K words, V words,
+        K pairs, V pairs)`` shared tiles, int32 ``[ASYNC, BLOCK_N, 8]`` / ``[ASYNC, BLOCK_N]``."""
+        return (gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
+                gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
+                gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1),
+                gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1))
+
+    @gluon.jit
     def _issue_words(sk, sv, s1, ring, st, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps):
         """``cp.async`` of the words :func:`_load_words` reads, into stage ``st`` of ``ring`` =
         ``(K words, V words, K pairs, V pairs)`` shared tiles: the code words by the threads that read
@@ -424,10 +433,7 @@ if HAVE_GLUON:
             elif not SLOT_RING:
                 # pipeline through shared memory: code / pair words of ASYNC - 1 blocks in flight by
                 # cp.async (no registers held for them), slot ids one block ahead of their copy
-                ring = (gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
-                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
-                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1),
-                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1))
+                ring = _word_ring(ASYNC, BLOCK_N)
                 slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
                 sl1 = _load_slots1(R2T_r, lo, hi, BLOCK_N, IDX64)
                 for i in gl.static_range(ASYNC - 1):
@@ -459,10 +465,7 @@ if HAVE_GLUON:
                 # slot stages: the prologue fills 2 ASYNC - 1 without wrapping, and a stage is rewritten
                 # ASYNC + 2 iterations after it was read (a simulation of the group accounting: >= 2 ASYNC - 1)
                 SR: gl.constexpr = 2 * ASYNC + 2
-                ring = (gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
-                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, 8], SM2),
-                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1),
-                        gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N], SM1))
+                ring = _word_ring(ASYNC, BLOCK_N)
                 # in req_to_token's own dtype (int32 in SGLang; int64 allowed): a copy converts nothing
                 slot_ring = gl.allocate_shared_memory(R2T.dtype.element_ty, [SR, BLOCK_N], SM1)
                 for i in gl.static_range(SLOT_LEAD):
