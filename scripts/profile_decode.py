@@ -33,7 +33,6 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 import bench_decode as bd  # noqa: E402
-from sglang_oscar.kernels import Int2Layout  # noqa: E402
 from sglang_oscar.kernels.launch import decode_merge, merge_block_d  # noqa: E402
 
 
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
         return 0
     device = torch.device("cuda")
     tuning = json.loads(args.tuning)
-    layout = Int2Layout.create(bd.D, bd.D, scale_dtype="float16", k_clip_ratio=0.96, v_clip_ratio=0.92)
+    layout = bd.bench_layout()
     lines = [f"tuning `{json.dumps(tuning)}`; {torch.cuda.get_device_name(0)}; median of {args.reps} cold-L2 "
              "calls per kernel (torch.profiler device time); whole call: CUDA-graph time (bench_decode)\n",
              "| ctx | batch | kernel | us | share of the kernels |", "|---:|---:|---|---:|---:|"]

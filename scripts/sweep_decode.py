@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 import bench_decode as bd  # noqa: E402
-from sglang_oscar.kernels import Int2Layout, decode_num_hp_splits, decode_workspace  # noqa: E402
+from sglang_oscar.kernels import decode_num_hp_splits, decode_workspace  # noqa: E402
 from sglang_oscar.kernels.launch import AttnTuning  # noqa: E402
 
 DEFAULT_GRID = [  # {} = the default: the Gluon engine where it applies (kernels/gluon_decode.py)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-    layout = Int2Layout.create(bd.D, bd.D, scale_dtype="float16", k_clip_ratio=0.96, v_clip_ratio=0.92)
+    layout = bd.bench_layout()
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     waves = [float(x) for x in args.waves.split(",")]

@@ -71,11 +71,10 @@ def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import bench_decode as bd
-    from sglang_oscar.kernels import Int2Layout
 
     monkeypatch.setattr(bd, "HQ", 4)
     monkeypatch.setattr(bd, "HKV", 2)
-    layout = Int2Layout.create(bd.D, bd.D, scale_dtype="float16", k_clip_ratio=0.96, v_clip_ratio=0.92)
+    layout = bd.bench_layout()
 
     def run(mode):
         case = bd.Case(2, 352, torch.device("cpu"), layout, with_bf16=False)
