@@ -230,7 +230,7 @@ def bench_layout(scale_dtype: str = "float16") -> Int2Layout:
     return Int2Layout.create(D, D, scale_dtype=scale_dtype, k_clip_ratio=0.96, v_clip_ratio=0.92)
 
 
-POOL_LAYOUTS = ("random", "served", "served-random", "sorted", "sorted-hm-pairs", "sorted-hm-all")
+POOL_LAYOUTS = ("random", "served", "served-random", "rows", "sorted", "sorted-hm-pairs", "sorted-hm-all")
 
 
 def apply_pool_layout(case: Case, mode: str) -> None:
@@ -239,10 +239,12 @@ def apply_pool_layout(case: Case, mode: str) -> None:
 
     * ``random``: as :class:`Case` builds it: each request's slots a random permutation, codes and
       (scale, zero) pairs in separate slot-major tensors ``[slots, kv heads, ...]``.
-    * ``served``: the served pool's rows (``pool.rows.int2_row_storage`` /
-      ``int2_row_views``: codes + pairs in one 36-byte row per (slot, kv head), head-major memory)
-      with each request's slots consecutive, as SGLang's allocator hands out a prompt's slots on a
-      fresh server; ``served-random``: the same rows with :class:`Case`'s random slots.
+    * ``served``: the served pool's storage (``pool.rows.kv_head_major_zeros``: a head-major code
+      plane and a head-major pair plane) with each request's slots consecutive, as SGLang's
+      allocator hands out a prompt's slots on a fresh server; ``served-random``: the same planes
+      with :class:`Case`'s random slots; ``rows``: codes + pairs interleaved in one head-major
+      36-byte row per (slot, kv head) (``int2_row_storage`` / ``int2_row_views``, the served layout
+      before the planes), consecutive slots.
     * diagnostics (separate tensors, consecutive slots): ``sorted`` (slot-major), ``sorted-hm-pairs``
       (pairs head-major), ``sorted-hm-all`` (codes and pairs head-major).
 
@@ -258,6 +260,15 @@ def apply_pool_layout(case: Case, mode: str) -> None:
         if case.kv_indices is not None:
             case.kv_indices = case.req_to_token.reshape(-1).to(torch.int64)
     if mode.startswith("served"):
+        from sglang_oscar.pool.rows import kv_head_major_zeros
+
+        for name in ("k_codes", "k_pairs", "v_codes", "v_pairs"):
+            t = getattr(case, name)
+            plane = kv_head_major_zeros(t.shape[0], t.shape[1], t.shape[2], t.dtype, t.device)
+            plane.copy_(t)
+            setattr(case, name, plane)
+        return
+    if mode == "rows":
         from sglang_oscar.pool.rows import int2_row_storage, int2_row_views
 
         sdt = case.layout.scale_dtype

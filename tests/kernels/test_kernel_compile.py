@@ -64,9 +64,10 @@ def test_bench_decode_smoke(tmp_path):
 
 def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
     """bench_decode.apply_pool_layout re-lays a case without changing what any slot holds: the
-    served pool's head-major 36-byte rows with the same (random) slot ids give the decode output of
-    the separate slot-major tensors exactly, and so do head-major codes / pairs with sorted slots
-    against slot-major ones; sorting the slots (a different slot -> key mapping) changes it."""
+    served pool's head-major code / pair planes with the same (random) slot ids give the decode
+    output of the separate slot-major tensors exactly, and with sorted slots the planes, the
+    interleaved 36-byte rows and head-major tensors all give the slot-major output; sorting the
+    slots (a different slot -> key mapping) changes it."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -83,11 +84,15 @@ def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
 
     base_case, base = run("random")
     served_case, served = run("served-random")
-    assert served_case.k_codes.stride() == (36, served_case.k_codes.shape[0] * 36, 1)
+    n_slots = served_case.k_codes.shape[0]
+    assert served_case.k_codes.stride() == (32, n_slots * 32, 1) and served_case.k_pairs.stride() == (2, n_slots * 2, 1)
     assert torch.equal(served, base)
     _, srt = run("sorted")
     _, hm = run("sorted-hm-all")
-    assert torch.equal(hm, srt)
+    rows_case, rows = run("rows")
+    assert rows_case.k_codes.stride() == (36, n_slots * 36, 1)
+    _, served_sorted = run("served")
+    assert torch.equal(hm, srt) and torch.equal(rows, srt) and torch.equal(served_sorted, srt)
     assert not torch.equal(srt, base)
     with pytest.raises(ValueError, match="pool layout"):
         bd.apply_pool_layout(base_case, "bogus")

@@ -405,16 +405,17 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
         assert rel_l2(o, reference_decode(pool, q, sliding_window=window)) < 1e-2
 
 
-@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-major"])
+@pytest.mark.parametrize("storage", ["planes", "rows-head-major", "rows-slot-major"])
 @pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
                                     pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
                                     pytest.param(dict(engine="triton"), id="triton")])
-def test_gpu_decode_on_served_pool_views(head_major, tuning):
-    """The served pool keeps codes and pairs of a (slot, kv head) in one 36-byte row, head-major
-    (pool/rows.py int2_row_storage / int2_row_views: codes = row[:32], pairs =
-    row[32:].view(fp16)); the engines read them through those strided views (no 8-byte
-    alignment, head stride = slots x 36 bytes) and must match the contiguous pool and the oracle."""
-    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views
+def test_gpu_decode_on_served_pool_views(storage, tuning):
+    """The served pool keeps a head-major code plane and a head-major pair plane per layer
+    (pool/rows.py kv_head_major_zeros; head stride = slots x 32 / 4 bytes); the earlier layout kept
+    codes and pairs of a (slot, kv head) in one 36-byte row (int2_row_storage / int2_row_views:
+    no 8-byte alignment). The engines read either through strided views and must match the
+    contiguous pool and the oracle."""
+    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views, kv_head_major_zeros
 
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
@@ -422,8 +423,12 @@ def test_gpu_decode_on_served_pool_views(head_major, tuning):
     pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
     views = []
     for codes, pairs in ((pool.k_codes, pool.k_pairs), (pool.v_codes, pool.v_pairs)):
-        rows = int2_row_storage(codes.shape[0], codes.shape[1], 36, DEV, head_major=head_major)
-        rc, rp = int2_row_views(rows, 128, torch.float16)
+        if storage == "planes":
+            rc = kv_head_major_zeros(codes.shape[0], codes.shape[1], 32, torch.uint8, DEV)
+            rp = kv_head_major_zeros(codes.shape[0], codes.shape[1], 2, torch.float16, DEV)
+        else:
+            rows = int2_row_storage(codes.shape[0], codes.shape[1], 36, DEV, head_major=storage == "rows-head-major")
+            rc, rp = int2_row_views(rows, 128, torch.float16)
         rc.copy_(codes)
         rp.copy_(pairs)
         views += [rc, rp]
@@ -457,12 +462,12 @@ def test_gpu_decode_gluon_int64_req_to_token(tuning):
     assert rel_l2(o, reference_decode(pool, q)) < 1e-2
 
 
-@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-major"])
-def test_gpu_write_flush_into_served_rows(head_major):
-    """write_kv and flush_hp_rows into the served pool's 36-byte row views (pool/rows.py; head-major
-    as served, slot-major for comparison) store the bytes they store into contiguous code / pair
-    tensors, and touch no other row."""
-    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views
+@pytest.mark.parametrize("storage", ["planes", "rows-head-major", "rows-slot-major"])
+def test_gpu_write_flush_into_served_rows(storage):
+    """write_kv and flush_hp_rows into the served pool's head-major code / pair planes and into the
+    earlier 36-byte row views (pool/rows.py; head- and slot-major) store the bytes they store into
+    contiguous code / pair tensors, and touch no other row."""
+    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views, kv_head_major_zeros
 
     fresh_seed()
     n, h, slots = _n(4096), 8, _n(4096) * 2 + 7
@@ -474,9 +479,16 @@ def test_gpu_write_flush_into_served_rows(head_major):
     write_kv(k, v, loc, ref["k_codes"], ref["k_pairs"], ref["v_codes"], ref["v_pairs"], layout)
     views = []
     for _ in range(2):
-        rows = int2_row_storage(slots, h, 36, DEV, head_major=head_major)
-        rows.fill_(0xAB)
-        views.append((rows, *int2_row_views(rows, 128, torch.float16)))
+        if storage == "planes":
+            c = kv_head_major_zeros(slots, h, 32, torch.uint8, DEV)
+            p = kv_head_major_zeros(slots, h, 2, torch.float16, DEV)
+            c.fill_(0xAB)
+            p.view(torch.uint8).fill_(0xAB)
+            views.append(((c, p.view(torch.uint8)), c, p))
+        else:
+            rows = int2_row_storage(slots, h, 36, DEV, head_major=storage == "rows-head-major")
+            rows.fill_(0xAB)
+            views.append(((rows,), *int2_row_views(rows, 128, torch.float16)))
     (kr, kc, kp), (vr, vc, vp) = views
     write_kv(k, v, loc, kc, kp, vc, vp, layout)
     for codes, pairs, name in ((kc, kp, "k"), (vc, vp, "v")):
@@ -484,7 +496,8 @@ def test_gpu_write_flush_into_served_rows(head_major):
         assert torch.equal(pairs[loc].view(torch.uint8), ref[f"{name}_pairs"][loc].view(torch.uint8))
     untouched = torch.ones(slots, dtype=torch.bool, device=DEV)
     untouched[loc] = False
-    assert bool((kr[untouched] == 0xAB).all()) and bool((vr[untouched] == 0xAB).all())
+    for t in (*kr, *vr):
+        assert bool((t[untouched] == 0xAB).all())
     # flush the same rows from HP copies into other slots of the views: the same bytes again
     dst = torch.nonzero(untouched).flatten()[:n]
     src = torch.arange(n, device=DEV, dtype=torch.int32)

@@ -222,14 +222,17 @@ def test_pool_refuses_bf16_access_and_reports_true_sizes(setup):
     with pytest.raises(RuntimeError, match="--attention-backend triton"):
         pool.set_kv_buffer(None, torch.tensor([1]), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D))
     # D=64, G=32, fp16 pairs: 16 code bytes + 2 groups x 2 x 2 bytes = 24 per head, K and V
-    assert pool.k_buffer[0].shape == (513, HKV, 24) and pool.int2_bytes_per_token() == 2 * 24 * HKV
-    # head-major memory: one kv head's rows at consecutive slots are adjacent
-    assert pool.k_buffer[0].stride() == (24, 513 * 24, 1) and pool.v_buffer[0].stride() == (24, 513 * 24, 1)
+    # code plane + pair plane: 16 code bytes + 2 groups x 2 x 2 bytes = 24 per head, K and V
+    assert pool.k_buffer[0].shape == (513, HKV, 16) and pool.int2_bytes_per_token() == 2 * 24 * HKV
+    # head-major memory: one kv head's entries at consecutive slots are adjacent
+    assert pool.k_buffer[0].stride() == (16, 513 * 16, 1) and pool.v_buffer[0].stride() == (16, 513 * 16, 1)
     kc, kp, vc, vp, _, _ = pool.int2_buffers(0)
-    assert kc.data_ptr() == pool.k_buffer[0].data_ptr() and kp.data_ptr() == pool.k_buffer[0].data_ptr() + 16
-    assert kp.dtype == torch.float16 and kp.shape == (513, HKV, 4) and kp.stride() == (12, 513 * 12, 1)
+    assert kc is pool.k_buffer[0] and kp is pool.k_pair_buffer[0] and vp is pool.v_pair_buffer[0]
+    assert kp.dtype == torch.float16 and kp.shape == (513, HKV, 4) and kp.stride() == (4, 513 * 4, 1)
     with pytest.raises(RuntimeError, match="cannot move KV slots"):
         pool.move_kv_cache(torch.tensor([3]), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="no CPU copy"):
+        pool.get_cpu_copy(torch.tensor([3]))
     from sglang_oscar.pool.sizing import int2_cell_size
     assert int2_cell_size(config, HKV, D, D, 1) == pool.int2_bytes_per_token()
     # byte rows and HP arenas are what get_kv_size_bytes reports

@@ -2,20 +2,19 @@
 
 Storage per layer (``H`` = local kv heads, ``S = size + page_size`` slots):
 
-* ``k_buffer[l]`` uint8 ``[S, H, D_k/4 + 2*NG_k*sb]``: per (slot, head) the quarter-split 2-bit
-  codes followed by the ``(scale, zero)`` pairs of its groups in the scale dtype (``sb`` bytes
-  each); ``v_buffer[l]`` likewise. The memory is head-major (``[H, S, row]``, exposed as the
-  ``[S, H, row]`` view :func:`int2_row_storage` returns): a decode program reads one kv head, so
-  consecutive slots of that head are adjacent and a run of slots is read in whole 32-byte sectors
-  (slot-major, each program took 4 bytes of (scale, zero) from a sector all 8 kv heads' programs
-  fetched). H200, 2026-11-30 (8), consecutive slots, decode attention at 32K / 128K context:
-  these rows 18.6 / 44.5 us at batch 1 (sweep, call 8) vs 19.0 / 46.4 us slot-major (sweep, call
-  3); 263 / 946 us at batch 32 (bench_decode, call 7) vs 288 / 1295 us slot-major (call 3).
-  Separate head-major code and pair tensors were faster still at batch 1 (18.0 / 41.2 us: 8-byte
-  aligned code words); docs/benchmarks.md, eighth session. Every kernel takes the strides of the
-  views, SGLang's CPU offload copies index the view, and SGLang's raw slot-row mover
-  (``move_kv_cache``, which assumes slot-major rows) is refused with a message; its callers
-  (speculative decoding, the unified pool's multi-ended allocator) are features the plugin refuses.
+* ``k_buffer[l]`` uint8 ``[S, H, D_k/4]``: the quarter-split 2-bit codes of each (slot, head);
+  ``k_pair_buffer[l]`` ``[S, H, 2*NG_k]`` in the scale dtype: the ``(scale, zero)`` pairs of its
+  groups; ``v_buffer`` / ``v_pair_buffer`` likewise. Both planes are head-major (``[H, S, ...]``
+  memory behind the ``[S, H, ...]`` views of :func:`~.rows.kv_head_major_zeros`): a decode program
+  reads one kv head, so consecutive slots of that head are adjacent and a run of slots is read in
+  whole 32-byte sectors, with 8-byte aligned code words. H200, 2026-11-30 (9), same call, consecutive
+  slots, decode attention at 32K / 128K context (bench_decode, call 3): these planes 18.6 / 43.1 us at
+  batch 1 and 252 / 930 us at batch 32 against 18.7 / 44.2 and 263 / 953 us for codes and pairs
+  interleaved in one head-major 36-byte row (the 4-byte pair tail leaves the code words 4-byte
+  aligned); slot-major rows were slower still (eighth session); docs/benchmarks.md, ninth session.
+  Every kernel takes the strides of the views. SGLang's slot-row machinery (``move_kv_cache``, CPU
+  offload copies, PD transfer) knows only ``k_buffer`` / ``v_buffer`` and would miss the pair
+  planes: those paths are refused with a message (their features are refused by the plugin anyway).
 * ``hp_k_buffer[l]`` / ``hp_v_buffer[l]`` ``[R, H, D]`` in the model dtype: the BF16 copies of
   the rotated rows for the sink and recent windows (:class:`~.windows.HPWindows`).
 
@@ -35,7 +34,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from ..config import OscarConfig
 from ..kernels import write_kv
 from ..kernels.layout import Int2Layout
-from .rows import int2_row_storage, int2_row_views
+from .rows import kv_head_major_zeros
 from .sizing import hp_row_bytes
 from .windows import HPWindows
 
@@ -84,24 +83,28 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
         h = self.head_num
         hp_rows = self.windows.num_rows
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-            self.k_buffer = [int2_row_storage(rows, h, self.row_bytes_k, self.device) for _ in range(self.layer_num)]
-            self.v_buffer = [int2_row_storage(rows, h, self.row_bytes_v, self.device) for _ in range(self.layer_num)]
+            lk, lv = self.layout.k, self.layout.v
+            self.k_buffer = [kv_head_major_zeros(rows, h, lk.head_dim // 4, torch.uint8, self.device)
+                             for _ in range(self.layer_num)]
+            self.v_buffer = [kv_head_major_zeros(rows, h, lv.head_dim // 4, torch.uint8, self.device)
+                             for _ in range(self.layer_num)]
+            sdt = self.layout.scale_dtype
+            self.k_pair_buffer = [kv_head_major_zeros(rows, h, 2 * lk.num_groups, sdt, self.device)
+                                  for _ in range(self.layer_num)]
+            self.v_pair_buffer = [kv_head_major_zeros(rows, h, 2 * lv.num_groups, sdt, self.device)
+                                  for _ in range(self.layer_num)]
             self.hp_k_buffer = [torch.zeros((hp_rows, h, self.head_dim), dtype=self.hp_dtype, device=self.device)
                                 for _ in range(self.layer_num)]
             self.hp_v_buffer = [torch.zeros((hp_rows, h, self.v_head_dim), dtype=self.hp_dtype, device=self.device)
                                 for _ in range(self.layer_num)]
         self.k_scale_buffer = self.v_scale_buffer = self.dq_k_buffer = self.dq_v_buffer = None
-        sdt = self.layout.scale_dtype
-        self._views = [
-            (*int2_row_views(kb, self.head_dim, sdt), *int2_row_views(vb, self.v_head_dim, sdt))
-            for kb, vb in zip(self.k_buffer, self.v_buffer)
-        ]
+        self._views = list(zip(self.k_buffer, self.k_pair_buffer, self.v_buffer, self.v_pair_buffer))
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
     def get_kv_size_bytes(self):
-        k = sum(t.numel() * t.element_size() for t in self.k_buffer + self.hp_k_buffer)
-        v = sum(t.numel() * t.element_size() for t in self.v_buffer + self.hp_v_buffer)
+        k = sum(t.numel() * t.element_size() for t in self.k_buffer + self.k_pair_buffer + self.hp_k_buffer)
+        v = sum(t.numel() * t.element_size() for t in self.v_buffer + self.v_pair_buffer + self.hp_v_buffer)
         return k, v
 
     def int2_bytes_per_token(self) -> int:
@@ -153,10 +156,20 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
 
     def move_kv_cache(self, tgt_loc, src_loc):
         raise RuntimeError(
-            "the INT2 KV pool (--kv-cache-dtype int2) cannot move KV slots (move_kv_cache): its rows are "
-            "head-major and its sink/recent BF16 windows are keyed by request, not by slot. This path serves "
-            "speculative decoding and the multi-ended allocator; serve those with --kv-cache-dtype auto"
+            "the INT2 KV pool (--kv-cache-dtype int2) cannot move KV slots (move_kv_cache): its (scale, zero) "
+            "pairs live in planes SGLang's mover does not know, and its sink/recent BF16 windows are keyed by "
+            "request, not by slot. This path serves speculative decoding and the multi-ended allocator; serve "
+            "those with --kv-cache-dtype auto"
         )
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        raise RuntimeError(
+            "the INT2 KV pool (--kv-cache-dtype int2) has no CPU copy of its slots (get_cpu_copy: used when a "
+            "PD-disaggregated decode server retracts requests); serve that setup with --kv-cache-dtype auto"
+        )
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        raise RuntimeError("the INT2 KV pool (--kv-cache-dtype int2) has no CPU copy of its slots (load_cpu_copy)")
 
     def set_kv_buffer_prefix_valid(self, *args, **kwargs):
         raise RuntimeError("--kv-cache-dtype int2 does not support speculative decoding (DFlash prefix writes)")

@@ -1,9 +1,25 @@
-"""Storage of the INT2 rows of the served pool (no SGLang import: kernels tests and benchmarks use it
-on machines without sglang)."""
+"""Storage of the INT2 cache of the served pool (no SGLang import: kernels tests and benchmarks use it
+on machines without sglang).
+
+The pool keeps, per layer, a code plane ``[slots, kv_heads, D/4]`` uint8 and a pair plane
+``[slots, kv_heads, 2 * groups]`` in the scale dtype, each stored head-major
+(:func:`kv_head_major_zeros`). :func:`int2_row_storage` / :func:`int2_row_views` build the earlier
+layout (codes and pairs interleaved in one row per (slot, kv head)) for tests and benchmarks."""
 
 from __future__ import annotations
 
 import torch
+
+
+def kv_head_major_zeros(slots: int, kv_heads: int, width: int, dtype: torch.dtype, device, *,
+                        head_major: bool = True) -> torch.Tensor:
+    """Zeros ``[slots, kv_heads, width]`` of ``dtype``. ``head_major`` (the pool's layout): the memory is
+    ``[kv_heads, slots, width]`` and the result its transposed view (strides ``(width, slots * width,
+    1)``), so one kv head's entries at consecutive slots are adjacent (a decode program reads one kv
+    head); ``False``: a contiguous slot-major tensor."""
+    if head_major:
+        return torch.zeros((kv_heads, slots, width), dtype=dtype, device=device).transpose(0, 1)
+    return torch.zeros((slots, kv_heads, width), dtype=dtype, device=device)
 
 
 def int2_row_storage(slots: int, kv_heads: int, row_bytes: int, device, *, head_major: bool = True) -> torch.Tensor:
