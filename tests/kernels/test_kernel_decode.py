@@ -131,6 +131,27 @@ def test_decode_split_count_invariance_and_kernel_written_pool():
         assert rel_l2(o, outs[0]) < 3e-6
 
 
+@pytest.mark.parametrize("min_keys", [0, 16, 40, 1000])
+def test_decode_min_split_keys(min_keys):
+    """``min_split_keys``: 9 INT2 splits with a floor on their length (rounded up to block_n 16) match
+    the oracle; at a floor longer than every middle the whole middle is one split, the same sums as
+    ``num_kv_splits=1``; the empty splits leave nothing behind (NaN-poisoned workspace)."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT, scale_dtype="float32")
+    pool = build_pool([300, 50, 20, 5], 2, 64, 64, cfg, hp_dtype=torch.float32)
+    q = torch.randn(4, 8, 64)
+    ref = reference_decode(pool, q, hp_dtype=torch.float32)
+    qr = rotate_q(pool, q)
+    o = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=9, tuning={"min_split_keys": min_keys})
+    assert rel_l2(o, ref) < 1e-4
+    if min_keys == 1000:
+        one = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=1)
+        assert rel_l2(o, one) < 1e-6
+        from sglang_oscar.kernels.launch import AttnTuning
+        with pytest.raises(ValueError, match="min_split_keys=-1"):
+            AttnTuning(min_split_keys=-1)
+
+
 @pytest.mark.parametrize("token_major,convert,group,pairs_ahead,defer", [
     (False, 1, None, False, False), (True, 0, None, False, False), (True, 4, None, False, False),
     (False, 4, None, False, False), (True, 4, 64, False, False), (False, 4, 32, False, False),
@@ -218,6 +239,23 @@ def test_choose_num_splits_policy():
     assert choose_num_splits(1, 1, max_seq_len=100, block_n=128) == 1
     assert choose_num_splits(1, 1, waves=1000.0) == 256
     assert choose_num_splits(10_000, 64) == 1
+    # Gluon: 11 programs per SM up to 8 programs, 12 up to 16, 11 for 256-511 (one resident wave), else 32
+    assert choose_num_splits(1, 8, engine="gluon") == 6  # ceil(11 * 4 / 8)
+    assert choose_num_splits(1, 9, engine="gluon") == 6  # ceil(12 * 4 / 9)
+    assert choose_num_splits(2, 16, engine="gluon") == 4  # 32 waves: ceil(32 * 4 / 32)
+    assert choose_num_splits(32, 8, engine="gluon") == 1  # 256 programs: ceil(11 * 4 / 256)
+    assert choose_num_splits(1, 255, engine="gluon") == 1  # ceil(32 * 4 / 255)
+    assert choose_num_splits(1, 17, engine="gluon") == 8  # ceil(32 * 4 / 17)
+
+
+def test_default_min_split_keys():
+    """128 keys up to 16 programs, 256 above, Gluon only; an explicit value (0 included) wins."""
+    from sglang_oscar.kernels.launch import AttnTuning, default_min_split_keys
+
+    assert [default_min_split_keys("gluon", p) for p in (1, 16, 17, 4096)] == [128, 128, 256, 256]
+    assert default_min_split_keys("triton", 8) == 0
+    assert AttnTuning().resolved(128).min_split_keys is None  # decided at launch, by engine and programs
+    assert AttnTuning(min_split_keys=0).resolved(128).min_split_keys == 0
 
 
 def test_default_tuning_resolution(monkeypatch):

@@ -7,6 +7,7 @@ Run: ``python -m pytest tests/kernels/test_kernel_gpu.py -m gpu -q``
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 
@@ -458,6 +459,51 @@ def test_gpu_decode_gluon_int64_req_to_token(tuning):
     o = run_decode(pool, qr, tuning=tuning, out_dtype=torch.bfloat16, num_kv_splits=None, debug=False)
     base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, num_kv_splits=None,
                       debug=False)
+    assert rel_l2(o, base) < 5e-3
+    assert rel_l2(o, reference_decode(pool, q)) < 1e-2
+
+
+def _v_magnitude_rows(kind: str):
+    """``rows`` for build_pool: K as random_rows, V times 1e-4 ("tiny": most P v_scale products below
+    fp16's normal range), 300 ("huge": V scales near 1e3) or a per-token factor log-uniform in
+    [1e-4, 10] ("mixed")."""
+    calls = []
+
+    def rows(t, h, d, device):
+        r = random_rows(t, h, d, device)
+        calls.append(None)
+        if len(calls) % 2 == 1:  # build_pool makes K, then V, per request
+            return r
+        if kind == "tiny":
+            return r * 1e-4
+        if kind == "huge":
+            return r * 300.0
+        return r * torch.exp(torch.empty(t, 1, 1, device=device).uniform_(math.log(1e-4), math.log(10.0)))
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["tiny", "huge", "mixed"])
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs")])
+def test_gpu_decode_gluon_v_scale_range(kind, tuning):
+    """The Gluon kernel feeds ``p * v_scale`` to the value MMA as fp16 (no running V-scale reference,
+    since 2026-11-30 (9)): V rows of very small, very large and per-token mixed magnitudes must match
+    the Triton engine and the oracle as ordinary rows do."""
+    fresh_seed()
+    cfg = make_config(sink=SINK, recent=RECENT)
+    lens = [_n(131072), _n(9000), 700]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV, rows=_v_magnitude_rows(kind))
+    vscale = torch.cat([c.v_quant.pairs[..., 0].float().flatten() for c in pool.caches])
+    want = {"tiny": (1e-6, 2e-3), "huge": (1.0, 6e4), "mixed": (1e-6, 6e4)}[kind]
+    assert want[0] < vscale.abs().min() and vscale.abs().max() < want[1]  # the case is what it says
+    if kind == "mixed":
+        assert vscale.abs().max() / vscale.abs().min() > 1e4
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    qr = rotate_q(pool, q).to(torch.bfloat16)
+    o = run_decode(pool, qr, tuning=tuning, out_dtype=torch.float32, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.float32, num_kv_splits=None,
+                      debug=False)
+    assert torch.isfinite(o).all()
     assert rel_l2(o, base) < 5e-3
     assert rel_l2(o, reference_decode(pool, q)) < 1e-2
 

@@ -63,7 +63,7 @@ def _decode_stage1(
     QV: tl.constexpr, QVP: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr, V_FAST: tl.constexpr,
     LM: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CONVERT: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IDX64: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-    NS_HP, NS_Q, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False, PAIRS_AHEAD: tl.constexpr = False,
+    NS_HP, NS_Q, MIN_CHUNK, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False, PAIRS_AHEAD: tl.constexpr = False,
     DEFER_SUMS: tl.constexpr = False,
 ):
     PERM: tl.constexpr = CONVERT >= 3
@@ -125,7 +125,7 @@ def _decode_stage1(
     else:
         # ---------------- INT2 tier: [max(sink, window start), L - recent)
         # sink positions without a row ([sink_r, sink)) are read here too, never from the ring
-        lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, sp - NS_HP, NS_Q, BLOCK_N)
+        lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, sp - NS_HP, NS_Q, BLOCK_N, MIN_CHUNK)
         KC_h = KC + kvh64 * stride_kch
         KP_h = KP + kvh64 * stride_kph
         VC_h = VC + kvh64 * stride_vch

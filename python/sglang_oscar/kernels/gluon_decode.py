@@ -40,8 +40,12 @@ the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sgla
 
 Numerics follow :mod:`.tiles`' token-major path: per block a fresh MMA, folded into the running
 accumulator with an fp32 FMA (tensor cores truncate when they accumulate, and the zero-point
-correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` is scaled by
-``v_scale / ref`` (``ref`` = running max of the V scales) so the fp16 operand stays in ``[0, 1]``.
+correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` times the V
+scale is the fp16 operand: ``p <= 1`` (the running max) and an fp16 scale keep it finite, and a
+product below fp16's normal range (``p v_scale < 2^-14``) is rounded to within ``2^-25`` absolute,
+small against the ``v_scale`` the row of the largest score contributes. (Until 2026-11-30 (9) it
+was scaled by ``v_scale / ref``, ``ref`` the running max of the V scales: a cross-lane max, a
+reciprocal and a rescale per block, ~17 instructions of 503 per 32 keys.)
 """
 
 from __future__ import annotations
@@ -315,17 +319,6 @@ if HAVE_GLUON:
                 vpsm.index(st).load(gl.SliceLayout(1, KW)))
 
     @gluon.jit
-    def _rcp(x):
-        """``1 / x`` by ``rcp.approx.ftz.f32`` (within 1 ulp; ``/`` compiles to a range-checked
-        division per numerator). Used for ``1 / ref``: while ``ref`` stays the same, the rescale
-        factor ``ref * (1 / ref)`` may be ``1 +- 1 ulp`` instead of exactly 1, and it multiplies the
-        value sums (not the softmax denominator) once per block, so the output can drift by about
-        ``blocks x 2^-23`` relative: ~2e-5 at the default split counts, ~5e-4 for one split over 128K
-        keys (``x`` normal; ``ref`` starts at 1e-30)."""
-        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
     def _lo_half(w):
         return (w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
 
@@ -334,10 +327,10 @@ if HAVE_GLUON:
         return (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
 
     @gluon.jit
-    def _block(w, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr,
+    def _block(w, n0, hi, qb, qsum_u, m, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr,
                MASKED: gl.constexpr):
         """One block of keys ``[n0, n0 + BLOCK_N)`` (words ``w`` from :func:`_load_words`) into the
-        running state ``(m, ref, lt, corr, acc)``: scores, online softmax (base 2), values.
+        running state ``(m, lt, corr, acc)``: scores, online softmax (base 2), values.
         ``MASKED``: the block may reach past ``hi`` (only a split's last block can: split ranges
         are ``BLOCK_N``-aligned, :func:`.tiles.int2_split_range`); full blocks skip every mask."""
         kw, vw, kp, vp = w
@@ -359,26 +352,24 @@ if HAVE_GLUON:
         m_new = gl.maximum(m, gl.max(u, axis=0) * 65536.0)
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(u * 65536.0 - m_new[None, :])
-        # values: P scaled by v_scale / ref (ref = running max of the V scales, keeps P <= 1)
-        new_ref = gl.maximum(ref, gl.max(sv, axis=0))
-        inv_ref = _rcp(new_ref)
-        beta = alpha * (ref * inv_ref)
-        pw = (p * (sv * inv_ref)[:, None]).to(gl.float16)
+        # values: P times the V scale as the fp16 operand (module doc: p <= 1 and an fp16 scale keep it
+        # finite, no running reference needed)
+        pw = (p * sv[:, None]).to(gl.float16)
         lt = lt * alpha[None, :] + p
-        corr = corr * beta[None, :] + pw.to(gl.float32) * zv[:, None]
+        corr = corr * alpha[None, :] + pw.to(gl.float32) * zv[:, None]
         o = mma_v2(_v_operand(vw, BLOCK_N), _p_operand(pw, BLOCK_N), zero_o)
-        acc = acc * beta[None, :] + o
-        return m_new, new_ref, lt, corr, acc
+        acc = acc * alpha[None, :] + o
+        return m_new, lt, corr, acc
 
     @gluon.jit
     def _int2_split(Q, stride_qb, stride_qh, KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
                     VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                     OPART, stride_ob, stride_oh, stride_os, lse_ptr,
-                    b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
+                    b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q, MIN_CHUNK,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr,
                     SLOT_RING: gl.constexpr):
         """INT2 split ``spq`` of ``NS_Q`` over ``[max(sink_r, window start), L - recent)``."""
-        lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, spq, NS_Q, BLOCK_N)
+        lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, spq, NS_Q, BLOCK_N, MIN_CHUNK)
         if hi <= lo:  # empty split (short context): only its log-sum-exp, which the merge skips on
             gl.store(lse_ptr, gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA)), mask=hmask_o)
         else:
@@ -407,7 +398,6 @@ if HAVE_GLUON:
             lt = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             corr = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             acc = gl.full([128, 8], 0.0, gl.float32, MMA)
-            ref = 1e-30
             zero_s = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             zero_o = gl.full([128, 8], 0.0, gl.float32, MMA)
 
@@ -423,13 +413,13 @@ if HAVE_GLUON:
                     slk2, slv2 = _load_slots(R2T_r, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64)
                     w1 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
                                      stride_vps)
-                    m, ref, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o,
-                                                   BLOCK_N, False)
+                    m, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, lt, corr, acc, zero_s, zero_o,
+                                              BLOCK_N, False)
                     w0 = w1
                     slk, slv = slk2, slv2
                 if full_hi < hi:
-                    m, ref, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s,
-                                                   zero_o, BLOCK_N, True)
+                    m, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, lt, corr, acc, zero_s,
+                                              zero_o, BLOCK_N, True)
             elif not SLOT_RING:
                 # pipeline through shared memory: code / pair words of ASYNC - 1 blocks in flight by
                 # cp.async (no registers held for them), slot ids one block ahead of their copy
@@ -449,13 +439,13 @@ if HAVE_GLUON:
                     slk, slv = _load_slots(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
                     sl1 = _load_slots1(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
                     async_copy.wait_group(ASYNC - 1)  # block n0's group has landed
-                    m, ref, lt, corr, acc = _block(_read_words(ring, st), n0, hi, qb, qsum_u, m, ref, lt, corr,
-                                                   acc, zero_s, zero_o, BLOCK_N, False)
+                    m, lt, corr, acc = _block(_read_words(ring, st), n0, hi, qb, qsum_u, m, lt, corr,
+                                              acc, zero_s, zero_o, BLOCK_N, False)
                     st = (st + 1) % ASYNC
                 async_copy.wait_group(0)
                 if full_hi < hi:
-                    m, ref, lt, corr, acc = _block(_read_words(ring, st), full_hi, hi, qb, qsum_u, m, ref, lt,
-                                                   corr, acc, zero_s, zero_o, BLOCK_N, True)
+                    m, lt, corr, acc = _block(_read_words(ring, st), full_hi, hi, qb, qsum_u, m, lt,
+                                              corr, acc, zero_s, zero_o, BLOCK_N, True)
             else:
                 # slot ids through shared memory as well: SLOT_LEAD = 2 ASYNC - 1 blocks ahead by cp.async,
                 # read back by LDS in the three layouts, so no global load is waited on in the loop.
@@ -485,13 +475,13 @@ if HAVE_GLUON:
                     _issue_words(sk, sv, s1, ring, (j + ASYNC - 1) % ASYNC, KC_h, stride_kcs, KP_h, stride_kps,
                                  VC_h, stride_vcs, VP_h, stride_vps)  # commits this iteration's group
                     async_copy.wait_group(ASYNC - 1)  # block j's words have landed
-                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), n0, hi, qb, qsum_u, m, ref, lt,
-                                                   corr, acc, zero_s, zero_o, BLOCK_N, False)
+                    m, lt, corr, acc = _block(_read_words(ring, j % ASYNC), n0, hi, qb, qsum_u, m, lt,
+                                              corr, acc, zero_s, zero_o, BLOCK_N, False)
                     j += 1
                 async_copy.wait_group(0)
                 if full_hi < hi:
-                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), full_hi, hi, qb, qsum_u, m, ref,
-                                                   lt, corr, acc, zero_s, zero_o, BLOCK_N, True)
+                    m, lt, corr, acc = _block(_read_words(ring, j % ASYNC), full_hi, hi, qb, qsum_u, m,
+                                              lt, corr, acc, zero_s, zero_o, BLOCK_N, True)
 
             l_h = gl.sum(lt, axis=0)
             c_h = gl.sum(corr, axis=0)
@@ -499,9 +489,9 @@ if HAVE_GLUON:
             inv_l = gl.where(has, 1.0 / gl.where(has, l_h, 1.0), 0.0)
             r_o = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
             vdim = _v_dims(r_o)
-            # O = ref (2^(24-2k) acc - sum pw zv), k = the quarter of the row's dim
+            # O = 2^(24-2k) acc - sum pw zv, k = the quarter of the row's dim
             rf = gl.exp2((24 - 2 * (vdim // 32)).to(gl.float32))
-            out = (acc * rf[:, None] - c_h[None, :]) * (ref * inv_l)[None, :]
+            out = (acc * rf[:, None] - c_h[None, :]) * inv_l[None, :]
             obase = OPART + b.to(gl.int64) * stride_ob + sp * stride_os
             gl.store(obase + heads_o[None, :] * stride_oh + vdim[:, None], out, mask=hmask_o[None, :])
             lse = gl.where(has, m + gl.log2(gl.where(has, l_h, 1.0)), NEG_INF_C)
@@ -588,7 +578,7 @@ if HAVE_GLUON:
         HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh, HPI, stride_hpi,
         R2T, stride_r2t, RPI, SEQ, SINKL,
         OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
-        qscale, sink, recent, window, NS_HP, NS_Q,
+        qscale, sink, recent, window, NS_HP, NS_Q, MIN_CHUNK,
         GROUP: gl.constexpr, BLOCKS_PER_KV: gl.constexpr, BLOCK_N: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_SINKL: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr = 0,
         SLOT_RING: gl.constexpr = False,
@@ -630,7 +620,7 @@ if HAVE_GLUON:
                         VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                         OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                         b, kvh, h0, req, L, sink_r, win_lo, sp - NS_HP, sp.to(gl.int64), heads_o, hmask_o, qscale,
-                        sink, recent, NS_Q, GROUP, BLOCK_N, IDX64, ASYNC, SLOT_RING)
+                        sink, recent, NS_Q, MIN_CHUNK, GROUP, BLOCK_N, IDX64, ASYNC, SLOT_RING)
 
 
 _CAPABILITY: dict = {}
@@ -697,7 +687,7 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
 
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
                         seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window,
-                        num_hp_splits: int, num_kv_splits: int, block_n: int,
+                        num_hp_splits: int, num_kv_splits: int, block_n: int, min_split_keys: int = 0,
                         maxnreg: int | None = None, async_stages: int = 0, slot_ring: bool = False) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
@@ -706,7 +696,8 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
     ``q [B, H_q, 128]``, the INT2 buffers (uint8 codes ``[S, H_kv, 32]``, fp16 pairs
     ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]`` (bf16 / fp16) and ``hp_index``, the index
     tensors, the stage-1 workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]``
-    (fp32) it writes into, ``qscale`` (softmax scale x log2 e), ``maxnreg`` (register cap given to
+    (fp32) it writes into, ``qscale`` (softmax scale x log2 e), ``min_split_keys`` (an INT2 split
+    covers at least this many positions, rounded up to ``block_n``: :func:`.tiles.int2_split_range`), ``maxnreg`` (register cap given to
     ptxas). The grid depends only on host constants (CUDA graphs).
 
     Raises:
@@ -729,6 +720,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         req_to_token if sink_lens is None else sink_lens,
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
         qscale, sink, recent, sliding_window or 0, num_hp_splits, num_kv_splits,
+        -(-min_split_keys // block_n) * block_n,
         GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=needs_idx64(kc, kp, vc, vp),
         ASYNC=async_stages, SLOT_RING=slot_ring, HP_BLOCK=16,

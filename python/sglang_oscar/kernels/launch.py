@@ -545,7 +545,7 @@ class AttnTuning:
             naming one is refused: the Gluon engine has none of them). The merge is Triton
             either way; with ``"gluon"`` the INT2 splits run ``block_n`` keys per iteration (16 or
             32) and ``maxnreg`` defaults to 168 (12 one-warp programs per SM; the split policy
-            offers 12 per SM at batch 1, :func:`choose_num_splits`).
+            offers 11-12 per SM at batch 1-2, :func:`choose_num_splits`).
         async_stages: Gluon engine only: ``0`` = the next block's code and pair words are loaded
             into registers one block ahead; ``n`` in 2-4 = they go through a ring of ``n``
             shared-memory stages by ``cp.async``, ``n - 1`` blocks ahead, no registers held while
@@ -560,13 +560,19 @@ class AttnTuning:
             faster at batch 1, from 4% slower at 32K x 32 to 7% faster at batch 8-32;
             docs/benchmarks.md, eighth session). Same engine rules as
             ``async_stages``; ``True`` with ``async_stages`` 0 is refused.
+        min_split_keys: decode, both engines: an INT2 split covers at least this many positions
+            (rounded up to ``block_n``), so at a step shorter than ``splits x min_split_keys`` the
+            last splits are empty and exit at once (:func:`.tiles.int2_split_range`): the split
+            count stays a host constant (CUDA graphs) while short steps run fewer, longer splits.
+            ``None`` = :func:`default_min_split_keys` (Gluon: 128 / 256 keys; Triton: 0).
 
     Note: :meth:`as_dict` of a *resolved* tuning names every knob, Triton-only ones included, so
     passed back as a tuning it selects the Triton engine; pass ``None`` or ``{}`` for the default.
     """
 
     KNOBS = ("block_n", "block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h",
-             "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine", "async_stages", "async_slots")
+             "token_major", "maxnreg", "pairs_ahead", "defer_sums", "engine", "async_stages", "async_slots",
+             "min_split_keys")
     #: knobs only the Gluon engine has: naming one (any value, 0 / False included: those are Gluon
     #: choices too) with ``engine`` unset selects Gluon; with ``engine="triton"`` it is refused
     GLUON_ONLY = ("async_stages", "async_slots")
@@ -578,7 +584,7 @@ class AttnTuning:
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
                  min_block_h=None, max_block_h=None, token_major=None, maxnreg=None, pairs_ahead=None,
-                 defer_sums=None, engine=None, async_stages=None, async_slots=None):
+                 defer_sums=None, engine=None, async_stages=None, async_slots=None, min_split_keys=None):
         #: the knobs given a value here (resolved() keeps this set; decode_engine reads it)
         self.explicit = frozenset(k for k, v in locals().items() if k in self.KNOBS and v is not None)
         self.block_n = block_n
@@ -601,6 +607,9 @@ class AttnTuning:
         if async_slots is not None and not isinstance(async_slots, bool):
             raise ValueError(f"tuning async_slots={async_slots!r} must be true or false")
         self.async_slots = async_slots
+        self.min_split_keys = None if min_split_keys is None else _int_knob("min_split_keys", min_split_keys)
+        if self.min_split_keys is not None and self.min_split_keys < 0:
+            raise ValueError(f"tuning min_split_keys={min_split_keys} must be >= 0")
         if async_slots and self.async_stages == 0:
             raise ValueError("tuning async_slots=True needs async_stages 2-4 (the slot ids share the cp.async "
                              "pipeline); drop async_slots or set async_stages")
@@ -801,17 +810,41 @@ def _sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
+#: programs per step (requests x head programs) for which the Gluon engine offers one resident wave
+#: (:func:`choose_num_splits`)
+ONE_WAVE_PROGRAMS = (256, 512)
+
+
+def default_min_split_keys(engine: str, programs: int) -> int:
+    """Default ``min_split_keys`` (:class:`AttnTuning`): the positions an INT2 split covers at least.
+
+    Gluon: 128 up to 16 programs per step (batch 1-2 of an 8-kv-head model), 256 above. H200,
+    2026-11-30 (9), served pool, split counts of the default policy: 4K x 1 13.1 -> 11.6 us (128),
+    4K x 2 13.3 -> 12.4 us, 4K x 8 22.5 -> 19.0 us (256), 4K x 16 35.4 -> 33.9 us (256), 16K x 1
+    15.1 -> 14.5 us; 256 at batch 1 cost 32K x 1 17.7 -> 19.3 us, so batch 1-2 keep 128; at 32K-128K
+    with batch >= 4 every floor 128-1024 was within 1% (the splits are longer anyway);
+    docs/benchmarks.md, ninth session. Triton: 0 (not timed; every split gets an equal share).
+    """
+    if engine != "gluon":
+        return 0
+    return 128 if programs <= 16 else 256
+
+
 def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
                       block_n: int = 64, waves: float | None = None, max_splits: int = 256,
                       min_split_tokens: int = 64, engine: str = "triton") -> int:
     """INT2 splits per (request, head block): ``ceil(waves x SMs / (batch x head_programs))``.
 
     ``waves`` (programs per SM the grid offers) defaults, when ``batch x head_programs <= 16``
-    (batch 1 of an 8-kv-head model), to 8 for the Triton engine (one wave of ~1,000 programs; more
-    splits measured slower) and to 12 for the Gluon engine (its 168-register programs fit 12 per
-    SM: 63.6 vs 74.8 us at 128K x 1, 30.9 vs 29.8 us at 32K x 1, H200 sweep 2026-11-30 (6)), and
-    otherwise to 32 (several full waves; with the Triton default 9-63% faster than 8 at batch 8-32
-    except 4K x 8, 12% slower), from the H200 sweeps in docs/benchmarks.md. With ``max_seq_len``
+    (batch 1-2 of an 8-kv-head model), to 8 for the Triton engine (one wave of ~1,000 programs; more
+    splits measured slower) and, for the Gluon engine (168-register programs, 12 per SM), to 11 up
+    to 8 programs and 12 up to 16 (H200, 2026-11-30 (9), served pool, two sweeps: 128K x 1 40.0-40.5
+    vs 41.2-41.6 us at 12; 32K x 2 24.7-25.3 us at 12 vs 25.3-25.5 at 11); from
+    :data:`ONE_WAVE_PROGRAMS` (256-511 programs: batch 32 of an 8-kv-head model) the Gluon engine takes
+    11 (one resident wave: 6 splits; 2-8% faster than 32 at 4K-128K x 32 in both sweeps); otherwise 32
+    (several full waves; with the Triton default 9-63% faster than 8 at batch 8-32 except 4K x 8,
+    12% slower; for Gluon at batch 4-16 and 64, 32 was best or within 1% at 32K-128K). Sweeps:
+    docs/benchmarks.md. With ``max_seq_len``
     (a *static* bound such as the server's context length) a split keeps at least
     ``min_split_tokens`` keys (at 4K x batch 1: 16 splits of 256 keys 24 us and 128 splits 21 us
     with the convert-3 tuning, 128 splits 17.7 us with the fifth session's default; 64 splits of
@@ -831,7 +864,16 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
     sms = _sm_count(torch.device(device) if device is not None else torch.device("cpu"))
     programs = max(1, batch * head_programs)
     if waves is None:
-        waves = (12.0 if engine == "gluon" else 8.0) if programs <= 16 else 32.0
+        if engine != "gluon":
+            waves = 8.0 if programs <= 16 else 32.0
+        elif programs <= 8:
+            waves = 11.0
+        elif programs <= 16:
+            waves = 12.0
+        elif ONE_WAVE_PROGRAMS[0] <= programs < ONE_WAVE_PROGRAMS[1]:
+            waves = 11.0
+        else:
+            waves = 32.0
     ns = math.ceil(waves * sms / programs)
     if max_seq_len is not None:
         ns = min(ns, max(1, math.ceil(max_seq_len / max(min_split_tokens, block_n))))
@@ -1236,12 +1278,16 @@ def decode_attention(
         return o_rot if rotation_v is None else o_rot.to(out_dtype)
     sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
     qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
+    min_keys = tn.min_split_keys
+    if min_keys is None:
+        min_keys = default_min_split_keys(engine, bsz * hkv * (gluon_head_blocks(group) if gluon else bpk))
     if gluon:
         # stage 1, both tiers, in one Gluon launch (kernels/gluon_decode.py)
         launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
                             req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
                             sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
-                            block_n=tn.block_n, maxnreg=tn.maxnreg or GLUON_MAXNREG,
+                            block_n=tn.block_n, min_split_keys=min_keys,
+                            maxnreg=tn.maxnreg or GLUON_MAXNREG,
                             **gluon_pipeline(tn))
     else:
         # the Gluon launcher decides its own index width (on byte views); the rest is Triton-only too
@@ -1265,7 +1311,8 @@ def decode_attention(
             CONVERT=convert,
             HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
             TOKEN_MAJOR=token_major,
-            NS_HP=num_hp_splits, NS_Q=num_kv_splits, BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
+            NS_HP=num_hp_splits, NS_Q=num_kv_splits, MIN_CHUNK=-(-min_keys // tn.block_n) * tn.block_n,
+            BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
             PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
             num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
         )

@@ -85,15 +85,18 @@ def request_sink_len(SINKL, req, sink, like, HAS_SINKL: tl.constexpr):
 
 
 @triton.jit
-def int2_split_range(sink_r, win_lo, L, sink, recent, split, num_splits, BLOCK: tl.constexpr):
+def int2_split_range(sink_r, win_lo, L, sink, recent, split, num_splits, BLOCK: tl.constexpr, min_chunk):
     """INT2 split ``split`` of ``num_splits`` (decode) of the middle ``[max(sink_r, win_lo),
     min(max(L - recent, sink), L))`` -- sink positions without a row (``[sink_r, sink)``) included,
-    never the recent ring -- cut into equal ``BLOCK``-aligned chunks. Returns ``(lo, hi)``
-    (positions; ``lo >= hi`` = empty). Shared by the Triton and the Gluon stage 1."""
+    never the recent ring -- cut into equal ``BLOCK``-aligned chunks of at least ``min_chunk``
+    positions (a multiple of ``BLOCK``; a short middle then fills only the first splits and the
+    others are empty: the split count is a host constant, for CUDA graphs, while the work per split
+    follows this step's length). Returns ``(lo, hi)`` (positions; ``lo >= hi`` = empty). Shared by
+    the Triton and the Gluon stage 1."""
     mid_hi = tl.minimum(tl.maximum(L - recent, sink), L)
     mid_lo = tl.maximum(sink_r, win_lo)
     n_mid = tl.maximum(mid_hi - mid_lo, 0)
-    chunk = tl.cdiv(tl.cdiv(n_mid, num_splits), BLOCK) * BLOCK
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(n_mid, num_splits), BLOCK) * BLOCK, min_chunk)
     lo = mid_lo + split * chunk
     return lo, tl.minimum(lo + chunk, mid_hi)
 
