@@ -822,7 +822,7 @@ def default_min_split_keys(engine: str, programs: int) -> int:
     2026-11-30 (9), served pool, split counts of the default policy: 4K x 1 13.1 -> 11.6 us (128),
     4K x 2 13.3 -> 12.4 us, 4K x 8 22.5 -> 19.0 us (256), 4K x 16 35.4 -> 33.9 us (256), 16K x 1
     15.1 -> 14.5 us; 256 at batch 1 cost 32K x 1 17.7 -> 19.3 us, so batch 1-2 keep 128; at 32K-128K
-    with batch >= 4 every floor 128-1024 was within 1% (the splits are longer anyway);
+    with batch >= 4 the 256 floor was within 1.5% of none (the splits are longer anyway);
     docs/benchmarks.md, ninth session. Triton: 0 (not timed; every split gets an equal share).
     """
     if engine != "gluon":
