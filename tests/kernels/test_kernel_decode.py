@@ -7,6 +7,8 @@ fp32 HP data + fp32 MMA must match to rel. L2 < 1e-4; bf16/fp16 HP data with fp1
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from sglang_oscar.kernels import Int2Layout
@@ -131,7 +133,7 @@ def test_decode_split_count_invariance_and_kernel_written_pool():
         assert rel_l2(o, outs[0]) < 3e-6
 
 
-@pytest.mark.parametrize("min_keys", [0, 16, 40, 1000])
+@pytest.mark.parametrize("min_keys", [0, 16, 40, 1000, 1 << 24])
 def test_decode_min_split_keys(min_keys):
     """``min_split_keys``: 9 INT2 splits with a floor on their length (rounded up to block_n 16) match
     the oracle; at a floor longer than every middle the whole middle is one split, the same sums as
@@ -144,12 +146,13 @@ def test_decode_min_split_keys(min_keys):
     qr = rotate_q(pool, q)
     o = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=9, tuning={"min_split_keys": min_keys})
     assert rel_l2(o, ref) < 1e-4
-    if min_keys == 1000:
+    if min_keys >= 1000:
         one = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=1)
         assert rel_l2(o, one) < 1e-6
         from sglang_oscar.kernels.launch import AttnTuning
-        with pytest.raises(ValueError, match="min_split_keys=-1"):
-            AttnTuning(min_split_keys=-1)
+        for bad in (-1, AttnTuning.MAX_MIN_SPLIT_KEYS + 1, 10**9):
+            with pytest.raises(ValueError, match=f"min_split_keys={bad} must be in"):
+                AttnTuning(min_split_keys=bad)
 
 
 @pytest.mark.parametrize("token_major,convert,group,pairs_ahead,defer", [
@@ -239,13 +242,28 @@ def test_choose_num_splits_policy():
     assert choose_num_splits(1, 1, max_seq_len=100, block_n=128) == 1
     assert choose_num_splits(1, 1, waves=1000.0) == 256
     assert choose_num_splits(10_000, 64) == 1
-    # Gluon: 11 programs per SM up to 8 programs, 12 up to 16, 11 for 256-511 (one resident wave), else 32
-    assert choose_num_splits(1, 8, engine="gluon") == 6  # ceil(11 * 4 / 8)
-    assert choose_num_splits(1, 9, engine="gluon") == 6  # ceil(12 * 4 / 9)
-    assert choose_num_splits(2, 16, engine="gluon") == 4  # 32 waves: ceil(32 * 4 / 32)
-    assert choose_num_splits(32, 8, engine="gluon") == 1  # 256 programs: ceil(11 * 4 / 256)
-    assert choose_num_splits(1, 255, engine="gluon") == 1  # ceil(32 * 4 / 255)
-    assert choose_num_splits(1, 17, engine="gluon") == 8  # ceil(32 * 4 / 17)
+
+
+def test_choose_num_splits_gluon_policy(monkeypatch):
+    """Gluon: 11 programs per SM up to 8 programs, 12 up to 16, 11 for 256-511 (one resident wave),
+    32 otherwise; at 132 SMs (an H200) every branch gives a count the neighbouring rule would not."""
+    from sglang_oscar.kernels import launch
+
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    ns = functools.partial(launch.choose_num_splits, engine="gluon")
+    assert ns(1, 8) == 182  # ceil(11 * 132 / 8); 12 waves: 198
+    assert ns(2, 8) == 99  # 16 programs: ceil(12 * 132 / 16); 11 waves: 91
+    assert ns(4, 8) == 132  # 32 programs: 32 waves
+    assert ns(32, 8) == 6  # 256 programs: ceil(11 * 132 / 256); 32 waves: 17
+    assert ns(63, 8) == 3  # 504 programs: still one wave
+    assert ns(64, 8) == 9  # 512 programs: 32 waves; 11 waves: 3
+    assert launch.choose_num_splits(32, 8) == 17  # the Triton engine keeps 32 waves at 256 programs
+    # the split floor caps the count under a static bound (default_num_kv_splits): 4K at batch 4
+    tn = launch.AttnTuning().resolved(128)
+    assert launch.default_num_kv_splits(tn, "gluon", 4, 32, 8, max_seq_len=4096) == 16  # 4096 / 256
+    assert launch.default_num_kv_splits(tn, "gluon", 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
+    assert launch.default_num_kv_splits(launch.AttnTuning(min_split_keys=0).resolved(128), "gluon", 4, 32, 8,
+                                        max_seq_len=4096) == 64  # 4096 / 64
 
 
 def test_default_min_split_keys():

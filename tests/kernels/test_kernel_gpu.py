@@ -486,9 +486,9 @@ def _v_magnitude_rows(kind: str):
 @pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
                                     pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs")])
 def test_gpu_decode_gluon_v_scale_range(kind, tuning):
-    """The Gluon kernel feeds ``p * v_scale`` to the value MMA as fp16 (no running V-scale reference,
-    since 2026-11-30 (9)): V rows of very small, very large and per-token mixed magnitudes must match
-    the Triton engine and the oracle as ordinary rows do."""
+    """The Gluon kernel feeds ``p * v_scale / ref`` to the value MMA as fp16 (``ref`` the running max
+    of the V scales): V rows of very small, very large and per-token mixed magnitudes must match the
+    Triton engine and the oracle as ordinary rows do."""
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
     lens = [_n(131072), _n(9000), 700]

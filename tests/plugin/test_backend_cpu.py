@@ -221,8 +221,7 @@ def test_pool_refuses_bf16_access_and_reports_true_sizes(setup):
     assert pool.get_value_buffer(0).shape == (513, HKV, D) and pool.get_value_buffer(0).is_meta
     with pytest.raises(RuntimeError, match="--attention-backend triton"):
         pool.set_kv_buffer(None, torch.tensor([1]), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D))
-    # D=64, G=32, fp16 pairs: 16 code bytes + 2 groups x 2 x 2 bytes = 24 per head, K and V
-    # code plane + pair plane: 16 code bytes + 2 groups x 2 x 2 bytes = 24 per head, K and V
+    # D=64, G=32, fp16 pairs: code plane + pair plane: 16 code bytes + 2 groups x 2 x 2 bytes = 24 per head, K and V
     assert pool.k_buffer[0].shape == (513, HKV, 16) and pool.int2_bytes_per_token() == 2 * 24 * HKV
     # head-major memory: one kv head's entries at consecutive slots are adjacent
     assert pool.k_buffer[0].stride() == (16, 513 * 16, 1) and pool.v_buffer[0].stride() == (16, 513 * 16, 1)

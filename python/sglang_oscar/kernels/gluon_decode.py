@@ -6,8 +6,9 @@ cores read (shared-memory round trips and warp shuffles, ``scripts/sass_loop_cou
 kernel is written in Gluon (``triton.experimental.gluon``), where every tensor's distribution over
 lanes and registers is chosen explicitly, and loads the packed codes so that each thread already
 holds the words whose codes it feeds to ``mma.sync`` (m16n8k16): no layout change anywhere in the
-loop. It computes exactly what :func:`.decode._decode_stage1` computes (same grid, split ranges,
-partial outputs and base-2 log-sum-exp, HP splits included), so the merge (stage 2) is shared.
+loop. It computes what :func:`.decode._decode_stage1` computes (same grid, the same split ranges
+for the same ``min_split_keys`` -- whose default differs by engine, :func:`.launch.default_min_split_keys`
+-- partial outputs and base-2 log-sum-exp, HP splits included), so the merge (stage 2) is shared.
 
 Scope (:func:`gluon_decode_supported`): CUDA sm_80+ (not under ``TRITON_INTERPRET``), K and V
 head_dim 128, one (scale, zero) pair per row in fp16, uniform levels, fp16 MMA operands, bf16 or
@@ -27,7 +28,7 @@ the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sgla
   ``(g, t)`` (``lane = 4 g + t``) rows ``g, g+8, ...`` and, per row, 32 of the 128 reduction
   positions. Those are made the 32 codes of words ``2t, 2t+1`` of the row (one 8-byte load when
   the byte strides are multiples of 16, as Triton specialises them; two 4-byte loads otherwise,
-  e.g. the served pool's 36-byte rows): the reduction order is free, so the
+  e.g. 36-byte code + pair rows, the benchmarks' ``rows`` layout): the reduction order is free, so the
   logical column ``c`` is *defined* as the dim those codes belong to (:func:`k_column_dims`) and q
   is loaded in the same order.
 * **V (values, O^T = codes^T P^T).** The A operand ``[128, BLOCK_N]`` gives thread ``(g, t)`` 16
@@ -40,12 +41,8 @@ the codes of dims ``j, j+32, j+64, j+96`` at bits 0-1, 2-3, 4-5, 6-7, :mod:`sgla
 
 Numerics follow :mod:`.tiles`' token-major path: per block a fresh MMA, folded into the running
 accumulator with an fp32 FMA (tensor cores truncate when they accumulate, and the zero-point
-correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` times the V
-scale is the fp16 operand: ``p <= 1`` (the running max) and an fp16 scale keep it finite, and a
-product below fp16's normal range (``p v_scale < 2^-14``) is rounded to within ``2^-25`` absolute,
-small against the ``v_scale`` the row of the largest score contributes. (Until 2026-11-30 (9) it
-was scaled by ``v_scale / ref``, ``ref`` the running max of the V scales: a cross-lane max, a
-reciprocal and a rescale per block, ~17 instructions of 503 per 32 keys.)
+correction would amplify it; docs/benchmarks.md, "accumulation fix"); ``P`` is scaled by
+``v_scale / ref`` (``ref`` = running max of the V scales) so the fp16 operand stays in ``[0, 1]``.
 """
 
 from __future__ import annotations
@@ -319,6 +316,17 @@ if HAVE_GLUON:
                 vpsm.index(st).load(gl.SliceLayout(1, KW)))
 
     @gluon.jit
+    def _rcp(x):
+        """``1 / x`` by ``rcp.approx.ftz.f32`` (within 1 ulp; ``/`` compiles to a range-checked
+        division per numerator). Used for ``1 / ref``: while ``ref`` stays the same, the rescale
+        factor ``ref * (1 / ref)`` may be ``1 +- 1 ulp`` instead of exactly 1, and it multiplies the
+        value sums (not the softmax denominator) once per block, so the output can drift by about
+        ``blocks x 2^-23`` relative: ~2e-5 at the default split counts, ~5e-4 for one split over 128K
+        keys (``x`` normal; ``ref`` starts at 1e-30)."""
+        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
     def _lo_half(w):
         return (w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
 
@@ -327,10 +335,10 @@ if HAVE_GLUON:
         return (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
 
     @gluon.jit
-    def _block(w, n0, hi, qb, qsum_u, m, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr,
+    def _block(w, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr,
                MASKED: gl.constexpr):
         """One block of keys ``[n0, n0 + BLOCK_N)`` (words ``w`` from :func:`_load_words`) into the
-        running state ``(m, lt, corr, acc)``: scores, online softmax (base 2), values.
+        running state ``(m, ref, lt, corr, acc)``: scores, online softmax (base 2), values.
         ``MASKED``: the block may reach past ``hi`` (only a split's last block can: split ranges
         are ``BLOCK_N``-aligned, :func:`.tiles.int2_split_range`); full blocks skip every mask."""
         kw, vw, kp, vp = w
@@ -352,14 +360,16 @@ if HAVE_GLUON:
         m_new = gl.maximum(m, gl.max(u, axis=0) * 65536.0)
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(u * 65536.0 - m_new[None, :])
-        # values: P times the V scale as the fp16 operand (module doc: p <= 1 and an fp16 scale keep it
-        # finite, no running reference needed)
-        pw = (p * sv[:, None]).to(gl.float16)
+        # values: P scaled by v_scale / ref (ref = running max of the V scales, keeps P <= 1)
+        new_ref = gl.maximum(ref, gl.max(sv, axis=0))
+        inv_ref = _rcp(new_ref)
+        beta = alpha * (ref * inv_ref)
+        pw = (p * (sv * inv_ref)[:, None]).to(gl.float16)
         lt = lt * alpha[None, :] + p
-        corr = corr * alpha[None, :] + pw.to(gl.float32) * zv[:, None]
+        corr = corr * beta[None, :] + pw.to(gl.float32) * zv[:, None]
         o = mma_v2(_v_operand(vw, BLOCK_N), _p_operand(pw, BLOCK_N), zero_o)
-        acc = acc * alpha[None, :] + o
-        return m_new, lt, corr, acc
+        acc = acc * beta[None, :] + o
+        return m_new, new_ref, lt, corr, acc
 
     @gluon.jit
     def _int2_split(Q, stride_qb, stride_qh, KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
@@ -398,6 +408,7 @@ if HAVE_GLUON:
             lt = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             corr = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             acc = gl.full([128, 8], 0.0, gl.float32, MMA)
+            ref = 1e-30
             zero_s = gl.full([BLOCK_N, 8], 0.0, gl.float32, MMA)
             zero_o = gl.full([128, 8], 0.0, gl.float32, MMA)
 
@@ -413,13 +424,13 @@ if HAVE_GLUON:
                     slk2, slv2 = _load_slots(R2T_r, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64)
                     w1 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
                                      stride_vps)
-                    m, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, lt, corr, acc, zero_s, zero_o,
-                                              BLOCK_N, False)
+                    m, ref, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o,
+                                                   BLOCK_N, False)
                     w0 = w1
                     slk, slv = slk2, slv2
                 if full_hi < hi:
-                    m, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, lt, corr, acc, zero_s,
-                                              zero_o, BLOCK_N, True)
+                    m, ref, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s,
+                                                   zero_o, BLOCK_N, True)
             elif not SLOT_RING:
                 # pipeline through shared memory: code / pair words of ASYNC - 1 blocks in flight by
                 # cp.async (no registers held for them), slot ids one block ahead of their copy
@@ -439,13 +450,13 @@ if HAVE_GLUON:
                     slk, slv = _load_slots(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
                     sl1 = _load_slots1(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
                     async_copy.wait_group(ASYNC - 1)  # block n0's group has landed
-                    m, lt, corr, acc = _block(_read_words(ring, st), n0, hi, qb, qsum_u, m, lt, corr,
-                                              acc, zero_s, zero_o, BLOCK_N, False)
+                    m, ref, lt, corr, acc = _block(_read_words(ring, st), n0, hi, qb, qsum_u, m, ref, lt, corr,
+                                                   acc, zero_s, zero_o, BLOCK_N, False)
                     st = (st + 1) % ASYNC
                 async_copy.wait_group(0)
                 if full_hi < hi:
-                    m, lt, corr, acc = _block(_read_words(ring, st), full_hi, hi, qb, qsum_u, m, lt,
-                                              corr, acc, zero_s, zero_o, BLOCK_N, True)
+                    m, ref, lt, corr, acc = _block(_read_words(ring, st), full_hi, hi, qb, qsum_u, m, ref, lt,
+                                                   corr, acc, zero_s, zero_o, BLOCK_N, True)
             else:
                 # slot ids through shared memory as well: SLOT_LEAD = 2 ASYNC - 1 blocks ahead by cp.async,
                 # read back by LDS in the three layouts, so no global load is waited on in the loop.
@@ -475,13 +486,13 @@ if HAVE_GLUON:
                     _issue_words(sk, sv, s1, ring, (j + ASYNC - 1) % ASYNC, KC_h, stride_kcs, KP_h, stride_kps,
                                  VC_h, stride_vcs, VP_h, stride_vps)  # commits this iteration's group
                     async_copy.wait_group(ASYNC - 1)  # block j's words have landed
-                    m, lt, corr, acc = _block(_read_words(ring, j % ASYNC), n0, hi, qb, qsum_u, m, lt,
-                                              corr, acc, zero_s, zero_o, BLOCK_N, False)
+                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), n0, hi, qb, qsum_u, m, ref, lt,
+                                                   corr, acc, zero_s, zero_o, BLOCK_N, False)
                     j += 1
                 async_copy.wait_group(0)
                 if full_hi < hi:
-                    m, lt, corr, acc = _block(_read_words(ring, j % ASYNC), full_hi, hi, qb, qsum_u, m,
-                                              lt, corr, acc, zero_s, zero_o, BLOCK_N, True)
+                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), full_hi, hi, qb, qsum_u, m, ref,
+                                                   lt, corr, acc, zero_s, zero_o, BLOCK_N, True)
 
             l_h = gl.sum(lt, axis=0)
             c_h = gl.sum(corr, axis=0)
@@ -489,9 +500,9 @@ if HAVE_GLUON:
             inv_l = gl.where(has, 1.0 / gl.where(has, l_h, 1.0), 0.0)
             r_o = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
             vdim = _v_dims(r_o)
-            # O = 2^(24-2k) acc - sum pw zv, k = the quarter of the row's dim
+            # O = ref (2^(24-2k) acc - sum pw zv), k = the quarter of the row's dim
             rf = gl.exp2((24 - 2 * (vdim // 32)).to(gl.float32))
-            out = (acc * rf[:, None] - c_h[None, :]) * inv_l[None, :]
+            out = (acc * rf[:, None] - c_h[None, :]) * (ref * inv_l)[None, :]
             obase = OPART + b.to(gl.int64) * stride_ob + sp * stride_os
             gl.store(obase + heads_o[None, :] * stride_oh + vdim[:, None], out, mask=hmask_o[None, :])
             lse = gl.where(has, m + gl.log2(gl.where(has, l_h, 1.0)), NEG_INF_C)

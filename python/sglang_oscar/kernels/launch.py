@@ -580,6 +580,8 @@ class AttnTuning:
     #: ``engine="gluon"`` it is refused
     TRITON_ONLY = ("block_m", "num_warps", "num_stages", "convert", "min_block_h", "max_block_h", "token_major",
                    "pairs_ahead", "defer_sums")
+    #: largest ``min_split_keys`` (2^24 positions): keeps the kernels' int32 split arithmetic exact
+    MAX_MIN_SPLIT_KEYS = 1 << 24
     __slots__ = KNOBS + ("explicit",)
 
     def __init__(self, block_n=None, block_m=None, num_warps=None, num_stages=None, convert=None,
@@ -608,8 +610,9 @@ class AttnTuning:
             raise ValueError(f"tuning async_slots={async_slots!r} must be true or false")
         self.async_slots = async_slots
         self.min_split_keys = None if min_split_keys is None else _int_knob("min_split_keys", min_split_keys)
-        if self.min_split_keys is not None and self.min_split_keys < 0:
-            raise ValueError(f"tuning min_split_keys={min_split_keys} must be >= 0")
+        if self.min_split_keys is not None and not 0 <= self.min_split_keys <= self.MAX_MIN_SPLIT_KEYS:
+            raise ValueError(f"tuning min_split_keys={min_split_keys} must be in [0, {self.MAX_MIN_SPLIT_KEYS}] "
+                             "(positions per INT2 split)")
         if async_slots and self.async_stages == 0:
             raise ValueError("tuning async_slots=True needs async_stages 2-4 (the slot ids share the cp.async "
                              "pipeline); drop async_slots or set async_stages")
@@ -1134,8 +1137,12 @@ def default_num_kv_splits(tuning: AttnTuning, engine: str, bsz: int, num_q_heads
     else:
         per_kv = blocks_per_kv or plan_head_blocks(num_q_heads, num_kv_heads, tuning.min_block_h,
                                                    tuning.max_block_h)[2]
+    min_keys = tuning.min_split_keys
+    if min_keys is None:
+        min_keys = default_min_split_keys(engine, bsz * num_kv_heads * per_kv)
+    # with a static bound, no more splits than the split floor can ever fill
     return choose_num_splits(bsz, num_kv_heads * per_kv, device=device, max_seq_len=max_seq_len,
-                             block_n=tuning.block_n, engine=engine)
+                             block_n=tuning.block_n, engine=engine, min_split_tokens=max(64, min_keys))
 
 
 def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
