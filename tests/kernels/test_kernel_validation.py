@@ -120,6 +120,12 @@ def test_decode_rejects_bad_inputs():
         _decode(pool, q, tuning={"blok_n": 32})
     with pytest.raises(ValueError, match="workspace"):
         _decode(pool, q, num_kv_splits=4, workspace=(torch.empty(2, 4, 2, 64), torch.empty(2, 4, 2)))
+    # a NaN / inf / non-positive softmax scale would zero every output; an integer output dtype has no kernel
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="must be a finite positive number"):
+            _decode(pool, q, sm_scale=bad)
+    with pytest.raises(ValueError, match="out_dtype torch.int32 is not float32/float16/bfloat16"):
+        _decode(pool, q, out_dtype=torch.int32)
 
 
 def test_decode_debug_checks_indices():

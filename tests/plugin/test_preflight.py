@@ -142,6 +142,20 @@ def test_cell_size_hook_and_radix_cap(hooked):
         serving._ACTIVE["recent"] = old
 
 
+def test_gluon_engine_outside_its_scope_is_refused_at_launch(hooked, tmp_path, monkeypatch):
+    """--oscar-decode-engine gluon with Lloyd-Max levels, head_dim 64 or fine groups: refused before any
+    weights load, with the reason and the fix; auto (the default) launches."""
+    model = _qwen3_dir(tmp_path, "m")
+    for cfg, why in ((dict(quantizer="lloyd-max"), "Lloyd-Max levels"),
+                     (dict(group_size=32), "more than one \\(scale, zero\\) group per row")):
+        with pytest.raises(ValueError, match=f"--oscar-decode-engine gluon cannot decode .*{why}.*auto"):
+            _server_args(model, monkeypatch, decode_engine="gluon", **cfg)
+    with pytest.raises(ValueError, match="head_dim 64/64"):
+        _server_args(_qwen3_dir(tmp_path, "m64", head_dim=64), monkeypatch, decode_engine="gluon")
+    _server_args(model, monkeypatch, decode_engine="gluon")
+    _server_args(model, monkeypatch, quantizer="lloyd-max")
+
+
 def test_cli_flags_reach_the_preflight(hooked, tmp_path, monkeypatch):
     """The flags are resolved before ServerArgs runs __post_init__ (where the preflight runs)."""
     from sglang.srt.server_args import prepare_server_args

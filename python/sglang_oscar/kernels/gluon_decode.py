@@ -656,6 +656,20 @@ def _viewable(strides: tuple, offset: int, last: int, es: int) -> bool:
             and all((st * es) % 4 == 0 for st in strides[:-1]))
 
 
+def gluon_layout_reason(layout) -> str | None:
+    """``None`` when the Gluon engine handles INT2 rows of ``layout`` (``Int2Layout``), else why not:
+    the part of :func:`gluon_decode_supported` a server can check before loading weights."""
+    if layout.k.head_dim != HEAD_DIM or layout.v.head_dim != HEAD_DIM:
+        return f"head_dim {layout.k.head_dim}/{layout.v.head_dim} (built for {HEAD_DIM})"
+    if layout.k.num_groups != 1 or layout.v.num_groups != 1:
+        return "more than one (scale, zero) group per row"
+    if layout.lloyd:
+        return "Lloyd-Max levels"
+    if layout.scale_dtype != torch.float16:
+        return f"scale dtype {layout.scale_dtype}"
+    return None
+
+
 def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_cap: bool,
                            hp_dtype: torch.dtype | None = None, buffers: tuple = ()) -> str | None:
     """``None`` when :func:`launch_gluon_decode` handles this decode call, else the reason it does not.
@@ -675,14 +689,9 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
             return "not a CUDA device"
         if _capability(q.device) < (8, 0):
             return "needs sm_80+ (mma.sync m16n8k16, movmatrix)"
-    if layout.k.head_dim != HEAD_DIM or layout.v.head_dim != HEAD_DIM:
-        return f"head_dim {layout.k.head_dim}/{layout.v.head_dim} (built for {HEAD_DIM})"
-    if layout.k.num_groups != 1 or layout.v.num_groups != 1:
-        return "more than one (scale, zero) group per row"
-    if layout.lloyd:
-        return "Lloyd-Max levels"
-    if layout.scale_dtype != torch.float16:
-        return f"scale dtype {layout.scale_dtype}"
+    reason = gluon_layout_reason(layout)
+    if reason is not None:
+        return reason
     if mma_dtype != torch.float16:
         return f"MMA operands {mma_dtype}"
     if hp_dtype is not None and hp_dtype not in (torch.bfloat16, torch.float16):

@@ -889,6 +889,19 @@ def _attn_constants(layout: Int2Layout) -> tuple:
     return (a4, b2 / a4, c0, *layout.levels)
 
 
+def _check_sm_scale(sm_scale) -> float:
+    """``sm_scale`` as a float; ``ValueError`` unless finite and > 0 (NaN / inf would zero every output)."""
+    s = float(sm_scale)
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"sm_scale={sm_scale!r} must be a finite positive number (default 1/sqrt(head_dim))")
+    return s
+
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype {out_dtype} is not float32/float16/bfloat16")
+
+
 def _score_scales(sm_scale: float, logit_cap) -> tuple[float, float, bool]:
     """``(qscale, cap_log2e, has_cap)``: queries are pre-multiplied by ``qscale`` (see tiles.py)."""
     has_cap = logit_cap is not None and logit_cap > 0
@@ -1204,7 +1217,8 @@ def decode_attention(
         hp_index: int ``[max_reqs, >= sink + recent]``: HP row of sink position ``p`` at entry
             ``p``, of recent position ``p`` at entry ``sink + p % recent``.
         req_to_token: int ``[max_reqs, max_ctx]`` INT2 slot of each position.
-        req_pool_indices, seq_lens: int ``[B]`` on the device (``seq_lens`` includes the query).
+        req_pool_indices, seq_lens: int ``[B]`` on the device (``seq_lens`` includes the query;
+            0 marks a padding row, e.g. of a CUDA-graph batch, whose output is zeros).
         layout: :class:`Int2Layout`; sink, recent: HP window sizes (tokens).
         sm_scale: default ``1/sqrt(D_k)``; sliding_window: key ``j`` visible iff ``L-1-j < W``;
             logit_cap: ``cap * tanh(s / cap)`` (``None``/0 = off).
@@ -1244,6 +1258,7 @@ def decode_attention(
         check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
     op = _mma_dtype(mma_dtype, hp_k.dtype)
     out_dtype = out_dtype or (out.dtype if out is not None else q.dtype)
+    _check_out_dtype(out_dtype)
     engine = decode_engine(tn, layout, q, op, logit_cap is not None and logit_cap > 0, hp_k.dtype,
                            (k_codes, k_pairs, v_codes, v_pairs))
     gluon = engine == "gluon"
@@ -1283,7 +1298,7 @@ def decode_attention(
                                k_codes.shape[0], sink, recent, prefix_mode=False)
     if bsz == 0:
         return o_rot if rotation_v is None else o_rot.to(out_dtype)
-    sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
+    sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else _check_sm_scale(sm_scale)
     qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
     min_keys = tn.min_split_keys
     if min_keys is None:
@@ -1403,6 +1418,7 @@ def extend_attention(
         raise ValueError(f"qo_indptr has {qo_indptr.shape[0]} entries for {bsz} requests")
     op = _mma_dtype(mma_dtype, hp_k.dtype)
     out_dtype = out_dtype or (out.dtype if out is not None else q.dtype)
+    _check_out_dtype(out_dtype)
     if debug_enabled(debug):
         ext = extend_seq_lens.long().cpu()
         ind = qo_indptr.long().cpu()
@@ -1427,7 +1443,7 @@ def extend_attention(
     lse = torch.empty((n, hq), dtype=torch.float32, device=dev) if return_lse else o_rot
     if bsz and max_extend_len > 0 and n > 0:
         group = hq // hkv
-        sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
+        sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else _check_sm_scale(sm_scale)
         qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
         idx64 = needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
         grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)

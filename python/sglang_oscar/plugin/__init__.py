@@ -153,6 +153,16 @@ def preflight(server_args) -> None:
             return
         geometry = model_geometry(hf_config)
     served_rotation_set(config, geometry, log=False)
+    if config.decode_engine == "gluon":
+        from ..kernels.gluon_decode import gluon_layout_reason
+        from ..kernels.layout import Int2Layout
+
+        for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in geometry.layers}):
+            reason = gluon_layout_reason(Int2Layout.from_config(config, dk, dv))
+            if reason is not None:
+                raise ValueError(f"--oscar-decode-engine gluon cannot decode this model's INT2 cache ({reason}; the "
+                                 "Gluon kernel takes head_dim 128, one fp16 (scale, zero) pair per row, uniform "
+                                 "levels); use --oscar-decode-engine auto (Gluon where it applies, else Triton)")
 
 
 def oscar_config_of(server_args):
