@@ -60,7 +60,7 @@ def test_good_launch_passes_and_defaults_to_triton(hooked, tmp_path, monkeypatch
 @pytest.mark.parametrize("case,match", [
     ("other_layers", r"--oscar-rotation .* does not fit this model"),
     ("other_heads", r"--oscar-rotation .* does not fit this model"),
-    ("missing", r"--oscar-rotation: .*does not exist"),
+    ("missing", r"--oscar-rotation \(or its environment alias SGLANG_OSCAR_K_ROTATION_PATH\): .*does not exist"),
     ("group", r"--kv-cache-quant-group-size 48"),
 ])
 def test_bad_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypatch, case, match):
@@ -222,3 +222,11 @@ def test_rotation_env_aliases_are_consistent():
         flags.resolve_config({}, environ={"SGLANG_OSCAR_K_ROTATION_PATH": "/a/dir", "SGLANG_OSCAR_V_ROTATION_PATH": "/a/dir"})
     with pytest.raises(ValueError, match="is not an upstream K .pt file"):
         flags.resolve_config({}, environ={"SGLANG_OSCAR_V_ROTATION_PATH": "/a/v.pt"})
+
+
+def test_invalid_settings_name_the_flag_or_alias_that_set_them():
+    """An OscarConfig error names the fields in its own terms; the message adds where each value came from."""
+    with pytest.raises(ValueError, match=r"got 1\.5 \(INT2 settings given: --oscar-k-clip-ratio 1\.5\)"):
+        flags.resolve_config({"oscar_k_clip_ratio": 1.5}, {})
+    with pytest.raises(ValueError, match=r"SGLANG_MIXED_KV_PREFIX_TOKENS=-1 \(alias of --oscar-sink-tokens\)"):
+        flags.resolve_config({}, {"SGLANG_MIXED_KV_PREFIX_TOKENS": "-1"})

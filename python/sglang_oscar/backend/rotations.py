@@ -74,8 +74,9 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     try:
         rs = RotationSet.from_paths(config.rotation_path, config.rotation_v_path)
     except FileNotFoundError as exc:
-        raise ValueError(f"--oscar-rotation: {exc}; pass an existing rotation file or directory, or drop "
-                         f"the flag to use the data-free Hadamard rotation") from None
+        raise ValueError(f"--oscar-rotation (or its environment alias SGLANG_OSCAR_K_ROTATION_PATH): {exc}; pass an "
+                         f"existing rotation file or directory, or drop the flag / unset the variable to use the "
+                         f"data-free Hadamard rotation") from None
     try:
         rs.validate(geometry)
     except ValueError as exc:

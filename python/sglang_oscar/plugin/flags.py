@@ -112,6 +112,7 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
     env = os.environ if environ is None else environ
     kwargs: dict[str, Any] = {}
     notes: list[str] = []
+    given: list[str] = []  # where each value came from, for the error of an invalid combination
     for f in FLAGS:
         val = values.get(f.dest)
         env_val = env.get(f.env) if f.env else None
@@ -119,6 +120,7 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
             if env_val is not None:
                 notes.append(f"{f.option} overrides environment alias {f.env}={env_val!r}")
             kwargs[f.field] = val
+            given.append(f"{f.option} {val}")
             continue
         if env_val is None or env_val == "":
             continue
@@ -127,6 +129,7 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
         except ValueError as exc:
             raise ValueError(f"environment variable {f.env}={env_val!r} is not a valid {f.option} value: {exc}") from None
         notes.append(f"using environment alias {f.env}={env_val!r} for {f.option}")
+        given.append(f"{f.env}={env_val} (alias of {f.option})")
     if values.get("oscar_rotation") is None:
         k_path, v_path = env.get(K_ROTATION_ENV) or None, env.get(V_ROTATION_ENV) or None
         if k_path and k_path.endswith(".pt"):
@@ -143,7 +146,10 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
                 f" ({k_path!r}): set both to the K and V .pt files, or only {K_ROTATION_ENV} (or --oscar-rotation) "
                 "to a rotation file or directory"
             )
-    return OscarConfig(**kwargs), notes
+    try:
+        return OscarConfig(**kwargs), notes
+    except ValueError as exc:
+        raise ValueError(f"{exc} (INT2 settings given: {'; '.join(given) or 'none'})") from None
 
 
 def config_to_env(config: OscarConfig) -> str:
