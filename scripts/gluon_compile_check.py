@@ -10,6 +10,7 @@ GPU only.
 
     python scripts/gluon_compile_check.py     # prints the artefacts and the SASS instruction count
     python scripts/gluon_compile_check.py --decode [--block-n 32] [--tuning '{"async_stages": 3}']   # decode loop (JSON)
+    python scripts/gluon_compile_check.py --decode --order   # + the INT2 loop's opcode order as letters
 
 ``--decode`` compiles ``kernels.gluon_decode._gluon_decode_stage1`` (32 q / 8 kv heads, head_dim 128)
 and prints one JSON line: registers, spill stack, shared memory, and the opcode counts of each
@@ -58,10 +59,33 @@ def decode_loop_stats(block_n: int = 32, tuning: dict | None = None) -> dict:
         k = next(c[3] for c in COMPILED[before:] if c[0] == "_gluon_decode_stage1")
     usage = cuobjdump(k.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    loops = [dict(ops) for _, _, ops in sass_loops(cuobjdump(k.asm["cubin"], "-sass"))]
+    sass = cuobjdump(k.asm["cubin"], "-sass")
+    found = sass_loops(sass)
+    loops = [dict(ops) for _, _, ops in found]
     return {"block_n": block_n, "registers": int(m.group(1)), "stack": int(m.group(2)),
             "shared": int(k.metadata.shared), "loops": loops,
-            "loop_instructions": [sum(x.values()) for x in loops]}
+            "loop_instructions": [sum(x.values()) for x in loops],
+            "int2_loop_order": loop_order(sass, *found[-1][:2]) if found else ""}
+
+
+#: one letter per opcode in :func:`loop_order` (others are left out)
+ORDER_LETTERS = {"HMMA": "H", "SHFL": "S", "MUFU": "E", "LDS": "l", "LDGSTS": "g", "FMNMX": "x", "LOP3": "o",
+                 "MOVM": "m", "LDG": "G"}
+
+
+def loop_order(sass: str, lo: int, hi: int) -> str:
+    """The issue order of a loop's key opcodes as letters (:data:`ORDER_LETTERS`: H = HMMA, S = SHFL,
+    E = MUFU, l = LDS, g = LDGSTS, x = FMNMX, o = LOP3, m = MOVM, G = LDG), for reading how ptxas
+    interleaved the dependency chains of an iteration."""
+    import re
+
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m and lo <= int(m.group(1), 16) <= hi:
+            op = re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split()[0].split(".")[0]
+            out.append(ORDER_LETTERS.get(op, ""))
+    return "".join(out)
 
 
 def main(argv=None) -> int:
@@ -71,13 +95,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--decode", action="store_true", help="compile the Gluon decode loop, print JSON stats")
     ap.add_argument("--block-n", type=int, default=32, choices=(16, 32, 64))
+    ap.add_argument("--order", action="store_true", help="with --decode: print the INT2 loop's opcode order "
+                    "(loop_order letters) after the JSON")
     ap.add_argument("--tuning", default=None, help='more knobs of the Gluon decode tuning, JSON (e.g. \'{"async_stages": 3}\')')
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter has no compiler", file=sys.stderr)
         return 2
     if args.decode:
-        print(json.dumps(decode_loop_stats(args.block_n, json.loads(args.tuning) if args.tuning else None)))
+        stats = decode_loop_stats(args.block_n, json.loads(args.tuning) if args.tuning else None)
+        order = stats.pop("int2_loop_order")
+        print(json.dumps(stats))
+        if args.order:
+            print(order)
         return 0
     src = GluonASTSource(scale2, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})

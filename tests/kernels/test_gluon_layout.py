@@ -325,3 +325,17 @@ def test_gluon_decode_loop_compiles_without_layout_traffic(block_n):
     # 8-byte load each (the test pool's byte strides are multiples of 16: the pair is 8-byte aligned),
     # V word g of block_n / 4 keys, the K and V (scale, zero) words of the rows: 3 block_n / 4 in all
     assert ops["LDG"] == 3 * block_n // 4, ops
+
+
+def test_gluon_compile_check_prints_the_loop_order():
+    """``--order``: one letter per key opcode of the INT2 loop, as many H / S / E as the loop's HMMA /
+    SHFL / MUFU counts in the JSON line before it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py"), "--decode", "--order"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    stats_line, order = res.stdout.strip().splitlines()[-2:]
+    ops = json.loads(stats_line)["loops"][-1]
+    assert set(order) <= set("HSElgxomG") and order
+    for letter, op in (("H", "HMMA"), ("S", "SHFL"), ("E", "MUFU"), ("g", "LDGSTS")):
+        assert order.count(letter) == ops.get(op, 0), (letter, order)
