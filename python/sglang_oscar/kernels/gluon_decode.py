@@ -375,7 +375,8 @@ if HAVE_GLUON:
     def _int2_split(Q, stride_qb, stride_qh, KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
                     VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                     OPART, stride_ob, stride_oh, stride_os, lse_ptr,
-                    b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q, MIN_CHUNK,
+                    b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
+                    MIN_CHUNK,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr,
                     SLOT_RING: gl.constexpr):
         """INT2 split ``spq`` of ``NS_Q`` over ``[max(sink_r, window start), L - recent)``."""
@@ -717,8 +718,8 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
     ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]`` (bf16 / fp16) and ``hp_index``, the index
     tensors, the stage-1 workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]``
     (fp32) it writes into, ``qscale`` (softmax scale x log2 e), ``min_split_keys`` (an INT2 split
-    covers at least this many positions, rounded up to ``block_n``: :func:`.tiles.int2_split_range`), ``maxnreg`` (register cap given to
-    ptxas). The grid depends only on host constants (CUDA graphs).
+    covers at least this many positions, rounded up to ``block_n``: :func:`.tiles.int2_split_range`),
+    ``maxnreg`` (register cap given to ptxas). The grid depends only on host constants (CUDA graphs).
 
     Raises:
         ValueError: a code or pair buffer whose rows cannot be read as 32-bit words (callers check
