@@ -243,7 +243,7 @@ def apply_pool_layout(case: Case, mode: str) -> None:
       plane and a head-major pair plane) with each request's slots consecutive, as SGLang's
       allocator hands out a prompt's slots on a fresh server; ``served-random``: the same planes
       with :class:`Case`'s random slots; ``rows``: codes + pairs interleaved in one head-major
-      36-byte row per (slot, kv head) (``int2_row_storage`` / ``int2_row_views``, the served layout
+      36-byte row per (slot, kv head) (``kv_head_major_zeros`` / ``int2_row_views``, the served layout
       before the planes), consecutive slots.
     * diagnostics (separate tensors, consecutive slots): ``sorted`` (slot-major), ``sorted-hm-pairs``
       (pairs head-major), ``sorted-hm-all`` (codes and pairs head-major).
@@ -269,13 +269,13 @@ def apply_pool_layout(case: Case, mode: str) -> None:
             setattr(case, name, plane)
         return
     if mode == "rows":
-        from sglang_oscar.pool.rows import int2_row_storage, int2_row_views
+        from sglang_oscar.pool.rows import int2_row_views, kv_head_major_zeros
 
         sdt = case.layout.scale_dtype
         for c, pn in (("k_codes", "k_pairs"), ("v_codes", "v_pairs")):
             codes, pairs = getattr(case, c), getattr(case, pn)
-            rows = int2_row_storage(codes.shape[0], codes.shape[1], codes.shape[2] + pairs.shape[2] * pairs.element_size(),
-                                    codes.device)
+            rows = kv_head_major_zeros(codes.shape[0], codes.shape[1],
+                                       codes.shape[2] + pairs.shape[2] * pairs.element_size(), torch.uint8, codes.device)
             rc, rp = int2_row_views(rows, codes.shape[2] * 4, sdt)
             rc.copy_(codes)
             rp.copy_(pairs)

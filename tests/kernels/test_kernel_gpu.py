@@ -413,10 +413,10 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
 def test_gpu_decode_on_served_pool_views(storage, tuning):
     """The served pool keeps a head-major code plane and a head-major pair plane per layer
     (pool/rows.py kv_head_major_zeros; head stride = slots x 32 / 4 bytes); the earlier layout kept
-    codes and pairs of a (slot, kv head) in one 36-byte row (int2_row_storage / int2_row_views:
+    codes and pairs of a (slot, kv head) in one 36-byte row (kv_head_major_zeros / int2_row_views:
     no 8-byte alignment). The engines read either through strided views and must match the
     contiguous pool and the oracle."""
-    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views, kv_head_major_zeros
+    from sglang_oscar.pool.rows import int2_row_views, kv_head_major_zeros
 
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
@@ -428,7 +428,8 @@ def test_gpu_decode_on_served_pool_views(storage, tuning):
             rc = kv_head_major_zeros(codes.shape[0], codes.shape[1], 32, torch.uint8, DEV)
             rp = kv_head_major_zeros(codes.shape[0], codes.shape[1], 2, torch.float16, DEV)
         else:
-            rows = int2_row_storage(codes.shape[0], codes.shape[1], 36, DEV, head_major=storage == "rows-head-major")
+            rows = kv_head_major_zeros(codes.shape[0], codes.shape[1], 36, torch.uint8, DEV,
+                                       head_major=storage == "rows-head-major")
             rc, rp = int2_row_views(rows, 128, torch.float16)
         rc.copy_(codes)
         rp.copy_(pairs)
@@ -513,7 +514,7 @@ def test_gpu_write_flush_into_served_rows(storage):
     """write_kv and flush_hp_rows into the served pool's head-major code / pair planes and into the
     earlier 36-byte row views (pool/rows.py; head- and slot-major) store the bytes they store into
     contiguous code / pair tensors, and touch no other row."""
-    from sglang_oscar.pool.rows import int2_row_storage, int2_row_views, kv_head_major_zeros
+    from sglang_oscar.pool.rows import int2_row_views, kv_head_major_zeros
 
     fresh_seed()
     n, h, slots = _n(4096), 8, _n(4096) * 2 + 7
@@ -532,7 +533,7 @@ def test_gpu_write_flush_into_served_rows(storage):
             p.view(torch.uint8).fill_(0xAB)
             views.append(((c, p.view(torch.uint8)), c, p))
         else:
-            rows = int2_row_storage(slots, h, 36, DEV, head_major=storage == "rows-head-major")
+            rows = kv_head_major_zeros(slots, h, 36, torch.uint8, DEV, head_major=storage == "rows-head-major")
             rows.fill_(0xAB)
             views.append(((rows,), *int2_row_views(rows, 128, torch.float16)))
     (kr, kc, kp), (vr, vc, vp) = views

@@ -3,8 +3,9 @@ on machines without sglang).
 
 The pool keeps, per layer, a code plane ``[slots, kv_heads, D/4]`` uint8 and a pair plane
 ``[slots, kv_heads, 2 * groups]`` in the scale dtype, each stored head-major
-(:func:`kv_head_major_zeros`). :func:`int2_row_storage` / :func:`int2_row_views` build the earlier
-layout (codes and pairs interleaved in one row per (slot, kv head)) for tests and benchmarks."""
+(:func:`kv_head_major_zeros`). :func:`int2_row_views` reads the earlier layout (codes and pairs
+interleaved in one uint8 row per (slot, kv head), allocated by :func:`kv_head_major_zeros` too) for
+tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -20,19 +21,6 @@ def kv_head_major_zeros(slots: int, kv_heads: int, width: int, dtype: torch.dtyp
     if head_major:
         return torch.zeros((kv_heads, slots, width), dtype=dtype, device=device).transpose(0, 1)
     return torch.zeros((slots, kv_heads, width), dtype=dtype, device=device)
-
-
-def int2_row_storage(slots: int, kv_heads: int, row_bytes: int, device, *, head_major: bool = True) -> torch.Tensor:
-    """Zeroed INT2 rows of one layer's K or V: uint8 ``[slots, kv_heads, row_bytes]``.
-
-    ``head_major`` (the pool's layout): the memory is ``[kv_heads, slots, row_bytes]`` and the
-    result its transposed view (strides ``(row_bytes, slots * row_bytes, 1)``), so the rows of one
-    kv head at consecutive slots are adjacent; ``False``: a contiguous slot-major tensor (tests and
-    benchmarks compare the two).
-    """
-    if head_major:
-        return torch.zeros((kv_heads, slots, row_bytes), dtype=torch.uint8, device=device).transpose(0, 1)
-    return torch.zeros((slots, kv_heads, row_bytes), dtype=torch.uint8, device=device)
 
 
 def int2_row_views(rows: torch.Tensor, head_dim: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
