@@ -708,7 +708,7 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
 
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
                         seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window,
-                        num_hp_splits: int, num_kv_splits: int, block_n: int, min_split_keys: int = 0,
+                        num_hp_splits: int, num_kv_splits: int, block_n: int, min_chunk: int = 0,
                         maxnreg: int | None = None, async_stages: int = 0, slot_ring: bool = False) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
@@ -717,8 +717,8 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
     ``q [B, H_q, 128]``, the INT2 buffers (uint8 codes ``[S, H_kv, 32]``, fp16 pairs
     ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]`` (bf16 / fp16) and ``hp_index``, the index
     tensors, the stage-1 workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]``
-    (fp32) it writes into, ``qscale`` (softmax scale x log2 e), ``min_split_keys`` (an INT2 split
-    covers at least this many positions, rounded up to ``block_n``: :func:`.tiles.int2_split_range`),
+    (fp32) it writes into, ``qscale`` (softmax scale x log2 e), ``min_chunk`` (an INT2 split
+    covers at least this many positions, a multiple of ``block_n``: :func:`.tiles.int2_split_range`),
     ``maxnreg`` (register cap given to ptxas). The grid depends only on host constants (CUDA graphs).
 
     Raises:
@@ -741,7 +741,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         req_to_token if sink_lens is None else sink_lens,
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
         qscale, sink, recent, sliding_window or 0, num_hp_splits, num_kv_splits,
-        -(-min_split_keys // block_n) * block_n,
+        min_chunk,
         GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=needs_idx64(kc, kp, vc, vp),
         ASYNC=async_stages, SLOT_RING=slot_ring, HP_BLOCK=16,

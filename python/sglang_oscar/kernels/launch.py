@@ -833,6 +833,22 @@ def default_min_split_keys(engine: str, programs: int) -> int:
     return 128 if programs <= 16 else 256
 
 
+def _head_programs(tuning: AttnTuning, engine: str, num_q_heads: int, num_kv_heads: int,
+                   blocks_per_kv: int | None = None) -> int:
+    """Stage-1 programs per request and split: kv heads x head blocks as the engine forms them (Triton:
+    :func:`plan_head_blocks` of ``tuning``, or ``blocks_per_kv`` when the caller has it; Gluon: blocks
+    of 8 q heads)."""
+    if engine == "gluon":
+        return num_kv_heads * gluon_head_blocks(num_q_heads // num_kv_heads)
+    return num_kv_heads * (blocks_per_kv or plan_head_blocks(num_q_heads, num_kv_heads, tuning.min_block_h,
+                                                             tuning.max_block_h)[2])
+
+
+def _split_keys(tuning: AttnTuning, engine: str, programs: int) -> int:
+    """``tuning.min_split_keys``, or :func:`default_min_split_keys` for ``programs`` per step."""
+    return default_min_split_keys(engine, programs) if tuning.min_split_keys is None else tuning.min_split_keys
+
+
 def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
                       block_n: int = 64, waves: float | None = None, max_splits: int = 256,
                       min_split_tokens: int = 64, engine: str = "triton") -> int:
@@ -1145,17 +1161,11 @@ def default_num_kv_splits(tuning: AttnTuning, engine: str, bsz: int, num_q_heads
     8 q heads). ``engine``: from :func:`decode_engine`; ``blocks_per_kv``: the Triton plan's
     blocks when the caller has it already (else computed). Callers sizing a workspace ahead of the
     call (benchmarks, CUDA-graph buffers) use this to match the call's own choice."""
-    if engine == "gluon":
-        per_kv = gluon_head_blocks(num_q_heads // num_kv_heads)
-    else:
-        per_kv = blocks_per_kv or plan_head_blocks(num_q_heads, num_kv_heads, tuning.min_block_h,
-                                                   tuning.max_block_h)[2]
-    min_keys = tuning.min_split_keys
-    if min_keys is None:
-        min_keys = default_min_split_keys(engine, bsz * num_kv_heads * per_kv)
+    programs = _head_programs(tuning, engine, num_q_heads, num_kv_heads, blocks_per_kv)
     # with a static bound, no more splits than the split floor can ever fill
-    return choose_num_splits(bsz, num_kv_heads * per_kv, device=device, max_seq_len=max_seq_len,
-                             block_n=tuning.block_n, engine=engine, min_split_tokens=max(64, min_keys))
+    return choose_num_splits(bsz, programs, device=device, max_seq_len=max_seq_len, block_n=tuning.block_n,
+                             engine=engine,
+                             min_split_tokens=max(64, _split_keys(tuning, engine, bsz * programs)))
 
 
 def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
@@ -1300,15 +1310,14 @@ def decode_attention(
         return o_rot if rotation_v is None else o_rot.to(out_dtype)
     sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else _check_sm_scale(sm_scale)
     qscale, cap_log2e, has_cap = _score_scales(sm_scale, logit_cap)
-    min_keys = tn.min_split_keys
-    if min_keys is None:
-        min_keys = default_min_split_keys(engine, bsz * hkv * (gluon_head_blocks(group) if gluon else bpk))
+    # the split floor as the kernels take it: a multiple of block_n
+    min_chunk = -(-_split_keys(tn, engine, bsz * _head_programs(tn, engine, hq, hkv, bpk)) // tn.block_n) * tn.block_n
     if gluon:
         # stage 1, both tiers, in one Gluon launch (kernels/gluon_decode.py)
         launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
                             req_pool_indices, seq_lens, sink_lens, o_part, lse, qscale=qscale, sink=sink, recent=recent,
                             sliding_window=sliding_window, num_hp_splits=num_hp_splits, num_kv_splits=num_kv_splits,
-                            block_n=tn.block_n, min_split_keys=min_keys,
+                            block_n=tn.block_n, min_chunk=min_chunk,
                             maxnreg=tn.maxnreg or GLUON_MAXNREG,
                             **gluon_pipeline(tn))
     else:
@@ -1333,7 +1342,7 @@ def decode_attention(
             CONVERT=convert,
             HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=idx64,
             TOKEN_MAJOR=token_major,
-            NS_HP=num_hp_splits, NS_Q=num_kv_splits, MIN_CHUNK=-(-min_keys // tn.block_n) * tn.block_n,
+            NS_HP=num_hp_splits, NS_Q=num_kv_splits, MIN_CHUNK=min_chunk,
             BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
             PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
             num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
