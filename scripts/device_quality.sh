@@ -87,7 +87,7 @@ if [ "$rc" -eq 0 ] && [ "${SERVED:-0}" = 1 ]; then
   # shellcheck disable=SC1091,SC2086
   rm -rf "$WORK/served"  # no table of an earlier call on this machine
   ( export OUT="$WORK"; source scripts/device_env.sh > "$WORK/served_env.log" 2>&1 && \
-    python scripts/served_quality.py --model "$CKPT" --out "$WORK/served" --rotation "$WORK/rot_oscar.safetensors" \
+    python scripts/served_quality.py --model "$CKPT" --out "$WORK/served" --rotation "${SERVED_ROTATION:-$WORK/rot_oscar.safetensors}" \
       ${SERVED_ARGS:-} > "$WORK/served.log" 2>&1 ) ; src=$?
   { echo; echo "## Served (scripts/served_quality.py, same checkpoint and rotation, rc $src)"; echo;
     cat "$WORK/served/served_quality.md" 2>/dev/null || tail -20 "$WORK/served.log"; } | tee -a "$OUT/quality.md"

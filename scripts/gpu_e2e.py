@@ -451,7 +451,8 @@ def oracle_handler(rotation, config, prompt_len: int, hp_dtype=None):
             q, k, v = call.rows(b)
             rk = cache.get(call.layer_id, "k", q.device)
             rv = cache.get(call.layer_id, "v", q.device)
-            kv = build_cache(k, v, rk, rv, config, hp)
+            km, vm = cache.mean(call.layer_id, "k", q.device), cache.mean(call.layer_id, "v", q.device)
+            kv = build_cache(k, v, rk, rv, config, hp, k_mean=km, v_mean=vm)
             t = q.shape[0]
             pos = torch.arange(t, device=q.device)
             split = min(prompt_len, t)
@@ -460,7 +461,8 @@ def oracle_handler(rotation, config, prompt_len: int, hp_dtype=None):
                 if hi > lo:
                     parts.append(oscar_attention(q[lo:hi], k, v, rk, rv, config, q_positions=pos[lo:hi],
                                                  sm_scale=call.scaling, sliding_window=call.sliding_window,
-                                                 logit_cap=call.softcap, window_mode=mode, cache=kv))
+                                                 logit_cap=call.softcap, window_mode=mode, cache=kv,
+                                                 k_mean=km, v_mean=vm))
             outs.append(torch.cat(parts, dim=0))
         return torch.stack(outs).to(call.query.dtype)
 

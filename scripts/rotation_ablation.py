@@ -14,6 +14,10 @@ A rotation is ``had`` (the normalised Hadamard) or ``<source>_<order>_<perm>``:
 * order: ``asc`` (eigenvectors in ascending eigenvalue order, OSCAR's ``U``) or ``desc``;
 * perm: ``P`` (times OSCAR's eigenvalue-sorted bit-reversal permutation) or ``N`` (none).
 
+A pair may end in ``+c`` (centre K and V: the calibration means of the post-RoPE keys and of the
+values are subtracted before the rotation, :func:`sglang_oscar.calibrate.fit.fit_rotations`
+``center=True``), ``+ck`` (K only) or ``+cv`` (V only), e.g. ``had:had+c``.
+
 ``qqt_asc_P`` / ``sst_asc_P`` is OSCAR's ``U H P`` (spec 3.4), ``ktk_desc_N`` / ``vtv_desc_N``
 upstream's per-head recipe (``fit --method perhead-kv``). With one (scale, zero) pair per row,
 ``desc`` puts the dominant direction on the Hadamard's all-ones row 0 (power-of-two head_dim;
@@ -109,13 +113,25 @@ def parse_kind(kind: str, side: str) -> tuple[str, str, bool] | None:
     return parts[0], parts[1], parts[2] == "P"
 
 
+CENTER_SUFFIXES = {"": (False, False), "+c": (True, True), "+ck": (True, False), "+cv": (False, True)}
+
+
+def split_center(kind_v: str) -> tuple[str, bool, bool]:
+    """``"sst_desc_N+c"`` -> ``("sst_desc_N", True, True)``: the V rotation name and whether K / V are centred."""
+    base, plus, suffix = kind_v.partition("+")
+    if plus and "+" + suffix not in CENTER_SUFFIXES:
+        raise ValueError(f"pair suffix {'+' + suffix!r}: expected one of +c, +ck, +cv")
+    return (base, *CENTER_SUFFIXES["+" + suffix if plus else ""])
+
+
 def build(stats: CalibrationStats, kind_k: str, kind_v: str) -> RotationSet:
     """Per-kv-head rotation set for one (K, V) pair.
 
     Args:
-        stats: complete MHA/GQA calibration statistics (both passes: ``sst`` needs pass 2).
+        stats: complete MHA/GQA calibration statistics (both passes: ``sst`` needs pass 2; a centred
+            pair needs the first moments).
         kind_k, kind_v: rotation names (module docstring): a K objective or ``had`` for K, a V
-            objective or ``had`` for V.
+            objective or ``had`` for V, optionally followed by ``+c`` / ``+ck`` / ``+cv``.
 
     Returns:
         :class:`RotationSet` with float64 ``[H_kv, D_k, D_k]`` K and ``[H_kv, D_v, D_v]`` V matrices
@@ -126,8 +142,9 @@ def build(stats: CalibrationStats, kind_k: str, kind_v: str) -> RotationSet:
         CalibrationError: statistics without the second pass (``sst``).
     """
     geo = stats.geometry
+    kind_v, center_k, center_v = split_center(kind_v)
     spec_k, spec_v = parse_kind(kind_k, "k"), parse_kind(kind_v, "v")
-    k, v = {}, {}
+    k, v, km, vm = {}, {}, {}, {}
     for lid in geo.layer_ids:
         n = stats.tokens_per_layer(1)[lid]
         src = {"qqt": lambda: stats.query_covariance(lid), "ktk": lambda: stats.sums["k_sum"][lid] / n,
@@ -141,7 +158,13 @@ def build(stats: CalibrationStats, kind_k: str, kind_v: str) -> RotationSet:
             return torch.stack([composed(c, spec[1], spec[2]) for c in src[spec[0]]()])
 
         k[lid], v[lid] = one(spec_k, "ktk"), one(spec_v, "vtv")
-    return RotationSet(k, v, {"method": "ablation"})
+        if center_k or center_v:
+            mk, mv = stats.means(lid)
+            if center_k:
+                km[lid] = mk.float()
+            if center_v:
+                vm[lid] = mv.float()
+    return RotationSet(k, v, {"method": "ablation"}, k_mean=km, v_mean=vm)
 
 
 def run_captured(model, prompts, on_attention) -> None:
@@ -192,7 +215,7 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
             ref = exact.reshape(exact.shape[0], -1) @ w.T
             den[lid] = den.get(lid, 0.0) + float(ref.double().pow(2).sum())
             for name, c in caches.items():
-                out = mha_output(call, b, c.get(lid, "k", exact.device), c.get(lid, "v", exact.device), cfg, "decode")
+                out = c.mha(call, b, cfg, "decode")
                 num[lid][name] += float(((out - exact).reshape(exact.shape[0], -1) @ w.T).double().pow(2).sum())
         return None
 
@@ -209,8 +232,8 @@ def o_proj_error(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig)
 def key_error_detail(model, prompts, rots: dict[str, RotationSet], cfg: OscarConfig) -> dict[str, dict[str, float]]:
     """Where each set's K quantization error lands (all positions quantized, no windows).
 
-    For every attention call (layer x sequence) and kv head: ``y = bf16(k R)`` (``k`` ``[T, D]``
-    post-RoPE keys, ``R`` the set's K rotation, per layer ``[D, D]`` or per kv head
+    For every attention call (layer x sequence) and kv head: ``y = bf16((k - mean) R)`` (``k`` ``[T, D]``
+    post-RoPE keys, ``mean`` the set's key mean or 0, ``R`` the set's K rotation, per layer ``[D, D]`` or per kv head
     ``[H_kv, D, D]``; rounded to BF16 as the cache's rows are), ``e = (deq(quant(y)) - y) R^T``
     with ``cfg``'s group size, K clip, scale dtype and quantizer, and the kv head's group of
     queries ``q`` ``[T, G, D]`` (query head ``j`` reads kv head ``j // G``).
@@ -238,7 +261,9 @@ def key_error_detail(model, prompts, rots: dict[str, RotationSet], cfg: OscarCon
             for name, c in caches.items():
                 r = c.get(lid, "k", k.device)
                 r = r if r.dim() == 3 else r.expand(hkv, d, d)
-                y = torch.einsum("thd,hde->the", k.float(), r).to(torch.bfloat16).float()
+                mk = c.mean(lid, "k", k.device)
+                kc = k.float() if mk is None else k.float() - mk
+                y = torch.einsum("thd,hde->the", kc, r).to(torch.bfloat16).float()
                 yh = fake_quantize(y, group_size=cfg.group_size, clip_ratio=cfg.k_clip_ratio,
                                    quantizer=cfg.quantizer, scale_dtype=cfg.scale_dtype)
                 e = torch.einsum("the,hde->thd", yh - y, r).double()
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--pairs entries must be K:V (e.g. had:sst_desc_N), got {bad}")
     for a, b in pairs:
         try:
-            parse_kind(a, "k"), parse_kind(b, "v")
+            parse_kind(a, "k"), parse_kind(split_center(b)[0], "v")
         except ValueError as exc:
             ap.error(f"--pairs: {exc}")
     if args.sink < 0 or args.recent < 0 or args.seq_len < 2 or args.eval_tokens < args.seq_len:

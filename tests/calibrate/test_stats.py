@@ -98,6 +98,9 @@ def test_statistics_equal_direct_float64(family, tokenizer, tmp_path):
         kd = k.double()
         torch.testing.assert_close(st.sums["k_sum"][lid], torch.einsum("thd,the->hde", kd, kd), rtol=1e-10, atol=1e-10)
         assert st.sums["q_sum"][lid].dtype == torch.float64
+        mk, mv = st.means(lid)
+        torch.testing.assert_close(mk, kd.mean(0), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(mv, v.double().mean(0), rtol=1e-10, atol=1e-12)
 
 
 def test_latent_statistics_equal_direct_float64(tokenizer, tmp_path):
@@ -262,3 +265,43 @@ def test_spectrum_of_planted_second_moments():
     assert abs(r["q_eff_dim"] - d / (1 + d / n)) > 0.03 * d
     assert 1.0 / d < r["q_top1"] < 2.0 / d
     assert r["k_top1_max"] >= r["k_top1"]
+
+
+def test_centred_fits_carry_the_calibration_means(tokenizer, tmp_path):
+    """fit_rotations(center=True) stores the per-kv-head K / V means of the captured rows for every
+    method; perhead-kv then diagonalises the centred second moment; statistics written before the
+    first moments were recorded are refused with the fix."""
+    model = build_model("qwen3")
+    prompts = _prompts(tokenizer)
+    path = str(tmp_path / "s.safetensors")
+    st = calibrate_model(model, prompts, path, progress=False)
+    raw = _raw_rows(model, prompts)
+    for method in ("hadamard", "oscar", "oscar-perhead", "perhead-kv"):
+        rs = fit_rotations(st, method, min_tokens=100, center=True)
+        assert rs.centered and rs.metadata["centered"] is True
+        plain = fit_rotations(st, method, min_tokens=100)
+        assert not plain.centered
+        for lid, (_, k, v) in raw.items():
+            torch.testing.assert_close(rs.mean(lid, "k").double(), k.double().mean(0), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(rs.mean(lid, "v").double(), v.double().mean(0), rtol=1e-5, atol=1e-6)
+            if method != "perhead-kv":  # the other objectives do not depend on the means
+                torch.testing.assert_close(rs.matrices(lid, "k"), plain.matrices(lid, "k"), rtol=0, atol=0)
+    rs = fit_rotations(st, "perhead-kv", min_tokens=100, center=True)
+    h = _sylvester(32)
+    for lid, (_, k, _) in raw.items():
+        for head in range(2):
+            x = k[:, head].double()
+            x = x - x.mean(0)
+            cov = x.T @ x / x.shape[0]
+            u = rs.matrices(lid, "k")[head].double() @ h.T
+            lam = torch.linalg.eigvalsh(cov).flip(0)
+            torch.testing.assert_close(torch.diagonal(u.T @ cov @ u), lam, rtol=1e-4, atol=1e-6)
+    # a file without the first moments (written before centering existed)
+    old = CalibrationStats.load(path)
+    for name in ("k_lin", "v_lin"):
+        old.sums[name].clear()
+    old.save(str(tmp_path / "old.safetensors"))
+    old = CalibrationStats.load(str(tmp_path / "old.safetensors"))
+    fit_rotations(old, "oscar", min_tokens=100)  # uncentred fits still work
+    with pytest.raises(CalibrationError, match="predates centering.*sglang-oscar calibrate"):
+        fit_rotations(old, "oscar", min_tokens=100, center=True)

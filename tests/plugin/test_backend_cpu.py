@@ -55,7 +55,7 @@ def _layer():
 class Served:
     """One INT2 pool + backend (one layer) and a slot allocator handing out increasing slots."""
 
-    def __init__(self, config, rk, rv, sink_rows=None, max_reqs=4, slots=512):
+    def __init__(self, config, rk, rv, sink_rows=None, max_reqs=4, slots=512, mk=None, mv=None):
         self.pool = OscarMHATokenToKVPool(
             slots, page_size=1, dtype=torch.uint8, head_num=HKV, head_dim=D, v_head_dim=D, layer_num=1,
             device="cpu", enable_memory_saver=False, enable_alt_stream=False, oscar_config=config,
@@ -64,6 +64,7 @@ class Served:
         be = object.__new__(OscarTritonAttnBackend)
         be.pool, be.windows, be.layout, be.config = self.pool, self.pool.windows, self.pool.layout, config
         be.rotations = {0: (rk, rv)}
+        be.means = {0: (mk, mv)}
         be._hp_rows = None
         be._missed_seen = 0
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
@@ -238,3 +239,38 @@ def test_pool_refuses_bf16_access_and_reports_true_sizes(setup):
     k_bytes, v_bytes = pool.get_kv_size_bytes()
     hp_rows = pool.windows.num_rows
     assert k_bytes == 513 * HKV * 24 + hp_rows * HKV * D * 2 == v_bytes
+
+
+def test_centred_rotation_matches_the_centred_oracle(setup):
+    """A centred rotation set: the pool holds (x - mean) R, the output gets mean_v back; prefill and
+    decode match the oracle with the same means, and a logit-capped layer is refused."""
+    seq, config, rk, rv = setup
+    gen = torch.Generator().manual_seed(11)
+    # keys / values with a static offset, as the means of a real model's keys carry
+    q, k, v = seq
+    k_off = (8.0 * torch.randn(HKV, D, generator=gen)).bfloat16()
+    v_off = (4.0 * torch.randn(HKV, D, generator=gen)).bfloat16()
+    seq = (q, k + k_off, v + v_off)
+    mk, mv = k_off.float() + 0.1, v_off.float() - 0.1  # calibration means are never exact
+    sv = Served(config, rk, rv, mk=mk, mv=mv)
+
+    def oracle(start, end, mode):
+        return oscar_attention(seq[0][start:end].float(), seq[1][:end].float(), seq[2][:end].float(), rk, rv,
+                               config, q_positions=torch.arange(start, end), window_mode=mode, sm_scale=D ** -0.5,
+                               k_mean=mk, v_mean=mv)
+
+    o = sv.extend(1, seq, 0, 40)
+    assert _rel(o, oracle(0, 40, "extend")) < 1e-2
+    for pos in range(40, 46):
+        assert _rel(sv.decode(1, seq, pos), oracle(pos, pos + 1, "decode")) < 1e-2, pos
+    # the uncentred oracle is a different cache (the offsets widen every row's range)
+    assert _rel(o, _oracle(seq, config, rk, rv, 0, 40, "extend")) > 2 * _rel(o, oracle(0, 40, "extend"))
+    from sglang_oscar.quant.int2 import quantize_rows
+    kc, _, _, _, _, _ = sv.pool.int2_buffers(0)
+    k_rot = torch.einsum("thd,hde->the", seq[1][:46].float() - mk, rk).bfloat16()
+    slots = sv.r2t[1, :46].long()
+    assert torch.equal(kc[slots], quantize_rows(k_rot, **config.quant_kwargs("k")).codes)
+    capped = _layer()
+    capped.logit_cap = 30.0
+    with pytest.raises(NotImplementedError, match="centres the keys"):
+        sv.be._check_layer(capped, None, None)

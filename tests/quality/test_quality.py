@@ -24,7 +24,8 @@ QUALITY_ARGS = ["--seq-len", SEQ, "--calib-tokens", 2048, "--eval-tokens", 512, 
                 "--no-progress"]
 ROWS = ["bf16", "bf16-oracle", "naive-int2", "kivi-g16", "kivi-g8", "hadamard", "hadamard+win", "oscar-layer",
         "oscar-layer+win", "oscar-layer+lm", "oscar-layer+lm+win", "oscar-head", "oscar-head+win", "oscar-head+lm",
-        "oscar-head+lm+win", "kvcov-head", "kvcov-head+win"]
+        "oscar-head+lm+win", "kvcov-head", "kvcov-head+win", "hadamard+c", "hadamard+c+win", "oscar-layer+c",
+        "oscar-layer+c+win", "oscar-head+c", "oscar-head+c+win", "kvcov-head+c", "kvcov-head+c+win"]
 
 
 def _write_jsonl(path, docs):
@@ -118,7 +119,14 @@ def test_rows_and_bf16(report, random_ckpt):
         assert f"| {lid} | {r['q_top1']:.3f} | {r['q_eff_dim']:.1f} |" in spec_md
     assert {p.name for p in (res / "work").iterdir()} >= {"stats.safetensors", "rot_oscar.safetensors",
                                                           "rot_oscar-perhead.safetensors",
-                                                          "rot_perhead-kv.safetensors"}
+                                                          "rot_perhead-kv.safetensors",
+                                                          "rot_oscar_centred.safetensors"}
+    # centering costs no bits (the means are per-layer constants) and changes the cache
+    for name in ("hadamard", "oscar-layer", "oscar-head", "kvcov-head"):
+        for win in ("", "+win"):
+            plain, centred = rows[name + win], rows[name + "+c" + win]
+            assert centred["bits_128k"] == plain["bits_128k"] and centred["bits_eval"] == plain["bits_eval"]
+            assert centred["error_db"] != plain["error_db"]
 
 
 def test_error_ordering(report):

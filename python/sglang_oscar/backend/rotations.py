@@ -108,3 +108,20 @@ def rank_rotations(rs: RotationSet, geometry: ModelGeometry, tp_rank: int, tp_si
         out[lid] = (rk.to(device=device, dtype=torch.float32).contiguous(),
                     rv.to(device=device, dtype=torch.float32).contiguous())
     return out
+
+
+def rank_means(rs: RotationSet, geometry: ModelGeometry, tp_rank: int, tp_size: int, device,
+               layer_ids) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per global layer id: the centering means ``(mean_k, mean_v)`` of this rank's kv heads, fp32
+    ``[H_kv_local, D]`` on ``device``, ``None`` for a side the set does not centre
+    (:attr:`RotationSet.k_mean`; sliced like per-head rotations, :meth:`RotationSet.for_tp_rank`)."""
+    heads = {layer.layer_id: layer.num_kv_heads for layer in geometry.layers}
+    local = rs.for_tp_rank(tp_rank, tp_size, heads)
+    out = {}
+    for lid in layer_ids:
+        pair = []
+        for which in ("k", "v"):
+            m = local.mean(lid, which)
+            pair.append(None if m is None else m.to(device=device, dtype=torch.float32).contiguous())
+        out[lid] = (pair[0], pair[1])
+    return out

@@ -6,7 +6,8 @@ the two forward paths:
 * rotate per layer and kv head -- ``q R_k`` (fp32), ``k R_k`` and ``v R_v`` (fp32, rounded to
   the model dtype as the oracle's HP tier) -- write the rotated K/V into the pool (INT2 at the
   allocated slot, plus a BF16 copy for sink/recent positions), run the INT2 kernels, and return
-  ``o R_v^T``;
+  ``o R_v^T``; with a centred rotation set the rows are ``(k - mean_k) R_k`` / ``(v - mean_v) R_v``
+  and the output ``o R_v^T + mean_v`` (the key mean shifts a query's scores by a constant);
 * decode reads ``[BF16 sink | INT2 middle | BF16 recent]`` (window mode ``"decode"``), extend
   reads the sink in BF16 and everything else, the chunk itself included, through INT2 (window
   mode ``"extend"``), so a prompt's logits do not depend on chunking or on radix reuse.
@@ -26,19 +27,25 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels import decode_attention, extend_attention
 from ..pool.int2_pool import OscarMHATokenToKVPool
-from .rotations import model_geometry, rank_rotations, served_rotation_set
+from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
 
 logger = logging.getLogger("sglang_oscar")
 
 
-def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
-    """``x [T, H, D]`` times ``r [H_kv, D, D]`` per kv head (GQA: head ``h`` uses ``h // (H/H_kv)``),
-    in fp32, cast to ``out_dtype``."""
+def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False,
+            sub_mean: torch.Tensor | None = None, add_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x - sub_mean) r`` (or ``x r^T + add_mean``) of ``x [T, H, D]`` per kv head with ``r [H_kv, D, D]``
+    (GQA: head ``h`` uses ``h // (H/H_kv)``; means ``[H_kv, D]`` or ``None``), in fp32, cast to ``out_dtype``."""
     t, h, d = x.shape
     hkv = r.shape[0]
     xv = x.float().reshape(t, hkv, h // hkv, d)
+    if sub_mean is not None:
+        xv = xv - sub_mean[None, :, None, :]
     eq = "tkgd,ked->tkge" if transpose else "tkgd,kde->tkge"
-    return torch.einsum(eq, xv, r).reshape(t, h, r.shape[-1]).to(out_dtype)
+    y = torch.einsum(eq, xv, r)
+    if add_mean is not None:
+        y = y + add_mean[None, :, None, :]
+    return y.reshape(t, h, r.shape[-1]).to(out_dtype)
 
 
 def decode_tuning(config) -> dict | None:
@@ -76,6 +83,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                      if pool.start_layer <= layer.layer_id <= pool.end_layer]
         self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,
                                         layer_ids)
+        self.means = rank_means(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device, layer_ids)
         self._hp_rows = None
         self._missed_seen = 0
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -144,6 +152,15 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         if layer.logit_cap and getattr(layer, "logit_capping_method", "tanh") != "tanh":
             raise NotImplementedError(f"--kv-cache-dtype int2 supports only tanh logit capping, "
                                       f"not {layer.logit_capping_method!r}")
+        if layer.logit_cap and self._mean(layer.layer_id)[0] is not None:
+            raise NotImplementedError(
+                f"layer {layer.layer_id} caps its logits (logit_cap {layer.logit_cap}) but the rotation file "
+                f"{self.config.rotation_path} centres the keys (k_mean), which shifts the scores before the cap: "
+                "refit the rotation without --center for this model")
+
+    def _mean(self, layer_id: int):
+        """``(mean_k, mean_v)`` of a layer (``None`` each when the rotation set is not centred)."""
+        return self.means[layer_id]
 
     def _prepare(self, q, k, v, layer, fb, save_kv_cache):
         if k is None or v is None:
@@ -151,11 +168,12 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         hq, hkv = layer.tp_q_head_num, layer.tp_k_head_num
         dk, dv = layer.qk_head_dim, layer.v_head_dim
         rk, rv = self.rotations[layer.layer_id]
+        mk, mv = self._mean(layer.layer_id)
         q_rot = _rotate(q.reshape(-1, hq, dk), rk, torch.float32)
         if save_kv_cache:
             hp = self.pool.hp_dtype
-            k_rot = _rotate(k.reshape(-1, hkv, dk), rk, hp)
-            v_rot = _rotate(v.reshape(-1, hkv, dv), rv, hp)
+            k_rot = _rotate(k.reshape(-1, hkv, dk), rk, hp, sub_mean=mk)
+            v_rot = _rotate(v.reshape(-1, hkv, dv), rv, hp, sub_mean=mv)
             self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
         return q_rot, rv
 
@@ -174,7 +192,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             logit_cap=layer.logit_cap or None, out_dtype=torch.float32, max_seq_len=self.max_context_len,
             sink_lens=self.windows.sink_lens, validate=False, tuning=self._decode_tuning,
         )
-        return _rotate(o, rv, q.dtype, transpose=True).reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1]).reshape(
+            bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
@@ -190,4 +209,5 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             max_extend_len=md.max_extend_len, sm_scale=layer.scaling, logit_cap=layer.logit_cap or None,
             out_dtype=torch.float32, sink_lens=self.windows.sink_lens,
         )
-        return _rotate(o, rv, q.dtype, transpose=True).reshape(q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1]).reshape(
+            q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)

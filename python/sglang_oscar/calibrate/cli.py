@@ -52,6 +52,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latent-block", type=int, default=None,
                    help="MLA: Hadamard block of latent rotations, a power of two dividing kv_lora_rank (default: group size or 128)")
     p.add_argument("--upstream-dir", help="MLA: also write the upstream layer_<id>.pt directory")
+    p.add_argument("--center", action="store_true",
+                   help="MHA/GQA: also store the per-kv-head key and value means; the cache then holds (x - mean) R "
+                        "(needs --stats; not for soft-capped models)")
     _allow_other_model_arg(p)
     p.set_defaults(func=_fit)
 
@@ -299,6 +302,8 @@ def _fit(args) -> int:
         fingerprint = config_fingerprint(cfg, name)
     if args.stats:
         stats = CalibrationStats.load(args.stats)
+    elif args.center:
+        raise CalibrationError("--center needs --stats: the key and value means come from the calibration statistics")
     elif method in ("hadamard", "identity") and geometry is not None:
         stats = CalibrationStats(geometry, {"path": None})
     else:
@@ -320,7 +325,7 @@ def _fit(args) -> int:
         block = (recipe.quant.group_size if recipe is not None else None) or 128
     min_tokens = args.min_tokens if args.min_tokens is not None else DEFAULT_MIN_TOKENS
     rs = fit_rotations(stats, method, min_tokens=min_tokens, latent_block=block, geometry=geometry,
-                       fingerprint=fingerprint, allow_other_model=args.allow_other_model)
+                       fingerprint=fingerprint, allow_other_model=args.allow_other_model, center=args.center)
     if recipe is not None:
         rs.metadata["recipe"] = str(recipe.path)
         rs.metadata["quantizer"] = settings(oscar_config(recipe))
@@ -335,7 +340,8 @@ def _fit(args) -> int:
             raise CalibrationError("--upstream-dir applies to MLA latent rotations only")
         rs.save_upstream_dir(args.upstream_dir)
     print(json.dumps({**written, "method": method, "layers": len(rs.layer_ids), "model_type": stats.geometry.model_type,
-                      "kind": "latent" if hasattr(rs, "save_upstream_dir") else f"kv_v{rs.format_version}"}))
+                      "kind": "latent" if hasattr(rs, "save_upstream_dir") else f"kv_v{rs.format_version}",
+                      "centered": bool(getattr(rs, "centered", False))}))
     return 0
 
 

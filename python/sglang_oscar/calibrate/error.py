@@ -130,8 +130,7 @@ def functional_error(
                 elif mla:
                     out = mla_output(call, b, c, caches[name].get(lid, "latent", exact.device), config, window_mode)
                 else:
-                    r = caches[name]
-                    out = mha_output(call, b, r.get(lid, "k", exact.device), r.get(lid, "v", exact.device), config, window_mode)
+                    out = caches[name].mha(call, b, config, window_mode)
                 num[lid][name] += energies(out, exact)[0]
             reads["low"] += low_reads(t, config, window_mode, call.sliding_window)
             reads["total"] += low_reads(t, OscarConfig(sink_tokens=0, recent_tokens=0), "extend", call.sliding_window)

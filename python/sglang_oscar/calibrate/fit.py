@@ -15,6 +15,13 @@ Methods (MHA/GQA models, :class:`..rotation.RotationSet`):
   format_version 2.
 * ``hadamard`` / ``identity``: data-free (:meth:`RotationSet.data_free`).
 
+``center=True`` (MHA/GQA, any method; needs pass-1 statistics with first moments) adds the
+per-kv-head means of the post-RoPE keys and of the values (``RotationSet.k_mean`` / ``v_mean``):
+the cache stores ``(x - mean) R``, which removes each row's static offset from the range the INT2
+step has to cover. ``perhead-kv`` then diagonalises the centred second moments
+``K_h^T K_h / T - mu mu^T``; ``oscar``'s objectives are unchanged (the query covariance does not
+depend on the keys' mean; the score-weighted value moment stays uncentred).
+
 MLA models (:class:`..rotation.latent.LatentRotationSet`): ``oscar`` = ``U P Hblock`` of the
 latent second moment (spec §3.5), ``hadamard`` (block Hadamard), ``identity``.
 
@@ -25,6 +32,7 @@ against the statistics' geometry before it is written.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -83,6 +91,7 @@ def fit_rotations(
     geometry: ModelGeometry | None = None,
     fingerprint: dict[str, Any] | None = None,
     allow_other_model: bool = False,
+    center: bool = False,
 ) -> RotationSet | LatentRotationSet:
     """Fit a validated rotation set from statistics.
 
@@ -95,27 +104,34 @@ def fit_rotations(
         geometry: the target model's geometry; statistics of another geometry are refused.
         fingerprint: the target model's :func:`.model.config_fingerprint`; statistics of another
             model (same geometry) are refused unless ``allow_other_model``.
+        center: add the key / value centering means (module docstring).
 
     The rotation's metadata records ``model_fingerprint``: ``fingerprint`` if given, else the
     statistics' (``error``/``ppl``/``validate-rotation`` compare it with the model they use).
 
     Raises:
-        CalibrationError: unknown method, incomplete/too small/foreign statistics, invalid latent block.
+        CalibrationError: unknown method, incomplete/too small/foreign statistics, invalid latent block,
+            ``center`` for an MLA model or with statistics that have no first moments.
         RotationError: the fitted set does not validate.
     """
     if method not in FIT_METHODS:
         raise CalibrationError(f"unknown method {method!r}; choose from {', '.join(FIT_METHODS)}")
     fitted = method in FITTED_METHODS
+    if center and stats.geometry.attention_kind == "mla":
+        raise CalibrationError("--center applies to MHA/GQA K/V rotations; MLA latents are not centred")
     if geometry is not None:
         stats.check_model(geometry, fingerprint=fingerprint, allow_other_model=allow_other_model)
     geo = stats.geometry
-    if fitted:
+    if fitted or center:
         stats.check_complete()
         check_min_tokens(stats, min_tokens)
+    means = {lid: stats.means(lid) for lid in geo.layer_ids} if center else {}
     meta_common = {"method": method, "model_type": geo.model_type, "geometry": geo.to_dict(),
                    "model_fingerprint": fingerprint or stats.fingerprint}
-    if fitted:
+    if fitted or center:
         meta_common["calibration"] = _provenance(stats)
+    if center:
+        meta_common["centered"] = True
 
     if geo.attention_kind == "mla":
         if method in ("oscar-perhead", "perhead-kv"):
@@ -139,14 +155,22 @@ def fit_rotations(
     if not fitted:
         rs = RotationSet.data_free(geo, method)
         rs.metadata.update(meta_common)
+        if center:  # replace() re-runs the checks of __post_init__ on the means
+            rs = dataclasses.replace(rs, k_mean={lid: m[0].float() for lid, m in means.items()},
+                                     v_mean={lid: m[1].float() for lid, m in means.items()})
         rs.validate(geo)
         return rs
     k, v, ke, ve = {}, {}, {}, {}
     if method == "perhead-kv":
         for lid in geo.layer_ids:
             n = stats.tokens_per_layer(1)[lid]
-            k[lid], ke[lid] = perhead_kv_rotations(stats.sums["k_sum"][lid] / n)
-            v[lid], ve[lid] = perhead_kv_rotations(stats.sums["v_sum"][lid] / n)
+            kc, vc = stats.sums["k_sum"][lid] / n, stats.sums["v_sum"][lid] / n
+            if center:
+                mk, mv = means[lid]
+                kc = kc - mk[:, :, None] * mk[:, None, :]
+                vc = vc - mv[:, :, None] * mv[:, None, :]
+            k[lid], ke[lid] = perhead_kv_rotations(kc)
+            v[lid], ve[lid] = perhead_kv_rotations(vc)
         meta = {**meta_common, "objective": "cov_eig_hadamard_perhead", "composition": "u_desc_h",
                 "source_grouping": "per_kv_head"}
     else:
@@ -156,7 +180,9 @@ def fit_rotations(
             v[lid], ve[lid] = rotations_from_covariances(stats.value_covariance(lid), per_head)
         meta = {**meta_common, "objective": "qqt_sst", "composition": "r_h_pbr",
                 "source_grouping": "per_kv_head" if per_head else "layer"}
-    rs = RotationSet(k, v, meta, {i: t.float() for i, t in ke.items()}, {i: t.float() for i, t in ve.items()})
+    rs = RotationSet(k, v, meta, {i: t.float() for i, t in ke.items()}, {i: t.float() for i, t in ve.items()},
+                     k_mean={lid: m[0].float() for lid, m in means.items()},
+                     v_mean={lid: m[1].float() for lid, m in means.items()})
     rs.validate(geo)
     return rs
 

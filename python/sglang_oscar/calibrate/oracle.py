@@ -50,6 +50,22 @@ class RotationCache:
             self._cache[key] = t.to(device=device, dtype=torch.float32)
         return self._cache[key]
 
+    def mean(self, layer_id: int, which: str, device) -> torch.Tensor | None:
+        """Float32 ``[H_kv, D]`` centering mean of ``layer_id`` (``which`` ``"k"``/``"v"``) on
+        ``device``, ``None`` when the set does not centre that side; cached."""
+        key = (layer_id, f"{which}_mean", str(device))
+        if key not in self._cache:
+            m = self.rs.mean(layer_id, which)
+            self._cache[key] = None if m is None else m.to(device=device, dtype=torch.float32)
+        return self._cache[key]
+
+    def mha(self, call: AttentionCall, b: int, config: OscarConfig, window_mode: str,
+            quantize: bool = True) -> torch.Tensor:
+        """:func:`mha_output` of batch row ``b`` with this set's rotations and centering means."""
+        lid, dev = call.layer_id, call.query.device
+        return mha_output(call, b, self.get(lid, "k", dev), self.get(lid, "v", dev), config, window_mode,
+                          quantize=quantize, k_mean=self.mean(lid, "k", dev), v_mean=self.mean(lid, "v", dev))
+
 
 @functools.lru_cache(maxsize=64)
 def _low_reads_cpu(t: int, sink: int, recent: int, window_mode: str, sliding_window: int | None) -> int:
@@ -114,8 +130,10 @@ def low_reads(t: int, config: OscarConfig, window_mode: str, sliding_window: int
 
 
 def mha_output(call: AttentionCall, b: int, rk: torch.Tensor | None, rv: torch.Tensor | None, config: OscarConfig,
-               window_mode: str, quantize: bool = True) -> torch.Tensor:
+               window_mode: str, quantize: bool = True, k_mean: torch.Tensor | None = None,
+               v_mean: torch.Tensor | None = None) -> torch.Tensor:
     """Oracle output ``[T, H_q, D_v]`` (fp32) of batch row ``b``; ``rk=None`` -> exact fp32 attention.
+    ``k_mean`` / ``v_mean``: optional ``[H_kv, D]`` centering (:func:`..reference.oscar_attention`).
 
     Raises:
         CalibrationError: the call's sparse attention drops keys (:func:`check_dense`).
@@ -127,7 +145,8 @@ def mha_output(call: AttentionCall, b: int, rk: torch.Tensor | None, rv: torch.T
         return plain_attention(q, k, v, q_positions=pos, sliding_window=call.sliding_window,
                                logit_cap=call.softcap, sm_scale=call.scaling)
     return oscar_attention(q, k, v, rk, rv, config, q_positions=pos, sliding_window=call.sliding_window,
-                           logit_cap=call.softcap, sm_scale=call.scaling, quantize=quantize, window_mode=window_mode)
+                           logit_cap=call.softcap, sm_scale=call.scaling, quantize=quantize, window_mode=window_mode,
+                           k_mean=k_mean, v_mean=v_mean)
 
 
 def latent_fake_quant(c: torch.Tensor, r: torch.Tensor, config: OscarConfig, hp_dtype=torch.bfloat16) -> torch.Tensor:

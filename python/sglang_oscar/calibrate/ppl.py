@@ -30,7 +30,7 @@ from ..rotation.latent import LatentRotationSet
 from . import CalibrationError
 from .fit import check_rotation
 from .model import config_fingerprint, geometry_of, input_device
-from .oracle import (OutputFn, RotationCache, check_window_mode, low_reads, mha_output, mla_output, oracle_capture,
+from .oracle import (OutputFn, RotationCache, check_window_mode, low_reads, mla_output, oracle_capture,
                      settings)
 from .prompts import PromptSet
 
@@ -109,7 +109,7 @@ def perplexity(
             elif mla:
                 o = mla_output(call, b, latents[call.layer_id][b], cache.get(call.layer_id, "latent", dev), config, window_mode)
             else:
-                o = mha_output(call, b, cache.get(call.layer_id, "k", dev), cache.get(call.layer_id, "v", dev), config, window_mode)
+                o = cache.mha(call, b, config, window_mode)
             outs.append(o)
         return torch.stack(outs).to(call.query.dtype)
 

@@ -28,7 +28,12 @@ Variants (:func:`build_variants`):
   no permutation), uniform, without / with windows. Descending order puts the dominant direction
   on the Hadamard's all-ones row, so a row's component along it becomes a constant, which the
   per-row zero point absorbs (exactly without clipping; nearly with the symmetric clip, whose
-  threshold moves with the offset).
+  threshold moves with the offset);
+* ``<rotation>+c[+win]`` (``hadamard``, ``oscar-layer``, ``oscar-head``, ``kvcov-head``; uniform):
+  the same rotation with key / value centering (:func:`.fit.fit_rotations` ``center=True``: the
+  calibration documents' per-kv-head means of the post-RoPE keys and of the values are subtracted
+  before the rotation; the key mean only shifts each query's scores by a constant, the value mean
+  is added back to the output). The means are per-layer constants: no bits per element.
 
 Sequences (:func:`select_prompt_set`): calibration sequences come from ``calib.jsonl`` (train
 split), evaluation sequences from ``heldout.jsonl`` (held-out split), each chosen by
@@ -66,7 +71,7 @@ from ..reference.attention import attend
 from ..rotation import RotationSet
 from . import CalibrationError
 from .capture import AttentionCall
-from .oracle import OutputFn, RotationCache, check_dense, low_reads, mha_output
+from .oracle import OutputFn, RotationCache, check_dense, low_reads
 from .prompts import parse_jsonl
 
 LONG_CONTEXT = 131072
@@ -189,13 +194,11 @@ def kivi_output(residual: int, key_group: int, value_group: int | None = None, s
 
 def oscar_output(rotation: RotationSet, config: OscarConfig, window_mode: str = "decode", quantize: bool = True) -> OutputFn:
     """Output function of the OSCAR INT2 cache with ``rotation`` and ``config`` (the oracle,
-    :func:`.oracle.mha_output`); ``quantize=False`` reads every row from the BF16 tier."""
+    :meth:`.oracle.RotationCache.mha`); ``quantize=False`` reads every row from the BF16 tier."""
     cache = RotationCache(rotation)
 
     def fn(call: AttentionCall, b: int) -> torch.Tensor:
-        dev = call.query.device
-        return mha_output(call, b, cache.get(call.layer_id, "k", dev), cache.get(call.layer_id, "v", dev), config,
-                          window_mode, quantize=quantize)
+        return cache.mha(call, b, config, window_mode, quantize=quantize)
 
     return fn
 
@@ -229,8 +232,8 @@ def build_variants(geometry, rotations: dict[str, RotationSet], settings: Qualit
     Args:
         geometry: the model's :class:`..rotation.geometry.ModelGeometry` (MHA/GQA).
         rotations: fitted sets ``{"oscar": per-layer set, "oscar-perhead": per-head set,
-            "perhead-kv": per-head K/V-covariance set}`` (any may be missing; its rows are then
-            left out).
+            "perhead-kv": per-head K/V-covariance set}`` and their centred versions under the same
+            names + ``"+c"`` (``"hadamard+c"`` too); any may be missing (its rows are then left out).
         settings: :class:`QualitySettings`.
 
     Raises:
@@ -284,7 +287,17 @@ def build_variants(geometry, rotations: dict[str, RotationSet], settings: Qualit
     if "perhead-kv" in rotations:
         fmt_rows("kvcov-head", "K/V covariance per kv head (upstream per-head recipe)", rotations["perhead-kv"],
                  ("uniform",))
+    for prefix, key, label in CENTRED_ROWS:
+        if key in rotations:
+            fmt_rows(prefix, label, rotations[key], ("uniform",))
     return rows
+
+
+#: centred rows of the table: (row prefix, rotation name in ``build_variants``' ``rotations``, label)
+CENTRED_ROWS = (("hadamard+c", "hadamard+c", "Hadamard + calibrated K/V means"),
+                ("oscar-layer+c", "oscar+c", "OSCAR per layer + K/V means"),
+                ("oscar-head+c", "oscar-perhead+c", "OSCAR per kv head + K/V means"),
+                ("kvcov-head+c", "perhead-kv+c", "K/V covariance per kv head, centred, + K/V means"))
 
 
 # ----------------------------------------------------------------------------- disjointness
@@ -428,6 +441,10 @@ def quality_report(
         rs = fit_rotations(stats, method, min_tokens=settings.min_tokens)
         rs.save(os.path.join(work_dir, f"rot_{method}.safetensors"))
         rotations[method] = rs
+    for method in ("hadamard", "oscar", "oscar-perhead", "perhead-kv"):
+        rs = fit_rotations(stats, method, min_tokens=settings.min_tokens, center=True)
+        rs.save(os.path.join(work_dir, f"rot_{method}_centred.safetensors"))
+        rotations[f"{method}+c"] = rs
     rows = build_variants(geometry, rotations, settings)
     if variants is not None:
         unknown = sorted(set(variants) - {v.name for v in rows})

@@ -5,7 +5,8 @@ head, ``Q_h`` its query heads, rows are post-RoPE):
 
 * pass 1: ``Q_sum[h] = sum_{t, i in Q_h} q_{t,i}^T q_{t,i}`` with ``rows = T g``
   (:func:`..rotation.fit.query_second_moment_sums`), and the raw second moments
-  ``K_sum[h] = sum_t k_{t,h}^T k_{t,h}``, ``V_sum[h] = sum_t v_{t,h}^T v_{t,h}``;
+  ``K_sum[h] = sum_t k_{t,h}^T k_{t,h}``, ``V_sum[h] = sum_t v_{t,h}^T v_{t,h}``, and the first
+  moments ``K_lin[h] = sum_t k_{t,h}``, ``V_lin[h] = sum_t v_{t,h}`` (centering means);
 * pass 2 (needs the *final* ``C_h = Q_sum[h] / rows``): ``w_{t,h} = k_{t,h} C_h k_{t,h}^T``,
   ``VW_sum[h] = sum_t w_{t,h} v_{t,h}^T v_{t,h}``, ``W_sum[h] = sum_t w_{t,h}``
   (:func:`..rotation.fit.value_weighted_sums`), so ``S_h = VW_sum[h] / W_sum[h]``.
@@ -16,7 +17,8 @@ Accumulators live on the device of the captured rows (bounded memory: ``O(H_kv D
 layer, never the rows themselves) and are moved to the CPU when saved.
 
 File: safetensors with float64 tensors ``q_sum.<l>``, ``k_sum.<l>``, ``v_sum.<l>``,
-``v_wsum.<l>``, ``w_sum.<l>`` (MHA) or ``c_sum.<l>`` (MLA), and the JSON metadata key
+``v_wsum.<l>``, ``w_sum.<l>``, ``k_lin.<l>``, ``v_lin.<l>`` (MHA; files written before the first
+moments lack ``*_lin`` and serve every fit except the centred ones) or ``c_sum.<l>`` (MLA), and the JSON metadata key
 ``oscar_stats``: ``format``, ``format_version``, ``geometry``, ``model`` (id/path, model_type,
 dtype, config, ``fingerprint``: :func:`.model.config_fingerprint`), ``prompts`` (source,
 sha256, tokens, seed, per-sequence hashes, ...), ``tokens_per_layer`` per pass, ``q_rows``,
@@ -41,7 +43,7 @@ from . import CalibrationError
 STATS_FORMAT = "sglang-oscar-stats"
 STATS_VERSION = 1
 META_KEY = "oscar_stats"
-_MHA_TENSORS = ("q_sum", "k_sum", "v_sum", "v_wsum", "w_sum")
+_MHA_TENSORS = ("q_sum", "k_sum", "v_sum", "v_wsum", "w_sum", "k_lin", "v_lin")
 
 
 class CalibrationStats:
@@ -113,8 +115,29 @@ class CalibrationStats:
         self._add("q_sum", layer_id, qs)
         self._add("k_sum", layer_id, torch.einsum("thd,the->hde", kd, kd))
         self._add("v_sum", layer_id, torch.einsum("thd,the->hde", vd, vd))
+        self._add("k_lin", layer_id, kd.sum(0))
+        self._add("v_lin", layer_id, vd.sum(0))
         self.q_rows[layer_id] = self.q_rows.get(layer_id, 0) + rows
         self.tokens[1][layer_id] = self.tokens[1].get(layer_id, 0) + k.shape[0]
+
+    def means(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-kv-head means of the post-RoPE keys and of the values over the pass-1 tokens:
+        float64 ``([H_kv, D_k], [H_kv, D_v])`` = ``K_lin[h] / T``, ``V_lin[h] / T`` (the centering of
+        ``RotationSet.k_mean`` / ``v_mean``).
+
+        Raises:
+            CalibrationError: no pass-1 tokens for the layer, or statistics written before first
+                moments were recorded (recollect them with ``sglang-oscar calibrate``).
+        """
+        n = self.tokens[1].get(layer_id, 0)
+        if n == 0:
+            raise CalibrationError(f"layer {layer_id}: no pass-1 statistics")
+        if layer_id not in self.sums["k_lin"] or layer_id not in self.sums["v_lin"]:
+            raise CalibrationError(
+                f"{self.meta.get('path', 'statistics')}: layer {layer_id} has no first moments (k_lin / v_lin): the file "
+                "predates centering support; rerun `sglang-oscar calibrate` into a new work directory to fit centred rotations"
+            )
+        return self.sums["k_lin"][layer_id] / n, self.sums["v_lin"][layer_id] / n
 
     def query_covariance(self, layer_id: int) -> torch.Tensor:
         """``C_h = Q_sum[h] / rows`` (float64 ``[H_kv, D, D]``) from pass 1."""

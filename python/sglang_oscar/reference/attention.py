@@ -100,6 +100,23 @@ class ReferenceCache:
     v_deq: torch.Tensor
 
 
+def center_rows(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+    """``x - mean`` in fp32 (``x`` unchanged, as fp32, when ``mean`` is ``None``).
+
+    Args:
+        x: ``[T, H_kv, D]`` rows, any float dtype.
+        mean: ``[H_kv, D]`` per-kv-head mean (``RotationSet.k_mean`` / ``v_mean``) or ``None``.
+
+    Raises:
+        ValueError: ``mean`` is not ``[H_kv, D]`` for ``x``.
+    """
+    if mean is None:
+        return x.float()
+    if tuple(mean.shape) != tuple(x.shape[1:]):
+        raise ValueError(f"mean of shape {tuple(mean.shape)} does not match rows [T, H_kv, D] = {tuple(x.shape)}")
+    return x.float() - mean.to(device=x.device, dtype=torch.float32)
+
+
 def build_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -107,14 +124,18 @@ def build_cache(
     rotation_v: torch.Tensor,
     config: OscarConfig,
     hp_dtype: torch.dtype = torch.bfloat16,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> ReferenceCache:
-    """Rotate, round to HP and quantize the K/V rows of one layer.
+    """Centre (optional), rotate, round to HP and quantize the K/V rows of one layer:
+    ``bf16((x - mean) R)`` in both tiers.
 
     Args:
         k: ``[T, H_kv, D_k]`` post-RoPE keys; v: ``[T, H_kv, D_v]`` values.
         rotation_k, rotation_v: ``[D, D]`` or ``[H_kv, D, D]``.
         config: quantizer settings (group size, clip ratios, quantizer, scale dtype).
         hp_dtype: dtype of the BF16 tier.
+        k_mean, v_mean: optional ``[H_kv, D_k]`` / ``[H_kv, D_v]`` centering means (model frame).
 
     Raises:
         ValueError: shapes, group size or settings that the format does not support.
@@ -122,8 +143,8 @@ def build_cache(
     if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, H_kv, D] with equal T and H_kv")
     config.check_head_dims(k.shape[-1], v.shape[-1])
-    k_hp = rotate_rows(k, rotation_k, num_kv_heads=k.shape[1]).to(hp_dtype)
-    v_hp = rotate_rows(v, rotation_v, num_kv_heads=v.shape[1]).to(hp_dtype)
+    k_hp = rotate_rows(center_rows(k, k_mean), rotation_k, num_kv_heads=k.shape[1]).to(hp_dtype)
+    v_hp = rotate_rows(center_rows(v, v_mean), rotation_v, num_kv_heads=v.shape[1]).to(hp_dtype)
     kq = quantize_rows(k_hp, **config.quant_kwargs("k"))
     vq = quantize_rows(v_hp, **config.quant_kwargs("v"))
     return ReferenceCache(k_hp, v_hp, kq, vq, dequantize_rows(kq), dequantize_rows(vq))
@@ -251,8 +272,14 @@ def oscar_attention(
     counter_rotate: bool = True,
     hp_dtype: torch.dtype = torch.bfloat16,
     cache: ReferenceCache | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output of one layer with an OSCAR INT2 cache (the oracle).
+
+    With centering (``k_mean`` / ``v_mean``) both tiers hold ``(x - mean) R``: every score of a
+    query drops by the same ``q . k_mean``, which the softmax ignores (so a logit cap, which does
+    not, is refused), and ``v_mean`` is added back to the output (the probabilities sum to 1).
 
     Args:
         q: ``[Tq, H_q, D_k]`` post-RoPE queries at ``q_positions``.
@@ -268,14 +295,18 @@ def oscar_attention(
             (only the sink in HP; prefill/extend batches). See the module docstring.
         counter_rotate: return ``o R_v^T`` (model frame) instead of the rotated frame.
         hp_dtype: dtype of the HP tier (``torch.float32`` for exactness tests).
-        cache: a prebuilt :func:`build_cache` result to reuse.
+        cache: a prebuilt :func:`build_cache` result to reuse (built with the same means).
+        k_mean, v_mean: optional ``[H_kv, D_k]`` / ``[H_kv, D_v]`` centering means (model frame).
 
     Returns:
         fp32 ``[Tq, H_q, D_v]``.
 
     Raises:
-        ValueError: inconsistent shapes or settings.
+        ValueError: inconsistent shapes or settings; ``k_mean`` with a logit cap.
     """
+    if k_mean is not None and logit_cap:
+        raise ValueError("key centering (k_mean) shifts the scores by q . k_mean, which a logit cap does not "
+                         "ignore: use a rotation set without k_mean for soft-capped models")
     if q.dim() != 3:
         raise ValueError(f"q must be [Tq, H_q, D], got {tuple(q.shape)}")
     t = k.shape[0]
@@ -288,7 +319,7 @@ def oscar_attention(
     if q_positions.numel() != q.shape[0] or (q_positions.numel() and (int(q_positions.min()) < 0 or int(q_positions.max()) >= t)):
         raise ValueError(f"q_positions must be {q.shape[0]} positions in [0, {t})")
     if cache is None:
-        cache = build_cache(k, v, rotation_k, rotation_v, config, hp_dtype)
+        cache = build_cache(k, v, rotation_k, rotation_v, config, hp_dtype, k_mean=k_mean, v_mean=v_mean)
     q_rot = rotate_rows(q, rotation_k, num_kv_heads=k.shape[1])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     o = attend(
@@ -305,7 +336,18 @@ def oscar_attention(
         logit_cap=logit_cap,
         window_mode=window_mode,
     )
-    return rotate_rows(o, rotation_v, transpose=True, num_kv_heads=k.shape[1]) if counter_rotate else o
+    if v_mean is not None:
+        if tuple(v_mean.shape) != tuple(v.shape[1:]):
+            raise ValueError(f"v_mean of shape {tuple(v_mean.shape)} does not match values {tuple(v.shape)}")
+        mv = v_mean.to(device=v.device, dtype=torch.float32).unsqueeze(0)  # [1, H_kv, D_v]
+        if not counter_rotate:
+            mv = rotate_rows(mv, rotation_v, num_kv_heads=k.shape[1])
+        o_mean = mv[0].repeat_interleave(q.shape[1] // k.shape[1], dim=0)  # [H_q, D_v]
+    else:
+        o_mean = None
+    if counter_rotate:
+        o = rotate_rows(o, rotation_v, transpose=True, num_kv_heads=k.shape[1])
+    return o if o_mean is None else o + o_mean
 
 
 def plain_attention(

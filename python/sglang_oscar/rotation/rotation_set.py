@@ -4,7 +4,12 @@ File format (safetensors, docs/format.md):
 
 * tensors ``k.<layer_id>`` and ``v.<layer_id>``: float32 ``[D, D]`` (format_version 1, one
   matrix per layer) or ``[H_kv, D, D]`` (format_version 2, one per global kv head), keyed by
-  **global** layer id; optional ``k_eigvals.<layer_id>`` / ``v_eigvals.<layer_id>``.
+  **global** layer id; optional ``k_eigvals.<layer_id>`` / ``v_eigvals.<layer_id>``;
+* optional centering (every layer or none, for K and for V separately): ``k_mean.<layer_id>`` /
+  ``v_mean.<layer_id>``, float32 ``[H_kv, D]`` per-kv-head means of the post-RoPE keys / the values
+  in the model's frame. A centred cache stores ``(x - mean) R``; the key mean shifts every score
+  of a query by the same ``q . mean`` (softmax is unchanged; refused with a logit cap), the value
+  mean is added back to the attention output (``sum_j p_j = 1``).
 * metadata key ``"oscar"``: JSON with ``format_version``, ``model_type``, ``geometry``,
   ``method``, ``quantizer`` settings and ``calibration`` provenance.
 
@@ -50,6 +55,8 @@ class RotationSet:
         k, v: ``{global layer id: float32 [D, D] or [H_kv, D, D]}``.
         metadata: JSON-serialisable dict (see module docstring); ``format_version`` is derived.
         k_eigvals, v_eigvals: optional ``{layer id: [D] or [H_kv, D]}`` eigenvalues.
+        k_mean, v_mean: optional centering, ``{layer id: float32 [H_kv, D]}`` in the model's frame
+            (module docstring); empty = not centred.
         source: where it was loaded from (for error messages), or ``"<memory>"``.
     """
 
@@ -59,6 +66,8 @@ class RotationSet:
     k_eigvals: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     v_eigvals: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     source: str = "<memory>"
+    k_mean: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    v_mean: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for which, store in (("K", self.k), ("V", self.v)):
@@ -74,6 +83,23 @@ class RotationSet:
                 "K and V files must come from the same fit"
             )
         self.format_version  # validates uniform dimensionality
+        for which, store, rots in (("K", self.k_mean, self.k), ("V", self.v_mean, self.v)):
+            if store and sorted(store) != sorted(rots):
+                raise RotationError(
+                    f"{self.source}: {which} means cover layers {_ids(store)} but the rotations cover {_ids(rots)}; "
+                    "centering applies to every layer or to none: refit the file"
+                )
+            for i, t in store.items():
+                d = rots[int(i)].shape[-1]
+                if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[-1] != d or t.shape[0] < 1:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise RotationError(f"{self.source}: layer {i} {which} mean must be [H_kv, {d}] (per kv head), got {shape}")
+                r = rots[int(i)]
+                if r.dim() == 3 and r.shape[0] != t.shape[0]:
+                    raise RotationError(f"{self.source}: layer {i} has {r.shape[0]} per-head {which} rotations but "
+                                        f"{t.shape[0]} {which} means: refit the file")
+        self.k_mean = {int(i): t.to(torch.float32).contiguous() for i, t in self.k_mean.items()}
+        self.v_mean = {int(i): t.to(torch.float32).contiguous() for i, t in self.v_mean.items()}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -133,6 +159,25 @@ class RotationSet:
             )
         return r
 
+    @property
+    def centered(self) -> bool:
+        """Whether K or V rows are centred before rotation (``k_mean`` / ``v_mean`` present)."""
+        return bool(self.k_mean or self.v_mean)
+
+    def mean(self, layer_id: int, which: str) -> torch.Tensor | None:
+        """Float32 ``[H_kv, D]`` centering mean of one layer (``which`` ``"k"``/``"v"``), or ``None``
+        when that side is not centred.
+
+        Raises:
+            KeyError: unknown layer of a centred side.
+        """
+        store = self.k_mean if which == "k" else self.v_mean
+        if not store:
+            return None
+        if layer_id not in store:
+            raise KeyError(f"{self.source}: no {which.upper()} mean for layer {layer_id}")
+        return store[layer_id]
+
     def for_tp_rank(self, tp_rank: int, tp_size: int, num_kv_heads: int | dict[int, int]) -> RotationSet:
         """The rotations a tensor-parallel rank needs.
 
@@ -149,7 +194,7 @@ class RotationSet:
         """
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise RotationError(f"invalid tensor-parallel rank {tp_rank} of {tp_size}")
-        if not self.per_head or tp_size == 1:
+        if (not self.per_head and not self.centered) or tp_size == 1:
             return self
 
         def heads_of(layer_id: int) -> int:
@@ -173,7 +218,10 @@ class RotationSet:
                     out[i] = r[idx : idx + 1]
             return out
 
-        return dataclasses.replace(self, k=sl(self.k), v=sl(self.v), k_eigvals={}, v_eigvals={})
+        if self.per_head:
+            return dataclasses.replace(self, k=sl(self.k), v=sl(self.v), k_eigvals={}, v_eigvals={},
+                                       k_mean=sl(self.k_mean), v_mean=sl(self.v_mean))
+        return dataclasses.replace(self, k_eigvals={}, v_eigvals={}, k_mean=sl(self.k_mean), v_mean=sl(self.v_mean))
 
     # ------------------------------------------------------------------ checks
     def validate(self, geometry: ModelGeometry, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
@@ -219,6 +267,14 @@ class RotationSet:
                         f"{d} and {layer.num_kv_heads} kv heads. The file belongs to another model or "
                         "geometry: refit it for this model."
                     )
+            for which, store, d in (("K", self.k_mean, layer.head_dim_k), ("V", self.v_mean, layer.head_dim_v)):
+                m = store.get(layer.layer_id)
+                if m is not None and tuple(m.shape) != (layer.num_kv_heads, d):
+                    raise RotationError(
+                        f"{self.source}: layer {layer.layer_id} {which} mean has shape {tuple(m.shape)}, expected "
+                        f"({layer.num_kv_heads}, {d}) for {layer.num_kv_heads} kv heads of head_dim {d}: the file "
+                        "belongs to another model; refit it for this model."
+                    )
         self.check_matrices(ortho_tol)
 
     def check_matrices(self, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
@@ -240,6 +296,10 @@ class RotationSet:
                         f"{self.source}: layer {i} {which} rotation is not orthogonal (max |R R^T - I| = "
                         f"{err:.3g} > {ortho_tol:g}); q.k is only preserved by orthogonal rotations: refit it"
                     )
+        for which, store in (("K", self.k_mean), ("V", self.v_mean)):
+            for i, m in sorted(store.items()):
+                if not torch.isfinite(m).all():
+                    raise RotationError(f"{self.source}: layer {i} {which} mean contains NaN/Inf: refit it")
 
     # ------------------------------------------------------------------ I/O
     def save(self, path: str) -> None:
@@ -248,7 +308,8 @@ class RotationSet:
             raise RotationError(f"rotation files are written as .safetensors, got {path!r}")
         self.check_matrices()
         tensors = {}
-        for prefix, store in (("k", self.k), ("v", self.v), ("k_eigvals", self.k_eigvals), ("v_eigvals", self.v_eigvals)):
+        for prefix, store in (("k", self.k), ("v", self.v), ("k_eigvals", self.k_eigvals), ("v_eigvals", self.v_eigvals),
+                              ("k_mean", self.k_mean), ("v_mean", self.v_mean)):
             for i, t in store.items():
                 tensors[f"{prefix}.{int(i)}"] = t.detach().to(torch.float32).cpu().clone().contiguous()
         meta = dict(self.metadata)
@@ -313,7 +374,8 @@ class RotationSet:
         version = meta.get("format_version")
         if version not in FORMAT_VERSIONS:
             raise RotationError(f"{path}: unknown format_version {version!r} (this sglang-oscar reads {FORMAT_VERSIONS}); upgrade sglang-oscar or refit")
-        stores: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "k_eigvals": {}, "v_eigvals": {}}
+        stores: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "k_eigvals": {}, "v_eigvals": {}, "k_mean": {},
+                                                      "v_mean": {}}
         for name, t in tensors.items():
             prefix, _, lid = name.rpartition(".")
             if prefix not in stores or not lid.isdigit():
@@ -321,7 +383,8 @@ class RotationSet:
             stores[prefix][int(lid)] = t
         if sorted(stores["k"]) != sorted(stores["v"]):
             raise RotationError(f"{path}: K layers {_ids(stores['k'])} differ from V layers {_ids(stores['v'])}")
-        rs = cls(stores["k"], stores["v"], meta, stores["k_eigvals"], stores["v_eigvals"], source=path)
+        rs = cls(stores["k"], stores["v"], meta, stores["k_eigvals"], stores["v_eigvals"], source=path,
+                 k_mean=stores["k_mean"], v_mean=stores["v_mean"])
         if rs.format_version != version:
             raise RotationError(f"{path}: metadata says format_version {version} but tensors are version {rs.format_version}")
         return rs
