@@ -247,6 +247,7 @@ method = "oscar-perhead"
 path = "perhead.safetensors"
 calib_tokens = 4096
 calib_data = "{prompt_files['calib']}"
+center = true
 
 [quant]
 sink_tokens = 4
@@ -256,6 +257,11 @@ recent_tokens = 16
     assert res.returncode == 0, res.stderr + res.stdout
     assert (folder / "perhead.safetensors").exists() and (folder / "calib" / "stats.config.json").exists()
     assert '"ok": true' in res.stdout and '"format_version": 2' in res.stdout
+    # [rotation].center = true: the fitted file carries the key / value means of every layer
+    from sglang_oscar.rotation import RotationSet
+    rs = RotationSet.load(str(folder / "perhead.safetensors"))
+    assert rs.centered and sorted(rs.k_mean) == sorted(rs.v_mean) == rs.layer_ids
+    assert tuple(rs.mean(rs.layer_ids[0], "k").shape) == (2, 32)
     # the recipe's geometry is checked against the model it calibrates
     (folder / "recipe.toml").write_text((folder / "recipe.toml").read_text().replace("num_kv_heads = 2", "num_kv_heads = 8"))
     res = _sh(folder / "compute_rotation.sh", "--", "--seq-len", "256", cwd=root)
@@ -346,3 +352,18 @@ def test_kimi_readme_keeps_project_choices_out_of_upstream_findings():
     assert "64-blocks" not in upstream and "block Hadamard" not in upstream
     ours = text.split("## This project's choices", 1)[1].split("## Upstream findings", 1)[0]
     assert "64-blocks" in ours and "UNCLEAR" in ours
+
+
+def test_center_needs_a_fitted_method(tmp_path):
+    """[rotation].center with a data-free method (no calibrate step) is refused when the recipe loads."""
+    from sglang_oscar.evals.recipe import RecipeError, load_recipe
+
+    base = (ROT / "Qwen3-8B" / "recipe.toml").read_text()
+    p = tmp_path / "recipe.toml"
+    p.write_text(base.replace("[rotation]\n", "[rotation]\ncenter = true\n", 1).replace('method = "oscar"', 'method = "hadamard"'))
+    with pytest.raises(RecipeError, match=r"center = true needs calibration statistics.*data-free"):
+        load_recipe(p)
+    p.write_text(base.replace("[rotation]\n", "[rotation]\ncenter = true\n", 1))
+    r = load_recipe(p)
+    assert r.rotation.center and "--center" in step_command(r, "fit")
+    assert "--center" not in step_command(load_recipe(ROT / "Qwen3-8B" / "recipe.toml"), "fit")

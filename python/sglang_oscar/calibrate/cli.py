@@ -302,8 +302,9 @@ def _fit(args) -> int:
         fingerprint = config_fingerprint(cfg, name)
     if args.stats:
         stats = CalibrationStats.load(args.stats)
-    elif args.center:
-        raise CalibrationError("--center needs --stats: the key and value means come from the calibration statistics")
+    elif args.center or (recipe is not None and recipe.rotation.center):
+        raise CalibrationError("--center (or the recipe's [rotation].center) needs --stats: the key and value means "
+                               "come from the calibration statistics")
     elif method in ("hadamard", "identity") and geometry is not None:
         stats = CalibrationStats(geometry, {"path": None})
     else:
@@ -325,7 +326,8 @@ def _fit(args) -> int:
         block = (recipe.quant.group_size if recipe is not None else None) or 128
     min_tokens = args.min_tokens if args.min_tokens is not None else DEFAULT_MIN_TOKENS
     rs = fit_rotations(stats, method, min_tokens=min_tokens, latent_block=block, geometry=geometry,
-                       fingerprint=fingerprint, allow_other_model=args.allow_other_model, center=args.center)
+                       fingerprint=fingerprint, allow_other_model=args.allow_other_model,
+                       center=args.center or bool(recipe is not None and recipe.rotation.center))
     if recipe is not None:
         rs.metadata["recipe"] = str(recipe.path)
         rs.metadata["quantizer"] = settings(oscar_config(recipe))

@@ -279,6 +279,7 @@ def step_command(recipe, step: str, *, model: str | None = None, data: str | Non
         return cmd
     if step == "fit":
         cmd = [prog, "fit", "--recipe", rp, "--method", method, "--out", paths["rotation"]]
+        cmd += ["--center"] if recipe.rotation.center else []
         return cmd + (["--config", model, *remote] if data_free else ["--stats", paths["stats"]])
     if step == "validate":
         return [prog, "validate-rotation", paths["rotation"], "--config", paths["config"]]

@@ -45,6 +45,8 @@ Schema (all sections except ``[model]`` are optional; defaults in parentheses)::
                                      #   absolute; passed as --oscar-rotation
     calib_tokens = 20000             # int, optional
     calib_data = "..."               # str, optional
+    center = false                   # bool (false): fit with key/value centering (`fit --center`;
+                                     #   fitted methods only, not for soft-capped models)
 
     [quant]
     group_size = 128                 # int, optional: --kv-cache-quant-group-size (unset =>
@@ -316,6 +318,7 @@ class RotationSection:
     path: str | None = None
     calib_tokens: int | None = None
     calib_data: str | None = None
+    center: bool = False
 
 
 @dataclass(frozen=True)
@@ -430,6 +433,7 @@ _ROTATION_KEYS: dict[str, tuple[Checker, bool]] = {
     "path": (_nonempty_str, False),
     "calib_tokens": (_pos_int, False),
     "calib_data": (_str, False),
+    "center": (_bool, False),
 }
 _QUANT_KEYS: dict[str, tuple[Checker, bool]] = {
     "group_size": (_pos_int, False),
@@ -556,6 +560,11 @@ def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
     rotation = RotationSection(
         **_check_table(data.get("rotation", {}), _ROTATION_KEYS, "rotation", path)
     )
+    if rotation.center and rotation.method in ("hadamard", "identity"):
+        raise RecipeError(
+            f"{path}: [rotation].center = true needs calibration statistics, but method {rotation.method!r} is "
+            "data-free (its recipe has no calibrate step): use a fitted method (oscar, oscar-perhead) or drop center"
+        )
     quant = QuantSection(**_check_table(data.get("quant", {}), _QUANT_KEYS, "quant", path))
     serve = ServeSection(**_check_table(data.get("serve", {}), _SERVE_KEYS, "serve", path))
     ev = EvalSection(**_check_table(data.get("eval", {}), _EVAL_KEYS, "eval", path))
