@@ -305,3 +305,40 @@ def test_centred_fits_carry_the_calibration_means(tokenizer, tmp_path):
     fit_rotations(old, "oscar", min_tokens=100)  # uncentred fits still work
     with pytest.raises(CalibrationError, match="predates centering.*sglang-oscar calibrate"):
         fit_rotations(old, "oscar", min_tokens=100, center=True)
+
+
+def test_centering_refusals(tokenizer, tmp_path):
+    """--center on a soft-capped model, a centred data-free set used with another model, and resuming a
+    checkpoint written without first moments are refused with the fix."""
+    from sglang_oscar.calibrate.fit import check_rotation
+    from sglang_oscar.calibrate.model import config_fingerprint
+    from sglang_oscar.rotation.geometry import attention_logit_softcap
+
+    assert attention_logit_softcap({"attn_logit_softcapping": 50.0}) == 50.0
+    assert attention_logit_softcap({"text_config": {"attn_logit_softcapping": 30}}) == 30.0
+    assert attention_logit_softcap({"attn_logit_softcapping": None, "final_logit_softcapping": 30}) is None
+    model = build_model("qwen3")
+    prompts = _prompts(tokenizer)
+    out = str(tmp_path / "s.safetensors")
+    st = calibrate_model(model, prompts, out, progress=False)
+    capped = CalibrationStats.load(out)
+    capped.meta["model"]["config"]["attn_logit_softcapping"] = 50.0
+    with pytest.raises(CalibrationError, match="soft.*fit without --center"):
+        fit_rotations(capped, "oscar", min_tokens=100, center=True)
+    fit_rotations(capped, "oscar", min_tokens=100)  # uncentred fits are fine
+    # a centred Hadamard set carries one model's means: the fingerprint is compared
+    rs = fit_rotations(st, "hadamard", min_tokens=100, center=True)
+    other = dict(st.meta["model"]["config"], intermediate_size=256)
+    with pytest.raises(CalibrationError):
+        check_rotation(rs, st.geometry, config_fingerprint(other, "other-model"))
+    check_rotation(fit_rotations(st, "hadamard", min_tokens=100), st.geometry, config_fingerprint(other, "other-model"))
+    # resuming a checkpoint without k_lin / v_lin would average over part of the tokens only
+    out2 = str(tmp_path / "r.safetensors")
+    assert calibrate_model(model, prompts, out2, checkpoint_every=2, progress=False, stop_after=3) is None
+    ck = CalibrationStats.load(out2 + ".ckpt")
+    for name in ("k_lin", "v_lin"):
+        ck.sums[name].clear()
+    ck.save(out2 + ".ckpt", extra={"checkpoint": ck.meta.get("checkpoint")})
+    with pytest.raises(CalibrationError, match="without first moments.*--restart"):
+        calibrate_model(model, prompts, out2, checkpoint_every=2, progress=False)
+    assert calibrate_model(model, prompts, out2, restart=True, progress=False).complete

@@ -230,3 +230,26 @@ def test_invalid_settings_name_the_flag_or_alias_that_set_them():
         flags.resolve_config({"oscar_k_clip_ratio": 1.5}, {})
     with pytest.raises(ValueError, match=r"SGLANG_MIXED_KV_PREFIX_TOKENS=-1 \(alias of --oscar-sink-tokens\)"):
         flags.resolve_config({}, {"SGLANG_MIXED_KV_PREFIX_TOKENS": "-1"})
+
+
+def test_key_means_on_a_soft_capped_model_are_refused_at_launch(hooked, tmp_path, monkeypatch):
+    """A rotation file with key means (fit --center) launches on a model without a logit cap and is
+    refused, naming the fix, on one whose config soft-caps the attention logits."""
+    import json
+
+    model = _qwen3_dir(tmp_path, "m")
+    geo = ModelGeometry.from_hf_config(model)
+    base = RotationSet.data_free(geo)
+    means = {i: torch.randn(2, 128) for i in base.layer_ids}
+    rot = str(tmp_path / "rot.safetensors")
+    RotationSet(base.k, base.v, dict(base.metadata), k_mean=means, v_mean=means).save(rot)
+    assert _server_args(model, monkeypatch, rotation_path=rot).attention_backend == "triton"
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["attn_logit_softcapping"] = 50.0
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"centres the keys .*attn_logit_softcapping 50.*without --center"):
+        _server_args(model, monkeypatch, rotation_path=rot)
+    # value means alone commute with the cap
+    RotationSet(base.k, base.v, dict(base.metadata), v_mean=means).save(rot)
+    assert _server_args(model, monkeypatch, rotation_path=rot).attention_backend == "triton"

@@ -15,7 +15,7 @@ import torch
 
 from ..config import OscarConfig
 from ..rotation import RotationSet
-from ..rotation.geometry import ModelGeometry
+from ..rotation.geometry import ModelGeometry, attention_logit_softcap
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -25,13 +25,18 @@ def model_geometry(hf_config) -> ModelGeometry:
     return ModelGeometry.from_hf_config(hf_config)
 
 
-def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True) -> RotationSet:
+def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
+                        hf_config=None) -> RotationSet:
     """The validated rotation set for ``config`` (file) or the data-free Hadamard set.
+
+    Args:
+        hf_config: the model's HF config (object, dict or model directory), if known: a file with key
+            means (``k_mean``) is refused for a model that soft-caps its attention logits.
 
     Raises:
         ValueError: MLA / non-MHA model, group size not dividing a head_dim, missing file,
-            malformed file, or a file made for another geometry (layer ids, kv heads, head_dim).
-            Every message says what to change.
+            malformed file, a file made for another geometry (layer ids, kv heads, head_dim), or key
+            centering on a soft-capped model. Every message says what to change.
     """
     if geometry.attention_kind != "mha":
         raise ValueError(
@@ -81,6 +86,11 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         rs.validate(geometry)
     except ValueError as exc:
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from None
+    cap = attention_logit_softcap(hf_config) if (hf_config is not None and rs.k_mean) else None
+    if cap:
+        raise ValueError(f"--oscar-rotation {config.rotation_path} centres the keys (k_mean) but this model caps its "
+                         f"attention logits (attn_logit_softcapping {cap:g}), and the key mean shifts the scores "
+                         "before the cap: refit the rotation without --center (or [rotation].center = false)")
     if log:
         logger.info("sglang-oscar: rotation %s (%s, %d layers)", config.rotation_path,
                     "per kv head" if rs.per_head else "per layer", len(rs.layer_ids))
@@ -114,7 +124,12 @@ def rank_means(rs: RotationSet, geometry: ModelGeometry, tp_rank: int, tp_size: 
                layer_ids) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Per global layer id: the centering means ``(mean_k, mean_v)`` of this rank's kv heads, fp32
     ``[H_kv_local, D]`` on ``device``, ``None`` for a side the set does not centre
-    (:attr:`RotationSet.k_mean`; sliced like per-head rotations, :meth:`RotationSet.for_tp_rank`)."""
+    (:attr:`RotationSet.k_mean`; sliced like per-head rotations, :meth:`RotationSet.for_tp_rank`).
+
+    Raises:
+        RotationError: head counts that do not split over ``tp_size`` (:meth:`RotationSet.for_tp_rank`).
+        KeyError: a layer id the set does not cover.
+    """
     heads = {layer.layer_id: layer.num_kv_heads for layer in geometry.layers}
     local = rs.for_tp_rank(tp_rank, tp_size, heads)
     out = {}

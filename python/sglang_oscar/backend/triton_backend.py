@@ -78,7 +78,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self.config = pool.oscar_config
         par = get_parallel()
         geometry = model_geometry(model_runner.model_config.hf_config)
-        rs = served_rotation_set(self.config, geometry, log=par.attn_tp_rank == 0)
+        rs = served_rotation_set(self.config, geometry, log=par.attn_tp_rank == 0,
+                                 hf_config=model_runner.model_config.hf_config)
         layer_ids = [layer.layer_id for layer in geometry.layers
                      if pool.start_layer <= layer.layer_id <= pool.end_layer]
         self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,

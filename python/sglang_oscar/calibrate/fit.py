@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..rotation import RotationSet, rotations_from_covariances
-from ..rotation.geometry import ModelGeometry
+from ..rotation.geometry import ModelGeometry, attention_logit_softcap
 from ..rotation.hadamard import default_hadamard
 from ..rotation.latent import (DEFAULT_LATENT_BLOCK, LatentRotationSet, covariance_eigenbasis, latent_hadamard,
                                latent_rotation_from_covariance)
@@ -111,7 +111,8 @@ def fit_rotations(
 
     Raises:
         CalibrationError: unknown method, incomplete/too small/foreign statistics, invalid latent block,
-            ``center`` for an MLA model or with statistics that have no first moments.
+            ``center`` for an MLA model, for a model with an attention-logit soft cap, or with statistics
+            that have no first moments.
         RotationError: the fitted set does not validate.
     """
     if method not in FIT_METHODS:
@@ -119,6 +120,12 @@ def fit_rotations(
     fitted = method in FITTED_METHODS
     if center and stats.geometry.attention_kind == "mla":
         raise CalibrationError("--center applies to MHA/GQA K/V rotations; MLA latents are not centred")
+    cap = attention_logit_softcap(stats.meta.get("model", {}).get("config") or {}) if center else None
+    if cap:
+        raise CalibrationError(
+            f"--center: the calibrated model caps its attention logits (attn_logit_softcapping {cap:g}); the key mean "
+            "shifts every score before the cap, so a centred rotation would change its attention: fit without --center"
+        )
     if geometry is not None:
         stats.check_model(geometry, fingerprint=fingerprint, allow_other_model=allow_other_model)
     geo = stats.geometry
@@ -240,6 +247,7 @@ def check_rotation(rs: RotationSet | LatentRotationSet, geometry: ModelGeometry,
         rs.validate(geometry, **({"ortho_tol": ortho_tol} if ortho_tol is not None else {}))
     except ValueError as exc:
         raise CalibrationError(f"{what} does not fit this model: {exc}") from None
-    if rs.metadata.get("method") not in ("hadamard", "identity"):
+    if rs.metadata.get("method") not in ("hadamard", "identity") or getattr(rs, "centered", False):
+        # fitted sets, and data-free rotations with calibrated means, belong to one model
         check_same_model(rs.metadata.get("model_fingerprint"), fingerprint, what,
                          f"the model ({(fingerprint or {}).get('name') or geometry.model_type})", allow_other_model)

@@ -61,7 +61,11 @@ class RotationCache:
 
     def mha(self, call: AttentionCall, b: int, config: OscarConfig, window_mode: str,
             quantize: bool = True) -> torch.Tensor:
-        """:func:`mha_output` of batch row ``b`` with this set's rotations and centering means."""
+        """:func:`mha_output` of batch row ``b`` with this set's rotations and centering means.
+
+        Raises:
+            CalibrationError: sparse attention dropping keys. ValueError: key means on a soft-capped call.
+        """
         lid, dev = call.layer_id, call.query.device
         return mha_output(call, b, self.get(lid, "k", dev), self.get(lid, "v", dev), config, window_mode,
                           quantize=quantize, k_mean=self.mean(lid, "k", dev), v_mean=self.mean(lid, "v", dev))
@@ -137,6 +141,7 @@ def mha_output(call: AttentionCall, b: int, rk: torch.Tensor | None, rv: torch.T
 
     Raises:
         CalibrationError: the call's sparse attention drops keys (:func:`check_dense`).
+        ValueError: ``k_mean`` on a call with a logit soft cap (:func:`..reference.oscar_attention`).
     """
     check_dense(call)
     q, k, v = call.rows(b)

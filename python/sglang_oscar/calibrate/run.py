@@ -113,6 +113,12 @@ def calibrate_model(
                 f"checkpoint {ckpt} was written with other arguments (model, dtype, prompts, budget, seed or seq_len "
                 "differ): rerun with the original arguments to resume, or pass --restart to start over"
             )
+        stale = [lid for lid in st.sums["k_sum"] if lid not in st.sums["k_lin"] or lid not in st.sums["v_lin"]]
+        if stale:
+            raise CalibrationError(
+                f"checkpoint {ckpt} was written by an sglang-oscar without first moments (k_lin / v_lin missing for "
+                f"layers {sorted(stale)[:8]}): resuming would give wrong key/value means; pass --restart to start over"
+            )
         cp = st.meta.get("checkpoint", {})
         start_pass, next_seq = int(cp.get("pass", 1)), int(cp.get("next_sequence", 0))
         st.meta.pop("checkpoint", None)

@@ -142,6 +142,7 @@ def preflight(server_args) -> None:
     config = oscar_config_of(server_args)
     try:
         geometry = model_geometry(server_args.model_path)  # a local directory: just its config.json
+        hf_config = server_args.model_path
     except FileNotFoundError:
         # a hub id (or another source SGLang resolves): read the config the way SGLang does
         from sglang.srt.configs.model_config import ModelConfig
@@ -152,7 +153,7 @@ def preflight(server_args) -> None:
             logger.warning("sglang-oscar: could not read the model config for the int2 checks: %s", exc)
             return
         geometry = model_geometry(hf_config)
-    served_rotation_set(config, geometry, log=False)
+    served_rotation_set(config, geometry, log=False, hf_config=hf_config)
     if config.decode_engine == "gluon":
         from ..kernels.gluon_decode import gluon_layout_reason
         from ..kernels.layout import Int2Layout

@@ -185,3 +185,21 @@ def _as_dict(config) -> dict[str, Any]:
         except Exception:  # unknown to this transformers version: read the keys as they are
             return config
     return config
+
+
+def attention_logit_softcap(config) -> float | None:
+    """The attention-logit soft cap of a HF config (``attn_logit_softcapping``, Gemma-2 style; read
+    through ``text_config`` for multimodal configs), or ``None`` when the model has none.
+
+    Args:
+        config: ``PretrainedConfig``, dict, ``config.json`` path or model directory.
+
+    Raises:
+        FileNotFoundError: a path that does not exist.
+    """
+    cfg = _as_dict(config)
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        cap = c.get("attn_logit_softcapping")
+        if cap:
+            return float(cap)
+    return None

@@ -169,8 +169,10 @@ class RotationSet:
         when that side is not centred.
 
         Raises:
-            KeyError: unknown layer of a centred side.
+            KeyError: unknown layer of a centred side. ValueError: ``which`` is not ``"k"`` or ``"v"``.
         """
+        if which not in ("k", "v"):
+            raise ValueError(f"which must be 'k' or 'v', got {which!r}")
         store = self.k_mean if which == "k" else self.v_mean
         if not store:
             return None
@@ -181,8 +183,8 @@ class RotationSet:
     def for_tp_rank(self, tp_rank: int, tp_size: int, num_kv_heads: int | dict[int, int]) -> RotationSet:
         """The rotations a tensor-parallel rank needs.
 
-        Per-layer matrices are TP-invariant. Per-head matrices are sliced to the rank's kv
-        heads with SGLang's sharding: with ``H_kv >= tp_size`` rank ``r`` owns heads
+        Per-layer matrices are TP-invariant. Per-head matrices and the centering means (always per
+        kv head, ``[H_kv, D]``) are sliced to the rank's kv heads with SGLang's sharding: with ``H_kv >= tp_size`` rank ``r`` owns heads
         ``[r*H_kv/tp, (r+1)*H_kv/tp)``; with ``H_kv < tp_size`` kv heads are replicated and
         rank ``r`` owns head ``r * H_kv // tp_size``.
 
@@ -228,8 +230,8 @@ class RotationSet:
         """Check this set against a model's attention geometry.
 
         Checks: exactly the model's attention layer ids; per layer K ``[D_k, D_k]`` /
-        ``[H_kv, D_k, D_k]`` and V likewise with ``D_v`` and the layer's total kv heads;
-        finite entries; ``max |R R^T - I| <= ortho_tol``.
+        ``[H_kv, D_k, D_k]`` and V likewise with ``D_v`` and the layer's total kv heads; centering
+        means ``[H_kv, D]``; finite entries; ``max |R R^T - I| <= ortho_tol``.
 
         Raises:
             RotationError: naming the file, the layer and the fix.
@@ -278,7 +280,8 @@ class RotationSet:
         self.check_matrices(ortho_tol)
 
     def check_matrices(self, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
-        """Model-independent checks (run before every save): head_dim a multiple of 4, finite, orthogonal.
+        """Model-independent checks (run before every save): head_dim a multiple of 4, finite, orthogonal;
+        finite centering means.
 
         Raises:
             RotationError: naming the layer and the problem.
