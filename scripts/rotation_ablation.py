@@ -67,6 +67,7 @@ from sglang_oscar.quant.int2 import fake_quantize  # noqa: E402
 from sglang_oscar.config import OscarConfig  # noqa: E402
 from sglang_oscar.rotation import RotationSet  # noqa: E402
 from sglang_oscar.rotation.hadamard import default_hadamard, eig_bitrev_permutation  # noqa: E402
+from sglang_oscar.rotation.latent import covariance_eigenbasis  # noqa: E402
 
 PAIRS = [("had", "had"), ("qqt_asc_P", "sst_asc_P"), ("qqt_asc_P", "had"), ("had", "sst_asc_P"),
          ("ktk_desc_N", "had"), ("had", "vtv_desc_N"), ("ktk_desc_N", "vtv_desc_N"),
@@ -91,11 +92,10 @@ def composed(cov: torch.Tensor, order: str, perm: bool) -> torch.Tensor:
     """
     if order not in ("asc", "desc"):
         raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
-    c = 0.5 * (cov + cov.T)
-    lam, u = torch.linalg.eigh(c.double())
+    u, lam = covariance_eigenbasis(cov)  # the fitter's eigh: symmetrised, float64, canonical signs
     if order == "desc":
         u = u.flip(-1)
-    r = u @ default_hadamard(c.shape[0])
+    r = u @ default_hadamard(cov.shape[0])
     if perm:
         r = r @ eig_bitrev_permutation(lam)
     return r

@@ -97,6 +97,8 @@ def test_rotation_composition_is_u_h_p():
     r, lam = rotation_from_covariance(sigma)
     lam2, u = torch.linalg.eigh(sigma)
     torch.testing.assert_close(lam, lam2)
+    # eigenvectors with their largest entry positive (canonical signs, written out here)
+    u = u * torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))
     # R = U H P: removing U on the left gives H P, a signed permutation of Hadamard columns
     hp = u.T @ r
     torch.testing.assert_close(hp, hadamard_matrix(16) @ eig_bitrev_permutation(lam))
@@ -256,3 +258,26 @@ def test_validation_errors_name_the_problem(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(RotationError, match="no rotation file"):
         RotationSet.load(str(tmp_path / "empty"))
+
+
+def test_fitted_rotations_do_not_depend_on_eigenvector_signs():
+    """eigh returns eigenvectors up to sign (LAPACK and cuSOLVER choose differently) and under U H a
+    flipped eigenvector is another rotation; canonical_signs fixes each column's largest entry positive,
+    so a fit is the same whatever signs the solver picked."""
+    from sglang_oscar.rotation.fit import canonical_signs, rotation_from_covariance
+    from sglang_oscar.rotation.hadamard import default_hadamard, eig_bitrev_permutation
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = torch.randn(500, 64, generator=g, dtype=torch.float64) * torch.logspace(0, 1.5, 64, dtype=torch.float64)
+    sigma = x.T @ x / 500
+    lam, u = torch.linalg.eigh(sigma)
+    flips = torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    cu, cf = canonical_signs(u), canonical_signs(u * flips)
+    torch.testing.assert_close(cu, cf, rtol=0, atol=0)
+    assert bool((cu.gather(0, cu.abs().argmax(0, keepdim=True)) > 0).all())
+    torch.testing.assert_close(cu @ torch.diag(lam) @ cu.T, sigma, rtol=1e-10, atol=1e-10)
+    r, eig = rotation_from_covariance(sigma)
+    want = cf @ default_hadamard(64, dtype=torch.float64) @ eig_bitrev_permutation(eig)
+    torch.testing.assert_close(r, want, rtol=0, atol=1e-12)
+    # the flip is not harmless without it: U H and (U S) H are different rotations
+    assert float((u @ default_hadamard(64, dtype=torch.float64) - (u * flips) @ default_hadamard(64, dtype=torch.float64)).abs().max()) > 0.1

@@ -108,8 +108,22 @@ def score_weighted_value_covariance(k: torch.Tensor, v: torch.Tensor, qcov: torc
     return sums / wsum[:, None, None]
 
 
+def canonical_signs(u: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors (columns of ``u``, ``[..., D, D]``) with a fixed sign: each column is flipped so
+    that its entry of largest magnitude is positive (the first such entry on a tie).
+
+    ``eigh`` returns each eigenvector up to its sign, and LAPACK (CPU) and cuSOLVER (GPU) choose
+    differently; under ``U H`` a sign flip is not a sign of an output coordinate but a different
+    rotation (the Hadamard mixes the eigen-directions), with a different INT2 error. Fixing the
+    signs makes a fit the same file on any device (up to rounding and degenerate eigenvalues).
+    """
+    idx = u.abs().argmax(dim=-2, keepdim=True)
+    sign = torch.where(torch.gather(u, -2, idx) < 0, -1.0, 1.0).to(u.dtype)
+    return u * sign
+
+
 def rotation_from_covariance(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """OSCAR rotation ``R = U H P`` of one symmetric PSD matrix.
+    """OSCAR rotation ``R = U H P`` of one symmetric PSD matrix (``U`` with :func:`canonical_signs`).
 
     Args:
         sigma: ``[D, D]`` second-moment matrix (symmetrised here).
@@ -128,6 +142,7 @@ def rotation_from_covariance(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.T
         raise ValueError("covariance contains NaN or Inf")
     s = 0.5 * (s + s.T)
     eigvals, u = torch.linalg.eigh(s)
+    u = canonical_signs(u)
     d = s.shape[0]
     r = u @ default_hadamard(d, device=s.device) @ eig_bitrev_permutation(eigvals)
     return r, eigvals
