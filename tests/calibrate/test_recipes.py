@@ -261,6 +261,7 @@ recent_tokens = 16
     from sglang_oscar.rotation import RotationSet
     rs = RotationSet.load(str(folder / "perhead.safetensors"))
     assert rs.centered and sorted(rs.k_mean) == sorted(rs.v_mean) == rs.layer_ids
+    assert '"centered": {"k": true, "v": true}' in res.stdout  # validate-rotation reports it
     assert tuple(rs.mean(rs.layer_ids[0], "k").shape) == (2, 32)
     # the recipe's geometry is checked against the model it calibrates
     (folder / "recipe.toml").write_text((folder / "recipe.toml").read_text().replace("num_kv_heads = 2", "num_kv_heads = 8"))

@@ -490,7 +490,8 @@ def _validate_any(args, latent_only: bool) -> int:
         report.update(kind="latent", kv_lora_rank=geometry.kv_lora_rank)
     else:
         mats = list(rs.k.values()) + list(rs.v.values())
-        report.update(kind="kv", format_version=rs.format_version)
+        report.update(kind="kv", format_version=rs.format_version,
+                      centered={"k": bool(rs.k_mean), "v": bool(rs.v_mean)})
     report["max_orthogonality_error"] = max(orthogonality_error(t) for t in mats)
     print(json.dumps(report))
     return 0
