@@ -184,8 +184,8 @@ class RotationSet:
         """The rotations a tensor-parallel rank needs.
 
         Per-layer matrices are TP-invariant. Per-head matrices and the centering means (always per
-        kv head, ``[H_kv, D]``) are sliced to the rank's kv heads with SGLang's sharding: with ``H_kv >= tp_size`` rank ``r`` owns heads
-        ``[r*H_kv/tp, (r+1)*H_kv/tp)``; with ``H_kv < tp_size`` kv heads are replicated and
+        kv head, ``[H_kv, D]``) are sliced to the rank's kv heads with SGLang's sharding: with
+        ``H_kv >= tp_size`` rank ``r`` owns heads ``[r*H_kv/tp, (r+1)*H_kv/tp)``; with ``H_kv < tp_size`` kv heads are replicated and
         rank ``r`` owns head ``r * H_kv // tp_size``.
 
         Args:
