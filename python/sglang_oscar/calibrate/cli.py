@@ -304,7 +304,7 @@ def _fit(args) -> int:
         stats = CalibrationStats.load(args.stats)
     elif args.center or (recipe is not None and recipe.rotation.center):
         raise CalibrationError("--center (or the recipe's [rotation].center) needs --stats: the key and value means "
-                               "come from the calibration statistics")
+                               "come from the calibration statistics (create them with `sglang-oscar calibrate`)")
     elif method in ("hadamard", "identity") and geometry is not None:
         stats = CalibrationStats(geometry, {"path": None})
     else:

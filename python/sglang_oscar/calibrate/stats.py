@@ -135,7 +135,7 @@ class CalibrationStats:
         if layer_id not in self.sums["k_lin"] or layer_id not in self.sums["v_lin"]:
             raise CalibrationError(
                 f"{self.meta.get('path', 'statistics')}: layer {layer_id} has no first moments (k_lin / v_lin): the file "
-                "predates centering support; rerun `sglang-oscar calibrate` into a new work directory to fit centred rotations"
+                "predates centering support; rerun `sglang-oscar calibrate --restart` (or into a new file) to fit centred rotations"
             )
         return self.sums["k_lin"][layer_id] / n, self.sums["v_lin"][layer_id] / n
 
