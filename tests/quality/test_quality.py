@@ -148,9 +148,13 @@ def test_error_ordering(report):
         assert err[base + "+win"] < err[base] - 1.0, base
     # smaller KIVI groups cost bits and buy accuracy
     assert err["kivi-g8"] < err["kivi-g16"]
-    # a random model's perplexity moves by about 1% in either direction under any cache: compare how far each
-    # cache moves it, not the direction
-    assert abs(ppl["naive-int2"] - ppl["bf16"]) > 2 * abs(ppl["oscar-head+win"] - ppl["bf16"])
+    # a random model's perplexity moves by up to ~0.6% in either direction under any cache, so one row's
+    # change ranks nothing (naive INT2 moved it less than some windowed rows); summed over the ten
+    # (cache, cache + windows) pairs, the BF16 windows take away most of the change
+    bases = [n for n in ROWS[5:] if not n.endswith("+win") and n + "+win" in ppl]
+    assert len(bases) == 10
+    moved = {n: abs(ppl[n] - ppl["bf16"]) for n in ppl}
+    assert sum(moved[n + "+win"] for n in bases) < 0.75 * sum(moved[n] for n in bases), moved
 
 
 def test_kvcov_rows_use_the_perhead_kv_rotation(report, random_ckpt):
