@@ -104,7 +104,11 @@ def test_ppl_extend_mode_and_nothing_quantized(model_dirs, prompt_files, tmp_pat
         _run([*args, "--sink", 4, "--recent", 8, "--window-mode", mode, "--out", out], capsys)
         rep = json.loads(out.read_text())
         changes[mode] = rep["quantized_read_fraction"]
+        assert rep["rotation"]["centered"] == {"k": False, "v": False}  # the data-free Hadamard default
     assert changes["extend"] > changes["decode"] > 0
+    from sglang_oscar.calibrate.ppl import format_report
+    rep["rotation"]["centered"] = {"k": True, "v": False}
+    assert "INT2 (hadamard + K/V means):" in format_report(rep)
 
 
 def test_ppl_matches_native_attention_when_nothing_quantized_in_oracle(model_dirs, prompt_files, tokenizer):

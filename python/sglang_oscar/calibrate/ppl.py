@@ -139,7 +139,9 @@ def perplexity(
     return {
         "model_type": geometry.model_type,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "rotation": ({"source": rotation.source, "method": rotation.metadata.get("method")} if rotation is not None else
+        "rotation": ({"source": rotation.source, "method": rotation.metadata.get("method"),
+                      "centered": {"k": bool(getattr(rotation, "k_mean", None)), "v": bool(getattr(rotation, "v_mean", None))}}
+                     if rotation is not None else
                      {"source": "output_fn", "method": output_name or getattr(output_fn, "__name__", "output_fn")}),
         "window_mode": window_mode,
         "settings": settings(config),
@@ -160,6 +162,7 @@ def format_report(rep: dict[str, Any]) -> str:
         f"teacher-forced perplexity over {rep['tokens_scored']} tokens ({rep['sequences']} sequences, "
         f"window_mode {rep['window_mode']}, {100 * rep['quantized_read_fraction']:.1f}% of key reads in INT2)\n"
         f"  BF16 ({rep['dtype']}): {rep['bf16']['ppl']:.4f}\n"
-        f"  INT2 ({rep['rotation']['method']}): {rep['int2']['ppl']:.4f}\n"
+        f"  INT2 ({rep['rotation']['method']}{' + K/V means' if any(rep['rotation'].get('centered', {}).values()) else ''}): "
+        f"{rep['int2']['ppl']:.4f}\n"
         f"  relative change: {100 * rep['relative_change']:+.2f}%"
     )
