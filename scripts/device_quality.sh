@@ -14,7 +14,8 @@
 # statistics and fitted rotations to $WORK; results and logs to $OUT: gpu.txt, train.log,
 # train_summary.json, train_log.jsonl, preflight.log, quality.log, quality.md, quality.json.
 # $QUALITY_ARGS adds arguments to `sglang-oscar quality` (e.g. "--eval-tokens 65536"), $SERVED_ARGS to
-# scripts/served_quality.py. Both take at most --max-seq-per-file (default 1) sequences from each
+# scripts/served_quality.py; $SERVED_ROTATION picks the served rotation (default $WORK/rot_oscar.safetensors,
+# e.g. $WORK/rot_oscar_centred.safetensors for the centred per-layer fit). Both take at most --max-seq-per-file (default 1) sequences from each
 # held-out / calibration file, round robin over the files in a seeded order; quality.md's header and
 # quality.json ("heldout_files", "calib_files") say how many files each set covers.
 # First a ~30 s preflight (PREFLIGHT=0 skips it): the same two steps on a tiny model and the
