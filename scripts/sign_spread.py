@@ -1,0 +1,67 @@
+"""How much do the eigenvector signs of OSCAR's ``U H P`` matter? (issue 7 diagnostic, CPU)
+
+``eigh`` fixes each eigenvector only up to its sign, and under ``U H`` a flipped eigenvector is a
+different rotation (the Hadamard mixes the eigen-directions). On the synthetic layer of
+:func:`sglang_oscar.reference.synthetic.synthetic_qkv` (outlier key channels, anisotropic queries;
+calibration draw ``seed 0``, evaluation draw ``seed 1``) this fits OSCAR's K rotation from the
+calibration queries, keeps OSCAR's V rotation fixed, and prints the attention-output error (dB,
+all positions in INT2, group = head_dim) of: the data-free Hadamard for K, OSCAR with the fitter's
+canonical signs (:func:`sglang_oscar.rotation.fit.canonical_signs`), and OSCAR with ``--trials``
+seeded random sign vectors.
+
+    PYTHONPATH=$PWD/python python scripts/sign_spread.py [--trials 16 --tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from sglang_oscar.config import OscarConfig  # noqa: E402
+from sglang_oscar.reference import oscar_attention, plain_attention, relative_error_db  # noqa: E402
+from sglang_oscar.reference.synthetic import synthetic_qkv  # noqa: E402
+from sglang_oscar.rotation.fit import canonical_signs, query_covariance, score_weighted_value_covariance  # noqa: E402
+from sglang_oscar.rotation.hadamard import default_hadamard, eig_bitrev_permutation  # noqa: E402
+
+
+def rotation_with_signs(cov: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``U S H P`` (fp32 ``[D, D]``) of a ``[D, D]`` second moment: ``U`` canonical eigenvectors,
+    ``S = diag(signs)`` (``+-1``, float64 ``[D]``)."""
+    lam, u = torch.linalg.eigh(0.5 * (cov + cov.T).double())
+    u = canonical_signs(u) * signs
+    return (u @ default_hadamard(cov.shape[0]) @ eig_bitrev_permutation(lam)).float()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=1024)
+    args = ap.parse_args(argv)
+    q, k, v = synthetic_qkv(args.tokens, 8, 2, 128, seed=0)
+    qe, ke, ve = synthetic_qkv(args.tokens, 8, 2, 128, seed=1)
+    cfg = OscarConfig(sink_tokens=0, recent_tokens=0)
+    pos = torch.arange(args.tokens)
+    want = plain_attention(qe, ke, ve, q_positions=pos)
+    qcov = query_covariance(q, 2)
+    rv = rotation_with_signs(score_weighted_value_covariance(k, v, qcov).mean(0), torch.ones(128, dtype=torch.float64))
+
+    def err(rk):
+        return relative_error_db(oscar_attention(qe, ke, ve, rk, rv, cfg, q_positions=pos), want)
+
+    had = err(default_hadamard(128).float())
+    canon = err(rotation_with_signs(qcov.mean(0), torch.ones(128, dtype=torch.float64)))
+    g = torch.Generator().manual_seed(3)
+    errs = [err(rotation_with_signs(qcov.mean(0), torch.where(torch.rand(128, generator=g) < 0.5, -1.0, 1.0).double()))
+            for _ in range(args.trials)]
+    print(f"K = Hadamard: {had:.2f} dB; K = OSCAR, canonical signs: {canon:.2f} dB; {args.trials} random sign vectors: "
+          f"min {min(errs):.2f} max {max(errs):.2f} mean {sum(errs) / len(errs):.2f} dB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
