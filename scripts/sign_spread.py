@@ -7,9 +7,13 @@ calibration draw ``seed 0``, evaluation draw ``seed 1``) this fits OSCAR's K rot
 calibration queries, keeps OSCAR's V rotation fixed, and prints the attention-output error (dB,
 all positions in INT2, group = head_dim) of: the data-free Hadamard for K, OSCAR with the fitter's
 canonical signs (:func:`sglang_oscar.rotation.fit.canonical_signs`), and OSCAR with ``--trials``
-seeded random sign vectors.
+seeded random sign vectors. ``--center`` subtracts the calibration draw's per-kv-head key and
+value means first (``fit --center``). For rows whose eigen-coordinates are independent and
+symmetric about zero the sign vector cannot matter (``z S`` has the distribution of ``z``); the
+spread measures how far the rows are from that (a static offset, which centering removes, and
+offsets that RoPE turns with the position, which it does not).
 
-    PYTHONPATH=$PWD/python python scripts/sign_spread.py [--trials 16 --tokens 1024]
+    PYTHONPATH=$PWD/python python scripts/sign_spread.py [--trials 16 --tokens 1024] [--center]
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--center", action="store_true", help="subtract the calibration draw's K/V means")
     args = ap.parse_args(argv)
     q, k, v = synthetic_qkv(args.tokens, 8, 2, 128, seed=0)
     qe, ke, ve = synthetic_qkv(args.tokens, 8, 2, 128, seed=1)
@@ -50,15 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     qcov = query_covariance(q, 2)
     rv = rotation_with_signs(score_weighted_value_covariance(k, v, qcov).mean(0), torch.ones(128, dtype=torch.float64))
 
+    km, vm = (k.mean(0), v.mean(0)) if args.center else (None, None)
+
     def err(rk):
-        return relative_error_db(oscar_attention(qe, ke, ve, rk, rv, cfg, q_positions=pos), want)
+        return relative_error_db(oscar_attention(qe, ke, ve, rk, rv, cfg, q_positions=pos, k_mean=km, v_mean=vm), want)
 
     had = err(default_hadamard(128).float())
     canon = err(rotation_with_signs(qcov.mean(0), torch.ones(128, dtype=torch.float64)))
     g = torch.Generator().manual_seed(3)
     errs = [err(rotation_with_signs(qcov.mean(0), torch.where(torch.rand(128, generator=g) < 0.5, -1.0, 1.0).double()))
             for _ in range(args.trials)]
-    print(f"K = Hadamard: {had:.2f} dB; K = OSCAR, canonical signs: {canon:.2f} dB; {args.trials} random sign vectors: "
+    print(("centred K/V; " if args.center else "") + f"K = Hadamard: {had:.2f} dB; K = OSCAR, canonical signs: {canon:.2f} dB; {args.trials} random sign vectors: "
           f"min {min(errs):.2f} max {max(errs):.2f} mean {sum(errs) / len(errs):.2f} dB")
     return 0
 

@@ -20,6 +20,8 @@ def _load():
 
 def test_sign_spread_runs_and_signs_change_the_rotation(capsys):
     mod = _load()
+    assert mod.main(["--trials", "3", "--tokens", "256", "--center"]) == 0
+    assert capsys.readouterr().out.startswith("centred K/V; ")
     assert mod.main(["--trials", "3", "--tokens", "256"]) == 0
     out = capsys.readouterr().out
     nums = [float(x) for x in re.findall(r"(-?\d+\.\d+) dB", out)]
