@@ -38,3 +38,13 @@ def test_sign_spread_runs_and_signs_change_the_rotation(capsys):
     a, b = mod.rotation_with_signs(cov, ones), mod.rotation_with_signs(cov, flip)
     torch.testing.assert_close(a @ a.T, torch.eye(32), atol=1e-5, rtol=0)
     assert float((a - b).abs().max()) > 0.05
+
+
+def test_sign_search_never_raises_its_calibration_objective(capsys):
+    """Greedy flips are kept only when they lower the calibration score error: the ratio is <= 1."""
+    mod = _load()
+    assert mod.main(["--trials", "1", "--tokens", "128", "--search", "1"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"sign search \(1 sweeps, (\d+) signs flipped\): calibration score error (\d+\.\d+) of the canonical", out)
+    assert m, out
+    assert float(m.group(2)) <= 1.0 and (int(m.group(1)) == 0) == (float(m.group(2)) == 1.0), out
