@@ -35,16 +35,16 @@ from sglang_oscar.config import OscarConfig  # noqa: E402
 from sglang_oscar.quant.int2 import fake_quantize  # noqa: E402
 from sglang_oscar.reference import oscar_attention, plain_attention, relative_error_db  # noqa: E402
 from sglang_oscar.reference.synthetic import synthetic_qkv  # noqa: E402
-from sglang_oscar.rotation.fit import canonical_signs, query_covariance, score_weighted_value_covariance  # noqa: E402
+from sglang_oscar.rotation.fit import query_covariance, score_weighted_value_covariance  # noqa: E402
 from sglang_oscar.rotation.hadamard import default_hadamard, eig_bitrev_permutation  # noqa: E402
+from sglang_oscar.rotation.latent import covariance_eigenbasis  # noqa: E402
 
 
 def rotation_with_signs(cov: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``U S H P`` (fp32 ``[D, D]``) of a ``[D, D]`` second moment: ``U`` canonical eigenvectors,
     ``S = diag(signs)`` (``+-1``, float64 ``[D]``)."""
-    lam, u = torch.linalg.eigh(0.5 * (cov + cov.T).double())
-    u = canonical_signs(u) * signs
-    return (u @ default_hadamard(cov.shape[0]) @ eig_bitrev_permutation(lam)).float()
+    u, lam = covariance_eigenbasis(cov)  # the fitter's eigh: symmetrised, float64, canonical signs
+    return ((u * signs) @ default_hadamard(cov.shape[0]) @ eig_bitrev_permutation(lam)).float()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,6 +133,8 @@ def fit_rotations(
         stats.check_complete()
         check_min_tokens(stats, min_tokens)
     means = {lid: stats.means(lid) for lid in geo.layer_ids} if center else {}
+    k_mean = {lid: m[0].float() for lid, m in means.items()}
+    v_mean = {lid: m[1].float() for lid, m in means.items()}
     meta_common = {"method": method, "model_type": geo.model_type, "geometry": geo.to_dict(),
                    "model_fingerprint": fingerprint or stats.fingerprint}
     if fitted or center:
@@ -163,8 +165,7 @@ def fit_rotations(
         rs = RotationSet.data_free(geo, method)
         rs.metadata.update(meta_common)
         if center:  # replace() re-runs the checks of __post_init__ on the means
-            rs = dataclasses.replace(rs, k_mean={lid: m[0].float() for lid, m in means.items()},
-                                     v_mean={lid: m[1].float() for lid, m in means.items()})
+            rs = dataclasses.replace(rs, k_mean=k_mean, v_mean=v_mean)
         rs.validate(geo)
         return rs
     k, v, ke, ve = {}, {}, {}, {}
@@ -188,8 +189,7 @@ def fit_rotations(
         meta = {**meta_common, "objective": "qqt_sst", "composition": "r_h_pbr",
                 "source_grouping": "per_kv_head" if per_head else "layer"}
     rs = RotationSet(k, v, meta, {i: t.float() for i, t in ke.items()}, {i: t.float() for i, t in ve.items()},
-                     k_mean={lid: m[0].float() for lid, m in means.items()},
-                     v_mean={lid: m[1].float() for lid, m in means.items()})
+                     k_mean=k_mean, v_mean=v_mean)
     rs.validate(geo)
     return rs
 

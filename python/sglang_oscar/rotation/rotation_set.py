@@ -220,10 +220,10 @@ class RotationSet:
                     out[i] = r[idx : idx + 1]
             return out
 
-        if self.per_head:
-            return dataclasses.replace(self, k=sl(self.k), v=sl(self.v), k_eigvals={}, v_eigvals={},
-                                       k_mean=sl(self.k_mean), v_mean=sl(self.v_mean))
-        return dataclasses.replace(self, k_eigvals={}, v_eigvals={}, k_mean=sl(self.k_mean), v_mean=sl(self.v_mean))
+        # per-layer matrices stay whole; per-head matrices and the (always per-head) means are sliced
+        k, v = (sl(self.k), sl(self.v)) if self.per_head else (self.k, self.v)
+        return dataclasses.replace(self, k=k, v=v, k_eigvals={}, v_eigvals={}, k_mean=sl(self.k_mean),
+                                   v_mean=sl(self.v_mean))
 
     # ------------------------------------------------------------------ checks
     def validate(self, geometry: ModelGeometry, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
