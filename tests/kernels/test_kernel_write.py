@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kv_fixtures import (
     assert_rows_match,
     fresh_seed,
@@ -23,6 +25,7 @@ from sglang_oscar.kernels import (
     rotate_and_write_kv,
     write_kv,
 )
+from sglang_oscar.kernels.write import clip_threshold
 from sglang_oscar.quant.int2 import dequantize_rows, quantize_rows
 from sglang_oscar.reference.attention import build_cache
 
@@ -128,8 +131,43 @@ def test_write_and_flush_k_only():
     assert bool((buf["v_codes"] == 0xAB).all())
 
 
+@triton.jit
+def _clip_threshold_probe(X, T, K: tl.constexpr, Q: tl.constexpr):
+    """Rows of 4*Q fp32 values -> write.clip_threshold of each (one row per program)."""
+    row = tl.program_id(0)
+    kk = tl.arange(0, 4)
+    jj = tl.arange(0, Q)
+    x = tl.load(X + row * 4 * Q + kk[:, None] * Q + jj[None, :])[None, :, :]
+    lane = (kk[:, None] < 4)[None, :, :] & (jj[None, :] < Q)[None, :, :]
+    t = clip_threshold(x, lane, 1, K)
+    tl.store(T + row + tl.arange(0, 1), t)
+
+
+def test_clip_threshold_is_the_order_statistic():
+    """write.clip_threshold returns the k-th smallest |x| bit for bit on rows that exercise the whole
+    31-bit search range: subnormals, +-0.0, ties, normal values from 1e-30 to 1e30, +-inf, the fp32
+    maximum, and k from 1 to the row length. (fp32 input: under TRITON_INTERPRET a bf16 -> fp32 load
+    of a subnormal comes out wrong in triton 3.6's interpreter, so no bf16 subnormals here.)"""
+    fresh_seed()
+    q = 16
+    d = 4 * q
+    rows = [torch.randn(d) * 1e-39, torch.randn(d) * 10.0 ** torch.randint(-30, 31, (d,)).float(),
+            torch.round(torch.randn(d) * 2) / 2, torch.randn(d)]
+    rows[0][::3] = -0.0
+    rows[0][1::5] = 0.0
+    rows[1][:3] = torch.tensor([float("inf"), -float("inf"), torch.finfo(torch.float32).max])
+    rows[3][:] = torch.randn(1)  # all equal magnitudes
+    x = torch.stack(rows).contiguous()
+    for k in (1, 2, 17, d // 2, d - 1, d):
+        t = torch.empty(x.shape[0])
+        _clip_threshold_probe[(x.shape[0],)](x, t, K=k, Q=q)
+        exp = x.abs().sort(dim=1).values[:, k - 1]
+        assert torch.equal(t.view(torch.int32), exp.view(torch.int32)), (k, t, exp)
+
+
 def test_write_edge_values():
-    """Ties in |x|, exact zeros, constant rows (scale floor), large offsets (|min|/2^15 floor), tiny rows."""
+    """Ties in |x|, exact zeros, constant rows (scale floor), large offsets (|min|/2^15 floor), tiny rows,
+    large magnitudes."""
     fresh_seed()
     d, h = 64, 1
     rows = []
@@ -142,6 +180,7 @@ def test_write_edge_values():
     rows.append(torch.randn(d) * 1e-3 + 5000.0)  # large offset vs range
     rows.append(torch.randn(d) * 1e-6)  # tiny values (fp16 scale floor)
     rows.append(-torch.arange(d, dtype=torch.float32))  # all distinct magnitudes
+    rows.append(torch.randn(d).sign() * 6e4 * torch.rand(d))  # high exponent bits (scale still fits fp16)
     x = torch.stack(rows).unsqueeze(1).to(torch.bfloat16)
     n = x.shape[0]
     for sdt in ("float16", "bfloat16", "float32"):
