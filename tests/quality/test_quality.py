@@ -22,7 +22,8 @@ SEQ, SINK, RECENT, RES = 128, 4, 16, 16
 QUALITY_ARGS = ["--seq-len", SEQ, "--calib-tokens", 2048, "--eval-tokens", 512, "--sink", SINK, "--recent", RECENT,
                 "--kivi-residual", RES, "--kivi-group", 16, "--kivi-group", 8, "--min-tokens", 1000, "--device", "cpu",
                 "--no-progress"]
-ROWS = ["bf16", "bf16-oracle", "naive-int2", "kivi-g16", "kivi-g8", "hadamard", "hadamard+win", "oscar-layer",
+ROWS = ["bf16", "bf16-oracle", "naive-int2", "kivi-g16", "kivi-g8", "hadamard", "hadamard+win", "hadamard+lm",
+        "hadamard+lm+win", "oscar-layer",
         "oscar-layer+win", "oscar-layer+lm", "oscar-layer+lm+win", "oscar-head", "oscar-head+win", "oscar-head+lm",
         "oscar-head+lm+win", "kvcov-head", "kvcov-head+win", "hadamard+c", "hadamard+c+win", "oscar-layer+c",
         "oscar-layer+c+win", "oscar-head+c", "oscar-head+c+win", "kvcov-head+c", "kvcov-head+c+win"]
@@ -140,19 +141,19 @@ def test_error_ordering(report):
     # fitted rotations are real rotations of the same format: a random model has no structure for them to
     # exploit, so they land next to the data-free Hadamard (on trained models they are compared on the GPU)
     for name, base in (("oscar-layer", "hadamard"), ("oscar-head", "hadamard"), ("oscar-layer+lm", "oscar-layer"),
-                       ("oscar-head+lm", "oscar-head")):
+                       ("oscar-head+lm", "oscar-head"), ("hadamard+lm", "hadamard")):
         assert abs(err[name] - err[base]) < 2.0, name
     assert len({err[n] for n in ("hadamard", "oscar-layer", "oscar-head")}) == 3
     # BF16 windows help every OSCAR-format cache
-    for base in ("hadamard", "oscar-layer", "oscar-layer+lm", "oscar-head", "oscar-head+lm"):
+    for base in ("hadamard", "hadamard+lm", "oscar-layer", "oscar-layer+lm", "oscar-head", "oscar-head+lm"):
         assert err[base + "+win"] < err[base] - 1.0, base
     # smaller KIVI groups cost bits and buy accuracy
     assert err["kivi-g8"] < err["kivi-g16"]
     # a random model's perplexity moves by up to ~0.6% in either direction under any cache, so one row's
-    # change ranks nothing (naive INT2 moved it less than some windowed rows); summed over the ten
+    # change ranks nothing (naive INT2 moved it less than some windowed rows); summed over the eleven
     # (cache, cache + windows) pairs, the BF16 windows take away most of the change
     bases = [n for n in ROWS[5:] if not n.endswith("+win") and n + "+win" in ppl]
-    assert len(bases) == 10
+    assert len(bases) == 11
     moved = {n: abs(ppl[n] - ppl["bf16"]) for n in ppl}
     assert sum(moved[n + "+win"] for n in bases) < 0.75 * sum(moved[n] for n in bases), moved
 

@@ -18,8 +18,8 @@ Variants (:func:`build_variants`):
   (:func:`..quant.baselines.naive_symmetric_int2`);
 * ``kivi-g<G>``: KIVI-style per-channel K / per-token V asymmetric 2-bit with its full-precision
   residual (:mod:`..quant.baselines`), one row per key group size;
-* ``hadamard`` / ``hadamard+win``: the OSCAR INT2 format (clip, groups, quantizer) with the
-  data-free Hadamard rotation, without / with the BF16 sink + recent windows;
+* ``hadamard[+lm][+win]``: the OSCAR INT2 format (clip, groups, quantizer) with the data-free
+  Hadamard rotation, uniform or Lloyd-Max (``+lm``), without / with the BF16 sink + recent windows;
 * ``oscar-layer[+lm][+win]`` / ``oscar-head[+lm][+win]``: rotations fitted on the calibration
   documents (:func:`.run.calibrate_model` + :func:`.fit.fit_rotations` ``oscar`` /
   ``oscar-perhead``), uniform or Lloyd-Max (``+lm``), without / with windows;
@@ -280,7 +280,7 @@ def build_variants(geometry, rotations: dict[str, RotationSet], settings: Qualit
                                     oscar_output(rs, cfg), rs, cfg, fmt_bits(win),
                                     _window_reads(cfg) if win else all_reads))
 
-    fmt_rows("hadamard", "Hadamard (data-free)", hadamard, ("uniform",))
+    fmt_rows("hadamard", "Hadamard (data-free)", hadamard, ("uniform", "lloyd-max"))
     if "oscar" in rotations:
         fmt_rows("oscar-layer", "OSCAR per layer", rotations["oscar"], ("uniform", "lloyd-max"))
     if "oscar-perhead" in rotations:
