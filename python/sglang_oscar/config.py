@@ -15,6 +15,7 @@ DEFAULT_V_CLIP = 0.92
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 DECODE_ENGINES = ("auto", "triton", "gluon")
+ROTATE_ENGINES = ("torch", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,9 @@ class OscarConfig:
         decode_engine: decode attention's stage-1 kernel: ``"auto"`` (the Gluon kernel where it
             applies, else Triton; ``kernels.launch.decode_engine``), ``"triton"`` or ``"gluon"``
             (refused with the reason for a model it cannot run).
+        rotate_engine: how the backend rotates q, the new K/V rows and the output each step:
+            ``"torch"`` (einsum in fp32, several small kernels) or ``"triton"`` (one kernel per
+            product, ``kernels.rotate.rotate_heads``; same fp32 arithmetic up to the summation order).
     """
 
     group_size: int | None = None
@@ -47,10 +51,13 @@ class OscarConfig:
     rotation_path: str | None = None
     rotation_v_path: str | None = None
     decode_engine: str = "auto"
+    rotate_engine: str = "torch"
 
     def __post_init__(self):
         if self.decode_engine not in DECODE_ENGINES:
             raise ValueError(f"decode_engine must be one of {DECODE_ENGINES}, got {self.decode_engine!r}")
+        if self.rotate_engine not in ROTATE_ENGINES:
+            raise ValueError(f"rotate_engine must be one of {ROTATE_ENGINES}, got {self.rotate_engine!r}")
         check_clip_ratio(self.k_clip_ratio, "K clip ratio")
         check_clip_ratio(self.v_clip_ratio, "V clip ratio")
         check_quantizer(self.quantizer)

@@ -25,6 +25,7 @@ from sglang_oscar.kernels import (  # noqa: E402
     write_kv,
 )
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
+from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
 
 
 def _write(dk, dv, group, quantizer, sdt, hp_dtype=torch.bfloat16, **kw):
@@ -57,7 +58,19 @@ def _attn(kind, dk=128, dv=128, hq=32, hkv=8, group=None, quantizer="uniform", s
                          pool.layout, sink=4, max_extend_len=30, mma_dtype=mma, **kw)
 
 
+def _rotate(t, h, hr, d, out_dtype, **kw):
+    x = torch.randn(t, h, d).to(torch.bfloat16)
+    r = torch.linalg.qr(torch.randn(hr, d, d))[0].contiguous()
+    rotate_heads(x, r, out_dtype, **kw)
+
+
 CASES = [
+    ("rotate q d128 gqa4 (16-row programs)", lambda: _rotate(32, 32, 8, 128, torch.float32)),
+    ("rotate k d128 centred (64-row programs)", lambda: _rotate(4096, 8, 8, 128, torch.bfloat16,
+                                                                sub_mean=torch.zeros(8, 128))),
+    ("rotate o d512 transpose + mean", lambda: _rotate(4, 8, 2, 512, torch.bfloat16, transpose=True,
+                                                       add_mean=torch.zeros(2, 512))),
+    ("rotate d192 fp16", lambda: _rotate(8, 4, 4, 192, torch.float16)),
     ("write d128 uniform", lambda: _write(128, 128, None, "uniform", "float16")),
     ("write d128 one row per program", lambda: _write(128, 128, None, "uniform", "float16", rows_per_program=1)),
     ("write d192/128 lloyd grouped", lambda: _write(192, 128, 64, "lloyd-max", "bfloat16")),

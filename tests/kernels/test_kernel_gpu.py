@@ -551,3 +551,17 @@ def test_gpu_write_flush_into_served_rows(storage):
     flush_hp_rows(k, v, src, dst, kc, kp, vc, vp, layout)
     assert torch.equal(kc[dst], ref["k_codes"][loc]) and torch.equal(vc[dst], ref["v_codes"][loc])
     assert torch.equal(vp[dst].view(torch.uint8), ref["v_pairs"][loc].view(torch.uint8))
+
+
+@pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", [
+    (_n(64), 32, 8, 128, torch.bfloat16, False, False, False),  # decode q, batch 64, GQA 4
+    (_n(64), 32, 8, 128, torch.float32, True, False, True),  # decode output back, value mean
+    (_n(8192), 8, 8, 128, torch.bfloat16, False, True, False),  # prefill K, centred
+    (_n(300), 16, 4, 256, torch.bfloat16, False, False, False),
+    (_n(300), 8, 8, 192, torch.float16, True, False, False),
+])
+def test_gpu_rotate_heads(t, h, hr, d, in_dtype, transpose, sub, add):
+    """kernels.rotate.rotate_heads on the GPU against the fp32 einsum (IEEE fp32 dot products, no TF32)."""
+    from test_kernel_rotate import check_rotation
+
+    check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device=DEV)

@@ -169,6 +169,30 @@ def test_decode_engine_flag_reaches_the_kernels(setup):
         sv.decode(1, seq, 40)
 
 
+def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
+    """--oscar-rotate-engine triton: the backend's q / K / V / output rotations go through
+    kernels.rotate.rotate_heads (counted), and prefill + decode outputs equal the torch engine's up to
+    the fp32 summation order (a rotated BF16 row may move by one ulp), within 1e-2 of the oracle."""
+    import dataclasses
+
+    from sglang_oscar.backend import triton_backend
+
+    calls = []
+    real = triton_backend.rotate_heads
+    monkeypatch.setattr(triton_backend, "rotate_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    seq, config, rk, rv = setup
+    outs = {}
+    for engine in ("torch", "triton"):
+        calls.clear()
+        sv = Served(dataclasses.replace(config, rotate_engine=engine), rk, rv)
+        o = sv.extend(1, seq, 0, 40)
+        outs[engine] = (o, sv.decode(1, seq, 40))
+        assert len(calls) == (0 if engine == "torch" else 8)  # q, k, v, output per forward, two forwards
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert _rel(b, a) < SAME
+    assert _rel(outs["triton"][1], _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2
+
+
 # Chunking changes the batch shape of the rotation GEMM, whose fp32 rounding can move a rotated
 # BF16 row by one ulp (as SGLang's own QKV GEMMs do): equal up to that, far below INT2 error.
 SAME = 2e-3

@@ -26,6 +26,7 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels import decode_attention, extend_attention
+from ..kernels.rotate import rotate_heads, rotate_heads_reference
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
 
@@ -33,19 +34,15 @@ logger = logging.getLogger("sglang_oscar")
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False,
-            sub_mean: torch.Tensor | None = None, add_mean: torch.Tensor | None = None) -> torch.Tensor:
+            sub_mean: torch.Tensor | None = None, add_mean: torch.Tensor | None = None,
+            engine: str = "torch") -> torch.Tensor:
     """``(x - sub_mean) r`` (or ``x r^T + add_mean``) of ``x [T, H, D]`` per kv head with ``r [H_kv, D, D]``
-    (GQA: head ``h`` uses ``h // (H/H_kv)``; means ``[H_kv, D]`` or ``None``), in fp32, cast to ``out_dtype``."""
-    t, h, d = x.shape
-    hkv = r.shape[0]
-    xv = x.float().reshape(t, hkv, h // hkv, d)
-    if sub_mean is not None:
-        xv = xv - sub_mean[None, :, None, :]
-    eq = "tkgd,ked->tkge" if transpose else "tkgd,kde->tkge"
-    y = torch.einsum(eq, xv, r)
-    if add_mean is not None:
-        y = y + add_mean[None, :, None, :]
-    return y.reshape(t, h, r.shape[-1]).to(out_dtype)
+    (GQA: head ``h`` uses ``h // (H/H_kv)``; means ``[H_kv, D]`` or ``None``), in fp32, cast to ``out_dtype``;
+    ``engine`` (``--oscar-rotate-engine``): ``"torch"`` einsum or the ``"triton"`` kernel."""
+    if engine == "triton":
+        return rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean,
+                            add_mean=add_mean, validate=False)
+    return rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean, add_mean=add_mean)
 
 
 def decode_tuning(config) -> dict | None:
@@ -170,11 +167,12 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         dk, dv = layer.qk_head_dim, layer.v_head_dim
         rk, rv = self.rotations[layer.layer_id]
         mk, mv = self._mean(layer.layer_id)
-        q_rot = _rotate(q.reshape(-1, hq, dk), rk, torch.float32)
+        eng = self.config.rotate_engine
+        q_rot = _rotate(q.reshape(-1, hq, dk), rk, torch.float32, engine=eng)
         if save_kv_cache:
             hp = self.pool.hp_dtype
-            k_rot = _rotate(k.reshape(-1, hkv, dk), rk, hp, sub_mean=mk)
-            v_rot = _rotate(v.reshape(-1, hkv, dv), rv, hp, sub_mean=mv)
+            k_rot = _rotate(k.reshape(-1, hkv, dk), rk, hp, sub_mean=mk, engine=eng)
+            v_rot = _rotate(v.reshape(-1, hkv, dv), rv, hp, sub_mean=mv, engine=eng)
             self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
         return q_rot, rv
 
@@ -193,7 +191,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             logit_cap=layer.logit_cap or None, out_dtype=torch.float32, max_seq_len=self.max_context_len,
             sink_lens=self.windows.sink_lens, validate=False, tuning=self._decode_tuning,
         )
-        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1]).reshape(
+        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1],
+                       engine=self.config.rotate_engine).reshape(
             bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
@@ -210,5 +209,6 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             max_extend_len=md.max_extend_len, sm_scale=layer.scaling, logit_cap=layer.logit_cap or None,
             out_dtype=torch.float32, sink_lens=self.windows.sink_lens,
         )
-        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1]).reshape(
+        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1],
+                       engine=self.config.rotate_engine).reshape(
             q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)

@@ -1,0 +1,169 @@
+"""Per-kv-head rotation of attention rows in one launch: ``(x - mu_in) R`` or ``x R^T + mu_out``.
+
+The served backend rotates, per layer and step, the queries (``q R_k``), the new keys and values
+(``(k - mu_k) R_k``, ``(v - mu_v) R_v``, rounded to the model dtype as the oracle's HP tier) and
+the attention output back (``o R_v^T + mu_v``). In PyTorch each of these is 3-6 small kernels
+(dtype cast, mean, einsum's permutes and batched matmul, cast back); :func:`rotate_heads` is one
+kernel with the same fp32 arithmetic up to the summation order of the dot products.
+
+Rows ``x [T, H, D_in]``, ``H = H_r * G`` (GQA: head ``h`` uses matrix ``h // G``). A program
+takes ``BLOCK_M`` consecutive (token, head) rows of one matrix ``r`` (row ``i`` = token ``i // G``,
+head ``r * G + i % G``) and accumulates ``x R`` over ``BLOCK_K``-wide slices of ``D_in`` with
+``tl.dot`` in IEEE fp32 (no TF32: the HP rows are rounded from these values, and the oracle
+computes them in fp32), rounded to the output dtype with round-to-nearest-even (``codes.round_to``:
+the interpreter's own bf16 cast truncates). ``R`` is read through strides, so the transpose costs
+nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import TORCH_TO_TL
+from .codes import round_to
+from .compile_check import launch as _launch
+from .validate import check_float, check_tensor
+
+
+@triton.jit
+def _rotate_kernel(
+    X,
+    stride_xt,
+    stride_xh,
+    R,
+    stride_rh,
+    stride_rk,
+    stride_rn,
+    MU_IN,
+    MU_OUT,
+    OUT,
+    stride_ot,
+    stride_oh,
+    T,
+    G: tl.constexpr,
+    D_IN: tl.constexpr,
+    D_OUT: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_MU_IN: tl.constexpr,
+    HAS_MU_OUT: tl.constexpr,
+    OUT_DT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rh = tl.program_id(1)
+    i = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = i < T * G
+    tok = (i // G).to(tl.int64)
+    head = (rh * G + i % G).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    nn = tl.arange(0, NP)
+    n_ok = nn < D_OUT
+    acc = tl.zeros([BLOCK_M, NP], tl.float32)
+    for c in range(0, D_IN, BLOCK_K):
+        k_ok = (c + kk) < D_IN
+        x = tl.load(X + tok[:, None] * stride_xt + head[:, None] * stride_xh + (c + kk)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_MU_IN:
+            mu = tl.load(MU_IN + rh * D_IN + c + kk, mask=k_ok, other=0.0)
+            x = tl.where(k_ok[None, :], x - mu[None, :], 0.0)
+        r = tl.load(R + rh * stride_rh + (c + kk)[:, None] * stride_rk + nn[None, :] * stride_rn,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, r, acc, input_precision=PRECISION)
+    if HAS_MU_OUT:
+        acc += tl.load(MU_OUT + rh * D_OUT + nn, mask=n_ok, other=0.0)[None, :]
+    tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + nn[None, :], round_to(acc, OUT_DT),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def rotate_heads(
+    x: torch.Tensor,
+    rotation: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    transpose: bool = False,
+    sub_mean: torch.Tensor | None = None,
+    add_mean: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """``(x - sub_mean) R`` (or ``x R^T + add_mean``) per kv head, in fp32, cast to ``out_dtype``.
+
+    Args:
+        x: ``[T, H, D]`` rows (fp32 / fp16 / bf16; last dim contiguous), ``H = H_r * G``; head ``h``
+            uses matrix ``h // G`` (GQA queries and outputs; ``G = 1`` for keys and values).
+        rotation: fp32 ``[H_r, D, D]`` contiguous (the backend's ``rank_rotations``).
+        out_dtype: fp32 / fp16 / bf16.
+        transpose: multiply by ``R^T`` (the output's counter-rotation).
+        sub_mean / add_mean: fp32 ``[H_r, D]`` subtracted from ``x`` before / added after the
+            product (key / value centering; docs/format.md), or ``None``.
+        out: optional ``[T, H, D]`` output in ``out_dtype``.
+        validate: shape / dtype / device checks (``False`` on hot paths validated once).
+
+    Returns:
+        ``[T, H, D]`` in ``out_dtype``. Equals ``torch.einsum`` in fp32 up to the summation order
+        (the tests: within 1e-6 relative in fp32, one unit in the last place after rounding to
+        bf16 / fp16).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit (``validate``).
+    """
+    if validate:
+        check_tensor(x, "x", ndim=3, last_contiguous=True)
+        check_float(x, "x")
+        dev = x.device
+        check_tensor(rotation, "rotation", ndim=3, dtypes=torch.float32, device=dev)
+        if not rotation.is_contiguous():
+            raise ValueError("rotation must be contiguous")
+        hr, di, do = rotation.shape
+        if di != do or x.shape[2] != di:
+            raise ValueError(f"rotation of shape {tuple(rotation.shape)} does not fit rows of head_dim {x.shape[2]}")
+        if x.shape[1] % hr:
+            raise ValueError(f"{hr} rotation matrices do not divide {x.shape[1]} heads")
+        for name, m in (("sub_mean", sub_mean), ("add_mean", add_mean)):
+            if m is not None:
+                check_tensor(m, name, ndim=2, dtypes=torch.float32, device=dev, shape=(hr, di))
+                if not m.is_contiguous():
+                    raise ValueError(f"{name} must be contiguous")
+        if out_dtype not in TORCH_TO_TL:
+            raise ValueError(f"out_dtype {out_dtype} is not float32/float16/bfloat16")
+        if out is not None:
+            check_tensor(out, "out", ndim=3, dtypes=out_dtype, device=dev, shape=tuple(x.shape), last_contiguous=True)
+    t, h, d = x.shape
+    hr = rotation.shape[0]
+    g = h // hr
+    if out is None:
+        out = torch.empty((t, h, d), dtype=out_dtype, device=x.device)
+    if t == 0:
+        return out
+    rows = t * g
+    block_m = 16 if rows <= 256 else 64
+    block_k = 32 if d % 32 == 0 else 16
+    np_ = max(16, triton.next_power_of_2(d))
+    srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
+    mu_in = sub_mean if sub_mean is not None else rotation
+    mu_out = add_mean if add_mean is not None else rotation
+    _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr),
+            x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
+            out, out.stride(0), out.stride(1), t,
+            G=g, D_IN=d, D_OUT=d, NP=np_, BLOCK_M=block_m, BLOCK_K=block_k,
+            HAS_MU_IN=sub_mean is not None, HAS_MU_OUT=add_mean is not None, OUT_DT=TORCH_TO_TL[out_dtype],
+            PRECISION="ieee", num_warps=4 if np_ <= 256 else 8)
+    return out
+
+
+def rotate_heads_reference(x, rotation, out_dtype, *, transpose=False, sub_mean=None, add_mean=None):
+    """The same product with ``torch.einsum`` in fp32 (the backend's PyTorch path and the tests' reference)."""
+    t, h, d = x.shape
+    hr = rotation.shape[0]
+    xv = x.float().reshape(t, hr, h // hr, d)
+    if sub_mean is not None:
+        xv = xv - sub_mean[None, :, None, :]
+    y = torch.einsum("tkgd,ked->tkge" if transpose else "tkgd,kde->tkge", xv, rotation.float())
+    if add_mean is not None:
+        y = y + add_mean[None, :, None, :]
+    return y.reshape(t, h, rotation.shape[-1]).to(out_dtype)
+

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Where a served decode step's attention time goes, per layer: rotations, cache write, attention.
+
+The served backend (``backend/triton_backend.py``) runs, per layer and decode step: ``q R_k``
+(fp32), ``(k - mu_k) R_k`` and ``(v - mu_v) R_v`` (rounded to BF16), the cache write (INT2 codes +
+BF16 window copy), decode attention, and the output's counter-rotation ``o R_v^T + mu_v``. This
+times each piece and the whole sequence for both ``--oscar-rotate-engine`` values (``torch``:
+``kernels.rotate.rotate_heads_reference``, the einsum; ``triton``: ``kernels.rotate.rotate_heads``),
+next to the BF16 side (SGLang's ``set_kv_buffer``-style row copy + torch SDPA), on a Qwen3-8B
+layer geometry (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256), centred rotations.
+
+Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``). Ratios only mean something
+within one run.
+
+    python scripts/bench_step.py [--contexts 32768,131072] [--batches 1,32] [--out step.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+from bench_decode import (  # noqa: E402
+    HKV,
+    HQ,
+    D,
+    Case,
+    apply_pool_layout,
+    bench,
+    bench_layout,
+    fmt_ms,
+    make_sdpa,
+)
+
+from sglang_oscar.kernels import write_kv  # noqa: E402
+from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference  # noqa: E402
+
+
+def step_pieces(case: Case, engine: str):
+    """Closures of one layer's decode-step pieces for the rotate ``engine``."""
+    dev = case.q.device
+    g = torch.Generator(device=dev)
+    g.manual_seed(5)
+    b = case.batch
+    rk = torch.linalg.qr(torch.randn(HKV, D, D, device=dev, generator=g))[0].contiguous()
+    rv = torch.linalg.qr(torch.randn(HKV, D, D, device=dev, generator=g))[0].contiguous()
+    mk = torch.randn(HKV, D, device=dev, generator=g)
+    mv = torch.randn(HKV, D, device=dev, generator=g)
+    q = torch.randn(b, HQ, D, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    o = torch.randn(b, HQ, D, device=dev, generator=g)
+    loc = torch.arange(b, device=dev, dtype=torch.int64) * 7
+    hp_rows = torch.arange(b, device=dev, dtype=torch.int32)
+    rot = rotate_heads if engine == "triton" else rotate_heads_reference
+
+    def rotations():
+        rot(q, rk, torch.float32)
+        rot(k, rk, torch.bfloat16, sub_mean=mk)
+        rot(v, rv, torch.bfloat16, sub_mean=mv)
+        rot(o, rv, torch.bfloat16, transpose=True, add_mean=mv)
+
+    def write():
+        write_kv(k, v, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, case.layout, hp_rows=hp_rows,
+                 hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False)
+
+    def attention():
+        case.run_int2()
+
+    def step():
+        qr = rot(q, rk, torch.float32)
+        kr = rot(k, rk, torch.bfloat16, sub_mean=mk)
+        vr = rot(v, rv, torch.bfloat16, sub_mean=mv)
+        write_kv(kr, vr, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, case.layout, hp_rows=hp_rows,
+                 hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False)
+        case.q = qr  # decode_attention takes the rotated fp32 queries as the server does
+        out = case.run_int2()
+        rot(out, rv, torch.bfloat16, transpose=True, add_mean=mv)
+
+    return {"rotations": rotations, "write": write, "attention": attention, "step": step}
+
+
+def bf16_step(case: Case):
+    """SGLang's BF16 side per layer and step: the new rows copied into the cache, then SDPA decode."""
+    fn, be, (kc, vc) = make_sdpa(case, smoke=False)
+    dev = case.q.device
+    b = case.batch
+    k = torch.randn(b, HKV, D, device=dev).to(torch.bfloat16)
+    v = torch.randn(b, HKV, D, device=dev).to(torch.bfloat16)
+    pos = torch.full((b,), case.ctx - 1, device=dev, dtype=torch.int64)
+    bi = torch.arange(b, device=dev)
+
+    def write():
+        kc[bi, :, pos] = k
+        vc[bi, :, pos] = v
+
+    def step():
+        write()
+        fn()
+
+    return {"write": write, "attention": fn, "step": step}, be
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_step.py needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    layout = bench_layout()
+    lines = ["| ctx x batch | engine | rotations (q, k, v, o) | write | attention | whole step | BF16 step "
+             "(copy + SDPA) | step / BF16 step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            case = Case(b, ctx, dev, layout, with_bf16=False)
+            apply_pool_layout(case, "served")
+            bf, be = bf16_step(case)
+            t_bf = bench(bf["step"], False)
+            q0 = case.q
+            for engine in ("torch", "triton"):
+                case.q = q0
+                p = step_pieces(case, engine)
+                t = {name: bench(fn, False) for name, fn in p.items()}
+                case.q = q0
+                lines.append(f"| {ctx // 1024}K x {b} | {engine} | {fmt_ms(t['rotations'])} | {fmt_ms(t['write'])} | "
+                             f"{fmt_ms(t['attention'])} | {fmt_ms(t['step'])} | {fmt_ms(t_bf)} ({be}) | "
+                             f"{t['step'] / t_bf:.3f} |")
+                print(lines[-1], flush=True)
+            del case
+            torch.cuda.empty_cache()
+    table = "\n".join(lines)
+    head = (f"Served decode step per layer (Qwen3-8B layer: {HQ} q / {HKV} kv heads, head_dim {D}, sink 64 + "
+            f"recent 256, centred rotations); {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+            "CUDA graphs, cold L2")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(head + "\n\n" + table + "\n")
+    print(head)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

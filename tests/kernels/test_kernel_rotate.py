@@ -1,0 +1,81 @@
+"""kernels.rotate.rotate_heads vs the fp32 einsum (rotate_heads_reference, the backend's PyTorch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_fixtures import fresh_seed, poison_
+from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CASES = [
+    # tokens, heads, rotation matrices, head_dim, input dtype, transpose, sub_mean, add_mean
+    (5, 8, 2, 128, torch.bfloat16, False, True, False),  # GQA 4 keys-as-queries, centred
+    (3, 6, 1, 64, torch.float32, True, False, True),  # output counter-rotation + value mean
+    (40, 4, 4, 192, torch.float16, False, False, False),  # one matrix per head, D not a power of 2
+    (2, 12, 2, 512, torch.bfloat16, True, False, False),  # GQA 6, head_dim 512
+    (70, 2, 2, 128, torch.bfloat16, False, True, False),  # > 256 rows: 64-row programs
+]
+
+
+def _orthogonal(h: int, d: int) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
+
+
+def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu"):
+    fresh_seed()
+    x = (torch.randn(t, h, d, device=device) * 3).to(in_dtype)
+    r = _orthogonal(hr, d).to(device)
+    mi = torch.randn(hr, d, device=device) if sub else None
+    mo = torch.randn(hr, d, device=device) if add else None
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = poison_(torch.empty(t, h, d, dtype=out_dtype, device=device))
+        got = rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo, out=out)
+        assert got is out
+        exp = rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo)
+        assert bool(torch.isfinite(got).all()), "an output element was not written"
+        if out_dtype == torch.float32:
+            # the same fp32 products, summed in another order
+            assert float((got - exp).abs().max()) <= 1e-5 * float(exp.abs().max())
+        else:
+            # rounding of fp32 values that differ by the summation order (an absolute ~1e-6 of the
+            # row's scale): one unit in the last place plus that, and rarely
+            diff = got != exp
+            ulp = torch.finfo(out_dtype).eps * exp.float().abs()
+            assert bool(((got.float() - exp.float()).abs() <= ulp + 1e-5 * float(exp.float().abs().max())).all())
+            assert float(diff.float().mean()) < 5e-3, float(diff.float().mean())
+
+
+@pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", CASES)
+def test_rotate_heads_matches_einsum(t, h, hr, d, in_dtype, transpose, sub, add):
+    check_rotation(t, h, hr, d, in_dtype, transpose, sub, add)
+
+
+def test_rotate_heads_strided_rows_and_empty():
+    """Rows that are a view into a wider tensor (SGLang's fused QKV output) and zero tokens."""
+    fresh_seed()
+    qkv = torch.randn(6, (8 + 2 + 2) * 64).to(torch.bfloat16)
+    k = qkv[:, 8 * 64: 10 * 64].reshape(-1, 2, 64)  # stride(0) = the QKV width
+    r = _orthogonal(2, 64)
+    got = rotate_heads(k, r, torch.bfloat16)
+    exp = rotate_heads_reference(k, r, torch.bfloat16)
+    assert float((got.float() - exp.float()).abs().max()) <= 2 ** -7 * float(exp.abs().max())
+    assert rotate_heads(k[:0], r, torch.float32).shape == (0, 2, 64)
+
+
+def test_rotate_heads_bad_input():
+    r = _orthogonal(2, 64)
+    x = torch.randn(3, 4, 64)
+    with pytest.raises(ValueError, match="does not fit rows of head_dim 32"):
+        rotate_heads(torch.randn(3, 4, 32), r, torch.float32)
+    with pytest.raises(ValueError, match="2 rotation matrices do not divide 3 heads"):
+        rotate_heads(torch.randn(3, 3, 64), r, torch.float32)
+    with pytest.raises(ValueError, match="rotation"):
+        rotate_heads(x, r.double(), torch.float32)
+    with pytest.raises(ValueError, match="sub_mean"):
+        rotate_heads(x, r, torch.float32, sub_mean=torch.zeros(4, 64))
+    with pytest.raises(ValueError, match="out_dtype"):
+        rotate_heads(x, r, torch.int8)
+    with pytest.raises(ValueError, match="out"):
+        rotate_heads(x, r, torch.float32, out=torch.empty(3, 4, 64, dtype=torch.bfloat16))
