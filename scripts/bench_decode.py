@@ -587,7 +587,8 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
             f"{extra['write_flush_frac'] * 100:.1f}% of the INT2 decode step at batch {extra['write_flush_batch']}, "
             f"ctx {extra['write_flush_ctx']} (per layer). The served cache runs only the write each step (every "
             f"token is written in INT2 when it is written and the BF16 windows are copies, docs/design.md; "
-            f"nothing is flushed): {extra['write_ms'] / extra['write_flush_decode_ms'] * 100:.1f}% of the step.")
+            f"nothing is flushed): {extra['write_ms'] / extra['write_flush_decode_ms'] * 100:.1f}% of that decode "
+            f"attention.")
         rs = [r for r in (1, 2, 4) if extra.get(f"write_ms_r{r}") is not None]
         if rs:
             best = min(extra[f"write_ms_r{r}"] + extra[f"flush_ms_r{r}"] for r in rs)

@@ -60,6 +60,7 @@ def step_pieces(case: Case, engine: str):
     loc = torch.arange(b, device=dev, dtype=torch.int64) * 7
     hp_rows = torch.arange(b, device=dev, dtype=torch.int32)
     rot = rotate_heads if engine == "triton" else rotate_heads_reference
+    q_rot = rotate_heads_reference(q, rk, torch.float32)  # attention alone takes the server's fp32 queries
 
     def rotations():
         rot(q, rk, torch.float32)
@@ -72,6 +73,7 @@ def step_pieces(case: Case, engine: str):
                  hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False)
 
     def attention():
+        case.q = q_rot
         case.run_int2()
 
     def step():
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
                              f"{fmt_ms(t['attention'])} | {fmt_ms(t['step'])} | {fmt_ms(t_bf)} ({be}) | "
                              f"{t['step'] / t_bf:.3f} |")
                 print(lines[-1], flush=True)
-            del case
+            del case, p, bf
             torch.cuda.empty_cache()
     table = "\n".join(lines)
     head = (f"Served decode step per layer (Qwen3-8B layer: {HQ} q / {HKV} kv heads, head_dim {D}, sink 64 + "

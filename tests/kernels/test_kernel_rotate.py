@@ -16,6 +16,8 @@ CASES = [
     (40, 4, 4, 192, torch.float16, False, False, False),  # one matrix per head, D not a power of 2
     (2, 12, 2, 512, torch.bfloat16, True, False, False),  # GQA 6, head_dim 512
     (70, 2, 2, 128, torch.bfloat16, False, True, False),  # > 256 rows: 64-row programs
+    (4, 12, 4, 128, torch.float32, True, True, True),  # GQA 3, both means, per-matrix mean rows
+    (130, 2, 2, 256, torch.bfloat16, False, False, True),  # > 256 rows at head_dim 256: 16-row programs
 ]
 
 
@@ -53,15 +55,31 @@ def test_rotate_heads_matches_einsum(t, h, hr, d, in_dtype, transpose, sub, add)
 
 
 def test_rotate_heads_strided_rows_and_empty():
-    """Rows that are a view into a wider tensor (SGLang's fused QKV output) and zero tokens."""
+    """Rows that are views into a wider tensor (SGLang's fused QKV output: q with GQA 4, k) and zero tokens."""
     fresh_seed()
     qkv = torch.randn(6, (8 + 2 + 2) * 64).to(torch.bfloat16)
+    q = qkv[:, : 8 * 64].reshape(-1, 8, 64)
     k = qkv[:, 8 * 64: 10 * 64].reshape(-1, 2, 64)  # stride(0) = the QKV width
     r = _orthogonal(2, 64)
-    got = rotate_heads(k, r, torch.bfloat16)
-    exp = rotate_heads_reference(k, r, torch.bfloat16)
-    assert float((got.float() - exp.float()).abs().max()) <= 2 ** -7 * float(exp.abs().max())
+    for x, dt in ((q, torch.float32), (k, torch.bfloat16)):
+        assert x.stride(0) == qkv.shape[1]
+        got = rotate_heads(x, r, dt)
+        exp = rotate_heads_reference(x, r, dt)
+        assert float((got.float() - exp.float()).abs().max()) <= 2 ** -7 * float(exp.abs().max())
     assert rotate_heads(k[:0], r, torch.float32).shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("nan_bits", [0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF])
+def test_rotate_heads_keeps_nan(nan_bits):
+    """A NaN in a row (any NaN bit pattern, incl. 0x7FFFFFFF) comes out NaN in every output dtype, as
+    from the einsum: the bf16 rounding must not wrap it to -0.0."""
+    x = torch.randn(2, 2, 64)
+    x.view(torch.int32)[1, 0, 5] = torch.tensor(nan_bits, dtype=torch.int64).to(torch.int32)
+    r = torch.eye(64).expand(2, 64, 64).contiguous()
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        got = rotate_heads(x, r, dt)
+        exp = rotate_heads_reference(x, r, dt)
+        assert torch.equal(torch.isnan(got), torch.isnan(exp)) and bool(torch.isnan(got[1, 0, 5])), dt
 
 
 def test_rotate_heads_bad_input():

@@ -132,13 +132,14 @@ def test_write_and_flush_k_only():
 
 
 @triton.jit
-def _clip_threshold_probe(X, T, K: tl.constexpr, Q: tl.constexpr):
-    """Rows of 4*Q fp32 values -> write.clip_threshold of each (one row per program)."""
+def _clip_threshold_probe(X, T, K: tl.constexpr, Q: tl.constexpr, QREAL: tl.constexpr):
+    """Rows of 4*Q fp32 values -> write.clip_threshold of each (one row per program) over the lanes
+    ``j < QREAL`` of each quarter (the others hold garbage the search must ignore)."""
     row = tl.program_id(0)
     kk = tl.arange(0, 4)
     jj = tl.arange(0, Q)
     x = tl.load(X + row * 4 * Q + kk[:, None] * Q + jj[None, :])[None, :, :]
-    lane = (kk[:, None] < 4)[None, :, :] & (jj[None, :] < Q)[None, :, :]
+    lane = (kk[:, None] < 4)[None, :, :] & (jj[None, :] < QREAL)[None, :, :]
     t = clip_threshold(x, lane, 1, K)
     tl.store(T + row + tl.arange(0, 1), t)
 
@@ -160,8 +161,17 @@ def test_clip_threshold_is_the_order_statistic():
     x = torch.stack(rows).contiguous()
     for k in (1, 2, 17, d // 2, d - 1, d):
         t = torch.empty(x.shape[0])
-        _clip_threshold_probe[(x.shape[0],)](x, t, K=k, Q=q)
+        _clip_threshold_probe[(x.shape[0],)](x, t, K=k, Q=q, QREAL=q)
         exp = x.abs().sort(dim=1).values[:, k - 1]
+        assert torch.equal(t.view(torch.int32), exp.view(torch.int32)), (k, t, exp)
+    # masked lanes (head_dim 48 in a 64-lane tile): only the 4 x 12 real elements count
+    real = 12
+    xm = x.view(-1, 4, q).clone()
+    xm[:, :, real:] = torch.tensor([0.0, float("nan"), -float("inf"), 1e-30]).repeat(q - real)[None, None, :(q - real)]
+    for k in (1, 5, 4 * real):
+        t = torch.empty(x.shape[0])
+        _clip_threshold_probe[(x.shape[0],)](xm.reshape(x.shape).contiguous(), t, K=k, Q=q, QREAL=real)
+        exp = xm[:, :, :real].reshape(x.shape[0], -1).abs().sort(dim=1).values[:, k - 1]
         assert torch.equal(t.view(torch.int32), exp.view(torch.int32)), (k, t, exp)
 
 

@@ -265,10 +265,15 @@ def test_pool_refuses_bf16_access_and_reports_true_sizes(setup):
     assert k_bytes == 513 * HKV * 24 + hp_rows * HKV * D * 2 == v_bytes
 
 
-def test_centred_rotation_matches_the_centred_oracle(setup):
+@pytest.mark.parametrize("rotate_engine", ["torch", "triton"])
+def test_centred_rotation_matches_the_centred_oracle(setup, rotate_engine):
     """A centred rotation set: the pool holds (x - mean) R, the output gets mean_v back; prefill and
-    decode match the oracle with the same means, and a logit-capped layer is refused."""
+    decode match the oracle with the same means, and a logit-capped layer is refused (both
+    --oscar-rotate-engine values: the means go through kernels.rotate too)."""
+    import dataclasses
+
     seq, config, rk, rv = setup
+    config = dataclasses.replace(config, rotate_engine=rotate_engine)
     gen = torch.Generator().manual_seed(11)
     # keys / values with a static offset, as the means of a real model's keys carry
     q, k, v = seq
@@ -291,7 +296,12 @@ def test_centred_rotation_matches_the_centred_oracle(setup):
     assert _rel(o, _oracle(seq, config, rk, rv, 0, 40, "extend")) > 2 * _rel(o, oracle(0, 40, "extend"))
     from sglang_oscar.quant.int2 import quantize_rows
     kc, _, _, _, _, _ = sv.pool.int2_buffers(0)
-    k_rot = torch.einsum("thd,hde->the", seq[1][:46].float() - mk, rk).bfloat16()
+    if rotate_engine == "triton":  # the rows the backend wrote (one-ulp differences from the einsum change codes)
+        from sglang_oscar.kernels.rotate import rotate_heads
+
+        k_rot = rotate_heads(seq[1][:46], rk, torch.bfloat16, sub_mean=mk)
+    else:
+        k_rot = torch.einsum("thd,hde->the", seq[1][:46].float() - mk, rk).bfloat16()
     slots = sv.r2t[1, :46].long()
     assert torch.equal(kc[slots], quantize_rows(k_rot, **config.quant_kwargs("k")).codes)
     capped = _layer()

@@ -44,10 +44,11 @@ CONVERT_SUBNORMAL_EMULATED = 6
 
 @triton.jit
 def round_to(x, DT: tl.constexpr):
-    """Round an fp32 tile to ``DT`` (fp32 / fp16 / bf16), round-to-nearest-even."""
+    """Round an fp32 tile to ``DT`` (fp32 / fp16 / bf16), round-to-nearest-even; NaN stays NaN."""
     if DT == tl.bfloat16:
         b = x.to(tl.int32, bitcast=True)
         r = b + 0x7FFF + ((b >> 16) & 1)
+        r = tl.where(x != x, 0x7FC00000, r)  # NaN stays NaN (the sum overflows for NaN patterns near 0x7FFFFFFF)
         return (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     elif DT == tl.float16:
         return x.to(tl.float16)

@@ -99,14 +99,14 @@ def rotate_heads(
         out_dtype: fp32 / fp16 / bf16.
         transpose: multiply by ``R^T`` (the output's counter-rotation).
         sub_mean / add_mean: fp32 ``[H_r, D]`` subtracted from ``x`` before / added after the
-            product (key / value centering; docs/format.md), or ``None``.
+            product (key / value centering; docs/format.md), or ``None`` (made contiguous here).
         out: optional ``[T, H, D]`` output in ``out_dtype``.
         validate: shape / dtype / device checks (``False`` on hot paths validated once).
 
     Returns:
         ``[T, H, D]`` in ``out_dtype``. Equals ``torch.einsum`` in fp32 up to the summation order
-        (the tests: within 1e-6 relative in fp32, one unit in the last place after rounding to
-        bf16 / fp16).
+        (the tests: within 1e-5 of the largest element in fp32; after rounding to bf16 / fp16 one
+        unit in the last place plus that, in under 0.5% of the elements); NaN stays NaN.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (``validate``).
@@ -126,8 +126,6 @@ def rotate_heads(
         for name, m in (("sub_mean", sub_mean), ("add_mean", add_mean)):
             if m is not None:
                 check_tensor(m, name, ndim=2, dtypes=torch.float32, device=dev, shape=(hr, di))
-                if not m.is_contiguous():
-                    raise ValueError(f"{name} must be contiguous")
         if out_dtype not in TORCH_TO_TL:
             raise ValueError(f"out_dtype {out_dtype} is not float32/float16/bfloat16")
         if out is not None:
@@ -140,18 +138,22 @@ def rotate_heads(
     if t == 0:
         return out
     rows = t * g
-    block_m = 16 if rows <= 256 else 64
-    block_k = 32 if d % 32 == 0 else 16
     np_ = max(16, triton.next_power_of_2(d))
+    # 64-row programs for long inputs at head_dim <= 128 (fewer re-reads of R); wider rows keep 16
+    # rows and 16-wide K slices at 8 warps: no register spills on sm_90 (cuobjdump -res-usage: 148 /
+    # 254 registers at head_dim 128 with 16 / 64 rows, 118 at 256, 192 at 512, stack 0; 64 x 256
+    # accumulators or 32-wide slices at 512 spill)
+    block_m = 64 if (rows > 256 and np_ <= 128) else 16
+    block_k = 32 if (d % 32 == 0 and np_ <= 128) else 16
     srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
-    mu_in = sub_mean if sub_mean is not None else rotation
-    mu_out = add_mean if add_mean is not None else rotation
+    mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
+    mu_out = add_mean.contiguous() if add_mean is not None else rotation
     _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
             G=g, D_IN=d, D_OUT=d, NP=np_, BLOCK_M=block_m, BLOCK_K=block_k,
             HAS_MU_IN=sub_mean is not None, HAS_MU_OUT=add_mean is not None, OUT_DT=TORCH_TO_TL[out_dtype],
-            PRECISION="ieee", num_warps=4 if np_ <= 256 else 8)
+            PRECISION="ieee", num_warps=4 if np_ <= 128 else 8)
     return out
 
 
