@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import TORCH_TO_TL
 from .codes import round_to
 from .compile_check import launch as _launch
+from .layout import TORCH_TO_TL
 from .validate import check_float, check_tensor
 
 
@@ -158,7 +158,12 @@ def rotate_heads(
 
 
 def rotate_heads_reference(x, rotation, out_dtype, *, transpose=False, sub_mean=None, add_mean=None):
-    """The same product with ``torch.einsum`` in fp32 (the backend's PyTorch path and the tests' reference)."""
+    """The same product as :func:`rotate_heads` with ``torch.einsum`` in fp32: the backend's PyTorch
+    path (``--oscar-rotate-engine torch``) and the tests' reference.
+
+    Args / returns: as :func:`rotate_heads` (``x [T, H, D]``, ``rotation [H_r, D, D]``, means
+    ``[H_r, D]`` or ``None``; result ``[T, H, D]`` in ``out_dtype``). No argument checks.
+    """
     t, h, d = x.shape
     hr = rotation.shape[0]
     xv = x.float().reshape(t, hr, h // hr, d)
