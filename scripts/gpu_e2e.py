@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve (and compute references) with BF16 logits; by default every server gets "
                         "--enable-fp32-lm-head, since BF16 logits of these tiny models tie (greedy and log-prob noise)")
     p.add_argument("--server-args", default="", help="extra sglang flags for every server (one shell-quoted string)")
+    p.add_argument("--int2-args", default="",
+                   help="extra sglang flags for the --kv-cache-dtype int2 servers only (one shell-quoted string), "
+                        "e.g. '--oscar-rotate-engine triton' or '--oscar-decode-engine triton'")
     p.add_argument("--dry-run", action="store_true", help="print the servers and commands, start nothing")
     return p
 
@@ -755,7 +758,7 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
     q = "qwen3"
     c_win = ["--oscar-sink-tokens", str(C_SINK), "--oscar-recent-tokens", str(C_RECENT)]
     b_win = ["--oscar-sink-tokens", str(B_SINK), "--oscar-recent-tokens", str(B_RECENT)]
-    i2 = ["--kv-cache-dtype", "int2"]
+    i2 = ["--kv-cache-dtype", "int2"] + shlex.split(args.int2_args or "")
     specs: list[ServerSpec] = []
 
     def add(spec: ServerSpec):
