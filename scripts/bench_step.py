@@ -13,6 +13,7 @@ Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``). Ratios only me
 within one run.
 
     python scripts/bench_step.py [--contexts 32768,131072] [--batches 1,32] [--out step.md]
+    TRITON_INTERPRET=1 python scripts/bench_step.py --smoke      # CPU: every piece once, tiny shapes
 """
 
 from __future__ import annotations
@@ -27,17 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
-from bench_decode import (  # noqa: E402
-    HKV,
-    HQ,
-    D,
-    Case,
-    apply_pool_layout,
-    bench,
-    bench_layout,
-    fmt_ms,
-    make_sdpa,
-)
+import bench_decode as bd  # noqa: E402
+from bench_decode import D, Case, apply_pool_layout, bench, bench_layout, fmt_ms, make_sdpa  # noqa: E402
 
 from sglang_oscar.kernels import write_kv  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference  # noqa: E402
@@ -49,14 +41,14 @@ def step_pieces(case: Case, engine: str):
     g = torch.Generator(device=dev)
     g.manual_seed(5)
     b = case.batch
-    rk = torch.linalg.qr(torch.randn(HKV, D, D, device=dev, generator=g))[0].contiguous()
-    rv = torch.linalg.qr(torch.randn(HKV, D, D, device=dev, generator=g))[0].contiguous()
-    mk = torch.randn(HKV, D, device=dev, generator=g)
-    mv = torch.randn(HKV, D, device=dev, generator=g)
-    q = torch.randn(b, HQ, D, device=dev, generator=g).to(torch.bfloat16)
-    k = torch.randn(b, HKV, D, device=dev, generator=g).to(torch.bfloat16)
-    v = torch.randn(b, HKV, D, device=dev, generator=g).to(torch.bfloat16)
-    o = torch.randn(b, HQ, D, device=dev, generator=g)
+    rk = torch.linalg.qr(torch.randn(bd.HKV, D, D, device=dev, generator=g))[0].contiguous()
+    rv = torch.linalg.qr(torch.randn(bd.HKV, D, D, device=dev, generator=g))[0].contiguous()
+    mk = torch.randn(bd.HKV, D, device=dev, generator=g)
+    mv = torch.randn(bd.HKV, D, device=dev, generator=g)
+    q = torch.randn(b, bd.HQ, D, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, bd.HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, bd.HKV, D, device=dev, generator=g).to(torch.bfloat16)
+    o = torch.randn(b, bd.HQ, D, device=dev, generator=g)
     loc = torch.arange(b, device=dev, dtype=torch.int64) * 7
     hp_rows = torch.arange(b, device=dev, dtype=torch.int32)
     rot = rotate_heads if engine == "triton" else rotate_heads_reference
@@ -89,13 +81,13 @@ def step_pieces(case: Case, engine: str):
     return {"rotations": rotations, "write": write, "attention": attention, "step": step}
 
 
-def bf16_step(case: Case):
+def bf16_step(case: Case, smoke: bool = False):
     """SGLang's BF16 side per layer and step: the new rows copied into the cache, then SDPA decode."""
-    fn, be, (kc, vc) = make_sdpa(case, smoke=False)
+    fn, be, (kc, vc) = make_sdpa(case, smoke=smoke)
     dev = case.q.device
     b = case.batch
-    k = torch.randn(b, HKV, D, device=dev).to(torch.bfloat16)
-    v = torch.randn(b, HKV, D, device=dev).to(torch.bfloat16)
+    k = torch.randn(b, bd.HKV, D, device=dev).to(torch.bfloat16)
+    v = torch.randn(b, bd.HKV, D, device=dev).to(torch.bfloat16)
     pos = torch.full((b,), case.ctx - 1, device=dev, dtype=torch.int64)
     bi = torch.arange(b, device=dev)
 
@@ -115,36 +107,51 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny CPU configuration under TRITON_INTERPRET=1 (wall-clock times, meaningless): runs "
+                         "every piece once so CI sees the script work")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_step.py needs a CUDA device", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda")
+    smoke = args.smoke
+    if smoke:
+        if not bd.interpreting():
+            print("--smoke needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        bd.HQ, bd.HKV = 4, 2  # the same code paths, fewer interpreted programs
+        contexts, batches, dev = [352], [2], torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("bench_step.py needs a CUDA device (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
+            return 2
+        contexts = [int(c) for c in args.contexts.split(",")]
+        batches = [int(x) for x in args.batches.split(",")]
+        dev = torch.device("cuda")
     layout = bench_layout()
     lines = ["| ctx x batch | engine | rotations (q, k, v, o) | write | attention | whole step | BF16 step "
              "(copy + SDPA) | step / BF16 step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for ctx in [int(c) for c in args.contexts.split(",")]:
-        for b in [int(x) for x in args.batches.split(",")]:
+    for ctx in contexts:
+        for b in batches:
             case = Case(b, ctx, dev, layout, with_bf16=False)
             apply_pool_layout(case, "served")
-            bf, be = bf16_step(case)
-            t_bf = bench(bf["step"], False)
+            bf, be = bf16_step(case, smoke)
+            t_bf = bench(bf["step"], smoke)
             q0 = case.q
             for engine in ("torch", "triton"):
                 case.q = q0
                 p = step_pieces(case, engine)
-                t = {name: bench(fn, False) for name, fn in p.items()}
+                t = {name: bench(fn, smoke) for name, fn in p.items()}
                 case.q = q0
-                lines.append(f"| {ctx // 1024}K x {b} | {engine} | {fmt_ms(t['rotations'])} | {fmt_ms(t['write'])} | "
+                lines.append(f"| {f'{ctx // 1024}K' if ctx >= 1024 else ctx} x {b} | {engine} | {fmt_ms(t['rotations'])} | {fmt_ms(t['write'])} | "
                              f"{fmt_ms(t['attention'])} | {fmt_ms(t['step'])} | {fmt_ms(t_bf)} ({be}) | "
                              f"{t['step'] / t_bf:.3f} |")
                 print(lines[-1], flush=True)
             del case, p, bf
-            torch.cuda.empty_cache()
+            if not smoke:
+                torch.cuda.empty_cache()
     table = "\n".join(lines)
-    head = (f"Served decode step per layer (Qwen3-8B layer: {HQ} q / {HKV} kv heads, head_dim {D}, sink 64 + "
-            f"recent 256, centred rotations); {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
-            "CUDA graphs, cold L2")
+    head = (f"Served decode step per layer (Qwen3-8B layer: {bd.HQ} q / {bd.HKV} kv heads, head_dim {D}, sink 64 + "
+            f"recent 256, centred rotations); "
+            f"{'cpu (interpreter), SMOKE: times meaningless' if smoke else torch.cuda.get_device_name(0)}, "
+            f"torch {torch.__version__}; " + ("wall clock" if smoke else "CUDA graphs, cold L2"))
     if args.out:
         with open(args.out, "w") as f:
             f.write(head + "\n\n" + table + "\n")
