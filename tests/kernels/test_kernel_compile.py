@@ -52,28 +52,28 @@ def test_gluon_kernel_compiles_for_sm90():
     assert res.returncode == 2 and "unset TRITON_INTERPRET" in res.stderr
 
 
-def test_bench_step_smoke(tmp_path):
-    """scripts/bench_step.py --smoke runs every piece of the served step (both rotate engines, the
-    write, attention with the server's fp32 queries, the BF16 side) and writes its table."""
+def _smoke(script: str, out) -> None:
+    """Run ``scripts/<script> --smoke --out <out>`` under the interpreter; it must exit 0."""
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
-    out = tmp_path / "step.md"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--smoke", "--out",
-                          str(out)], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--smoke", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+def test_bench_step_smoke(tmp_path):
+    """scripts/bench_step.py --smoke runs every piece of the served step (both rotate engines, the
+    write, attention with the server's fp32 queries, the BF16 side) and writes its table."""
+    out = tmp_path / "step.md"
+    _smoke("bench_step.py", out)
     rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 352 x 2 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton"], out.read_text()
 
 
 def test_bench_decode_smoke(tmp_path):
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "bench.md"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode.py"), "--smoke", "--out",
-                          str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    _smoke("bench_decode.py", out)
     text = out.read_text()
     assert "| ctx | batch |" in text and "Write (quantize+scatter" in text
 
