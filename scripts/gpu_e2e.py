@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="extra sglang flags for every server (one shell-quoted string)")
     p.add_argument("--int2-args", default="",
                    help="extra sglang flags for the --kv-cache-dtype int2 servers only (one shell-quoted string), "
-                        "e.g. '--oscar-rotate-engine triton' or '--oscar-decode-engine triton'")
+                        "e.g. '--oscar-rotate-engine torch' or '--oscar-decode-engine triton'")
     p.add_argument("--dry-run", action="store_true", help="print the servers and commands, start nothing")
     return p
 

@@ -37,15 +37,15 @@ def test_sglang_parser_accepts_int2_and_oscar_flags(sglang_parser):
         "--model-path", "m", "--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", "64",
         "--oscar-rotation", "/r.safetensors", "--oscar-k-clip-ratio", "0.9", "--oscar-quantizer", "lloyd-max",
         "--oscar-sink-tokens", "32", "--oscar-recent-tokens", "128", "--oscar-scale-dtype", "float32",
-        "--oscar-decode-engine", "triton", "--oscar-rotate-engine", "triton",
+        "--oscar-decode-engine", "triton", "--oscar-rotate-engine", "torch",
     ])
     assert ns.kv_cache_dtype == "int2" and ns.kv_cache_quant_group_size == 64
     cfg, _ = flags.resolve_config({f.dest: getattr(ns, f.dest) for f in flags.FLAGS}, environ={})
     assert cfg == OscarConfig(group_size=64, k_clip_ratio=0.9, sink_tokens=32, recent_tokens=128,
                               quantizer="lloyd-max", scale_dtype="float32", rotation_path="/r.safetensors",
-                              decode_engine="triton", rotate_engine="triton")
+                              decode_engine="triton", rotate_engine="torch")
     cfg, _ = flags.resolve_config({}, environ={})
-    assert cfg.decode_engine == "auto" and cfg.rotate_engine == "torch"
+    assert cfg.decode_engine == "auto" and cfg.rotate_engine == "triton"
     with pytest.raises(SystemExit):
         sglang_parser.parse_args(["--model-path", "m", "--oscar-quantizer", "nf4"])
     with pytest.raises(SystemExit):

@@ -80,10 +80,10 @@ def test_server_specs_and_commands(e2e, tmp_path):
     tp2 = e2e.launch_command(by["qwen3-int2-head-tp2"], "/m")
     assert tp2[tp2.index("--tp-size") + 1] == "2" and "--oscar-rotation" in tp2
     assert set(e2e.server_specs(e2e.parse_args(["--only", "i"]), rot)[0].checks) == {"i"}
-    # --int2-args reach the int2 servers only (e.g. the experimental rotate engine)
-    eng = e2e.server_specs(e2e.parse_args(["--int2-args", "--oscar-rotate-engine triton"]), rot)
+    # --int2-args reach the int2 servers only (e.g. the einsum rotate engine)
+    eng = e2e.server_specs(e2e.parse_args(["--int2-args", "--oscar-rotate-engine torch"]), rot)
     with_int2 = [sp for sp in eng if "int2" in sp.args]
-    assert with_int2 and all(sp.args[sp.args.index("--oscar-rotate-engine") + 1] == "triton" for sp in with_int2)
+    assert with_int2 and all(sp.args[sp.args.index("--oscar-rotate-engine") + 1] == "torch" for sp in with_int2)
     assert all("--oscar-rotate-engine" not in sp.args for sp in eng if "int2" not in sp.args)
     # --dtype float32 servers only with --c-fp32, used by c alone
     assert not any("--dtype" in s.args or s.name in e2e.C_FP32_SERVERS.values() for s in specs)

@@ -82,10 +82,10 @@ FLAGS = (
          "included, with the reason).",
          choices=("auto", "triton", "gluon")),
     Flag("oscar_rotate_engine", "--oscar-rotate-engine", "rotate_engine", str,
-         "INT2 KV cache: how q, the new K/V rows and the attention output are rotated each step: torch "
-         "(default: fp32 einsum, several small kernels per product) or triton (experimental: one kernel per "
-         "product, same fp32 arithmetic up to the summation order).",
-         choices=("torch", "triton")),
+         "INT2 KV cache: how q, the new K/V rows and the attention output are rotated each step: triton "
+         "(default: one kernel per product) or torch (fp32 einsum, several small kernels per product; same "
+         "fp32 arithmetic up to the summation order).",
+         choices=("triton", "torch")),
 )
 K_ROTATION_ENV = "SGLANG_OSCAR_K_ROTATION_PATH"
 V_ROTATION_ENV = "SGLANG_OSCAR_V_ROTATION_PATH"
