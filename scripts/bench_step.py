@@ -12,7 +12,7 @@ layer geometry (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256), centred 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``). Ratios only mean something
 within one run.
 
-    python scripts/bench_step.py [--contexts 32768,131072] [--batches 1,32] [--out step.md]
+    python scripts/bench_step.py [--contexts 32768,131072] [--batches 1,32] [--rotate-block-n 16,32] [--out step.md]
     TRITON_INTERPRET=1 python scripts/bench_step.py --smoke      # CPU: every piece once, tiny shapes
 """
 
@@ -35,8 +35,9 @@ from sglang_oscar.kernels import write_kv  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference  # noqa: E402
 
 
-def step_pieces(case: Case, engine: str):
-    """Closures of one layer's decode-step pieces for the rotate ``engine``."""
+def step_pieces(case: Case, engine: str, block_n: int | None = None):
+    """Closures of one layer's decode-step pieces for the rotate ``engine`` (``block_n``: the Triton
+    kernel's output dims per program, ``None`` = all)."""
     dev = case.q.device
     g = torch.Generator(device=dev)
     g.manual_seed(5)
@@ -51,7 +52,11 @@ def step_pieces(case: Case, engine: str):
     o = torch.randn(b, bd.HQ, D, device=dev, generator=g)
     loc = torch.arange(b, device=dev, dtype=torch.int64) * 7
     hp_rows = torch.arange(b, device=dev, dtype=torch.int32)
-    rot = rotate_heads if engine == "triton" else rotate_heads_reference
+    if engine == "triton":
+        def rot(*a, **k):
+            return rotate_heads(*a, block_n=block_n, **k)
+    else:
+        rot = rotate_heads_reference
     q_rot = rotate_heads_reference(q, rk, torch.float32)  # attention alone takes the server's fp32 queries
 
     def rotations():
@@ -107,6 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--rotate-block-n", default="",
+                    help="comma-separated block_n values of kernels.rotate.rotate_heads to time as extra 'triton "
+                         "bn=N' rows (e.g. 16,32,64; the plain 'triton' row is the default, all output dims per "
+                         "program)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny CPU configuration under TRITON_INTERPRET=1 (wall-clock times, meaningless): runs "
                          "every piece once so CI sees the script work")
@@ -125,6 +134,12 @@ def main(argv=None) -> int:
         contexts = [int(c) for c in args.contexts.split(",")]
         batches = [int(x) for x in args.batches.split(",")]
         dev = torch.device("cuda")
+    try:
+        extra_bn = [int(x) for x in args.rotate_block_n.split(",") if x.strip()]
+    except ValueError:
+        print(f"--rotate-block-n must be comma-separated integers, got {args.rotate_block_n!r}", file=sys.stderr)
+        return 2
+    engines = [("torch", None), ("triton", None)] + [("triton", bn) for bn in extra_bn]
     layout = bench_layout()
     lines = ["| ctx x batch | engine | rotations (q, k, v, o) | write | attention | whole step | BF16 step "
              "(copy + SDPA) | step / BF16 step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -135,12 +150,12 @@ def main(argv=None) -> int:
             bf, be = bf16_step(case, smoke)
             t_bf = bench(bf["step"], smoke)
             q0 = case.q
-            for engine in ("torch", "triton"):
+            for engine, bn in engines:
                 case.q = q0
-                p = step_pieces(case, engine)
+                p = step_pieces(case, engine, bn)
                 t = {name: bench(fn, smoke) for name, fn in p.items()}
                 case.q = q0
-                lines.append(f"| {f'{ctx // 1024}K' if ctx >= 1024 else ctx} x {b} | {engine} | {fmt_ms(t['rotations'])} | {fmt_ms(t['write'])} | "
+                lines.append(f"| {f'{ctx // 1024}K' if ctx >= 1024 else ctx} x {b} | {engine}{f' bn={bn}' if bn else ''} | {fmt_ms(t['rotations'])} | {fmt_ms(t['write'])} | "
                              f"{fmt_ms(t['attention'])} | {fmt_ms(t['step'])} | {fmt_ms(t_bf)} ({be}) | "
                              f"{t['step'] / t_bf:.3f} |")
                 print(lines[-1], flush=True)

@@ -52,23 +52,24 @@ def test_gluon_kernel_compiles_for_sm90():
     assert res.returncode == 2 and "unset TRITON_INTERPRET" in res.stderr
 
 
-def _smoke(script: str, out) -> None:
-    """Run ``scripts/<script> --smoke --out <out>`` under the interpreter; it must exit 0."""
+def _smoke(script: str, out, *extra: str) -> None:
+    """Run ``scripts/<script> --smoke --out <out> [extra]`` under the interpreter; it must exit 0."""
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--smoke", "--out", str(out)],
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--smoke", "--out", str(out), *extra],
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
 def test_bench_step_smoke(tmp_path):
     """scripts/bench_step.py --smoke runs every piece of the served step (both rotate engines, the
-    write, attention with the server's fp32 queries, the BF16 side) and writes its table."""
+    write, attention with the server's fp32 queries, the BF16 side, a Triton row with split output
+    dims) and writes its table."""
     out = tmp_path / "step.md"
-    _smoke("bench_step.py", out)
+    _smoke("bench_step.py", out, "--rotate-block-n", "32")
     rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 352 x 2 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton"], out.read_text()
+    assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton", "triton bn=32"], out.read_text()
 
 
 def test_bench_decode_smoke(tmp_path):
@@ -118,11 +119,12 @@ ROTATE_SPILL_CHECK = r"""
 import re, sys, torch
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only, cuobjdump
 from sglang_oscar.kernels.rotate import rotate_heads
-shapes = [(32, 32, 8, 128), (4096, 8, 8, 128), (4096, 8, 8, 256), (4096, 8, 8, 512), (300, 8, 8, 192), (8, 4, 4, 64)]
+shapes = [(32, 32, 8, 128, None), (4096, 8, 8, 128, None), (4096, 8, 8, 256, None), (4096, 8, 8, 512, None),
+          (300, 8, 8, 192, None), (8, 4, 4, 64, None), (1, 32, 8, 128, 16), (4096, 8, 8, 512, 64)]
 with compile_only("cuda", 90):
-    for t, h, hr, d in shapes:
+    for t, h, hr, d, bn in shapes:
         rotate_heads(torch.randn(t, h, d).to(torch.bfloat16), torch.linalg.qr(torch.randn(hr, d, d))[0].contiguous(),
-                     torch.bfloat16)
+                     torch.bfloat16, block_n=bn)
 for shape, c in zip(shapes, COMPILED):
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(c[-1].asm["cubin"], "-res-usage"))
     print(shape, "REG", m.group(1), "STACK", m.group(2))
@@ -131,12 +133,13 @@ for shape, c in zip(shapes, COMPILED):
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas not found")
 def test_rotate_kernel_does_not_spill_on_sm90():
-    """kernels.rotate's launch choices (rows per program, K slice, warps) keep every head_dim's
-    accumulator in registers: no local-memory stack in the sm_90 cubin."""
+    """kernels.rotate's launch choices (rows per program, K slice, warps; all output dims or a
+    ``block_n`` slice per program) keep every head_dim's accumulator in registers: no local-memory
+    stack in the sm_90 cubin."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", ROTATE_SPILL_CHECK], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if "STACK" in ln]
-    assert len(lines) == 6 and all(ln.endswith("STACK 0") for ln in lines), res.stdout
+    assert len(lines) == 8 and all(ln.endswith("STACK 0") for ln in lines), res.stdout

@@ -565,3 +565,13 @@ def test_gpu_rotate_heads(t, h, hr, d, in_dtype, transpose, sub, add):
     from test_kernel_rotate import check_rotation
 
     check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device=DEV)
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_gpu_rotate_heads_output_slices(block_n):
+    """rotate_heads with the output dims split over programs (block_n), decode q / output / prefill K."""
+    from test_kernel_rotate import check_rotation
+
+    check_rotation(_n(8), 32, 8, 128, torch.bfloat16, False, False, False, device=DEV, block_n=block_n)
+    check_rotation(_n(8), 32, 8, 128, torch.float32, True, False, True, device=DEV, block_n=block_n)
+    check_rotation(_n(2048), 8, 8, 256, torch.bfloat16, False, True, False, device=DEV, block_n=block_n)

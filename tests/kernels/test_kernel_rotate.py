@@ -25,7 +25,7 @@ def _orthogonal(h: int, d: int) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
 
 
-def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu"):
+def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", block_n=None):
     fresh_seed()
     x = (torch.randn(t, h, d, device=device) * 3).to(in_dtype)
     r = _orthogonal(hr, d).to(device)
@@ -33,7 +33,7 @@ def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu"):
     mo = torch.randn(hr, d, device=device) if add else None
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         out = poison_(torch.empty(t, h, d, dtype=out_dtype, device=device))
-        got = rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo, out=out)
+        got = rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo, out=out, block_n=block_n)
         assert got is out
         exp = rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo)
         assert bool(torch.isfinite(got).all()), "an output element was not written"
@@ -52,6 +52,18 @@ def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu"):
 @pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", CASES)
 def test_rotate_heads_matches_einsum(t, h, hr, d, in_dtype, transpose, sub, add):
     check_rotation(t, h, hr, d, in_dtype, transpose, sub, add)
+
+
+@pytest.mark.parametrize("case,block_n", [
+    (CASES[0], 16),  # 8 slices of 16 output dims
+    (CASES[1], 32),
+    (CASES[2], 128),  # head_dim 192: the second 128-wide slice is half masked
+    (CASES[3], 64),  # head_dim 512
+    (CASES[5], 1024),  # wider than head_dim: one slice, as None
+])
+def test_rotate_heads_output_slices(case, block_n):
+    """block_n splits the output dims over programs: the same values as the einsum (and as one slice)."""
+    check_rotation(*case, block_n=block_n)
 
 
 def test_rotate_heads_strided_rows_and_empty():
@@ -95,5 +107,8 @@ def test_rotate_heads_bad_input():
         rotate_heads(x, r, torch.float32, sub_mean=torch.zeros(4, 64))
     with pytest.raises(ValueError, match="out_dtype"):
         rotate_heads(x, r, torch.int8)
+    for bad in (8, 24, 0, True, 32.0):
+        with pytest.raises(ValueError, match="block_n"):
+            rotate_heads(x, r, torch.float32, block_n=bad)
     with pytest.raises(ValueError, match="out"):
         rotate_heads(x, r, torch.float32, out=torch.empty(3, 4, 64, dtype=torch.bfloat16))

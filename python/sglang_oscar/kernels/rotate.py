@@ -45,7 +45,7 @@ def _rotate_kernel(
     G: tl.constexpr,
     D_IN: tl.constexpr,
     D_OUT: tl.constexpr,
-    NP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_MU_IN: tl.constexpr,
@@ -60,9 +60,9 @@ def _rotate_kernel(
     tok = (i // G).to(tl.int64)
     head = (rh * G + i % G).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    nn = tl.arange(0, NP)
+    nn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = nn < D_OUT
-    acc = tl.zeros([BLOCK_M, NP], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for c in range(0, D_IN, BLOCK_K):
         k_ok = (c + kk) < D_IN
         x = tl.load(X + tok[:, None] * stride_xt + head[:, None] * stride_xh + (c + kk)[None, :],
@@ -88,6 +88,7 @@ def rotate_heads(
     sub_mean: torch.Tensor | None = None,
     add_mean: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    block_n: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """``(x - sub_mean) R`` (or ``x R^T + add_mean``) per kv head, in fp32, cast to ``out_dtype``.
@@ -101,6 +102,11 @@ def rotate_heads(
         sub_mean / add_mean: fp32 ``[H_r, D]`` subtracted from ``x`` before / added after the
             product (key / value centering; docs/format.md), or ``None`` (made contiguous here).
         out: optional ``[T, H, D]`` output in ``out_dtype``.
+        block_n: output dims per program, a power of two >= 16, or ``None`` (all of them, one
+            program per row block and matrix). Smaller slices put more programs on a short input
+            (a decode step's 4-32 rows per kv head: 8 programs at batch 1 with ``None``), each
+            streaming ``block_n / D`` of its matrix; ``scripts/bench_step.py --rotate-block-n``
+            times the choices (not measured yet, so the default stays ``None``).
         validate: shape / dtype / device checks (``False`` on hot paths validated once).
 
     Returns:
@@ -109,8 +115,12 @@ def rotate_heads(
         unit in the last place plus that, in under 0.5% of the elements); NaN stays NaN.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit (``validate``).
+        ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not a
+            power of two >= 16 (always checked).
     """
+    if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
+                                or block_n & (block_n - 1)):
+        raise ValueError(f"rotate_heads: block_n={block_n!r} must be None or a power of two >= 16")
     if validate:
         check_tensor(x, "x", ndim=3, last_contiguous=True)
         check_float(x, "x")
@@ -148,10 +158,11 @@ def rotate_heads(
     srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
     mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
     mu_out = add_mean.contiguous() if add_mean is not None else rotation
-    _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr),
+    bn = np_ if block_n is None else min(block_n, np_)
+    _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr, triton.cdiv(d, bn)),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
-            G=g, D_IN=d, D_OUT=d, NP=np_, BLOCK_M=block_m, BLOCK_K=block_k,
+            G=g, D_IN=d, D_OUT=d, BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=block_k,
             HAS_MU_IN=sub_mean is not None, HAS_MU_OUT=add_mean is not None, OUT_DT=TORCH_TO_TL[out_dtype],
             PRECISION="ieee", num_warps=4 if np_ <= 128 else 8)
     return out
