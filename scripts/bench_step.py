@@ -5,7 +5,9 @@ The served backend (``backend/triton_backend.py``) runs, per layer and decode st
 (fp32), ``(k - mu_k) R_k`` and ``(v - mu_v) R_v`` (rounded to BF16), the cache write (INT2 codes +
 BF16 window copy), decode attention, and the output's counter-rotation ``o R_v^T + mu_v``. This
 times each piece and the whole sequence for both ``--oscar-rotate-engine`` values (``torch``:
-``kernels.rotate.rotate_heads_reference``, the einsum; ``triton``: ``kernels.rotate.rotate_heads``),
+``kernels.rotate.rotate_heads_reference``, the einsum; ``triton``: ``kernels.rotate.rotate_heads``)
+and for ``triton-qkv`` (q, K and V rotated in one launch, ``kernels.rotate.rotate_qkv``; not a
+server option yet),
 next to the BF16 side (SGLang's ``set_kv_buffer``-style row copy + torch SDPA), on a Qwen3-8B
 layer geometry (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256), centred rotations.
 
@@ -32,7 +34,7 @@ import bench_decode as bd  # noqa: E402
 from bench_decode import D, Case, apply_pool_layout, bench, bench_layout, fmt_ms, make_sdpa  # noqa: E402
 
 from sglang_oscar.kernels import write_kv  # noqa: E402
-from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference  # noqa: E402
+from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv  # noqa: E402
 
 
 def step_pieces(case: Case, engine: str, block_n: int | None = None):
@@ -52,17 +54,21 @@ def step_pieces(case: Case, engine: str, block_n: int | None = None):
     o = torch.randn(b, bd.HQ, D, device=dev, generator=g)
     loc = torch.arange(b, device=dev, dtype=torch.int64) * 7
     hp_rows = torch.arange(b, device=dev, dtype=torch.int32)
-    if engine == "triton":
+    if engine.startswith("triton"):
         def rot(*a, **k):
             return rotate_heads(*a, block_n=block_n, **k)
     else:
         rot = rotate_heads_reference
+
+    def rotate_inputs():
+        """``(q R_k, (k - mu_k) R_k, (v - mu_v) R_v)``: three launches, or one (``triton-qkv``)."""
+        if engine == "triton-qkv":
+            return rotate_qkv(q, k, v, rk, rv, torch.bfloat16, mean_k=mk, mean_v=mv, block_n=block_n, validate=False)
+        return rot(q, rk, torch.float32), rot(k, rk, torch.bfloat16, sub_mean=mk), rot(v, rv, torch.bfloat16, sub_mean=mv)
     q_rot = rotate_heads_reference(q, rk, torch.float32)  # attention alone takes the server's fp32 queries
 
     def rotations():
-        rot(q, rk, torch.float32)
-        rot(k, rk, torch.bfloat16, sub_mean=mk)
-        rot(v, rv, torch.bfloat16, sub_mean=mv)
+        rotate_inputs()
         rot(o, rv, torch.bfloat16, transpose=True, add_mean=mv)
 
     def write():
@@ -74,9 +80,7 @@ def step_pieces(case: Case, engine: str, block_n: int | None = None):
         case.run_int2()
 
     def step():
-        qr = rot(q, rk, torch.float32)
-        kr = rot(k, rk, torch.bfloat16, sub_mean=mk)
-        vr = rot(v, rv, torch.bfloat16, sub_mean=mv)
+        qr, kr, vr = rotate_inputs()
         write_kv(kr, vr, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, case.layout, hp_rows=hp_rows,
                  hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False)
         case.q = qr  # decode_attention takes the rotated fp32 queries as the server does
@@ -113,9 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--rotate-block-n", default="",
-                    help="comma-separated block_n values of kernels.rotate.rotate_heads to time as extra 'triton "
-                         "bn=N' rows (e.g. 16,32,64; the plain 'triton' row is the default, all output dims per "
-                         "program)")
+                    help="comma-separated block_n values of kernels.rotate (output dims per program) to time as "
+                         "extra 'triton bn=N' / 'triton-qkv bn=N' rows (e.g. 16,32,64; the plain rows use all "
+                         "output dims per program)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny CPU configuration under TRITON_INTERPRET=1 (wall-clock times, meaningless): runs "
                          "every piece once so CI sees the script work")
@@ -139,7 +143,8 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"--rotate-block-n must be comma-separated integers, got {args.rotate_block_n!r}", file=sys.stderr)
         return 2
-    engines = [("torch", None), ("triton", None)] + [("triton", bn) for bn in extra_bn]
+    engines = [("torch", None), ("triton", None), ("triton-qkv", None)] + \
+        [(e, bn) for bn in extra_bn for e in ("triton", "triton-qkv")]
     layout = bench_layout()
     lines = ["| ctx x batch | engine | rotations (q, k, v, o) | write | attention | whole step | BF16 step "
              "(copy + SDPA) | step / BF16 step |", "|---|---|---:|---:|---:|---:|---:|---:|"]

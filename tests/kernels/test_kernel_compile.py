@@ -64,12 +64,13 @@ def _smoke(script: str, out, *extra: str) -> None:
 
 def test_bench_step_smoke(tmp_path):
     """scripts/bench_step.py --smoke runs every piece of the served step (both rotate engines, the
-    write, attention with the server's fp32 queries, the BF16 side, a Triton row with split output
-    dims) and writes its table."""
+    write, attention with the server's fp32 queries, the BF16 side, the one-launch q/K/V rotation,
+    Triton rows with split output dims) and writes its table."""
     out = tmp_path / "step.md"
     _smoke("bench_step.py", out, "--rotate-block-n", "32")
     rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 352 x 2 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton", "triton bn=32"], out.read_text()
+    assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton", "triton-qkv", "triton bn=32",
+                                                       "triton-qkv bn=32"], out.read_text()
 
 
 def test_bench_decode_smoke(tmp_path):
@@ -125,6 +126,15 @@ with compile_only("cuda", 90):
     for t, h, hr, d, bn in shapes:
         rotate_heads(torch.randn(t, h, d).to(torch.bfloat16), torch.linalg.qr(torch.randn(hr, d, d))[0].contiguous(),
                      torch.bfloat16, block_n=bn)
+from sglang_oscar.kernels.rotate import rotate_qkv
+qkv = [(1, 32, 8, 128, 128, None), (4096, 32, 8, 128, 128, None), (300, 16, 8, 192, 128, None), (64, 32, 8, 128, 128, 32),
+       (64, 8, 2, 512, 512, None)]
+with compile_only("cuda", 90):
+    for t, hq, hkv, dk, dv, bn in qkv:
+        rotate_qkv(torch.randn(t, hq, dk).to(torch.bfloat16), torch.randn(t, hkv, dk).to(torch.bfloat16),
+                   torch.randn(t, hkv, dv).to(torch.bfloat16), torch.linalg.qr(torch.randn(hkv, dk, dk))[0].contiguous(),
+                   torch.linalg.qr(torch.randn(hkv, dv, dv))[0].contiguous(), torch.bfloat16, block_n=bn)
+shapes += qkv
 for shape, c in zip(shapes, COMPILED):
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(c[-1].asm["cubin"], "-res-usage"))
     print(shape, "REG", m.group(1), "STACK", m.group(2))
@@ -134,12 +144,12 @@ for shape, c in zip(shapes, COMPILED):
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas not found")
 def test_rotate_kernel_does_not_spill_on_sm90():
     """kernels.rotate's launch choices (rows per program, K slice, warps; all output dims or a
-    ``block_n`` slice per program) keep every head_dim's accumulator in registers: no local-memory
-    stack in the sm_90 cubin."""
+    ``block_n`` slice per program; rotate_heads and the one-launch rotate_qkv) keep every head_dim's
+    accumulator in registers: no local-memory stack in the sm_90 cubin."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", ROTATE_SPILL_CHECK], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if "STACK" in ln]
-    assert len(lines) == 8 and all(ln.endswith("STACK 0") for ln in lines), res.stdout
+    assert len(lines) == 13 and all(ln.endswith("STACK 0") for ln in lines), res.stdout

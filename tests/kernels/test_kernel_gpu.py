@@ -575,3 +575,16 @@ def test_gpu_rotate_heads_output_slices(block_n):
     check_rotation(_n(8), 32, 8, 128, torch.bfloat16, False, False, False, device=DEV, block_n=block_n)
     check_rotation(_n(8), 32, 8, 128, torch.float32, True, False, True, device=DEV, block_n=block_n)
     check_rotation(_n(2048), 8, 8, 256, torch.bfloat16, False, True, False, device=DEV, block_n=block_n)
+
+
+@pytest.mark.parametrize("t,hq,hkv,dk,dv,in_dtype,mk,mv,block_n", [
+    (_n(1), 32, 8, 128, 128, torch.bfloat16, True, True, None),  # decode, batch 1, centred
+    (_n(64), 32, 8, 128, 128, torch.bfloat16, False, True, 32),  # decode, batch 64, split outputs
+    (_n(4096), 32, 8, 128, 128, torch.bfloat16, True, False, None),  # prefill
+    (_n(300), 16, 8, 192, 128, torch.float16, True, True, 64),  # D_k != D_v
+])
+def test_gpu_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, mk, mv, block_n):
+    """kernels.rotate.rotate_qkv (q, K, V in one launch) on the GPU against the fp32 einsum."""
+    from test_kernel_rotate import check_rotate_qkv
+
+    check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, mk, mv, block_n, device=DEV)

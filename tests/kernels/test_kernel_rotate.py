@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_fixtures import fresh_seed, poison_
-from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference
+from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -36,17 +36,23 @@ def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", blo
         got = rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo, out=out, block_n=block_n)
         assert got is out
         exp = rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo)
-        assert bool(torch.isfinite(got).all()), "an output element was not written"
-        if out_dtype == torch.float32:
-            # the same fp32 products, summed in another order
-            assert float((got - exp).abs().max()) <= 1e-5 * float(exp.abs().max())
-        else:
-            # rounding of fp32 values that differ by the summation order (an absolute ~1e-6 of the
-            # row's scale): one unit in the last place plus that, and rarely
-            diff = got != exp
-            ulp = torch.finfo(out_dtype).eps * exp.float().abs()
-            assert bool(((got.float() - exp.float()).abs() <= ulp + 1e-5 * float(exp.float().abs().max())).all())
-            assert float(diff.float().mean()) < 5e-3, float(diff.float().mean())
+        assert_same_rotation(got, exp)
+
+
+def assert_same_rotation(got: torch.Tensor, exp: torch.Tensor) -> None:
+    """``got`` equals the einsum's ``exp`` up to the fp32 summation order (and one rounding of it)."""
+    assert got.dtype == exp.dtype and got.shape == exp.shape
+    assert bool(torch.isfinite(got).all()), "an output element was not written"
+    if got.dtype == torch.float32:
+        # the same fp32 products, summed in another order
+        assert float((got - exp).abs().max()) <= 1e-5 * float(exp.abs().max())
+    else:
+        # rounding of fp32 values that differ by the summation order (an absolute ~1e-6 of the
+        # row's scale): one unit in the last place plus that, and rarely
+        diff = got != exp
+        ulp = torch.finfo(got.dtype).eps * exp.float().abs()
+        assert bool(((got.float() - exp.float()).abs() <= ulp + 1e-5 * float(exp.float().abs().max())).all())
+        assert float(diff.float().mean()) < 5e-3, float(diff.float().mean())
 
 
 @pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", CASES)
@@ -64,6 +70,73 @@ def test_rotate_heads_matches_einsum(t, h, hr, d, in_dtype, transpose, sub, add)
 def test_rotate_heads_output_slices(case, block_n):
     """block_n splits the output dims over programs: the same values as the einsum (and as one slice)."""
     check_rotation(*case, block_n=block_n)
+
+
+QKV_CASES = [
+    # tokens, q heads, kv heads, D_k, D_v, input dtype, K mean, V mean, block_n
+    (3, 8, 2, 128, 128, torch.bfloat16, True, True, None),  # a decode step, GQA 4, centred
+    (5, 6, 2, 64, 64, torch.float16, True, False, 16),  # GQA 3, 4 output slices
+    (130, 4, 2, 128, 128, torch.bfloat16, False, False, None),  # 260 q rows: 64-row programs, idle K/V ones
+    (4, 8, 4, 192, 128, torch.bfloat16, False, True, None),  # D_k != D_v: per-product widths
+    (4, 8, 4, 192, 128, torch.float32, True, True, 64),  # ... split: K 4 slices (one masked), V 2
+    (2, 12, 2, 512, 512, torch.bfloat16, False, False, 64),
+]
+
+
+def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, device="cpu"):
+    fresh_seed()
+    q = (torch.randn(t, hq, dk, device=device) * 3).to(in_dtype)
+    k = (torch.randn(t, hkv, dk, device=device) * 3).to(in_dtype)
+    v = (torch.randn(t, hkv, dv, device=device) * 3).to(in_dtype)
+    rk, rv = _orthogonal(hkv, dk).to(device), _orthogonal(hkv, dv).to(device)
+    mk = torch.randn(hkv, dk, device=device) if has_mk else None
+    mv = torch.randn(hkv, dv, device=device) if has_mv else None
+    for kv_dtype in (torch.bfloat16, torch.float16):
+        out = (poison_(torch.empty(t, hq, dk, device=device)), poison_(torch.empty(t, hkv, dk, dtype=kv_dtype, device=device)),
+               poison_(torch.empty(t, hkv, dv, dtype=kv_dtype, device=device)))
+        qr, kr, vr = rotate_qkv(q, k, v, rk, rv, kv_dtype, mean_k=mk, mean_v=mv, block_n=block_n, out=out)
+        assert qr is out[0] and kr is out[1] and vr is out[2]
+        assert_same_rotation(qr, rotate_heads_reference(q, rk, torch.float32))
+        assert_same_rotation(kr, rotate_heads_reference(k, rk, kv_dtype, sub_mean=mk))
+        assert_same_rotation(vr, rotate_heads_reference(v, rv, kv_dtype, sub_mean=mv))
+
+
+@pytest.mark.parametrize("case", QKV_CASES)
+def test_rotate_qkv_matches_einsum(case):
+    """rotate_qkv: q R_k (fp32), (k - mu_k) R_k and (v - mu_v) R_v (bf16 / fp16) in one launch, each
+    equal to the einsum up to the summation order."""
+    check_rotate_qkv(*case)
+
+
+def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
+    """Views into one fused QKV output (SGLang's layout), zero tokens, and the argument checks."""
+    fresh_seed()
+    qkv = torch.randn(6, (8 + 2 + 2) * 64).to(torch.bfloat16)
+    q = qkv[:, : 8 * 64].reshape(-1, 8, 64)
+    k = qkv[:, 8 * 64: 10 * 64].reshape(-1, 2, 64)
+    v = qkv[:, 10 * 64:].reshape(-1, 2, 64)
+    rk, rv = _orthogonal(2, 64), _orthogonal(2, 64)
+    qr, kr, vr = rotate_qkv(q, k, v, rk, rv, torch.bfloat16)
+    assert_same_rotation(qr, rotate_heads_reference(q, rk, torch.float32))
+    assert_same_rotation(kr, rotate_heads_reference(k, rk, torch.bfloat16))
+    assert_same_rotation(vr, rotate_heads_reference(v, rv, torch.bfloat16))
+    assert [x.shape for x in rotate_qkv(q[:0], k[:0], v[:0], rk, rv, torch.bfloat16)] == \
+        [(0, 8, 64), (0, 2, 64), (0, 2, 64)]
+    with pytest.raises(ValueError, match="tokens"):
+        rotate_qkv(q, k[:3], v, rk, rv, torch.bfloat16)
+    with pytest.raises(ValueError, match="are not"):
+        rotate_qkv(q[:, :7], k, v, rk, rv, torch.bfloat16)
+    with pytest.raises(ValueError, match="rotation_v"):
+        rotate_qkv(q, k, v, rk, _orthogonal(2, 32), torch.bfloat16)
+    with pytest.raises(ValueError, match="mean_k"):
+        rotate_qkv(q, k, v, rk, rv, torch.bfloat16, mean_k=torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="kv_dtype"):
+        rotate_qkv(q, k, v, rk, rv, torch.int8)
+    with pytest.raises(ValueError, match="block_n"):
+        rotate_qkv(q, k, v, rk, rv, torch.bfloat16, block_n=48)
+    with pytest.raises(ValueError, match="k_out"):
+        rotate_qkv(q, k, v, rk, rv, torch.bfloat16, out=(torch.empty(6, 8, 64), torch.empty(6, 2, 64),
+                                                         torch.empty(6, 2, 64, dtype=torch.bfloat16)))
 
 
 def test_rotate_heads_strided_rows_and_empty():

@@ -28,20 +28,9 @@ from .validate import check_float, check_tensor
 
 
 @triton.jit
-def _rotate_kernel(
-    X,
-    stride_xt,
-    stride_xh,
-    R,
-    stride_rh,
-    stride_rk,
-    stride_rn,
-    MU_IN,
-    MU_OUT,
-    OUT,
-    stride_ot,
-    stride_oh,
-    T,
+def _rotate_block(
+    X, stride_xt, stride_xh, R, stride_rh, stride_rk, stride_rn, MU_IN, MU_OUT, OUT, stride_ot, stride_oh, T,
+    pid, rh, pid_n,
     G: tl.constexpr,
     D_IN: tl.constexpr,
     D_OUT: tl.constexpr,
@@ -53,14 +42,13 @@ def _rotate_kernel(
     OUT_DT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rh = tl.program_id(1)
+    """Rows ``pid * BLOCK_M ..`` of matrix ``rh``, output dims ``pid_n * BLOCK_N ..`` (module docstring)."""
     i = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = i < T * G
     tok = (i // G).to(tl.int64)
     head = (rh * G + i % G).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    nn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = nn < D_OUT
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for c in range(0, D_IN, BLOCK_K):
@@ -77,6 +65,96 @@ def _rotate_kernel(
         acc += tl.load(MU_OUT + rh * D_OUT + nn, mask=n_ok, other=0.0)[None, :]
     tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + nn[None, :], round_to(acc, OUT_DT),
              mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _rotate_kernel(
+    X, stride_xt, stride_xh, R, stride_rh, stride_rk, stride_rn, MU_IN, MU_OUT, OUT, stride_ot, stride_oh, T,
+    G: tl.constexpr,
+    D_IN: tl.constexpr,
+    D_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_MU_IN: tl.constexpr,
+    HAS_MU_OUT: tl.constexpr,
+    OUT_DT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    _rotate_block(X, stride_xt, stride_xh, R, stride_rh, stride_rk, stride_rn, MU_IN, MU_OUT, OUT, stride_ot,
+                  stride_oh, T, tl.program_id(0), tl.program_id(1), tl.program_id(2), G, D_IN, D_OUT, BLOCK_N,
+                  BLOCK_M, BLOCK_K, HAS_MU_IN, HAS_MU_OUT, OUT_DT, PRECISION)
+
+
+@triton.jit
+def _rotate_qkv_kernel(
+    Q, stride_qt, stride_qh, K, stride_kt, stride_kh, V, stride_vt, stride_vh,
+    RK, stride_rkh, stride_rkk, stride_rkn, RV, stride_rvh, stride_rvk, stride_rvn, MU_K, MU_V,
+    Q_OUT, stride_oqt, stride_oqh, K_OUT, stride_okt, stride_okh, V_OUT, stride_ovt, stride_ovh, T,
+    G: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BN_K: tl.constexpr,
+    BN_V: tl.constexpr,
+    NS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BK_K: tl.constexpr,
+    BK_V: tl.constexpr,
+    HAS_MU_K: tl.constexpr,
+    HAS_MU_V: tl.constexpr,
+    Q_DT: tl.constexpr,
+    KV_DT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rh = tl.program_id(1)
+    prod = tl.program_id(2) // NS
+    pid_n = tl.program_id(2) % NS
+    if prod == 0:
+        if pid_n * BN_K < DK:
+            _rotate_block(Q, stride_qt, stride_qh, RK, stride_rkh, stride_rkk, stride_rkn, MU_K, MU_K, Q_OUT,
+                          stride_oqt, stride_oqh, T, pid, rh, pid_n, G, DK, DK, BN_K, BLOCK_M, BK_K, False, False,
+                          Q_DT, PRECISION)
+    elif prod == 1:
+        if (pid * BLOCK_M < T) & (pid_n * BN_K < DK):
+            _rotate_block(K, stride_kt, stride_kh, RK, stride_rkh, stride_rkk, stride_rkn, MU_K, MU_K, K_OUT,
+                          stride_okt, stride_okh, T, pid, rh, pid_n, 1, DK, DK, BN_K, BLOCK_M, BK_K, HAS_MU_K, False,
+                          KV_DT, PRECISION)
+    else:
+        if (pid * BLOCK_M < T) & (pid_n * BN_V < DV):
+            _rotate_block(V, stride_vt, stride_vh, RV, stride_rvh, stride_rvk, stride_rvn, MU_V, MU_V, V_OUT,
+                          stride_ovt, stride_ovh, T, pid, rh, pid_n, 1, DV, DV, BN_V, BLOCK_M, BK_V, HAS_MU_V, False,
+                          KV_DT, PRECISION)
+
+
+# Launch choices shared by rotate_heads and rotate_qkv. 64-row programs for long inputs at
+# head_dim <= 128 (fewer re-reads of R); wider rows keep 16 rows and 16-wide K slices at 8 warps: no
+# register spills on sm_90 (cuobjdump -res-usage: 148 / 254 registers at head_dim 128 with 16 / 64
+# rows, 118 at 256, 192 at 512, stack 0; 64 x 256 accumulators or 32-wide slices at 512 spill).
+def _np(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _block_m(rows: int, np_: int) -> int:
+    return 64 if (rows > 256 and np_ <= 128) else 16
+
+
+def _block_k(d: int) -> int:
+    return 32 if (d % 32 == 0 and _np(d) <= 128) else 16
+
+
+def _warps(np_: int) -> int:
+    return 4 if np_ <= 128 else 8
+
+
+def _block_n(block_n: int | None, np_: int) -> int:
+    return np_ if block_n is None else min(block_n, np_)
+
+
+def _check_block_n(block_n, who: str) -> None:
+    if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
+                                or block_n & (block_n - 1)):
+        raise ValueError(f"{who}: block_n={block_n!r} must be None or a power of two >= 16")
 
 
 def rotate_heads(
@@ -118,9 +196,7 @@ def rotate_heads(
         ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not a
             power of two >= 16 (always checked).
     """
-    if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
-                                or block_n & (block_n - 1)):
-        raise ValueError(f"rotate_heads: block_n={block_n!r} must be None or a power of two >= 16")
+    _check_block_n(block_n, "rotate_heads")
     if validate:
         check_tensor(x, "x", ndim=3, last_contiguous=True)
         check_float(x, "x")
@@ -148,24 +224,112 @@ def rotate_heads(
     if t == 0:
         return out
     rows = t * g
-    np_ = max(16, triton.next_power_of_2(d))
-    # 64-row programs for long inputs at head_dim <= 128 (fewer re-reads of R); wider rows keep 16
-    # rows and 16-wide K slices at 8 warps: no register spills on sm_90 (cuobjdump -res-usage: 148 /
-    # 254 registers at head_dim 128 with 16 / 64 rows, 118 at 256, 192 at 512, stack 0; 64 x 256
-    # accumulators or 32-wide slices at 512 spill)
-    block_m = 64 if (rows > 256 and np_ <= 128) else 16
-    block_k = 32 if (d % 32 == 0 and np_ <= 128) else 16
+    np_ = _np(d)
+    block_m, block_k = _block_m(rows, np_), _block_k(d)
     srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
     mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
     mu_out = add_mean.contiguous() if add_mean is not None else rotation
-    bn = np_ if block_n is None else min(block_n, np_)
+    bn = _block_n(block_n, np_)
     _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr, triton.cdiv(d, bn)),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
             G=g, D_IN=d, D_OUT=d, BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=block_k,
             HAS_MU_IN=sub_mean is not None, HAS_MU_OUT=add_mean is not None, OUT_DT=TORCH_TO_TL[out_dtype],
-            PRECISION="ieee", num_warps=4 if np_ <= 128 else 8)
+            PRECISION="ieee", num_warps=_warps(np_))
     return out
+
+
+def rotate_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotation_k: torch.Tensor,
+    rotation_v: torch.Tensor,
+    kv_dtype: torch.dtype,
+    *,
+    mean_k: torch.Tensor | None = None,
+    mean_v: torch.Tensor | None = None,
+    q_dtype: torch.dtype = torch.float32,
+    block_n: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three input rotations of an attention step in one launch: ``q R_k``, ``(k - mean_k) R_k``,
+    ``(v - mean_v) R_v``, each equal to :func:`rotate_heads` of the same operands (the same per-program
+    arithmetic; one launch instead of three).
+
+    Args:
+        q: ``[T, H_q, D_k]`` queries, ``H_q = H_kv * G``; k: ``[T, H_kv, D_k]``; v: ``[T, H_kv, D_v]``
+            (fp32 / fp16 / bf16, last dims contiguous; views into a fused QKV output are fine).
+        rotation_k / rotation_v: fp32 ``[H_kv, D_k, D_k]`` / ``[H_kv, D_v, D_v]``, contiguous.
+        kv_dtype: dtype of the rotated keys and values (the cache's HP dtype).
+        mean_k / mean_v: fp32 ``[H_kv, D_k]`` / ``[H_kv, D_v]`` or ``None`` (centering, docs/format.md).
+        q_dtype: dtype of the rotated queries (the backend's fp32).
+        block_n: output dims per program, as :func:`rotate_heads` (``None``: all).
+        out: optional ``(q_out, k_out, v_out)`` of the result's shapes and dtypes, last dims contiguous.
+        validate: shape / dtype / device checks.
+
+    Returns:
+        ``(q_rot [T, H_q, D_k] q_dtype, k_rot [T, H_kv, D_k] kv_dtype, v_rot [T, H_kv, D_v] kv_dtype)``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not a
+            power of two >= 16 (always checked).
+    """
+    _check_block_n(block_n, "rotate_qkv")
+    if validate:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_tensor(x, name, ndim=3, last_contiguous=True, device=q.device)
+            check_float(x, name)
+        if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+            raise ValueError(f"rotate_qkv: q / k / v hold {q.shape[0]} / {k.shape[0]} / {v.shape[0]} tokens")
+        if v.shape[1] != k.shape[1] or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"rotate_qkv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
+                             "[T, H_kv * G, D_k], [T, H_kv, D_k], [T, H_kv, D_v]")
+        for name, r, x in (("rotation_k", rotation_k, k), ("rotation_v", rotation_v, v)):
+            check_tensor(r, name, ndim=3, dtypes=torch.float32, device=q.device,
+                         shape=(x.shape[1], x.shape[2], x.shape[2]))
+            if not r.is_contiguous():
+                raise ValueError(f"rotate_qkv: {name} must be contiguous")
+        for name, m, x in (("mean_k", mean_k, k), ("mean_v", mean_v, v)):
+            if m is not None:
+                check_tensor(m, name, ndim=2, dtypes=torch.float32, device=q.device, shape=(x.shape[1], x.shape[2]))
+        for name, dt in (("kv_dtype", kv_dtype), ("q_dtype", q_dtype)):
+            if dt not in TORCH_TO_TL:
+                raise ValueError(f"rotate_qkv: {name} {dt} is not float32/float16/bfloat16")
+        if out is not None:
+            if not isinstance(out, (tuple, list)) or len(out) != 3:
+                raise ValueError("rotate_qkv: out must be a tuple (q_out, k_out, v_out)")
+            for name, o, x, dt in (("q_out", out[0], q, q_dtype), ("k_out", out[1], k, kv_dtype),
+                                   ("v_out", out[2], v, kv_dtype)):
+                check_tensor(o, name, ndim=3, dtypes=dt, device=q.device, shape=tuple(x.shape), last_contiguous=True)
+    t, hq, dk = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    if out is not None:
+        q_out, k_out, v_out = out
+    else:
+        q_out = torch.empty((t, hq, dk), dtype=q_dtype, device=q.device)
+        k_out = torch.empty((t, hkv, dk), dtype=kv_dtype, device=q.device)
+        v_out = torch.empty((t, hkv, dv), dtype=kv_dtype, device=q.device)
+    if t == 0:
+        return q_out, k_out, v_out
+    g = hq // hkv
+    np_k, np_v = _np(dk), _np(dv)
+    bn_k, bn_v = _block_n(block_n, np_k), _block_n(block_n, np_v)
+    ns = max(triton.cdiv(dk, bn_k), triton.cdiv(dv, bn_v))
+    block_m = _block_m(t * g, max(np_k, np_v))
+    mu_k = mean_k.contiguous() if mean_k is not None else rotation_k
+    mu_v = mean_v.contiguous() if mean_v is not None else rotation_v
+    _launch(_rotate_qkv_kernel, (triton.cdiv(t * g, block_m), hkv, 3 * ns),
+            q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+            rotation_k, rotation_k.stride(0), rotation_k.stride(1), rotation_k.stride(2),
+            rotation_v, rotation_v.stride(0), rotation_v.stride(1), rotation_v.stride(2), mu_k, mu_v,
+            q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
+            v_out, v_out.stride(0), v_out.stride(1), t,
+            G=g, DK=dk, DV=dv, BN_K=bn_k, BN_V=bn_v, NS=ns, BLOCK_M=block_m, BK_K=_block_k(dk), BK_V=_block_k(dv),
+            HAS_MU_K=mean_k is not None, HAS_MU_V=mean_v is not None, Q_DT=TORCH_TO_TL[q_dtype],
+            KV_DT=TORCH_TO_TL[kv_dtype], PRECISION="ieee", num_warps=_warps(max(np_k, np_v)))
+    return q_out, k_out, v_out
 
 
 def rotate_heads_reference(x, rotation, out_dtype, *, transpose=False, sub_mean=None, add_mean=None):
