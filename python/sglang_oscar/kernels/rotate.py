@@ -12,7 +12,12 @@ head ``r * G + i % G``) and accumulates ``x R`` over ``BLOCK_K``-wide slices of 
 ``tl.dot`` in IEEE fp32 (no TF32: the HP rows are rounded from these values, and the oracle
 computes them in fp32), rounded to the output dtype with round-to-nearest-even (``codes.round_to``:
 the interpreter's own bf16 cast truncates). ``R`` is read through strides, so the transpose costs
-nothing.
+nothing. A program covers ``BLOCK_N`` output dims (``block_n``; default all of them).
+
+:func:`rotate_qkv` runs the step's three input products (q, K, V) in one launch: the grid's third
+axis selects the product and the output slice, and each program runs the same block body as
+:func:`rotate_heads` (the backend does not use it yet: on the H200 each rotation launch cost ~6.5 us
+at batch 1 in the twelfth session's ``bench_step.py`` run, docs/benchmarks.md).
 """
 
 from __future__ import annotations
