@@ -15,7 +15,7 @@ DEFAULT_V_CLIP = 0.92
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 DECODE_ENGINES = ("auto", "triton", "gluon")
-ROTATE_ENGINES = ("torch", "triton")
+ROTATE_ENGINES = ("triton", "torch")
 
 
 @dataclasses.dataclass(frozen=True)

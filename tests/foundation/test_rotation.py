@@ -210,6 +210,24 @@ def test_junk_upstream_pt_names_the_problem(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_convert_refuses_a_missing_file_and_a_safetensors_file(tmp_path, capsys):
+    """`convert` takes upstream .pt files: a missing one says so, and an sglang-oscar .safetensors file
+    is named as one (it needs no conversion), not sent through torch.load's unpickling advice."""
+    from sglang_oscar.cli.main import main
+
+    good = tmp_path / "v.pt"
+    torch.save({"layers": {0: {"rotation": torch.eye(4)}}}, good)
+    with pytest.raises(RotationError, match=r"upstream rotation file .*nope\.pt does not exist"):
+        RotationSet.from_upstream_pt(str(tmp_path / "nope.pt"), str(good))
+    st = tmp_path / "r.safetensors"
+    RotationSet.data_free(ModelGeometry.from_hf_config(qwen3_config())).save(str(st))
+    out = tmp_path / "o.safetensors"
+    assert main(["convert", "--k", str(st), "--v", str(good), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "r.safetensors is a safetensors file, not an upstream OSCAR .pt file" in err and "--oscar-rotation" in err
+    assert "weights_only" not in err and not out.exists()
+
+
 def test_tp_slicing_of_per_head_rotations():
     rs = _fitted_set(True, layers=1, kv=4)
     r0 = rs.for_tp_rank(0, 2, 4)

@@ -134,6 +134,8 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
         rotate_qkv(q, k, v, rk, rv, torch.int8)
     with pytest.raises(ValueError, match="block_n"):
         rotate_qkv(q, k, v, rk, rv, torch.bfloat16, block_n=48)
+    with pytest.raises(ValueError, match="are not"):
+        rotate_qkv(q, k[:, :0], v[:, :0], rk[:0], rv[:0], torch.bfloat16)
     with pytest.raises(ValueError, match="k_out"):
         rotate_qkv(q, k, v, rk, rv, torch.bfloat16, out=(torch.empty(6, 8, 64), torch.empty(6, 2, 64),
                                                          torch.empty(6, 2, 64, dtype=torch.bfloat16)))
@@ -180,8 +182,21 @@ def test_rotate_heads_bad_input():
         rotate_heads(x, r, torch.float32, sub_mean=torch.zeros(4, 64))
     with pytest.raises(ValueError, match="out_dtype"):
         rotate_heads(x, r, torch.int8)
+    with pytest.raises(ValueError, match="rotation holds no matrices"):
+        rotate_heads(x, torch.randn(0, 64, 64), torch.float32)
     for bad in (8, 24, 0, True, 32.0):
         with pytest.raises(ValueError, match="block_n"):
             rotate_heads(x, r, torch.float32, block_n=bad)
     with pytest.raises(ValueError, match="out"):
         rotate_heads(x, r, torch.float32, out=torch.empty(3, 4, 64, dtype=torch.bfloat16))
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    """Without TRITON_INTERPRET a CPU tensor gets a ValueError naming the fix before any launch
+    (Triton itself would fail with "0 active drivers")."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = _orthogonal(2, 64)
+    with pytest.raises(ValueError, match="the tensors are on the CPU.*TRITON_INTERPRET=1"):
+        rotate_heads(torch.randn(3, 4, 64), r, torch.float32)
+    with pytest.raises(ValueError, match="the tensors are on the CPU"):
+        rotate_qkv(torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64), r, r, torch.bfloat16)

@@ -62,6 +62,8 @@ def test_good_launch_passes_and_defaults_to_triton(hooked, tmp_path, monkeypatch
     ("other_heads", r"--oscar-rotation .* does not fit this model"),
     ("missing", r"--oscar-rotation \(or its environment alias SGLANG_OSCAR_K_ROTATION_PATH\): .*does not exist"),
     ("group", r"--kv-cache-quant-group-size 48"),
+    ("truncated", r"--oscar-rotation .*rot\.safetensors: .*not a readable safetensors rotation file.*sglang-oscar validate"),
+    ("empty_dir", r"--oscar-rotation .*empty: .*sglang-oscar validate"),
 ])
 def test_bad_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypatch, case, match):
     model = _qwen3_dir(tmp_path, "m")
@@ -79,6 +81,16 @@ def test_bad_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypat
         cfg["rotation_path"] = rot
     elif case == "missing":
         cfg["rotation_path"] = str(tmp_path / "nope.safetensors")
+    elif case == "truncated":
+        RotationSet.data_free(ModelGeometry.from_hf_config(model)).save(rot)
+        with open(rot, "rb") as f:
+            head = f.read(200)
+        with open(rot, "wb") as f:
+            f.write(head)
+        cfg["rotation_path"] = rot
+    elif case == "empty_dir":
+        (tmp_path / "empty").mkdir()
+        cfg["rotation_path"] = str(tmp_path / "empty")
     else:
         cfg["group_size"] = 48
     with pytest.raises(ValueError, match=match):

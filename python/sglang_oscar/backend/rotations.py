@@ -15,6 +15,7 @@ import torch
 
 from ..config import OscarConfig
 from ..rotation import RotationSet
+from ..rotation.rotation_set import RotationError
 from ..rotation.geometry import ModelGeometry, attention_logit_softcap
 
 logger = logging.getLogger("sglang_oscar")
@@ -82,6 +83,10 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         raise ValueError(f"--oscar-rotation (or its environment alias SGLANG_OSCAR_K_ROTATION_PATH): {exc}; pass an "
                          f"existing rotation file or directory, or drop the flag / unset the variable to use the "
                          f"data-free Hadamard rotation") from None
+    except RotationError as exc:  # unreadable / truncated / not a rotation file, a directory without one
+        raise ValueError(f"--oscar-rotation {config.rotation_path}: {exc}; pass a rotation file written by "
+                         f"`sglang-oscar fit` / `hadamard` / `convert` (check it with `sglang-oscar validate`), "
+                         f"or drop the flag to use the data-free Hadamard rotation") from None
     try:
         rs.validate(geometry)
     except ValueError as exc:

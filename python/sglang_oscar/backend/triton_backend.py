@@ -35,7 +35,7 @@ logger = logging.getLogger("sglang_oscar")
 
 def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False,
             sub_mean: torch.Tensor | None = None, add_mean: torch.Tensor | None = None,
-            engine: str = "torch") -> torch.Tensor:
+            engine: str = "triton") -> torch.Tensor:
     """``(x - sub_mean) r`` (or ``x r^T + add_mean``) of ``x [T, H, D]`` per kv head with ``r [H_kv, D, D]``
     (GQA: head ``h`` uses ``h // (H/H_kv)``; means ``[H_kv, D]`` or ``None``), in fp32, cast to ``out_dtype``;
     ``engine`` (``--oscar-rotate-engine``): ``"torch"`` einsum or the ``"triton"`` kernel."""

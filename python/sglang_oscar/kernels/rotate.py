@@ -210,6 +210,8 @@ def rotate_heads(
         if not rotation.is_contiguous():
             raise ValueError("rotation must be contiguous")
         hr, di, do = rotation.shape
+        if hr == 0:
+            raise ValueError("rotation holds no matrices (shape [0, D, D]); pass one [D, D] matrix per kv head")
         if di != do or x.shape[2] != di:
             raise ValueError(f"rotation of shape {tuple(rotation.shape)} does not fit rows of head_dim {x.shape[2]}")
         if x.shape[1] % hr:
@@ -288,7 +290,7 @@ def rotate_qkv(
             check_float(x, name)
         if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
             raise ValueError(f"rotate_qkv: q / k / v hold {q.shape[0]} / {k.shape[0]} / {v.shape[0]} tokens")
-        if v.shape[1] != k.shape[1] or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+        if k.shape[1] == 0 or v.shape[1] != k.shape[1] or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
             raise ValueError(f"rotate_qkv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
                              "[T, H_kv * G, D_k], [T, H_kv, D_k], [T, H_kv, D_v]")
         for name, r, x in (("rotation_k", rotation_k, k), ("rotation_v", rotation_v, v)):

@@ -417,6 +417,12 @@ class RotationSet:
         stores = []
         metas = []
         for p in (k_path, v_path):
+            if not os.path.isfile(p):
+                raise RotationError(f"upstream rotation file {p} does not exist")
+            if str(p).endswith(".safetensors"):
+                raise RotationError(f"{p} is a safetensors file, not an upstream OSCAR .pt file: an sglang-oscar "
+                                    "rotation file needs no conversion (pass it to --oscar-rotation, or check it "
+                                    "with `sglang-oscar validate`)")
             try:
                 obj = torch.load(p, map_location="cpu", weights_only=True)
             except Exception as exc:
