@@ -140,8 +140,11 @@ def main(argv=None) -> int:
         dev = torch.device("cuda")
     try:
         extra_bn = [int(x) for x in args.rotate_block_n.split(",") if x.strip()]
+        if any(bn < 16 or bn & (bn - 1) for bn in extra_bn):
+            raise ValueError
     except ValueError:
-        print(f"--rotate-block-n must be comma-separated integers, got {args.rotate_block_n!r}", file=sys.stderr)
+        print(f"--rotate-block-n must be comma-separated powers of two >= 16, got {args.rotate_block_n!r}",
+              file=sys.stderr)
         return 2
     engines = [("torch", None), ("triton", None), ("triton-qkv", None)] + \
         [(e, bn) for bn in extra_bn for e in ("triton", "triton-qkv")]

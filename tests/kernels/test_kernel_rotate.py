@@ -15,9 +15,9 @@ CASES = [
     (3, 6, 1, 64, torch.float32, True, False, True),  # output counter-rotation + value mean
     (40, 4, 4, 192, torch.float16, False, False, False),  # one matrix per head, D not a power of 2
     (2, 12, 2, 512, torch.bfloat16, True, False, False),  # GQA 6, head_dim 512
-    (70, 2, 2, 128, torch.bfloat16, False, True, False),  # > 256 rows: 64-row programs
+    (300, 2, 2, 128, torch.bfloat16, False, True, False),  # > 256 rows: 64-row programs
     (4, 12, 4, 128, torch.float32, True, True, True),  # GQA 3, both means, per-matrix mean rows
-    (130, 2, 2, 256, torch.bfloat16, False, False, True),  # > 256 rows at head_dim 256: 16-row programs
+    (150, 4, 2, 256, torch.bfloat16, False, False, True),  # > 256 rows at head_dim 256: 16-row programs
 ]
 
 
@@ -49,10 +49,12 @@ def assert_same_rotation(got: torch.Tensor, exp: torch.Tensor) -> None:
     else:
         # rounding of fp32 values that differ by the summation order (an absolute ~1e-6 of the
         # row's scale): one unit in the last place plus that, and rarely
+        # (under 0.5% of the elements, and at least 8 allowed: a 768-element output with 4 one-ulp
+        # differences is the same kernel as a large one with 0.4%)
         diff = got != exp
         ulp = torch.finfo(got.dtype).eps * exp.float().abs()
         assert bool(((got.float() - exp.float()).abs() <= ulp + 1e-5 * float(exp.float().abs().max())).all())
-        assert float(diff.float().mean()) < 5e-3, float(diff.float().mean())
+        assert int(diff.sum()) <= max(8, 5e-3 * diff.numel()), (int(diff.sum()), diff.numel())
 
 
 @pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", CASES)
@@ -136,6 +138,10 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
         rotate_qkv(q, k, v, rk, rv, torch.bfloat16, block_n=48)
     with pytest.raises(ValueError, match="are not"):
         rotate_qkv(q, k[:, :0], v[:, :0], rk[:0], rv[:0], torch.bfloat16)
+    with pytest.raises(ValueError, match="are not"):  # no q heads: K / V would never be written
+        rotate_qkv(q[:, :0], k, v, rk, rv, torch.bfloat16)
+    qb, _, _ = rotate_qkv(q, k, v, rk, rv, torch.bfloat16, q_dtype=torch.bfloat16)
+    assert_same_rotation(qb, rotate_heads_reference(q, rk, torch.bfloat16))
     with pytest.raises(ValueError, match="k_out"):
         rotate_qkv(q, k, v, rk, rv, torch.bfloat16, out=(torch.empty(6, 8, 64), torch.empty(6, 2, 64),
                                                          torch.empty(6, 2, 64, dtype=torch.bfloat16)))
@@ -191,12 +197,31 @@ def test_rotate_heads_bad_input():
         rotate_heads(x, r, torch.float32, out=torch.empty(3, 4, 64, dtype=torch.bfloat16))
 
 
-def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
-    """Without TRITON_INTERPRET a CPU tensor gets a ValueError naming the fix before any launch
-    (Triton itself would fail with "0 active drivers")."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    r = _orthogonal(2, 64)
-    with pytest.raises(ValueError, match="the tensors are on the CPU.*TRITON_INTERPRET=1"):
-        rotate_heads(torch.randn(3, 4, 64), r, torch.float32)
-    with pytest.raises(ValueError, match="the tensors are on the CPU"):
-        rotate_qkv(torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64), r, r, torch.bfloat16)
+CPU_WITHOUT_INTERPRETER = r"""
+import torch
+from sglang_oscar.kernels.rotate import rotate_heads, rotate_qkv
+r = torch.linalg.qr(torch.randn(2, 64, 64))[0].contiguous()
+for call in (lambda: rotate_heads(torch.randn(3, 4, 64), r, torch.float32),
+             lambda: rotate_qkv(torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64), r, r, torch.bfloat16)):
+    try:
+        call()
+        print("no error")
+    except ValueError as exc:
+        print("ValueError:", exc)
+"""
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    """Kernels imported without TRITON_INTERPRET (compiled, not interpreted) refuse CPU tensors with a
+    ValueError naming the fix before any launch (Triton itself would fail with "0 active drivers")."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", CPU_WITHOUT_INTERPRETER], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(ln.startswith("ValueError: _rotate") and "the tensors are on the CPU" in ln
+                                   and "TRITON_INTERPRET=1" in ln for ln in lines), res.stdout

@@ -101,13 +101,14 @@ def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, or an offline compile inside :func:`compile_only`.
 
     Raises:
-        ValueError: the first tensor argument is on the CPU and ``TRITON_INTERPRET`` is not set
-            (Triton would fail later with "0 active drivers").
+        ValueError: the first tensor argument is on the CPU and the kernel is compiled, not
+            interpreted (``TRITON_INTERPRET`` was not set when the kernels were imported; Triton would
+            fail later with "0 active drivers").
     """
     if _TARGET is not None:
         return compile_launch(kernel, args, kwargs)
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if first is not None and first.device.type == "cpu" and not interpreting():
+    if first is not None and first.device.type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
         raise ValueError(f"{getattr(kernel, '__name__', 'kernel')}: the tensors are on the CPU; the Triton kernels "
                          "need CUDA tensors (or TRITON_INTERPRET=1 to run them in Triton's CPU interpreter, small "
                          "shapes only)")

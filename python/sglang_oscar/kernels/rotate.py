@@ -290,7 +290,8 @@ def rotate_qkv(
             check_float(x, name)
         if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
             raise ValueError(f"rotate_qkv: q / k / v hold {q.shape[0]} / {k.shape[0]} / {v.shape[0]} tokens")
-        if k.shape[1] == 0 or v.shape[1] != k.shape[1] or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+        if k.shape[1] == 0 or q.shape[1] == 0 or v.shape[1] != k.shape[1] or q.shape[1] % k.shape[1] \
+                or q.shape[2] != k.shape[2]:
             raise ValueError(f"rotate_qkv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
                              "[T, H_kv * G, D_k], [T, H_kv, D_k], [T, H_kv, D_v]")
         for name, r, x in (("rotation_k", rotation_k, k), ("rotation_v", rotation_v, v)):

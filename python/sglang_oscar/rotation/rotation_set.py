@@ -421,8 +421,9 @@ class RotationSet:
                 raise RotationError(f"upstream rotation file {p} does not exist")
             if str(p).endswith(".safetensors"):
                 raise RotationError(f"{p} is a safetensors file, not an upstream OSCAR .pt file: an sglang-oscar "
-                                    "rotation file needs no conversion (pass it to --oscar-rotation, or check it "
-                                    "with `sglang-oscar validate`)")
+                                    "rotation file holds K and V and needs no conversion (pass it alone, as "
+                                    "--oscar-rotation FILE without a separate V file, or check it with "
+                                    "`sglang-oscar validate`)")
             try:
                 obj = torch.load(p, map_location="cpu", weights_only=True)
             except Exception as exc:
