@@ -262,8 +262,9 @@ def rotate_qkv(
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three input rotations of an attention step in one launch: ``q R_k``, ``(k - mean_k) R_k``,
-    ``(v - mean_v) R_v``, each equal to :func:`rotate_heads` of the same operands (the same per-program
-    arithmetic; one launch instead of three).
+    ``(v - mean_v) R_v``: the block body of :func:`rotate_heads` for each product, so each result
+    equals the fp32 einsum up to the summation order as :func:`rotate_heads` does (one launch instead
+    of three).
 
     Args:
         q: ``[T, H_q, D_k]`` queries, ``H_q = H_kv * G``; k: ``[T, H_kv, D_k]``; v: ``[T, H_kv, D_v]``
