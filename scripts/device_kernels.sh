@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device calls for the kernel work of issue 3 (no sglang needed): GPU kernel tests, the
-# tuning/splits sweep and ncu issue-stall metrics of the default decode kernel at 128K x batch 1.
-#   bash scripts/device_kernels.sh [tests|tunings|matrix|sweep|profile|ncu ...]   (default: tests sweep, <= 530 s;
+# tuning/splits sweep, the served step per layer (bench_step.py) and ncu issue-stall metrics of the
+# default decode kernel at 128K x batch 1. Rotation kernels alone: TESTS_K=rotate ... tests step.
+#   bash scripts/device_kernels.sh [tests|tunings|matrix|sweep|step|profile|ncu ...]   (default: tests sweep, <= 530 s;
 #                                                   results in $OUT)
 #   bash scripts/device_kernels.sh tunings matrix          (a second call, <= 560 s; ncu alone in a third, ~10-150 s)
 # ncu: NCU_TUNING (JSON), NCU_TAG (file name), NCU_SASS=1 (per-instruction csv), NCU_WAVES / NCU_CONTEXT /
@@ -32,6 +33,11 @@ for s in $steps; do
         --batches "${SWEEP_BATCHES:-1,8,32}" --waves "${SWEEP_WAVES:-8,32}" \
         --grid "$grid" \
         --out "$OUT/sweep.md" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?";;
+    step)  # one layer's served decode step: rotations (torch / triton / triton-qkv, output slices), write,
+           # attention, whole step vs BF16's copy + SDPA (scripts/bench_step.py)
+      timeout 300 python scripts/bench_step.py --contexts "${STEP_CONTEXTS:-32768,131072}" --batches "${STEP_BATCHES:-1,32}" \
+        --rotate-block-n "${STEP_BLOCK_N:-16,32,64}" --out "$OUT/step.md" > "$OUT/step.log" 2>&1
+      echo "step rc=$?"; cat "$OUT/step.md";;
     profile)  # device time per kernel of a decode call (stage 1, merge) vs the whole call (~40 s)
       timeout 120 python scripts/profile_decode.py --contexts 4096,32768,131072 --batches 1,8,32 \
         --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1; echo "profile rc=$?"; cat "$OUT/profile.md";;
