@@ -217,7 +217,7 @@ def test_convert_refuses_a_missing_file_and_a_safetensors_file(tmp_path, capsys)
 
     good = tmp_path / "v.pt"
     torch.save({"layers": {0: {"rotation": torch.eye(4)}}}, good)
-    with pytest.raises(RotationError, match=r"upstream rotation file .*nope\.pt does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"rotation file .*nope\.pt does not exist"):
         RotationSet.from_upstream_pt(str(tmp_path / "nope.pt"), str(good))
     st = tmp_path / "r.safetensors"
     RotationSet.data_free(ModelGeometry.from_hf_config(qwen3_config())).save(str(st))

@@ -401,9 +401,6 @@ class RotationSet:
         """
         if v_path is None:
             return cls.load(path)
-        for p in (path, v_path):
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"rotation file {p} does not exist")
         return cls.from_upstream_pt(path, v_path)
 
     @classmethod
@@ -411,14 +408,15 @@ class RotationSet:
         """Read an upstream pair of ``torch.save`` files (``layers[id]["rotation"]``).
 
         Raises:
-            RotationError: a file ``torch.load`` cannot read, or one without a ``layers`` dict or a
-                ``rotation`` entry.
+            FileNotFoundError: a path that is not a file.
+            RotationError: a ``.safetensors`` path (an sglang-oscar file, no conversion needed), a
+                file ``torch.load`` cannot read, or one without a ``layers`` dict or a ``rotation`` entry.
         """
         stores = []
         metas = []
         for p in (k_path, v_path):
             if not os.path.isfile(p):
-                raise RotationError(f"upstream rotation file {p} does not exist")
+                raise FileNotFoundError(f"rotation file {p} does not exist")
             if str(p).endswith(".safetensors"):
                 raise RotationError(f"{p} is a safetensors file, not an upstream OSCAR .pt file: an sglang-oscar "
                                     "rotation file holds K and V and needs no conversion (pass it alone, as "
