@@ -6,15 +6,16 @@ The served backend (``backend/triton_backend.py``) runs, per layer and decode st
 BF16 window copy), decode attention, and the output's counter-rotation ``o R_v^T + mu_v``. This
 times each piece and the whole sequence for both ``--oscar-rotate-engine`` values (``torch``:
 ``kernels.rotate.rotate_heads_reference``, the einsum; ``triton``: ``kernels.rotate.rotate_heads``)
-and for ``triton-qkv`` (q, K and V rotated in one launch, ``kernels.rotate.rotate_qkv``; not a
-server option yet),
-next to the BF16 side (SGLang's ``set_kv_buffer``-style row copy + torch SDPA), on a Qwen3-8B
+and for ``triton-qkv`` (q, K and V rotated in one launch, ``kernels.rotate.rotate_qkv``, then the
+output; ``triton-qkv auto (served)`` with ``block_n="auto"`` is what ``--oscar-rotate-engine triton``
+runs), next to the BF16 side (SGLang's ``set_kv_buffer``-style row copy + torch SDPA), on a Qwen3-8B
 layer geometry (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256), centred rotations.
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``). Ratios only mean something
 within one run.
 
-    python scripts/bench_step.py [--contexts 32768,131072] [--batches 1,32] [--rotate-block-n 16,32] [--out step.md]
+    python scripts/bench_step.py [--contexts 32768,131072] [--batches 1,32] [--rotate-block-n 16,32]
+        [--prefill-tokens 2048,16384] [--out step.md]
     TRITON_INTERPRET=1 python scripts/bench_step.py --smoke      # CPU: every piece once, tiny shapes
 """
 
@@ -37,13 +38,12 @@ from sglang_oscar.kernels import write_kv  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv  # noqa: E402
 
 
-def step_pieces(case: Case, engine: str, block_n: int | None = None):
-    """Closures of one layer's decode-step pieces for the rotate ``engine`` (``block_n``: the Triton
-    kernel's output dims per program, ``None`` = all)."""
-    dev = case.q.device
+def rotation_pieces(b: int, dev: torch.device, engine: str, block_n: int | str | None = None):
+    """One layer's rotations for ``b`` tokens: ``(rotate_inputs, rotate_output, (q, k, v, o), (rk, rv, mk, mv))``
+    with the ``engine`` (``torch`` / ``triton``: four ``rotate_heads`` launches / ``triton-qkv``:
+    ``rotate_qkv`` + ``rotate_heads``; ``block_n`` as ``kernels.rotate``)."""
     g = torch.Generator(device=dev)
     g.manual_seed(5)
-    b = case.batch
     rk = torch.linalg.qr(torch.randn(bd.HKV, D, D, device=dev, generator=g))[0].contiguous()
     rv = torch.linalg.qr(torch.randn(bd.HKV, D, D, device=dev, generator=g))[0].contiguous()
     mk = torch.randn(bd.HKV, D, device=dev, generator=g)
@@ -52,24 +52,38 @@ def step_pieces(case: Case, engine: str, block_n: int | None = None):
     k = torch.randn(b, bd.HKV, D, device=dev, generator=g).to(torch.bfloat16)
     v = torch.randn(b, bd.HKV, D, device=dev, generator=g).to(torch.bfloat16)
     o = torch.randn(b, bd.HQ, D, device=dev, generator=g)
-    loc = torch.arange(b, device=dev, dtype=torch.int64) * 7
-    hp_rows = torch.arange(b, device=dev, dtype=torch.int32)
     if engine.startswith("triton"):
-        def rot(*a, **k):
-            return rotate_heads(*a, block_n=block_n, **k)
+        def rot(*a, **kw):
+            return rotate_heads(*a, block_n=block_n, **kw)
     else:
         rot = rotate_heads_reference
 
-    def rotate_inputs():
+    def rotate_inputs(q=q, k=k, v=v):
         """``(q R_k, (k - mu_k) R_k, (v - mu_v) R_v)``: three launches, or one (``triton-qkv``)."""
         if engine == "triton-qkv":
             return rotate_qkv(q, k, v, rk, rv, torch.bfloat16, mean_k=mk, mean_v=mv, block_n=block_n, validate=False)
         return rot(q, rk, torch.float32), rot(k, rk, torch.bfloat16, sub_mean=mk), rot(v, rv, torch.bfloat16, sub_mean=mv)
+
+    def rotate_output(o=o):
+        return rot(o, rv, torch.bfloat16, transpose=True, add_mean=mv)
+
+    return rotate_inputs, rotate_output, (q, k, v, o), (rk, rv, mk, mv)
+
+
+def step_pieces(case: Case, engine: str, block_n: int | str | None = None):
+    """Closures of one layer's decode-step pieces for the rotate ``engine`` (``block_n``: the Triton
+    kernels' output dims per program, ``None`` = all, ``"auto"`` = ``kernels.rotate.auto_block_n``,
+    the server's choice)."""
+    dev = case.q.device
+    b = case.batch
+    rotate_inputs, rotate_output, (q, k, v, o), (rk, rv, mk, mv) = rotation_pieces(b, dev, engine, block_n)
+    loc = torch.arange(b, device=dev, dtype=torch.int64) * 7
+    hp_rows = torch.arange(b, device=dev, dtype=torch.int32)
     q_rot = rotate_heads_reference(q, rk, torch.float32)  # attention alone takes the server's fp32 queries
 
     def rotations():
         rotate_inputs()
-        rot(o, rv, torch.bfloat16, transpose=True, add_mean=mv)
+        rotate_output()
 
     def write():
         write_kv(k, v, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, case.layout, hp_rows=hp_rows,
@@ -85,9 +99,16 @@ def step_pieces(case: Case, engine: str, block_n: int | None = None):
                  hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False)
         case.q = qr  # decode_attention takes the rotated fp32 queries as the server does
         out = case.run_int2()
-        rot(out, rv, torch.bfloat16, transpose=True, add_mean=mv)
+        rotate_output(out)
 
     return {"rotations": rotations, "write": write, "attention": attention, "step": step}
+
+
+def label(engine: str, block_n) -> str:
+    """A table row's name: ``triton-qkv auto`` is the server's ``--oscar-rotate-engine triton``."""
+    if block_n == "auto":
+        return f"{engine} auto (served)"
+    return f"{engine}{f' bn={block_n}' if block_n else ''}"
 
 
 def bf16_step(case: Case, smoke: bool = False):
@@ -123,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny CPU configuration under TRITON_INTERPRET=1 (wall-clock times, meaningless): runs "
                          "every piece once so CI sees the script work")
+    ap.add_argument("--prefill-tokens", default="",
+                    help="comma-separated token counts (e.g. 2048,16384) at which to time the rotations alone, "
+                         "whole rows vs the server's block_n (a second table)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     if smoke:
@@ -146,7 +170,17 @@ def main(argv=None) -> int:
         print(f"--rotate-block-n must be comma-separated powers of two >= 16, got {args.rotate_block_n!r}",
               file=sys.stderr)
         return 2
-    engines = [("torch", None), ("triton", None), ("triton-qkv", None)] + \
+    try:
+        prefill = [int(x) for x in args.prefill_tokens.split(",") if x.strip()]
+        if any(t < 1 for t in prefill):
+            raise ValueError
+    except ValueError:
+        print(f"--prefill-tokens must be comma-separated positive token counts, got {args.prefill_tokens!r}",
+              file=sys.stderr)
+        return 2
+    if smoke and prefill:
+        prefill = [5]
+    engines = [("torch", None), ("triton", None), ("triton-qkv", None), ("triton-qkv", "auto")] + \
         [(e, bn) for bn in extra_bn for e in ("triton", "triton-qkv")]
     layout = bench_layout()
     lines = ["| ctx x batch | engine | rotations (q, k, v, o) | write | attention | whole step | BF16 step "
@@ -163,7 +197,7 @@ def main(argv=None) -> int:
                 p = step_pieces(case, engine, bn)
                 t = {name: bench(fn, smoke) for name, fn in p.items()}
                 case.q = q0
-                lines.append(f"| {f'{ctx // 1024}K' if ctx >= 1024 else ctx} x {b} | {engine}{f' bn={bn}' if bn else ''} | {fmt_ms(t['rotations'])} | {fmt_ms(t['write'])} | "
+                lines.append(f"| {f'{ctx // 1024}K' if ctx >= 1024 else ctx} x {b} | {label(engine, bn)} | {fmt_ms(t['rotations'])} | {fmt_ms(t['write'])} | "
                              f"{fmt_ms(t['attention'])} | {fmt_ms(t['step'])} | {fmt_ms(t_bf)} ({be}) | "
                              f"{t['step'] / t_bf:.3f} |")
                 print(lines[-1], flush=True)
@@ -171,6 +205,21 @@ def main(argv=None) -> int:
             if not smoke:
                 torch.cuda.empty_cache()
     table = "\n".join(lines)
+    if prefill:  # the rotations alone at prefill sizes: whole rows vs the server's choice
+        plines = ["| tokens | engine | rotations (q, k, v, o) | vs torch |", "|---:|---|---:|---:|"]
+        for t_ in prefill:
+            base = None
+            for engine, bn in [("torch", None), ("triton", None), ("triton-qkv", None), ("triton-qkv", "auto")]:
+                ri, ro, _, _ = rotation_pieces(t_, dev, engine, bn)
+
+                def rotations(ri=ri, ro=ro):
+                    ri()
+                    ro()
+                t = bench(rotations, smoke)
+                base = base or t
+                plines.append(f"| {t_} | {label(engine, bn)} | {fmt_ms(t)} | {t / base:.3f} |")
+                print(plines[-1], flush=True)
+        table += "\n\nRotations alone at prefill sizes (tokens of one extend step):\n\n" + "\n".join(plines)
     head = (f"Served decode step per layer (Qwen3-8B layer: {bd.HQ} q / {bd.HKV} kv heads, head_dim {D}, sink 64 + "
             f"recent 256, centred rotations); "
             f"{'cpu (interpreter), SMOKE: times meaningless' if smoke else torch.cuda.get_device_name(0)}, "

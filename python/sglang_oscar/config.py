@@ -37,11 +37,12 @@ class OscarConfig:
             applies, else Triton; ``kernels.launch.decode_engine``), ``"triton"`` or ``"gluon"``
             (refused with the reason for a model it cannot run).
         rotate_engine: how the backend rotates q, the new K/V rows and the output each step:
-            ``"triton"`` (default: one kernel per product, ``kernels.rotate.rotate_heads``) or
-            ``"torch"`` (einsum in fp32, several small kernels per product; same fp32 arithmetic up
-            to the summation order). On the H200 the Triton kernels take a Qwen3-8B layer's four
-            rotations from 38-61 us to 26-28 us per step and served decode at 32K x 1 from 725 to
-            883 tok/s (docs/benchmarks.md, twelfth session).
+            ``"triton"`` (default: q, K and V in one launch, ``kernels.rotate.rotate_qkv``, the
+            output in a second, ``rotate_heads``) or ``"torch"`` (einsum in fp32, several small
+            kernels per product; same fp32 arithmetic up to the summation order). On the H200 the
+            Triton kernels take a Qwen3-8B layer's four rotations from 39-60 us to 9-15 us per step
+            (docs/benchmarks.md, thirteenth session; four launches of whole rows took 26-28 us and
+            lifted served decode at 32K x 1 from 725 to 883 tok/s, twelfth session).
     """
 
     group_size: int | None = None

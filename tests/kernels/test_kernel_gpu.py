@@ -567,7 +567,7 @@ def test_gpu_rotate_heads(t, h, hr, d, in_dtype, transpose, sub, add):
     check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device=DEV)
 
 
-@pytest.mark.parametrize("block_n", [16, 32, 64])
+@pytest.mark.parametrize("block_n", [16, 32, 64, "auto"])
 def test_gpu_rotate_heads_output_slices(block_n):
     """rotate_heads with the output dims split over programs (block_n), decode q / output / prefill K."""
     from test_kernel_rotate import check_rotation
@@ -582,6 +582,9 @@ def test_gpu_rotate_heads_output_slices(block_n):
     (_n(64), 32, 8, 128, 128, torch.bfloat16, False, True, 32),  # decode, batch 64, split outputs
     (_n(4096), 32, 8, 128, 128, torch.bfloat16, True, False, None),  # prefill
     (_n(300), 16, 8, 192, 128, torch.float16, True, True, 64),  # D_k != D_v
+    (_n(1), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # the backend's decode call (16 dims)
+    (_n(32), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # ... at batch 32 (64 dims)
+    (_n(4096), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # ... at prefill
 ])
 def test_gpu_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, mk, mv, block_n):
     """kernels.rotate.rotate_qkv (q, K, V in one launch) on the GPU against the fp32 einsum."""

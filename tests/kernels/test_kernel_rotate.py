@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_fixtures import fresh_seed, poison_
-from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv
+from sglang_oscar.kernels.rotate import MIN_PROGRAMS, auto_block_n, rotate_heads, rotate_heads_reference, rotate_qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -68,6 +68,7 @@ def test_rotate_heads_matches_einsum(t, h, hr, d, in_dtype, transpose, sub, add)
     (CASES[2], 128),  # head_dim 192: the second 128-wide slice is half masked
     (CASES[3], 64),  # head_dim 512
     (CASES[5], 1024),  # wider than head_dim: one slice, as None
+    (CASES[0], "auto"),  # the backend's choice (auto_block_n)
 ])
 def test_rotate_heads_output_slices(case, block_n):
     """block_n splits the output dims over programs: the same values as the einsum (and as one slice)."""
@@ -82,7 +83,26 @@ QKV_CASES = [
     (4, 8, 4, 192, 128, torch.bfloat16, False, True, None),  # D_k != D_v: per-product widths
     (4, 8, 4, 192, 128, torch.float32, True, True, 64),  # ... split: K 4 slices (one masked), V 2
     (2, 12, 2, 512, 512, torch.bfloat16, False, False, 64),
+    (1, 8, 2, 128, 128, torch.bfloat16, True, True, "auto"),  # the backend's call at batch 1
 ]
+
+
+def test_auto_block_n_known_answers():
+    """auto_block_n: the widest of 64 / 32 / 16 with >= MIN_PROGRAMS programs, on the geometry measured
+    on the H200 (Qwen3-8B layer: 32 q / 8 kv heads, head_dim 128; docs/benchmarks.md)."""
+    assert MIN_PROGRAMS == 128
+    # batch 1, q/K/V in one launch: 1 row block x 8 heads x 3 products = 24 -> 48 / 96 / 192 programs
+    assert auto_block_n(1 * 4, 8, 128, products=3) == 16
+    # batch 1, the output: 8 programs per slice count -> 16 (64 programs, the most it can reach)
+    assert auto_block_n(1 * 4, 8, 128) == 16
+    # batch 32: 128 q rows = 8 row blocks of 16 -> 8 x 8 x 3 x 2 = 384 at 64
+    assert auto_block_n(32 * 4, 8, 128, products=3) == 64
+    assert auto_block_n(32 * 4, 8, 128) == 64  # 8 x 8 x 2 = 128, just enough
+    assert auto_block_n(16 * 4, 8, 128) == 32  # 4 x 8 x 4 = 128 at 32, 64 at 64
+    # prefill: 8192 tokens, 64-row blocks -> 64
+    assert auto_block_n(8192 * 4, 8, 128, products=3) == 64
+    # head_dim 64 with one kv head: 1 x 1 x 4 slices of 16 -> 16
+    assert auto_block_n(2, 1, 64) == 16
 
 
 def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, device="cpu"):
@@ -190,7 +210,7 @@ def test_rotate_heads_bad_input():
         rotate_heads(x, r, torch.int8)
     with pytest.raises(ValueError, match="rotation holds no matrices"):
         rotate_heads(x, torch.randn(0, 64, 64), torch.float32)
-    for bad in (8, 24, 0, True, 32.0):
+    for bad in (8, 24, 0, True, 32.0, "Auto", "64"):
         with pytest.raises(ValueError, match="block_n"):
             rotate_heads(x, r, torch.float32, block_n=bad)
     with pytest.raises(ValueError, match="out"):

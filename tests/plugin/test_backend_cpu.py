@@ -170,16 +170,19 @@ def test_decode_engine_flag_reaches_the_kernels(setup):
 
 
 def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
-    """--oscar-rotate-engine triton: the backend's q / K / V / output rotations go through
-    kernels.rotate.rotate_heads (counted), and prefill + decode outputs equal the torch engine's up to
-    the fp32 summation order (a rotated BF16 row may move by one ulp), within 1e-2 of the oracle."""
+    """--oscar-rotate-engine triton: the backend rotates q / K / V in one kernels.rotate.rotate_qkv
+    launch and the output with rotate_heads (both counted, block_n "auto"), and prefill + decode
+    outputs equal the torch engine's up to the fp32 summation order (a rotated BF16 row may move by
+    one ulp), within 1e-2 of the oracle."""
     import dataclasses
 
     from sglang_oscar.backend import triton_backend
 
     calls = []
-    real = triton_backend.rotate_heads
-    monkeypatch.setattr(triton_backend, "rotate_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("rotate_heads", "rotate_qkv"):
+        real = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name,
+                            lambda *a, _n=name, _r=real, **k: calls.append((_n, k.get("block_n", "auto"))) or _r(*a, **k))
     seq, config, rk, rv = setup
     outs = {}
     for engine in ("torch", "triton"):
@@ -187,7 +190,8 @@ def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
         sv = Served(dataclasses.replace(config, rotate_engine=engine), rk, rv)
         o = sv.extend(1, seq, 0, 40)
         outs[engine] = (o, sv.decode(1, seq, 40))
-        assert len(calls) == (0 if engine == "torch" else 8)  # q, k, v, output per forward, two forwards
+        # per forward (two): q / K / V in one launch, then the output
+        assert calls == ([] if engine == "torch" else [("rotate_qkv", "auto"), ("rotate_heads", "auto")] * 2)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert _rel(b, a) < SAME
     assert _rel(outs["triton"][1], _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2

@@ -26,7 +26,7 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels import decode_attention, extend_attention
-from ..kernels.rotate import rotate_heads, rotate_heads_reference
+from ..kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
 
@@ -168,12 +168,18 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         rk, rv = self.rotations[layer.layer_id]
         mk, mv = self._mean(layer.layer_id)
         eng = self.config.rotate_engine
-        q_rot = _rotate(q.reshape(-1, hq, dk), rk, torch.float32, engine=eng)
-        if save_kv_cache:
-            hp = self.pool.hp_dtype
-            k_rot = _rotate(k.reshape(-1, hkv, dk), rk, hp, sub_mean=mk, engine=eng)
-            v_rot = _rotate(v.reshape(-1, hkv, dv), rv, hp, sub_mean=mv, engine=eng)
-            self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
+        q3 = q.reshape(-1, hq, dk)
+        if not save_kv_cache:
+            return _rotate(q3, rk, torch.float32, engine=eng), rv
+        hp = self.pool.hp_dtype
+        k3, v3 = k.reshape(-1, hkv, dk), v.reshape(-1, hkv, dv)
+        if eng == "triton":  # q, K and V in one launch (kernels.rotate.rotate_qkv)
+            q_rot, k_rot, v_rot = rotate_qkv(q3, k3, v3, rk, rv, hp, mean_k=mk, mean_v=mv, validate=False)
+        else:
+            q_rot = _rotate(q3, rk, torch.float32, engine=eng)
+            k_rot = _rotate(k3, rk, hp, sub_mean=mk, engine=eng)
+            v_rot = _rotate(v3, rv, hp, sub_mean=mv, engine=eng)
+        self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
         return q_rot, rv
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,

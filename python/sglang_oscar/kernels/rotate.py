@@ -12,12 +12,16 @@ head ``r * G + i % G``) and accumulates ``x R`` over ``BLOCK_K``-wide slices of 
 ``tl.dot`` in IEEE fp32 (no TF32: the HP rows are rounded from these values, and the oracle
 computes them in fp32), rounded to the output dtype with round-to-nearest-even (``codes.round_to``:
 the interpreter's own bf16 cast truncates). ``R`` is read through strides, so the transpose costs
-nothing. A program covers ``BLOCK_N`` output dims (``block_n``; default all of them).
+nothing. A program covers ``BLOCK_N`` output dims (``block_n``; default ``"auto"``,
+:func:`auto_block_n`: the widest of 64 / 32 / 16 whose grid still has :data:`MIN_PROGRAMS`
+programs, so a decode step's few rows per kv head are spread over the SMs).
 
 :func:`rotate_qkv` runs the step's three input products (q, K, V) in one launch: the grid's third
 axis selects the product and the output slice, and each program runs the same block body as
-:func:`rotate_heads` (the backend does not use it yet: on the H200 each rotation launch cost ~6.5 us
-at batch 1 in the twelfth session's ``bench_step.py`` run, docs/benchmarks.md).
+:func:`rotate_heads`. The backend rotates q, K and V with it and the output with :func:`rotate_heads`,
+both with ``block_n="auto"``: on the H200 (``scripts/bench_step.py``, docs/benchmarks.md, thirteenth
+session) the four rotations of a Qwen3-8B layer took 8.8 us at batch 1 this way against 26.7 us as
+four launches of whole rows, and 14.8 against 27.8 us at batch 32.
 """
 
 from __future__ import annotations
@@ -152,14 +156,43 @@ def _warps(np_: int) -> int:
     return 4 if np_ <= 128 else 8
 
 
-def _block_n(block_n: int | None, np_: int) -> int:
+MIN_PROGRAMS = 128
+"""Programs :func:`auto_block_n` wants in a grid: about one per SM of an H200 (132)."""
+
+
+def auto_block_n(rows: int, matrices: int, d: int, products: int = 1) -> int:
+    """The ``block_n`` (output dims per program) that ``block_n="auto"`` picks: the widest of 64, 32,
+    16 whose grid of ``cdiv(rows, BLOCK_M) * matrices * products * cdiv(D, block_n)`` programs has at
+    least :data:`MIN_PROGRAMS`, else 16.
+
+    Args:
+        rows: (token, head) rows per matrix (``T * G``; for :func:`rotate_qkv` the queries' ``T * G``).
+        matrices: rotation matrices (kv heads). d: head_dim (the wider of D_k / D_v).
+        products: products in the launch (3 for :func:`rotate_qkv`).
+
+    Returns:
+        16, 32 or 64. Measured on the H200 (``scripts/bench_step.py --rotate-block-n 16,32,64``,
+        docs/benchmarks.md, thirteenth session): at batch 1 (4 query rows per kv head, 8 kv heads)
+        16 was fastest, at batch 32 64, and whole rows (128) were slower than 64 at both.
+    """
+    np_ = _np(d)
+    programs = triton.cdiv(rows, _block_m(rows, np_)) * matrices * products
+    for bn in (64, 32):
+        if programs * triton.cdiv(np_, bn) >= MIN_PROGRAMS:
+            return bn
+    return 16
+
+
+def _block_n(block_n: int | str | None, np_: int, auto: int) -> int:
+    if block_n == "auto":
+        block_n = auto
     return np_ if block_n is None else min(block_n, np_)
 
 
 def _check_block_n(block_n, who: str) -> None:
-    if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
-                                or block_n & (block_n - 1)):
-        raise ValueError(f"{who}: block_n={block_n!r} must be None or a power of two >= 16")
+    if block_n is not None and block_n != "auto" and (
+            isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"{who}: block_n={block_n!r} must be \"auto\", None or a power of two >= 16")
 
 
 def rotate_heads(
@@ -171,7 +204,7 @@ def rotate_heads(
     sub_mean: torch.Tensor | None = None,
     add_mean: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    block_n: int | None = None,
+    block_n: int | str | None = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
     """``(x - sub_mean) R`` (or ``x R^T + add_mean``) per kv head, in fp32, cast to ``out_dtype``.
@@ -185,11 +218,10 @@ def rotate_heads(
         sub_mean / add_mean: fp32 ``[H_r, D]`` subtracted from ``x`` before / added after the
             product (key / value centering; docs/format.md), or ``None`` (made contiguous here).
         out: optional ``[T, H, D]`` output in ``out_dtype``.
-        block_n: output dims per program, a power of two >= 16, or ``None`` (all of them, one
-            program per row block and matrix). Smaller slices put more programs on a short input
-            (a decode step's 4-32 rows per kv head: 8 programs at batch 1 with ``None``), each
-            streaming ``block_n / D`` of its matrix; ``scripts/bench_step.py --rotate-block-n``
-            times the choices (not measured yet, so the default stays ``None``).
+        block_n: output dims per program: ``"auto"`` (default, :func:`auto_block_n`), a power of
+            two >= 16, or ``None`` (all of them, one program per row block and matrix). Smaller
+            slices put more programs on a short input (a decode step's 4-32 rows per kv head: 8
+            programs at batch 1 with ``None``), each streaming ``block_n / D`` of its matrix.
         validate: shape / dtype / device checks (``False`` on hot paths validated once).
 
     Returns:
@@ -198,8 +230,8 @@ def rotate_heads(
         unit in the last place plus that, in under 0.5% of the elements); NaN stays NaN.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not a
-            power of two >= 16 (always checked).
+        ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not
+            ``"auto"``, ``None`` or a power of two >= 16 (always checked).
     """
     _check_block_n(block_n, "rotate_heads")
     if validate:
@@ -236,7 +268,7 @@ def rotate_heads(
     srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
     mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
     mu_out = add_mean.contiguous() if add_mean is not None else rotation
-    bn = _block_n(block_n, np_)
+    bn = _block_n(block_n, np_, auto_block_n(rows, hr, d) if block_n == "auto" else 0)
     _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr, triton.cdiv(d, bn)),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
@@ -257,7 +289,7 @@ def rotate_qkv(
     mean_k: torch.Tensor | None = None,
     mean_v: torch.Tensor | None = None,
     q_dtype: torch.dtype = torch.float32,
-    block_n: int | None = None,
+    block_n: int | str | None = "auto",
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -273,7 +305,8 @@ def rotate_qkv(
         kv_dtype: dtype of the rotated keys and values (the cache's HP dtype).
         mean_k / mean_v: fp32 ``[H_kv, D_k]`` / ``[H_kv, D_v]`` or ``None`` (centering, docs/format.md).
         q_dtype: dtype of the rotated queries (the backend's fp32).
-        block_n: output dims per program, as :func:`rotate_heads` (``None``: all).
+        block_n: output dims per program, as :func:`rotate_heads` (``"auto"``: :func:`auto_block_n`
+            with ``products=3``; ``None``: all).
         out: optional ``(q_out, k_out, v_out)`` of the result's shapes and dtypes, last dims contiguous.
         validate: shape / dtype / device checks.
 
@@ -281,8 +314,8 @@ def rotate_qkv(
         ``(q_rot [T, H_q, D_k] q_dtype, k_rot [T, H_kv, D_k] kv_dtype, v_rot [T, H_kv, D_v] kv_dtype)``.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not a
-            power of two >= 16 (always checked).
+        ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not
+            ``"auto"``, ``None`` or a power of two >= 16 (always checked).
     """
     _check_block_n(block_n, "rotate_qkv")
     if validate:
@@ -324,7 +357,8 @@ def rotate_qkv(
         return q_out, k_out, v_out
     g = hq // hkv
     np_k, np_v = _np(dk), _np(dv)
-    bn_k, bn_v = _block_n(block_n, np_k), _block_n(block_n, np_v)
+    auto = auto_block_n(t * g, hkv, max(dk, dv), products=3) if block_n == "auto" else 0
+    bn_k, bn_v = _block_n(block_n, np_k, auto), _block_n(block_n, np_v, auto)
     ns = max(triton.cdiv(dk, bn_k), triton.cdiv(dv, bn_v))
     block_m = _block_m(t * g, max(np_k, np_v))
     mu_k = mean_k.contiguous() if mean_k is not None else rotation_k

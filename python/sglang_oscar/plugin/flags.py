@@ -83,7 +83,7 @@ FLAGS = (
          choices=("auto", "triton", "gluon")),
     Flag("oscar_rotate_engine", "--oscar-rotate-engine", "rotate_engine", str,
          "INT2 KV cache: how q, the new K/V rows and the attention output are rotated each step: triton "
-         "(default: one kernel per product) or torch (fp32 einsum, several small kernels per product; same "
+         "(default: q, K and V in one kernel, the output in a second) or torch (fp32 einsum, several small kernels per product; same "
          "fp32 arithmetic up to the summation order).",
          choices=("triton", "torch")),
 )
