@@ -88,7 +88,8 @@ QKV_CASES = [
 
 
 def test_auto_block_n_known_answers():
-    """auto_block_n: the widest of 64 / 32 / 16 with >= MIN_PROGRAMS programs, on the geometry measured
+    """auto_block_n: whole rows from 2 * MIN_PROGRAMS programs, else the widest of 64 / 32 / 16 with
+    >= MIN_PROGRAMS programs, on the geometry measured
     on the H200 (Qwen3-8B layer: 32 q / 8 kv heads, head_dim 128; docs/benchmarks.md)."""
     assert MIN_PROGRAMS == 128
     # batch 1, q/K/V in one launch: 1 row block x 8 heads x 3 products = 24 -> 48 / 96 / 192 programs
@@ -99,8 +100,11 @@ def test_auto_block_n_known_answers():
     assert auto_block_n(32 * 4, 8, 128, products=3) == 64
     assert auto_block_n(32 * 4, 8, 128) == 64  # 8 x 8 x 2 = 128, just enough
     assert auto_block_n(16 * 4, 8, 128) == 32  # 4 x 8 x 4 = 128 at 32, 64 at 64
-    # prefill: 8192 tokens, 64-row blocks -> 64
-    assert auto_block_n(8192 * 4, 8, 128, products=3) == 64
+    # prefill: whole rows once they give >= 2 * MIN_PROGRAMS programs
+    assert auto_block_n(8192 * 4, 8, 128, products=3) is None  # 512 x 8 x 3 row blocks
+    assert auto_block_n(512 * 4, 8, 128, products=3) is None  # 32 x 8 x 3 = 768
+    assert auto_block_n(512 * 4, 8, 128) is None  # 32 x 8 = 256, just enough
+    assert auto_block_n(256 * 4, 8, 128) == 64  # 16 x 8 = 128 whole rows: split
     # head_dim 64 with one kv head: 1 x 1 x 4 slices of 16 -> 16
     assert auto_block_n(2, 1, 64) == 16
 

@@ -13,14 +13,15 @@ head ``r * G + i % G``) and accumulates ``x R`` over ``BLOCK_K``-wide slices of 
 computes them in fp32), rounded to the output dtype with round-to-nearest-even (``codes.round_to``:
 the interpreter's own bf16 cast truncates). ``R`` is read through strides, so the transpose costs
 nothing. A program covers ``BLOCK_N`` output dims (``block_n``; default ``"auto"``,
-:func:`auto_block_n`: the widest of 64 / 32 / 16 whose grid still has :data:`MIN_PROGRAMS`
-programs, so a decode step's few rows per kv head are spread over the SMs).
+:func:`auto_block_n`: whole rows for prefill-sized inputs, else the widest of 64 / 32 / 16 whose
+grid still has :data:`MIN_PROGRAMS` programs, so a decode step's few rows per kv head are spread
+over the SMs).
 
 :func:`rotate_qkv` runs the step's three input products (q, K, V) in one launch: the grid's third
 axis selects the product and the output slice, and each program runs the same block body as
 :func:`rotate_heads`. The backend rotates q, K and V with it and the output with :func:`rotate_heads`,
 both with ``block_n="auto"``: on the H200 (``scripts/bench_step.py``, docs/benchmarks.md, thirteenth
-session) the four rotations of a Qwen3-8B layer took 8.8 us at batch 1 this way against 26.7 us as
+session) the four rotations of a Qwen3-8B layer took 8.7 us at batch 1 this way against 26.4 us as
 four launches of whole rows, and 14.8 against 27.8 us at batch 32.
 """
 
@@ -160,9 +161,10 @@ MIN_PROGRAMS = 128
 """Programs :func:`auto_block_n` wants in a grid: about one per SM of an H200 (132)."""
 
 
-def auto_block_n(rows: int, matrices: int, d: int, products: int = 1) -> int:
-    """The ``block_n`` (output dims per program) that ``block_n="auto"`` picks: the widest of 64, 32,
-    16 whose grid of ``cdiv(rows, BLOCK_M) * matrices * products * cdiv(D, block_n)`` programs has at
+def auto_block_n(rows: int, matrices: int, d: int, products: int = 1) -> int | None:
+    """The ``block_n`` (output dims per program) that ``block_n="auto"`` picks: ``None`` (whole
+    rows) when whole rows already give ``2 * MIN_PROGRAMS`` programs, else the widest of 64, 32, 16
+    whose grid of ``cdiv(rows, BLOCK_M) * matrices * products * cdiv(D, block_n)`` programs has at
     least :data:`MIN_PROGRAMS`, else 16.
 
     Args:
@@ -171,19 +173,22 @@ def auto_block_n(rows: int, matrices: int, d: int, products: int = 1) -> int:
         products: products in the launch (3 for :func:`rotate_qkv`).
 
     Returns:
-        16, 32 or 64. Measured on the H200 (``scripts/bench_step.py --rotate-block-n 16,32,64``,
-        docs/benchmarks.md, thirteenth session): at batch 1 (4 query rows per kv head, 8 kv heads)
-        16 was fastest, at batch 32 64, and whole rows (128) were slower than 64 at both.
+        ``None``, 64, 32 or 16. Measured on the H200 (``scripts/bench_step.py``, docs/benchmarks.md,
+        thirteenth session; Qwen3-8B layer, 8 kv heads, head_dim 128, the four rotations of a step):
+        at batch 1 16 was fastest (8.7 us; whole rows 16.9 us), at batch 32 64 (14.8 us; whole rows
+        19.6 us); at 512-16384 prefill tokens whole rows were 14-29% faster than 64.
     """
     np_ = _np(d)
     programs = triton.cdiv(rows, _block_m(rows, np_)) * matrices * products
+    if programs >= 2 * MIN_PROGRAMS:
+        return None
     for bn in (64, 32):
         if programs * triton.cdiv(np_, bn) >= MIN_PROGRAMS:
             return bn
     return 16
 
 
-def _block_n(block_n: int | str | None, np_: int, auto: int) -> int:
+def _block_n(block_n: int | str | None, np_: int, auto: int | None) -> int:
     if block_n == "auto":
         block_n = auto
     return np_ if block_n is None else min(block_n, np_)
@@ -268,7 +273,7 @@ def rotate_heads(
     srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
     mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
     mu_out = add_mean.contiguous() if add_mean is not None else rotation
-    bn = _block_n(block_n, np_, auto_block_n(rows, hr, d) if block_n == "auto" else 0)
+    bn = _block_n(block_n, np_, auto_block_n(rows, hr, d) if block_n == "auto" else None)
     _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr, triton.cdiv(d, bn)),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
@@ -357,7 +362,7 @@ def rotate_qkv(
         return q_out, k_out, v_out
     g = hq // hkv
     np_k, np_v = _np(dk), _np(dv)
-    auto = auto_block_n(t * g, hkv, max(dk, dv), products=3) if block_n == "auto" else 0
+    auto = auto_block_n(t * g, hkv, max(dk, dv), products=3) if block_n == "auto" else None
     bn_k, bn_v = _block_n(block_n, np_k, auto), _block_n(block_n, np_v, auto)
     ns = max(triton.cdiv(dk, bn_k), triton.cdiv(dv, bn_v))
     block_m = _block_m(t * g, max(np_k, np_v))
