@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                          "every piece once so CI sees the script work")
     ap.add_argument("--prefill-tokens", default="",
                     help="comma-separated token counts (e.g. 2048,16384) at which to time the rotations alone, "
-                         "whole rows vs the server's block_n (a second table)")
+                         "whole rows vs the server's block_n (a second table; --smoke times 5 tokens instead)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     if smoke:

@@ -7,6 +7,7 @@ other parts receive an ``OscarConfig`` and never read flags or the environment t
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from .quant.int2 import check_clip_ratio, check_quantizer, resolve_group_size, scale_torch_dtype
 
@@ -40,7 +41,7 @@ class OscarConfig:
             ``"triton"`` (default: q, K and V in one launch, ``kernels.rotate.rotate_qkv``, the
             output in a second, ``rotate_heads``) or ``"torch"`` (einsum in fp32, several small
             kernels per product; same fp32 arithmetic up to the summation order). On the H200 the
-            Triton kernels take a Qwen3-8B layer's four rotations from 39-60 us to 9-15 us per step
+            Triton kernels take a Qwen3-8B layer's four rotations from 38-62 us to 9-15 us per step
             (docs/benchmarks.md, thirteenth session; four launches of whole rows took 26-28 us and
             lifted served decode at 32K x 1 from 725 to 883 tok/s, twelfth session).
     """
@@ -62,8 +63,11 @@ class OscarConfig:
             raise ValueError(f"decode_engine must be one of {DECODE_ENGINES}, got {self.decode_engine!r}")
         if self.rotate_engine not in ROTATE_ENGINES:
             raise ValueError(f"rotate_engine must be one of {ROTATE_ENGINES}, got {self.rotate_engine!r}")
-        check_clip_ratio(self.k_clip_ratio, "K clip ratio")
-        check_clip_ratio(self.v_clip_ratio, "V clip ratio")
+        for name, what in (("k_clip_ratio", "K clip ratio"), ("v_clip_ratio", "V clip ratio")):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, numbers.Real):
+                raise ValueError(f"{name} must be a number in [0, 1], got {val!r}")
+            object.__setattr__(self, name, check_clip_ratio(val, what))  # a plain float (JSON, repr)
         check_quantizer(self.quantizer)
         if not isinstance(self.scale_dtype, str):
             raise ValueError(f"scale_dtype must be a dtype name ('float32', 'float16', 'bfloat16'), got {self.scale_dtype!r}")
@@ -72,10 +76,14 @@ class OscarConfig:
             raise ValueError("rotation_v_path is set without rotation_path (the K file)")
         for name in ("sink_tokens", "recent_tokens"):
             val = getattr(self, name)
-            if not isinstance(val, int) or val < 0:
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
-        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
+            object.__setattr__(self, name, int(val))
+        if self.group_size is not None and (isinstance(self.group_size, bool)
+                                            or not isinstance(self.group_size, numbers.Integral) or self.group_size <= 0):
             raise ValueError(f"group_size must be a positive integer or unset, got {self.group_size!r}")
+        if self.group_size is not None:
+            object.__setattr__(self, "group_size", int(self.group_size))
 
     def check_head_dims(self, *head_dims: int) -> None:
         """Raise ``ValueError`` unless every head_dim is a multiple of 4 divisible by ``group_size``."""

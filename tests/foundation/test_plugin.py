@@ -92,6 +92,31 @@ def test_config_travels_through_env():
     env = {flags.CONFIG_ENV: flags.config_to_env(cfg)}
     assert flags.config_from_env(env) == cfg
     assert flags.config_from_env({}) is None
+    # a damaged variable names itself and the way out
+    for raw, what in (("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ('{"sink": 4}', "unexpected keyword"),
+                      ('{"sink_tokens": -1}', "sink_tokens")):
+        with pytest.raises(ValueError, match=what) as e:
+            flags.config_from_env({flags.CONFIG_ENV: raw})
+        assert what == "sink_tokens" or (flags.CONFIG_ENV in str(e.value) and "unset it" in str(e.value))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("sink_tokens", True), ("recent_tokens", 2.0), ("group_size", False), ("group_size", "32"),
+    ("k_clip_ratio", "0.9"), ("v_clip_ratio", True), ("k_clip_ratio", None),
+])
+def test_config_refuses_loosely_typed_values(field, value):
+    """The Python API refuses what the CLI flags cannot produce: bools for counts, strings for numbers."""
+    with pytest.raises(ValueError, match=field):
+        OscarConfig(**{field: value})
+
+
+def test_config_accepts_numpy_scalars():
+    import numpy as np
+
+    cfg = OscarConfig(sink_tokens=np.int64(8), k_clip_ratio=np.float32(0.9), group_size=np.int32(32))
+    assert cfg.sink_tokens == 8 and abs(cfg.k_clip_ratio - 0.9) < 1e-6 and cfg.group_size == 32
+    assert (type(cfg.sink_tokens), type(cfg.k_clip_ratio), type(cfg.group_size)) == (int, float, int)
+    assert flags.config_from_env({flags.CONFIG_ENV: flags.config_to_env(cfg)}) == cfg  # JSON-serialisable
 
 
 def test_from_cli_args_hook_attaches_config(monkeypatch):

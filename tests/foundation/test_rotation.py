@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import stat
 
 import pytest
 import torch
@@ -170,8 +171,36 @@ def test_save_load_roundtrip_and_validate(tmp_path, per_head):
     for i in rs.layer_ids:
         assert torch.equal(back.k[i], rs.k[i]) and torch.equal(back.v[i], rs.v[i])
     back.validate(ModelGeometry.from_hf_config(qwen3_config()))
-    # a directory holding exactly one file loads too
+    # a directory holding exactly one file loads too (no temporary file left next to it)
     assert RotationSet.load(str(tmp_path)).layer_ids == [0, 1, 2, 3]
+    assert os.listdir(tmp_path) == ["rot.safetensors"]
+
+
+def test_saved_files_follow_the_umask(tmp_path, monkeypatch):
+    """Rotation files get the mode a plain open() gives (safetensors alone writes 0600), and a failed
+    write leaves neither a partial file nor a temporary one."""
+    rs = _fitted_set(False)
+    old = os.umask(0o022)
+    try:
+        rs.save(str(tmp_path / "a.safetensors"))
+        os.umask(0o077)
+        rs.save(str(tmp_path / "b.safetensors"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "a.safetensors").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(tmp_path / "b.safetensors").st_mode) == 0o600
+    from sglang_oscar import fileio
+
+    def full_disk(src, dst):  # the temporary file exists when the rename fails
+        assert os.path.exists(src)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fileio.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        rs.save(str(tmp_path / "a.safetensors"))
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["a.safetensors", "b.safetensors"]
+    assert RotationSet.load(str(tmp_path / "a.safetensors")).layer_ids == rs.layer_ids  # the old file intact
 
 
 def test_upstream_pt_files_load(tmp_path):

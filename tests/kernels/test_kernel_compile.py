@@ -65,12 +65,17 @@ def _smoke(script: str, out, *extra: str) -> None:
 def test_bench_step_smoke(tmp_path):
     """scripts/bench_step.py --smoke runs every piece of the served step (both rotate engines, the
     write, attention with the server's fp32 queries, the BF16 side, the one-launch q/K/V rotation,
-    Triton rows with split output dims) and writes its table."""
+    Triton rows with split output dims, the server's choice) and the prefill-size rotations, and writes
+    its tables."""
     out = tmp_path / "step.md"
-    _smoke("bench_step.py", out, "--rotate-block-n", "32")
-    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 352 x 2 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton", "triton-qkv", "triton bn=32",
-                                                       "triton-qkv bn=32"], out.read_text()
+    _smoke("bench_step.py", out, "--rotate-block-n", "32", "--prefill-tokens", "64")
+    text = out.read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 352 x 2 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton", "triton-qkv", "triton-qkv auto (served)",
+                                                       "triton bn=32", "triton-qkv bn=32"], text
+    prefill = [ln for ln in text.splitlines() if ln.startswith("| 5 |")]  # --smoke times 5 tokens
+    assert [r.split("|")[2].strip() for r in prefill] == ["torch", "triton", "triton-qkv",
+                                                          "triton-qkv auto (served)"], text
 
 
 def test_bench_decode_smoke(tmp_path):

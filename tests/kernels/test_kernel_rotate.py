@@ -87,6 +87,25 @@ QKV_CASES = [
 ]
 
 
+def test_default_block_n_is_auto(monkeypatch):
+    """rotate_heads / rotate_qkv without block_n launch auto_block_n's slices: at a Qwen3-8B decode step
+    (batch 1) 16 output dims per program, whole rows at prefill (the grid's last axis counts slices)."""
+    from sglang_oscar.kernels import rotate as rot
+
+    grids = []
+    monkeypatch.setattr(rot, "_launch", lambda kernel, grid, *a, **kw: grids.append((grid, kw)))
+    rk = torch.zeros(8, 128, 128)
+    for t, want_bn, want_ns in ((1, 16, 8), (512, 128, 1)):
+        grids.clear()
+        x = torch.zeros(t, 32, 128, dtype=torch.bfloat16)
+        kv = torch.zeros(t, 8, 128, dtype=torch.bfloat16)
+        rot.rotate_heads(x, rk, torch.float32)
+        rot.rotate_qkv(x, kv, kv, rk, rk, torch.bfloat16)
+        (g1, kw1), (g2, kw2) = grids
+        assert kw1["BLOCK_N"] == want_bn and g1[2] == want_ns
+        assert kw2["BN_K"] == kw2["BN_V"] == want_bn and g2[2] == 3 * want_ns
+
+
 def test_auto_block_n_known_answers():
     """auto_block_n: whole rows from 2 * MIN_PROGRAMS programs, else the widest of 64 / 32 / 16 with
     >= MIN_PROGRAMS programs, on the geometry measured

@@ -178,20 +178,27 @@ def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
 
     from sglang_oscar.backend import triton_backend
 
+    from sglang_oscar.kernels import rotate as rotate_mod
+
     calls = []
     for name in ("rotate_heads", "rotate_qkv"):
         real = getattr(triton_backend, name)
         monkeypatch.setattr(triton_backend, name,
-                            lambda *a, _n=name, _r=real, **k: calls.append((_n, k.get("block_n", "auto"))) or _r(*a, **k))
+                            lambda *a, _n=name, _r=real, **k: calls.append((_n, k.get("block_n", "default"))) or _r(*a, **k))
+    picks = []  # the kernels' "auto" choice is what runs (auto_block_n asked once per launch)
+    real_auto = rotate_mod.auto_block_n
+    monkeypatch.setattr(rotate_mod, "auto_block_n", lambda *a, **k: picks.append(k.get("products", 1)) or real_auto(*a, **k))
     seq, config, rk, rv = setup
     outs = {}
     for engine in ("torch", "triton"):
         calls.clear()
+        picks.clear()
         sv = Served(dataclasses.replace(config, rotate_engine=engine), rk, rv)
         o = sv.extend(1, seq, 0, 40)
         outs[engine] = (o, sv.decode(1, seq, 40))
-        # per forward (two): q / K / V in one launch, then the output
-        assert calls == ([] if engine == "torch" else [("rotate_qkv", "auto"), ("rotate_heads", "auto")] * 2)
+        # per forward (two): q / K / V in one launch, then the output, both with the default block_n
+        assert calls == ([] if engine == "torch" else [("rotate_qkv", "default"), ("rotate_heads", "default")] * 2)
+        assert picks == ([] if engine == "torch" else [3, 1] * 2)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert _rel(b, a) < SAME
     assert _rel(outs["triton"][1], _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2

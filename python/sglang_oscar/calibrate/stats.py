@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .. import __version__
+from ..fileio import save_safetensors
 from ..rotation.fit import query_second_moment_sums, value_weighted_sums
 from ..rotation.geometry import ModelGeometry
 from . import CalibrationError
@@ -312,9 +312,7 @@ class CalibrationStats:
         if extra:
             meta.update(extra)
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, sort_keys=True)})
-        os.replace(tmp, path)
+        save_safetensors(tensors, path, metadata={META_KEY: json.dumps(meta, sort_keys=True)})
 
     @classmethod
     def load(cls, path: str) -> CalibrationStats:

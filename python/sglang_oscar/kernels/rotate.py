@@ -164,8 +164,9 @@ MIN_PROGRAMS = 128
 def auto_block_n(rows: int, matrices: int, d: int, products: int = 1) -> int | None:
     """The ``block_n`` (output dims per program) that ``block_n="auto"`` picks: ``None`` (whole
     rows) when whole rows already give ``2 * MIN_PROGRAMS`` programs, else the widest of 64, 32, 16
-    whose grid of ``cdiv(rows, BLOCK_M) * matrices * products * cdiv(D, block_n)`` programs has at
-    least :data:`MIN_PROGRAMS`, else 16.
+    whose grid of ``cdiv(rows, BLOCK_M) * matrices * products * cdiv(D_pad, block_n)`` programs has
+    at least :data:`MIN_PROGRAMS`, else 16 (``D_pad``: head_dim padded to a power of two; every
+    product counted with the first product's row blocks, idle programs of the shorter ones included).
 
     Args:
         rows: (token, head) rows per matrix (``T * G``; for :func:`rotate_qkv` the queries' ``T * G``).
@@ -176,7 +177,9 @@ def auto_block_n(rows: int, matrices: int, d: int, products: int = 1) -> int | N
         ``None``, 64, 32 or 16. Measured on the H200 (``scripts/bench_step.py``, docs/benchmarks.md,
         thirteenth session; Qwen3-8B layer, 8 kv heads, head_dim 128, the four rotations of a step):
         at batch 1 16 was fastest (8.7 us; whole rows 16.9 us), at batch 32 64 (14.8 us; whole rows
-        19.6 us); at 512-16384 prefill tokens whole rows were 14-29% faster than 64.
+        19.6 us); at 512-16384 prefill tokens 64 was 16-29% slower than whole rows. Other sizes follow
+        the program count unmeasured (with 8 kv heads the choice goes whole rows / 64 / whole rows
+        around batch 41-64 / 65-160 / 161+, where BLOCK_M grows from 16 to 64 rows).
     """
     np_ = _np(d)
     programs = triton.cdiv(rows, _block_m(rows, np_)) * matrices * products
@@ -324,11 +327,13 @@ def rotate_qkv(
     """
     _check_block_n(block_n, "rotate_qkv")
     if validate:
+        check_tensor(q, "q", ndim=3, last_contiguous=True)
         for name, x in (("q", q), ("k", k), ("v", v)):
             check_tensor(x, name, ndim=3, last_contiguous=True, device=q.device)
             check_float(x, name)
-        if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-            raise ValueError(f"rotate_qkv: q / k / v hold {q.shape[0]} / {k.shape[0]} / {v.shape[0]} tokens")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:  # always: the kernel indexes k / v by q's tokens
+        raise ValueError(f"rotate_qkv: q / k / v hold {q.shape[0]} / {k.shape[0]} / {v.shape[0]} tokens")
+    if validate:
         if k.shape[1] == 0 or q.shape[1] == 0 or v.shape[1] != k.shape[1] or q.shape[1] % k.shape[1] \
                 or q.shape[2] != k.shape[2]:
             raise ValueError(f"rotate_qkv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "

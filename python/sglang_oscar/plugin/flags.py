@@ -163,7 +163,26 @@ def config_to_env(config: OscarConfig) -> str:
 
 
 def config_from_env(environ: dict[str, str] | None = None) -> OscarConfig | None:
-    """The config carried in :data:`CONFIG_ENV`, or ``None`` if unset."""
+    """The config carried in :data:`CONFIG_ENV`, or ``None`` if unset.
+
+    Raises:
+        ValueError: the variable is not a JSON object of :class:`OscarConfig` fields (it is written
+            by the ``--kv-cache-dtype int2`` launch for its subprocesses; unset it to start clean),
+            or a field's value is invalid (``OscarConfig``'s own checks).
+    """
     env = os.environ if environ is None else environ
     raw = env.get(CONFIG_ENV)
-    return None if not raw else OscarConfig(**json.loads(raw))
+    if not raw:
+        return None
+    try:
+        fields = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{CONFIG_ENV} is not valid JSON ({e}); it is set by the --kv-cache-dtype int2 launch "
+                         f"for its subprocesses: unset it (or pass the --oscar-* flags instead)") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{CONFIG_ENV} must be a JSON object of OscarConfig fields, got {type(fields).__name__}; "
+                         "unset it (or pass the --oscar-* flags instead)")
+    try:
+        return OscarConfig(**fields)
+    except TypeError as e:  # unknown field names
+        raise ValueError(f"{CONFIG_ENV}: {e}; unset it (or pass the --oscar-* flags instead)") from None

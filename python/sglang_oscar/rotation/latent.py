@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .. import __version__
+from ..fileio import save_safetensors
 from .geometry import ModelGeometry
 from .fit import rotation_from_covariance
 from .hadamard import block_hadamard, default_hadamard, eig_bitrev_permutation, is_power_of_two
@@ -187,7 +187,7 @@ class LatentRotationSet:
         meta.update(format=LATENT_FORMAT, format_version=LATENT_FORMAT_VERSION)
         meta.setdefault("created_by", f"sglang-oscar {__version__}")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        save_file(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        save_safetensors(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
     def save_upstream_dir(self, directory: str) -> None:
         """Write the upstream directory convention: ``layer_<id>.pt`` raw fp32 ``[R, R]`` tensors (spec §3.1)."""

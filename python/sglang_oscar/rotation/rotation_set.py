@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .. import __version__
+from ..fileio import save_safetensors
 from ..constants import DEFAULT_ORTHO_TOL
 from .geometry import ModelGeometry
 from .hadamard import default_hadamard
@@ -319,7 +319,7 @@ class RotationSet:
         meta["format_version"] = self.format_version
         meta.setdefault("created_by", f"sglang-oscar {__version__}")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        save_file(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        save_safetensors(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
     @classmethod
     def load(cls, path: str) -> RotationSet:

@@ -1,0 +1,31 @@
+"""Writing ``.safetensors`` files: atomically, with the permissions of the user's umask."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import save_file
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (contiguous CPU tensors) to ``path`` with ``metadata`` (string values).
+
+    The file is written next to ``path`` and renamed over it when complete, so a killed run never
+    leaves a truncated file behind, and it gets the mode a plain ``open()`` would give it (``0o666``
+    minus the umask; ``safetensors`` alone writes ``0o600``, which hides rotation and statistics
+    files from the other users of a shared model directory). Parent folders must exist.
+
+    Raises:
+        OSError: the folder is not writable; safetensors' own errors for bad tensors.
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
