@@ -8,6 +8,20 @@ import torch
 from safetensors.torch import save_file
 
 
+def _umask() -> int:
+    """The process umask: from /proc on Linux (read-only), else set-and-restore."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` (contiguous CPU tensors) to ``path`` with ``metadata`` (string values).
 
@@ -22,9 +36,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         save_file(tensors, tmp, metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
