@@ -180,8 +180,8 @@ def main(argv=None) -> int:
         return 2
     if smoke and prefill:
         prefill = [5]
-    engines = [("torch", None), ("triton", None), ("triton-qkv", None), ("triton-qkv", "auto")] + \
-        [(e, bn) for bn in extra_bn for e in ("triton", "triton-qkv")]
+    main_rows = [("torch", None), ("triton", None), ("triton-qkv", None), ("triton-qkv", "auto")]  # prefill rows too
+    engines = main_rows + [(e, bn) for bn in extra_bn for e in ("triton", "triton-qkv")]
     layout = bench_layout()
     lines = ["| ctx x batch | engine | rotations (q, k, v, o) | write | attention | whole step | BF16 step "
              "(copy + SDPA) | step / BF16 step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         plines = ["| tokens | engine | rotations (q, k, v, o) | vs torch |", "|---:|---|---:|---:|"]
         for t_ in prefill:
             base = None
-            for engine, bn in [("torch", None), ("triton", None), ("triton-qkv", None), ("triton-qkv", "auto")]:
+            for engine, bn in main_rows:
                 ri, ro, _, _ = rotation_pieces(t_, dev, engine, bn)
 
                 def rotations(ri=ri, ro=ro):
