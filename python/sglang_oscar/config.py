@@ -63,11 +63,8 @@ class OscarConfig:
             raise ValueError(f"decode_engine must be one of {DECODE_ENGINES}, got {self.decode_engine!r}")
         if self.rotate_engine not in ROTATE_ENGINES:
             raise ValueError(f"rotate_engine must be one of {ROTATE_ENGINES}, got {self.rotate_engine!r}")
-        for name, what in (("k_clip_ratio", "K clip ratio"), ("v_clip_ratio", "V clip ratio")):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, numbers.Real):
-                raise ValueError(f"{name} must be a number in [0, 1], got {val!r}")
-            object.__setattr__(self, name, check_clip_ratio(val, what))  # a plain float (JSON, repr)
+        for name in ("k_clip_ratio", "v_clip_ratio"):  # stored as plain floats (JSON, repr)
+            object.__setattr__(self, name, check_clip_ratio(getattr(self, name), name))
         check_quantizer(self.quantizer)
         if not isinstance(self.scale_dtype, str):
             raise ValueError(f"scale_dtype must be a dtype name ('float32', 'float16', 'bfloat16'), got {self.scale_dtype!r}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 
@@ -77,11 +78,11 @@ def check_quantizer(quantizer: str) -> str:
 
 
 def check_clip_ratio(clip_ratio: float, what: str = "clip ratio") -> float:
-    """Return ``clip_ratio`` as float if it lies in ``[0, 1]``; raise ``ValueError`` otherwise."""
-    try:
-        r = float(clip_ratio)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a number in [0, 1] (0 disables clipping), got {clip_ratio!r}") from None
+    """Return ``clip_ratio`` as a plain float if it is a real number (numpy scalars included; not a
+    bool or a string) in ``[0, 1]``; raise ``ValueError`` naming ``what`` otherwise."""
+    if isinstance(clip_ratio, bool) or not isinstance(clip_ratio, numbers.Real):
+        raise ValueError(f"{what} must be a number in [0, 1] (0 disables clipping), got {clip_ratio!r}")
+    r = float(clip_ratio)
     if not (0.0 <= r <= 1.0) or math.isnan(r):
         raise ValueError(f"{what} must be in [0, 1] (0 disables clipping), got {clip_ratio!r}")
     return r
