@@ -7,12 +7,11 @@ Storage per layer (``H`` = local kv heads, ``S = size + page_size`` slots):
   groups; ``v_buffer`` / ``v_pair_buffer`` likewise. Both planes are head-major (``[H, S, ...]``
   memory behind the ``[S, H, ...]`` views of :func:`~.rows.kv_head_major_zeros`): a decode program
   reads one kv head, so consecutive slots of that head are adjacent and a run of slots is read in
-  whole 32-byte sectors, with 8-byte aligned code words (one 36-byte row per (slot, head) would leave
-  them 4-byte aligned); both choices were measured faster at every decode size timed
-  (docs/benchmarks.md#kernel-choices). Every kernel takes the strides of the views. SGLang's
-  slot-row machinery (``move_kv_cache``, CPU offload copies, PD transfer) knows only ``k_buffer`` /
-  ``v_buffer`` and would miss the pair planes: those paths are refused with a message (their
-  features are refused by the plugin anyway).
+  whole 32-byte sectors, with 8-byte aligned code words (faster than interleaved code + pair
+  rows or slot-major rows; docs/kernels.md#pool-planes).
+  Every kernel takes the strides of the views. SGLang's slot-row machinery (``move_kv_cache``, CPU
+  offload copies, PD transfer) knows only ``k_buffer`` / ``v_buffer`` and would miss the pair
+  planes: those paths are refused with a message (their features are refused by the plugin anyway).
 * ``hp_k_buffer[l]`` / ``hp_v_buffer[l]`` ``[R, H, D]`` in the model dtype: the BF16 copies of
   the rotated rows for the sink and recent windows (:class:`~.windows.HPWindows`).
 
