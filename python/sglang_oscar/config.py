@@ -40,10 +40,9 @@ class OscarConfig:
         rotate_engine: how the backend rotates q, the new K/V rows and the output each step:
             ``"triton"`` (default: q, K and V in one launch, ``kernels.rotate.rotate_qkv``, the
             output in a second, ``rotate_heads``) or ``"torch"`` (einsum in fp32, several small
-            kernels per product; same fp32 arithmetic up to the summation order). On the H200 the
-            Triton kernels take a Qwen3-8B layer's four rotations from 38-62 us to 9-15 us per step
-            (docs/benchmarks.md, thirteenth session; four launches of whole rows took 26-28 us and
-            lifted served decode at 32K x 1 from 725 to 883 tok/s, twelfth session).
+            kernels per product; same fp32 arithmetic up to the summation order). The einsum's
+            small launches dominate a batch-1 step: on the H200 the Triton kernels take a Qwen3-8B
+            layer's four rotations from 38-62 us to 9-15 us per step (docs/benchmarks.md#rotations).
     """
 
     group_size: int | None = None

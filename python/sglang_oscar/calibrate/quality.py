@@ -39,9 +39,9 @@ Sequences (:func:`select_prompt_set`): calibration sequences come from ``calib.j
 split), evaluation sequences from ``heldout.jsonl`` (held-out split), each chosen by
 :func:`.prompts.build_per_document_prompt_set`: documents (one per file) in a seeded order, at
 most ``max_seq_per_file`` sequences per file, round robin, shorter files packed together. The
-report records how many distinct files each set covers. ``max_seq_per_file=0`` restores the
-earlier selection (all documents packed in a seeded order and the first tokens used), under
-which a few long files could supply the whole set.
+report records how many distinct files each set covers. ``max_seq_per_file=0`` selects by
+packing instead (all documents packed in a seeded order and the first tokens used), under which a
+few long files can supply the whole set.
 
 Every row carries its true bits per KV element at the evaluation length and at 128K tokens
 (:func:`..quant.bits.bits_per_element`, :func:`..quant.baselines.kivi_bits_per_element`,
@@ -362,7 +362,7 @@ def select_prompt_set(tokenizer, path: str, *, budget: int, seq_len: int, seed: 
         path: the JSONL file, one record ``{"text", "key", "split"}`` per source file.
         budget, seq_len, seed: token budget, tokens per sequence and the shuffle seed.
         max_seq_per_file: at most this many sequences per file, round robin
-            (:func:`.prompts.build_per_document_prompt_set`); ``0``: the earlier selection, all
+            (:func:`.prompts.build_per_document_prompt_set`); ``0``: packed selection, all
             documents packed in a seeded order (:func:`.prompts.build_prompt_set` with ``pack=True``).
         records: the file's records if already read (:func:`read_records`).
 

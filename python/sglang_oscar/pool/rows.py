@@ -3,9 +3,9 @@ on machines without sglang).
 
 The pool keeps, per layer, a code plane ``[slots, kv_heads, D/4]`` uint8 and a pair plane
 ``[slots, kv_heads, 2 * groups]`` in the scale dtype, each stored head-major
-(:func:`kv_head_major_zeros`). :func:`int2_row_views` reads the earlier layout (codes and pairs
-interleaved in one uint8 row per (slot, kv head), allocated by :func:`kv_head_major_zeros` too) for
-tests and benchmarks."""
+(:func:`kv_head_major_zeros`). :func:`int2_row_views` reads the interleaved alternative (codes and
+pairs in one uint8 row per (slot, kv head), allocated by :func:`kv_head_major_zeros` too), which
+tests and the benchmark's ``--pool-layout rows`` compare against (docs/benchmarks.md#kernel-choices)."""
 
 from __future__ import annotations
 
