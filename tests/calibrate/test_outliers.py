@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from _support.orthogonal import random_orthogonal
 from calib_tiny import build_model, make_text
 from sglang_oscar.calibrate.error import functional_error
 from sglang_oscar.calibrate.fit import fit_rotations
@@ -24,16 +25,13 @@ def plant_outliers(model, seed: int = 1234) -> None:
     hkv, hq = model.config.num_key_value_heads, model.config.num_attention_heads
     outl = [5, 37, 69, 100]
 
-    def orth(n):
-        return torch.linalg.qr(torch.randn(n, n, generator=g))[0]
-
     def rows():  # [D, HIDDEN] orthonormal rows
-        return orth(HIDDEN)[:, :D].T
+        return random_orthogonal(HIDDEN, generator=g)[:, :D].T
 
     with torch.no_grad():
         for layer in model.model.layers:
             at = layer.self_attn
-            uk, uq, uv = orth(D), orth(D), orth(D)
+            uk, uq, uv = (random_orthogonal(D, generator=g) for _ in range(3))
             kw, vw, qw = (at.k_proj.weight.view(hkv, D, HIDDEN), at.v_proj.weight.view(hkv, D, HIDDEN),
                           at.q_proj.weight.view(hq, D, HIDDEN))
             for h in range(hkv):

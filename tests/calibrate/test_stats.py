@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from _support.orthogonal import random_orthogonal
 from calib_tiny import build_model, make_text
 from sglang_oscar.calibrate import CalibrationError
 from sglang_oscar.calibrate.capture import attention_override, latent_hooks
@@ -247,7 +248,7 @@ def test_spectrum_of_planted_second_moments():
     hkv, d, g = lg.num_kv_heads, lg.head_dim_k, geo.num_q_heads // lg.num_kv_heads
     n = 200  # few rows, so the isotropic finite-sample value d / (1 + d / rows) differs from d
     torch.manual_seed(0)
-    u = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0]
+    u = random_orthogonal(d, dtype=torch.float64)
     k = (torch.randn(n, hkv, 1, dtype=torch.float64) * u[:, 0]).float()  # every key on one direction
     v = (torch.randn(n, hkv, 1, dtype=torch.float64) * u[:, 1]
          + torch.randn(n, hkv, 1, dtype=torch.float64) * u[:, 2]).float()  # two equal directions

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from _support.processes import pid_alive
 from sglang_oscar.evals.graders import aime, gpqa, humaneval, math500
 from sglang_oscar.evals.graders.common import boxed_contents, response_section
 
@@ -360,17 +361,9 @@ def test_humaneval_forked_setsid_child_neither_hangs_nor_survives(tmp_path):
         if pid_file.exists():  # the fork happened (root ignores RLIMIT_NPROC): it was killed
             pid = int(pid_file.read_text())
             deadline = time.monotonic() + 2
-            while time.monotonic() < deadline and _alive(pid):
+            while time.monotonic() < deadline and pid_alive(pid):
                 time.sleep(0.05)
-            assert not _alive(pid), f"escaped child {pid} survived the grader"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+            assert not pid_alive(pid), f"escaped child {pid} survived the grader"
 
 
 def test_humaneval_demo_block_under_main_guard_does_not_run():

@@ -3,7 +3,6 @@ server script."""
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from _support.processes import pid_alive
+from _support.server_args import oscar_server_parser
 from sglang_oscar.cli.main import main
 from sglang_oscar.evals import launcher
 from sglang_oscar.evals.recipe import load_recipe
@@ -274,16 +275,7 @@ def test_dry_run_prints_shell_quoted_command_with_env(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def sglang_parser():
-    from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.server_args import ServerArgs
-
-    import sglang_oscar.plugin as plugin
-
-    plugin.register()
-    HookRegistry.apply_hooks()
-    parser = argparse.ArgumentParser(allow_abbrev=False)  # full flag names only
-    ServerArgs.add_cli_args(parser)
-    return parser
+    return oscar_server_parser(allow_abbrev=False)  # full flag names only
 
 
 def _repo_recipes() -> list[str]:
@@ -506,20 +498,12 @@ def test_stop_kills_helpers_of_an_exited_server(tmp_path, fake_sglang, monkeypat
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     helper = int(pid_file.read_text())
-    assert _alive(helper)
+    assert pid_alive(helper)
     server.stop(grace=5)
     deadline = time.monotonic() + 5
-    while _alive(helper) and time.monotonic() < deadline:
+    while pid_alive(helper) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(helper), "the server's helper process survived stop()"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not pid_alive(helper), "the server's helper process survived stop()"
 
 
 @pytest.mark.parametrize("args, pattern", [

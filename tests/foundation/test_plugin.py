@@ -3,6 +3,7 @@ import importlib.metadata
 
 import pytest
 
+from _support.server_args import oscar_server_parser
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.plugin import flags
 
@@ -17,7 +18,6 @@ def test_entry_point_is_registered():
 @pytest.fixture(scope="module")
 def sglang_parser():
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.server_args import ServerArgs
 
     import sglang_oscar.plugin as plugin
 
@@ -25,10 +25,8 @@ def sglang_parser():
     plugin.register()  # idempotent
     n_hooks = sum(len(v) for k, v in HookRegistry._hooks.items() if k in plugin.HOOK_TARGETS)
     assert n_hooks == len(plugin.HOOK_TARGETS) + 1  # __post_init__ has a BEFORE and an AFTER hook
-    HookRegistry.apply_hooks()
+    parser = oscar_server_parser()  # registers once more (a no-op) and applies the hooks
     assert set(plugin.HOOK_TARGETS) <= HookRegistry._patched
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
     return parser
 
 

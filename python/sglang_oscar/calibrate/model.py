@@ -149,7 +149,12 @@ def load_model(
         CalibrationError: a config that is not a causal LM, or no tokenizer.
         FileNotFoundError, NotADirectoryError: a local path (absolute, ``./``, ``../``, ``~``) that
             is not a directory (:func:`check_model_path`).
+        ModuleNotFoundError: ``device_map`` without ``accelerate`` (the ``[calibrate]`` extra).
     """
+    if device_map:
+        # transformers needs accelerate for a device map; importing it first makes a missing
+        # [calibrate] extra a ModuleNotFoundError the CLI names, before any weights load.
+        import accelerate  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = check_model_path(path)

