@@ -223,3 +223,28 @@ def test_k_eq_v_layers_need_the_k_rotation():
         RotationSet(k, dict(k), k_mean=means, v_mean={0: torch.zeros(2, 32), 1: torch.ones(1, 64)}).validate(g)
     # the data-free set satisfies it by construction
     RotationSet.data_free(g).validate(g)
+
+
+@pytest.mark.parametrize("center", [False, True])
+def test_fit_gives_k_eq_v_layers_the_k_rotation(center):
+    from sglang_oscar.calibrate.fit import fit_rotations
+    from sglang_oscar.calibrate.stats import CalibrationStats
+    from sglang_oscar.rotation import LayerGeometry
+
+    g = ModelGeometry("toy", 2, 4, (LayerGeometry(0, 2, 16, 16, 8), LayerGeometry(1, 1, 32, 32, k_eq_v=True)))
+    st = CalibrationStats(g)
+    gen = torch.Generator().manual_seed(0)
+    rows = {0: (torch.randn(400, 4, 16, generator=gen), torch.randn(400, 2, 16, generator=gen) * 3,
+                torch.randn(400, 2, 16, generator=gen) + 1),
+            1: (torch.randn(400, 4, 32, generator=gen), torch.randn(400, 1, 32, generator=gen) * 2 + 0.5, None)}
+    for lid, (q, k, v) in rows.items():
+        st.add_pass1(lid, q, k, k if v is None else v)
+    st.passes_done = 1
+    for lid, (q, k, v) in rows.items():
+        st.add_pass2(lid, k, k if v is None else v)
+    st.passes_done = 2
+    rs = fit_rotations(st, "oscar", min_tokens=100, center=center)
+    assert torch.equal(rs.v[1], rs.k[1]) and not torch.equal(rs.v[0], rs.k[0])
+    if center:
+        assert torch.equal(rs.v_mean[1], rs.k_mean[1]) and not torch.equal(rs.v_mean[0], rs.k_mean[0])
+    rs.validate(g)
