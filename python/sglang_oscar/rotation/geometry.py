@@ -39,6 +39,8 @@ class LayerGeometry:
             read from K's codes (rotation ``R_v = R_k``). ``False`` for every config SGLang 0.5.16
             serves: Gemma-4's ``attention_k_eq_v`` layers cache ``v_norm(x W_k)`` next to
             ``RoPE(k_norm(x W_k))`` (``reference/attention.py`` cites the lines), which differ.
+            (A recipe's ``[geometry.full] k_eq_v`` records the config's ``attention_k_eq_v``, i.e.
+            this class's ``v_shares_k_proj``.)
     """
 
     layer_id: int
