@@ -41,7 +41,7 @@ V is read from K's quantized rows, so the value rotation and mean are the key's 
 V comes from the same projection as K, but K is ``RoPE(k_norm(x W_k))`` (scaled RMSNorm, partial
 RoPE) and V is ``v_norm(x W_k)`` (RMSNorm without scale, no RoPE)
 (``sglang/srt/models/gemma4_causal.py:1256-1265`` and ``:1330`` load ``k_proj`` into both the K
-and V shards, ``:346-351`` define ``v_norm`` without scale, ``:432-474`` normalise K with ``k_norm``
+and V shards, ``:349-351`` define ``v_norm`` without scale, ``:432-474`` normalise K with ``k_norm``
 and V with ``v_norm``, ``:492`` ropes K only, ``:500-506`` pass both to the backend; the same in
 transformers ``modeling_gemma4.py:1257-1265``), so they store both.
 """
