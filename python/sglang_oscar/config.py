@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import TYPE_CHECKING
 
 from .quant.int2 import check_clip_ratio, check_quantizer, resolve_group_size, scale_torch_dtype
+
+if TYPE_CHECKING:  # geometry imports quant/packing only, but the config stays import-light
+    from .rotation.geometry import ModelGeometry
 
 DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
@@ -17,6 +21,7 @@ DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 DECODE_ENGINES = ("auto", "triton", "gluon")
 ROTATE_ENGINES = ("triton", "torch")
+SKIP_LAYER_KINDS = ("none", "sliding", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,11 @@ class OscarConfig:
             kernels per product; same fp32 arithmetic up to the summation order). The einsum's
             small launches dominate a batch-1 step: on the H200 the Triton kernels take a Qwen3-8B
             layer's four rotations from 38-62 us to 9-15 us per step (docs/benchmarks.md#rotations).
+        skip_layers: which attention layers keep SGLang's BF16 cache instead of INT2
+            (``--oscar-skip-layers``): ``"none"`` (default, every layer INT2), ``"sliding"`` (the
+            sliding-window layers), ``"full"`` (the full-attention layers) or comma-separated
+            global layer ids; stored normalised (:func:`parse_skip_layers`), resolved against a
+            model by :func:`resolve_skip_layers`.
     """
 
     group_size: int | None = None
@@ -56,8 +66,10 @@ class OscarConfig:
     rotation_v_path: str | None = None
     decode_engine: str = "auto"
     rotate_engine: str = "triton"
+    skip_layers: str = "none"
 
     def __post_init__(self):
+        object.__setattr__(self, "skip_layers", parse_skip_layers(self.skip_layers))
         if self.decode_engine not in DECODE_ENGINES:
             raise ValueError(f"decode_engine must be one of {DECODE_ENGINES}, got {self.decode_engine!r}")
         if self.rotate_engine not in ROTATE_ENGINES:
@@ -94,3 +106,74 @@ class OscarConfig:
             quantizer=self.quantizer,
             scale_dtype=self.scale_dtype,
         )
+
+
+def parse_skip_layers(spec) -> str:
+    """Normalise an ``--oscar-skip-layers`` value: ``"none"``, ``"sliding"``, ``"full"``, or
+    ascending unique layer ids joined by commas (``" 5, 3,5"`` -> ``"3,5"``).
+
+    Args:
+        spec: the flag / recipe / environment value (str; an iterable of ints is accepted too).
+
+    Raises:
+        ValueError: anything else (empty, negative or non-integer ids, a kind mixed with ids).
+    """
+    if not isinstance(spec, str):
+        try:
+            ids = list(spec)
+        except TypeError:
+            ids = None
+        if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"skip_layers must be 'sliding', 'full', 'none' or comma-separated layer ids, got {spec!r}")
+        spec = ",".join(str(int(i)) for i in ids) or "none"
+    text = spec.strip().lower()
+    if text in SKIP_LAYER_KINDS:
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    if not text or not all(p.isdigit() for p in parts):
+        raise ValueError(
+            f"--oscar-skip-layers must be one of {', '.join(SKIP_LAYER_KINDS)} or comma-separated global layer ids "
+            f"(e.g. 0,5,11), got {spec!r}")
+    return ",".join(str(i) for i in sorted({int(p) for p in parts}))
+
+
+def resolve_skip_layers(spec, geometry: ModelGeometry) -> frozenset[int]:
+    """The global ids of the attention layers that stay BF16 for ``--oscar-skip-layers spec``.
+
+    ``"none"`` -> no layer; ``"sliding"`` / ``"full"`` -> every layer of that kind (no layer if
+    the model has none of that kind); ids -> those layers, each of which must be an attention
+    layer of ``geometry``.
+
+    Args:
+        spec: a value :func:`parse_skip_layers` accepts (e.g. ``OscarConfig.skip_layers``).
+        geometry: the model's :class:`~sglang_oscar.rotation.geometry.ModelGeometry`.
+
+    Returns:
+        frozenset of global layer ids.
+
+    Raises:
+        ValueError: a malformed spec, or ids that are not attention layers of the model (the
+            message names them, the model's attention layers and the fix).
+    """
+    spec = parse_skip_layers(spec)
+    if spec == "none":
+        return frozenset()
+    if spec in ("sliding", "full"):
+        return frozenset(layer.layer_id for layer in geometry.layers if layer.kind == spec)
+    ids = [int(i) for i in spec.split(",")]
+    have = set(geometry.layer_ids)
+    bad = [i for i in ids if i not in have]
+    if bad:
+        attn = geometry.layer_ids
+        contiguous = attn == list(range(attn[0], attn[-1] + 1))
+        span = f"{attn[0]}..{attn[-1]}" if contiguous else ", ".join(map(str, attn))
+        kinds = {k: sum(1 for x in geometry.layers if x.kind == k) for k in ("sliding", "full")}
+        mix = f"; {kinds['sliding']} sliding, {kinds['full']} full" if kinds["sliding"] else ""
+        non_attn = [i for i in bad if 0 <= i < geometry.num_hidden_layers]
+        why = (f" (layers {non_attn} have no KV cache: linear-attention/recurrent layers)" if non_attn else "")
+        raise ValueError(
+            f"--oscar-skip-layers names layers {bad} that do not exist as attention layers of this "
+            f"{geometry.model_type} model{why}: its attention layers are {span} "
+            f"({len(attn)} of {geometry.num_hidden_layers} layers{mix}). Fix: list ids from that range, "
+            "or pass sliding, full or none.")
+    return frozenset(ids)

@@ -135,6 +135,11 @@ def fit_rotations(
     means = {lid: stats.means(lid) for lid in geo.layer_ids} if center else {}
     k_mean = {lid: m[0].float() for lid, m in means.items()}
     v_mean = {lid: m[1].float() for lid, m in means.items()}
+    # layers whose cached V is their cached K read V from K's codes: V takes K's mean (and below K's rotation)
+    shared = [layer.layer_id for layer in geo.layers if layer.k_eq_v]
+    for lid in shared:
+        if lid in k_mean:
+            v_mean[lid] = k_mean[lid]
     meta_common = {"method": method, "model_type": geo.model_type, "geometry": geo.to_dict(),
                    "model_fingerprint": fingerprint or stats.fingerprint}
     if fitted or center:
@@ -188,6 +193,8 @@ def fit_rotations(
             v[lid], ve[lid] = rotations_from_covariances(stats.value_covariance(lid), per_head)
         meta = {**meta_common, "objective": "qqt_sst", "composition": "r_h_pbr",
                 "source_grouping": "per_kv_head" if per_head else "layer"}
+    for lid in shared:
+        v[lid], ve[lid] = k[lid], ke[lid]
     rs = RotationSet(k, v, meta, {i: t.float() for i, t in ke.items()}, {i: t.float() for i, t in ve.items()},
                      k_mean=k_mean, v_mean=v_mean)
     rs.validate(geo)

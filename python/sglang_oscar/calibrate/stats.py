@@ -267,7 +267,7 @@ class CalibrationStats:
         """
         from .model import check_same_model
 
-        if geometry.to_dict() == self.geometry.to_dict():
+        if geometry.cache_shapes() == self.geometry.cache_shapes():
             check_same_model(self.fingerprint, fingerprint,
                              f"statistics {self.meta.get('path', '')} (model {self.meta.get('model', {}).get('id', '?')})",
                              what, allow_other_model)

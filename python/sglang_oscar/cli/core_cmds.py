@@ -53,7 +53,11 @@ def _hadamard(args) -> int:
     rs = RotationSet.data_free(geometry, args.method)
     rs.validate(geometry)
     rs.save(args.out)
-    print(f"wrote {args.method} rotations for {len(geometry.layers)} layers of {geometry.model_type} to {args.out}")
+    # one matrix per layer at that layer's head_dim: a two-geometry model (Gemma-4: sliding 256,
+    # full 512) gets both sizes; the summary names each geometry group so the user can see it
+    groups = "; ".join(g.describe() for g in geometry.groups())
+    print(f"wrote {args.method} rotations for {len(geometry.layers)} layers of {geometry.model_type} to {args.out} "
+          f"({groups})")
     return 0
 
 

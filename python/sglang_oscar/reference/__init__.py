@@ -11,5 +11,6 @@ from .attention import (
     relative_error_db,
     rotate_rows,
 )
+from .masks import visible_mask
 
 __all__ = [name for name in dir() if not name.startswith("_")]

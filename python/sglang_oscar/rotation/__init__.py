@@ -10,7 +10,7 @@ from .fit import (
     score_weighted_value_covariance,
     value_weighted_sums,
 )
-from .geometry import LayerGeometry, ModelGeometry
+from .geometry import GeometryGroup, LayerGeometry, ModelGeometry
 from .hadamard import (
     bit_reversal_permutation,
     block_hadamard,

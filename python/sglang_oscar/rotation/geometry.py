@@ -22,15 +22,77 @@ _LINEAR = {"linear_attention", "mamba", "gated_deltanet", "kda", "conv"}
 
 @dataclasses.dataclass(frozen=True)
 class LayerGeometry:
-    """One attention layer: global ``layer_id``, total ``num_kv_heads`` (before TP sharding),
-    ``head_dim_k``/``head_dim_v`` (elements), and ``sliding_window`` (keys attended,
-    including the query's own position; ``None`` for full attention)."""
+    """One attention layer, as the INT2 pool and backend need it.
+
+    Attributes:
+        layer_id: global layer index.
+        num_kv_heads: total kv heads (before TP sharding).
+        head_dim_k, head_dim_v: elements per cached K / V row.
+        sliding_window: keys attended including the query's own position (HF ``sliding_window``;
+            SGLang's ``sliding_window_size`` is this minus one, ``reference/masks.py``), or
+            ``None`` for full attention.
+        has_sinks: the layer has learned attention-sink logits (GPT-OSS ``sinks``), which the
+            backend adds to the softmax denominator.
+        v_shares_k_proj: V is computed from K's projection (Gemma-4 ``attention_k_eq_v``: no
+            ``v_proj`` weights). Says nothing about the cache: see ``k_eq_v``.
+        k_eq_v: the cached V is the cached K bit for bit, so the cache stores one tensor and V is
+            read from K's codes (rotation ``R_v = R_k``). ``False`` for every config SGLang 0.5.16
+            serves: Gemma-4's ``attention_k_eq_v`` layers cache ``v_norm(x W_k)`` next to
+            ``RoPE(k_norm(x W_k))`` (``reference/attention.py`` cites the lines), which differ.
+            (A recipe's ``[geometry.full] k_eq_v`` records the config's ``attention_k_eq_v``, i.e.
+            this class's ``v_shares_k_proj``.)
+    """
 
     layer_id: int
     num_kv_heads: int
     head_dim_k: int
     head_dim_v: int
     sliding_window: int | None = None
+    has_sinks: bool = False
+    v_shares_k_proj: bool = False
+    k_eq_v: bool = False
+
+    @property
+    def kind(self) -> str:
+        """``"sliding"`` (a sliding window is set) or ``"full"``."""
+        return "full" if self.sliding_window is None else "sliding"
+
+    @property
+    def group_key(self) -> tuple[str, int, int, int, bool]:
+        """``(kind, num_kv_heads, head_dim_k, head_dim_v, k_eq_v)``: layers with equal keys share
+        one INT2 pool (same row layout; the window is the backend's and the allocator's)."""
+        return (self.kind, self.num_kv_heads, self.head_dim_k, self.head_dim_v, self.k_eq_v)
+
+
+@dataclasses.dataclass(frozen=True)
+class GeometryGroup:
+    """Layers sharing one cache geometry (:attr:`LayerGeometry.group_key`): one INT2 pool.
+
+    Attributes:
+        kind: ``"sliding"`` or ``"full"``.
+        num_kv_heads, head_dim_k, head_dim_v, k_eq_v: as in :class:`LayerGeometry`.
+        sliding_windows: the distinct windows of the group's layers (empty for full layers).
+        layer_ids: global ids of the group's layers, ascending.
+    """
+
+    kind: str
+    num_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    k_eq_v: bool
+    sliding_windows: tuple[int, ...]
+    layer_ids: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, int, int, int, bool]:
+        return (self.kind, self.num_kv_heads, self.head_dim_k, self.head_dim_v, self.k_eq_v)
+
+    def describe(self) -> str:
+        """One line for logs and errors, e.g. ``sliding (window 1024): 40 layers x 8 kv heads x D 256/256``."""
+        win = f" (window {'/'.join(map(str, self.sliding_windows))})" if self.sliding_windows else ""
+        kv = ", K shared as V" if self.k_eq_v else ""
+        return (f"{self.kind}{win}: {len(self.layer_ids)} layers x {self.num_kv_heads} kv heads x "
+                f"D {self.head_dim_k}/{self.head_dim_v}{kv}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +126,40 @@ class ModelGeometry:
                 return layer
         raise KeyError(f"layer {layer_id} is not an attention layer of this {self.model_type} model")
 
+    def groups(self) -> tuple[GeometryGroup, ...]:
+        """Layers grouped by cache geometry (:attr:`LayerGeometry.group_key`), one INT2 pool each,
+        ordered by their first layer. A uniform model has one group; Gemma-4-12B two (sliding
+        8 x 256, full 1 x 512)."""
+        by_key: dict[tuple, list[LayerGeometry]] = {}
+        for layer in self.layers:
+            by_key.setdefault(layer.group_key, []).append(layer)
+        return tuple(
+            GeometryGroup(*key, tuple(sorted({x.sliding_window for x in ls if x.sliding_window is not None})),
+                          tuple(x.layer_id for x in ls))
+            for key, ls in by_key.items()
+        )
+
+    def group_of(self, layer_id: int) -> GeometryGroup:
+        """The :class:`GeometryGroup` holding ``layer_id``.
+
+        Raises:
+            KeyError: not an attention layer of this model.
+        """
+        key = self.layer(layer_id).group_key
+        return next(g for g in self.groups() if g.key == key)
+
+    @property
+    def has_sliding(self) -> bool:
+        return any(layer.kind == "sliding" for layer in self.layers)
+
+    def cache_shapes(self) -> tuple:
+        """What calibration statistics depend on: model-level sizes and per layer (id, kv heads,
+        head dims, window); the flags added later (sinks, K/V sharing) are left out so files
+        written before them still match."""
+        return (self.model_type, self.num_hidden_layers, self.num_q_heads, self.attention_kind, self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                tuple((x.layer_id, x.num_kv_heads, x.head_dim_k, x.head_dim_v, x.sliding_window) for x in self.layers))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -78,10 +174,19 @@ class ModelGeometry:
         """Geometry from a HF config: ``PretrainedConfig``, dict, ``config.json`` path or model dir.
 
         Handles MHA/GQA decoders (Llama, Qwen2/3, Qwen3-MoE, Mistral, MiniMax), sliding/full
-        layer mixes (Gemma-3/4: ``layer_types``, ``sliding_window``, Gemma-4
-        ``global_head_dim`` / ``num_global_key_value_heads``), hybrids with linear-attention
-        layers (skipped), and MLA configs (``kv_lora_rank``; attention_kind ``"mla"``).
-        Multimodal configs are read through their ``text_config``.
+        layer mixes (Gemma-3/4, GPT-OSS: ``layer_types``, ``sliding_window``), hybrids with
+        linear-attention layers (skipped), and MLA configs (``kv_lora_rank``; attention_kind
+        ``"mla"``). Multimodal configs are read through their ``text_config``.
+
+        Gemma-4 (HF names: base keys for the sliding layers, ``global_*`` for the full ones):
+        full layers get ``global_head_dim`` and, when set, ``num_global_key_value_heads`` -- as
+        SGLang 0.5.16 remaps them (``sglang/srt/utils/hf_transformers/config.py:159-185``: base =
+        full, ``swa_*`` = sliding; transformers uses the global kv heads only with
+        ``attention_k_eq_v``, which every released config sets together); ``attention_k_eq_v``
+        marks the full layers ``v_shares_k_proj`` (not ``k_eq_v``: their cached V differs from K).
+        Attention sinks: every layer of ``gpt_oss`` (SGLang ``model_config.py``
+        ``_detect_attention_sinks``: GPT-OSS always creates them, ``models/gpt_oss.py:391``), and
+        MiMo-V2's ``add_swa_attention_sink_bias`` / ``add_full_attention_sink_bias`` per kind.
 
         Raises:
             ValueError: the config has no attention layers or lacks head counts.
@@ -127,17 +232,23 @@ class ModelGeometry:
 
         global_dim = cfg.get("global_head_dim") or head_dim
         global_kv = cfg.get("num_global_key_value_heads") or n_kv
+        sinks_everywhere = model_type == "gpt_oss"
+        sinks_sliding = sinks_everywhere or bool(cfg.get("add_swa_attention_sink_bias"))
+        sinks_full = sinks_everywhere or bool(cfg.get("add_full_attention_sink_bias"))
         layers = []
         for i, t in enumerate(types):
             if t in _LINEAR:
                 continue
             if t in _SLIDING and sliding_window:
-                layers.append(LayerGeometry(i, n_kv, int(head_dim), int(cfg.get("v_head_dim") or head_dim), int(sliding_window)))
+                layers.append(LayerGeometry(i, n_kv, int(head_dim), int(cfg.get("v_head_dim") or head_dim), int(sliding_window),
+                                            has_sinks=sinks_sliding))
             elif t in _FULL or t in _SLIDING:
                 is_global = t in _FULL and "global_head_dim" in cfg
                 d = int(global_dim if is_global else head_dim)
                 kv = int(global_kv if is_global else n_kv)
-                layers.append(LayerGeometry(i, kv, d, d if is_global else int(cfg.get("v_head_dim") or d)))
+                layers.append(LayerGeometry(i, kv, d, d if is_global else int(cfg.get("v_head_dim") or d),
+                                            has_sinks=sinks_full,
+                                            v_shares_k_proj=bool(is_global and cfg.get("attention_k_eq_v"))))
             else:
                 raise ValueError(f"layer {i} has unknown layer type {t!r} in model_type {model_type!r}")
         if not layers:

@@ -226,15 +226,26 @@ class RotationSet:
                                    v_mean=sl(self.v_mean))
 
     # ------------------------------------------------------------------ checks
-    def validate(self, geometry: ModelGeometry, ortho_tol: float = DEFAULT_ORTHO_TOL) -> None:
-        """Check this set against a model's attention geometry.
+    def validate(self, geometry: ModelGeometry, ortho_tol: float = DEFAULT_ORTHO_TOL, *,
+                 skip_layers=frozenset()) -> None:
+        """Check this set against a model's attention geometry (the launch preflight).
 
-        Checks: exactly the model's attention layer ids; per layer K ``[D_k, D_k]`` /
-        ``[H_kv, D_k, D_k]`` and V likewise with ``D_v`` and the layer's total kv heads; centering
-        means ``[H_kv, D]``; finite entries; ``max |R R^T - I| <= ortho_tol``.
+        Checks, over the layers that are quantized (the model's attention layers minus
+        ``skip_layers``): every such layer has K and V rotations, and no layer outside the model
+        does; per layer, in layer order, K ``[D_k, D_k]`` / ``[H_kv, D_k, D_k]`` and V likewise
+        with ``D_v`` and the layer's total kv heads (each layer its own geometry: Gemma-4's
+        sliding layers 256, its full layers 512); centering means ``[H_kv, D]``; for layers
+        whose cached V is their cached K (``k_eq_v``) ``R_v = R_k`` and ``mean_v = mean_k``
+        (V is read from K's codes); finite entries; ``max |R R^T - I| <= ortho_tol``. Skipped
+        layers keep BF16 and need no rotation (an entry for one is ignored).
+
+        Args:
+            geometry: the model's :class:`ModelGeometry`.
+            ortho_tol: orthogonality tolerance.
+            skip_layers: global ids of BF16 layers (:func:`sglang_oscar.config.resolve_skip_layers`).
 
         Raises:
-            RotationError: naming the file, the layer and the fix.
+            RotationError: naming the file, the first bad layer, expected vs found, and the fix.
             ValueError: ``ortho_tol`` not a finite number in ``(0, 1]``.
         """
         if not (0.0 < float(ortho_tol) <= 1.0):
@@ -245,29 +256,39 @@ class RotationSet:
                 "attention; K/V rotation files apply to MHA/GQA models only. MLA models use latent rotations "
                 "(`sglang-oscar fit` writes them from MLA statistics; see docs/calibration.md)"
             )
-        want = geometry.layer_ids
+        skip = frozenset(int(i) for i in skip_layers)
+        layers = [layer for layer in geometry.layers if layer.layer_id not in skip]
+        want = [layer.layer_id for layer in layers]
+        fix = ("Write a data-free file for this model with `sglang-oscar hadamard --config CONFIG.json --out "
+               "FILE.safetensors`, or recalibrate and refit it (`sglang-oscar calibrate`, then `fit`) for this model.")
         for which, store in (("K", self.k), ("V", self.v)):
             missing = sorted(set(want) - set(store))
-            extra = sorted(set(store) - set(want))
+            extra = sorted(set(store) - set(geometry.layer_ids))
             if missing or extra:
                 raise RotationError(
                     f"{self.source}: {which} rotations cover layers {_ids(store)} but the model "
-                    f"({geometry.model_type}, {len(want)} attention layers) has {_ids(want)}"
+                    f"({geometry.model_type}, {len(geometry.layer_ids)} attention layers) quantizes {_ids(want)}"
+                    + (f" ({len(skip)} skipped)" if skip else "")
                     + (f"; missing {_ids(missing)}" if missing else "")
                     + (f"; unexpected {_ids(extra)}" if extra else "")
-                    + ". This file was fitted for another model: refit it with `sglang-oscar fit` "
-                    "or generate a data-free one with `sglang-oscar hadamard --config CONFIG.json`."
+                    + ". This file was fitted for another model. " + fix
                 )
-        for layer in geometry.layers:
+        groups = [g for g in geometry.groups() if set(g.layer_ids) - skip]
+        shapes_note = ""
+        if len({(g.head_dim_k, g.head_dim_v, g.num_kv_heads) for g in groups}) > 1:
+            shapes_note = (" This model has more than one layer geometry (" + "; ".join(
+                f"{g.kind} layers {_ids(g.layer_ids)}: {g.num_kv_heads} kv heads x head_dim {g.head_dim_k}"
+                for g in groups) + "), so its file needs each layer's own head_dim.")
+        for layer in layers:
             for which, store, d in (("K", self.k, layer.head_dim_k), ("V", self.v, layer.head_dim_v)):
                 r = store[layer.layer_id]
                 ok_shapes = [(d, d), (layer.num_kv_heads, d, d)]
                 if tuple(r.shape) not in ok_shapes:
                     raise RotationError(
-                        f"{self.source}: layer {layer.layer_id} {which} rotation has shape {tuple(r.shape)}, "
-                        f"expected {ok_shapes[0]} (per layer) or {ok_shapes[1]} (per kv head) for head_dim "
-                        f"{d} and {layer.num_kv_heads} kv heads. The file belongs to another model or "
-                        "geometry: refit it for this model."
+                        f"{self.source}: layer {layer.layer_id} ({layer.kind}) {which} rotation has shape "
+                        f"{tuple(r.shape)}, expected {ok_shapes[0]} (per layer) or {ok_shapes[1]} (per kv head) for "
+                        f"head_dim {d} and {layer.num_kv_heads} kv heads. The file belongs to another model or "
+                        f"geometry.{shapes_note} {fix}"
                     )
             for which, store, d in (("K", self.k_mean, layer.head_dim_k), ("V", self.v_mean, layer.head_dim_v)):
                 m = store.get(layer.layer_id)
@@ -275,7 +296,20 @@ class RotationSet:
                     raise RotationError(
                         f"{self.source}: layer {layer.layer_id} {which} mean has shape {tuple(m.shape)}, expected "
                         f"({layer.num_kv_heads}, {d}) for {layer.num_kv_heads} kv heads of head_dim {d}: the file "
-                        "belongs to another model; refit it for this model."
+                        f"belongs to another model. {fix}"
+                    )
+            if layer.k_eq_v:
+                # one stored tensor: V is read from K's rotated (and centred) codes
+                i = layer.layer_id
+                km, vm = self.k_mean.get(i), self.v_mean.get(i)
+                same_mean = (km is None and vm is None) or (km is not None and vm is not None and torch.equal(km, vm))
+                if not torch.equal(self.k[i], self.v[i]) or not same_mean:
+                    raise RotationError(
+                        f"{self.source}: layer {i} caches V as its K rows (K shared as V), so V is read from K's "
+                        "codes and needs the K rotation and mean (R_v = R_k, mean_v = mean_k), but this file's "
+                        f"V {'rotation' if not torch.equal(self.k[i], self.v[i]) else 'mean'} differs. Refit with "
+                        "the model's geometry (fit uses R_k for such layers) or write a data-free file with "
+                        "`sglang-oscar hadamard --config CONFIG.json --out FILE.safetensors`."
                     )
         self.check_matrices(ortho_tol)
 
