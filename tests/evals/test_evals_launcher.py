@@ -287,7 +287,7 @@ def sglang_parser():
 
 
 def _repo_recipes() -> list[str]:
-    return sorted(glob.glob(str(REPO / "rotation" / "*" / "recipe.toml")))
+    return sorted(glob.glob(str(REPO / "recipes" / "*" / "recipe.toml")))
 
 
 def _check_parses(parser, recipe_path: Path, capsys, extra: list[str] = ()) -> int:

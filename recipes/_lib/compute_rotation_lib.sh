@@ -4,15 +4,15 @@
 # the exact argv of each step, which is printed (shell-quoted) and then executed.
 set -euo pipefail
 
-# Shared body of rotation/<model>/compute_rotation.sh; the wrapper passes its own folder first.
+# Shared body of recipes/<model>/compute_rotation.sh; the wrapper passes its own folder first.
 if (($# < 1)) || [[ ! -f "$1/recipe.toml" ]]; then
-  echo "compute_rotation_lib.sh: the first argument must be a rotation/<model> folder holding recipe.toml" >&2
+  echo "compute_rotation_lib.sh: the first argument must be a recipes/<model> folder holding recipe.toml" >&2
   exit 2
 fi
 HERE="$(cd "$1" && pwd)"
 shift
 NAME="$(basename "$HERE")"
-RECIPE="rotation/$NAME/recipe.toml"
+RECIPE="recipes/$NAME/recipe.toml"
 
 # User paths are taken relative to the directory the script is called from; the steps run from
 # the repository root, so they are made absolute first: an existing --model/--data path (a Hub
@@ -26,7 +26,7 @@ abs_path() {
 
 usage() {
   cat <<USAGE
-Usage: rotation/$NAME/compute_rotation.sh [--model PATH] [--data SOURCE] [--out-dir DIR] [--dry-run] [--help] [-- CALIBRATE_ARGS...]
+Usage: recipes/$NAME/compute_rotation.sh [--model PATH] [--data SOURCE] [--out-dir DIR] [--dry-run] [--help] [-- CALIBRATE_ARGS...]
 
 Runs, from the repository root, with the settings of $RECIPE:
   1. sglang-oscar calibrate  (post-RoPE Q/K/V statistics, fp64, resumable; skipped for data-free methods)
@@ -36,7 +36,7 @@ Runs, from the repository root, with the settings of $RECIPE:
   --model PATH     local checkpoint directory (default: the recipe's hf_id)
   --data SOURCE    calibration prompts: text/JSONL file, task:<name> or a datasets name
                    (default: the recipe's calib_data)
-  --out-dir DIR    write statistics and rotation under DIR instead of rotation/$NAME
+  --out-dir DIR    write statistics and rotation under DIR instead of recipes/$NAME
   --dry-run        print the exact commands and exit
   -- ARGS          extra arguments for the calibrate step (e.g. -- --batch-size 4 --dtype bfloat16);
                    paths among them are read from the repository root

@@ -4,20 +4,20 @@
 set -euo pipefail
 
 CALLER="$PWD"  # relative --out / --data-file paths are the caller's, not the repository's
-# Shared body of rotation/<model>/eval_gpqa.sh; the wrapper passes its own folder first.
+# Shared body of recipes/<model>/eval_gpqa.sh; the wrapper passes its own folder first.
 if (($# < 1)) || [[ ! -f "$1/recipe.toml" ]]; then
-  echo "eval_gpqa_lib.sh: the first argument must be a rotation/<model> folder holding recipe.toml" >&2
+  echo "eval_gpqa_lib.sh: the first argument must be a recipes/<model> folder holding recipe.toml" >&2
   exit 2
 fi
 HERE="$(cd "$1" && pwd)"
 shift
 NAME="$(basename "$HERE")"
 cd "$HERE/../.."
-RECIPE="rotation/$NAME/recipe.toml"
+RECIPE="recipes/$NAME/recipe.toml"
 
 usage() {
   cat <<USAGE
-Usage: rotation/$NAME/eval_gpqa.sh [--dry-run] [--help] [-- EVAL_RECIPE_ARGS...]
+Usage: recipes/$NAME/eval_gpqa.sh [--dry-run] [--help] [-- EVAL_RECIPE_ARGS...]
 
 Runs, from the repository root:
   sglang-oscar eval-recipe --recipe $RECIPE [EVAL_RECIPE_ARGS...]
