@@ -1,4 +1,4 @@
-"""Served accuracy of a trained checkpoint (issue 7, served part; issue 4's oracle check on a trained model).
+"""Served accuracy of a trained checkpoint: int2 and BF16 servers against the PyTorch oracle and model.
 
 Serves the checkpoint written by ``scripts/train_small_lm.py`` twice -- BF16 and
 ``--kv-cache-dtype int2 --oscar-rotation ROT`` (an OSCAR per-layer rotation fitted here on the
@@ -17,8 +17,9 @@ The held-out sequences (seed 1), the greedy prompts (seed 2) and the calibration
 files packed together (``sglang_oscar.calibrate.quality.select_prompt_set``; ``0`` restores the
 earlier packing of all documents). The JSON and the table record how many files each set covers.
 
-Usage (GPU box with sglang 0.5.16 + this plugin; ``scripts/device_env.sh`` sets that up):
-    python scripts/served_quality.py --model CKPT --out DIR [--rotation FILE] [--seqs 8] [--seq-len 1024]
+Usage (GPU box with sglang 0.5.16 + this plugin; ``source device/env.sh`` sets that up; the
+servers run through the e2e harness's :class:`~.servers.Server`):
+    python -m tests.e2e.served_quality --model CKPT --out DIR [--rotation FILE] [--seqs 8] [--seq-len 1024]
 Writes ``served_quality.json`` and ``served_quality.md`` to ``--out``; prints the table.
 """
 
@@ -31,10 +32,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-import gpu_e2e as E  # noqa: E402  (server launch / request helpers of the e2e harness)
+from .checkpoints import load_hf
+from .client import generate_payload, parse_generation
+from .oracle import teacher_forced_logprobs
+from .servers import Server, ServerSpec
 
 
 def _prompt_set(tok, path: str, budget: int, seq_len: int, seed: int, max_seq_per_file: int = 1):
@@ -62,7 +63,7 @@ def _ppl(lps) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.e2e.served_quality", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/served_quality"))
     ap.add_argument("--rotation", default=None, help="rotation file (default: fit OSCAR per layer on calib.jsonl)")
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     _, tok = load_model(args.model, device="cpu")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # fp32 LM head on both sides (the servers get --enable-fp32-lm-head)
-    model = E.load_hf(args.model, device, fp32_head=True)
+    model = load_hf(args.model, device, fp32_head=True)
     heldout = _prompt_set(tok, os.path.join(args.model, "heldout.jsonl"), args.seqs * args.seq_len, args.seq_len, 1,
                           args.max_seq_per_file)
     seqs = [list(s) for s in heldout.sequences][: args.seqs]
@@ -112,8 +113,8 @@ def main(argv=None) -> int:
         rs.save(args.rotation)
     rs = RotationSet.load(args.rotation)
     cfg = OscarConfig(sink_tokens=args.sink, recent_tokens=args.recent)
-    ref_bf16 = E.teacher_forced_logprobs(model, seqs)
-    ref_int2 = E.teacher_forced_logprobs(model, seqs, rotation=rs, config=cfg)
+    ref_bf16 = teacher_forced_logprobs(model, seqs)
+    ref_int2 = teacher_forced_logprobs(model, seqs, rotation=rs, config=cfg)
     rep = {"model": args.model, "rotation": args.rotation, "sink": args.sink, "recent": args.recent,
            "sequences": len(seqs), "seq_len": args.seq_len, "max_seq_per_file": args.max_seq_per_file,
            "heldout_files": _files(heldout, args.seqs), "calib_files": calib_files,
@@ -124,13 +125,13 @@ def main(argv=None) -> int:
     if not args.no_server:
         common = ["--enable-fp32-lm-head", "--disable-prefill-cuda-graph", "--oscar-sink-tokens"]
         specs = [
-            E.ServerSpec("served-bf16", "trained", ["--enable-fp32-lm-head", "--disable-prefill-cuda-graph"], "q",
+            ServerSpec("served-bf16", "trained", ["--enable-fp32-lm-head", "--disable-prefill-cuda-graph"], "q",
                          mem_fraction=args.mem_fraction, pool_tokens=65536, port=args.base_port),
-            E.ServerSpec("served-int2", "trained", ["--kv-cache-dtype", "int2", "--oscar-rotation", args.rotation,
+            ServerSpec("served-int2", "trained", ["--kv-cache-dtype", "int2", "--oscar-rotation", args.rotation,
                                                     *common, str(args.sink), "--oscar-recent-tokens", str(args.recent)],
                          "q", mem_fraction=args.mem_fraction, pool_tokens=65536, port=args.base_port + 10),
         ]
-        servers = [E.Server(s, args.model, args.out, sys.executable) for s in specs]
+        servers = [Server(s, args.model, args.out, sys.executable) for s in specs]
         try:
             for s in servers:
                 s.start()
@@ -141,13 +142,13 @@ def main(argv=None) -> int:
             for s in servers:
                 lps = []
                 for q in seqs:
-                    g = E.parse_generation(s.generate(E.generate_payload(q, 1, input_logprobs=True, top_logprobs=0)))
+                    g = parse_generation(s.generate(generate_payload(q, 1, input_logprobs=True, top_logprobs=0)))
                     lps.append(g["input_logprobs"])
                 served[s.spec.name] = lps
             prompt_set = _prompt_set(tok, os.path.join(args.model, "heldout.jsonl"), args.prompts * args.prompt_len,
                                      args.prompt_len, 2, args.max_seq_per_file)
             prompts = [q[: args.prompt_len] for q in prompt_set.sequences][: args.prompts]
-            outs = {s.spec.name: [E.parse_generation(s.generate(E.generate_payload(p, args.new_tokens, top_logprobs=0)))
+            outs = {s.spec.name: [parse_generation(s.generate(generate_payload(p, args.new_tokens, top_logprobs=0)))
                                   ["tokens"] for p in prompts] for s in servers}
         finally:
             for s in servers:
