@@ -5,14 +5,9 @@
 set -euo pipefail
 
 # Shared body of recipes/<model>/compute_rotation.sh; the wrapper passes its own folder first.
-if (($# < 1)) || [[ ! -f "$1/recipe.toml" ]]; then
-  echo "compute_rotation_lib.sh: the first argument must be a recipes/<model> folder holding recipe.toml" >&2
-  exit 2
-fi
-HERE="$(cd "$1" && pwd)"
+# shellcheck source=recipe_folder.sh
+source "$(dirname "${BASH_SOURCE[0]}")/recipe_folder.sh" compute_rotation_lib.sh "${1:-}"
 shift
-NAME="$(basename "$HERE")"
-RECIPE="recipes/$NAME/recipe.toml"
 
 # User paths are taken relative to the directory the script is called from; the steps run from
 # the repository root, so they are made absolute first: an existing --model/--data path (a Hub

@@ -5,15 +5,10 @@ set -euo pipefail
 
 CALLER="$PWD"  # relative --out / --data-file paths are the caller's, not the repository's
 # Shared body of recipes/<model>/eval_gpqa.sh; the wrapper passes its own folder first.
-if (($# < 1)) || [[ ! -f "$1/recipe.toml" ]]; then
-  echo "eval_gpqa_lib.sh: the first argument must be a recipes/<model> folder holding recipe.toml" >&2
-  exit 2
-fi
-HERE="$(cd "$1" && pwd)"
+# shellcheck source=recipe_folder.sh
+source "$(dirname "${BASH_SOURCE[0]}")/recipe_folder.sh" eval_gpqa_lib.sh "${1:-}"
 shift
-NAME="$(basename "$HERE")"
 cd "$HERE/../.."
-RECIPE="recipes/$NAME/recipe.toml"
 
 usage() {
   cat <<USAGE
