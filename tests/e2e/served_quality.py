@@ -67,20 +67,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/served_quality"))
     ap.add_argument("--rotation", default=None, help="rotation file (default: fit OSCAR per layer on calib.jsonl)")
-    ap.add_argument("--seqs", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--calib-tokens", type=int, default=32768)
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--prompt-len", type=int, default=512)
+    counts = {"--seqs": 8, "--seq-len": 1024, "--calib-tokens": 32768, "--prompts": 20, "--prompt-len": 512,
+              "--new-tokens": 32, "--sink": 64, "--recent": 256, "--base-port": 32000}
+    for flag, default in counts.items():
+        ap.add_argument(flag, type=int, default=default, help=f"(default {default})")
     ap.add_argument("--max-seq-per-file", type=int, default=1,
                     help="at most this many sequences (and greedy prompts) per file, round robin over the files in a "
                          "seeded order; shorter files are packed together (default 1; 0: pack all documents in a "
                          "seeded order, the selection before this option)")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--sink", type=int, default=64)
-    ap.add_argument("--recent", type=int, default=256)
     ap.add_argument("--mem-fraction", type=float, default=0.35)
-    ap.add_argument("--base-port", type=int, default=32000)
     ap.add_argument("--no-server", action="store_true", help="PyTorch side only (CPU tests)")
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
