@@ -11,7 +11,7 @@
 #            TESTS_K adds `-k "$TESTS_K"`; TESTS_TIMEOUT (default 300) bounds each file.
 #   bench    python -m benchmarks.bench_decode --no-sweep --pool-layout served ($OUT/bench_decode.md, .json)
 #   tunings  the every-tuning decode test (-k every_tuning, ~90-100 s per parameter set)
-#   matrix   decode correctness per head_dim x tuning vs the oracle (benchmarks.decode_matrix, ~3 min)
+#   matrix   decode correctness per head_dim x tuning vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
 #   sweep    tunings x split counts (benchmarks.sweep_decode; SWEEP_CONTEXTS, SWEEP_BATCHES, SWEEP_WAVES, SWEEP_GRID)
 #   step     one layer's served decode step (benchmarks.bench_step; STEP_CONTEXTS, STEP_BATCHES, STEP_BLOCK_N)
 #   profile  device time per kernel of a decode call (benchmarks.profile_decode, ~40 s)
@@ -71,7 +71,7 @@ for s in "${steps[@]}"; do
         > "$OUT/gpu_tunings.log" 2>&1 || rc=1
       grep -E "(PASSED|FAILED|ERROR)( |$)" "$OUT/gpu_tunings.log" | sed 's/.*:://' | head; tail -1 "$OUT/gpu_tunings.log";;
     matrix)
-      timeout 260 python -m benchmarks.decode_matrix --json "$OUT/matrix.json" > "$OUT/matrix.txt" 2>&1 || rc=1
+      timeout 260 python tests/kernels/decode_matrix.py --json "$OUT/matrix.json" > "$OUT/matrix.txt" 2>&1 || rc=1
       grep -E "BAD|ERROR|cases" "$OUT/matrix.txt" | head -20;;
     sweep)
       timeout 200 python -m benchmarks.sweep_decode --contexts "${SWEEP_CONTEXTS:-4096,32768,131072}" \
