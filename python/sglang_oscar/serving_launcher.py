@@ -148,7 +148,7 @@ class ServerProcess:
         env.update(self.env)
         out = None  # inherit the terminal
         if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
             self._log_fh = open(self.log_path, "wb" if self.log_header is not None else "ab")
             if self.log_header is not None:
                 self._log_fh.write((self.log_header.rstrip("\n") + "\n").encode())

@@ -174,3 +174,29 @@ def test_smoke_servers_and_agreement():
     assert argv[argv.index("--oscar-sink-tokens") + 1] == "16" and argv[argv.index("--oscar-recent-tokens") + 1] == "32"
     assert smoke.server_argv("/m", 1, smoke.SERVERS["bf16"])[-2:] == ["--kv-cache-dtype", "auto"]
     assert smoke.agreement([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == 0.75
+
+
+def test_server_start_log_and_exit_of_a_failing_launch(tmp_path):
+    """A launch that fails at once (a stand-in interpreter): the log starts with the command line,
+    the exit is time-stamped, and the error names the exit code and the log's last error line."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\necho 'starting'\necho 'ValueError: --kv-cache-quant-group-size 48 is not supported'\nexit 3\n")
+    fake.chmod(0o755)
+    spec = servers.ServerSpec("bad", "qwen3", ["--kv-cache-dtype", "int2"], "i", port=_free_port(), mem_fraction=0.4,
+                              env={"SGLANG_PLUGINS": "x"})
+    srv = servers.Server(spec, "/m", str(tmp_path / "logs"), str(fake)).start()
+    assert srv.wait_healthy(30.0) is False
+    assert srv.error == "exited with code 3: ValueError: --kv-cache-quant-group-size 48 is not supported"
+    assert srv.wait_exit(30.0) == 3 and srv.t_exit is not None and srv.t_exit >= srv.t_start
+    log = srv.log_text().splitlines()
+    assert log[0].startswith("$ SGLANG_PLUGINS=x ") and shlex.split(log[0])[2:5] == [str(fake), "-m", "sglang.launch_server"]
+    assert log[1:] == ["starting", "ValueError: --kv-cache-quant-group-size 48 is not supported"]
+    assert srv.stop() == 3 and not srv.alive()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
