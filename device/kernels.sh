@@ -8,7 +8,8 @@
 #            suite needs more than one 600 s device call: split it, e.g.
 #              bash device/kernels.sh tests test_decode.py        # call 1
 #              FILES="test_write.py test_extend.py" bash device/kernels.sh tests bench   # call 2
-#            TESTS_K adds `-k "$TESTS_K"`; TESTS_TIMEOUT (default 300) bounds each file.
+#            TESTS_K is the -k filter (default "not every_tuning": that test is the tunings step; TESTS_K=""
+#            runs everything); TESTS_TIMEOUT (default 300) bounds each file.
 #   bench    python -m benchmarks.bench_decode --no-sweep --pool-layout served ($OUT/bench_decode.md, .json)
 #   tunings  the every-tuning decode test (-k every_tuning, ~90-100 s per parameter set)
 #   matrix   decode correctness per head_dim x tuning vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
@@ -51,7 +52,7 @@ for s in "${steps[@]}"; do
       for f in "${files[@]}"; do
         [ -f "$f" ] || { echo "no such test file: $f"; rc=1; continue; }
         name="${f##*/}"; log="$OUT/gpu_${name%.py}.log"
-        k=(); [ -n "${TESTS_K:-}" ] && k=(-k "$TESTS_K")
+        k=(); [ -n "${TESTS_K-not every_tuning}" ] && k=(-k "${TESTS_K-not every_tuning}")
         # -rf: the failures' names at the end; a timeout still leaves the passed dots in the log
         timeout "${TESTS_TIMEOUT:-300}" python -m pytest -q -rf --tb=short -m gpu "$f" "${k[@]}" \
           -p no:cacheprovider > "$log" 2>&1
