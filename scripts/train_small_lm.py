@@ -22,7 +22,7 @@ Outputs in ``--out``:
 * ``calib.jsonl``: calibration documents (a seeded sample of the **train** split);
 * ``heldout.jsonl``: evaluation documents (a seeded sample of the **held-out** split, never
   trained on); records are ``{"text", "key", "split"}``, one per file. ``sglang-oscar quality``
-  and ``scripts/served_quality.py`` take at most ``--max-seq-per-file`` sequences from each file;
+  and ``python -m tests.e2e.served_quality`` take at most ``--max-seq-per-file`` sequences from each file;
 * ``train_log.jsonl`` (one line per logged step / evaluation) and ``train_summary.json``
   (``corpus.heldout_eval_files``: how many held-out files the held-out loss windows touch).
 

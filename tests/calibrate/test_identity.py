@@ -90,7 +90,7 @@ def test_same_checkpoint_under_a_hub_name_matches(model_dirs, fitted):
 
 
 def _recipe(tmp_path, model_dir, calib, rotation="rot.safetensors"):
-    folder = tmp_path / "rotation" / "tiny"
+    folder = tmp_path / "recipes" / "tiny"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "recipe.toml").write_text(f"""
 [model]
@@ -142,7 +142,7 @@ def test_overlap_with_the_calibration_data_is_counted(model_dirs, fitted, tmp_pa
 
 def test_missing_recipe_rotation_is_an_error(model_dirs, prompt_files, tmp_path, capsys):
     recipe = _recipe(tmp_path, model_dirs["qwen3"], prompt_files["calib"], "not_fitted.safetensors")
-    missing = tmp_path / "rotation" / "tiny" / "not_fitted.safetensors"
+    missing = tmp_path / "recipes" / "tiny" / "not_fitted.safetensors"
     for verb in ("error", "ppl"):
         err = _fails([verb, "--recipe", recipe, "--prompts", prompt_files["heldout"], "--tokens", 256,
                       "--seq-len", 128], capsys)

@@ -18,7 +18,7 @@ from sglang_oscar.calibrate.recipes import (check_geometry, geometry_mismatches,
 from sglang_oscar.rotation.latent import LatentRotationSet
 
 REPO = Path(__file__).resolve().parents[2]
-ROT = REPO / "rotation"
+RECIPES = REPO / "recipes"
 
 # Spec §10 (and §5, §6.3): geometry, rotation kind and windows of each model.
 SPEC = {
@@ -67,7 +67,7 @@ def _hf_config(name: str, **over) -> dict:
 
 @pytest.mark.parametrize("name", sorted(SPEC))
 def test_recipe_matches_spec(name):
-    r = load(ROT / name / "recipe.toml")
+    r = load(RECIPES / name / "recipe.toml")
     s = SPEC[name]
     g = r.geometry
     assert r.model.family == s["family"]
@@ -94,13 +94,13 @@ def test_recipe_matches_spec(name):
     cfg = oscar_config(r)  # the served settings form a valid OscarConfig
     for dim in filter(None, (g.head_dim, g.head_dim_k, g.head_dim_v, g.kv_lora_rank)):
         cfg.check_head_dims(dim)
-    readme = (ROT / name / "README.md").read_text()
+    readme = (RECIPES / name / "README.md").read_text()
     assert "upstream" in readme.lower() and "not ours" in readme.lower()
 
 
 @pytest.mark.parametrize("name", sorted(SPEC))
 def test_recipe_geometry_checks_against_model_config(name):
-    r = load(ROT / name / "recipe.toml")
+    r = load(RECIPES / name / "recipe.toml")
     cfg = _hf_config(name)
     geo = geometry_of(cfg)
     assert geometry_mismatches(r, geo, cfg) == []
@@ -127,7 +127,7 @@ def test_kimi_geometry_skips_kda_layers():
 def test_expanded_mha_kimi_recipe_is_refused(tmp_path):
     """The PR-era Kimi recipe (K 192 / V 128 per-head dims on an MLA model) is refused instead of
     silently fitting a latent rotation under a K/V name."""
-    text = (ROT / "Kimi-K3" / "recipe.toml").read_text().replace("num_layers = 93\n", "num_layers = 93\nhead_dim_k = 192\nhead_dim_v = 128\n")
+    text = (RECIPES / "Kimi-K3" / "recipe.toml").read_text().replace("num_layers = 93\n", "num_layers = 93\nhead_dim_k = 192\nhead_dim_v = 128\n")
     (tmp_path / "recipe.toml").write_text(text)
     r = load(tmp_path / "recipe.toml")
     cfg = _hf_config("Kimi-K3")
@@ -138,7 +138,7 @@ def test_expanded_mha_kimi_recipe_is_refused(tmp_path):
 
 def _recipe_with_geometry(tmp_path, base: str, geometry: str):
     """The recipe ``base`` with its [geometry] tables replaced by ``geometry``."""
-    lines, out, skip = (ROT / base / "recipe.toml").read_text().splitlines(), [], False
+    lines, out, skip = (RECIPES / base / "recipe.toml").read_text().splitlines(), [], False
     for line in lines:
         if line.startswith("["):
             skip = line.startswith("[geometry")
@@ -169,7 +169,7 @@ def test_every_geometry_key_is_checked_gemma(tmp_path, geometry, expect):
 
 
 def test_partial_rotary_dim_is_checked(tmp_path):
-    r = load(ROT / "MiniMax-M2.7" / "recipe.toml")
+    r = load(RECIPES / "MiniMax-M2.7" / "recipe.toml")
     assert r.geometry.partial_rotary_dim == 64
     full_rope = _hf_config("MiniMax-M2.7", rotary_dim=None)
     assert geometry_mismatches(r, geometry_of(full_rope), full_rope) == ["partial_rotary_dim: recipe 64, model 128"]
@@ -188,7 +188,7 @@ def _sh(script: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProce
 
 @pytest.mark.parametrize("name", sorted(SPEC))
 def test_wrappers_help_and_dry_run(name, tmp_path):
-    folder = ROT / name
+    folder = RECIPES / name
     r = load(folder / "recipe.toml")
     for script in ("compute_rotation.sh", "eval_gpqa.sh"):
         res = _sh(folder / script, "--help")
@@ -196,13 +196,13 @@ def test_wrappers_help_and_dry_run(name, tmp_path):
         assert _sh(folder / script, "--bogus").returncode == 2
     res = _sh(folder / "eval_gpqa.sh", "--dry-run", cwd=tmp_path)  # works from any directory
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == [f"sglang-oscar eval-recipe --recipe rotation/{name}/recipe.toml"]
+    assert res.stdout.splitlines() == [f"sglang-oscar eval-recipe --recipe recipes/{name}/recipe.toml"]
     res = _sh(folder / "compute_rotation.sh", "--dry-run", "--model", "/models/x", "--", "--batch-size", "4", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    rec = f"rotation/{name}/recipe.toml"
-    stats = f"rotation/{name}/calib/stats.safetensors"
-    rot = f"rotation/{name}/{r.rotation.path or 'rotation.safetensors'}"
+    rec = f"recipes/{name}/recipe.toml"
+    stats = f"recipes/{name}/calib/stats.safetensors"
+    rot = f"recipes/{name}/{r.rotation.path or 'rotation.safetensors'}"
     remote = " --trust-remote-code" if trust_remote_code(r) else ""
     if r.rotation.method == "hadamard":
         assert lines[0].startswith("# calibrate: skipped")
@@ -213,7 +213,7 @@ def test_wrappers_help_and_dry_run(name, tmp_path):
     assert lines[0] == f"sglang-oscar calibrate --recipe {rec} --model /models/x --out {stats}{remote} --batch-size 4"
     assert lines[1] == f"sglang-oscar fit --recipe {rec} --method {r.rotation.method} --out {rot} --stats {stats}"
     # validate-rotation validates the file as what it holds (K/V or latent)
-    assert lines[2] == f"sglang-oscar validate-rotation {rot} --config rotation/{name}/calib/stats.config.json"
+    assert lines[2] == f"sglang-oscar validate-rotation {rot} --config recipes/{name}/calib/stats.config.json"
     assert step_command(r, "calibrate", model="/models/x")[1:] == lines[0].split()[1:-2]
     if name in ("GLM-5.2-FP8", "Kimi-K3"):
         assert rotation_kind(r) == "latent" and "latent" in rot
@@ -226,10 +226,10 @@ def test_wrappers_help_and_dry_run(name, tmp_path):
 def test_recipe_drives_the_pipeline(model_dirs, prompt_files, tmp_path):
     """compute_rotation.sh for real, on a temporary recipe of the tiny Qwen3 model."""
     root = tmp_path / "repo"
-    folder = root / "rotation" / "tiny-qwen3"
+    folder = root / "recipes" / "tiny-qwen3"
     folder.mkdir(parents=True)
-    shutil.copy(ROT / "Qwen3-8B" / "compute_rotation.sh", folder)
-    shutil.copytree(ROT / "_lib", root / "rotation" / "_lib")
+    shutil.copy(RECIPES / "Qwen3-8B" / "compute_rotation.sh", folder)
+    shutil.copytree(RECIPES / "_lib", root / "recipes" / "_lib")
     (folder / "recipe.toml").write_text(f"""
 [model]
 hf_id = "{model_dirs['qwen3']}"
@@ -274,7 +274,7 @@ def test_wrapper_resolves_relative_paths_against_the_callers_directory(tmp_path)
     are made absolute first (a Hub id or a datasets name that is not a local path stays as it is)."""
     (tmp_path / "mymodel").mkdir()
     (tmp_path / "calib.txt").write_text("some text\n")
-    script = ROT / "Qwen3-8B" / "compute_rotation.sh"
+    script = RECIPES / "Qwen3-8B" / "compute_rotation.sh"
     res = _sh(script, "--dry-run", "--model", "mymodel", "--data", "calib.txt", "--out-dir", "out", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     calib, fit, _ = res.stdout.splitlines()
@@ -289,11 +289,11 @@ def test_kimi_latent_recipe_runs_end_to_end(model_dirs, prompt_files, tmp_path):
     """The Kimi-K3 recipe (latent-only) through compute_rotation.sh on a tiny MLA model: calibrate ->
     fit writes a latent file under the recipe's latent name -> validate-rotation validates it as latent."""
     root = tmp_path / "repo"
-    folder = root / "rotation" / "tiny-kimi"
+    folder = root / "recipes" / "tiny-kimi"
     folder.mkdir(parents=True)
-    shutil.copy(ROT / "Kimi-K3" / "compute_rotation.sh", folder)
-    shutil.copytree(ROT / "_lib", root / "rotation" / "_lib")
-    text = (ROT / "Kimi-K3" / "recipe.toml").read_text()
+    shutil.copy(RECIPES / "Kimi-K3" / "compute_rotation.sh", folder)
+    shutil.copytree(RECIPES / "_lib", root / "recipes" / "_lib")
+    text = (RECIPES / "Kimi-K3" / "recipe.toml").read_text()
     text = (text.replace('hf_id = "moonshotai/Kimi-K3"', f'hf_id = "{model_dirs["deepseek_v2"]}"')
             .replace("num_layers = 93", "num_layers = 2").replace("kv_lora_rank = 512", "kv_lora_rank = 32")
             .replace("qk_rope_head_dim = 64", "qk_rope_head_dim = 8").replace("group_size = 128", "group_size = 16")
@@ -302,7 +302,7 @@ def test_kimi_latent_recipe_runs_end_to_end(model_dirs, prompt_files, tmp_path):
     (folder / "recipe.toml").write_text(text)
     res = _sh(folder / "compute_rotation.sh", "--", "--seq-len", "256", "--no-progress", cwd=root)
     assert res.returncode == 0, res.stderr + res.stdout
-    assert "validate-rotation rotation/tiny-kimi/oscar_latent.safetensors" in res.stdout
+    assert "validate-rotation recipes/tiny-kimi/oscar_latent.safetensors" in res.stdout
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["kind"] == "latent" and report["kv_lora_rank"] == 32 and report["layers"] == 2
     rs = LatentRotationSet.load(str(folder / "oscar_latent.safetensors"))
@@ -325,11 +325,11 @@ def test_data_free_recipe_validates_with_a_hub_id(model_dirs, tmp_path):
     cache = tmp_path / "hub"
     _fake_hub(cache, "oscar-test/tiny-qwen3", model_dirs["qwen3"])
     root = tmp_path / "repo"
-    folder = root / "rotation" / "tiny-m3"
+    folder = root / "recipes" / "tiny-m3"
     folder.mkdir(parents=True)
-    shutil.copy(ROT / "MiniMax-M3" / "compute_rotation.sh", folder)
-    shutil.copytree(ROT / "_lib", folder.parent / "_lib")
-    text = (ROT / "MiniMax-M3" / "recipe.toml").read_text()
+    shutil.copy(RECIPES / "MiniMax-M3" / "compute_rotation.sh", folder)
+    shutil.copytree(RECIPES / "_lib", folder.parent / "_lib")
+    text = (RECIPES / "MiniMax-M3" / "recipe.toml").read_text()
     text = (text.replace('hf_id = "MiniMaxAI/MiniMax-M3"', 'hf_id = "oscar-test/tiny-qwen3"').replace('family = "minimax_m3"', 'family = "qwen3"')
             .replace("num_q_heads = 64", "num_q_heads = 4").replace("num_kv_heads = 4", "num_kv_heads = 2"))
     (folder / "recipe.toml").write_text(text)
@@ -348,7 +348,7 @@ def test_data_free_recipe_validates_with_a_hub_id(model_dirs, tmp_path):
 
 
 def test_kimi_readme_keeps_project_choices_out_of_upstream_findings():
-    text = (ROT / "Kimi-K3" / "README.md").read_text()
+    text = (RECIPES / "Kimi-K3" / "README.md").read_text()
     upstream = text.split("## Upstream findings", 1)[1]
     assert "64-blocks" not in upstream and "block Hadamard" not in upstream
     ours = text.split("## This project's choices", 1)[1].split("## Upstream findings", 1)[0]
@@ -359,7 +359,7 @@ def test_center_needs_a_fitted_method(tmp_path):
     """[rotation].center with a data-free method (no calibrate step) is refused when the recipe loads."""
     from sglang_oscar.evals.recipe import RecipeError, load_recipe
 
-    base = (ROT / "Qwen3-8B" / "recipe.toml").read_text()
+    base = (RECIPES / "Qwen3-8B" / "recipe.toml").read_text()
     p = tmp_path / "recipe.toml"
     p.write_text(base.replace("[rotation]\n", "[rotation]\ncenter = true\n", 1).replace('method = "oscar"', 'method = "hadamard"'))
     with pytest.raises(RecipeError, match=r"center = true needs calibration statistics.*data-free"):
@@ -367,4 +367,4 @@ def test_center_needs_a_fitted_method(tmp_path):
     p.write_text(base.replace("[rotation]\n", "[rotation]\ncenter = true\n", 1))
     r = load_recipe(p)
     assert r.rotation.center and "--center" in step_command(r, "fit")
-    assert "--center" not in step_command(load_recipe(ROT / "Qwen3-8B" / "recipe.toml"), "fit")
+    assert "--center" not in step_command(load_recipe(RECIPES / "Qwen3-8B" / "recipe.toml"), "fit")

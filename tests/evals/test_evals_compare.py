@@ -151,7 +151,7 @@ threads = 2
 
 
 def _recipe(tmp_path, port) -> Path:
-    d = tmp_path / "rotation" / "qwen3-8b"
+    d = tmp_path / "recipes" / "qwen3-8b"
     d.mkdir(parents=True)
     p = d / "recipe.toml"
     p.write_text(textwrap.dedent(RECIPE).format(port=port))

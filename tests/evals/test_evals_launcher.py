@@ -279,7 +279,7 @@ def sglang_parser():
 
 
 def _repo_recipes() -> list[str]:
-    return sorted(glob.glob(str(REPO / "rotation" / "*" / "recipe.toml")))
+    return sorted(glob.glob(str(REPO / "recipes" / "*" / "recipe.toml")))
 
 
 def _check_parses(parser, recipe_path: Path, capsys, extra: list[str] = ()) -> int:
@@ -480,8 +480,8 @@ def test_health_check_ignores_http_proxy(tmp_path):
     env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
     env.update({v: dead_proxy for v in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")})
     with FakeOpenAIServer(lambda body: {}) as srv:
-        code = ("import sys; from sglang_oscar.evals import launcher; "
-                "print(launcher._http_ok(sys.argv[1] + '/health', timeout=5))")
+        code = ("import sys; from sglang_oscar import serving_launcher; "
+                "print(serving_launcher.http_ok(sys.argv[1] + '/health', timeout=5))")
         res = subprocess.run([sys.executable, "-c", code, srv.base_url], env=env,
                              capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

@@ -262,7 +262,7 @@ def test_unknown_key_via_cli_exits_2_with_one_line(tmp_path, capsys):
 # ----------------------------------------------------------------------------- wrappers
 
 REPO = Path(__file__).resolve().parent.parent.parent
-WRAPPERS = sorted((REPO / "rotation").glob("*/eval_gpqa.sh"))
+WRAPPERS = sorted((REPO / "recipes").glob("*/eval_gpqa.sh"))
 
 
 def test_nine_eval_gpqa_wrappers_exist():
@@ -284,7 +284,7 @@ def test_eval_gpqa_wrapper_resolves_relative_paths_against_the_caller(script, tm
     words = shlex.split(res.stdout.strip())
     name = script.parent.name
     assert words[1:] == [
-        "eval-recipe", "--recipe", f"rotation/{name}/recipe.toml", "--arms", "int2",
+        "eval-recipe", "--recipe", f"recipes/{name}/recipe.toml", "--arms", "int2",
         "--out", f"{caller}/runs/x", "--data-file", f"gpqa={caller}/data/gpqa.csv",
         f"--data-file=aime25={caller}/a.jsonl", "--out=/abs/y",
     ]

@@ -1,4 +1,4 @@
-"""``scripts/device_quality.sh`` in two stages on CPU (``STAGE=train`` then ``STAGE=eval``), the
+"""``device/quality.sh`` in two stages on CPU (``STAGE=train`` then ``STAGE=eval``), the
 way a 10-minute training is split over two device calls; and its argument checks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 
 from quality_helpers import REPO, TINY_MODEL, write_text_tree
 
-SCRIPT = str(REPO / "scripts" / "device_quality.sh")
+SCRIPT = str(REPO / "device" / "quality.sh")
 QUALITY_ARGS = ("--seq-len 128 --calib-tokens 2048 --eval-tokens 512 --sink 4 --recent 16 --kivi-residual 16 "
                 "--kivi-group 16 --min-tokens 1000")
 

@@ -1,25 +1,18 @@
-"""scripts/served_quality.py, PyTorch side (--no-server): oracle vs BF16 on a tiny trained checkpoint."""
+"""``python -m tests.e2e.served_quality``, PyTorch side (--no-server): oracle vs BF16 on a tiny trained
+checkpoint. It stays beside the fixture ``tiny_run``; the module is imported as ``e2e.served_quality``
+(``tests/`` is on ``sys.path`` under pytest's default import mode)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("served_quality", REPO / "scripts" / "served_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from e2e import served_quality
 
 
 def test_oracle_side_of_the_served_check(tiny_run, tmp_path):
     ckpt, _ = tiny_run
-    sq = _script()
+    sq = served_quality
     common = ["--model", str(ckpt), "--no-server", "--device", "cpu", "--seqs", "2", "--seq-len", "96",
               "--calib-tokens", "2048"]
     # windows covering the whole sequence: nothing is quantized, the oracle reproduces BF16

@@ -75,7 +75,7 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         rs = RotationSet.data_free(geometry)
         if log:
             logger.info("sglang-oscar: no --oscar-rotation given; using the data-free Hadamard rotation "
-                        "(fit one with rotation/<model>/compute_rotation.sh for better accuracy)")
+                        "(fit one with recipes/<model>/compute_rotation.sh for better accuracy)")
         return rs
     try:
         rs = RotationSet.from_paths(config.rotation_path, config.rotation_v_path)

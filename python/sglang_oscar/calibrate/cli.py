@@ -1,11 +1,11 @@
 """Verbs ``calibrate``, ``fit``, ``error``, ``ppl``, ``quality``, ``validate-rotation``, ``validate-latent`` and ``recipe-cmd``.
 
-Every verb accepts ``--recipe rotation/<model>/recipe.toml``: it supplies the model id,
+Every verb accepts ``--recipe recipes/<model>/recipe.toml``: it supplies the model id,
 calibration data and budget, rotation method and paths, and the served quantizer settings;
 explicit flags override it. ``error`` and ``ppl`` never default to the recipe's calibration data
 (they need held-out ``--prompts``), and with ``--recipe`` the recipe's rotation file must exist.
 ``recipe-cmd`` prints the exact argv of one step for a recipe (one element per line), which is
-what ``rotation/<model>/compute_rotation.sh`` executes.
+what ``recipes/<model>/compute_rotation.sh`` executes.
 
 Statistics and rotations record the fingerprint of their model (:func:`.model.config_fingerprint`);
 ``fit``, ``error``, ``ppl`` and the validate verbs refuse them for another model of the same
@@ -372,7 +372,7 @@ def _recipe_rotation(recipe) -> str:
     if not os.path.exists(path):
         raise CalibrationError(
             f"the rotation file of {recipe.path} does not exist: {path}. Create it with "
-            f"rotation/{recipe.name}/compute_rotation.sh --model MODEL (calibrate -> fit -> validate), or "
+            f"recipes/{recipe.name}/compute_rotation.sh --model MODEL (calibrate -> fit -> validate), or "
             f"`sglang-oscar fit --recipe {recipe.path} --stats STATS`; or pass --rotation FILE"
         )
     return path

@@ -20,7 +20,7 @@ by default); ``pack=False`` makes every document its own sequence, truncated to 
 empty string (BOS where the model uses one).
 
 :func:`build_per_document_prompt_set` is the evaluation selection of ``sglang-oscar quality``
-and ``scripts/served_quality.py``. It draws sequences from as many different documents as the
+and ``tests/e2e/served_quality.py``. It draws sequences from as many different documents as the
 budget allows: at most ``max_seq_per_doc`` sequences per document, taken round robin. Packing
 documents in a shuffled order cuts a budget of a few sequences out of the first one or two
 documents whenever those are long.

@@ -1,4 +1,4 @@
-"""Recipes (``rotation/<model>/recipe.toml``) as seen by calibration.
+"""Recipes (``recipes/<model>/recipe.toml``) as seen by calibration.
 
 The recipe schema and its strict loader live in :mod:`sglang_oscar.evals.recipe` (one loader);
 this module derives what calibration needs from a loaded recipe:

@@ -28,7 +28,7 @@ def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="start an SGLang server from a recipe (int2 or the bf16 control)",
-        description="Compose the SGLang command line from rotation/<model>/recipe.toml, start "
+        description="Compose the SGLang command line from recipes/<model>/recipe.toml, start "
         "the server and wait until GET /health answers. Rank 0 returns once healthy (the "
         "server keeps running) unless --foreground; non-zero --node-rank runs its server "
         "and exits with its status.",

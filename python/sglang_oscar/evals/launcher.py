@@ -1,4 +1,7 @@
-"""Compose the SGLang server command line from a recipe, start it and wait for health.
+"""Compose the SGLang server command line from a recipe; :class:`Server` runs it.
+
+Starting, health checks and stopping are :mod:`sglang_oscar.serving_launcher`'s, shared with
+the end-to-end device harness (``tests/e2e``).
 
 Rules (spec §9.1 and §11.1):
 
@@ -18,19 +21,16 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_oscar.evals.errors import EvalError
 from sglang_oscar.evals.recipe import Recipe
+from sglang_oscar.serving_launcher import LaunchError, ServerProcess, client_host, port_in_use, tail
+
+__all__ = ["KV_MODES", "SERVER_ENTRY", "LaunchError", "Server", "ServerCommand", "build_server_command",
+           "default_log_path", "port_in_use", "tail"]
 
 # What follows ``python`` in the server argv. Tests point it at a fake server script.
 SERVER_ENTRY: list[str] = ["-m", "sglang.launch_server"]
@@ -64,11 +64,6 @@ _RESERVED_FLAGS = {
 _OSCAR_FLAG_PREFIX = "--oscar-"
 
 
-class LaunchError(EvalError, RuntimeError):
-    """The server could not be started or did not become healthy (busy port, crash, health
-    timeout). An :class:`EvalError`, so the CLI prints it without a traceback (exit 2)."""
-
-
 @dataclass
 class ServerCommand:
     """A composed server launch: argv, the recipe's extra environment, where it listens."""
@@ -96,15 +91,7 @@ class ServerCommand:
     @property
     def base_url(self) -> str:
         """``http://host:port`` as a client on this machine reaches it."""
-        return f"http://{_client_host(self.host)}:{self.port}"
-
-
-def _client_host(host: str) -> str:
-    if host in ("0.0.0.0", "::", ""):
-        return "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]"
-    return host
+        return f"http://{client_host(self.host)}:{self.port}"
 
 
 def _flag_name(arg: str) -> str | None:
@@ -261,176 +248,13 @@ def build_server_command(
 # ----------------------------------------------------------------------------- running
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """True when something accepts TCP connections on ``host:port`` (1 s connect timeout)."""
-    try:
-        with socket.create_connection((_client_host(host).strip("[]"), port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-# The health check always targets the server this process started on this machine: never
-# through http_proxy / https_proxy (a proxy cannot reach our 127.0.0.1).
-_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _http_ok(url: str, timeout: float) -> bool:
-    try:
-        with _NO_PROXY_OPENER.open(url, timeout=timeout) as resp:  # noqa: S310 (local server)
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def tail(path: Path | None, n: int = 60) -> str:
-    """The last ``n`` lines of a log file (from its last 64 KiB), or ``(no server log)``."""
-    if path is None or not Path(path).exists():
-        return "(no server log)"
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        size = fh.tell()
-        fh.seek(max(0, size - 64 * 1024))
-        text = fh.read().decode("utf-8", "replace")
-    return "\n".join(text.splitlines()[-n:])
-
-
-class Server:
-    """A running server process started from a :class:`ServerCommand`."""
+class Server(ServerProcess):
+    """A server process started from a :class:`ServerCommand` (output appended to
+    ``log_path``, or the terminal when it is None); see :class:`ServerProcess`."""
 
     def __init__(self, cmd: ServerCommand, log_path: Path | None):
+        super().__init__(cmd.argv, host=cmd.host, port=cmd.port, env=cmd.env, log_path=log_path)
         self.cmd = cmd
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self._log_fh = None
-
-    def start(self) -> "Server":
-        """Start the server in its own session/process group; raises :class:`LaunchError`
-        when the port is already in use. Output goes to ``log_path`` (appended) or, when it is
-        None, to the terminal."""
-        if port_in_use(self.cmd.host, self.cmd.port):
-            raise LaunchError(
-                f"port {self.cmd.port} on {self.cmd.host} is already in use: another server "
-                "would answer the health check and the eval; stop it or use --port"
-            )
-        env = dict(os.environ)
-        env.update(self.cmd.env)
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_fh = open(self.log_path, "ab")
-            out = self._log_fh
-        else:
-            out = None  # inherit the terminal
-        self.proc = subprocess.Popen(
-            self.cmd.argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
-            start_new_session=True,
-        )
-        return self
-
-    @property
-    def pid(self) -> int:
-        """The server's pid, which is also its process group id."""
-        assert self.proc is not None
-        return self.proc.pid
-
-    def wait_healthy(self, timeout: float = 1800.0, interval: float = 1.0) -> None:
-        """Poll ``GET /health`` until it answers 200; raise :class:`LaunchError` with the log
-        tail if the process exits or ``timeout`` seconds pass."""
-        assert self.proc is not None
-        url = self.cmd.base_url + "/health"
-        deadline = time.monotonic() + timeout
-        while True:
-            rc = self.proc.poll()
-            if rc is not None:
-                self.stop(grace=5.0)  # helpers it may have left behind
-                raise LaunchError(
-                    f"the server exited with status {rc} before it became healthy; "
-                    f"last lines of {self.log_path}:\n{tail(self.log_path)}"
-                )
-            if _http_ok(url, timeout=min(10.0, max(interval, 1.0))):
-                return
-            if time.monotonic() >= deadline:
-                self.stop()
-                raise LaunchError(
-                    f"the server did not answer {url} within {timeout:.0f} s (stopped it); "
-                    f"last lines of {self.log_path}:\n{tail(self.log_path)}"
-                )
-            time.sleep(interval)
-
-    def wait(self) -> int:
-        """Wait for the server to exit and return its status; Ctrl-C stops it (130)."""
-        assert self.proc is not None
-        try:
-            return self.proc.wait()
-        except KeyboardInterrupt:
-            self.stop()
-            return 130
-
-    def stop(self, grace: float = 30.0) -> int | None:
-        """Terminate the server's whole process group (TP workers and other helpers included,
-        also when the main process has already exited): SIGTERM, then SIGKILL for whatever is
-        left after ``grace`` seconds. Returns the main process's exit status."""
-        if self.proc is None:
-            return None
-        pgid = self.proc.pid
-        deadline = time.monotonic() + grace
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _group_alive(pgid):
-            _signal_group(pgid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait()
-        if self._log_fh is not None:
-            self._log_fh.close()
-            self._log_fh = None
-        return self.proc.returncode
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` still has a member that is not a zombie (zombies of
-    reparented helpers may never be reaped in a container whose init does not reap)."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # no /proc: ask the kernel (zombies count as alive there)
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # fields: state, ppid, pgrp, ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False
 
 
 def default_log_path(cmd: ServerCommand) -> Path:

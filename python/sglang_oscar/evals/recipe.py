@@ -1,4 +1,4 @@
-"""Per-model recipe files (``rotation/<model>/recipe.toml``): schema and strict loader.
+"""Per-model recipe files (``recipes/<model>/recipe.toml``): schema and strict loader.
 
 A recipe is the *only* place where the server flags, the rotation file and the evaluation
 settings of one model live. Everything that launches a server or runs an evaluation for a
@@ -381,7 +381,7 @@ class Recipe:
 
     @property
     def name(self) -> str:
-        """The recipe's folder name (``rotation/<name>/recipe.toml``)."""
+        """The recipe's folder name (``recipes/<name>/recipe.toml``)."""
         return self.path.parent.name
 
     @property

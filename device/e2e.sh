@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# End-to-end checks of the served INT2 KV cache on the GPU machine (the harness is tests/e2e).
+#   bash device/e2e.sh [--only a,b,c] [--tp2] [more options of python -m tests.e2e]
+#   e.g. bash device/e2e.sh --only b,d,g --server-args=--disable-prefill-cuda-graph
+# Sets up sglang and the plugin's entry point (device/env.sh), then runs `python -m tests.e2e`;
+# logs, e2e.json and e2e.md go to $OUT (default /tmp/oscar_e2e), checkpoints to ${OUT}_work.
+# Exit code: the harness's (1 if a selected check did not pass).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT="${OUT:-/tmp/oscar_e2e}"
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+source device/env.sh || exit 1
+PY="${PYTHON:-python3}"
+"$PY" -c "import sglang_oscar, sys; print('sglang_oscar from', sglang_oscar.__file__, '| python', sys.version.split()[0])"
+nvidia-smi --query-gpu=index,name,memory.used,memory.total,compute_mode --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+"$PY" -m tests.e2e --out "$OUT" --python "$(command -v "$PY")" "$@"

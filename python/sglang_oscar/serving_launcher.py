@@ -1,0 +1,303 @@
+"""Start, watch and stop one ``python -m sglang.launch_server`` process.
+
+The one server launcher of the repository: ``sglang-oscar serve`` / ``eval-recipe``
+(:mod:`sglang_oscar.evals.launcher` composes their argv from a recipe) and the end-to-end
+device harness (``tests/e2e``) both run their servers through :class:`ServerProcess`.
+
+* a server runs in its own session, so :meth:`ServerProcess.stop` ends its whole process
+  group (tensor-parallel workers and helpers included, also after the leader has exited);
+* the health check and the local HTTP helpers never go through ``http_proxy``: the server is
+  on this machine and a proxy cannot reach its 127.0.0.1;
+* the server gets the caller's environment plus the ``env`` it is given, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+from sglang_oscar.cli.main import CLIError
+
+
+class LaunchError(CLIError, RuntimeError):
+    """The server could not be started or did not become healthy (busy port, crash, health
+    timeout). A CLI error, so ``sglang-oscar`` prints it without a traceback (exit 2)."""
+
+
+def client_host(host: str) -> str:
+    """The address a client on this machine uses for a server bound to ``host``."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something accepts TCP connections on ``host:port`` (1 s connect timeout)."""
+    try:
+        with socket.create_connection((client_host(host).strip("[]"), port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+# Every request here targets a server this process started on this machine.
+LOCAL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_ok(url: str, timeout: float) -> bool:
+    """True when ``GET url`` answers 2xx within ``timeout`` seconds (no proxy)."""
+    try:
+        with LOCAL_OPENER.open(url, timeout=timeout) as resp:  # noqa: S310 (local server)
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> Any:
+    """GET (``payload`` None) or POST JSON to a local server; returns the decoded JSON body.
+
+    Raises:
+        RuntimeError: HTTP error status (with the body's start) or an unreachable server.
+    """
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if payload is None else "POST")
+    try:
+        with LOCAL_OPENER.open(req, timeout=timeout) as r:
+            body = r.read()
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        raise RuntimeError(f"{url}: {exc}") from None
+    return json.loads(body) if body else None
+
+
+def tail(path: Path | str | None, n: int = 60) -> str:
+    """The last ``n`` lines of a log file (from its last 64 KiB), or ``(no server log)``."""
+    if path is None or not Path(path).exists():
+        return "(no server log)"
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - 64 * 1024))
+        text = fh.read().decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-n:])
+
+
+class ServerProcess:
+    """One server process: its argv, extra environment, address and log.
+
+    ``log_path`` None sends the output to the terminal; otherwise it is appended to the file,
+    or, with ``log_header`` (e.g. the command line), the file is started afresh with that line.
+    Times (``time.time()``): ``t_start`` when started, ``t_ready`` when healthy, ``t_exit`` when
+    the process exited (stamped by a watcher thread the moment it happens).
+    """
+
+    def __init__(self, argv: Sequence[str], *, host: str = "127.0.0.1", port: int = 30000,
+                 env: dict[str, str] | None = None, log_path: Path | str | None = None,
+                 log_header: str | None = None, cwd: str | None = None):
+        self.argv = list(argv)
+        self.host, self.port = host, int(port)
+        self.env = dict(env or {})
+        self.log_path = None if log_path is None else Path(log_path)
+        self.log_header = log_header
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self._log_fh = None
+        self.t_start = 0.0
+        self.t_ready: float | None = None
+        self.t_exit: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` as a client on this machine reaches it."""
+        return f"http://{client_host(self.host)}:{self.port}"
+
+    def shell(self) -> str:
+        """One shell-quoted line, the extra environment first."""
+        parts = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        if parts:
+            parts.insert(0, "env")
+        return " ".join(parts + [shlex.join(self.argv)])
+
+    def start(self, check_port: bool = True) -> "ServerProcess":
+        """Start the server in its own session/process group.
+
+        Raises:
+            LaunchError: ``check_port`` and something already listens on the port (it would
+                answer the health check and the requests meant for this server).
+        """
+        if check_port and port_in_use(self.host, self.port):
+            raise LaunchError(
+                f"port {self.port} on {self.host} is already in use: another server "
+                "would answer the health check and the eval; stop it or use --port"
+            )
+        env = dict(os.environ)
+        env.update(self.env)
+        out = None  # inherit the terminal
+        if self.log_path is not None:
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+            self._log_fh = open(self.log_path, "wb" if self.log_header is not None else "ab")
+            if self.log_header is not None:
+                self._log_fh.write((self.log_header.rstrip("\n") + "\n").encode())
+                self._log_fh.flush()
+            out = self._log_fh
+        self.t_start = time.time()
+        self.proc = subprocess.Popen(
+            self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None, start_new_session=True,
+        )
+        threading.Thread(target=self._watch, daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self.t_exit = time.time()
+
+    @property
+    def pid(self) -> int:
+        """The server's pid, which is also its process group id."""
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        """The whole log ('' when there is none yet)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except (OSError, TypeError):
+            return ""
+
+    def poll_health(self, timeout: float, interval: float = 1.0) -> str:
+        """Poll ``GET /health`` for at most ``timeout`` seconds: ``"healthy"`` (``t_ready``
+        set), ``"exited"`` (the process ended first) or ``"timeout"``; stops nothing."""
+        assert self.proc is not None
+        url = self.base_url + "/health"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                return "exited"
+            if http_ok(url, timeout=min(10.0, max(interval, 1.0))):
+                self.t_ready = time.time()
+                return "healthy"
+            if time.monotonic() >= deadline:
+                return "timeout"
+            time.sleep(interval)
+
+    def wait_healthy(self, timeout: float = 1800.0, interval: float = 1.0) -> None:
+        """Wait for ``GET /health`` to answer 200.
+
+        Raises:
+            LaunchError: the process exited, or ``timeout`` seconds passed (the server is then
+                stopped); the message holds the log's last lines.
+        """
+        state = self.poll_health(timeout, interval)
+        if state == "exited":
+            self.stop(grace=5.0)  # helpers it may have left behind
+            raise LaunchError(
+                f"the server exited with status {self.proc.returncode} before it became healthy; "
+                f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+            )
+        if state == "timeout":
+            self.stop()
+            raise LaunchError(
+                f"the server did not answer {self.base_url}/health within {timeout:.0f} s (stopped it); "
+                f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+            )
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit status once the process has ended within ``timeout`` seconds of its start
+        (``t_exit`` stamped), else None."""
+        try:
+            rc = self.proc.wait(timeout=max(0.0, self.t_start + timeout - time.time()))
+        except subprocess.TimeoutExpired:
+            return None
+        while self.t_exit is None:  # the watcher thread stamps the exit time
+            time.sleep(0.01)
+        return rc
+
+    def wait(self) -> int:
+        """Wait for the server to exit and return its status; Ctrl-C stops it (130)."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait()
+        except KeyboardInterrupt:
+            self.stop()
+            return 130
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """Terminate the server's whole process group (TP workers and other helpers included,
+        also when the main process has already exited): SIGTERM, then SIGKILL for whatever is
+        left after ``grace`` seconds. Returns the main process's exit status."""
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid
+        deadline = time.monotonic() + grace
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait()
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a member that is not a zombie (zombies of
+    reparented helpers may never be reaped in a container whose init does not reap)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: ask the kernel (zombies count as alive there)
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # fields: state, ppid, pgrp, ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False

@@ -1,0 +1,88 @@
+"""Checks f and g, measured together on one pair of long-context servers that run alone: f, the
+KV pool (``max_total_num_tokens``) of int2 vs BF16 at the same ``--mem-fraction-static``; g, decode
+tok/s at 32K context, batch 1, int2 vs BF16."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from .checkpoints import random_prompt
+from .client import http_json, max_total_tokens_from_log, stream_decode_rate
+from .config import FAIL, PASS
+from .results import CheckError, CheckResult, unevaluated_status
+from .run import Run
+
+
+def measure_long(run: Run, name: str) -> dict[str, Any]:
+    """Start one long-context server alone; its max_total_num_tokens and (g) decode rates."""
+    spec = next(s for s in run.specs if s.name == name)
+    (srv,) = run.start([spec])
+    out: dict[str, Any] = {"server": name}
+    try:
+        run.wait_ready([srv])
+        srv = run.need(name)
+        info = None
+        for ep in ("/server_info", "/get_server_info"):
+            with contextlib.suppress(RuntimeError):
+                info = http_json(srv.url + ep, timeout=30)
+                break
+        tok = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+        out["max_total_num_tokens"] = tok if tok is not None else max_total_tokens_from_log(srv.log_text())
+        out["max_total_num_tokens_source"] = "server_info" if tok is not None else "log"
+        if "g" in run.args.checks:
+            a = run.args
+            run.gen(srv, random_prompt(256, 3), 8)  # warm-up
+            out["short"] = stream_decode_rate(srv.url, random_prompt(512, 4), a.decode_tokens, a.request_timeout)
+            out["long"] = stream_decode_rate(srv.url, random_prompt(a.long_context, 5), a.decode_tokens,
+                                             a.request_timeout)
+    finally:
+        run.stop([srv])
+    return out
+
+
+def check_fg(run: Run) -> None:
+    """Measure ``long-bf16`` and ``long-int2`` one after the other and record f and/or g (targets
+    ``--memory-target``, ``--speedup-target``); a check the budget cut short is SKIP."""
+    ch = set(run.args.checks)
+    res: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name in ("long-bf16", "long-int2"):
+        if run.left() <= 0:
+            errors[name] = f"time budget of {run.args.budget:.0f} s used up"
+            continue
+        try:
+            res[name] = measure_long(run, name)
+        except (CheckError, RuntimeError) as exc:
+            errors[name] = str(exc)
+    run.data["long"] = res
+    if "f" in ch:
+        bf, i2 = (res.get(n, {}).get("max_total_num_tokens") for n in ("long-bf16", "long-int2"))
+        if bf and i2:
+            ratio = i2 / bf
+            r = CheckResult("f", PASS if ratio >= run.args.memory_target else FAIL,
+                            f"max_total_num_tokens int2 {i2} / BF16 {bf} = {ratio:.2f}x (target >= {run.args.memory_target:g}x; "
+                            f"--mem-fraction-static {run.args.sizing_mem_fraction:g}, group 128, fp16 scales)",
+                            {"long": res, "errors": errors})
+        else:
+            r = CheckResult("f", unevaluated_status(errors),
+                            f"could not be evaluated: {errors or 'max_total_num_tokens not found'}",
+                            {"long": res, "errors": errors})
+        run.record(r)
+    if "g" in ch:
+        try:
+            bf, i2 = res["long-bf16"]["long"]["decode_tok_s"], res["long-int2"]["long"]["decode_tok_s"]
+            sb, si = res["long-bf16"]["short"]["decode_tok_s"], res["long-int2"]["short"]["decode_tok_s"]
+        except KeyError:
+            run.record(CheckResult("g", unevaluated_status(errors), f"could not be evaluated: {errors or 'no decode timings'}",
+                                   {"long": res, "errors": errors}))
+            return
+        ratio = i2 / bf
+        att_bf = 1e3 / bf - 1e3 / sb  # ms per step attributable to the longer context
+        att_i2 = 1e3 / i2 - 1e3 / si
+        run.record(CheckResult(
+            "g", PASS if ratio >= run.args.speedup_target else FAIL,
+            f"decode at {run.args.long_context} ctx, batch 1: int2 {i2:.0f} tok/s / BF16 {bf:.0f} tok/s = {ratio:.2f}x "
+            f"(target >= {run.args.speedup_target:g}x); at 512 ctx int2 {si:.0f} / BF16 {sb:.0f} tok/s; "
+            f"context-attributable step time int2 {att_i2:.2f} ms / BF16 {att_bf:.2f} ms",
+            {"long": res, "errors": errors, "context_step_ms": {"int2": att_i2, "bf16": att_bf}}))

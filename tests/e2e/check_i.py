@@ -1,0 +1,55 @@
+"""Check i: bad input (a rotation of another model, a missing rotation, a bad group size,
+unsupported flags) makes the launch exit non-zero before loading weights, naming the problem."""
+
+from __future__ import annotations
+
+import time
+
+from .client import last_error
+from .config import FAIL, PASS, WEIGHT_LOAD_MARK
+from .results import CheckResult
+from .run import Run
+
+
+BAD_INPUT_EXPECT: dict[str, list[list[str]]] = {
+    # every inner list: at least one of its words must appear in the error message (case-insensitive)
+    "bad-rotation-other-model": [["rotation"], ["layer", "head", "geometry", "shape", "another model"]],
+    "bad-rotation-missing": [["no_such_rotation"], ["not exist", "no such file", "not found", "missing"]],
+    "bad-group-size": [["group"], ["48"]],
+    "bad-flag-flashinfer": [["flashinfer"], ["attention-backend", "attention_backend"]],
+    "bad-flag-dp-attention": [["dp-attention", "dp_attention"]],
+}
+
+
+def check_i(run: Run) -> CheckResult:
+    """Every bad launch of :data:`BAD_INPUT_EXPECT`: non-zero exit within ``--i-max-seconds``, before
+    weight loading, with an error line holding one word of each expected group."""
+    rows, ok = [], True
+    for name, expect in BAD_INPUT_EXPECT.items():
+        srv = run.servers.get(name)
+        if srv is None:
+            continue
+        deadline = srv.t_start + run.args.fail_timeout
+        while srv.alive() and time.time() < deadline and WEIGHT_LOAD_MARK not in srv.log_text():
+            time.sleep(0.5)  # a launch that reaches weight loading has failed this case already
+        rc = srv.proc.poll() if srv.proc is not None else None  # None: never started (busy port)
+        if rc is not None:
+            rc = srv.wait_exit(run.args.fail_timeout + 60)  # returns at once; waits for the exit time stamp
+        else:
+            srv.stop()
+        log = srv.log_text()
+        msg = last_error(log)
+        low = msg.lower()
+        named = all(any(w.lower() in low for w in group) for group in expect)
+        loaded = WEIGHT_LOAD_MARK in log
+        secs = None if rc is None or srv.t_exit is None else srv.t_exit - srv.t_start
+        good = rc not in (None, 0) and not loaded and named and secs is not None and secs <= run.args.i_max_seconds
+        ok &= good
+        rows.append({"case": name, "flags": srv.spec.args, "exit_code": rc, "seconds": secs,
+                     "weights_loaded": loaded, "names_problem": named, "message": msg, "pass": good})
+    fails = [r["case"] for r in rows if not r["pass"]]
+    secs = [r["seconds"] for r in rows if r["seconds"] is not None]
+    measured = (f"{len(rows) - len(fails)}/{len(rows)} refused before loading weights, naming the problem"
+                + (f" ({min(secs):.0f}-{max(secs):.0f} s)" if secs else "")
+                + (f"; failed: {', '.join(fails)}" if fails else ""))
+    return CheckResult("i", PASS if ok else FAIL, measured, {"cases": rows})

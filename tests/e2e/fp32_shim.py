@@ -1,0 +1,102 @@
+"""The ``--dtype float32`` servers of check c (``--c-fp32``) and their SGLang plugin.
+
+``--c-fp32``: check c's int2 servers again with ``--dtype float32`` (HP windows then hold fp32
+rows and the INT2 kernels multiply in fp32), and a ``--dtype float32`` BF16-path twin for the
+noise floor. SGLang 0.5.16 cannot serve Qwen3 in fp32 on CUDA as is: ``RMSNorm.forward_cuda``
+without a residual (q/k norms, layer 0's input norm) calls ``sgl_kernel.rmsnorm``, which sends
+fp32 to flashinfer's ``rmsnorm`` (compiled for fp16/bf16 only: "failed to dispatch data type
+Float"). These servers therefore load a second, harness-only SGLang plugin (entry point
+``oscar_e2e_fp32``, :func:`fp32_shim_register`, made discoverable by a dist-info folder on their
+PYTHONPATH) that routes fp32 inputs of RMSNorm, SiluAndMul and RoPE to their PyTorch
+``forward_native`` and skips the JIT fused QK-norm (``static_assert`` fp16/bf16) for fp32.
+
+:func:`write_fp32_shim` copies this file next to the dist-info as the top-level module
+``oscar_e2e_fp32_shim`` that the server processes import, so it imports nothing of the harness.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+
+C_FP32_SERVERS = {"layer": "qwen3-int2-layer-fp32", "head": "qwen3-int2-head-fp32"}
+C_FP32_FLOOR = "qwen3-fp32"
+FP32_SHIM_ENTRY = "oscar_e2e_fp32"
+FP32_SHIM_MODULE = "oscar_e2e_fp32_shim"
+FP32_SHIM_VALUE = f"{FP32_SHIM_MODULE}:fp32_shim_register"
+
+
+def _fp32_native(original_fn, self, x, *args, **kwargs):
+    """AROUND hook of ``RMSNorm.forward_cuda`` / ``SiluAndMul.forward_cuda``: an fp32 input takes
+    the op's PyTorch ``forward_native``; anything else the original CUDA path."""
+    import torch
+
+    if x.dtype == torch.float32:
+        return self.forward_native(x, *args, **kwargs)
+    return original_fn(self, x, *args, **kwargs)
+
+
+def _fp32_native_rope(original_fn, self, positions, query, key, *args, **kwargs):
+    """AROUND hook of ``RotaryEmbedding.forward_cuda``: fp32 queries (without a fused KV write)
+    take ``forward_native`` instead of the JIT RoPE kernel (not built or tested for fp32 upstream)."""
+    import torch
+
+    fused = kwargs.get("fused_set_kv_buffer_arg", args[1] if len(args) > 1 else None)
+    if query.dtype == torch.float32 and fused is None:
+        return self.forward_native(positions, query, key, *args, **kwargs)
+    return original_fn(self, positions, query, key, *args, **kwargs)
+
+
+def _no_fp32_jit_qknorm(original_fn, head_dim, dtype, *args, **kwargs):
+    """AROUND hook of ``sglang.jit_kernel.norm.can_use_fused_inplace_qknorm``: False for fp32 (its
+    kernel ``static_assert``s fp16/bf16; upstream would try an nvcc build per process and fall back)."""
+    import torch
+
+    if dtype == torch.float32:
+        return False
+    return original_fn(head_dim, dtype, *args, **kwargs)
+
+
+FP32_SHIM_HOOKS = (
+    ("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", _fp32_native),
+    ("sglang.srt.layers.activation.SiluAndMul.forward_cuda", _fp32_native),
+    ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_cuda", _fp32_native_rope),
+    ("sglang.jit_kernel.norm.can_use_fused_inplace_qknorm", _no_fp32_jit_qknorm),
+)
+
+
+def fp32_shim_register() -> None:
+    """SGLang plugin of the ``--dtype float32`` servers of check c (entry point ``oscar_e2e_fp32``):
+    AROUND hooks :data:`FP32_SHIM_HOOKS`. Idempotent; changes nothing for fp16/bf16 tensors."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in FP32_SHIM_HOOKS:
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def fp32_shim_dir(work: str) -> str:
+    return os.path.join(work, "fp32_shim")
+
+
+def write_fp32_shim(path: str) -> str:
+    """A minimal ``oscar_e2e_fp32-0.dist-info`` (METADATA + entry_points.txt) under ``path`` and
+    this file as ``path/oscar_e2e_fp32_shim.py``, which make :func:`fp32_shim_register` an
+    ``sglang.srt.plugins`` entry point for a process with ``path`` on its PYTHONPATH; returns ``path``."""
+    info = os.path.join(path, f"{FP32_SHIM_ENTRY}-0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    shutil.copyfile(os.path.abspath(__file__), os.path.join(path, f"{FP32_SHIM_MODULE}.py"))
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {FP32_SHIM_ENTRY}\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write(f"[sglang.srt.plugins]\n{FP32_SHIM_ENTRY} = {FP32_SHIM_VALUE}\n")
+    return path
+
+
+def fp32_server_env(work: str) -> dict[str, str]:
+    """Environment of the fp32 servers: the shim's folder (:func:`write_fp32_shim`) first on
+    PYTHONPATH, and ``TRITON_F32_DEFAULT=ieee`` so that no Triton ``tl.dot`` on fp32 operands
+    silently runs in TF32 (the INT2 kernels already ask for IEEE)."""
+    parts = [fp32_shim_dir(work)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(parts)), "TRITON_F32_DEFAULT": "ieee"}

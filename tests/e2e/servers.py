@@ -1,0 +1,192 @@
+"""The servers of a run: one :class:`ServerSpec` per distinct server the selected checks need,
+its ``sglang.launch_server`` argv, and :class:`Server`, the shared
+:class:`sglang_oscar.serving_launcher.ServerProcess` with the harness's log and error reporting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+from sglang_oscar.serving_launcher import LaunchError, ServerProcess
+
+from .client import http_json, last_error
+from .config import B_RECENT, B_SINK, C_RECENT, C_SINK, ROOT
+from .fp32_shim import C_FP32_FLOOR, C_FP32_SERVERS, fp32_server_env
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    """One ``sglang.launch_server`` process of the run."""
+
+    name: str
+    model: str  # model key (qwen3, moe, llama, long)
+    args: list[str]  # extra sglang flags
+    checks: str  # check letters that use it
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    phase: int = 1  # 1: concurrent; 2: alone (sequential, in list order)
+    expect_fail: bool = False
+    tp: int = 1
+    mem_fraction: float | None = None
+    pool_tokens: int | None = None  # --max-total-tokens (None: uncapped)
+    max_running: int = 16
+    port: int = 0
+    gpu: int = 0
+
+
+def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSpec]:
+    """Every server the selected checks need (deduplicated), with ports assigned."""
+    q = "qwen3"
+    c_win = ["--oscar-sink-tokens", str(C_SINK), "--oscar-recent-tokens", str(C_RECENT)]
+    b_win = ["--oscar-sink-tokens", str(B_SINK), "--oscar-recent-tokens", str(B_RECENT)]
+    i2 = ["--kv-cache-dtype", "int2"] + shlex.split(args.int2_args or "")
+    specs: list[ServerSpec] = []
+
+    def add(spec: ServerSpec):
+        for s in specs:
+            if s.name == spec.name:
+                s.checks = "".join(sorted(set(s.checks + spec.checks)))
+                return
+        specs.append(spec)
+
+    ch = set(args.checks)
+    if "a" in ch:
+        # SGLANG_PLUGINS is a whitelist of entry-point names: every installed plugin but ours
+        others = plugin_entry_point()["others"]
+        add(ServerSpec("qwen3-plugin-off", q, [], "a", env={"SGLANG_PLUGINS": ",".join(others) or "__no_plugin__"}))
+        add(ServerSpec("qwen3-bf16", q, [], "a"))
+    if "b" in ch:
+        for m in ("qwen3", "moe", "llama"):
+            add(ServerSpec(f"{m}-bf16", m, [], "b"))
+            add(ServerSpec(f"{m}-int2-full", m, i2 + ["--oscar-rotation", rot[f"{m}:identity"]] + b_win, "b",
+                           max_running=8))
+    if "c" in ch:
+        add(ServerSpec("qwen3-bf16", q, [], "c"))
+    if "c" in ch or "d" in ch:
+        add(ServerSpec("qwen3-int2-layer", q, i2 + ["--oscar-rotation", rot["qwen3:layer"]] + c_win, "cd"))
+    if "c" in ch or "h" in ch:
+        add(ServerSpec("qwen3-int2-head", q, i2 + ["--oscar-rotation", rot["qwen3:head"]] + c_win, "ch"))
+    if "c" in ch and getattr(args, "c_fp32", False):  # c only: d and h keep the BF16 servers above
+        f32, env32 = ["--dtype", "float32"], fp32_server_env(args.work)
+        for kind, name in C_FP32_SERVERS.items():
+            add(ServerSpec(name, q, i2 + ["--oscar-rotation", rot[f"qwen3:{kind}"]] + c_win + f32, "c",
+                           env=dict(env32)))
+        add(ServerSpec(C_FP32_FLOOR, q, list(f32), "c", env=dict(env32)))
+    if "d" in ch:
+        add(ServerSpec("qwen3-int2-layer-chunk64", q, i2 + ["--oscar-rotation", rot["qwen3:layer"]] + c_win +
+                       ["--chunked-prefill-size", "64"], "d"))
+        add(ServerSpec("qwen3-int2-layer-eager", q, i2 + ["--oscar-rotation", rot["qwen3:layer"]] + c_win +
+                       ["--disable-cuda-graph"], "d"))
+    if "e" in ch:
+        strict = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+                  "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
+        for name, extra in (("qwen3-int2-load", i2), ("qwen3-bf16-load", [])):
+            add(ServerSpec(name, q, list(extra), "e", max_running=args.load_requests, pool_tokens=args.load_pool_tokens,
+                           env=dict(strict)))
+    if "i" in ch:
+        bad = {
+            "bad-rotation-other-model": ["--oscar-rotation", rot["qwen3:mismatch"]],
+            "bad-rotation-missing": ["--oscar-rotation", os.path.join(args.work, "no_such_rotation.safetensors")],
+            "bad-group-size": ["--kv-cache-quant-group-size", "48"],
+            "bad-flag-flashinfer": ["--attention-backend", "flashinfer"],
+            # upstream silently turns --enable-dp-attention off when --dp-size is 1, so ask for dp 2 / tp 2
+            "bad-flag-dp-attention": ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
+        }
+        for name, extra in bad.items():
+            add(ServerSpec(name, q, i2 + extra, "i", expect_fail=True))  # launch_command drops its own backend flag
+    if "h" in ch:
+        add(ServerSpec("qwen3-int2-head-tp2", q, i2 + ["--oscar-rotation", rot["qwen3:head"]] + c_win, "h", phase=2,
+                       tp=2, pool_tokens=args.pool_tokens))
+    if "f" in ch or "g" in ch:
+        for name, extra in (("long-bf16", []), ("long-int2", i2 + ["--kv-cache-quant-group-size", "128"])):
+            add(ServerSpec(name, "long", extra, "".join(c for c in "fg" if c in ch), phase=2,
+                           mem_fraction=args.sizing_mem_fraction, pool_tokens=None, max_running=8))
+    extra = (["--enable-fp32-lm-head"] if args.fp32_lm_head else []) + shlex.split(args.server_args or "")
+    for i, s in enumerate(specs):
+        s.args = s.args + extra
+        s.port = args.base_port + 10 * i
+        if s.mem_fraction is None:
+            s.mem_fraction = args.mem_fraction
+        if s.pool_tokens is None and s.phase == 1:
+            s.pool_tokens = args.pool_tokens
+    return specs
+
+
+def launch_command(spec: ServerSpec, model_path: str, python: str = sys.executable) -> list[str]:
+    """argv of one server (upstream flags as documented in docs/serving.md)."""
+    backend = [] if "--attention-backend" in spec.args else ["--attention-backend", "triton"]
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+           "--port", str(spec.port), "--nccl-port", str(spec.port + 5), *backend,
+           "--sampling-backend", "pytorch", "--grammar-backend", "none", "--skip-tokenizer-init",
+           "--mem-fraction-static", f"{spec.mem_fraction:g}", "--max-running-requests", str(spec.max_running),
+           "--cuda-graph-max-bs", "8", "--random-seed", "0", "--log-level", "info"]
+    if spec.pool_tokens:
+        cmd += ["--max-total-tokens", str(spec.pool_tokens)]
+    if spec.tp > 1:
+        cmd += ["--tp-size", str(spec.tp)]
+    elif spec.gpu:
+        cmd += ["--base-gpu-id", str(spec.gpu)]
+    return cmd + list(spec.args)
+
+
+class Server(ServerProcess):
+    """One server of the run (:class:`~sglang_oscar.serving_launcher.ServerProcess`): its spec,
+    argv, log ``log_dir/<name>.log`` (started with the command line), ``error`` once it failed."""
+
+    def __init__(self, spec: ServerSpec, model_path: str, log_dir: str, python: str):
+        env = dict(spec.env)
+        for key, value in (("OMP_NUM_THREADS", "2"), ("PYTHONUNBUFFERED", "1")):
+            if key not in os.environ and key not in env:
+                env[key] = value
+        cmd = launch_command(spec, model_path, python)
+        header = "$ " + " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items()) + " " + shlex.join(cmd)
+        super().__init__(cmd, host="127.0.0.1", port=spec.port, env=env,
+                         log_path=os.path.join(log_dir, f"{spec.name}.log"), log_header=header, cwd=ROOT)
+        self.spec = spec
+        self.cmd = cmd
+        self.url = self.base_url
+        self.log_path = str(self.log_path)
+        self.error: str | None = None
+
+    def start(self, check_port: bool = True) -> "Server":
+        """Start the server; a busy port is recorded in ``error`` (the server never runs), not raised."""
+        try:
+            return super().start(check_port)
+        except LaunchError as exc:
+            self.error = str(exc)
+            return self
+
+    def wait_healthy(self, timeout: float) -> bool:
+        """True once ``/health`` answers within ``timeout`` seconds of the start; else False with
+        ``error`` saying why (exit code or timeout, and the log's last error line)."""
+        if self.proc is None:
+            return False
+        state = self.poll_health(max(0.0, self.t_start + timeout - time.time()))
+        if state == "exited":
+            self.error = f"exited with code {self.proc.returncode}: {last_error(self.log_text())}"
+        elif state == "timeout":
+            self.error = f"not healthy after {timeout:.0f} s: {last_error(self.log_text())}"
+        return state == "healthy"
+
+    def generate(self, payload: dict, timeout: float = 300.0) -> dict:
+        return http_json(self.url + "/generate", payload, timeout=timeout)
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM the server's process group, SIGKILL what is left after ``grace`` seconds."""
+        return super().stop(grace)
+
+
+def plugin_entry_point() -> dict[str, Any]:
+    """Whether ``sglang.srt.plugins`` lists ``oscar`` (what SGLang's ``load_plugins`` iterates),
+    and the other plugin names (the plugin-disabled server of check a keeps those)."""
+    from importlib.metadata import entry_points
+
+    eps = entry_points(group="sglang.srt.plugins")
+    names = sorted({e.name for e in eps})
+    return {"oscar": "oscar" in names, "value": next((e.value for e in eps if e.name == "oscar"), None),
+            "others": [n for n in names if n != "oscar"]}

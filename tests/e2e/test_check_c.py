@@ -1,0 +1,198 @@
+"""CPU tests of the device harness (``tests/e2e``): the fp32 shim plugin of check c's
+``--dtype float32`` servers, and check c against fake servers that compute the oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from . import check_c, checkpoints, config, fp32_shim, oracle, results
+from .run import Run, precompute
+
+# ----------------------------------------------------------------------------- fp32 servers of check c
+
+
+def test_fp32_shim_entry_point(tmp_path):
+    from importlib.metadata import distributions
+
+    shim = fp32_shim.write_fp32_shim(fp32_shim.fp32_shim_dir(str(tmp_path)))
+    assert shim == str(tmp_path / "fp32_shim")
+    eps = [ep for d in distributions(path=[shim]) for ep in d.entry_points if ep.group == "sglang.srt.plugins"]
+    assert [(ep.name, ep.value) for ep in eps] == [(fp32_shim.FP32_SHIM_ENTRY, fp32_shim.FP32_SHIM_VALUE)]
+    mod, fn = fp32_shim.FP32_SHIM_VALUE.split(":")
+    assert mod == fp32_shim.FP32_SHIM_MODULE and fn == fp32_shim.fp32_shim_register.__name__
+    # the module the entry point names sits next to the dist-info (first on the servers' PYTHONPATH): this file
+    with open(os.path.join(shim, mod + ".py")) as copy, open(fp32_shim.__file__) as original:
+        assert copy.read() == original.read()
+
+
+def test_fp32_shim_hooks_route_only_fp32():
+    class Op:
+        def forward_native(self, *a, **k):
+            return ("native", a, k)
+
+    def orig(*a, **k):
+        return ("cuda", a, k)
+
+    op = Op()
+    x32, x16 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16)
+    assert fp32_shim._fp32_native(orig, op, x32, "res")[0] == "native"
+    assert fp32_shim._fp32_native(orig, op, x16, "res")[0] == "cuda"
+    pos = torch.arange(2)
+    assert fp32_shim._fp32_native_rope(orig, op, pos, x32, x32)[0] == "native"
+    assert fp32_shim._fp32_native_rope(orig, op, pos, x16, x16)[0] == "cuda"
+    assert fp32_shim._fp32_native_rope(orig, op, pos, x32, x32, fused_set_kv_buffer_arg=object())[0] == "cuda"
+    assert fp32_shim._fp32_native_rope(orig, op, pos, x32, x32, None, object())[0] == "cuda"
+    assert fp32_shim._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.float32) is False
+    assert fp32_shim._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.bfloat16) == "probe"
+    for target, hook in fp32_shim.FP32_SHIM_HOOKS:  # every target exists in the installed SGLang
+        import pkgutil
+
+        obj_path, attr = target.rsplit(".", 1)
+        assert callable(getattr(pkgutil.resolve_name(obj_path), attr)), target
+
+
+def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
+    """A fresh interpreter with the fp32 servers' environment: SGLang's own plugin loader finds the
+    shim, applies its hooks, and an fp32 RMSNorm.forward_cuda then runs forward_native (on CPU; the
+    upstream CUDA path would call flashinfer's fp16/bf16-only rmsnorm)."""
+    import subprocess
+    import sys
+
+    work = str(tmp_path)
+    fp32_shim.write_fp32_shim(fp32_shim.fp32_shim_dir(work))
+    env = dict(os.environ, **fp32_shim.fp32_server_env(work), SGLANG_PLUGINS=fp32_shim.FP32_SHIM_ENTRY)
+    code = "\n".join([
+        "import torch",
+        "from sglang.srt.plugins import load_plugins",
+        "load_plugins()",
+        "from sglang.srt.layers.layernorm import RMSNorm",
+        "from sglang.jit_kernel.norm import can_use_fused_inplace_qknorm",
+        "assert hasattr(RMSNorm.forward_cuda, '__wrapped__'), 'RMSNorm.forward_cuda not hooked'",
+        "n = RMSNorm(8, eps=1e-6)",
+        "n.weight.data.uniform_(0.5, 1.5)",
+        "x, r = torch.randn(3, 8), torch.randn(3, 8)",
+        "assert torch.equal(n.forward_cuda(x), n.forward_native(x))",
+        "a, b = n.forward_cuda(x, r)",
+        "c, d = n.forward_native(x, r)",
+        "assert torch.equal(a, c) and torch.equal(b, d)",
+        "assert can_use_fused_inplace_qknorm(128, torch.float32) is False",
+        "print('SHIM_OK')",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path), check=False)
+    assert out.returncode == 0 and "SHIM_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+# ----------------------------------------------------------------------------- check c (fake servers)
+
+
+class _FakeServer:
+    """Answers /generate like an int2 (``rotation``) or plain server would if it computed exactly
+    the oracle / HF model in this process: arbitrary new tokens, their teacher-forced log-probs."""
+
+    def __init__(self, name, model, rotation=None, config=None, hp_dtype=None):
+        from types import SimpleNamespace
+
+        self.model, self.rotation, self.config, self.hp = model, rotation, config, hp_dtype
+        self.spec = SimpleNamespace(name=name)
+        self.t_ready, self.error, self.log_path = 1.0, None, "-"
+
+    def alive(self):
+        return True
+
+    def log_text(self):
+        return ""
+
+    def generate(self, payload, timeout=None):
+        ids = list(payload["input_ids"])
+        new = checkpoints.random_prompt(payload["sampling_params"]["max_new_tokens"], len(ids), vocab=256)
+        lp = oracle.teacher_forced_logprobs(self.model, [ids + new], rotation=self.rotation, config=self.config,
+                                          prompt_lens=[len(ids)], hp_dtype=self.hp)[0]
+        meta = {"output_token_logprobs": [[lp[len(ids) - 1 + j], t, None] for j, t in enumerate(new)],
+                "completion_tokens": len(new), "finish_reason": {"type": "length"}}
+        if payload.get("logprob_start_len") == 0:
+            meta["input_token_logprobs"] = [[None, ids[0], None]] + [[lp[i], ids[i + 1], None] for i in range(len(ids) - 1)]
+        return {"output_ids": new, "meta_info": meta}
+
+
+@pytest.fixture(scope="module")
+def c_run(tiny_qwen3, tmp_path_factory):
+    """A Run of check c with --c-fp32 on the tiny checkpoint: references from precompute()."""
+    from sglang_oscar.calibrate.model import geometry_of
+    from sglang_oscar.rotation import RotationSet
+
+    path, _ = tiny_qwen3
+    out = tmp_path_factory.mktemp("c_run")
+    args = config.parse_args(["--only", "c", "--c-fp32", "--out", str(out / "out"), "--c-prompt-lens", "40,64",
+                           "--c-decode-tokens", "4"])
+    run = Run(args)
+    run.models["qwen3"] = path
+    run.hf["qwen3"] = checkpoints.load_hf(path, "cpu")
+    ident = RotationSet.data_free(geometry_of(run.hf["qwen3"].config), "identity")
+    for kind in ("layer", "head"):
+        run.rot[f"qwen3:{kind}"] = str(out / f"rot_{kind}.safetensors")
+        ident.save(run.rot[f"qwen3:{kind}"])
+    precompute(run)
+    return run
+
+
+def _c_servers(run, fp32_hp=torch.float32):
+    cfg = run.data["c_config"]
+    srv = {"qwen3-bf16": _FakeServer("qwen3-bf16", run.hf["qwen3"]),
+           fp32_shim.C_FP32_FLOOR: _FakeServer(fp32_shim.C_FP32_FLOOR, run.hf["qwen3-fp32"])}
+    for kind in ("layer", "head"):
+        rs = run.data[f"c_rot_{kind}"]
+        srv[f"qwen3-int2-{kind}"] = _FakeServer(f"qwen3-int2-{kind}", run.hf["qwen3"], rs, cfg)
+        name = fp32_shim.C_FP32_SERVERS[kind]
+        srv[name] = _FakeServer(name, run.hf["qwen3-fp32"], rs, cfg, fp32_hp)
+    return srv
+
+
+def test_check_c_fp32_criterion(c_run):
+    import torch as _t
+
+    run = c_run
+    assert run.hf["qwen3-fp32"].dtype == _t.float32 and run.hf["qwen3"].dtype == _t.bfloat16
+    assert {"c_hf_fp32", "c_oracle_fp32_layer", "c_oracle_fp32_head", "c_oracle_layer", "c_hf_bf16"} <= set(run.data)
+    run.servers = _c_servers(run)
+    res = check_c.check_c(run)
+    assert res.status == config.PASS, res.measured
+    d = res.detail
+    assert d["settings"]["criterion"] == "fp32" and d["bf16_pass"] is True
+    for kind in ("layer", "head"):
+        assert d["fp32"][kind]["prefill_mean"] == 0 and d["fp32"][kind]["decode_mean"] == 0
+        assert d["fp32"][kind]["server"] == fp32_shim.C_FP32_SERVERS[kind] and d[kind]["server"] == f"qwen3-int2-{kind}"
+        assert d["fp32"][kind]["quantization_effect_mean"] > 1e-3 and d[kind]["prefill_mean"] == 0
+        assert all(r["decode_vs_oracle"]["n"] == 4 for r in d["fp32"][kind]["rows"])
+    assert d["fp32"]["noise_floor_mean"] == 0 and d["bf16_noise_floor_mean"] == 0
+    assert "--dtype float32 servers" in res.measured and "BF16 servers (reported" in res.measured
+    # an fp32 server whose windows held BF16 rows would not match the fp32 references
+    run.servers = _c_servers(run, fp32_hp=None)
+    off = check_c.check_c(run)
+    assert off.detail["fp32"]["layer"]["prefill_mean"] > 0 and off.detail["layer"]["prefill_mean"] == 0
+    # a missing fp32 server: c fails, the BF16 comparison is still reported
+    run.servers = {k: v for k, v in _c_servers(run).items() if k != fp32_shim.C_FP32_SERVERS["head"]}
+    miss = check_c.check_c(run)
+    assert miss.status == config.FAIL and "fp32 comparison could not be evaluated" in miss.measured
+    assert miss.detail["bf16_pass"] is True and "error" in miss.detail["fp32"]
+
+
+def test_check_c_without_fp32_keeps_the_bf16_criterion(c_run):
+    import argparse
+
+    run = c_run
+    saved = run.args
+    run.args = argparse.Namespace(**{**vars(saved), "c_fp32": False})
+    try:
+        run.servers = {k: v for k, v in _c_servers(run).items() if not k.endswith("fp32")}
+        res = check_c.check_c(run)
+        assert res.status == config.PASS and "fp32" not in res.detail and res.detail["settings"]["criterion"] == "bf16"
+        assert res.measured.startswith("mean |served - oracle| logprob: layer: prefill 0, decode 0")
+        del run.servers["qwen3-int2-head"]
+        with pytest.raises(results.CheckError):  # as before: run_check reports "could not be evaluated"
+            check_c.check_c(run)
+    finally:
+        run.args = saved

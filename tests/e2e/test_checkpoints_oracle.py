@@ -1,0 +1,179 @@
+"""CPU tests of the device harness (``tests/e2e``): tiny checkpoints, rotation files and the oracle
+references."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from . import checkpoints, client, config, oracle
+from .tiny import TINY
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_builder_is_seeded_and_loadable(tiny_qwen3, tmp_path):
+    from safetensors.torch import load_file
+
+    path, info = tiny_qwen3
+    assert not info["reused"] and info["config"]["head_dim"] == 32
+    assert info["sharpen"]["logit_std"] == pytest.approx(0.5, rel=0.05)
+    assert info["sharpen"]["score_std"] == pytest.approx(1.5, rel=0.35)  # one gain for all layers
+    again = checkpoints.build_checkpoint("qwen3", path, seed=3, **TINY)
+    assert again["reused"]
+    other = str(tmp_path / "same_seed")
+    checkpoints.build_checkpoint("qwen3", other, seed=3, **TINY)
+    a, b = load_file(os.path.join(path, "model.safetensors")), load_file(os.path.join(other, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.dtype == torch.bfloat16 for t in a.values())
+    diff = str(tmp_path / "seed4")
+    checkpoints.build_checkpoint("qwen3", diff, seed=4, **TINY)
+    c = load_file(os.path.join(diff, "model.safetensors"))
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    model = checkpoints.load_hf(path, "cpu")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.num_key_value_heads == 2
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["dtype"] == "bfloat16" and cfg["head_dim"] == 32 and cfg["vocab_size"] == 256
+
+
+@pytest.mark.parametrize("name,cls", [("moe", "Qwen3MoeForCausalLM"), ("llama", "LlamaForCausalLM")])
+def test_other_families_build_and_load(tmp_path, name, cls):
+    info = checkpoints.build_checkpoint(name, str(tmp_path), seed=0, **TINY)
+    model = checkpoints.load_hf(str(tmp_path), "cpu")
+    assert type(model).__name__ == cls
+    assert info["sharpen"]["logit_std"] == pytest.approx(0.5, rel=0.05)
+    lp = oracle.teacher_forced_logprobs(model, [checkpoints.random_prompt(24, 1, vocab=256)])[0]
+    assert len(lp) == 23 and all(x <= 0 for x in lp)
+
+
+def test_long_model_config():
+    args = config.parse_args([])
+    cfg = checkpoints.model_config("long", args)
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 128, 32, 128)
+    assert cfg.max_position_embeddings >= args.long_context + args.decode_tokens
+    q = checkpoints.model_config("qwen3")
+    assert (q.num_attention_heads, q.num_key_value_heads, q.head_dim, q.vocab_size) == (8, 2, 128, 2048)
+    with pytest.raises(ValueError, match="unknown model"):
+        checkpoints.model_config("gpt2")
+
+
+# ----------------------------------------------------------------------------- oracle
+
+
+@pytest.fixture(scope="module")
+def oracle_setup(tiny_qwen3):
+    from sglang_oscar.calibrate.model import geometry_of
+    from sglang_oscar.rotation import RotationSet
+
+    path, _ = tiny_qwen3
+    model = checkpoints.load_hf(path, "cpu")  # bf16, as served
+    ident = RotationSet.data_free(geometry_of(model.config), "identity")
+    seq = checkpoints.random_prompt(96, 7, vocab=256)
+    return model, ident, seq
+
+
+def test_oracle_equals_bf16_model_when_windows_cover_everything(oracle_setup):
+    from sglang_oscar.config import OscarConfig
+
+    model, ident, seq = oracle_setup
+    bf16 = oracle.teacher_forced_logprobs(model, [seq])[0]
+    full = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=OscarConfig(sink_tokens=len(seq)))[0]
+    quant = oracle.teacher_forced_logprobs(model, [seq], rotation=ident,
+                                        config=OscarConfig(sink_tokens=4, recent_tokens=8))[0]
+    assert len(bf16) == len(full) == len(quant) == len(seq) - 1
+    same = client.abs_diff_stats(bf16, full)
+    q = client.abs_diff_stats(bf16, quant)
+    # nothing quantized: only fp32-vs-bf16 attention arithmetic differs
+    assert same["mean"] < 5e-3 and same["max"] < 5e-2
+    # quantizing windows: INT2 moves the log-probs far more than that arithmetic noise
+    assert q["mean"] > 10 * same["mean"] and q["mean"] > 1e-2
+    # the first positions read only the BF16 sink (extend windows), so they match the full-window run
+    assert client.abs_diff_stats(full[:3], quant[:3])["max"] < 1e-6
+
+
+def test_oracle_prompt_split_uses_decode_windows_after_the_prompt(oracle_setup):
+    from sglang_oscar.config import OscarConfig
+
+    model, ident, seq = oracle_setup
+    cfg = OscarConfig(sink_tokens=4, recent_tokens=16)
+    ext = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=cfg)[0]
+    split = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=cfg, prompt_lens=[60])[0]
+    # causal: positions before the split are computed identically; later ones read the recent window in BF16
+    assert ext[:59] == split[:59]
+    assert client.abs_diff_stats(ext[59:], split[59:])["mean"] > 1e-3
+    # recent window covering everything: decode windows read everything in BF16 like a full sink
+    wide = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=OscarConfig(sink_tokens=4, recent_tokens=512),
+                                       prompt_lens=[4])[0]
+    full = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=OscarConfig(sink_tokens=512))[0]
+    assert client.abs_diff_stats(wide, full)["max"] < 1e-6
+
+
+def test_greedy_paths_agree_with_teacher_forcing(oracle_setup):
+    from sglang_oscar.config import OscarConfig
+
+    model, ident, seq = oracle_setup
+    prompt = seq[:40]
+    cfg = OscarConfig(sink_tokens=4, recent_tokens=8)
+    for rotation, config in ((None, None), (ident, cfg)):
+        (path,) = oracle.greedy_paths(model, [prompt], 5, rotation=rotation, config=config)
+        assert len(path["tokens"]) == 5 and path["min_margin"] == min(path["margins"]) >= 0
+        tf = oracle.teacher_forced_logprobs(model, [prompt + path["tokens"]], rotation=rotation, config=config,
+                                         prompt_lens=[len(prompt)])[0]
+        assert client.abs_diff_stats(path["logprobs"], tf[len(prompt) - 1:])["max"] < 2e-2
+    picked = oracle.screen_prompts(model, [12, 20], 3, candidates=3, seed=5, vocab=256)
+    assert [len(p["prompt"]) for p in picked] == [12, 20]
+    for li, p in enumerate(picked):  # the chosen candidate has the largest minimum margin of its length
+        seeds = [5 * 100003 + li * 1009 + c for c in range(3)]
+        assert p["seed"] in seeds and p["prompt"] == checkpoints.random_prompt(len(p["prompt"]), p["seed"], 256)
+        alone = [oracle.greedy_paths(model, [checkpoints.random_prompt(len(p["prompt"]), s_, 256)], 3)[0] for s_ in seeds]
+        assert p["min_margin"] == max(p["candidate_min_margins"])
+        assert p["min_margin"] >= max(c["min_margin"] for c in alone) - 0.05  # batched vs one-by-one arithmetic
+
+
+def test_oracle_hp_dtype_fp32(tiny_qwen3, oracle_setup):
+    """The fp32 references of check c (--c-fp32): the model loaded in fp32 and the oracle's HP tier
+    in fp32 agree with the plain fp32 model to fp32 precision when nothing is quantized."""
+    from sglang_oscar.config import OscarConfig
+
+    path, _ = tiny_qwen3
+    _, ident, seq = oracle_setup
+    m32 = checkpoints.load_hf(path, "cpu", torch.float32)
+    m64 = checkpoints.load_hf(path, "cpu", torch.float64)
+    full = OscarConfig(sink_tokens=len(seq))
+    plain = oracle.teacher_forced_logprobs(m32, [seq])[0]
+    hp32 = oracle.teacher_forced_logprobs(m32, [seq], rotation=ident, config=full, hp_dtype=torch.float32)[0]
+    hp16 = oracle.teacher_forced_logprobs(m32, [seq], rotation=ident, config=full)[0]  # default: BF16 HP tier
+    assert client.abs_diff_stats(plain, hp32)["max"] < 1e-4  # fp32 end to end
+    assert client.abs_diff_stats(plain, hp16)["mean"] > 10 * client.abs_diff_stats(plain, hp32)["mean"]  # BF16 rounding
+    # an fp64-loaded model: the oracle still runs in fp32 (rotation, quantization, attention)
+    hp64 = oracle.teacher_forced_logprobs(m64, [seq], rotation=ident, config=full, hp_dtype=torch.float32)[0]
+    assert client.abs_diff_stats(hp32, hp64)["max"] < 1e-4
+    # quantizing windows: the HP dtype reaches the quantizer (rows quantized from their fp32 values)
+    cfg = OscarConfig(sink_tokens=4, recent_tokens=8)
+    q32 = oracle.teacher_forced_logprobs(m32, [seq], rotation=ident, config=cfg, hp_dtype=torch.float32, prompt_lens=[60])[0]
+    q16 = oracle.teacher_forced_logprobs(m32, [seq], rotation=ident, config=cfg, prompt_lens=[60])[0]
+    assert len(q32) == len(seq) - 1 and client.abs_diff_stats(q32, plain)["mean"] > 1e-2
+    assert q32 != q16 and client.abs_diff_stats(q32[:3], plain[:3])["max"] < 1e-4  # first positions read only the sink
+
+
+def test_rotation_files(tiny_qwen3, tmp_path):
+    from sglang_oscar.calibrate.model import geometry_of
+    from sglang_oscar.rotation import RotationSet
+    from sglang_oscar.rotation.rotation_set import RotationError
+
+    path, _ = tiny_qwen3
+    model = checkpoints.load_hf(path, "cpu", torch.float32)
+    files = checkpoints.make_rotation_files(model, path, str(tmp_path), seqs=2, seq_len=64, min_tokens=64)
+    geo = geometry_of(model.config)
+    layer, head = RotationSet.load(files["layer"]), RotationSet.load(files["head"])
+    layer.validate(geo)
+    head.validate(geo)
+    assert not layer.per_head and head.per_head and head.matrices(0, "k").shape == (2, 32, 32)
+    assert layer.metadata["method"] == "oscar" and head.metadata["method"] == "oscar-perhead"
+    assert torch.equal(RotationSet.load(files["identity"]).matrices(1, "v"), torch.eye(32))
+    with pytest.raises(RotationError):
+        RotationSet.load(files["mismatch"]).validate(geo)

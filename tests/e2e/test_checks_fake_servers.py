@@ -1,0 +1,124 @@
+"""CPU tests of checks a, b, d and i against stand-in servers: the comparisons, tolerances and
+the PASS / FAIL decisions, without SGLang."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from . import check_a, check_b, check_d, check_i, config
+from .run import Run
+
+
+class _Server:
+    """Answers /generate deterministically from the prompt (``shift`` changes the tokens, ``dlp``
+    the log-probs); a repeated prompt reports it as cached (radix hit)."""
+
+    def __init__(self, name, shift=0, dlp=0.0, env=None):
+        self.spec = SimpleNamespace(name=name, env=env or {})
+        self.t_ready, self.error, self.log_path = 1.0, None, "-"
+        self.shift, self.dlp, self.seen = shift, dlp, set()
+
+    def alive(self):
+        return True
+
+    def log_text(self):
+        return ""
+
+    def generate(self, payload, timeout=None):
+        ids = payload["input_ids"]
+        n = payload["sampling_params"]["max_new_tokens"]
+        toks = [(sum(ids) + 7 * i + (self.shift if i == n - 1 else 0)) % 97 + 3 for i in range(n)]
+        meta = {"output_token_logprobs": [[-0.1 * (i + 1) - self.dlp, t, None] for i, t in enumerate(toks)],
+                "output_top_logprobs": [[[-0.1, t, None], [-2.0, 0, None]] for t in toks],
+                "cached_tokens": len(ids) - 1 if tuple(ids) in self.seen else 0, "completion_tokens": n}
+        if payload.get("logprob_start_len") == 0:
+            meta["input_token_logprobs"] = [[None, ids[0], None]] + [[-1.0 - self.dlp, t, None] for t in ids[1:]]
+        self.seen.add(tuple(ids))
+        return {"output_ids": toks, "meta_info": meta}
+
+
+def _run(tmp_path, servers, **data):
+    run = Run(config.parse_args(["--out", str(tmp_path / "out"), "--greedy-tokens", "4"]))
+    run.servers = {s.spec.name: s for s in servers}
+    run.data.update(data)
+    run.meta["entry_point"] = {"oscar": True}
+    return run
+
+
+def _prompts(*lens):
+    return [{"prompt": list(range(3, 3 + n)), "min_margin": 1.5, "tokens": []} for n in lens]
+
+
+def test_check_a_passes_on_identical_servers_and_fails_on_a_shift(tmp_path):
+    same = _run(tmp_path, [_Server("qwen3-plugin-off", env={"SGLANG_PLUGINS": "x"}), _Server("qwen3-bf16")],
+                greedy_bf16={"qwen3": _prompts(10, 20)})
+    res = check_a.check_a(same)
+    assert res.status == config.PASS and res.measured.startswith("2/2 prompts same tokens, 2/2 bit-identical")
+    assert res.detail["plugin_disabled_env"] == {"SGLANG_PLUGINS": "x"}
+    off = _run(tmp_path, [_Server("qwen3-plugin-off"), _Server("qwen3-bf16", dlp=0.01)],
+               greedy_bf16={"qwen3": _prompts(10)})
+    res = check_a.check_a(off)  # same tokens, log-probs 0.01 apart: over --a-tol 1e-3
+    assert res.status == config.FAIL and "max |dlogprob| output 0.01" in res.measured
+    same.meta["entry_point"] = {"oscar": False}
+    assert check_a.check_a(same).status == config.FAIL
+
+
+def test_check_b_needs_every_family_identical(tmp_path):
+    servers = [_Server(f"{m}-{k}") for m in ("qwen3", "moe", "llama") for k in ("bf16", "int2-full")]
+    data = {"greedy_bf16": {m: _prompts(8, 16) for m in ("qwen3", "moe", "llama")}}
+    assert check_b.check_b(_run(tmp_path, servers, **data)).status == config.PASS
+    servers[-1] = _Server("llama-int2-full", shift=1)  # the last greedy token differs
+    res = check_b.check_b(_run(tmp_path, servers, **data))
+    assert res.status == config.FAIL and "llama 0/2" in res.measured and "qwen3 2/2" in res.measured
+    assert res.detail["models"]["llama"][0]["first_diff"] == 3
+
+
+def test_check_d_radix_chunk_and_eager(tmp_path):
+    names = ("qwen3-int2-layer", "qwen3-int2-layer-chunk64", "qwen3-int2-layer-eager")
+    res = check_d.check_d(_run(tmp_path, [_Server(n) for n in names], greedy_layer=_prompts(12, 30)))
+    assert res.status == config.PASS, res.measured
+    assert [r["radix_cached_tokens"] for r in res.detail["prompts"]] == [11, 29]
+    assert res.detail["chunked_prompt_logprobs"]["n"] == 29
+    res = check_d.check_d(_run(tmp_path, [_Server(names[0]), _Server(names[1], dlp=0.05), _Server(names[2])],
+                               greedy_layer=_prompts(12)))
+    assert res.status == config.FAIL and "chunk 64: 1/1 same" in res.measured  # same tokens, log-probs off
+
+
+def test_check_i_reads_exit_code_time_and_message(tmp_path):
+    class _Exited:
+        def __init__(self, name, rc, msg, loaded=False):
+            self.spec = SimpleNamespace(name=name, args=["--x"])
+            self.proc = SimpleNamespace(poll=lambda: rc)
+            self.t_start, self.t_exit, self.rc = time.time() - 5, time.time(), rc
+            self.text = ("Load weight begin\n" if loaded else "") + msg + "\n"
+
+        def alive(self):
+            return False
+
+        def log_text(self):
+            return self.text
+
+        def wait_exit(self, timeout):
+            return self.rc
+
+        def stop(self):
+            pass
+
+    msgs = {"bad-rotation-other-model": "ValueError: rotation file has 3 layers, the model 4 (another model?)",
+            "bad-rotation-missing": "FileNotFoundError: /w/no_such_rotation.safetensors does not exist",
+            "bad-group-size": "ValueError: --kv-cache-quant-group-size 48: group size must divide head_dim",
+            "bad-flag-flashinfer": "ValueError: --kv-cache-dtype int2 needs --attention-backend oscar, not flashinfer",
+            "bad-flag-dp-attention": "ValueError: --enable-dp-attention (dp-attention) is not supported with int2"}
+    run = _run(tmp_path, [_Exited(n, 1, m) for n, m in msgs.items()])
+    res = check_i.check_i(run)
+    assert res.status == config.PASS and res.measured.startswith("5/5 refused before loading weights"), res.measured
+    run.servers["bad-group-size"] = _Exited("bad-group-size", 1, msgs["bad-group-size"], loaded=True)
+    run.servers["bad-flag-flashinfer"] = _Exited("bad-flag-flashinfer", 0, msgs["bad-flag-flashinfer"])
+    res = check_i.check_i(run)
+    assert res.status == config.FAIL and "failed: bad-group-size, bad-flag-flashinfer" in res.measured
+    rows = {r["case"]: r for r in res.detail["cases"]}
+    assert rows["bad-group-size"]["weights_loaded"] and rows["bad-flag-flashinfer"]["exit_code"] == 0
+    assert rows["bad-rotation-missing"]["seconds"] == pytest.approx(5, abs=1)

@@ -1,0 +1,202 @@
+"""CPU tests of the device harness (``tests/e2e``): command line, server specs and argv, dry run,
+entry point, time budget."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+
+import pytest
+
+from . import config, fp32_shim, results, servers, smoke
+from . import __main__ as entry
+from .run import Run
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_parse_args_defaults_and_selection(tmp_path):
+    a = config.parse_args(["--out", str(tmp_path)])
+    assert a.checks == list("abcdefgi")  # h only with --tp2
+    assert a.work == str(tmp_path) + "_work"  # checkpoints stay out of the results folder
+    assert a.c_prompt_lens == [1024, 1800]
+    assert config.parse_args(["--tp2"]).checks == list("abcdefghi")
+    assert config.parse_args(["--only", "c,a"]).checks == ["a", "c"]
+    assert config.parse_args(["--only", "gfd"]).checks == ["d", "f", "g"]
+    assert config.parse_args(["--only", "h", "--tp2"]).checks == ["h"]
+    assert config.parse_args(["--only", "c", "--c-prompt-lens", "64,128"]).c_prompt_lens == [64, 128]
+    assert a.c_fp32 is False and config.parse_args(["--only", "c", "--c-fp32"]).c_fp32 is True
+    assert a.b_lens == list(config.B_LENS) and a.d_lens == list(config.D_LENS) and a.h_lens == list(config.H_LENS)
+    for bad in (["--only", "h"], ["--only", "a,z"], ["--only", ""], ["--load-min-len", "900", "--load-max-len", "100"],
+                ["--b-lens", "40,1020"], ["--d-lens", "x"], ["--c-prompt-lens", "1"]):
+        with pytest.raises(SystemExit):
+            config.parse_args(bad)
+
+
+def test_server_specs_and_commands(tmp_path):
+    args = config.parse_args(["--tp2", "--out", str(tmp_path)])
+    rot = {f"{m}:{k}": f"/r/{m}_{k}.safetensors" for m in ("qwen3", "moe", "llama")
+           for k in ("layer", "head", "identity", "mismatch")}
+    specs = servers.server_specs(args, rot)
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names))
+    ports = [s.port for s in specs]
+    assert len(set(ports)) == len(ports) and min(ports) == args.base_port
+    by = {s.name: s for s in specs}
+    # every check is served; phase 2 holds exactly the servers that must run alone
+    assert set("".join(s.checks for s in specs)) == set("abcdefghi")
+    assert {s.name for s in specs if s.phase == 2} == {"qwen3-int2-head-tp2", "long-bf16", "long-int2"}
+    allowed = by["qwen3-plugin-off"].env["SGLANG_PLUGINS"].split(",")
+    assert allowed and "oscar" not in allowed and set(allowed) >= set(servers.plugin_entry_point()["others"])
+    assert by["qwen3-bf16"].checks == "abc"  # shared by a, b and c
+    for s in specs:
+        cmd = servers.launch_command(s, "/m", "python")
+        assert cmd.count("--attention-backend") == 1
+        assert cmd[cmd.index("--port") + 1] == str(s.port)
+        assert "--max-running-requests" in cmd  # bounds the INT2 ring/sink arenas
+        if s.phase == 1:
+            assert cmd[cmd.index("--max-total-tokens") + 1] == str(s.pool_tokens)
+        if "int2" in s.args:
+            assert cmd[cmd.index("--kv-cache-dtype") + 1] == "int2"
+    # the sizing pair: same fraction, no pool cap, group 128 for int2
+    lb, li = servers.launch_command(by["long-bf16"], "/m"), servers.launch_command(by["long-int2"], "/m")
+    assert "--max-total-tokens" not in lb + li
+    assert lb[lb.index("--mem-fraction-static") + 1] == li[li.index("--mem-fraction-static") + 1] == "0.5"
+    assert li[li.index("--kv-cache-quant-group-size") + 1] == "128" and "--kv-cache-dtype" not in lb
+    fi = servers.launch_command(by["bad-flag-flashinfer"], "/m")
+    assert fi[fi.index("--attention-backend") + 1] == "flashinfer"
+    # BF16 logits of the tiny models tie: every server computes float32 logits unless asked not to
+    assert all("--enable-fp32-lm-head" in s.args for s in specs)
+    plain = servers.server_specs(config.parse_args(["--only", "a", "--no-fp32-lm-head", "--server-args", "--log-level debug"]), rot)
+    assert all("--enable-fp32-lm-head" not in s.args and s.args[-2:] == ["--log-level", "debug"] for s in plain)
+    dp = servers.launch_command(by["bad-flag-dp-attention"], "/m")
+    assert dp[dp.index("--dp-size") + 1] == "2"  # dp 1 would silently turn dp-attention off upstream
+    full = by["qwen3-int2-full"].args
+    assert full[full.index("--oscar-sink-tokens") + 1] == str(config.B_SINK)
+    assert full[full.index("--oscar-rotation") + 1] == rot["qwen3:identity"]
+    assert max(args.b_lens) + args.greedy_tokens <= config.B_SINK  # check b really quantizes nothing
+    tp2 = servers.launch_command(by["qwen3-int2-head-tp2"], "/m")
+    assert tp2[tp2.index("--tp-size") + 1] == "2" and "--oscar-rotation" in tp2
+    assert set(servers.server_specs(config.parse_args(["--only", "i"]), rot)[0].checks) == {"i"}
+    # --int2-args reach the int2 servers only (e.g. the einsum rotate engine)
+    eng = servers.server_specs(config.parse_args(["--int2-args", "--oscar-rotate-engine torch"]), rot)
+    with_int2 = [sp for sp in eng if "int2" in sp.args]
+    assert with_int2 and all(sp.args[sp.args.index("--oscar-rotate-engine") + 1] == "torch" for sp in with_int2)
+    assert all("--oscar-rotate-engine" not in sp.args for sp in eng if "int2" not in sp.args)
+    # --dtype float32 servers only with --c-fp32, used by c alone
+    assert not any("--dtype" in s.args or s.name in fp32_shim.C_FP32_SERVERS.values() for s in specs)
+
+
+def test_c_fp32_server_specs(tmp_path):
+    rot = {f"{m}:{k}": f"/r/{m}_{k}.safetensors" for m in ("qwen3", "moe", "llama")
+           for k in ("layer", "head", "identity", "mismatch")}
+    plain = {s.name: s for s in servers.server_specs(config.parse_args(["--tp2", "--out", str(tmp_path)]), rot)}
+    args = config.parse_args(["--tp2", "--c-fp32", "--out", str(tmp_path)])
+    specs = servers.server_specs(args, rot)
+    by = {s.name: s for s in specs}
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)) and len({s.port for s in specs}) == len(specs)
+    fp32 = [*fp32_shim.C_FP32_SERVERS.values(), fp32_shim.C_FP32_FLOOR]
+    assert set(fp32) <= set(by) and set(by) - set(fp32) == set(plain)
+    # the servers shared with d and h are untouched (same flags, checks and environment)
+    for name in plain:
+        assert (by[name].args, by[name].checks, by[name].env, by[name].phase) == (
+            plain[name].args, plain[name].checks, plain[name].env, plain[name].phase)
+    assert by["qwen3-int2-layer"].checks == "cd" and by["qwen3-int2-head"].checks == "ch"
+    shim = fp32_shim.fp32_shim_dir(args.work)
+    for name in fp32:
+        s = by[name]
+        cmd = servers.launch_command(s, "/m", "py")
+        assert s.checks == "c" and s.phase == 1 and cmd[cmd.index("--dtype") + 1] == "float32"
+        path = s.env["PYTHONPATH"].split(os.pathsep)
+        assert path[0] == shim and s.env["TRITON_F32_DEFAULT"] == "ieee"
+        assert "--enable-fp32-lm-head" in s.args
+    for kind, name in fp32_shim.C_FP32_SERVERS.items():
+        a = by[name].args
+        assert a[a.index("--kv-cache-dtype") + 1] == "int2" and a[a.index("--oscar-rotation") + 1] == rot[f"qwen3:{kind}"]
+        assert a[a.index("--oscar-sink-tokens") + 1] == str(config.C_SINK)
+        assert a[a.index("--oscar-recent-tokens") + 1] == str(config.C_RECENT)
+        # the same flags as the BF16 server of the same rotation, plus --dtype float32
+        base = by[f"qwen3-int2-{kind}"].args
+        assert [x for x in a if x not in ("--dtype", "float32")] == base
+    assert "--kv-cache-dtype" not in by[fp32_shim.C_FP32_FLOOR].args
+    # c not selected: no fp32 servers even with --c-fp32
+    assert not set(fp32) & {s.name for s in servers.server_specs(config.parse_args(["--only", "d", "--c-fp32"]), rot)}
+
+
+def test_dry_run_prints_every_server(capsys):
+    assert entry.main(["--dry-run", "--only", "f,i", "--python", "py"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in out if ln.startswith("# ")]
+    assert len(heads) == 7 and any("long-int2 [f]" in h for h in heads)
+    cmds = [shlex.split(ln) for ln in out if not ln.startswith("# ")]
+    assert all(c[:3] == ["py", "-m", "sglang.launch_server"] for c in cmds)
+
+
+def test_plugin_entry_point_is_seen():
+    ep = servers.plugin_entry_point()
+    assert ep["oscar"] and ep["value"] == "sglang_oscar.plugin:register" and "oscar" not in ep["others"]
+
+
+def test_budget_exhaustion_is_reported_as_not_run(tmp_path):
+    """A check the --budget left no time for is SKIP (not run, and not a pass), not FAIL."""
+    assert results.unevaluated_status({"long-int2": f"server not healthy after 22 s (x; {config.BUDGET_CUT}; rerun)"}) \
+        == config.SKIP
+    assert results.unevaluated_status({"long-bf16": "time budget of 370 s used up",
+                                    "long-int2": f"not healthy ({config.BUDGET_CUT})"}) == config.SKIP
+    assert results.unevaluated_status({"long-int2": "exited with code 1: CUDA out of memory"}) == config.FAIL
+    assert results.unevaluated_status({}) == config.FAIL
+    run = Run(config.parse_args(["--only", "a", "--budget", "1", "--out", str(tmp_path / "o")]))
+    run.deadline = time.time() - 1.0
+    run.run_check("a", lambda r: pytest.fail("must not run"))
+    res = run.results["a"]
+    assert res.status == config.SKIP and "--only a" in res.measured
+
+
+def test_server_on_a_busy_port_reports_it_and_never_starts(tmp_path):
+    """The shared launcher refuses a busy port (another server would answer); the harness records it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        spec = servers.ServerSpec("busy", "qwen3", [], "a", port=s.getsockname()[1], mem_fraction=0.4)
+        srv = servers.Server(spec, "/m", str(tmp_path), "python").start()
+        assert srv.proc is None and "already in use" in srv.error and not srv.alive()
+        assert srv.wait_healthy(1.0) is False and srv.stop() is None
+
+
+def test_smoke_servers_and_agreement():
+    argv = smoke.server_argv("/m", 31002, smoke.SERVERS["int2_small_windows"])
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[argv.index("--port") + 1] == "31002"
+    assert argv.count("--kv-cache-dtype") == 1 and argv[argv.index("--kv-cache-dtype") + 1] == "int2"
+    assert argv[argv.index("--oscar-sink-tokens") + 1] == "16" and argv[argv.index("--oscar-recent-tokens") + 1] == "32"
+    assert smoke.server_argv("/m", 1, smoke.SERVERS["bf16"])[-2:] == ["--kv-cache-dtype", "auto"]
+    assert smoke.agreement([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == 0.75
+
+
+def test_server_start_log_and_exit_of_a_failing_launch(tmp_path):
+    """A launch that fails at once (a stand-in interpreter): the log starts with the command line,
+    the exit is time-stamped, and the error names the exit code and the log's last error line."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\necho 'starting'\necho 'ValueError: --kv-cache-quant-group-size 48 is not supported'\nexit 3\n")
+    fake.chmod(0o755)
+    spec = servers.ServerSpec("bad", "qwen3", ["--kv-cache-dtype", "int2"], "i", port=_free_port(), mem_fraction=0.4,
+                              env={"SGLANG_PLUGINS": "x"})
+    srv = servers.Server(spec, "/m", str(tmp_path / "logs"), str(fake)).start()
+    assert srv.wait_healthy(30.0) is False
+    assert srv.error == "exited with code 3: ValueError: --kv-cache-quant-group-size 48 is not supported"
+    assert srv.wait_exit(30.0) == 3 and srv.t_exit is not None and srv.t_exit >= srv.t_start
+    log = srv.log_text().splitlines()
+    assert log[0].startswith("$ SGLANG_PLUGINS=x ") and shlex.split(log[0])[2:5] == [str(fake), "-m", "sglang.launch_server"]
+    assert log[1:] == ["starting", "ValueError: --kv-cache-quant-group-size 48 is not supported"]
+    assert srv.stop() == 3 and not srv.alive()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
