@@ -24,7 +24,7 @@ This is the window the models were trained with (transformers ``masking_utils``:
 ``:728-740`` eager and ``:428-440`` under CUDA graphs; ``seq_lens`` counts the token being
 decoded, ``managers/schedule_batch.py:2823``), i.e. ``pos - j < W - 1``. That differs from its
 own extend kernel and from the trained model; upstream OSCAR windowed its INT2 decode with
-"window + 1" for the same reason (``rotation/Gemma-4-12B-it/README.md``). The oracle uses
+"window + 1" for the same reason (``recipes/Gemma-4-12B-it/README.md``). The oracle uses
 ``pos - j < W``; to reproduce SGLang's Triton BF16 decode exactly, pass ``sliding_window = W - 1``
 for decode queries. SGLang's SWA eviction keeps at least ``sliding_window_size + 1 = W`` keys of a
 decoding request (``mem_cache/common.py:72-78``, called from ``schedule_batch.py:3049`` with the decoded
