@@ -89,8 +89,8 @@ def bytes_per_token_per_head(head_dim_k: int, head_dim_v: int, group_size: int |
 # ---------------------------------------------------------------------------------------------
 # MLA layers (DeepSeek-V3 family, GLM-5, Kimi-K2.5, Kimi-Linear's MLA layers): bytes per token
 # and layer. SGLang's BF16 MLA pool row is [c_kv | k_pe], kv_lora_rank + qk_rope_head_dim
-# elements in the KV dtype (sglang/srt/mem_cache/memory_pool.py:3836-3841, buffer
-# [slots, 1, R + P] at :3862-3867).
+# elements in the KV dtype (sglang/srt/mem_cache/memory_pool.py:3837-3841, buffer
+# [slots, 1, R + P] at :3862-3868).
 
 
 def mla_bf16_bytes_per_token(kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, dtype: str = "bfloat16") -> int:

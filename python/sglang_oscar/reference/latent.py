@@ -15,13 +15,14 @@ SGLang 0.5.16's absorbed path (what this oracle mirrors; paths under ``sglang/sr
   and ``k_pe`` (``:561``; skipped for Kimi-Linear, ``models/kimi_linear.py:448`` ``skip_rope=True``).
 * One MQA over the latent: ``q = [q_nope_out | q_pe]``, ``k = [c_kv | k_pe]``, ``v = c_kv``
   (``forward_mla.py:795-796``, ``:802-809``) on ``RadixAttention(H, R + P, scaling,
-  num_kv_heads=1, v_head_dim=R)`` (``models/deepseek_v2.py:1729-1737``); the pool row is
-  ``[c_kv | k_pe]``, ``R + P`` elements (``mem_cache/memory_pool.py:3836-3841``, buffer
-  ``[slots, 1, R + P]`` at ``:3862-3867``). DSA layers pass the indexer's ``topk_indices``.
+  num_kv_heads=1, v_head_dim=R)`` (``models/deepseek_v2.py:1729-1738``); the pool row is
+  ``[c_kv | k_pe]``, ``R + P`` elements (``mem_cache/memory_pool.py:3837-3841``, buffer
+  ``[slots, 1, R + P]`` at ``:3862-3868``). DSA layers pass the indexer's ``topk_indices``.
 * ``scaling = (N + P)^-0.5`` (``models/deepseek_v2.py:1605``), times ``mscale^2`` with
   ``mscale = 0.1 mscale_all_dim ln(factor) + 1`` under YaRN rope scaling (``:1723-1724``,
   ``configs/model_config.py:1881-1900``; :func:`..rotation.geometry.mla_softmax_scale`).
-* ``o_latent [T, H, R]`` (``forward_mla.py:822``) -> ``bmm(o_latent [H, T, R], w_vc) -> [T, H, V]`` (``:968``).
+* ``o_latent [T, H, R]`` (``forward_mla.py:822``) -> ``bmm(o_latent [H, T, R], w_vc) -> [T, H, V]``
+  (``:968``, ``:978-984``).
 
 Algebra (per head ``h``, row vectors, ``W_UK = w_kc[h]`` ``[N, R]``, ``W_UV = w_vc[h]`` ``[R, V]``).
 Non-absorbed MLA expands ``k_nope = c W_UK^T`` and ``v = c W_UV``; absorbed:
@@ -41,7 +42,7 @@ rank, K's clip ratio -- the calibration's ``latent_fake_quant`` uses the same) a
 window tokens keep the full BF16 row ``[bf16(c Rot) | k_pe]``; ``window_mode`` ``"decode"`` /
 ``"extend"`` / ``"none"`` pick the tier per (query, key). ``k_pe`` is BF16 in both tiers. The
 attention math is fp32 (every concatenation of a dequantized latent with ``k_pe`` is fp32 here;
-a kernel promotes to BF16 at least, never to an FP8 weight dtype).
+a kernel concatenates in BF16 or wider, never cast down to an FP8 checkpoint's weight dtype).
 
 ``cache="bf16"`` is the fake-quant pool the upstream shipped: the middle tier holds
 ``bf16(deq(quant(bf16(c Rot))) Rot^T)`` in the model frame, the windows ``bf16(c)``, and the query
@@ -50,7 +51,7 @@ stored latents (tested to rel. L2 < 5e-3).
 
 DSA (GLM-5 sparse attention): ``topk_indices [Tq, k]`` int, absolute token positions of the
 request (``-1`` = unused slot, as SGLang's indexer pads; ``sglang/kernels/ops/attention/dsa/
-transform_index.py:58-64`` maps them through the page table and keeps ``-1``), restrict each query
+transform_index.py:59-64`` maps them through the page table and keeps ``-1``), restrict each query
 to the selected keys; the indexer itself is SGLang's, its own key buffer untouched.
 """
 
