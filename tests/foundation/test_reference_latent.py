@@ -245,3 +245,16 @@ def test_fitted_rotation_beats_naive_on_outlier_channels():
     # measured: naive -0.3 dB (K's clip ratio clips the outlier channels), Hadamard -14.9, fitted -20.0
     assert fitted < naive - 10.0, (naive, fitted)
     assert fitted < hadamard - 2.0, (hadamard, fitted)
+
+
+def test_middle_tier_is_the_calibration_fake_quant():
+    """One oracle: the latent the calibration's error/ppl verbs fake-quantize is the pool's middle tier."""
+    from sglang_oscar.calibrate.oracle import latent_fake_quant
+
+    _, _, c, kpe, *_ = _mla(t=33, r=64, seed=14)
+    cfg = OscarConfig(group_size=16)
+    r = _orthogonal(64, 15)
+    lc = build_latent_cache(c, kpe, r, cfg)
+    assert torch.equal(lc.ckv_low @ r.T, latent_fake_quant(c, r, cfg))
+    fake = build_latent_cache(c, kpe, r, cfg, cache="bf16")
+    assert torch.equal(fake.ckv_low, latent_fake_quant(c, r, cfg).to(torch.bfloat16).float())
