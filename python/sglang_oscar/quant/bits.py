@@ -84,3 +84,86 @@ def bytes_per_token_per_head(head_dim_k: int, head_dim_v: int, group_size: int |
         g = resolve_group_size(d, group_size)
         total += d // 4 + 2 * sb * (d // g)
     return total
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA layers (DeepSeek-V3 family, GLM-5, Kimi-K2.5, Kimi-Linear's MLA layers): bytes per token
+# and layer. SGLang's BF16 MLA pool row is [c_kv | k_pe], kv_lora_rank + qk_rope_head_dim
+# elements in the KV dtype (sglang/srt/mem_cache/memory_pool.py:3837-3841, buffer
+# [slots, 1, R + P] at :3862-3868).
+
+
+def mla_bf16_bytes_per_token(kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, dtype: str = "bfloat16") -> int:
+    """Bytes of one token and layer in SGLang's MLA pool: ``(R + P) * itemsize``.
+
+    DeepSeek-V3 (R 512, P 64, BF16): ``576 * 2 = 1152``.
+
+    Raises:
+        ValueError: negative sizes or an unknown dtype.
+    """
+    if kv_lora_rank <= 0 or qk_rope_head_dim < 0:
+        raise ValueError(f"kv_lora_rank must be > 0 and qk_rope_head_dim >= 0, got {kv_lora_rank}, {qk_rope_head_dim}")
+    if dtype not in _HP_BYTES:
+        raise ValueError(f"dtype {dtype!r} not in {sorted(_HP_BYTES)}")
+    return (kv_lora_rank + qk_rope_head_dim) * _HP_BYTES[dtype]
+
+
+def mla_latent_bytes_per_token(kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, group_size: int | None = None,
+                               scale_dtype="float16", rope_dtype: str = "bfloat16") -> int:
+    """Bytes of one token and layer in the packed INT2 latent pool (BF16 windows not included).
+
+    ``R / 4`` code bytes (quarter-split rows of the rotated latent, :mod:`.packing`) +
+    ``2 * scale_bytes * R / G`` for the (scale, zero) pairs + ``P * 2`` for ``k_pe`` kept in BF16.
+    DeepSeek-V3 (R 512, P 64), float16 pairs: ``128 + 16 + 128 = 272`` at ``G = 128`` (4.24x fewer
+    than BF16's 1152), ``288`` at 64 (4.0x), ``320`` at 32 (3.6x), ``260`` unset (one group, 4.43x).
+
+    Raises:
+        ValueError: a group size that does not divide ``R``, bad dtypes.
+    """
+    g = resolve_group_size(kv_lora_rank, group_size)
+    sb = scale_torch_dtype(scale_dtype).itemsize
+    if qk_rope_head_dim < 0:
+        raise ValueError(f"qk_rope_head_dim must be >= 0, got {qk_rope_head_dim}")
+    if rope_dtype not in _HP_BYTES:
+        raise ValueError(f"rope_dtype {rope_dtype!r} not in {sorted(_HP_BYTES)}")
+    return kv_lora_rank // 4 + 2 * sb * (kv_lora_rank // g) + qk_rope_head_dim * _HP_BYTES[rope_dtype]
+
+
+def mla_latent_bytes_per_token_at(context_len: int, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
+                                  group_size: int | None = None, scale_dtype="float16", sink: int = 64,
+                                  recent: int = 256, hp_dtype: str = "bfloat16") -> float:
+    """Average bytes per token and layer of a request of ``context_len`` tokens, windows included.
+
+    Every token is in the packed pool; the ``min(L, sink + recent)`` window tokens also keep the
+    full BF16 row ``[c_kv | k_pe]`` (as the MHA pool keeps BF16 copies, docs/design.md):
+    ``packed + n_hp * (R + P) * hp_bytes / L``. DeepSeek-V3 at 131072 tokens, ``G = 128``:
+    ``272 + 320 * 1152 / 131072 = 274.8`` (4.19x fewer than BF16).
+
+    Raises:
+        ValueError: non-positive context, negative windows, bad sizes or dtypes.
+    """
+    if context_len <= 0:
+        raise ValueError(f"context_len must be positive, got {context_len}")
+    if sink < 0 or recent < 0:
+        raise ValueError(f"window sizes must be >= 0, got sink={sink}, recent={recent}")
+    n_hp = min(context_len, sink + recent)
+    packed = mla_latent_bytes_per_token(kv_lora_rank, qk_rope_head_dim, group_size, scale_dtype)
+    return packed + n_hp * mla_bf16_bytes_per_token(kv_lora_rank, qk_rope_head_dim, hp_dtype) / context_len
+
+
+def mla_expanded_bytes_per_token(num_heads: int, qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64,
+                                 v_head_dim: int = 128, group_size: int | None = None, scale_dtype="float16") -> int:
+    """Bytes of one token and layer with expanded-MHA storage in the INT2 MHA pool.
+
+    Every head caches ``K = [k_nope | k_pe]`` (``N + P``) and ``V`` (``V``) as INT2 rows
+    (:func:`bytes_per_token_per_head`), so the cost scales with the (TP-local) head count.
+    DeepSeek-V3 (128 heads, K 192 / V 128), ``G = 64``, float16 pairs: ``(48 + 12) + (32 + 8) = 100``
+    bytes per head, ``12800`` per token: 11x *more* than the BF16 latent (1152), 6.4x less than
+    BF16 expanded MHA (``128 * 320 * 2 = 81920``).
+
+    Raises:
+        ValueError: ``num_heads <= 0``, or a group size that does not divide both head dims.
+    """
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    return num_heads * bytes_per_token_per_head(qk_nope_head_dim + qk_rope_head_dim, v_head_dim, group_size, scale_dtype)

@@ -11,6 +11,14 @@ from .attention import (
     relative_error_db,
     rotate_rows,
 )
+from .latent import (
+    LatentCache,
+    build_latent_cache,
+    expand_latent,
+    latent_attention,
+    split_kv_b_proj,
+    topk_key_mask,
+)
 from .masks import visible_mask
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -205,6 +205,7 @@ def attend(
     window_mode: str = "decode",
     hp_masks: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     sinks: torch.Tensor | None = None,
+    key_mask: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of rotated queries over a two-tier cache (fp32 math).
 
@@ -229,6 +230,10 @@ def attend(
         sinks: optional attention-sink logits, float ``[H_q]`` (one per query head, natural-log
             units, used as given: no ``sm_scale``, no cap): ``exp(sinks[h])`` joins the softmax
             denominator of head ``h``, with no value row (module docstring).
+        key_mask: optional ``(q_positions [Tq'], T) -> bool [Tq', T]``: keys a query may
+            attend at all, ANDed with the causal/sliding visibility (a sparse-attention selection
+            such as GLM-5's DSA top-k, :func:`.latent.topk_key_mask`). Called once per query chunk;
+            every query must keep at least one visible key.
 
     Returns:
         fp32 ``[Tq, H_q, D_v]`` in the rotated V frame.
@@ -252,6 +257,11 @@ def attend(
         qs = q_rot[start : start + QUERY_CHUNK].float()
         pos = q_positions[start : start + QUERY_CHUNK]
         visible = visible_mask(pos, t, sliding_window)
+        if key_mask is not None:
+            visible = visible & key_mask(pos, t).to(device=visible.device, dtype=torch.bool)
+            if not bool(visible.any(dim=-1).all()):
+                # softmax over no key is NaN: a selection must keep at least one key per query
+                raise ValueError("key_mask leaves a query with no visible key")
         kh = k_hp.float().repeat_interleave(g, dim=1)
         vh = v_hp.float().repeat_interleave(g, dim=1)
         s = torch.einsum("qhd,thd->hqt", qs, kh)

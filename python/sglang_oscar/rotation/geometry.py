@@ -106,6 +106,13 @@ class ModelGeometry:
         layers: attention layers in order of ``layer_id``.
         attention_kind: ``"mha"`` (MHA/GQA, per-head K/V rows) or ``"mla"`` (latent c_kv).
         kv_lora_rank, qk_rope_head_dim: MLA latent sizes (``None`` for MHA).
+        qk_nope_head_dim, v_head_dim: MLA per-head sizes of the up-projection ``kv_b_proj``
+            (``w_kc [H, N, R]``, ``w_vc [H, R, V]``; expanded-MHA storage caches K ``N + P`` and V
+            ``V`` per head); ``None`` for MHA or when the config omits them.
+        index_topk, index_head_dim: GLM-5 / DeepSeek-V3.2 sparse attention (DSA): tokens the
+            lightning indexer selects per query and its key width (SGLang keeps the indexer's key
+            buffer itself; the INT2 latent is read for the selected tokens only); ``None`` for
+            dense models. Not part of :meth:`cache_shapes` (calibration statistics do not depend on them).
     """
 
     model_type: str
@@ -115,6 +122,10 @@ class ModelGeometry:
     attention_kind: str = "mha"
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    index_topk: int | None = None
+    index_head_dim: int | None = None
 
     @property
     def layer_ids(self) -> list[int]:
@@ -152,6 +163,24 @@ class ModelGeometry:
     def has_sliding(self) -> bool:
         return any(layer.kind == "sliding" for layer in self.layers)
 
+    def expanded(self) -> ModelGeometry:
+        """The MHA geometry of expanded-MHA storage of an MLA model (``--oscar-mla-storage expanded``):
+        the same layer ids, ``num_q_heads`` kv heads, K ``qk_nope_head_dim + qk_rope_head_dim``
+        (DeepSeek-V3: 192) and V ``v_head_dim`` (128) per head.
+
+        Raises:
+            ValueError: not an MLA geometry, or the config lacked the per-head sizes.
+        """
+        if self.attention_kind != "mla":
+            raise ValueError(f"model_type {self.model_type!r} is not an MLA model: it has no expanded storage")
+        if not self.qk_nope_head_dim or not self.v_head_dim:
+            raise ValueError(f"model_type {self.model_type!r}: the config has no qk_nope_head_dim / v_head_dim")
+        dk, dv = self.qk_nope_head_dim + (self.qk_rope_head_dim or 0), self.v_head_dim
+        check_head_dim(dk)
+        check_head_dim(dv)
+        return ModelGeometry(self.model_type, self.num_hidden_layers, self.num_q_heads,
+                             tuple(LayerGeometry(x.layer_id, self.num_q_heads, dk, dv) for x in self.layers))
+
     def cache_shapes(self) -> tuple:
         """What calibration statistics depend on: model-level sizes and per layer (id, kv heads,
         head dims, window); the flags added later (sinks, K/V sharing) are left out so files
@@ -177,6 +206,15 @@ class ModelGeometry:
         layer mixes (Gemma-3/4, GPT-OSS: ``layer_types``, ``sliding_window``), hybrids with
         linear-attention layers (skipped), and MLA configs (``kv_lora_rank``; attention_kind
         ``"mla"``). Multimodal configs are read through their ``text_config``.
+
+        MLA: every MLA layer is one latent "kv head" of ``kv_lora_rank`` (``num_key_value_heads``
+        is ignored: the heads share the latent). DeepSeek-V2/V3/V3.2 and GLM-5 (``glm_moe_dsa``,
+        whose ``layer_types`` say ``deepseek_sparse_attention``) have an MLA layer everywhere;
+        Kimi-K2.5 (``kimi_k25``) is read through its DeepSeek-V3 ``text_config``; Kimi-Linear
+        (``kimi_linear``) and its successors list their KDA linear-attention layers in
+        ``linear_attn_config["kda_layers"]``, **1-based** (SGLang 0.5.16
+        ``srt/configs/kimi_linear.py:139-143``: layer ``i`` is KDA iff ``i + 1`` is listed), the
+        MLA layers in ``full_attn_layers`` (1-based too); only the MLA layers are returned.
 
         Gemma-4 (HF names: base keys for the sliding layers, ``global_*`` for the full ones):
         full layers get ``global_head_dim`` and, when set, ``num_global_key_value_heads`` -- as
@@ -207,9 +245,13 @@ class ModelGeometry:
         if head_dim is None:
             raise ValueError(f"config of model_type {model_type!r} has neither head_dim nor hidden_size")
 
+        types = cfg.get("layer_types")
+        if cfg.get("linear_attn_config"):
+            types = _types_from_linear_attn_config(cfg["linear_attn_config"], n_layers, model_type)
+        if cfg.get("kv_lora_rank"):
+            return _mla_geometry(cfg, model_type, n_layers, n_q, types)
         if n_kv <= 0 or n_q % n_kv:
             raise ValueError(f"config of model_type {model_type!r}: {n_q} attention heads are not a multiple of {n_kv} kv heads")
-        types = cfg.get("layer_types")
         if not types:
             # No per-layer list: a set sliding_window (Mistral-style) applies to every layer.
             every_sliding = cfg.get("sliding_window") and cfg.get("use_sliding_window") is not False
@@ -219,16 +261,6 @@ class ModelGeometry:
         sliding_window = cfg.get("sliding_window")
         if cfg.get("use_sliding_window") is False:
             sliding_window = None
-
-        if cfg.get("kv_lora_rank"):
-            layers = tuple(
-                LayerGeometry(i, 1, int(cfg["kv_lora_rank"]), int(cfg["kv_lora_rank"]))
-                for i, t in enumerate(types)
-                if t not in _LINEAR
-            )
-            if not layers:
-                raise ValueError(f"model_type {model_type!r} has no attention layers")
-            return cls(model_type, n_layers, n_q, layers, "mla", int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0))
 
         global_dim = cfg.get("global_head_dim") or head_dim
         global_kv = cfg.get("num_global_key_value_heads") or n_kv
@@ -260,6 +292,86 @@ class ModelGeometry:
             except ValueError as exc:
                 raise ValueError(f"model_type {model_type!r} layer {layer.layer_id}: {exc}") from None
         return cls(model_type, n_layers, n_q, tuple(layers))
+
+
+def _optional_int(cfg: dict[str, Any], key: str) -> int | None:
+    val = cfg.get(key)
+    return None if val is None else int(val)
+
+
+def _types_from_linear_attn_config(lac: dict[str, Any], n_layers: int, model_type: str) -> list[str]:
+    """``layer_types`` of a Kimi-Linear-style hybrid from its 1-based ``kda_layers`` /
+    ``full_attn_layers`` (SGLang's rule: ``kda_layers`` decides, ``srt/configs/kimi_linear.py:139-143``).
+
+    Raises:
+        ValueError: neither list, ids outside ``1..num_hidden_layers``, or lists that disagree.
+    """
+    kda, full = lac.get("kda_layers"), lac.get("full_attn_layers")
+    if kda is None and full is None:
+        raise ValueError(f"model_type {model_type!r}: linear_attn_config has neither kda_layers nor full_attn_layers")
+    for name, ids in (("kda_layers", kda), ("full_attn_layers", full)):
+        if ids is not None and any(not 1 <= int(i) <= n_layers for i in ids):
+            raise ValueError(f"model_type {model_type!r}: linear_attn_config {name} {list(ids)} has ids outside "
+                             f"1..{n_layers} (they are 1-based)")
+    linear = {int(i) - 1 for i in kda} if kda is not None else set(range(n_layers)) - {int(i) - 1 for i in full}
+    if kda is not None and full is not None and set(range(n_layers)) - linear != {int(i) - 1 for i in full}:
+        raise ValueError(f"model_type {model_type!r}: linear_attn_config kda_layers and full_attn_layers do not "
+                         f"partition the {n_layers} layers")
+    return ["linear_attention" if i in linear else "full_attention" for i in range(n_layers)]
+
+
+def _mla_geometry(cfg: dict[str, Any], model_type: str, n_layers: int, n_q: int, types) -> ModelGeometry:
+    """:class:`ModelGeometry` of an MLA config: one latent row (``kv_lora_rank``) per MLA layer."""
+    rank = int(cfg["kv_lora_rank"])
+    check_head_dim(rank)
+    types = types or ["full_attention"] * n_layers
+    if len(types) != n_layers:
+        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers is {n_layers}")
+    layers = tuple(LayerGeometry(i, 1, rank, rank) for i, t in enumerate(types) if t not in _LINEAR)
+    if not layers:
+        raise ValueError(f"model_type {model_type!r} has no attention layers")
+    return ModelGeometry(model_type, n_layers, n_q, layers, "mla", rank, int(cfg.get("qk_rope_head_dim") or 0),
+                         qk_nope_head_dim=_optional_int(cfg, "qk_nope_head_dim"),
+                         v_head_dim=_optional_int(cfg, "v_head_dim"),
+                         index_topk=_optional_int(cfg, "index_topk"),
+                         index_head_dim=_optional_int(cfg, "index_head_dim") if cfg.get("index_topk") else None)
+
+
+def mla_softmax_scale(config) -> float:
+    """The softmax scale SGLang 0.5.16 uses for an MLA config (``DeepseekV2AttentionMLA.scaling``).
+
+    ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5`` (``srt/models/deepseek_v2.py:1584``, ``:1605``),
+    times ``mscale^2`` when YaRN rope scaling applies (``:1723-1724``): ``mscale = 1`` for
+    ``factor <= 1``, else ``0.1 * mscale_all_dim * ln(factor) + 1`` (``srt/configs/model_config.py:1881-1900``,
+    ``srt/layers/rotary_embedding/yarn.py:59-62``); the rope dict is ``rope_parameters`` unless its
+    ``rope_type`` is ``"default"``, else ``rope_scaling`` (``deepseek_v2.py:2061-2068``), and
+    ``apply_yarn_scaling`` / ``apply_scale`` false turn the factor off. Kimi-Linear's MLA layers
+    skip RoPE (``srt/models/kimi_linear.py:448``) and with it the factor.
+
+    Args:
+        config: HF config (dict, path or ``PretrainedConfig``; multimodal through ``text_config``).
+
+    Raises:
+        ValueError: not an MLA config.
+    """
+    import math
+
+    cfg = _as_dict(config)
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    if not cfg.get("kv_lora_rank") or cfg.get("qk_nope_head_dim") is None:
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is not an MLA config (kv_lora_rank, qk_nope_head_dim)")
+    scale = (int(cfg["qk_nope_head_dim"]) + int(cfg.get("qk_rope_head_dim") or 0)) ** -0.5
+    if cfg.get("model_type") == "kimi_linear":
+        return scale
+    rope = cfg.get("rope_parameters")
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") == "default":
+        rope = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else None
+    if not rope or not rope.get("apply_yarn_scaling", True) or not rope.get("apply_scale", True):
+        return scale
+    factor = float(rope.get("factor", 1.0))
+    mscale = 1.0 if factor <= 1 else 0.1 * float(rope.get("mscale_all_dim") or 0.0) * math.log(factor) + 1.0
+    return scale * mscale * mscale
 
 
 def _as_dict(config) -> dict[str, Any]:
