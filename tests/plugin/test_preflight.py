@@ -315,3 +315,20 @@ def test_minimax_tp_refusal_stops_the_launch(hooked, tmp_path, monkeypatch):
     monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig()))
     with pytest.raises(ValueError, match=r"--tp 8 does not fit this MiniMax checkpoint.*--tp 1 / 2 / 4"):
         ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda", tp_size=8)
+
+
+def test_minimax_m3_sparse_attention_is_refused_from_the_config(tmp_path):
+    """Every MiniMax-M3 layer attends (no linear layers for the rotation preflight to catch), but its
+    sparse layers need SGLang's MiniMaxSparseKVPool and backend: refused by name before weights load."""
+    import json
+
+    from sglang_oscar.plugin.refusals import refusal_messages
+
+    d = tmp_path / "m3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "text_config": {"model_type": "minimax_m2", "num_hidden_layers": 2, "num_attention_heads": 64,
+                        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072}}))
+    (msg,) = refusal_messages(SimpleNamespace(model_path=str(d), tp_size=8))
+    assert "MiniMax-M3's sparse (MSA) attention" in msg and "--kv-cache-dtype auto" in msg

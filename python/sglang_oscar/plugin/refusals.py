@@ -158,10 +158,18 @@ def _attention_splits(text: dict, tp: int) -> bool:
 
 def model_refusal_messages(server_args) -> list[str]:
     """Refusals that depend on the model's ``config.json`` (a local directory; a Hub id is left to
-    SGLang), checked before any weights load: MiniMax's block-FP8 TP split (:func:`minimax_tp_message`)."""
+    SGLang and to the rotation preflight), checked before any weights load: MiniMax-M3's sparse
+    attention, MiniMax's block-FP8 TP split (:func:`minimax_tp_message`)."""
     cfg = _local_config(getattr(server_args, "model_path", None))
     if cfg is None:
         return []
+    out = []
+    if set(cfg.get("architectures") or ()) & set(_MINIMAX_MOE_ARCHS[1:]):
+        # Every M3 layer attends, so the linear-layer check of the rotation preflight does not stop
+        # it; SGLang builds a MiniMaxSparseKVPool (main K/V + BF16 index side pools) and its own
+        # sparse backend for it, neither of which the INT2 pool and Triton backend replace yet.
+        out.append("--kv-cache-dtype int2 does not serve MiniMax-M3's sparse (MSA) attention yet (SGLang keeps its "
+                   "index keys in a separate pool read by its own sparse backend); serve it with --kv-cache-dtype auto")
     msg = minimax_tp_message(cfg, getattr(server_args, "tp_size", 1) or 1, getattr(server_args, "ep_size", 1) or 1,
                              getattr(server_args, "moe_dp_size", 1) or 1)
-    return [msg] if msg else []
+    return out + ([msg] if msg else [])
