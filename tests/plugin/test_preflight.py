@@ -265,3 +265,70 @@ def test_key_means_on_a_soft_capped_model_are_refused_at_launch(hooked, tmp_path
     # value means alone commute with the cap
     RotationSet(base.k, base.v, dict(base.metadata), v_mean=means).save(rot)
     assert _server_args(model, monkeypatch, rotation_path=rot).attention_backend == "triton"
+
+
+def _minimax_m2_dir(tmp_path, fp8=True):
+    """A tiny MiniMax-M2 config with the real expert width (1536) and block-FP8 quantization."""
+    import json
+
+    d = tmp_path / "minimax_m2"
+    d.mkdir(exist_ok=True)
+    cfg = {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 128,
+           "hidden_size": 64, "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 48,
+           "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "use_qk_norm": True, "qk_norm_type": "per_layer"}
+    if fp8:
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_minimax_tp_split_of_block_fp8_experts_is_refused(tmp_path):
+    """MiniMax-M2's experts are 1536 wide in 128x128 FP8 blocks: tp / ep must leave whole blocks per
+    rank (1536/8 = 192 is not), and attention must split (48 q / 8 kv heads). Refused with --tp and
+    the sizes that work, before any weights load."""
+    from sglang_oscar.plugin.refusals import minimax_tp_message, refusal_messages
+
+    model = _minimax_m2_dir(tmp_path)
+    sa = lambda tp, ep=1: SimpleNamespace(model_path=model, tp_size=tp, ep_size=ep, moe_dp_size=1)  # noqa: E731
+    for tp, ep in ((1, 1), (2, 1), (4, 1), (8, 2), (8, 8)):
+        assert refusal_messages(sa(tp, ep)) == [], (tp, ep)
+    (msg,) = refusal_messages(sa(8))
+    assert msg.startswith("--tp 8 does not fit this MiniMax checkpoint") and "1536/8 = 192" in msg
+    assert "multiple of 128" in msg and "Use --tp 1 / 2 / 4 without expert parallelism" in msg
+    assert "with --tp 8 add --ep 2 / 4 / 8" in msg
+    (msg,) = refusal_messages(sa(16))
+    assert "1536/16 = 96" in msg and "add --ep 4 / 8 / 16" in msg
+    # BF16 weights: no blocks to align; other models and Hub ids: not this rule's business
+    (tmp_path / "bf16").mkdir()
+    assert refusal_messages(SimpleNamespace(model_path=_minimax_m2_dir(tmp_path / "bf16", fp8=False), tp_size=8)) == []
+    assert refusal_messages(SimpleNamespace(model_path="MiniMaxAI/MiniMax-M2", tp_size=8)) == []
+    assert minimax_tp_message({"architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 1536,
+                               "quantization_config": {"weight_block_size": [128, 128]}}, 8) is None
+
+
+def test_minimax_tp_refusal_stops_the_launch(hooked, tmp_path, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    model = _minimax_m2_dir(tmp_path)
+    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig()))
+    with pytest.raises(ValueError, match=r"--tp 8 does not fit this MiniMax checkpoint.*--tp 1 / 2 / 4"):
+        ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda", tp_size=8)
+
+
+def test_minimax_m3_sparse_attention_is_refused_from_the_config(tmp_path):
+    """Every MiniMax-M3 layer attends (no linear layers for the rotation preflight to catch), but its
+    sparse layers need SGLang's MiniMaxSparseKVPool and backend: refused by name before weights load."""
+    import json
+
+    from sglang_oscar.plugin.refusals import refusal_messages
+
+    d = tmp_path / "m3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "text_config": {"model_type": "minimax_m2", "num_hidden_layers": 2, "num_attention_heads": 64,
+                        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072}}))
+    (msg,) = refusal_messages(SimpleNamespace(model_path=str(d), tp_size=8))
+    assert "MiniMax-M3's sparse (MSA) attention" in msg and "--kv-cache-dtype auto" in msg

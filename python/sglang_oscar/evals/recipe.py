@@ -108,6 +108,7 @@ FAMILIES = (
     "kimi_k3",
     "minimax_m2",
     "minimax_m3",
+    "qwen3_5",  # Qwen3.5 / Qwen3-Next hybrids (gated-DeltaNet + full attention)
 )
 ROTATION_METHODS = ("oscar", "oscar-perhead", "hadamard", "identity")
 QUANTIZERS = ("uniform", "lloyd-max")

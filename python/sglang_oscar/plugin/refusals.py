@@ -76,4 +76,100 @@ def refusal_messages(server_args) -> list[str]:
         value = getattr(server_args, r.field, None)
         if r.unsupported(value):
             out.append(f"--kv-cache-dtype int2 does not support {r.flag} {value!r}: {r.advice}")
+    out.extend(model_refusal_messages(server_args))
     return out
+
+
+# MiniMax M2.x / M3 checkpoints: their routed experts take ``intermediate_size`` (not
+# ``moe_intermediate_size``) as the per-expert width (SGLang 0.5.16 ``srt/models/minimax_m2.py:519``,
+# ``minimax_m3.py:318``), so SGLang's own launch check, which reads ``moe_intermediate_size``
+# (``srt/model_executor/model_runner_components/moe_ep_setup.py:131-149``), does not see them.
+_MINIMAX_MOE_ARCHS = ("MiniMaxM2ForCausalLM", "MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
+
+
+def _local_config(model_path) -> dict | None:
+    """``config.json`` of a local model directory as a dict, or ``None`` (a Hub id, unreadable)."""
+    import json
+    import os
+
+    if not isinstance(model_path, (str, os.PathLike)):
+        return None
+    path = os.path.join(os.fspath(model_path), "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def minimax_tp_message(config: dict, tp_size: int, ep_size: int = 1, moe_dp_size: int = 1) -> str | None:
+    """Why a MiniMax M2.x / M3 block-FP8 checkpoint cannot run at this TP / EP split, or ``None``.
+
+    Rule (from the shapes): each routed expert's gate/up projection has ``intermediate_size``
+    outputs (1536 for MiniMax-M2 / M2.5 / M2.7), split over the MoE tensor-parallel ranks
+    ``moe_tp = tp_size / ep_size / moe_dp_size`` (SGLang's split, ``moe_ep_setup.py:127``); with
+    block-FP8 weights (``quantization_config.weight_block_size = [block_n, block_k]``, 128 x 128)
+    every rank's slice must be whole blocks: ``(intermediate_size / moe_tp) % block_n == 0``, the
+    check SGLang runs on the expert weights when the model is built
+    (``srt/layers/quantization/fp8_utils.py:1974-2010`` ``validate_fp8_block_shape``), i.e. after the
+    scheduler has started. For 1536: ``moe_tp`` 1, 2, 3, 4, 6 or 12; TP 8 without expert
+    parallelism gives 192-wide slices and fails. Attention is not the constraint: its 48 query and
+    8 kv heads x 128 split evenly over TP 8.
+
+    Args:
+        config: the HF ``config.json`` dict (multimodal configs through ``text_config``).
+        tp_size, ep_size, moe_dp_size: the launch's ``--tp``, ``--ep`` and ``--moe-dp-size``.
+    """
+    if not set(config.get("architectures") or ()) & set(_MINIMAX_MOE_ARCHS):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    quant = config.get("quantization_config") or text.get("quantization_config") or {}
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    width = text.get("intermediate_size")
+    if not block or not width:
+        return None  # BF16 weights or no expert width: nothing to align
+    block_n, width = int(block[0]), int(width)
+    tp, ep, dp = int(tp_size or 1), int(ep_size or 1), int(moe_dp_size or 1)
+    moe_tp = tp // ep // dp if ep * dp and tp % (ep * dp) == 0 else None
+    if moe_tp and width % moe_tp == 0 and (width // moe_tp) % block_n == 0:
+        return None
+    def fits(t: int, e: int) -> bool:
+        m = t // e // dp if t % (e * dp) == 0 else 0
+        return bool(m) and width % m == 0 and (width // m) % block_n == 0 and _attention_splits(text, t)
+
+    pure_tp = [t for t in range(1, 65) if fits(t, 1)]
+    eps = [e for e in range(2, tp + 1) if fits(tp, e)]
+    got = f"{width}/{moe_tp} = {width / moe_tp:g}" if moe_tp else f"--tp {tp} is not a multiple of --ep {ep} x --moe-dp-size {dp}"
+    with_ep = f"; with --tp {tp} add --ep {' / '.join(map(str, eps))}" if eps else ""
+    return (f"--tp {tp} does not fit this MiniMax checkpoint: each rank gets a slice of its block-FP8 experts "
+            f"({width} wide, {block_n}x{block[1]} blocks) of intermediate_size / (tp / ep / moe_dp) = {got}, "
+            f"which must be a multiple of {block_n}. Use --tp {' / '.join(map(str, pure_tp))} without expert "
+            f"parallelism{with_ep} (expert parallelism keeps each expert whole)")
+
+
+def _attention_splits(text: dict, tp: int) -> bool:
+    """Whether SGLang can split this config's attention over ``tp`` ranks: query heads divide
+    evenly, kv heads divide or replicate evenly (``srt/models/minimax_m2.py:728-741``)."""
+    q = int(text.get("num_attention_heads") or 1)
+    kv = int(text.get("num_key_value_heads") or q)
+    return q % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+
+
+def model_refusal_messages(server_args) -> list[str]:
+    """Refusals that depend on the model's ``config.json`` (a local directory; a Hub id is left to
+    SGLang and to the rotation preflight), checked before any weights load: MiniMax-M3's sparse
+    attention, MiniMax's block-FP8 TP split (:func:`minimax_tp_message`)."""
+    cfg = _local_config(getattr(server_args, "model_path", None))
+    if cfg is None:
+        return []
+    out = []
+    if set(cfg.get("architectures") or ()) & set(_MINIMAX_MOE_ARCHS[1:]):
+        # Every M3 layer attends, so the linear-layer check of the rotation preflight does not stop
+        # it; SGLang builds a MiniMaxSparseKVPool (main K/V + BF16 index side pools) and its own
+        # sparse backend for it, neither of which the INT2 pool and Triton backend replace yet.
+        out.append("--kv-cache-dtype int2 does not serve MiniMax-M3's sparse (MSA) attention yet (SGLang keeps its "
+                   "index keys in a separate pool read by its own sparse backend); serve it with --kv-cache-dtype auto")
+    msg = minimax_tp_message(cfg, getattr(server_args, "tp_size", 1) or 1, getattr(server_args, "ep_size", 1) or 1,
+                             getattr(server_args, "moe_dp_size", 1) or 1)
+    return out + ([msg] if msg else [])

@@ -15,7 +15,9 @@ from typing import Any
 from ..quant.packing import check_head_dim
 
 # Config keys that mark layer kinds in ``layer_types`` lists (transformers >= 4.5x).
-_FULL = {"full_attention", "attention", "global_attention", "global"}
+# "minimax_m3_sparse": MiniMax-M3's MSA layers (transformers 5.12 ``minimax_m3_vl``) cache every
+# token like full attention; the sparse block selection only changes which rows are read.
+_FULL = {"full_attention", "attention", "global_attention", "global", "minimax_m3_sparse"}
 _SLIDING = {"sliding_attention", "sliding_window", "local_attention", "chunked_attention", "local"}
 _LINEAR = {"linear_attention", "mamba", "gated_deltanet", "kda", "conv"}
 
@@ -41,6 +43,12 @@ class LayerGeometry:
             ``RoPE(k_norm(x W_k))`` (``reference/attention.py`` cites the lines), which differ.
             (A recipe's ``[geometry.full] k_eq_v`` records the config's ``attention_k_eq_v``, i.e.
             this class's ``v_shares_k_proj``.)
+        index_num_heads, index_head_dim: MiniMax-M3 sparse (MSA) layers: the index branch's query
+            heads and width; its single index kv head is cached by SGLang in BF16 in a side pool
+            (``MiniMaxSparseKVPool.index_kv_pool`` / ``index_k_pool``), never in the INT2 rows.
+            ``None`` for dense layers.
+        index_has_value: the index branch also caches an index V row (``False`` where the
+            config's ``sparse_disable_index_value`` flags the layer: K-only side pool).
     """
 
     layer_id: int
@@ -51,6 +59,14 @@ class LayerGeometry:
     has_sinks: bool = False
     v_shares_k_proj: bool = False
     k_eq_v: bool = False
+    index_num_heads: int | None = None
+    index_head_dim: int | None = None
+    index_has_value: bool = False
+
+    @property
+    def is_sparse(self) -> bool:
+        """A MiniMax-M3 sparse layer (has an index branch)."""
+        return self.index_head_dim is not None
 
     @property
     def kind(self) -> str:
@@ -113,6 +129,9 @@ class ModelGeometry:
             lightning indexer selects per query and its key width (SGLang keeps the indexer's key
             buffer itself; the INT2 latent is read for the selected tokens only); ``None`` for
             dense models. Not part of :meth:`cache_shapes` (calibration statistics do not depend on them).
+        linear_layer_ids: global ids of the linear-attention (GDN / KDA / mamba) layers, which have
+            no KV cache (SGLang keeps their recurrent state in its mamba pool); empty for models
+            without them. Not part of :meth:`cache_shapes` (they follow from the layer ids).
     """
 
     model_type: str
@@ -126,15 +145,36 @@ class ModelGeometry:
     v_head_dim: int | None = None
     index_topk: int | None = None
     index_head_dim: int | None = None
+    linear_layer_ids: tuple[int, ...] = ()
 
     @property
     def layer_ids(self) -> list[int]:
         return [layer.layer_id for layer in self.layers]
 
+    def pool_index(self, layer_id: int) -> int:
+        """Index of an attention layer in a pool that holds only the attention layers.
+
+        SGLang 0.5.16's ``HybridLinearKVPool`` gives its inner KV pool one buffer per full-attention
+        layer, in ascending global id (``full_attention_layer_id_mapping = {id: i for i, id in
+        enumerate(full_attention_layer_ids)}``, ``srt/mem_cache/memory_pool.py:3593-3595``); for a
+        model without linear layers this is the layer id itself.
+
+        Raises:
+            KeyError: not an attention layer (the message says when it is a linear-attention layer).
+        """
+        for i, layer in enumerate(self.layers):
+            if layer.layer_id == layer_id:
+                return i
+        if layer_id in self.linear_layer_ids:
+            raise KeyError(f"layer {layer_id} of this {self.model_type} model is a linear-attention layer: it has no KV cache")
+        raise KeyError(f"layer {layer_id} is not an attention layer of this {self.model_type} model")
+
     def layer(self, layer_id: int) -> LayerGeometry:
         for layer in self.layers:
             if layer.layer_id == layer_id:
                 return layer
+        if layer_id in self.linear_layer_ids:
+            raise KeyError(f"layer {layer_id} of this {self.model_type} model is a linear-attention layer: it has no KV cache")
         raise KeyError(f"layer {layer_id} is not an attention layer of this {self.model_type} model")
 
     def groups(self) -> tuple[GeometryGroup, ...]:
@@ -179,7 +219,8 @@ class ModelGeometry:
         check_head_dim(dk)
         check_head_dim(dv)
         return ModelGeometry(self.model_type, self.num_hidden_layers, self.num_q_heads,
-                             tuple(LayerGeometry(x.layer_id, self.num_q_heads, dk, dv) for x in self.layers))
+                             tuple(LayerGeometry(x.layer_id, self.num_q_heads, dk, dv) for x in self.layers),
+                             linear_layer_ids=self.linear_layer_ids)
 
     def cache_shapes(self) -> tuple:
         """What calibration statistics depend on: model-level sizes and per layer (id, kv heads,
@@ -196,6 +237,7 @@ class ModelGeometry:
     def from_dict(cls, d: dict[str, Any]) -> ModelGeometry:
         d = dict(d)
         d["layers"] = tuple(LayerGeometry(**x) for x in d["layers"])
+        d["linear_layer_ids"] = tuple(d.get("linear_layer_ids") or ())
         return cls(**d)
 
     @classmethod
@@ -204,7 +246,10 @@ class ModelGeometry:
 
         Handles MHA/GQA decoders (Llama, Qwen2/3, Qwen3-MoE, Mistral, MiniMax), sliding/full
         layer mixes (Gemma-3/4, GPT-OSS: ``layer_types``, ``sliding_window``), hybrids with
-        linear-attention layers (skipped), and MLA configs (``kv_lora_rank``; attention_kind
+        linear-attention layers (skipped; their ids in ``linear_layer_ids``; Qwen3-Next / Qwen3.5
+        from ``full_attention_interval`` as SGLang serves them, :func:`_types_from_full_attention_interval`),
+        MiniMax-M2 / M3 (GQA; M3's sparse layers carry their index branch,
+        :func:`_minimax_sparse_layers`), and MLA configs (``kv_lora_rank``; attention_kind
         ``"mla"``). Multimodal configs are read through their ``text_config``.
 
         MLA: every MLA layer is one latent "kv head" of ``kv_lora_rank`` (``num_key_value_heads``
@@ -246,6 +291,8 @@ class ModelGeometry:
             raise ValueError(f"config of model_type {model_type!r} has neither head_dim nor hidden_size")
 
         types = cfg.get("layer_types")
+        if model_type in _INTERVAL_HYBRIDS:
+            types = _types_from_full_attention_interval(cfg, n_layers, model_type)
         if cfg.get("linear_attn_config"):
             types = _types_from_linear_attn_config(cfg["linear_attn_config"], n_layers, model_type)
         if cfg.get("kv_lora_rank"):
@@ -267,6 +314,7 @@ class ModelGeometry:
         sinks_everywhere = model_type == "gpt_oss"
         sinks_sliding = sinks_everywhere or bool(cfg.get("add_swa_attention_sink_bias"))
         sinks_full = sinks_everywhere or bool(cfg.get("add_full_attention_sink_bias"))
+        index = _minimax_sparse_layers(cfg, n_layers, model_type)
         layers = []
         for i, t in enumerate(types):
             if t in _LINEAR:
@@ -280,7 +328,8 @@ class ModelGeometry:
                 kv = int(global_kv if is_global else n_kv)
                 layers.append(LayerGeometry(i, kv, d, d if is_global else int(cfg.get("v_head_dim") or d),
                                             has_sinks=sinks_full,
-                                            v_shares_k_proj=bool(is_global and cfg.get("attention_k_eq_v"))))
+                                            v_shares_k_proj=bool(is_global and cfg.get("attention_k_eq_v")),
+                                            **index.get(i, {})))
             else:
                 raise ValueError(f"layer {i} has unknown layer type {t!r} in model_type {model_type!r}")
         if not layers:
@@ -291,7 +340,83 @@ class ModelGeometry:
                 check_head_dim(layer.head_dim_v)
             except ValueError as exc:
                 raise ValueError(f"model_type {model_type!r} layer {layer.layer_id}: {exc}") from None
-        return cls(model_type, n_layers, n_q, tuple(layers))
+        linear = tuple(i for i, t in enumerate(types) if t in _LINEAR)
+        return cls(model_type, n_layers, n_q, tuple(layers), linear_layer_ids=linear)
+
+
+# Hybrids whose SGLang 0.5.16 config derives the layer kinds from ``full_attention_interval``
+# alone (``srt/configs/qwen3_next.py:260-285``; Qwen3.5's text configs subclass it,
+# ``srt/configs/qwen3_5.py:15``): the served layout, whatever ``layer_types`` says.
+_INTERVAL_HYBRIDS = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"}
+
+
+def _types_from_full_attention_interval(cfg: dict[str, Any], n_layers: int, model_type: str) -> list[str]:
+    """``layer_types`` of a Qwen3-Next / Qwen3.5 hybrid as SGLang serves it: layer ``i`` is full
+    attention iff ``(i + 1) % full_attention_interval == 0``, else gated-DeltaNet linear attention.
+
+    SGLang's ``Qwen3NextConfig`` ignores ``layer_types`` (it reads ``full_attention_interval``);
+    transformers 5.12 builds ``layer_types`` from the same interval when the config has none
+    (``qwen3_5_moe/configuration_qwen3_5_moe.py:114-119``, default 4). A config whose list
+    disagrees with its interval would be served with another layout than transformers runs, so
+    it is refused rather than guessed.
+
+    Raises:
+        ValueError: no interval and no ``layer_types``, a non-positive interval, or a
+            ``layer_types`` list that disagrees with the interval.
+    """
+    listed = cfg.get("layer_types")
+    interval = cfg.get("full_attention_interval")
+    if interval is None:
+        if not listed:
+            raise ValueError(f"model_type {model_type!r}: the config has neither full_attention_interval nor layer_types")
+        return list(listed)  # transformers filled the list from its default interval
+    interval = int(interval)
+    if interval <= 0:
+        raise ValueError(f"model_type {model_type!r}: full_attention_interval must be positive, got {interval}")
+    served = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if listed and [t in _FULL for t in listed] != [t in _FULL for t in served]:
+        bad = [i for i, (a, b) in enumerate(zip(listed, served)) if (a in _FULL) != (b in _FULL)] or [min(len(listed), n_layers)]
+        raise ValueError(f"model_type {model_type!r}: layer_types disagrees with full_attention_interval {interval} "
+                         f"(first at layer {bad[0]}); SGLang serves the interval's layout, so fix the config")
+    return served
+
+
+def _minimax_sparse_layers(cfg: dict[str, Any], n_layers: int, model_type: str) -> dict[int, dict[str, Any]]:
+    """Index-branch fields of the sparse (MSA) layers of a MiniMax-M3 config, by global layer id.
+
+    SGLang 0.5.16 reads ``sparse_attention_config``: layer ``i`` is sparse iff
+    ``sparse_attention_freq[i] != 0`` and caches no index V iff ``sparse_disable_index_value[i] != 0``
+    (``srt/configs/model_config.py:158-169``); the index branch has ``sparse_num_index_heads``
+    query heads and one kv head of ``sparse_index_dim`` (``srt/models/minimax_m3.py:510-511``,
+    ``:555-563``: ``total_num_kv_heads=1``, ``v_head_size=0`` when the value is disabled).
+
+    Raises:
+        ValueError: per-layer lists of the wrong length or missing head counts.
+    """
+    sc = cfg.get("sparse_attention_config")
+    if not isinstance(sc, dict) or sc.get("sparse_attention_freq") is None:
+        # transformers 5.12's flattened form (``minimax_m3_vl/configuration_minimax_m3_vl.py``):
+        # ``layer_types`` "minimax_m3_sparse", ``index_n_heads`` / ``index_head_dim``, and no index
+        # value path at all (its docstring: the checkpoint disables it on every sparse layer)
+        types = cfg.get("layer_types") or []
+        if "minimax_m3_sparse" not in types:
+            return {}
+        sc = {"sparse_attention_freq": [int(t == "minimax_m3_sparse") for t in types],
+              "sparse_disable_index_value": [1] * len(types),
+              "sparse_num_index_heads": cfg.get("index_n_heads"), "sparse_index_dim": cfg.get("index_head_dim")}
+    freq = sc["sparse_attention_freq"]
+    no_value = sc.get("sparse_disable_index_value") or [0] * n_layers
+    for name, lst in (("sparse_attention_freq", freq), ("sparse_disable_index_value", no_value)):
+        if len(lst) != n_layers:
+            raise ValueError(f"model_type {model_type!r}: sparse_attention_config {name} has {len(lst)} entries but "
+                             f"num_hidden_layers is {n_layers}")
+    try:
+        heads, dim = int(sc["sparse_num_index_heads"]), int(sc["sparse_index_dim"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"model_type {model_type!r}: the sparse attention config lacks its index head count or "
+                         f"width ({exc})") from None
+    return {i: {"index_num_heads": heads, "index_head_dim": dim, "index_has_value": not no_value[i]}
+            for i, f in enumerate(freq) if f}
 
 
 def _optional_int(cfg: dict[str, Any], key: str) -> int | None:
@@ -331,6 +456,7 @@ def _mla_geometry(cfg: dict[str, Any], model_type: str, n_layers: int, n_q: int,
     if not layers:
         raise ValueError(f"model_type {model_type!r} has no attention layers")
     return ModelGeometry(model_type, n_layers, n_q, layers, "mla", rank, int(cfg.get("qk_rope_head_dim") or 0),
+                         linear_layer_ids=tuple(i for i, t in enumerate(types) if t in _LINEAR),
                          qk_nope_head_dim=_optional_int(cfg, "qk_nope_head_dim"),
                          v_head_dim=_optional_int(cfg, "v_head_dim"),
                          index_topk=_optional_int(cfg, "index_topk"),
@@ -404,7 +530,12 @@ def _as_dict(config) -> dict[str, Any]:
             from transformers import AutoConfig
 
             kwargs = {k: v for k, v in config.items() if k != "model_type"}
-            return {**config, **AutoConfig.for_model(model_type, **kwargs).to_dict()}
+            out = {**config, **AutoConfig.for_model(model_type, **kwargs).to_dict()}
+            if isinstance(config.get("text_config"), dict) and isinstance(out.get("text_config"), dict):
+                # keep text keys the config class consumed (MiniMax-M3's sparse_attention_config,
+                # which SGLang reads as it stands in config.json); transformers' values win
+                out["text_config"] = {**config["text_config"], **out["text_config"]}
+            return out
         except Exception:  # unknown to this transformers version: read the keys as they are
             return config
     return config

@@ -261,6 +261,20 @@ class RotationSet:
         want = [layer.layer_id for layer in layers]
         fix = ("Write a data-free file for this model with `sglang-oscar hadamard --config CONFIG.json --out "
                "FILE.safetensors`, or recalibrate and refit it (`sglang-oscar calibrate`, then `fit`) for this model.")
+        # Hybrids (Qwen3.5 / Qwen3-Next GDN, Kimi KDA): a rotation for a linear-attention layer means
+        # the file was fitted on a model (or a config read) where that layer attends. Said first and
+        # by name: "unexpected [0, 1, 2]" alone reads like an off-by-one, not like the wrong model.
+        linear = sorted(set(self.k) & set(geometry.linear_layer_ids))
+        if linear:
+            missing = sorted(set(want) - set(self.k))
+            raise RotationError(
+                f"{self.source}: has rotations for layers {_ids(linear)}, which are linear-attention layers of "
+                f"this {geometry.model_type} model: they have no KV cache (SGLang keeps their recurrent state in "
+                f"its mamba pool), so no rotation applies to them. Its {len(geometry.layer_ids)} full-attention "
+                f"layers are {_ids(geometry.layer_ids)}"
+                + (f"; the file misses full-attention layers {_ids(missing)}" if missing else "")
+                + ". The file was fitted for another model or with a config that lost the layer kinds. " + fix
+            )
         for which, store in (("K", self.k), ("V", self.v)):
             missing = sorted(set(want) - set(store))
             extra = sorted(set(store) - set(geometry.layer_ids))
@@ -269,7 +283,8 @@ class RotationSet:
                     f"{self.source}: {which} rotations cover layers {_ids(store)} but the model "
                     f"({geometry.model_type}, {len(geometry.layer_ids)} attention layers) quantizes {_ids(want)}"
                     + (f" ({len(skip)} skipped)" if skip else "")
-                    + (f"; missing {_ids(missing)}" if missing else "")
+                    + (f"; missing {'full-attention layers ' if geometry.linear_layer_ids else ''}{_ids(missing)}"
+                       if missing else "")
                     + (f"; unexpected {_ids(extra)}" if extra else "")
                     + ". This file was fitted for another model. " + fix
                 )
