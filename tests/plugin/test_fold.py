@@ -52,7 +52,8 @@ def _rotation_set(per_head: bool, centered: bool, seed=0) -> RotationSet:
     rs = {i: (_orth(D, gen, heads), _orth(D, gen, heads)) for i in range(LID + 1)}
     means = {}
     if centered:
-        means = {i: (torch.randn(HKV, D, generator=gen), 2.0 + torch.randn(HKV, D, generator=gen)) for i in range(LID + 1)}
+        means = {i: (torch.randn(HKV, D, generator=gen), 2.0 + torch.randn(HKV, D, generator=gen))
+                 for i in range(LID + 1)}
     return RotationSet(k={i: r[0] for i, r in rs.items()}, v={i: r[1] for i, r in rs.items()},
                        k_mean={i: m[0] for i, m in means.items()}, v_mean={i: m[1] for i, m in means.items()})
 
@@ -260,19 +261,19 @@ def test_tp_shards_fold_like_tp1(per_head, centered, tp):
     fold_value_rotations(Model(full), *_local(rs))
     if tp <= HKV:  # split kv heads: the ranks' shards concatenated are the TP=1 fold
         hq, hkv = HQ // tp, HKV // tp
-        parts = [[s.qkv_proj.weight[: hq * D] for s in shards], [s.qkv_proj.weight[hq * D:(hq + hkv) * D] for s in shards],
+        parts = [[s.qkv_proj.weight[: hq * D] for s in shards],
+                 [s.qkv_proj.weight[hq * D:(hq + hkv) * D] for s in shards],
                  [s.qkv_proj.weight[(hq + hkv) * D:] for s in shards]]
         torch.testing.assert_close(torch.cat([torch.cat(p) for p in parts]), full.qkv_proj.weight, rtol=0, atol=0)
         torch.testing.assert_close(torch.cat([s.o_proj.weight for s in shards], dim=1), full.o_proj.weight,
                                    rtol=0, atol=0)
-    for s in shards:  # every rank holds the same full bias (only rank 0 adds it)
+    for rank, s in enumerate(shards):  # every rank holds the same full o_proj bias (only rank 0 adds it)
         if centered:
             torch.testing.assert_close(s.o_proj.bias, full.o_proj.bias, rtol=RTOL, atol=1e-5)
-            torch.testing.assert_close(s.qkv_proj.bias[-s.qkv_proj.num_kv_heads * D:],
-                                       full.qkv_proj.bias[-HKV * D:].reshape(HKV, D)[
-                                           [(shards.index(s) * s.qkv_proj.num_kv_heads + i) if tp <= HKV
-                                            else shards.index(s) * HKV // tp for i in range(s.qkv_proj.num_kv_heads)]
-                                       ].reshape(-1), rtol=0, atol=0)
+            hkv = s.qkv_proj.num_kv_heads
+            kv0 = rank * hkv if tp <= HKV else rank * HKV // tp
+            v_bias = full.qkv_proj.bias[-HKV * D:].reshape(HKV, D)[kv0:kv0 + hkv].reshape(-1)
+            torch.testing.assert_close(s.qkv_proj.bias[-hkv * D:], v_bias, rtol=0, atol=0)
         else:
             assert s.o_proj.bias is None and s.qkv_proj.bias is None
     # the ranks' summed outputs equal the unfolded TP=1 layer's
@@ -335,8 +336,11 @@ def test_other_refusals():
     plain = _rotation_set(False, False)
     rep = fold_value_rotations(Model(m), *_local(plain))
     assert rep.folded == [LID]
-    rep = fold_value_rotations(Model(m), *_local(plain))  # never twice
-    assert rep.folded == [] and "already" in rep.kept[LID]
+    w = m.qkv_proj.weight.clone()
+    rep = fold_value_rotations(Model(m), *_local(plain))  # a second backend: reported folded, not refolded
+    assert rep.folded == [LID] and torch.equal(m.qkv_proj.weight, w)
+    with pytest.raises(ValueError, match="folded into the weights already"):
+        fold_value_rotations(Model(m), *_local(_rotation_set(False, False, seed=4)))
     # layers without a rotation (BF16 layers) are not touched and not reported
     m2 = _random_layer(bias=False)
     rep = fold_value_rotations(Model(m2), {}, {})

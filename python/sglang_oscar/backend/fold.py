@@ -37,8 +37,11 @@ plain bf16/fp16/fp32 tensors, CPU AMX-packed weights), modules that are not exac
 classes whose V path has not been checked to be linear from the projection to the cache and from
 the attention output to ``o_proj`` (:data:`FOLDABLE_ATTENTION`; e.g. a ``v_norm`` or an output
 gate breaks the fold), a centred file where a bias is needed but the layer returns its bias to the
-caller (``skip_bias_add``), a centred file under tensor parallelism without ``all_reduce``, and a
-layer folded already.
+caller (``skip_bias_add``), and a centred file under tensor parallelism without ``all_reduce``.
+A layer folded already (a second backend over the same model, a second call) is reported folded
+again without being touched when the rotation and mean are the same, and is an error otherwise.
+Weights reloaded after the fold (SGLang's ``update_weights_from_*``) are unfolded again while the
+report still says folded: the caller must refold (or refuse weight updates) in that case.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def fold_v_projection(w_v: torch.Tensor, b_v: torch.Tensor | None, rotation: tor
     if w_v.dim() != 2 or w_v.shape[0] % d:
         raise ValueError(f"value rows {tuple(w_v.shape)} are not [H_kv * {d}, hidden]")
     h = w_v.shape[0] // d
-    r = _per_head(rotation, h)
+    r = _per_head(rotation.to(w_v.device), h)
     w = torch.einsum("hde,hdi->hei", r, w_v.float().reshape(h, d, -1)).reshape(h * d, -1)
     if b_v is None and mean is None:
         return w, None
@@ -157,7 +160,7 @@ def fold_o_projection(w_o: torch.Tensor, rotation: torch.Tensor, mean: torch.Ten
     if num_q_heads % hkv:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
     group = num_q_heads // hkv
-    r = _per_head(rotation, hkv).repeat_interleave(group, dim=0)
+    r = _per_head(rotation.to(w_o.device), hkv).repeat_interleave(group, dim=0)
     w3 = w_o.float().reshape(w_o.shape[0], num_q_heads, d)
     w = torch.einsum("ohd,hde->ohe", w3, r).reshape(w_o.shape[0], -1)
     if mean is None:
@@ -179,7 +182,8 @@ def _weight_problem(mod, what: str) -> str | None:
     dtype = str(w.dtype).replace("torch.", "")
     if method != "UnquantizedLinearMethod":
         return f"{what} weights are {dtype} ({method})"
-    if w.dtype not in PLAIN_DTYPES or type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 2:
+    if (w.dtype not in PLAIN_DTYPES or type(w) not in (torch.Tensor, torch.nn.Parameter)
+            or type(w.data) is not torch.Tensor or w.dim() != 2):  # tensor subclasses: torchao, packed layouts
         return f"{what} weights are {dtype} {type(w).__name__} of {w.dim()} dims, not a plain bf16/fp16/fp32 matrix"
     if getattr(mod, "use_intel_amx_backend", False):
         return f"{what} weights are packed for the CPU AMX kernel"
@@ -232,6 +236,13 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
             continue
         r = _v_rotation(rotations[lid])
         mean = None if means is None or means.get(lid) is None else _v_rotation(means[lid])
+        done = getattr(mod, FOLDED_MARK, None)
+        if done is not None:  # a second backend of the same model (or a second call): same fold or an error
+            if not _same_fold(done, r, mean):
+                raise ValueError(f"layer {lid}: the value rotation is folded into the weights already, with another "
+                                 "rotation or mean; a loaded model can be folded once (reload the weights to refold)")
+            report.folded.append(lid)
+            continue
         why = _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed)
         if why is not None:
             report.kept[lid] = why
@@ -241,22 +252,23 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
         dv = getattr(qkv, "v_head_size", d)
         v0 = (hq + hkv) * d
         with torch.no_grad():
-            w_v, b_v = fold_v_projection(qkv.weight[v0:v0 + hkv * dv], None if qkv.bias is None else qkv.bias[v0:v0 + hkv * dv],
-                                         r, mean)
+            v_rows = slice(v0, v0 + hkv * dv)
+            w_v, b_v = fold_v_projection(qkv.weight[v_rows], None if qkv.bias is None else qkv.bias[v_rows], r, mean)
             w_o, term = fold_o_projection(o_proj.weight, r, mean, hq)
-            qkv.weight[v0:v0 + hkv * dv].copy_(w_v.to(qkv.weight.dtype))
+            qkv.weight[v_rows].copy_(w_v.to(qkv.weight.dtype))
             o_proj.weight.copy_(w_o.to(o_proj.weight.dtype))
             if b_v is not None:
                 if qkv.bias is None:
                     qkv.bias = torch.nn.Parameter(torch.zeros(qkv.weight.shape[0], dtype=qkv.weight.dtype,
                                                               device=qkv.weight.device), requires_grad=False)
                     report.created_bias.append(f"{name}.qkv_proj")
-                qkv.bias[v0:v0 + hkv * dv].copy_(b_v.to(qkv.bias.dtype))
+                qkv.bias[v_rows].copy_(b_v.to(qkv.bias.dtype))
         if term is not None:
             pending_terms.append((lid, o_proj, term))
             if o_proj.bias is None:
                 report.created_bias.append(f"{name}.o_proj")
-        setattr(mod, FOLDED_MARK, True)
+        setattr(mod, FOLDED_MARK, (r.detach().float().cpu().clone(),
+                                   None if mean is None else mean.detach().float().cpu().clone()))
         report.folded.append(lid)
     if pending_terms:
         terms = torch.stack([t for _, _, t in pending_terms])  # fp32 [layers, hidden]
@@ -273,11 +285,17 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
     return report
 
 
+def _same_fold(done, r, mean) -> bool:
+    r0, m0 = done
+    r = r.detach().float().cpu()
+    if r.shape != r0.shape or not torch.equal(r, r0) or (mean is None) != (m0 is None):
+        return False
+    return mean is None or torch.equal(mean.detach().float().cpu(), m0)
+
+
 def _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed) -> str | None:
     """The reason a layer keeps its run-time value rotation, or ``None`` if it folds exactly."""
     cls = type(mod).__name__
-    if getattr(mod, FOLDED_MARK, False):
-        return "the value rotation is folded into its weights already"
     if cls not in allowed:
         return f"attention module {cls} is not one whose V path is known to be linear ({', '.join(sorted(allowed))})"
     qkv, o_proj = mod.qkv_proj, mod.o_proj
