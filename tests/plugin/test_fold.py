@@ -412,3 +412,40 @@ def test_hf_qwen3_logits_match_the_runtime_rotation():
                 folded = model(ids).logits
             assert _rel(folded, runtime) < RTOL, (per_head, centered)
             assert _rel(runtime, plain) < RTOL, (per_head, centered)
+
+
+_GLOO_CHILD = r"""
+import sys, torch, torch.distributed as dist
+from sglang_oscar.backend.fold import cpu_all_reduce
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+t = torch.full((3, 5), float(rank + 1)) + torch.arange(5.0)
+out = cpu_all_reduce(dist.group.WORLD)(t)
+assert torch.equal(out, torch.full((3, 5), 3.0) + 2 * torch.arange(5.0)), out
+assert torch.equal(t, torch.full((3, 5), float(rank + 1)) + torch.arange(5.0))  # input untouched
+dist.destroy_process_group()
+print("ok", rank)
+"""
+
+
+def test_cpu_all_reduce_sums_over_a_gloo_group():
+    """The helper the backend passes as ``all_reduce``: two real processes, one gloo group."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(__import__("pathlib").Path(__file__).resolve().parents[2]
+                                                           / "python"), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_CHILD, str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs

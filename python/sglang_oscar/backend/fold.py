@@ -172,6 +172,22 @@ def fold_o_projection(w_o: torch.Tensor, rotation: torch.Tensor, mean: torch.Ten
     return w, torch.einsum("ohd,hd->o", w3, m)
 
 
+def cpu_all_reduce(cpu_group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ``all_reduce`` for :func:`fold_value_rotations` over a process group's CPU (gloo) side,
+    e.g. ``cpu_all_reduce(get_parallel().attn_tp_group.cpu_group)``: the tensor goes through the
+    host once at load, so no device collective (custom all-reduce, NCCL) is involved and fp32
+    is summed as fp32; every rank receives the same sum."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        c = t.detach().to("cpu", torch.float32, copy=True).contiguous()  # never reduce into the input
+        dist.all_reduce(c, group=cpu_group)
+        return c.to(t.device)
+
+    return reduce
+
+
 # ---------------------------------------------------------------------------------- SGLang model
 def _weight_problem(mod, what: str) -> str | None:
     """Why ``mod``'s weight cannot be folded exactly, or ``None``."""
