@@ -141,7 +141,7 @@ def _forward(m, x, rotations, means, folded, quantize=False, cache=None):
 
 
 def _rel(a, b):
-    return float((a - b).norm() / b.norm())
+    return float((a - b).detach().norm() / b.detach().norm())
 
 
 def _x(seed=5):
@@ -216,6 +216,42 @@ def test_fold_rounds_once_to_bf16():
         # the bf16 model's fold is computed in fp32 from its bf16 weights and rounded once: within one
         # bf16 rounding of the fp32 fold of the (slightly different) fp32 weights
         torch.testing.assert_close(b.float(), a, rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "v-offset-bias"])
+def test_bf16_fold_is_within_bf16_noise(bias):
+    """In bf16 (the served dtype) the folded layer is as close to the fp32 truth as the run-time
+    rotated bf16 layer, with a calibrated mean (the layer's own mean value row). A mean far from
+    the values would make the folded o_proj add two large, cancelling bf16 terms (W'o' and the
+    bias W mu) where the run-time path cancels o' R^T + mu in fp32 first."""
+    def layer():
+        m = _random_layer(bias)
+        if bias:
+            with torch.no_grad():
+                m.qkv_proj.bias.zero_()
+                m.qkv_proj.bias[-HKV * D:] = 2.0  # a value offset, so the centering matters
+        return m
+
+    ref, ref16, m16 = layer(), layer().to(torch.bfloat16), layer().to(torch.bfloat16)
+    x, pos = _x(), torch.arange(T)
+    rs = _rotation_set(True, True)
+    rs.v_mean = {i: _qkv(ref, x, pos)[2].mean(0) for i in rs.v_mean}
+    rots, means = _local(rs)
+    fold_value_rotations(Model(m16), rots, means)
+
+    def bf16(mod, folded):
+        q, k, v = _qkv(mod, x.bfloat16(), pos)
+        rk, rv = rots[LID]
+        mk, mv = means[LID]
+        if folded:
+            rv, mv = torch.eye(D), None
+        o = oscar_attention(q, k, v, rk, rv, CFG, q_positions=pos, quantize=False, hp_dtype=torch.bfloat16,
+                            k_mean=mk, v_mean=mv)
+        return _o_proj(mod, o.bfloat16()).float()
+
+    truth = _forward(ref, x, rots, means, folded=False)
+    runtime, folded = _rel(bf16(ref16, False), truth), _rel(bf16(m16, True), truth)
+    assert runtime < 1e-2 and folded < 1.5 * runtime, (runtime, folded)
 
 
 # --------------------------------------------------------------------------- tensor parallelism
