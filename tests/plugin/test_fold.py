@@ -255,32 +255,31 @@ def test_bf16_fold_is_within_bf16_noise(bias):
 
 
 # --------------------------------------------------------------------------- tensor parallelism
-def _fold_ranks(full, rs, tp, with_reduce=True):
+def _fold_ranks(full, rs, tp, with_reduce=True, shards=None, expect_errors=False):
     """Fold each rank's shard in its own thread; ``all_reduce`` sums over the threads."""
-    shards = [_shard(full, r, tp) for r in range(tp)]
-    slots, barrier = [None] * tp, threading.Barrier(tp)
+    shards = shards or [_shard(full, r, tp) for r in range(tp)]
+    slots, barrier = [None] * tp, threading.Barrier(tp, timeout=60)  # a rank failing early times the others out
     reports, errors = [None] * tp, []
 
     def run(rank):
         def all_reduce(t):
-            slots[rank] = t.clone()
+            slots[rank] = t.clone()  # one call per rank: no slot is rewritten after the barrier
             barrier.wait()
-            total = sum(slots)
-            barrier.wait()
-            return total
+            return sum(slots)
         try:
             rots, means = _local(rs, rank, tp)
             reports[rank] = fold_value_rotations(Model(shards[rank]), rots, means, rank, tp,
                                                  all_reduce=all_reduce if with_reduce else None)
-        except BaseException as exc:  # pragma: no cover - surfaced below
+        except BaseException as exc:  # surfaced below (no barrier.abort: it would race the released ranks)
             errors.append(exc)
-            barrier.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    if expect_errors:
+        return errors
     assert not errors, errors
     return shards, reports
 
@@ -328,6 +327,16 @@ def test_tp_centred_without_all_reduce_is_kept():
         assert r.folded == [] and "all_reduce" in r.kept[LID]
     ref = _shard(_random_layer(bias=False), 0, 2)
     assert torch.equal(shards[0].qkv_proj.weight, ref.qkv_proj.weight)
+
+
+def test_tp_ranks_that_disagree_are_an_error():
+    """A layer folded on one rank and kept on another would mix frames: both ranks raise."""
+    rs = _rotation_set(True, True)
+    full = _random_layer(bias=False)
+    shards = [_shard(full, r, 2) for r in range(2)]
+    shards[1].qkv_proj.quant_method = Fp8LinearMethod()
+    errors = _fold_ranks(full, rs, 2, shards=shards, expect_errors=True)
+    assert len(errors) == 2 and all("folded on 1 of 2" in str(e) for e in errors)
 
 
 # --------------------------------------------------------------------------- refusals

@@ -235,9 +235,10 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
         means: ``{layer id: (mean_k, mean_v)}`` (the backend's ``self.means``, ``rank_means``) or
             ``{layer id: mean_v}``; ``mean_v`` ``[H_kv_local, D_v]`` or ``None``. ``None`` = no mean.
         tp_rank, tp_size: this rank of the attention tensor-parallel group; must match the modules'.
-        all_reduce: sum of a tensor over that group (e.g. ``tensor_model_parallel_all_reduce``),
-            needed with ``tp_size > 1`` and a value mean; called once, with an fp32
-            ``[layers, hidden]`` tensor, by every rank.
+        all_reduce: sum of a tensor over that group, returned (:func:`cpu_all_reduce` of the
+            group's ``cpu_group``), needed with ``tp_size > 1`` and a value mean; called once by every
+            rank, with an fp32 ``[layers with a mean, hidden + 1]`` tensor (the last column counts the
+            ranks that folded the layer: all or none must).
         attention_classes: attention module class names whose V path is linear (checked).
 
     Returns:
@@ -245,23 +246,30 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
     """
     report = FoldReport()
     allowed = frozenset(attention_classes)
-    pending_terms: list[tuple[int, object, torch.Tensor]] = []  # (layer id, o_proj, fp32 partial term)
+    # o_proj mean terms, one slot per layer with a value mean in module order (the same list on every rank, so
+    # the one all-reduce lines up even if a rank kept a layer): (layer id, o_proj or None if kept, fp32 term)
+    slots: list[tuple[int, object, torch.Tensor | None, int]] = []
     for name, mod in _attention_modules(model):
         lid = int(mod.attn.layer_id)
         if lid not in rotations:
             continue
         r = _v_rotation(rotations[lid])
         mean = None if means is None or means.get(lid) is None else _v_rotation(means[lid])
+        out_size = int(getattr(mod.o_proj, "output_size", 0) or 0)  # full (unsharded) hidden: rank-invariant
         done = getattr(mod, FOLDED_MARK, None)
         if done is not None:  # a second backend of the same model (or a second call): same fold or an error
             if not _same_fold(done, r, mean):
                 raise ValueError(f"layer {lid}: the value rotation is folded into the weights already, with another "
                                  "rotation or mean; a loaded model can be folded once (reload the weights to refold)")
             report.folded.append(lid)
+            if mean is not None:
+                slots.append((lid, None, None, out_size))
             continue
         why = _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed)
         if why is not None:
             report.kept[lid] = why
+            if mean is not None:
+                slots.append((lid, None, None, out_size))
             continue
         qkv, o_proj = mod.qkv_proj, mod.o_proj
         hq, hkv, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_size
@@ -280,25 +288,52 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
                     report.created_bias.append(f"{name}.qkv_proj")
                 qkv.bias[v_rows].copy_(b_v.to(qkv.bias.dtype))
         if term is not None:
-            pending_terms.append((lid, o_proj, term))
+            slots.append((lid, o_proj, term, out_size))
             if o_proj.bias is None:
                 report.created_bias.append(f"{name}.o_proj")
         setattr(mod, FOLDED_MARK, (r.detach().float().cpu().clone(),
                                    None if mean is None else mean.detach().float().cpu().clone()))
         report.folded.append(lid)
-    if pending_terms:
-        terms = torch.stack([t for _, _, t in pending_terms])  # fp32 [layers, hidden]
-        if tp_size > 1:
-            terms = all_reduce(terms)  # the full sum over every rank's query heads
-        with torch.no_grad():
-            for (lid, o_proj, _), term in zip(pending_terms, terms):
-                w = o_proj.weight
-                if o_proj.bias is None:
-                    o_proj.bias = torch.nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
-                                                     requires_grad=False)
-                o_proj.bias.copy_((o_proj.bias.float() + term.to(o_proj.bias.device)).to(o_proj.bias.dtype))
+    _add_mean_terms(slots, tp_size, all_reduce)
     report.folded.sort()
     return report
+
+
+def _add_mean_terms(slots, tp_size: int, all_reduce) -> None:
+    """Add each folded layer's full ``sum_g W_g mu_h(g)`` to its o_proj bias (created if missing).
+
+    With ``tp_size > 1`` the rank's partial terms, each followed by a 1 where this rank folded the
+    layer, go through one ``all_reduce`` of a flat fp32 vector; a layer that some ranks folded and
+    others kept is an error (its ranks would hold mixed frames)."""
+    if tp_size > 1:
+        if all_reduce is None or not slots:
+            return  # no mean, or every centred layer was kept (_why_not) on every rank
+        # one row per slot on every rank, of a rank-invariant width (the o_proj output size)
+        width = max(max(n for *_, n in slots), max((t.shape[0] for _, _, t, _ in slots if t is not None), default=0))
+        device = next((t.device for _, _, t, _ in slots if t is not None), torch.device("cpu"))
+        flat = torch.zeros(len(slots), width + 1, dtype=torch.float32, device=device)
+        for i, (_, o_proj, term, _) in enumerate(slots):
+            if o_proj is not None:
+                flat[i, :term.shape[0]] = term
+                flat[i, width] = 1.0
+        flat = all_reduce(flat)
+        for i, (lid, *_) in enumerate(slots):
+            ranks = int(round(float(flat[i, width])))
+            if ranks not in (0, tp_size):
+                raise RuntimeError(f"layer {lid}: the value rotation was folded on {ranks} of {tp_size} tensor-parallel "
+                                   "ranks; the ranks must agree (check the fold report of each rank)")
+        terms = [None if t is None else flat[i, :t.shape[0]] for i, (_, _, t, _) in enumerate(slots)]
+    else:
+        terms = [t for _, _, t, _ in slots]
+    with torch.no_grad():
+        for (lid, o_proj, _, _), term in zip(slots, terms):
+            if o_proj is None:
+                continue
+            w = o_proj.weight
+            if o_proj.bias is None:
+                o_proj.bias = torch.nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
+                                                 requires_grad=False)
+            o_proj.bias.copy_((o_proj.bias.float() + term.to(o_proj.bias.device)).to(o_proj.bias.dtype))
 
 
 def _same_fold(done, r, mean) -> bool:
