@@ -25,8 +25,14 @@ whose weight on a tensor-parallel rank is ``[q rows | k rows | v rows]`` of that
 self.tp_rank > 0``), before the all-reduce (or before the decoder layer's reduction when
 ``reduce_results=False``, Qwen3). So the output-side mean term, whose columns are spread over the
 ranks, is the all-reduce of each rank's partial ``sum_{g on rank} W_g mu_h(g)``: the fold takes the
-tensor-parallel group's ``all_reduce`` and calls it once (every rank makes the same decisions,
-so every rank calls it), and every rank stores the same full bias. The rotations and means passed
+tensor-parallel group's ``all_reduce`` (:func:`cpu_all_reduce` of its gloo ``cpu_group``) and calls
+it once on every rank, with one row per centred layer on every rank and a count of the ranks that
+folded it (a layer folded on some ranks only raises), and every rank stores the same full bias.
+
+Rounding: with a calibrated mean (the mean of the layer's values) the bf16 folded layer is as
+close to the fp32 truth as the bf16 run-time path (tests). A mean far from the values would make
+o_proj add two large cancelling bf16 terms (``W' o'`` and the bias) where the run-time path
+cancels ``o' R^T + mu`` in fp32 first. The rotations and means passed
 in are the rank's own (``backend.rotations.rank_rotations`` / ``rank_means``: the backend's
 ``self.rotations`` / ``self.means``), never sliced here.
 
