@@ -53,6 +53,11 @@ class OscarConfig:
             sliding-window layers), ``"full"`` (the full-attention layers) or comma-separated
             global layer ids; stored normalised (:func:`parse_skip_layers`), resolved against a
             model by :func:`resolve_skip_layers`.
+        fold_rotations: fold each layer's value rotation and value mean into the ``qkv_proj`` /
+            ``o_proj`` weights at load (``--oscar-fold-rotations on|off``,
+            :func:`sglang_oscar.backend.fold.fold_value_rotations`); layers that cannot be folded
+            exactly keep the run-time rotation and the log says why. ``False`` keeps the unfolded
+            path (for checking). Booleans or ``"on"/"off"/"true"/"false"/"1"/"0"`` strings.
     """
 
     group_size: int | None = None
@@ -67,9 +72,11 @@ class OscarConfig:
     decode_engine: str = "auto"
     rotate_engine: str = "triton"
     skip_layers: str = "none"
+    fold_rotations: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "skip_layers", parse_skip_layers(self.skip_layers))
+        object.__setattr__(self, "fold_rotations", parse_switch(self.fold_rotations, "fold_rotations"))
         if self.decode_engine not in DECODE_ENGINES:
             raise ValueError(f"decode_engine must be one of {DECODE_ENGINES}, got {self.decode_engine!r}")
         if self.rotate_engine not in ROTATE_ENGINES:
@@ -106,6 +113,23 @@ class OscarConfig:
             quantizer=self.quantizer,
             scale_dtype=self.scale_dtype,
         )
+
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def parse_switch(value, name: str) -> bool:
+    """A boolean setting from a bool or an ``on/off``-style string (flags, environment, JSON).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _ON + _OFF:
+        return value.strip().lower() in _ON
+    raise ValueError(f"{name} must be on or off (true/false, 1/0), got {value!r}")
 
 
 def parse_skip_layers(spec) -> str:
