@@ -149,7 +149,7 @@ def test_decode_min_split_keys(min_keys):
     if min_keys >= 1000:
         one = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=1)
         assert rel_l2(o, one) < 1e-6
-        from sglang_oscar.kernels.launch import AttnTuning
+        from sglang_oscar.kernels.tuning import AttnTuning
         for bad in (-1, AttnTuning.MAX_MIN_SPLIT_KEYS + 1, 10**9):
             with pytest.raises(ValueError, match=f"min_split_keys={bad} must be in"):
                 AttnTuning(min_split_keys=bad)
@@ -247,28 +247,30 @@ def test_choose_num_splits_policy():
 def test_choose_num_splits_gluon_policy(monkeypatch):
     """Gluon: 11 programs per SM up to 8 programs, 12 up to 16, 11 for 256-511 (one resident wave),
     32 otherwise; at 132 SMs (an H200) every branch gives a count the neighbouring rule would not."""
-    from sglang_oscar.kernels import launch
+    from sglang_oscar.kernels.decode import splits
+    from sglang_oscar.kernels.tuning import AttnTuning
 
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
-    ns = functools.partial(launch.choose_num_splits, engine="gluon")
+    monkeypatch.setattr(splits, "_sm_count", lambda device: 132)
+    ns = functools.partial(splits.choose_num_splits, engine="gluon")
     assert ns(1, 8) == 182  # ceil(11 * 132 / 8); 12 waves: 198
     assert ns(2, 8) == 99  # 16 programs: ceil(12 * 132 / 16); 11 waves: 91
     assert ns(4, 8) == 132  # 32 programs: 32 waves
     assert ns(32, 8) == 6  # 256 programs: ceil(11 * 132 / 256); 32 waves: 17
     assert ns(63, 8) == 3  # 504 programs: still one wave
     assert ns(64, 8) == 9  # 512 programs: 32 waves; 11 waves: 3
-    assert launch.choose_num_splits(32, 8) == 17  # the Triton engine keeps 32 waves at 256 programs
+    assert splits.choose_num_splits(32, 8) == 17  # the Triton engine keeps 32 waves at 256 programs
     # the split floor caps the count under a static bound (default_num_kv_splits): 4K at batch 4
-    tn = launch.AttnTuning().resolved(128)
-    assert launch.default_num_kv_splits(tn, "gluon", 4, 32, 8, max_seq_len=4096) == 16  # 4096 / 256
-    assert launch.default_num_kv_splits(tn, "gluon", 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
-    assert launch.default_num_kv_splits(launch.AttnTuning(min_split_keys=0).resolved(128), "gluon", 4, 32, 8,
+    tn = AttnTuning().resolved(128)
+    assert splits.default_num_kv_splits(tn, "gluon", 4, 32, 8, max_seq_len=4096) == 16  # 4096 / 256
+    assert splits.default_num_kv_splits(tn, "gluon", 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
+    assert splits.default_num_kv_splits(AttnTuning(min_split_keys=0).resolved(128), "gluon", 4, 32, 8,
                                         max_seq_len=4096) == 64  # 4096 / 64
 
 
 def test_default_min_split_keys():
     """128 keys up to 16 programs, 256 above, Gluon only; an explicit value (0 included) wins."""
-    from sglang_oscar.kernels.launch import AttnTuning, default_min_split_keys
+    from sglang_oscar.kernels.decode.splits import default_min_split_keys
+    from sglang_oscar.kernels.tuning import AttnTuning
 
     assert [default_min_split_keys("gluon", p) for p in (1, 16, 17, 4096)] == [128, 128, 256, 256]
     assert default_min_split_keys("triton", 8) == 0
@@ -278,7 +280,7 @@ def test_default_min_split_keys():
 
 def test_default_tuning_resolution(monkeypatch):
     """The defaults the GPU and the interpreter actually run (docs/kernels.md "Defaults")."""
-    from sglang_oscar.kernels.launch import AttnTuning
+    from sglang_oscar.kernels.tuning import AttnTuning
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = AttnTuning().resolved(128)
@@ -311,8 +313,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     """GPU decode at head_dim 65-128: no async-copy pipeline from STAGES1_MIN_PAIRS (request, kv head)
     pairs; an explicit num_stages, other head dims, extend and the interpreter keep theirs; the
     decode wrapper resolves with B x H_kv."""
-    from sglang_oscar.kernels import launch
-    from sglang_oscar.kernels.launch import STAGES1_MIN_PAIRS, AttnTuning, _resolved_tuning
+    from sglang_oscar.kernels.decode import plan as plan_mod
+    from sglang_oscar.kernels.tuning import STAGES1_MIN_PAIRS, AttnTuning, _resolved_tuning
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert STAGES1_MIN_PAIRS == 256
@@ -332,8 +334,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     assert _resolved_tuning({"num_stages": 3}, lay, False, pairs=32 * 8).num_stages == 3
 
     seen = []
-    real = launch._resolved_tuning
-    monkeypatch.setattr(launch, "_resolved_tuning", lambda *a, **k: seen.append(k.get("pairs")) or real(*a, **k))
+    real = plan_mod._resolved_tuning
+    monkeypatch.setattr(plan_mod, "_resolved_tuning", lambda *a, **k: seen.append(k.get("pairs")) or real(*a, **k))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert AttnTuning().resolved(128, pairs=4096).num_stages == 1  # the interpreter's own default
     assert AttnTuning().resolved(128, pairs=4096).defer_sums is False  # ... but the GPU's choice of sums
@@ -349,8 +351,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
 
 def test_permuting_conversions_need_quarters_of_32_codes():
     """``permuting_ok``: the H200 gave 0.47-0.58 rel. L2 with convert 3 / 5 at head_dim 64
-    (``scripts/decode_matrix.py``); the decode wrapper routes such layouts to 2 (GPU) / 1 (interpreter)."""
-    from sglang_oscar.kernels.launch import permuting_ok
+    (``tests/kernels/decode_matrix.py``); the decode wrapper routes such layouts to 2 (GPU) / 1 (interpreter)."""
+    from sglang_oscar.kernels.tuning import permuting_ok
 
     def lay(dk, dv, group=None):
         return Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92)
@@ -364,7 +366,7 @@ def test_permuting_conversions_need_quarters_of_32_codes():
 
 def test_effective_convert_routing(monkeypatch):
     """5/6 only on the token-major fast path (else 3/4, then 2/1); the interpreter emulates."""
-    from sglang_oscar.kernels.launch import effective_convert
+    from sglang_oscar.kernels.tuning import effective_convert
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     f16 = torch.float16
@@ -389,9 +391,9 @@ def test_effective_convert_routing(monkeypatch):
     (2, 2, 5, 512, None, 4096),  # D_v 512: several dim blocks
 ])
 def test_decode_merge_matches_lse_weighted_mean(bsz, hq, ns, dv, block_d, chunk):
-    """Stage 2 alone (``launch.decode_merge``) vs its formula: the base-2-LSE-weighted mean of the
+    """Stage 2 alone (``decode.merge.decode_merge``) vs its formula: the base-2-LSE-weighted mean of the
     split outputs, empty splits (``lse = -inf``, output poisoned) skipped, zeros where all are empty."""
-    from sglang_oscar.kernels.launch import decode_merge
+    from sglang_oscar.kernels.decode.merge import decode_merge
 
     fresh_seed()
     o_part = torch.randn(bsz, hq, ns + 3, dv)  # 3 extra splits past num_splits: must not be read
@@ -416,7 +418,7 @@ def test_decode_merge_matches_lse_weighted_mean(bsz, hq, ns, dv, block_d, chunk)
 
 
 def test_decode_merge_rejects_bad_arguments():
-    from sglang_oscar.kernels.launch import decode_merge
+    from sglang_oscar.kernels.decode.merge import decode_merge
 
     o_part, lse, out = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4), torch.zeros(1, 2, 8)
     for kw, match in ((dict(num_splits=5), "num_splits=5"), (dict(num_splits=0), "num_splits=0"),
@@ -439,8 +441,8 @@ def test_decode_merge_rejects_bad_arguments():
 
 def test_merge_block_d_rule():
     """Output dims per merge program: the largest of 16-128 that keeps 2,048 programs, else 16, capped
-    by next_pow2(D_v) (H200 timings in docs/benchmarks.md, seventh session)."""
-    from sglang_oscar.kernels.launch import merge_block_d
+    by next_pow2(D_v) (docs/kernels.md#merge-grid)."""
+    from sglang_oscar.kernels.decode.merge import merge_block_d
 
     assert merge_block_d(1, 32, 128) == 16  # 256 programs at 16: fewer than 2,048 anyway
     assert merge_block_d(8, 32, 128) == 16  # 32 would leave 1,024
@@ -453,10 +455,9 @@ def test_merge_block_d_rule():
 
 def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
     """decode_attention takes a preallocated workspace with more rows than the step's batch (a CUDA
-    graph's buffers): the merge reads the first B rows (its argument check accepted only exactly B
-    for a while, 2026-11-30 (7))."""
+    graph's buffers): the merge reads the first B rows."""
     from sglang_oscar.kernels import decode_attention, decode_num_hp_splits, decode_workspace
-    from sglang_oscar.kernels.launch import decode_merge
+    from sglang_oscar.kernels.decode.merge import decode_merge
 
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
@@ -479,7 +480,8 @@ def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
 def test_default_num_kv_splits_counts_the_engines_head_blocks():
     """The split count decode_attention picks by default (and benchmarks size workspaces with): the
     Gluon engine runs one program per 8 q heads, the Triton engine per plan_head_blocks block."""
-    from sglang_oscar.kernels.launch import AttnTuning, choose_num_splits, default_num_kv_splits, plan_head_blocks
+    from sglang_oscar.kernels import AttnTuning, plan_head_blocks
+    from sglang_oscar.kernels.decode.splits import choose_num_splits, default_num_kv_splits
 
     tn = AttnTuning.of(None).resolved(128)
     cpu = torch.device("cpu")

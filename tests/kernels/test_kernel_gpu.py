@@ -31,11 +31,9 @@ from sglang_oscar.kernels import (
     Int2Layout,
     decode_attention,
     decode_workspace,
-    dequantize_slots,
-    flush_hp_rows,
     write_kv,
 )
-from sglang_oscar.quant.int2 import QuantizedRows, dequantize_rows, quantize_rows
+from sglang_oscar.quant.int2 import quantize_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 # OSCAR_GPU_TEST_DEVICE=cpu OSCAR_GPU_TEST_SCALE=0.002 (with TRITON_INTERPRET=1) dry-runs this file's
@@ -56,8 +54,8 @@ def _n(x: int) -> int:
     (512, 512, None, "uniform", "float16"),
     (64, 64, 16, "uniform", "float32"),
 ])
-def test_gpu_write_flush_dequant_bytes(dk, dv, group, quantizer, sdt):
-    _write_flush_dequant_bytes(dk, dv, group, quantizer, sdt, _n(8192))
+def test_gpu_write_bytes(dk, dv, group, quantizer, sdt):
+    _write_bytes(dk, dv, group, quantizer, sdt, _n(8192))
 
 
 @pytest.mark.parametrize("n", [32, 64, 3])
@@ -65,15 +63,15 @@ def test_gpu_write_flush_dequant_bytes(dk, dv, group, quantizer, sdt):
     (128, 128, None, "uniform", "float16"),
     (192, 128, 64, "lloyd-max", "bfloat16"),
 ])
-def test_gpu_write_flush_decode_sized(n, dk, dv, group, quantizer, sdt):
+def test_gpu_write_decode_sized(n, dk, dv, group, quantizer, sdt):
     """Decode-sized writes (batch x 8 kv heads rows) with the rows per program that the small-grid
     policy picks (``min_programs=256``: 1-2 rows, see ``WRITE_MIN_PROGRAMS``): bytes must equal the
     reference quantizer's as for prefill-sized ones."""
-    from sglang_oscar.kernels.launch import _rows_per_program
+    from sglang_oscar.kernels.write import _rows_per_program
 
     layout = _layout(dk, dv, group, quantizer, sdt)
-    _write_flush_dequant_bytes(dk, dv, group, quantizer, sdt, n,
-                               rows_per_program=_rows_per_program(layout, n * 8, min_programs=256))
+    _write_bytes(dk, dv, group, quantizer, sdt, n,
+                 rows_per_program=_rows_per_program(layout, n * 8, min_programs=256))
 
 
 def _layout(dk, dv, group, quantizer, sdt):
@@ -81,7 +79,7 @@ def _layout(dk, dv, group, quantizer, sdt):
                              scale_dtype=sdt)
 
 
-def _write_flush_dequant_bytes(dk, dv, group, quantizer, sdt, n, rows_per_program=None):
+def _write_bytes(dk, dv, group, quantizer, sdt, n, rows_per_program=None):
     fresh_seed()
     h = 8
     layout = _layout(dk, dv, group, quantizer, sdt)
@@ -105,16 +103,6 @@ def _write_flush_dequant_bytes(dk, dv, group, quantizer, sdt, n, rows_per_progra
     assert_rows_match(buf["k_codes"][sl], buf["k_pairs"][sl], kq, "K")
     assert_rows_match(buf["v_codes"][sl], buf["v_pairs"][sl], vq, "V")
     assert torch.equal(hp_k[hp_rows.long()], k) and torch.equal(hp_v[hp_rows.long()], v)
-    # flush the HP copies into the second half: identical bytes
-    dst = n + 8 + torch.arange(n, device=DEV)
-    flush_hp_rows(hp_k, hp_v, hp_rows, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
-                  rows_per_program=rows_per_program)
-    for name in buf:
-        assert torch.equal(buf[name][dst[ok]].view(torch.uint8), buf[name][sl].view(torch.uint8)), name
-    out = dequantize_slots(buf["k_codes"], buf["k_pairs"], sl, group_size=group, quantizer=quantizer,
-                           out_dtype=torch.float32)
-    stored = QuantizedRows(buf["k_codes"][sl], buf["k_pairs"][sl], layout.k.group_size, quantizer)
-    assert torch.equal(out, dequantize_rows(stored))
 
 
 DECODE_CASES = {
@@ -128,7 +116,7 @@ DECODE_CASES = {
     "window_cap": ([16384] * 8, 32, 8, 128, 128, None, "uniform", "float16", 4096, 30.0),
     "gqa6": ([10000] * 4, 24, 4, 128, 128, None, "uniform", "float16", None, None),
     "d64_gqa4_lloyd": ([30000, 1000, 77], 16, 4, 64, 64, None, "lloyd-max", "float16", None, 30.0),
-    # 32 x 8 = 256 (request, kv head) pairs: the num_stages-1 default (launch.STAGES1_MIN_PAIRS)
+    # 32 x 8 = 256 (request, kv head) pairs: the num_stages-1 default (tuning.STAGES1_MIN_PAIRS)
     "b32_lloyd_window_cap": ([6000] * 32, 32, 8, 128, 128, None, "lloyd-max", "bfloat16", 2048, 30.0),
 }
 
@@ -219,7 +207,7 @@ def test_gpu_decode_every_tuning(quantizer, group):
 @pytest.mark.parametrize("quantizer,cap", [("uniform", None), ("lloyd-max", None), ("lloyd-max", 30.0)])
 def test_gpu_decode_subnormal_operands_match_convert3(quantizer, cap):
     """convert 5 (fp16-subnormal code operands on the tensor cores) and pairs_ahead agree with
-    convert 3 without pairs_ahead (the default before 2026-11-30) to well below the oracle tolerance (a flushed subnormal would not)."""
+    convert 3 without pairs_ahead (the larger heads' default) to well below the oracle tolerance (a flushed subnormal would not)."""
     fresh_seed()
     cfg = make_config(quantizer=quantizer, sink=SINK, recent=RECENT)
     pool = build_pool([_n(20000), _n(3000), 333, 70], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
@@ -339,7 +327,7 @@ def test_gpu_extend_window_cap_fp32():
     assert rel_l2(o, ref) < 1e-4
 
 
-# ---- Gluon engine (kernels/gluon_decode.py): the INT2 splits with explicit register layouts
+# ---- Gluon engine (kernels/decode/gluon_stage1.py): the INT2 splits with explicit register layouts
 
 GLUON_CASES = {
     # name: (lens, hq, hkv, window, sink_lens, num_kv_splits, block_n)
@@ -351,7 +339,7 @@ GLUON_CASES = {
     "mha_bn16_hp_fp16": ([5000, 700], 8, 8, None, False, 7, 16),
     "window_sinklens": ([16384] * 8, 32, 8, 4096, True, None, 32),
     "idx64_forced": ([3000, 40000], 32, 8, None, False, None, 32),  # 64-bit row addresses
-    # the register pipeline (async_stages 0; the default until 2026-11-30 (8))
+    # the register pipeline (async_stages 0)
     "b1_ctx128k_regs": ([131072], 32, 8, None, False, None, 32),
     "b64_mixed_regs": (None, 32, 8, None, False, None, 32),
     "window_sinklens_regs": ([16384] * 8, 32, 8, 4096, True, None, 32),
@@ -510,8 +498,8 @@ def test_gpu_decode_gluon_v_scale_range(kind, tuning):
 
 
 @pytest.mark.parametrize("storage", ["planes", "rows-head-major", "rows-slot-major"])
-def test_gpu_write_flush_into_served_rows(storage):
-    """write_kv and flush_hp_rows into the served pool's head-major code / pair planes and into the
+def test_gpu_write_into_served_rows(storage):
+    """write_kv into the served pool's head-major code / pair planes and into the
     earlier 36-byte row views (pool/rows.py; head- and slot-major) store the bytes they store into
     contiguous code / pair tensors, and touch no other row."""
     from sglang_oscar.pool.rows import int2_row_views, kv_head_major_zeros
@@ -545,12 +533,6 @@ def test_gpu_write_flush_into_served_rows(storage):
     untouched[loc] = False
     for t in (*kr, *vr):
         assert bool((t[untouched] == 0xAB).all())
-    # flush the same rows from HP copies into other slots of the views: the same bytes again
-    dst = torch.nonzero(untouched).flatten()[:n]
-    src = torch.arange(n, device=DEV, dtype=torch.int32)
-    flush_hp_rows(k, v, src, dst, kc, kp, vc, vp, layout)
-    assert torch.equal(kc[dst], ref["k_codes"][loc]) and torch.equal(vc[dst], ref["v_codes"][loc])
-    assert torch.equal(vp[dst].view(torch.uint8), ref["v_pairs"][loc].view(torch.uint8))
 
 
 @pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _support.orthogonal import random_orthogonal
 from kv_fixtures import fresh_seed, poison_
 from sglang_oscar.kernels.rotate import MIN_PROGRAMS, auto_block_n, rotate_heads, rotate_heads_reference, rotate_qkv
 
@@ -21,14 +22,10 @@ CASES = [
 ]
 
 
-def _orthogonal(h: int, d: int) -> torch.Tensor:
-    return torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
-
-
 def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", block_n=None):
     fresh_seed()
     x = (torch.randn(t, h, d, device=device) * 3).to(in_dtype)
-    r = _orthogonal(hr, d).to(device)
+    r = random_orthogonal(d, hr).to(device)
     mi = torch.randn(hr, d, device=device) if sub else None
     mo = torch.randn(hr, d, device=device) if add else None
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -133,7 +130,7 @@ def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, devi
     q = (torch.randn(t, hq, dk, device=device) * 3).to(in_dtype)
     k = (torch.randn(t, hkv, dk, device=device) * 3).to(in_dtype)
     v = (torch.randn(t, hkv, dv, device=device) * 3).to(in_dtype)
-    rk, rv = _orthogonal(hkv, dk).to(device), _orthogonal(hkv, dv).to(device)
+    rk, rv = random_orthogonal(dk, hkv).to(device), random_orthogonal(dv, hkv).to(device)
     mk = torch.randn(hkv, dk, device=device) if has_mk else None
     mv = torch.randn(hkv, dv, device=device) if has_mv else None
     for kv_dtype in (torch.bfloat16, torch.float16):
@@ -160,7 +157,7 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
     q = qkv[:, : 8 * 64].reshape(-1, 8, 64)
     k = qkv[:, 8 * 64: 10 * 64].reshape(-1, 2, 64)
     v = qkv[:, 10 * 64:].reshape(-1, 2, 64)
-    rk, rv = _orthogonal(2, 64), _orthogonal(2, 64)
+    rk, rv = random_orthogonal(64, 2), random_orthogonal(64, 2)
     qr, kr, vr = rotate_qkv(q, k, v, rk, rv, torch.bfloat16)
     assert_same_rotation(qr, rotate_heads_reference(q, rk, torch.float32))
     assert_same_rotation(kr, rotate_heads_reference(k, rk, torch.bfloat16))
@@ -172,7 +169,7 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
     with pytest.raises(ValueError, match="are not"):
         rotate_qkv(q[:, :7], k, v, rk, rv, torch.bfloat16)
     with pytest.raises(ValueError, match="rotation_v"):
-        rotate_qkv(q, k, v, rk, _orthogonal(2, 32), torch.bfloat16)
+        rotate_qkv(q, k, v, rk, random_orthogonal(32, 2), torch.bfloat16)
     with pytest.raises(ValueError, match="mean_k"):
         rotate_qkv(q, k, v, rk, rv, torch.bfloat16, mean_k=torch.zeros(2, 32))
     with pytest.raises(ValueError, match="kv_dtype"):
@@ -196,7 +193,7 @@ def test_rotate_heads_strided_rows_and_empty():
     qkv = torch.randn(6, (8 + 2 + 2) * 64).to(torch.bfloat16)
     q = qkv[:, : 8 * 64].reshape(-1, 8, 64)
     k = qkv[:, 8 * 64: 10 * 64].reshape(-1, 2, 64)  # stride(0) = the QKV width
-    r = _orthogonal(2, 64)
+    r = random_orthogonal(64, 2)
     for x, dt in ((q, torch.float32), (k, torch.bfloat16)):
         assert x.stride(0) == qkv.shape[1]
         got = rotate_heads(x, r, dt)
@@ -219,7 +216,7 @@ def test_rotate_heads_keeps_nan(nan_bits):
 
 
 def test_rotate_heads_bad_input():
-    r = _orthogonal(2, 64)
+    r = random_orthogonal(64, 2)
     x = torch.randn(3, 4, 64)
     with pytest.raises(ValueError, match="does not fit rows of head_dim 32"):
         rotate_heads(torch.randn(3, 4, 32), r, torch.float32)

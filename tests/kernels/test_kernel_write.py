@@ -1,4 +1,4 @@
-"""Cache write, flush and dequantize kernels vs the format's definition (quant.int2).
+"""Cache write kernel vs the format's definition (quant.int2).
 
 Bytes must match ``quantize_rows`` exactly: codes bit for bit, pairs equal as numbers (the
 kernels use the same fp32 operations, IEEE division and an exact order statistic for the clip).
@@ -10,23 +10,21 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from _support.orthogonal import random_orthogonal
 from kv_fixtures import (
     assert_rows_match,
     fresh_seed,
     poison_,
-    random_rotation,
     random_rows,
 )
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.kernels import (
     Int2Layout,
-    dequantize_slots,
-    flush_hp_rows,
-    rotate_and_write_kv,
+    rotate_rows_hp,
     write_kv,
 )
 from sglang_oscar.kernels.write import clip_threshold
-from sglang_oscar.quant.int2 import dequantize_rows, quantize_rows
+from sglang_oscar.quant.int2 import quantize_rows
 from sglang_oscar.reference.attention import build_cache
 
 
@@ -96,7 +94,7 @@ def test_write_matches_quantize_rows(dk, dv, group, quantizer, sdt, kclip, vclip
     assert bool(torch.isnan(hp_k[rest].float()).all()) and bool(torch.isnan(hp_v[rest].float()).all())
 
 
-def test_write_and_flush_k_only():
+def test_write_k_only():
     """``v=None`` (K only: one program column, no V programs): K slots and K HP rows get exactly the
     bytes of the K + V call, and the V buffers and V HP rows are not touched."""
     fresh_seed()
@@ -122,13 +120,6 @@ def test_write_and_flush_k_only():
         assert torch.equal(hp_k[hp_rows.long()], k)
     assert bool((bufs[1]["v_codes"] == 0xAB).all()) and bool((bufs[1]["v_pairs"].view(torch.uint8) == 0xAB).all())
     assert bool(torch.isnan(hps[1][1].float()).all())
-    # flush K only from the K HP rows into fresh slots: the same K bytes
-    buf = layout.allocate(num_slots, h, "cpu")
-    for t in buf.values():
-        t.view(torch.uint8).fill_(0xAB)
-    flush_hp_rows(hps[1][0], None, hp_rows, loc, buf["k_codes"], buf["k_pairs"], None, None, layout)
-    assert torch.equal(buf["k_codes"], bufs[0]["k_codes"])
-    assert bool((buf["v_codes"] == 0xAB).all())
 
 
 @triton.jit
@@ -215,15 +206,16 @@ def test_rotate_and_write_matches_build_cache():
     layout = Int2Layout.from_config(cfg, dk, dv)
     k = random_rows(n, h, dk)
     v = random_rows(n, h, dv)
-    rk = random_rotation(dk, h)  # per kv head
-    rv = random_rotation(dv)  # per layer
+    rk = random_orthogonal(dk, h)  # per kv head
+    rv = random_orthogonal(dv)  # per layer
     cache = build_cache(k, v, rk, rv, cfg, torch.bfloat16)
     buf = layout.allocate(n + 4, h, "cpu")
     for t in buf.values():
         t.view(torch.uint8).fill_(0xAB)
     loc = torch.randperm(n + 4)[:n]
-    k_rot, v_rot = rotate_and_write_kv(k, v, rk, rv, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"],
-                                       buf["v_pairs"], layout, hp_dtype=torch.bfloat16)
+    # the backend's write path: rotate (fp32, rounded to the HP dtype), then quantize + scatter
+    k_rot, v_rot = rotate_rows_hp(k, rk, torch.bfloat16), rotate_rows_hp(v, rv, torch.bfloat16)
+    write_kv(k_rot, v_rot, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
     assert torch.equal(k_rot, cache.k_hp) and torch.equal(v_rot, cache.v_hp)
     assert torch.equal(buf["k_codes"][loc], cache.k_quant.codes)
     assert torch.equal(buf["v_codes"][loc], cache.v_quant.codes)
@@ -234,9 +226,9 @@ def test_rotate_and_write_matches_build_cache():
 @pytest.mark.parametrize("quantizer,group,sdt,rpp", [("uniform", None, "float16", None),
                                                      ("lloyd-max", 32, "float32", None),
                                                      ("uniform", None, "bfloat16", 1), ("lloyd-max", 64, "float16", 4)])
-def test_flush_equals_direct_write(quantizer, group, sdt, rpp):
-    """Rows written to HP (fused copy), later flushed to other slots, give the direct write's bytes
-    (``rpp``: the rows-per-program knob of both kernels; the bytes equal quantize_rows either way)."""
+def test_write_with_hp_copy(quantizer, group, sdt, rpp):
+    """Rows written with the fused HP copy: the copies land at ``hp_rows`` unchanged, the slots get
+    ``quantize_rows``' bytes (``rpp``: the rows-per-program knob), other slots stay untouched."""
     fresh_seed()
     n, h, d = 10, 2, 128
     layout = Int2Layout.create(d, d, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92,
@@ -256,42 +248,9 @@ def test_flush_equals_direct_write(quantizer, group, sdt, rpp):
     if rpp is not None:
         kq = quantize_rows(k, group_size=group, clip_ratio=0.96, quantizer=quantizer, scale_dtype=sdt)
         assert_rows_match(buf["k_codes"][direct], buf["k_pairs"][direct], kq, "K")
-    # flush plan with -1 padding (fixed size), destinations elsewhere
-    src = torch.cat([hp_rows, torch.tensor([-1, 3])]).to(torch.int32)
-    dst = torch.cat([n + torch.randperm(n), torch.tensor([5, -1])])
-    flush_hp_rows(hp_k, hp_v, src, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
-                  rows_per_program=rpp)
-    dflush = dst[:n]
-    for name in buf:
-        a = buf[name][direct].view(torch.uint8)
-        b = buf[name][dflush].view(torch.uint8)
-        assert torch.equal(a, b), f"{name}: flushed bytes differ from direct-write bytes"
-    # the padded entries wrote nothing: slots 2n .. 2n+2 are untouched
+    assert torch.equal(hp_k[hp_rows], k) and torch.equal(hp_v[hp_rows], v)
     for t in buf.values():
-        assert bool((t[2 * n:].view(torch.uint8) == 0xAB).all())
-
-
-@pytest.mark.parametrize("d,group,quantizer,sdt,out_dtype", [
-    (128, None, "uniform", "float16", torch.float32),
-    (192, 64, "lloyd-max", "float32", torch.float32),
-    (64, 16, "uniform", "bfloat16", torch.bfloat16),
-])
-def test_dequantize_slots(d, group, quantizer, sdt, out_dtype):
-    fresh_seed()
-    n, h, num_slots = 6, 2, 15
-    x = random_rows(n, h, d).to(torch.bfloat16)
-    qr = quantize_rows(x, group_size=group, clip_ratio=0.9, quantizer=quantizer, scale_dtype=sdt)
-    codes = torch.randint(0, 256, (num_slots, h, d // 4), dtype=torch.uint8)
-    pairs = torch.randn(num_slots, h, qr.pairs.shape[-1]).to(qr.pairs.dtype)
-    slots = torch.randperm(num_slots)[:n]
-    codes[slots] = qr.codes
-    pairs[slots] = qr.pairs
-    query = torch.cat([slots, torch.tensor([-1])])
-    out = poison_(torch.empty(n + 1, h, d, dtype=out_dtype))
-    dequantize_slots(codes, pairs, query, group_size=group, quantizer=quantizer, out=out)
-    exp = dequantize_rows(qr, out_dtype=out_dtype)
-    assert torch.equal(out[:n], exp)
-    assert bool((out[n] == 0).all())
+        assert bool((t[n:].view(torch.uint8) == 0xAB).all())
 
 
 @pytest.mark.parametrize("rpp", [0, 3, 64])
@@ -308,11 +267,11 @@ def test_rows_per_program_default_policy(monkeypatch):
     """GPU: full ~2K-element tiles (16 rows at head_dim 128, one group) for prefill-sized writes;
     with ``min_programs`` fewer rows until the grid has that many programs (decode-sized writes);
     the interpreter keeps its ~8K-element tiles."""
-    from sglang_oscar.kernels import launch
+    from sglang_oscar.kernels import write as write_mod
 
     layout = Int2Layout.create(128, 128, k_clip_ratio=0.96, v_clip_ratio=0.92)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rpp = launch._rows_per_program
+    rpp = write_mod._rows_per_program
     assert rpp(layout, 8192 * 8, min_programs=256) == 16  # prefill chunk: tile budget
     assert rpp(layout, 32 * 8, min_programs=256) == 1  # decode, batch 32 x 8 kv heads
     assert rpp(layout, 64 * 8, min_programs=256) == 2

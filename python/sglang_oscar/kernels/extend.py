@@ -14,9 +14,28 @@ the natural-log LSE per (token, head) if requested.
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
+from .attention import (
+    attn_constants,
+    check_attn_common,
+    check_out_dtype,
+    check_sm_scale,
+    counter_rotate,
+    debug_request_indices,
+    layout_constexprs,
+    resolve_mma_dtype,
+    score_scales,
+)
+from .compile_check import launch as _launch
+from .compile_check import row_args
+from .layout import TORCH_TO_TL, Int2Layout
+from .tuning import _resolved_tuning, effective_convert
+from .validate import INDEX_DTYPES, check_float, check_tensor, debug_enabled, needs_idx64
 from .tiles import (
     NEG_INF,
     hp_scores,
@@ -139,3 +158,122 @@ def _extend_kernel(
         if HAS_LSE:
             lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, NEG_INF)
             tl.store(LSE + rows_q * stride_ln + h64 * stride_lh, lse, mask=rmask)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_pairs: torch.Tensor,
+    hp_k: torch.Tensor,
+    hp_v: torch.Tensor,
+    hp_index: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    layout: Int2Layout,
+    *,
+    sink: int,
+    max_extend_len: int | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    rotation_v: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+    mma_dtype: torch.dtype | None = None,
+    tuning=None,
+    sink_lens: torch.Tensor | None = None,
+    debug: bool | None = None,
+):
+    """Causal attention of new chunks over their cached prefix and themselves (extend semantics).
+
+    Positions ``< sink`` are read from HP rows ``hp_index[req, p]``; every other position -- the
+    chunk's own tokens included, which must already be written -- from INT2 slots
+    ``req_to_token[req, p]``.
+
+    Args:
+        q: ``[N, H_q, D_k]`` rotated queries of all chunks, request ``b`` at rows
+            ``qo_indptr[b] : qo_indptr[b] + extend_seq_lens[b]``, positions
+            ``extend_prefix_lens[b] + i``.
+        qo_indptr: int ``[B+1]`` (or ``[B]``); extend_prefix_lens, extend_seq_lens,
+            req_pool_indices: int ``[B]``.
+        max_extend_len: host bound on ``extend_seq_lens`` (default: read from the device, a sync).
+        return_lse: also return the natural-log LSE ``[N, H_q]`` fp32 (rotated frame; for merging).
+        sink_lens: as :func:`decode_attention`.
+        Other arguments: as :func:`decode_attention`.
+
+    Returns:
+        ``o [N, H_q, D_v]`` (and ``lse`` if ``return_lse``).
+    """
+    tn = _resolved_tuning(tuning, layout, True)
+    dev, hkv, _ = check_attn_common(layout, q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index,
+                                     req_to_token, sink, 0, sliding_window, logit_cap)
+    n, hq, dk = q.shape
+    dv = layout.v.head_dim
+    check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    bsz = req_pool_indices.shape[0]
+    check_tensor(extend_prefix_lens, "extend_prefix_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+    check_tensor(extend_seq_lens, "extend_seq_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+    check_tensor(qo_indptr, "qo_indptr", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    if qo_indptr.shape[0] not in (bsz, bsz + 1):
+        raise ValueError(f"qo_indptr has {qo_indptr.shape[0]} entries for {bsz} requests")
+    op = resolve_mma_dtype(mma_dtype, hp_k.dtype)
+    out_dtype = out_dtype or (out.dtype if out is not None else q.dtype)
+    check_out_dtype(out_dtype)
+    if debug_enabled(debug):
+        ext = extend_seq_lens.long().cpu()
+        ind = qo_indptr.long().cpu()
+        if bsz and (int(ext.min()) < 0 or int((ind[:bsz] + ext).max()) > n or int(ind[:bsz].min()) < 0):
+            raise ValueError("qo_indptr / extend_seq_lens address rows outside q")
+        if int(extend_prefix_lens.min()) < 0 if bsz else False:
+            raise ValueError("extend_prefix_lens has negative entries")
+        debug_request_indices(req_pool_indices, (extend_prefix_lens + extend_seq_lens), hp_index, req_to_token,
+                               hp_k.shape[0], k_codes.shape[0], sink, 0, prefix_mode=True)
+    if max_extend_len is None:
+        max_extend_len = int(extend_seq_lens.max()) if bsz else 0
+    if rotation_v is None:
+        if out is None:
+            out = torch.empty((n, hq, dv), dtype=out_dtype, device=dev)
+        else:
+            check_tensor(out, "out", ndim=3, device=dev, shape=(n, hq, dv), last_contiguous=True)
+            check_float(out, "out")
+        o_rot = out
+    else:
+        check_tensor(rotation_v, "rotation_v", device=dev)
+        o_rot = torch.empty((n, hq, dv), dtype=torch.float32, device=dev)
+    lse = torch.empty((n, hq), dtype=torch.float32, device=dev) if return_lse else o_rot
+    if bsz and max_extend_len > 0 and n > 0:
+        group = hq // hkv
+        sm_scale = 1.0 / math.sqrt(dk) if sm_scale is None else check_sm_scale(sm_scale)
+        qscale, cap_log2e, has_cap = score_scales(sm_scale, logit_cap)
+        idx64 = needs_idx64(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
+        grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)
+        _launch(_extend_kernel, grid,
+            *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v),
+            hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices, qo_indptr,
+            extend_prefix_lens, extend_seq_lens, hp_index if sink_lens is None else sink_lens,
+            o_rot, o_rot.stride(0), o_rot.stride(1), lse, lse.stride(0), lse.stride(1),
+            qscale, cap_log2e, sink, sliding_window or 0,
+            *attn_constants(layout),
+            GROUP=group, **layout_constexprs(layout),
+            OP=TORCH_TO_TL[op], PREC="ieee" if op == torch.float32 else None,
+            CONVERT=effective_convert(tn.convert, op, False),
+            HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, HAS_LSE=return_lse,
+            OUT_DT=TORCH_TO_TL[o_rot.dtype], IDX64=idx64, BLOCK_M=tn.block_m, BLOCK_N=tn.block_n,
+            HAS_SINKL=sink_lens is not None,
+            num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
+        )
+    if rotation_v is None:
+        o = o_rot
+    else:
+        o = counter_rotate(o_rot, rotation_v, hkv, out_dtype)
+        if out is not None:
+            check_tensor(out, "out", ndim=3, device=dev, shape=(n, hq, dv))
+            out.copy_(o)
+            o = out
+    return (o, lse) if return_lse else o

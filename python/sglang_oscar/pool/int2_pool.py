@@ -7,11 +7,8 @@ Storage per layer (``H`` = local kv heads, ``S = size + page_size`` slots):
   groups; ``v_buffer`` / ``v_pair_buffer`` likewise. Both planes are head-major (``[H, S, ...]``
   memory behind the ``[S, H, ...]`` views of :func:`~.rows.kv_head_major_zeros`): a decode program
   reads one kv head, so consecutive slots of that head are adjacent and a run of slots is read in
-  whole 32-byte sectors, with 8-byte aligned code words. H200, 2026-11-30 (9), same call, consecutive
-  slots, decode attention at 32K / 128K context (bench_decode, call 3): these planes 18.6 / 43.1 us at
-  batch 1 and 252 / 930 us at batch 32 against 18.7 / 44.2 and 263 / 953 us for codes and pairs
-  interleaved in one head-major 36-byte row (the 4-byte pair tail leaves the code words 4-byte
-  aligned); slot-major rows were slower still (eighth session); docs/benchmarks.md, ninth session.
+  whole 32-byte sectors, with 8-byte aligned code words (faster than interleaved code + pair
+  rows or slot-major rows; docs/kernels.md#pool-planes).
   Every kernel takes the strides of the views. SGLang's slot-row machinery (``move_kv_cache``, CPU
   offload copies, PD transfer) knows only ``k_buffer`` / ``v_buffer`` and would miss the pair
   planes: those paths are refused with a message (their features are refused by the plugin anyway).
