@@ -12,7 +12,7 @@
   shared-memory traffic, shuffles only for the slot ids and the softmax's row reductions, one
   ``movmatrix`` per 8 keys, the expected tensor-core instruction count.
 
-The numbers it computes are checked against the oracle on the GPU (test_kernel_gpu.py, ``gluon``).
+The numbers it computes are checked against the oracle on the GPU (the ``gluon`` GPU cases of test_decode.py).
 """
 
 from __future__ import annotations

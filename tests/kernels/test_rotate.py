@@ -7,6 +7,7 @@ import torch
 from _support.orthogonal import random_orthogonal
 from kv_fixtures import fresh_seed, poison_
 from sglang_oscar.kernels.rotate import MIN_PROGRAMS, auto_block_n, rotate_heads, rotate_heads_reference, rotate_qkv
+from gpu_sizes import DEV, scaled
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -265,3 +266,43 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 2 and all(ln.startswith("ValueError: _rotate") and "the tensors are on the CPU" in ln
                                    and "TRITON_INTERPRET=1" in ln for ln in lines), res.stdout
+
+
+# ------------------------------ GPU cases (real sizes, `-m gpu`; sizes and dry run: gpu_sizes.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", [
+    (scaled(64), 32, 8, 128, torch.bfloat16, False, False, False),  # decode q, batch 64, GQA 4
+    (scaled(64), 32, 8, 128, torch.float32, True, False, True),  # decode output back, value mean
+    (scaled(8192), 8, 8, 128, torch.bfloat16, False, True, False),  # prefill K, centred
+    (scaled(300), 16, 4, 256, torch.bfloat16, False, False, False),
+    (scaled(300), 8, 8, 192, torch.float16, True, False, False),
+])
+def test_gpu_rotate_heads(t, h, hr, d, in_dtype, transpose, sub, add):
+    """kernels.rotate.rotate_heads on the GPU against the fp32 einsum (IEEE fp32 dot products, no TF32)."""
+    check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device=DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [16, 32, 64, "auto"])
+def test_gpu_rotate_heads_output_slices(block_n):
+    """rotate_heads with the output dims split over programs (block_n), decode q / output / prefill K."""
+    check_rotation(scaled(8), 32, 8, 128, torch.bfloat16, False, False, False, device=DEV, block_n=block_n)
+    check_rotation(scaled(8), 32, 8, 128, torch.float32, True, False, True, device=DEV, block_n=block_n)
+    check_rotation(scaled(2048), 8, 8, 256, torch.bfloat16, False, True, False, device=DEV, block_n=block_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,hq,hkv,dk,dv,in_dtype,mk,mv,block_n", [
+    (scaled(1), 32, 8, 128, 128, torch.bfloat16, True, True, None),  # decode, batch 1, centred
+    (scaled(64), 32, 8, 128, 128, torch.bfloat16, False, True, 32),  # decode, batch 64, split outputs
+    (scaled(4096), 32, 8, 128, 128, torch.bfloat16, True, False, None),  # prefill
+    (scaled(300), 16, 8, 192, 128, torch.float16, True, True, 64),  # D_k != D_v
+    (scaled(1), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # the backend's decode call (16 dims)
+    (scaled(32), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # ... at batch 32 (64 dims)
+    (scaled(4096), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # ... at prefill
+])
+def test_gpu_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, mk, mv, block_n):
+    """kernels.rotate.rotate_qkv (q, K, V in one launch) on the GPU against the fp32 einsum."""
+    check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, mk, mv, block_n, device=DEV)

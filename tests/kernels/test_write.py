@@ -26,6 +26,7 @@ from sglang_oscar.kernels import (
 from sglang_oscar.kernels.write import clip_threshold
 from sglang_oscar.quant.int2 import quantize_rows
 from sglang_oscar.reference.attention import build_cache
+from gpu_sizes import DEV, scaled
 
 
 def _assert_pairs_equal(got: torch.Tensor, exp: torch.Tensor, what: str):
@@ -284,3 +285,105 @@ def test_rows_per_program_default_policy(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert rpp(layout, 32 * 8) == 64
     assert rpp(layout, 5) == 8
+
+
+# ------------------------------ GPU cases (real sizes, `-m gpu`; sizes and dry run: gpu_sizes.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dk,dv,group,quantizer,sdt", [
+    (128, 128, None, "uniform", "float16"),
+    (192, 128, None, "lloyd-max", "bfloat16"),
+    (256, 256, 128, "lloyd-max", "float32"),
+    (512, 512, None, "uniform", "float16"),
+    (64, 64, 16, "uniform", "float32"),
+])
+def test_gpu_write_bytes(dk, dv, group, quantizer, sdt):
+    _write_bytes(dk, dv, group, quantizer, sdt, scaled(8192))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [32, 64, 3])
+@pytest.mark.parametrize("dk,dv,group,quantizer,sdt", [
+    (128, 128, None, "uniform", "float16"),
+    (192, 128, 64, "lloyd-max", "bfloat16"),
+])
+def test_gpu_write_decode_sized(n, dk, dv, group, quantizer, sdt):
+    """Decode-sized writes (batch x 8 kv heads rows) with the rows per program that the small-grid
+    policy picks (``min_programs=256``: 1-2 rows, see ``WRITE_MIN_PROGRAMS``): bytes must equal the
+    reference quantizer's as for prefill-sized ones."""
+    from sglang_oscar.kernels.write import _rows_per_program
+
+    layout = _layout(dk, dv, group, quantizer, sdt)
+    _write_bytes(dk, dv, group, quantizer, sdt, n,
+                 rows_per_program=_rows_per_program(layout, n * 8, min_programs=256))
+
+
+def _layout(dk, dv, group, quantizer, sdt):
+    return Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92, quantizer=quantizer,
+                             scale_dtype=sdt)
+
+
+def _write_bytes(dk, dv, group, quantizer, sdt, n, rows_per_program=None):
+    fresh_seed()
+    h = 8
+    layout = _layout(dk, dv, group, quantizer, sdt)
+    k = random_rows(n, h, dk, DEV).to(torch.bfloat16)
+    v = random_rows(n, h, dv, DEV).to(torch.bfloat16)
+    num_slots = 2 * n + 16
+    buf = layout.allocate(num_slots, h, DEV)
+    for t in buf.values():
+        t.view(torch.uint8).fill_(0xAB)
+    loc = torch.randperm(n, device=DEV)
+    loc[1::97] = -1
+    hp_k = poison_(torch.empty(n, h, dk, dtype=torch.bfloat16, device=DEV))
+    hp_v = poison_(torch.empty(n, h, dv, dtype=torch.bfloat16, device=DEV))
+    hp_rows = torch.randperm(n, device=DEV).to(torch.int32)
+    write_kv(k, v, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout, hp_rows=hp_rows,
+             hp_k=hp_k, hp_v=hp_v, rows_per_program=rows_per_program)
+    ok = loc >= 0
+    kq = quantize_rows(k[ok], group_size=group, clip_ratio=0.96, quantizer=quantizer, scale_dtype=sdt)
+    vq = quantize_rows(v[ok], group_size=group, clip_ratio=0.92, quantizer=quantizer, scale_dtype=sdt)
+    sl = loc[ok]
+    assert_rows_match(buf["k_codes"][sl], buf["k_pairs"][sl], kq, "K")
+    assert_rows_match(buf["v_codes"][sl], buf["v_pairs"][sl], vq, "V")
+    assert torch.equal(hp_k[hp_rows.long()], k) and torch.equal(hp_v[hp_rows.long()], v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["planes", "rows-head-major", "rows-slot-major"])
+def test_gpu_write_into_served_rows(storage):
+    """write_kv into the served pool's head-major code / pair planes and into the
+    earlier 36-byte row views (pool/rows.py; head- and slot-major) store the bytes they store into
+    contiguous code / pair tensors, and touch no other row."""
+    from sglang_oscar.pool.rows import int2_row_views, kv_head_major_zeros
+
+    fresh_seed()
+    n, h, slots = scaled(4096), 8, scaled(4096) * 2 + 7
+    layout = _layout(128, 128, None, "uniform", "float16")
+    k = torch.randn(n, h, 128, device=DEV).to(torch.bfloat16)
+    v = torch.randn(n, h, 128, device=DEV).to(torch.bfloat16)
+    loc = torch.randperm(slots, device=DEV)[:n]
+    ref = layout.allocate(slots, h, DEV)
+    write_kv(k, v, loc, ref["k_codes"], ref["k_pairs"], ref["v_codes"], ref["v_pairs"], layout)
+    views = []
+    for _ in range(2):
+        if storage == "planes":
+            c = kv_head_major_zeros(slots, h, 32, torch.uint8, DEV)
+            p = kv_head_major_zeros(slots, h, 2, torch.float16, DEV)
+            c.fill_(0xAB)
+            p.view(torch.uint8).fill_(0xAB)
+            views.append(((c, p.view(torch.uint8)), c, p))
+        else:
+            rows = kv_head_major_zeros(slots, h, 36, torch.uint8, DEV, head_major=storage == "rows-head-major")
+            rows.fill_(0xAB)
+            views.append(((rows,), *int2_row_views(rows, 128, torch.float16)))
+    (kr, kc, kp), (vr, vc, vp) = views
+    write_kv(k, v, loc, kc, kp, vc, vp, layout)
+    for codes, pairs, name in ((kc, kp, "k"), (vc, vp, "v")):
+        assert torch.equal(codes[loc], ref[f"{name}_codes"][loc])
+        assert torch.equal(pairs[loc].view(torch.uint8), ref[f"{name}_pairs"][loc].view(torch.uint8))
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    for t in (*kr, *vr):
+        assert bool((t[untouched] == 0xAB).all())
