@@ -90,3 +90,31 @@ def test_plan_refuses_what_its_constants_do_not_cover():
         _plan(pool, 4, num_kv_splits=4, workspace=(torch.empty(2, 4, 3, 64), torch.empty(2, 4, 3)))
     with pytest.raises(ValueError, match="multiple"):
         _plan(pool, 3)
+
+
+def test_extend_plan_runs_equal_one_shot_calls_and_the_oracle():
+    """ExtendPlan: built once for a batch of chunks, its run equals extend_attention (LSE included)
+    and the oracle; another q shape or a cap it was not built for is refused."""
+    from kv_fixtures import reference_extend
+    from sglang_oscar.kernels import ExtendPlan, extend_attention
+
+    fresh_seed()
+    prefixes, exts = [10, 0], [7, 5]
+    pool = build_pool([p + e for p, e in zip(prefixes, exts)], 2, 64, 64, make_config(sink=SINK, recent=RECENT),
+                      hp_dtype=torch.float32, window_mode="extend")
+    qo = torch.tensor([0, 7, 12])
+    pre, ext = torch.tensor(prefixes), torch.tensor(exts)
+    tables = (pool.hp_index, pool.req_to_token, pool.req_pool_indices, qo, pre, ext)
+    plan = ExtendPlan(pool.layout, 4, 12, _bufs(pool), *tables, sink=SINK, q_dtype=torch.float32,
+                      mma_dtype=torch.float32, return_lse=True)
+    q = torch.randn(12, 4, 64)
+    qr = rotate_q(pool, q)
+    o, lse = plan.run(qr, *_bufs(pool))
+    o1, lse1 = extend_attention(qr, *_bufs(pool), *tables, pool.layout, sink=SINK, mma_dtype=torch.float32,
+                                return_lse=True)
+    assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    assert rel_l2(o, reference_extend(pool, q, prefixes, exts, hp_dtype=torch.float32)) < 1e-4
+    with pytest.raises(ValueError, match=r"this plan was built for \(12, 4, 64\)"):
+        plan.run(qr[:5], *_bufs(pool))
+    with pytest.raises(ValueError, match="built without a logit cap"):
+        plan.run(qr, *_bufs(pool), logit_cap=5.0)

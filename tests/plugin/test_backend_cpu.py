@@ -88,6 +88,7 @@ class Served:
         self.be.forward_metadata = SimpleNamespace(qo_indptr=torch.tensor([0, n]), max_extend_len=n)
         self.be._windows_out_of_graph()
         self.be._windows_in_forward(fb)
+        self.be.plan_extend(fb, n)  # init_forward_metadata's extend plan
         q, k, v = seq
         o = self.be.forward_extend(q[start:end].reshape(n, -1), k[start:end].reshape(n, -1),
                                    v[start:end].reshape(n, -1), _layer(), fb)
@@ -150,8 +151,8 @@ def test_prefill_then_decode_match_the_oracle(setup):
 
 def test_decode_engine_flag_reaches_the_kernels(setup):
     """--oscar-decode-engine: "triton" decodes as "auto" does on this CPU box (both run Triton here);
-    "gluon" reaches decode_attention, which refuses it here with the reason (no Gluon under the
-    interpreter), at the first decode step."""
+    "gluon" reaches the decode plan, which refuses it here with the reason (no Gluon under the
+    interpreter), when the first decode batch is planned."""
     import dataclasses
 
     seq, config, rk, rv = setup

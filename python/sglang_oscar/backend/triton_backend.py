@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-from ..kernels import DecodePlan, DecodeWorkspace, extend_attention
+from ..kernels import DecodePlan, DecodeWorkspace, ExtendPlan
 from ..kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
@@ -124,6 +124,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             self._group_layer.setdefault(geo, layer_id)  # a layer whose buffers stand for the group's
         self._workspace = DecodeWorkspace(self.pool.device)
         self._decode_plans = None
+        self._extend_plans = None
         self._graph_plans = {}
 
     def plan_decode(self, forward_batch) -> dict:
@@ -137,6 +138,22 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                 sink_lens=self.windows.sink_lens, logit_cap=geo.logit_cap or None, out_dtype=torch.float32,
                 max_seq_len=self.max_context_len, workspace=self._workspace, tuning=self._decode_tuning)
         self._decode_plans = plans
+        return plans
+
+    def plan_extend(self, forward_batch, num_tokens: int) -> dict:
+        """Build the extend plans of ``forward_batch`` (``num_tokens`` query rows; one plan per geometry
+        group; needs ``forward_metadata``'s ``qo_indptr`` / ``max_extend_len``) and make them current."""
+        bs = forward_batch.batch_size
+        md = self.forward_metadata
+        plans = {}
+        for geo, layer_id in self._group_layer.items():
+            plans[geo] = ExtendPlan(
+                self.layout, geo.num_q_heads, num_tokens, self.pool.int2_buffers(layer_id), self.windows.hp_index,
+                self._int2_req_to_token, forward_batch.req_pool_indices, md.qo_indptr[: bs + 1],
+                forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, sink=self.config.sink_tokens,
+                q_dtype=torch.float32, max_extend_len=md.max_extend_len, sink_lens=self.windows.sink_lens,
+                logit_cap=geo.logit_cap or None, out_dtype=torch.float32)
+        self._extend_plans = plans
         return plans
 
     def _plan_late(self, layer, forward_batch) -> dict:
@@ -182,9 +199,11 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         super().init_forward_metadata(forward_batch)
         self._windows_out_of_graph()
         self._windows_in_forward(forward_batch)
-        self._decode_plans = None
-        if forward_batch.forward_mode.is_decode() and forward_batch.batch_size > 0:
+        self._decode_plans = self._extend_plans = None
+        if forward_batch.batch_size > 0 and forward_batch.forward_mode.is_decode():
             self.plan_decode(forward_batch)
+        elif forward_batch.batch_size > 0 and forward_batch.forward_mode.is_extend():
+            self.plan_extend(forward_batch, forward_batch.out_cache_loc.shape[0])
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
@@ -268,16 +287,14 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                        aux_tensors=None):
         self._check_layer(layer, sinks, score_mod)
         q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        kc, kp, vc, vp, hk, hv = self.pool.int2_buffers(layer.layer_id)
-        bs = forward_batch.batch_size
-        md = self.forward_metadata
-        o = extend_attention(
-            q_rot, kc, kp, vc, vp, hk, hv, self.windows.hp_index, self._int2_req_to_token,
-            forward_batch.req_pool_indices, md.qo_indptr[: bs + 1], forward_batch.extend_prefix_lens,
-            forward_batch.extend_seq_lens, self.layout, sink=self.config.sink_tokens,
-            max_extend_len=md.max_extend_len, sm_scale=layer.scaling, logit_cap=layer.logit_cap or None,
-            out_dtype=torch.float32, sink_lens=self.windows.sink_lens,
-        )
+        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer))
+        plans = self._extend_plans
+        if plans is None or geo not in plans or plans[geo].q_shape[0] != q_rot.shape[0]:
+            # not planned ahead (no init_forward_metadata for this batch, or a layer the model scan missed)
+            self._group_layer.setdefault(geo, layer.layer_id)
+            plans = self.plan_extend(forward_batch, q_rot.shape[0])
+        o = plans[geo].run(q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling,
+                           logit_cap=layer.logit_cap or None)
         return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1],
                        engine=self.config.rotate_engine).reshape(
             q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)

@@ -16,7 +16,7 @@ from .decode import (
     decode_num_hp_splits,
     decode_workspace,
 )
-from .extend import extend_attention
+from .extend import ExtendPlan, extend_attention
 from .layout import Int2Layout, TensorLayout
 from .rotate import rotate_rows_hp
 from .tuning import AttnTuning
@@ -27,6 +27,7 @@ __all__ = [
     "AttnTuning",
     "DecodePlan",
     "DecodeWorkspace",
+    "ExtendPlan",
     "Int2Layout",
     "TensorLayout",
     "choose_num_splits",

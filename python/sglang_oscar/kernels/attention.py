@@ -156,3 +156,44 @@ def plan_head_blocks(num_q_heads: int, num_kv_heads: int, min_block_h: int = 16,
     else:
         hpb = max(d for d in range(1, max_block_h + 1) if group % d == 0)
     return group, hpb, group // hpb, max(min_block_h, next_pow2(hpb))
+
+
+def run_scales(plan_has_cap: bool, head_dim: int, sm_scale, logit_cap) -> tuple[float, float]:
+    """``(qscale, cap_log2e)`` of one plan run (:func:`score_scales`; ``sm_scale`` default ``1/sqrt(head_dim)``).
+
+    Raises:
+        ValueError: ``sm_scale`` not finite and > 0; a logit cap on a plan built without one, or none
+            on a plan built with one (the cap is a kernel constant).
+    """
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_sm_scale(sm_scale)
+    qscale, cap_log2e, has_cap = score_scales(sm_scale, logit_cap)
+    if has_cap != plan_has_cap:
+        raise ValueError(f"logit_cap={logit_cap!r} on a plan built {'with' if plan_has_cap else 'without'} "
+                         "a logit cap (the cap is a kernel constant: build the plan with logit_cap set)")
+    return qscale, cap_log2e
+
+
+def run_once(plan, q: torch.Tensor, buffers: tuple, *, sm_scale, logit_cap, out, out_dtype, rotation_v,
+             empty: bool = False):
+    """The one-shot wrappers' run of a just-built plan: into ``out`` (checked), or -- with
+    ``rotation_v`` -- into an fp32 buffer that is counter-rotated to ``out_dtype`` (and copied into
+    ``out`` if given). ``empty``: the batch is empty, return the fp32 buffer cast. Returns what
+    ``plan.run`` returns (with the output replaced)."""
+    if rotation_v is None:
+        if out is not None:
+            check_tensor(out, "out", ndim=3, device=q.device, shape=plan.out_shape, last_contiguous=True)
+            check_float(out, "out")
+        return plan.run(q, *buffers, sm_scale=sm_scale, logit_cap=logit_cap, out=out)
+    check_tensor(rotation_v, "rotation_v", device=q.device)
+    res = plan.run(q, *buffers, sm_scale=sm_scale, logit_cap=logit_cap,
+                   out=torch.empty(plan.out_shape, dtype=torch.float32, device=q.device))
+    o_rot, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, ())
+    if empty:
+        o = o_rot.to(out_dtype)
+    else:
+        o = counter_rotate(o_rot, rotation_v, plan.num_kv_heads, out_dtype)
+        if out is not None:
+            check_tensor(out, "out", ndim=3, device=q.device, shape=plan.out_shape)
+            out.copy_(o)
+            o = out
+    return (o, *rest) if rest else o

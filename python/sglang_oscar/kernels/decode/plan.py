@@ -11,8 +11,6 @@ that batch size. :func:`decode_attention` is the one-shot form (build a plan, ru
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..attention import (
@@ -20,19 +18,18 @@ from ..attention import (
     check_cache,
     check_out_dtype,
     check_query,
-    check_sm_scale,
-    counter_rotate,
     debug_request_indices,
     layout_constexprs,
     plan_head_blocks,
     resolve_mma_dtype,
-    score_scales,
+    run_once,
+    run_scales,
 )
 from ..compile_check import launch as _launch
 from ..compile_check import row_args
 from ..layout import TORCH_TO_TL, Int2Layout
 from ..tuning import _resolved_tuning, effective_convert, permuting_ok
-from ..validate import INDEX_DTYPES, check_float, check_tensor, debug_enabled, needs_idx64
+from ..validate import INDEX_DTYPES, check_tensor, debug_enabled, needs_idx64
 from .engine import GLUON_MAXNREG, decode_engine, gluon_pipeline
 from .gluon_stage1 import launch_gluon_decode
 from .merge import launch_merge, merge_launch
@@ -237,11 +234,7 @@ class DecodePlan:
                                   self._hp_rows, self._slots, self.sink, self.recent, prefix_mode=False)
         if self.batch == 0:
             return out
-        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else check_sm_scale(sm_scale)
-        qscale, cap_log2e, has_cap = score_scales(sm_scale, logit_cap)
-        if has_cap != self.has_cap:
-            raise ValueError(f"logit_cap={logit_cap!r} on a plan built {'with' if self.has_cap else 'without'} "
-                             "a logit cap (the cap is a kernel constant: build the plan with logit_cap set)")
+        qscale, cap_log2e = run_scales(self.has_cap, q.shape[-1], sm_scale, logit_cap)
         if self.engine == "gluon":
             # stage 1, both tiers, in one Gluon launch
             launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, self.hp_index, self.req_to_token,
@@ -315,20 +308,5 @@ def decode_attention(
                       num_kv_splits=num_kv_splits, num_hp_splits=num_hp_splits, max_seq_len=max_seq_len,
                       workspace=workspace, tuning=tuning, debug=debug)
     check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=q.device, shape=(q.shape[0],))
-    bufs = (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)
-    if rotation_v is None:
-        if out is not None:
-            check_tensor(out, "out", ndim=3, device=q.device, shape=plan.out_shape, last_contiguous=True)
-            check_float(out, "out")
-        return plan.run(q, *bufs, sm_scale=sm_scale, logit_cap=logit_cap, out=out)
-    check_tensor(rotation_v, "rotation_v", device=q.device)
-    o_rot = plan.run(q, *bufs, sm_scale=sm_scale, logit_cap=logit_cap,
-                     out=torch.empty(plan.out_shape, dtype=torch.float32, device=q.device))
-    if plan.batch == 0:
-        return o_rot.to(out_dtype)
-    o = counter_rotate(o_rot, rotation_v, plan.num_kv_heads, out_dtype)
-    if out is not None:
-        check_tensor(out, "out", ndim=3, device=q.device, shape=plan.out_shape)
-        out.copy_(o)
-        return out
-    return o
+    return run_once(plan, q, (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), sm_scale=sm_scale,
+                    logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v, empty=plan.batch == 0)
