@@ -12,16 +12,17 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # kv_fixtures
+sys.path.insert(0, os.path.dirname(HERE))  # _support (tests/)
 
 import torch  # noqa: E402
+from _support.orthogonal import random_orthogonal  # noqa: E402
 from kv_fixtures import build_pool, make_config  # noqa: E402
 from sglang_oscar.kernels import (  # noqa: E402
     Int2Layout,
     decode_attention,
-    dequantize_slots,
     extend_attention,
-    flush_hp_rows,
     write_kv,
 )
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
@@ -60,7 +61,7 @@ def _attn(kind, dk=128, dv=128, hq=32, hkv=8, group=None, quantizer="uniform", s
 
 def _rotate(t, h, hr, d, out_dtype, **kw):
     x = torch.randn(t, h, d).to(torch.bfloat16)
-    r = torch.linalg.qr(torch.randn(hr, d, d))[0].contiguous()
+    r = random_orthogonal(d, hr)
     rotate_heads(x, r, out_dtype, **kw)
 
 
@@ -75,7 +76,6 @@ CASES = [
     ("write d128 one row per program", lambda: _write(128, 128, None, "uniform", "float16", rows_per_program=1)),
     ("write d192/128 lloyd grouped", lambda: _write(192, 128, 64, "lloyd-max", "bfloat16")),
     ("write d512 g128 fp32-scales", lambda: _write(512, 512, 128, "uniform", "float32")),
-    ("flush + dequant d128", None),
     ("decode bits", lambda: _attn("d", tuning=dict(convert=1))),
     ("decode asm", lambda: _attn("d", tuning=dict(convert=2))),
     ("decode arith", lambda: _attn("d", tuning=dict(convert=0))),
@@ -105,13 +105,6 @@ CASES = [
 ]
 
 
-def _flush_dequant():
-    lay, buf, hp_k, hp_v = _write(128, 128, None, "uniform", "float16")
-    flush_hp_rows(hp_k, hp_v, torch.arange(4), torch.arange(4) + 8, buf["k_codes"], buf["k_pairs"], buf["v_codes"],
-                  buf["v_pairs"], lay)
-    dequantize_slots(buf["k_codes"], buf["k_pairs"], torch.arange(4), out_dtype=torch.bfloat16)
-
-
 def main(argv):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET to compile for sm_90", file=sys.stderr)
@@ -122,7 +115,6 @@ def main(argv):
         for name, fn in CASES:
             if only and not any(o in name for o in only):
                 continue
-            fn = fn or _flush_dequant
             before = len(COMPILED)
             t0 = time.time()
             fn()

@@ -17,7 +17,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in 
     os.environ["TRITON_INTERPRET"] = "1"
 
 # modules that do not go through the interpreter themselves
-_EITHER = {"test_kernel_compile.py"}
+_EITHER = {"test_compile.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,7 @@ import random
 
 import torch
 from sglang_oscar.config import OscarConfig
+from _support.orthogonal import random_orthogonal
 from sglang_oscar.kernels import Int2Layout, rotate_rows_hp
 from sglang_oscar.reference.attention import build_cache, oscar_attention
 
@@ -41,16 +42,6 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a = a.double()
     b = b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def random_rotation(d: int, heads: int | None = None, device="cpu") -> torch.Tensor:
-    """Random orthogonal ``[D, D]`` (or ``[heads, D, D]``) in fp32."""
-    def one():
-        qm, r = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))
-        return (qm * torch.sign(torch.diagonal(r))).float()
-    if heads is None:
-        return one().to(device)
-    return torch.stack([one() for _ in range(heads)]).to(device)
 
 
 def random_rows(t: int, h: int, d: int, device="cpu") -> torch.Tensor:
@@ -101,8 +92,8 @@ def build_pool(lens, hkv, dk, dv, config: OscarConfig, *, hp_dtype=torch.bfloat1
     rows_fn = rows or random_rows
     layout = Int2Layout.from_config(config, dk, dv)
     sink, recent = config.sink_tokens, config.recent_tokens
-    rot_k = random_rotation(dk, hkv if per_head_rotation else None, device)
-    rot_v = random_rotation(dv, hkv if per_head_rotation else None, device)
+    rot_k = random_orthogonal(dk, hkv if per_head_rotation else None, device=device)
+    rot_v = random_orthogonal(dv, hkv if per_head_rotation else None, device=device)
     nreq = len(lens)
     max_reqs = max_reqs or nreq + 3
     max_ctx = max_ctx or max(lens) + 5

@@ -1,4 +1,4 @@
-"""CPU checks of the Gluon decode loop (kernels/gluon_decode.py), which cannot run under the interpreter.
+"""CPU checks of the Gluon decode loop (kernels/decode/gluon_*.py), which cannot run under the interpreter.
 
 * The operand bookkeeping: the kernel's conversion (its own PTX text, run by a small emulator of
   the three instructions it uses, with the pairing ``pack=2`` gives in its register layouts), the
@@ -7,12 +7,12 @@
   row ``r``, scaled by ``2^(2k-24)`` for the dim's quarter ``k``; ``movmatrix`` + ``P_PERM``
   return P; the in-kernel formulas equal the maps. (The join tree is re-written here: a
   different tree would change the joined axis order, which the maps would then not match.)
-* The engine resolution (``launch.decode_engine``): scope checks and refusals.
+* The engine resolution (``decode.engine.decode_engine``): scope checks and refusals.
 * The compiled INT2 loop (sm_90, offline, through the real launch path): no spills in the loops, no
   shared-memory traffic, shuffles only for the slot ids and the softmax's row reductions, one
   ``movmatrix`` per 8 keys, the expected tensor-core instruction count.
 
-The numbers it computes are checked against the oracle on the GPU (test_kernel_gpu.py, ``gluon``).
+The numbers it computes are checked against the oracle on the GPU (the ``gluon`` GPU cases of test_decode.py).
 """
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ import sys
 import pytest
 import torch
 from kv_fixtures import fresh_seed
-from sglang_oscar.kernels.gluon_decode import (
+from sglang_oscar.kernels.decode.gluon_kernel import _k_dims, _v_dims
+from sglang_oscar.kernels.decode.gluon_operands import (
     K_PERM,
     K_WORD_SPLIT,
     P_PERM,
     V_PERM,
     _k_asm,
-    _k_dims,
     _v_asm,
-    _v_dims,
     k_column_dims,
     v_row_dims,
 )
 from sglang_oscar.quant.packing import pack_quarter
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
 
 
 def _half_values(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ def _run_ptx(text: str, inputs: dict) -> dict:
 
 
 def _join16(outs: list[torch.Tensor]) -> torch.Tensor:
-    # gl.join(a, b) == stack on a new last axis; the same tree as gluon_decode._join16
+    # gl.join(a, b) == stack on a new last axis; the same tree as gluon_kernel._join16
     a = [torch.stack([outs[2 * i], outs[2 * i + 1]], -1) for i in range(8)]
     b = [torch.stack([a[2 * i], a[2 * i + 1]], -1) for i in range(4)]
     c = [torch.stack([b[2 * i], b[2 * i + 1]], -1) for i in range(2)]
@@ -162,7 +162,8 @@ def test_p_operand_bookkeeping():
 def test_engine_resolution(monkeypatch):
     """decode_engine: Triton-only knobs keep Triton; the Gluon scope is checked, and naming the Gluon
     engine outside it is a ValueError with the reason."""
-    import sglang_oscar.kernels.launch as L
+    from sglang_oscar.kernels import tuning as T
+    from sglang_oscar.kernels.decode import engine as L
     from sglang_oscar.kernels import Int2Layout
     from sglang_oscar.kernels.compile_check import compile_only
 
@@ -236,9 +237,9 @@ def test_engine_resolution(monkeypatch):
     with pytest.raises(ValueError, match=r"engine='gluon' with Triton-engine knob\(s\) \['convert', 'num_stages'\]"):
         L.decode_engine(t({"engine": "gluon", "convert": 3, "num_stages": 3}).resolved(128), lay, q, torch.float16, False)
     # the resolved-tuning cache keys on the value's type: True == 1 must not let 1 through
-    L._resolved_tuning({"async_slots": True}, lay, False)
+    T._resolved_tuning({"async_slots": True}, lay, False)
     with pytest.raises(ValueError, match="must be true or false"):
-        L._resolved_tuning({"async_slots": 1}, lay, False)
+        T._resolved_tuning({"async_slots": 1}, lay, False)
     monkeypatch.setattr(L, "compiling_offline", lambda: False)
     monkeypatch.setattr(L, "gluon_decode_supported", lambda *a, **k: None)
     assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "gluon"
@@ -249,10 +250,11 @@ def test_engine_resolution(monkeypatch):
 
 
 def _compile_stats(block_n: int, tuning: dict | None = None) -> dict:
-    """``scripts/gluon_compile_check.py --decode`` in a subprocess without the interpreter: the JSON of
+    """``tests/kernels/gluon_compile_check.py --decode`` in a subprocess without the interpreter: the JSON of
     the Gluon decode kernel compiled for sm_90 (registers, stack, shared memory, loop opcodes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py"), "--decode", "--block-n", str(block_n)]
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.join(HERE, "gluon_compile_check.py"), "--decode", "--block-n", str(block_n)]
     if tuning:
         cmd += ["--tuning", json.dumps(tuning)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -331,7 +333,8 @@ def test_gluon_compile_check_prints_the_loop_order():
     """``--order``: one letter per key opcode of the INT2 loop, as many H / S / E as the loop's HMMA /
     SHFL / MUFU counts in the JSON line before it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py"), "--decode", "--order"]
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.join(HERE, "gluon_compile_check.py"), "--decode", "--order"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     stats_line, order = res.stdout.strip().splitlines()[-2:]

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _support.orthogonal import random_orthogonal
 from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_tuning
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
@@ -42,10 +43,6 @@ class _Mode:
         return False
 
 
-def _orth(n, d, gen):
-    return torch.stack([torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0] for _ in range(n)]).float()
-
-
 def _layer():
     return SimpleNamespace(layer_id=0, tp_q_head_num=HQ, tp_k_head_num=HKV, qk_head_dim=D, v_head_dim=D,
                            scaling=D ** -0.5, logit_cap=0.0, sliding_window_size=-1, logit_capping_method="tanh",
@@ -70,6 +67,7 @@ class Served:
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
         be._decode_tuning = decode_tuning(config)
         be.max_context_len = CTX
+        be.set_geometry([_layer()])
         self.be = be
         self.r2t = be._int2_req_to_token
         self.next_slot = 1
@@ -90,6 +88,7 @@ class Served:
         self.be.forward_metadata = SimpleNamespace(qo_indptr=torch.tensor([0, n]), max_extend_len=n)
         self.be._windows_out_of_graph()
         self.be._windows_in_forward(fb)
+        self.be.plan_extend(fb, n)  # init_forward_metadata's extend plan
         q, k, v = seq
         o = self.be.forward_extend(q[start:end].reshape(n, -1), k[start:end].reshape(n, -1),
                                    v[start:end].reshape(n, -1), _layer(), fb)
@@ -103,6 +102,7 @@ class Served:
                              seq_lens=torch.tensor([pos + 1]))
         self.be._windows_out_of_graph()
         self.be._windows_in_forward(fb)
+        self.be.plan_decode(fb)  # init_forward_metadata's decode plan
         q, k, v = seq
         o = self.be.forward_decode(q[pos:pos + 1].reshape(1, -1), k[pos:pos + 1].reshape(1, -1),
                                    v[pos:pos + 1].reshape(1, -1), _layer(), fb)
@@ -123,7 +123,7 @@ def setup():
            (torch.randn(t, HKV, D, generator=gen) * scale).bfloat16(),
            torch.randn(t, HKV, D, generator=gen).bfloat16())
     config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
-    return seq, config, _orth(HKV, D, gen), _orth(HKV, D, gen)
+    return seq, config, random_orthogonal(D, HKV, generator=gen), random_orthogonal(D, HKV, generator=gen)
 
 
 def _oracle(seq, config, rk, rv, start, end, mode):
@@ -151,8 +151,8 @@ def test_prefill_then_decode_match_the_oracle(setup):
 
 def test_decode_engine_flag_reaches_the_kernels(setup):
     """--oscar-decode-engine: "triton" decodes as "auto" does on this CPU box (both run Triton here);
-    "gluon" reaches decode_attention, which refuses it here with the reason (no Gluon under the
-    interpreter), at the first decode step."""
+    "gluon" reaches the decode plan, which refuses it here with the reason (no Gluon under the
+    interpreter), when the first decode batch is planned."""
     import dataclasses
 
     seq, config, rk, rv = setup

@@ -16,16 +16,25 @@ The window bookkeeping of a forward (sink rows for new sink tokens, ring rows, `
 ``sink_lens`` of the batch's requests) runs once per forward: in ``init_forward_metadata``
 (eager) or ``init_forward_metadata_in_graph`` (recorded into decode CUDA graphs); slots freed
 by SGLang give their sink rows back in the out-of-graph part.
+
+Decode attention is planned once per batch (:class:`~sglang_oscar.kernels.DecodePlan`: launch
+config, engine, split counts, grid, workspace views), one plan per KV geometry group of the model's
+layers (q / kv heads, head dims, logit cap on or off): in ``init_forward_metadata`` for an eager
+decode batch, in ``init_forward_metadata_out_graph(in_capture=True)`` once per CUDA-graph batch size
+before its capture (the plan is kept: the graph replays its launches). ``forward_decode`` then only
+runs the plan of the layer's group. The stage-1 workspace is one buffer
+(:class:`~sglang_oscar.kernels.DecodeWorkspace`) that every plan slices.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-from ..kernels import decode_attention, extend_attention
+from ..kernels import DecodePlan, DecodeWorkspace, ExtendPlan
 from ..kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
@@ -43,6 +52,22 @@ def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose:
         return rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean,
                             add_mean=add_mean, validate=False)
     return rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean, add_mean=add_mean)
+
+
+class Geometry(NamedTuple):
+    """What a decode plan is built for, besides the pool's layout: one group of layers."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    logit_cap: bool
+
+
+def layer_geometry(layer) -> Geometry:
+    """The :class:`Geometry` of an attention layer (SGLang's ``RadixAttention`` attributes)."""
+    return Geometry(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim,
+                    bool(layer.logit_cap and layer.logit_cap > 0))
 
 
 def decode_tuning(config) -> dict | None:
@@ -86,6 +111,57 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self._missed_seen = 0
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
         self._decode_tuning = decode_tuning(self.config)
+        self.set_geometry(layer for layer in _attention_layers(getattr(model_runner, "model", None))
+                          if pool.start_layer <= layer.layer_id <= pool.end_layer)
+
+    # ------------------------------------------------------------------ decode plans
+    def set_geometry(self, layers) -> None:
+        """Group ``layers`` (objects with ``RadixAttention``'s head / dim / logit-cap attributes) by
+        :class:`Geometry`: one decode plan per group and batch. Also resets the plans."""
+        self._layer_geometry = {layer.layer_id: layer_geometry(layer) for layer in layers}
+        self._group_layer = {}
+        for layer_id, geo in sorted(self._layer_geometry.items()):
+            self._group_layer.setdefault(geo, layer_id)  # a layer whose buffers stand for the group's
+        self._workspace = DecodeWorkspace(self.pool.device)
+        self._decode_plans = None
+        self._extend_plans = None
+        self._graph_plans = {}
+
+    def plan_decode(self, forward_batch) -> dict:
+        """Build the decode plans of ``forward_batch`` (one per geometry group) and make them current."""
+        plans = {}
+        for geo, layer_id in self._group_layer.items():
+            plans[geo] = DecodePlan(
+                self.layout, geo.num_q_heads, self.pool.int2_buffers(layer_id), self.windows.hp_index,
+                self._int2_req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                sink=self.config.sink_tokens, recent=self.config.recent_tokens, q_dtype=torch.float32,
+                sink_lens=self.windows.sink_lens, logit_cap=geo.logit_cap or None, out_dtype=torch.float32,
+                max_seq_len=self.max_context_len, workspace=self._workspace, tuning=self._decode_tuning)
+        self._decode_plans = plans
+        return plans
+
+    def plan_extend(self, forward_batch, num_tokens: int) -> dict:
+        """Build the extend plans of ``forward_batch`` (``num_tokens`` query rows; one plan per geometry
+        group; needs ``forward_metadata``'s ``qo_indptr`` / ``max_extend_len``) and make them current."""
+        bs = forward_batch.batch_size
+        md = self.forward_metadata
+        plans = {}
+        for geo, layer_id in self._group_layer.items():
+            plans[geo] = ExtendPlan(
+                self.layout, geo.num_q_heads, num_tokens, self.pool.int2_buffers(layer_id), self.windows.hp_index,
+                self._int2_req_to_token, forward_batch.req_pool_indices, md.qo_indptr[: bs + 1],
+                forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, sink=self.config.sink_tokens,
+                q_dtype=torch.float32, max_extend_len=md.max_extend_len, sink_lens=self.windows.sink_lens,
+                logit_cap=geo.logit_cap or None, out_dtype=torch.float32)
+        self._extend_plans = plans
+        return plans
+
+    def _plan_late(self, layer, forward_batch) -> dict:
+        """Plans for a decode forward that was not planned ahead (no ``init_forward_metadata`` for it,
+        or a layer the model scan missed): adds the layer's group and plans the batch now."""
+        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer))
+        self._group_layer.setdefault(geo, layer.layer_id)
+        return self.plan_decode(forward_batch)
 
     # ------------------------------------------------------------------ per-forward bookkeeping
     def _token_tables(self, fb):
@@ -123,10 +199,19 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         super().init_forward_metadata(forward_batch)
         self._windows_out_of_graph()
         self._windows_in_forward(forward_batch)
+        self._decode_plans = self._extend_plans = None
+        if forward_batch.batch_size > 0 and forward_batch.forward_mode.is_decode():
+            self.plan_decode(forward_batch)
+        elif forward_batch.batch_size > 0 and forward_batch.forward_mode.is_extend():
+            self.plan_extend(forward_batch, forward_batch.out_cache_loc.shape[0])
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         self._windows_out_of_graph()
+        if in_capture and forward_batch.forward_mode.is_decode():
+            # built before the capture and kept: the graph replays this plan's launches (its index
+            # tensors are the graph's static inputs, its workspace views stay allocated)
+            self._graph_plans[forward_batch.batch_size] = self.plan_decode(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         super().init_forward_metadata_in_graph(forward_batch)
@@ -186,17 +271,14 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                        aux_tensors=None):
         self._check_layer(layer, sinks, score_mod)
         q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        kc, kp, vc, vp, hk, hv = self.pool.int2_buffers(layer.layer_id)
         bs = q_rot.shape[0]
-        # the split count follows from the batch size, the head counts, the engine and the static
-        # context bound (decode_attention's default), never from this step's lengths (CUDA graphs)
-        o = decode_attention(
-            q_rot, kc, kp, vc, vp, hk, hv, self.windows.hp_index, self._int2_req_to_token,
-            forward_batch.req_pool_indices, forward_batch.seq_lens, self.layout,
-            sink=self.config.sink_tokens, recent=self.config.recent_tokens, sm_scale=layer.scaling,
-            logit_cap=layer.logit_cap or None, out_dtype=torch.float32, max_seq_len=self.max_context_len,
-            sink_lens=self.windows.sink_lens, validate=False, tuning=self._decode_tuning,
-        )
+        geo = self._layer_geometry.get(layer.layer_id)
+        plans = self._decode_plans
+        if geo is None or plans is None or geo not in plans:
+            plans = self._plan_late(layer, forward_batch)
+            geo = self._layer_geometry[layer.layer_id]
+        o = plans[geo].run(
+            q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling, logit_cap=layer.logit_cap or None)
         return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1],
                        engine=self.config.rotate_engine).reshape(
             bs, layer.tp_q_head_num * layer.v_head_dim)
@@ -205,16 +287,23 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                        aux_tensors=None):
         self._check_layer(layer, sinks, score_mod)
         q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        kc, kp, vc, vp, hk, hv = self.pool.int2_buffers(layer.layer_id)
-        bs = forward_batch.batch_size
-        md = self.forward_metadata
-        o = extend_attention(
-            q_rot, kc, kp, vc, vp, hk, hv, self.windows.hp_index, self._int2_req_to_token,
-            forward_batch.req_pool_indices, md.qo_indptr[: bs + 1], forward_batch.extend_prefix_lens,
-            forward_batch.extend_seq_lens, self.layout, sink=self.config.sink_tokens,
-            max_extend_len=md.max_extend_len, sm_scale=layer.scaling, logit_cap=layer.logit_cap or None,
-            out_dtype=torch.float32, sink_lens=self.windows.sink_lens,
-        )
+        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer))
+        plans = self._extend_plans
+        if plans is None or geo not in plans or plans[geo].q_shape[0] != q_rot.shape[0]:
+            # not planned ahead (no init_forward_metadata for this batch, or a layer the model scan missed)
+            self._group_layer.setdefault(geo, layer.layer_id)
+            plans = self.plan_extend(forward_batch, q_rot.shape[0])
+        o = plans[geo].run(q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling,
+                           logit_cap=layer.logit_cap or None)
         return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1],
                        engine=self.config.rotate_engine).reshape(
             q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+
+def _attention_layers(model) -> list:
+    """The model's attention layers (modules with ``RadixAttention``'s ``layer_id`` and head counts)."""
+    if model is None:
+        return []
+    return [m for m in model.modules()
+            if all(hasattr(m, a) for a in ("layer_id", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim",
+                                            "logit_cap"))]

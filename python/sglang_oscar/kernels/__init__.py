@@ -1,31 +1,33 @@
-"""Triton kernels of the OSCAR INT2 KV cache (see docs/kernels.md).
+"""Triton / Gluon kernels of the OSCAR INT2 KV cache (see docs/kernels.md).
 
-Wrappers (validated, launch-ready): :func:`write_kv`, :func:`rotate_and_write_kv`,
-:func:`rotate_rows_hp`, :func:`flush_hp_rows`, :func:`dequantize_slots`,
-:func:`decode_attention` (+ :func:`decode_workspace`, :func:`choose_num_splits`),
-:func:`extend_attention`; :class:`Int2Layout` describes one layer geometry.
+One module per op: :mod:`.write` (quantize + scatter rows), :mod:`.rotate` (per-head rotations),
+:mod:`.decode` (decode attention: plan, stage 1 in Triton or Gluon, merge), :mod:`.extend` (extend /
+prefill attention). :class:`Int2Layout` describes one layer geometry; :class:`AttnTuning` holds the
+attention launch knobs.
 """
 
-from .launch import (
-    AttnTuning,
+from .compile_check import interpreting
+from .attention import plan_head_blocks
+from .decode import (
+    DecodePlan,
+    DecodeWorkspace,
     choose_num_splits,
     decode_attention,
     decode_num_hp_splits,
     decode_workspace,
-    dequantize_slots,
-    extend_attention,
-    flush_hp_rows,
-    interpreting,
-    plan_head_blocks,
-    rotate_and_write_kv,
-    rotate_rows_hp,
-    write_kv,
 )
+from .extend import ExtendPlan, extend_attention
 from .layout import Int2Layout, TensorLayout
+from .rotate import rotate_rows_hp
+from .tuning import AttnTuning
 from .validate import debug_enabled
+from .write import write_kv
 
 __all__ = [
     "AttnTuning",
+    "DecodePlan",
+    "DecodeWorkspace",
+    "ExtendPlan",
     "Int2Layout",
     "TensorLayout",
     "choose_num_splits",
@@ -33,12 +35,9 @@ __all__ = [
     "decode_attention",
     "decode_num_hp_splits",
     "decode_workspace",
-    "dequantize_slots",
     "extend_attention",
-    "flush_hp_rows",
     "interpreting",
     "plan_head_blocks",
-    "rotate_and_write_kv",
     "rotate_rows_hp",
     "write_kv",
 ]

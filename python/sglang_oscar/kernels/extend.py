@@ -14,9 +14,26 @@ the natural-log LSE per (token, head) if requested.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from .attention import (
+    attn_constants,
+    check_cache,
+    check_out_dtype,
+    check_query,
+    debug_request_indices,
+    layout_constexprs,
+    resolve_mma_dtype,
+    run_once,
+    run_scales,
+)
+from .compile_check import launch as _launch
+from .compile_check import row_args
+from .layout import TORCH_TO_TL, Int2Layout
+from .tuning import _resolved_tuning, effective_convert
+from .validate import INDEX_DTYPES, check_tensor, debug_enabled, needs_idx64
 from .tiles import (
     NEG_INF,
     hp_scores,
@@ -139,3 +156,172 @@ def _extend_kernel(
         if HAS_LSE:
             lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, NEG_INF)
             tl.store(LSE + rows_q * stride_ln + h64 * stride_lh, lse, mask=rmask)
+
+
+class ExtendPlan:
+    """The launch of one extend (prefill) batch for one KV geometry: checks, tuning, grid and kernel
+    constants resolved once; :meth:`run` launches one layer.
+
+    Args:
+        layout: the layers' :class:`Int2Layout`; num_q_heads: ``H_q``; num_tokens: ``N``, the rows of
+            the ``q`` that :meth:`run` gets (all chunks of the batch).
+        buffers: ``(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)`` of one layer, shaped like every
+            layer the plan runs (as :class:`~.decode.plan.DecodePlan`).
+        hp_index, req_to_token, req_pool_indices, sink_lens: as :class:`~.decode.plan.DecodePlan`.
+        qo_indptr: int ``[B+1]`` (or ``[B]``): request ``b``'s queries are rows ``qo_indptr[b] :
+            qo_indptr[b] + extend_seq_lens[b]`` of ``q``, at positions ``extend_prefix_lens[b] + i``.
+        extend_prefix_lens, extend_seq_lens: int ``[B]``.
+        sink: HP sink size (tokens); q_dtype: dtype of the queries.
+        max_extend_len: host bound on ``extend_seq_lens`` (default: read from the device, a sync).
+        sliding_window, logit_cap (on / off; the value is a :meth:`run` argument), out_dtype,
+            mma_dtype, tuning, debug: as :class:`~.decode.plan.DecodePlan`.
+        return_lse: :meth:`run` also returns the natural-log LSE ``[N, H_q]`` fp32.
+
+    Raises:
+        ValueError: unsupported layout, mismatched shapes / dtypes / devices, (debug) bad indices.
+    """
+
+    def __init__(self, layout: Int2Layout, num_q_heads: int, num_tokens: int, buffers: tuple,
+                 hp_index: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                 qo_indptr: torch.Tensor, extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, *,
+                 sink: int, q_dtype: torch.dtype, max_extend_len: int | None = None,
+                 sink_lens: torch.Tensor | None = None, sliding_window: int | None = None,
+                 logit_cap: float | None = None, out_dtype: torch.dtype | None = None,
+                 mma_dtype: torch.dtype | None = None, tuning=None, return_lse: bool = False,
+                 debug: bool | None = None):
+        tn = _resolved_tuning(tuning, layout, True)
+        k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v = buffers
+        check_tensor(k_codes, "k_codes", ndim=3)
+        dev = k_codes.device
+        n, hq = num_tokens, num_q_heads
+        hkv, _ = check_cache(layout, dev, hq, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
+                             sink, 0, sliding_window, logit_cap)
+        check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+        bsz = req_pool_indices.shape[0]
+        check_tensor(extend_prefix_lens, "extend_prefix_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+        check_tensor(extend_seq_lens, "extend_seq_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
+        check_tensor(qo_indptr, "qo_indptr", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+        if qo_indptr.shape[0] not in (bsz, bsz + 1):
+            raise ValueError(f"qo_indptr has {qo_indptr.shape[0]} entries for {bsz} requests")
+        op = resolve_mma_dtype(mma_dtype, hp_k.dtype)
+        out_dtype = out_dtype or q_dtype
+        check_out_dtype(out_dtype)
+        if debug_enabled(debug):
+            ext = extend_seq_lens.long().cpu()
+            ind = qo_indptr.long().cpu()
+            if bsz and (int(ext.min()) < 0 or int((ind[:bsz] + ext).max()) > n or int(ind[:bsz].min()) < 0):
+                raise ValueError("qo_indptr / extend_seq_lens address rows outside q")
+            if int(extend_prefix_lens.min()) < 0 if bsz else False:
+                raise ValueError("extend_prefix_lens has negative entries")
+            debug_request_indices(req_pool_indices, (extend_prefix_lens + extend_seq_lens), hp_index, req_to_token,
+                                  hp_k.shape[0], k_codes.shape[0], sink, 0, prefix_mode=True)
+        if max_extend_len is None:
+            max_extend_len = int(extend_seq_lens.max()) if bsz else 0
+        self.layout, self.device, self.config = layout, dev, tn
+        self.num_kv_heads, self.q_shape = hkv, (n, hq, layout.k.head_dim)
+        self.out_shape = (n, hq, layout.v.head_dim)
+        self.out_dtype, self.return_lse = out_dtype, return_lse
+        self.has_cap = logit_cap is not None and logit_cap > 0
+        self.empty = not (bsz and max_extend_len > 0 and n > 0)
+        self._tables = (hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices,
+                        qo_indptr, extend_prefix_lens, extend_seq_lens, hp_index if sink_lens is None else sink_lens)
+        self._scalars = (sink, sliding_window or 0)
+        self.grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)
+        self._consts = attn_constants(layout)
+        self._constexprs = dict(
+            GROUP=hq // hkv, **layout_constexprs(layout),
+            OP=TORCH_TO_TL[op], PREC="ieee" if op == torch.float32 else None,
+            CONVERT=effective_convert(tn.convert, op, False),
+            HAS_CAP=self.has_cap, HAS_WINDOW=sliding_window is not None, HAS_LSE=return_lse,
+            IDX64=needs_idx64(*buffers), BLOCK_M=tn.block_m, BLOCK_N=tn.block_n,
+            HAS_SINKL=sink_lens is not None,
+            num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
+        )
+
+    def run(self, q: torch.Tensor, k_codes: torch.Tensor, k_pairs: torch.Tensor, v_codes: torch.Tensor,
+            v_pairs: torch.Tensor, hp_k: torch.Tensor, hp_v: torch.Tensor, *, sm_scale: float | None = None,
+            logit_cap: float | None = None, out: torch.Tensor | None = None):
+        """Extend attention of one layer (buffers shaped as the plan's; not checked again).
+
+        Returns:
+            ``o [N, H_q, D_v]`` in the rotated V frame (``out`` if given, else in ``out_dtype``), and
+            the LSE ``[N, H_q]`` fp32 if the plan was built with ``return_lse``.
+
+        Raises:
+            ValueError: ``q`` of another shape than the plan's, ``sm_scale`` not finite and > 0, a
+                logit cap that does not match the plan's.
+        """
+        if q.shape != self.q_shape:
+            raise ValueError(f"q has shape {tuple(q.shape)}; this plan was built for {self.q_shape}")
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device) if self.return_lse else out
+        if not self.empty:
+            qscale, cap_log2e = run_scales(self.has_cap, q.shape[-1], sm_scale, logit_cap)
+            _launch(_extend_kernel, self.grid,
+                *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), *self._tables,
+                out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+                qscale, cap_log2e, *self._scalars, *self._consts,
+                OUT_DT=TORCH_TO_TL[out.dtype], **self._constexprs,
+            )
+        return (out, lse) if self.return_lse else out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_pairs: torch.Tensor,
+    hp_k: torch.Tensor,
+    hp_v: torch.Tensor,
+    hp_index: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    layout: Int2Layout,
+    *,
+    sink: int,
+    max_extend_len: int | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    rotation_v: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+    mma_dtype: torch.dtype | None = None,
+    tuning=None,
+    sink_lens: torch.Tensor | None = None,
+    debug: bool | None = None,
+):
+    """One-shot extend attention: build an :class:`ExtendPlan` for this call and run it.
+
+    Causal attention of new chunks over their cached prefix and themselves: positions ``< sink``
+    are read from HP rows ``hp_index[req, p]``; every other position -- the chunk's own tokens
+    included, which must already be written -- from INT2 slots ``req_to_token[req, p]``.
+
+    Args:
+        q: ``[N, H_q, D_k]`` rotated queries of all chunks; the other tensors and settings as
+            :class:`ExtendPlan` and :meth:`ExtendPlan.run` take them.
+        rotation_v: if given (``[D_v, D_v]`` or ``[H_kv, D_v, D_v]``), return ``o R_v^T``.
+        out: optional ``[N, H_q, D_v]`` output (the counter-rotated one with ``rotation_v``).
+        out_dtype: default ``out.dtype`` if ``out`` is given, else ``q.dtype``.
+
+    Returns:
+        ``o [N, H_q, D_v]`` (and the natural-log LSE ``[N, H_q]`` fp32, rotated frame, if ``return_lse``).
+
+    Raises:
+        ValueError: as :class:`ExtendPlan` and :meth:`ExtendPlan.run`.
+    """
+    check_query(layout, q)
+    out_dtype = out_dtype or (out.dtype if out is not None else q.dtype)
+    plan = ExtendPlan(layout, q.shape[1], q.shape[0], (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), hp_index,
+                      req_to_token, req_pool_indices, qo_indptr, extend_prefix_lens, extend_seq_lens, sink=sink,
+                      q_dtype=q.dtype, max_extend_len=max_extend_len, sink_lens=sink_lens,
+                      sliding_window=sliding_window, logit_cap=logit_cap, out_dtype=out_dtype, mma_dtype=mma_dtype,
+                      tuning=tuning, return_lse=return_lse, debug=debug)
+    return run_once(plan, q, (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), sm_scale=sm_scale,
+                    logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v)

@@ -20,9 +20,8 @@ over the SMs).
 :func:`rotate_qkv` runs the step's three input products (q, K, V) in one launch: the grid's third
 axis selects the product and the output slice, and each program runs the same block body as
 :func:`rotate_heads`. The backend rotates q, K and V with it and the output with :func:`rotate_heads`,
-both with ``block_n="auto"``: on the H200 (``scripts/bench_step.py``, docs/benchmarks.md, thirteenth
-session) the four rotations of a Qwen3-8B layer took 8.7 us at batch 1 this way against 26.4 us as
-four launches of whole rows, and 14.8 against 27.8 us at batch 32.
+both with ``block_n="auto"``: one launch of output slices fills the GPU at decode batch sizes,
+where four launches of whole rows are a few latency-bound programs each (docs/kernels.md#rotations).
 """
 
 from __future__ import annotations
@@ -174,11 +173,9 @@ def auto_block_n(rows: int, matrices: int, d: int, products: int = 1) -> int | N
         products: products in the launch (3 for :func:`rotate_qkv`).
 
     Returns:
-        ``None``, 64, 32 or 16. Measured on the H200 (``scripts/bench_step.py``, docs/benchmarks.md,
-        thirteenth session; Qwen3-8B layer, 8 kv heads, head_dim 128, the four rotations of a step):
-        at batch 1 16 was fastest (8.7 us; whole rows 16.9 us), at batch 32 64 (14.8 us; whole rows
-        19.6 us); at 512-16384 prefill tokens 64 was 16-29% slower than whole rows. Other sizes follow
-        the program count unmeasured (with 8 kv heads the choice goes whole rows / 64 / whole rows
+        ``None``, 64, 32 or 16: slices where whole rows leave the GPU mostly idle (decode batch
+        sizes), whole rows for prefill-sized inputs (docs/kernels.md#rotations, measured at head_dim
+        128 with 8 kv heads). Other sizes follow the program count unmeasured (with 8 kv heads the choice goes whole rows / 64 / whole rows
         around batch 41-64 / 65-160 / 161+, where BLOCK_M grows from 16 to 64 rows).
     """
     np_ = _np(d)
@@ -402,3 +399,32 @@ def rotate_heads_reference(x, rotation, out_dtype, *, transpose=False, sub_mean=
         y = y + add_mean[None, :, None, :]
     return y.reshape(t, h, rotation.shape[-1]).to(out_dtype)
 
+
+def rotate_rows_hp(x: torch.Tensor, rotation: torch.Tensor, hp_dtype: torch.dtype | None = None,
+                   transpose: bool = False) -> torch.Tensor:
+    """Rotate rows ``x [N, H, D]`` by ``R`` (``[D, D]`` or ``[H_r, D, D]`` with ``H % H_r == 0``).
+
+    Computed in fp32 with the same einsum as ``reference.rotate_rows`` and rounded to
+    ``hp_dtype`` (default ``x.dtype``), so the rows equal ``reference.build_cache``'s ``k_hp``.
+
+    Raises:
+        ValueError: shapes or devices that do not match.
+    """
+    check_tensor(x, "rows", ndim=3)
+    check_float(x, "rows")
+    check_tensor(rotation, "rotation", device=x.device)
+    d = x.shape[-1]
+    if rotation.dim() not in (2, 3) or rotation.shape[-1] != d or rotation.shape[-2] != d:
+        raise ValueError(f"rotation of shape {tuple(rotation.shape)} does not fit head_dim {d}")
+    r = rotation.float()
+    h = x.shape[1]
+    if r.dim() == 2:
+        r = r.unsqueeze(0).expand(h, d, d)
+    else:
+        if h % r.shape[0]:
+            raise ValueError(f"rotation has {r.shape[0]} matrices, which does not divide {h} heads")
+        r = r.repeat_interleave(h // r.shape[0], dim=0)
+    if transpose:
+        r = r.transpose(-1, -2)
+    out = torch.einsum("thd,hde->the", x.float(), r)
+    return out.to(hp_dtype or x.dtype)

@@ -84,3 +84,15 @@ def check_range(t: torch.Tensor, name: str, lo: int, hi: int, *, allow_negative:
 def check_finite(t: torch.Tensor, name: str) -> None:
     if t.numel() and not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_int2_buffers(layout, k_codes, k_pairs, v_codes, v_pairs, heads, device):
+    check_tensor(k_codes, "k_codes", ndim=3, dtypes=torch.uint8, device=device,
+                 shape=(None, heads, layout.k.head_dim // 4), last_contiguous=True)
+    check_tensor(k_pairs, "k_pairs", ndim=3, dtypes=layout.scale_dtype, device=device,
+                 shape=(k_codes.shape[0], heads, 2 * layout.k.num_groups), last_contiguous=True)
+    if v_codes is not None:
+        check_tensor(v_codes, "v_codes", ndim=3, dtypes=torch.uint8, device=device,
+                     shape=(k_codes.shape[0], heads, layout.v.head_dim // 4), last_contiguous=True)
+        check_tensor(v_pairs, "v_pairs", ndim=3, dtypes=layout.scale_dtype, device=device,
+                     shape=(k_codes.shape[0], heads, 2 * layout.v.num_groups), last_contiguous=True)

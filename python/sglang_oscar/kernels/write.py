@@ -1,8 +1,6 @@
 """Cache write: quantize rotated HP rows and scatter codes + pairs at SGLang slots.
 
-``quantize_tile`` is the one implementation of the format's quantizer in Triton (the flush kernel
-calls it too, so a row written directly and a row flushed later from its HP copy get the same
-bytes). It follows ``sglang_oscar.quant.int2`` step by step, in the same fp32 operations:
+``quantize_tile`` is the one implementation of the format's quantizer in Triton. It follows ``sglang_oscar.quant.int2`` step by step, in the same fp32 operations:
 
 * clip threshold = the ``(idx+1)``-th smallest ``|x|``, found exactly by a 31-step binary search on
   the fp32 bit patterns of ``|x|`` (non-negative floats order like their bit patterns): the
@@ -23,10 +21,17 @@ SGLang's reserved slot 0, which is then overwritten harmlessly).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 from .codes import round_to
+from .compile_check import interpreting
+from .compile_check import launch as _launch
+from .layout import Int2Layout, next_pow2
+from .validate import INDEX_DTYPES, check_finite, check_float, check_int2_buffers, check_range, check_tensor, debug_enabled
 
 # bits of the float64 nearest to 1e-8 (the Lloyd-Max variance epsilon of quant.int2).
 LM_VAR_EPS_BITS = tl.constexpr(0x3E45798EE2308C3A)
@@ -282,3 +287,175 @@ def _copy_rows(X, stride_xn, stride_xh, n64, HP, stride_hr, stride_hh, hrow, hh6
     m = okh[:, None] & ((j % QP) < Q)[None, :]
     x = tl.load(X + n64[:, None] * stride_xn + hh64[:, None] * stride_xh + c[None, :], mask=m)
     tl.store(HP + hrow[:, None] * stride_hr + hh64[:, None] * stride_hh + c[None, :], x, mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+
+# GPU: fewer rows per write program until the grid has this many programs, so decode-sized writes
+# (a few hundred rows) run as many small programs instead of a few latency-bound ones
+# (docs/kernels.md#write-rows-per-program).
+WRITE_MIN_PROGRAMS = 256
+
+
+def _rows_per_program(layout: Int2Layout, num_rows: int, budget: int | None = None,
+                      min_programs: int | None = None) -> int:
+    """Rows per write program: the largest power of two whose tile stays within ~2K
+    (interpreter: ~8K) elements, one-hot axis included, and -- on the GPU -- that still gives the
+    grid ``min_programs`` (default :data:`WRITE_MIN_PROGRAMS`, 256) programs where
+    there are that many rows. Decode writes are small (batch x kv_heads rows: 256 at batch 32 x 8
+    kv heads): with 16 rows per program they run 16 latency-bound programs; 1 row per program
+    halved the write time (docs/kernels.md#write-rows-per-program). Prefill writes keep the full
+    tiles; the interpreter always does."""
+    worst = max(4 * layout.k.quarter_p2 * (layout.k.num_groups_p2 if layout.k.num_groups > 1 else 1),
+                4 * layout.v.quarter_p2 * (layout.v.num_groups_p2 if layout.v.num_groups > 1 else 1))
+    interp = interpreting()
+    if budget is None:
+        budget = 8192 if interp else 2048
+    r = min(64, 1 << (max(1, budget // worst).bit_length() - 1))
+    if min_programs is None:
+        min_programs = 1 if interp else WRITE_MIN_PROGRAMS
+    while r > 1 and -(-num_rows // r) < min_programs:
+        r //= 2
+    return max(1, min(r, next_pow2(max(num_rows, 1))))
+
+
+def _check_rows_per_program(r, layout: Int2Layout):
+    """``None`` or a power of two in [1, the layout's tile budget] (:func:`_rows_per_program`).
+
+    Raises:
+        ValueError: not a power of two, or more rows than one program's tile budget allows.
+    """
+    if r is None:
+        return None
+    r = int(r)
+    cap = _rows_per_program(layout, 1 << 30, budget=2048, min_programs=1)  # the GPU tile budget, on every platform
+    if r < 1 or r > cap or r & (r - 1):
+        raise ValueError(f"rows_per_program={r} must be a power of two in [1, {cap}] for this layout "
+                         f"(head dims {layout.k.head_dim}/{layout.v.head_dim}, groups {layout.k.group_size}/"
+                         f"{layout.v.group_size})")
+    return r
+
+
+@functools.lru_cache(maxsize=256)
+def _quant_constexprs(layout: Int2Layout, has_v: bool) -> dict:
+    k, v = layout.k, layout.v
+    return dict(
+        SDT=layout.tl_scale_dtype,
+        LLOYD=layout.lloyd,
+        QK=k.quarter, QKP=k.quarter_p2, GK=k.group_size, NGK=k.num_groups, NGKP=k.num_groups_p2,
+        CLIP_KK=k.clip_k,
+        QV=v.quarter, QVP=v.quarter_p2, GV=v.group_size, NGV=v.num_groups, NGVP=v.num_groups_p2,
+        CLIP_KV=v.clip_k,
+        HAS_V=has_v,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _threshold_args(layout: Int2Layout) -> tuple:
+    t = layout.thresholds
+    return (layout.scale_min, t[0], t[1], t[2], t[0], t[1], t[2])
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    loc: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_pairs: torch.Tensor,
+    v_codes: torch.Tensor | None,
+    v_pairs: torch.Tensor | None,
+    layout: Int2Layout,
+    *,
+    hp_rows: torch.Tensor | None = None,
+    hp_k: torch.Tensor | None = None,
+    hp_v: torch.Tensor | None = None,
+    debug: bool | None = None,
+    validate: bool = True,
+    rows_per_program: int | None = None,
+) -> None:
+    """Quantize rotated rows and scatter them into the INT2 buffers at ``loc``.
+
+    Args:
+        k: ``[N, H, D_k]`` rotated rows in the HP dtype (quantized from these exact values);
+            v: ``[N, H, D_v]`` or ``None`` (K only).
+        loc: int32/int64 ``[N]`` slots; ``loc < 0`` = skip the token (nothing written).
+        k_codes, k_pairs, v_codes, v_pairs: pool buffers ``[S, H, D/4]`` uint8 and
+            ``[S, H, 2*D/G]`` in ``layout.scale_dtype``.
+        layout: :class:`Int2Layout`.
+        hp_rows: optional int ``[N]``; with ``hp_k``/``hp_v`` (``[R, H, D]``, same dtype as the
+            rows) also store the rows there (``hp_rows < 0`` = skip).
+        debug: check index ranges and finiteness (host sync); default ``SGLANG_OSCAR_DEBUG``.
+        validate: shape/dtype/device checks (pure Python, no sync); ``False`` skips them on hot
+            paths whose arguments were validated once (saves tens of microseconds of CPU).
+        rows_per_program: (token, head) rows quantized per program, a power of two up to the
+            layout's tile budget (default :func:`_rows_per_program`: tiles of ~2K elements, fewer rows
+            while the grid has under ``WRITE_MIN_PROGRAMS`` = 256 programs). Fewer rows per program give more,
+            smaller programs (one warp per row at 1); timed by ``python -m benchmarks.bench_decode``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, or (debug) out-of-range indices / non-finite rows.
+    """
+    if validate:
+        _validate_write(layout, k, v, loc, k_codes, k_pairs, v_codes, v_pairs, hp_rows, hp_k, hp_v)
+    n, h, _ = k.shape
+    has_v = v is not None
+    has_hp = hp_rows is not None
+    if debug_enabled(debug):
+        check_range(loc, "loc", 0, k_codes.shape[0], allow_negative=True)
+        check_finite(k, "k")
+        if has_v:
+            check_finite(v, "v")
+        if has_hp:
+            check_range(hp_rows, "hp_rows", 0, hp_k.shape[0], allow_negative=True)
+    if n == 0:
+        return
+    r = _check_rows_per_program(rows_per_program, layout) or _rows_per_program(layout, n * h)
+    vv = v if has_v else k
+    vc = v_codes if has_v else k_codes
+    vp = v_pairs if has_v else k_pairs
+    hrows = hp_rows if has_hp else loc
+    hk = hp_k if has_hp else k
+    hv = hp_v if (has_hp and has_v) else hk
+    grid = (triton.cdiv(n * h, r), 2 if has_v else 1)  # K programs, V programs
+    _launch(_write_kernel, grid,
+        k, k.stride(0), k.stride(1), vv, vv.stride(0), vv.stride(1), loc, n, h,
+        k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
+        vc, vc.stride(0), vc.stride(1), vp, vp.stride(0), vp.stride(1),
+        hrows, hk, hk.stride(0), hk.stride(1), hv, hv.stride(0), hv.stride(1),
+        *_threshold_args(layout),
+        R=r, HAS_HP=has_hp, num_warps=_write_warps(layout, r), enable_fp_fusion=False,
+        **_quant_constexprs(layout, has_v),
+    )
+
+
+def _validate_write(layout, k, v, loc, k_codes, k_pairs, v_codes, v_pairs, hp_rows, hp_k, hp_v):
+    check_tensor(k, "k", ndim=3, last_contiguous=True)
+    check_float(k, "k")
+    dev = k.device
+    n, h, dk = k.shape
+    if dk != layout.k.head_dim:
+        raise ValueError(f"k head_dim {dk} does not match the layout's {layout.k.head_dim}")
+    has_v = v is not None
+    if has_v:
+        check_tensor(v, "v", ndim=3, device=dev, shape=(n, h, layout.v.head_dim), last_contiguous=True)
+        check_float(v, "v")
+        if v_codes is None or v_pairs is None:
+            raise ValueError("v given but v_codes / v_pairs missing")
+    check_tensor(loc, "loc", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(n,))
+    check_int2_buffers(layout, k_codes, k_pairs, v_codes if has_v else None, v_pairs, h, dev)
+    has_hp = hp_rows is not None
+    if has_hp:
+        check_tensor(hp_rows, "hp_rows", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(n,))
+        check_tensor(hp_k, "hp_k", ndim=3, dtypes=k.dtype, device=dev, shape=(None, h, dk), last_contiguous=True)
+        if has_v:
+            check_tensor(hp_v, "hp_v", ndim=3, dtypes=v.dtype, device=dev,
+                         shape=(hp_k.shape[0], h, layout.v.head_dim), last_contiguous=True)
+
+
+def _write_warps(layout: Int2Layout, r: int) -> int:
+    elems = r * 4 * max(layout.k.quarter_p2, layout.v.quarter_p2)
+    return max(1, min(8, elems // 256))

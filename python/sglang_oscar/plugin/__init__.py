@@ -155,7 +155,7 @@ def preflight(server_args) -> None:
         geometry = model_geometry(hf_config)
     served_rotation_set(config, geometry, log=False, hf_config=hf_config)
     if config.decode_engine == "gluon":
-        from ..kernels.gluon_decode import gluon_layout_reason
+        from ..kernels.decode.gluon_stage1 import gluon_layout_reason
         from ..kernels.layout import Int2Layout
 
         for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in geometry.layers}):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _support.orthogonal import random_orthogonal
 from kv_fixtures import fresh_seed, poison_
 from sglang_oscar.kernels.rotate import MIN_PROGRAMS, auto_block_n, rotate_heads, rotate_heads_reference, rotate_qkv
+from gpu_sizes import DEV, scaled
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -21,14 +23,10 @@ CASES = [
 ]
 
 
-def _orthogonal(h: int, d: int) -> torch.Tensor:
-    return torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
-
-
 def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", block_n=None):
     fresh_seed()
     x = (torch.randn(t, h, d, device=device) * 3).to(in_dtype)
-    r = _orthogonal(hr, d).to(device)
+    r = random_orthogonal(d, hr).to(device)
     mi = torch.randn(hr, d, device=device) if sub else None
     mo = torch.randn(hr, d, device=device) if add else None
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -133,7 +131,7 @@ def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, devi
     q = (torch.randn(t, hq, dk, device=device) * 3).to(in_dtype)
     k = (torch.randn(t, hkv, dk, device=device) * 3).to(in_dtype)
     v = (torch.randn(t, hkv, dv, device=device) * 3).to(in_dtype)
-    rk, rv = _orthogonal(hkv, dk).to(device), _orthogonal(hkv, dv).to(device)
+    rk, rv = random_orthogonal(dk, hkv).to(device), random_orthogonal(dv, hkv).to(device)
     mk = torch.randn(hkv, dk, device=device) if has_mk else None
     mv = torch.randn(hkv, dv, device=device) if has_mv else None
     for kv_dtype in (torch.bfloat16, torch.float16):
@@ -160,7 +158,7 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
     q = qkv[:, : 8 * 64].reshape(-1, 8, 64)
     k = qkv[:, 8 * 64: 10 * 64].reshape(-1, 2, 64)
     v = qkv[:, 10 * 64:].reshape(-1, 2, 64)
-    rk, rv = _orthogonal(2, 64), _orthogonal(2, 64)
+    rk, rv = random_orthogonal(64, 2), random_orthogonal(64, 2)
     qr, kr, vr = rotate_qkv(q, k, v, rk, rv, torch.bfloat16)
     assert_same_rotation(qr, rotate_heads_reference(q, rk, torch.float32))
     assert_same_rotation(kr, rotate_heads_reference(k, rk, torch.bfloat16))
@@ -172,7 +170,7 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
     with pytest.raises(ValueError, match="are not"):
         rotate_qkv(q[:, :7], k, v, rk, rv, torch.bfloat16)
     with pytest.raises(ValueError, match="rotation_v"):
-        rotate_qkv(q, k, v, rk, _orthogonal(2, 32), torch.bfloat16)
+        rotate_qkv(q, k, v, rk, random_orthogonal(32, 2), torch.bfloat16)
     with pytest.raises(ValueError, match="mean_k"):
         rotate_qkv(q, k, v, rk, rv, torch.bfloat16, mean_k=torch.zeros(2, 32))
     with pytest.raises(ValueError, match="kv_dtype"):
@@ -196,7 +194,7 @@ def test_rotate_heads_strided_rows_and_empty():
     qkv = torch.randn(6, (8 + 2 + 2) * 64).to(torch.bfloat16)
     q = qkv[:, : 8 * 64].reshape(-1, 8, 64)
     k = qkv[:, 8 * 64: 10 * 64].reshape(-1, 2, 64)  # stride(0) = the QKV width
-    r = _orthogonal(2, 64)
+    r = random_orthogonal(64, 2)
     for x, dt in ((q, torch.float32), (k, torch.bfloat16)):
         assert x.stride(0) == qkv.shape[1]
         got = rotate_heads(x, r, dt)
@@ -219,7 +217,7 @@ def test_rotate_heads_keeps_nan(nan_bits):
 
 
 def test_rotate_heads_bad_input():
-    r = _orthogonal(2, 64)
+    r = random_orthogonal(64, 2)
     x = torch.randn(3, 4, 64)
     with pytest.raises(ValueError, match="does not fit rows of head_dim 32"):
         rotate_heads(torch.randn(3, 4, 32), r, torch.float32)
@@ -268,3 +266,43 @@ def test_cpu_tensors_without_the_interpreter_are_refused():
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 2 and all(ln.startswith("ValueError: _rotate") and "the tensors are on the CPU" in ln
                                    and "TRITON_INTERPRET=1" in ln for ln in lines), res.stdout
+
+
+# ------------------------------ GPU cases (real sizes, `-m gpu`; sizes and dry run: gpu_sizes.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,hr,d,in_dtype,transpose,sub,add", [
+    (scaled(64), 32, 8, 128, torch.bfloat16, False, False, False),  # decode q, batch 64, GQA 4
+    (scaled(64), 32, 8, 128, torch.float32, True, False, True),  # decode output back, value mean
+    (scaled(8192), 8, 8, 128, torch.bfloat16, False, True, False),  # prefill K, centred
+    (scaled(300), 16, 4, 256, torch.bfloat16, False, False, False),
+    (scaled(300), 8, 8, 192, torch.float16, True, False, False),
+])
+def test_gpu_rotate_heads(t, h, hr, d, in_dtype, transpose, sub, add):
+    """kernels.rotate.rotate_heads on the GPU against the fp32 einsum (IEEE fp32 dot products, no TF32)."""
+    check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device=DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [16, 32, 64, "auto"])
+def test_gpu_rotate_heads_output_slices(block_n):
+    """rotate_heads with the output dims split over programs (block_n), decode q / output / prefill K."""
+    check_rotation(scaled(8), 32, 8, 128, torch.bfloat16, False, False, False, device=DEV, block_n=block_n)
+    check_rotation(scaled(8), 32, 8, 128, torch.float32, True, False, True, device=DEV, block_n=block_n)
+    check_rotation(scaled(2048), 8, 8, 256, torch.bfloat16, False, True, False, device=DEV, block_n=block_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,hq,hkv,dk,dv,in_dtype,mk,mv,block_n", [
+    (scaled(1), 32, 8, 128, 128, torch.bfloat16, True, True, None),  # decode, batch 1, centred
+    (scaled(64), 32, 8, 128, 128, torch.bfloat16, False, True, 32),  # decode, batch 64, split outputs
+    (scaled(4096), 32, 8, 128, 128, torch.bfloat16, True, False, None),  # prefill
+    (scaled(300), 16, 8, 192, 128, torch.float16, True, True, 64),  # D_k != D_v
+    (scaled(1), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # the backend's decode call (16 dims)
+    (scaled(32), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # ... at batch 32 (64 dims)
+    (scaled(4096), 32, 8, 128, 128, torch.bfloat16, True, True, "auto"),  # ... at prefill
+])
+def test_gpu_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, mk, mv, block_n):
+    """kernels.rotate.rotate_qkv (q, K, V in one launch) on the GPU against the fp32 einsum."""
+    check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, mk, mv, block_n, device=DEV)

@@ -14,28 +14,28 @@ layer geometry (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256), centred 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``). Ratios only mean something
 within one run.
 
-    python scripts/bench_step.py [--contexts 32768,131072] [--batches 1,32] [--rotate-block-n 16,32]
+    python -m benchmarks.bench_step [--contexts 32768,131072] [--batches 1,32] [--rotate-block-n 16,32]
         [--prefill-tokens 2048,16384] [--out step.md]
-    TRITON_INTERPRET=1 python scripts/bench_step.py --smoke      # CPU: every piece once, tiny shapes
+    TRITON_INTERPRET=1 python -m benchmarks.bench_step --smoke      # CPU: every piece once, tiny shapes
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
+    from . import bench_decode as bd
+except ImportError:
+    import bench_decode as bd
 
-import bench_decode as bd  # noqa: E402
-from bench_decode import D, Case, apply_pool_layout, bench, bench_layout, fmt_ms, make_sdpa  # noqa: E402
+from sglang_oscar.kernels import write_kv
+from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv
 
-from sglang_oscar.kernels import write_kv  # noqa: E402
-from sglang_oscar.kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv  # noqa: E402
+D, Case, apply_pool_layout, bench, bench_layout, fmt_ms, make_sdpa = (
+    bd.D, bd.Case, bd.apply_pool_layout, bd.bench, bd.bench_layout, bd.fmt_ms, bd.make_sdpa)
 
 
 def rotation_pieces(b: int, dev: torch.device, engine: str, block_n: int | str | None = None):
@@ -97,7 +97,7 @@ def step_pieces(case: Case, engine: str, block_n: int | str | None = None):
         qr, kr, vr = rotate_inputs()
         write_kv(kr, vr, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, case.layout, hp_rows=hp_rows,
                  hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False)
-        case.q = qr  # decode_attention takes the rotated fp32 queries as the server does
+        case.q = qr  # the plan runs on the rotated fp32 queries as the server's does
         out = case.run_int2()
         rotate_output(out)
 

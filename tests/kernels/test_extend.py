@@ -18,6 +18,8 @@ from kv_fixtures import (
     run_extend,
 )
 from sglang_oscar.kernels import write_kv
+import dataclasses
+from gpu_sizes import DEV, GPU_RECENT, GPU_SINK, SCALE, scaled
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -115,4 +117,45 @@ def test_extend_int64_offsets(monkeypatch):
     q = torch.randn(12, 4, 64)
     ref = reference_extend(pool, q, prefixes, exts, hp_dtype=torch.float32)
     o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32)
+    assert rel_l2(o, ref) < 1e-4
+
+
+# ------------------------------ GPU cases (real sizes, `-m gpu`; sizes and dry run: gpu_sizes.py)
+
+
+@pytest.mark.gpu
+def test_gpu_extend_long_prefix_and_chunking():
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, quantizer="lloyd-max", group_size=64)
+    prefixes, exts = [scaled(60000), 0, scaled(1000)], [scaled(2048), scaled(1500), 1]
+    lens = [p + e for p, e in zip(prefixes, exts)]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, window_mode="extend", device=DEV)
+    q = torch.randn(sum(exts), 32, 128, device=DEV)
+    ref = reference_extend(pool, q, prefixes, exts, counter_rotate=True)
+    o = run_extend(pool, rotate_q(pool, q).to(torch.bfloat16), prefixes, exts, rotation_v=pool.rot_v,
+                   out_dtype=torch.float32, debug=False)
+    assert rel_l2(o, ref) < 1e-2
+    # request 0's chunk again, split in two: the same rows as the one-shot run
+    p0, e0 = prefixes[0], exts[0]
+    cut = e0 // 3
+    q0 = rotate_q(pool, q[:e0])
+    sub = dataclasses.replace(pool, req_pool_indices=pool.req_pool_indices[:1])
+    full = run_extend(sub, q0, [p0], [e0], debug=False)
+    a = run_extend(sub, q0[:cut], [p0], [cut], debug=False)
+    b = run_extend(sub, q0[cut:], [p0 + cut], [e0 - cut], debug=False)
+    assert rel_l2(torch.cat([a, b]), full) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_extend_window_cap_fp32():
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+    prefixes, exts = [scaled(5000), 100], [scaled(700), 64]
+    pool = build_pool([p + e for p, e in zip(prefixes, exts)], 4, 128, 128, cfg, hp_dtype=torch.float32,
+                      window_mode="extend", device=DEV)
+    q = torch.randn(sum(exts), 16, 128, device=DEV)
+    w = scaled(1000) if SCALE < 0.1 else 1000
+    ref = reference_extend(pool, q, prefixes, exts, sliding_window=w, logit_cap=20.0, hp_dtype=torch.float32)
+    o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32, sliding_window=w,
+                   logit_cap=20.0, debug=False)
     assert rel_l2(o, ref) < 1e-4

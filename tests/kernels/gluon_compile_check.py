@@ -4,15 +4,15 @@
 Gluon (``triton.experimental.gluon``, explicit blocked / MMA / shared layouts) does not run under
 ``TRITON_INTERPRET=1``, but ``triton.compile`` takes a Gluon source for a ``GPUTarget`` and
 produces a cubin whose SASS the Triton wheel's ``cuobjdump`` lists, as
-``scripts/sass_loop_count.py`` does for the Triton kernels. A Gluon decode loop can therefore be
+``tests/kernels/sass_loop_count.py`` does for the Triton kernels. A Gluon decode loop can therefore be
 developed against static instruction counts on the CPU box and tested against the oracle on the
 GPU only.
 
-    python scripts/gluon_compile_check.py     # prints the artefacts and the SASS instruction count
-    python scripts/gluon_compile_check.py --decode [--block-n 32] [--tuning '{"async_stages": 3}']   # decode loop (JSON)
-    python scripts/gluon_compile_check.py --decode --order   # + the INT2 loop's opcode order as letters
+    python tests/kernels/gluon_compile_check.py     # prints the artefacts and the SASS instruction count
+    python tests/kernels/gluon_compile_check.py --decode [--block-n 32] [--tuning '{"async_stages": 3}']   # decode loop (JSON)
+    python tests/kernels/gluon_compile_check.py --decode --order   # + the INT2 loop's opcode order as letters
 
-``--decode`` compiles ``kernels.gluon_decode._gluon_decode_stage1`` (32 q / 8 kv heads, head_dim 128)
+``--decode`` compiles ``kernels.decode.gluon_kernel._gluon_decode_stage1`` (32 q / 8 kv heads, head_dim 128)
 and prints one JSON line: registers, spill stack, shared memory, and the opcode counts of each
 backward-branch loop (the HP-tier loop, then the INT2 key loop).
 """
@@ -28,9 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-from sglang_oscar.kernels.compile_check import cuobjdump, sass_loops  # noqa: E402
+from sglang_oscar.kernels.compile_check import cuobjdump, sass_loops
 
 
 @gluon.jit
@@ -48,7 +46,6 @@ def decode_loop_stats(block_n: int = 32, tuning: dict | None = None) -> dict:
     strides as it would on the GPU) and return its resource use and loop opcodes."""
     import re
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
     import compile_sm90
 
     from sglang_oscar.kernels.compile_check import COMPILED, compile_only

@@ -38,37 +38,39 @@ def test_all_kernels_compile_for_sm90():
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas not found")
 def test_gluon_kernel_compiles_for_sm90():
-    """scripts/gluon_compile_check.py: a Gluon kernel reaches a cubin with SASS on this CPU box."""
+    """tests/kernels/gluon_compile_check.py: a Gluon kernel reaches a cubin with SASS on this CPU box."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py")], env=env,
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, os.path.join(HERE, "gluon_compile_check.py")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "'cubin'" in res.stdout and "'ttgir'" in res.stdout
     count = int(res.stdout.split(";")[1].split()[0])
     assert 20 <= count <= 200, res.stdout
     env["TRITON_INTERPRET"] = "1"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_compile_check.py")], env=env,
+    res = subprocess.run([sys.executable, os.path.join(HERE, "gluon_compile_check.py")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "unset TRITON_INTERPRET" in res.stderr
 
 
-def _smoke(script: str, out, *extra: str) -> None:
-    """Run ``scripts/<script> --smoke --out <out> [extra]`` under the interpreter; it must exit 0."""
+def _smoke(module: str, out, *extra: str) -> None:
+    """Run ``python -m benchmarks.<module> --smoke --out <out> [extra]`` from the repository root under
+    the interpreter; it must exit 0."""
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--smoke", "--out", str(out), *extra],
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--out", str(out), *extra],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
 def test_bench_step_smoke(tmp_path):
-    """scripts/bench_step.py --smoke runs every piece of the served step (both rotate engines, the
+    """benchmarks/bench_step.py --smoke runs every piece of the served step (both rotate engines, the
     write, attention with the server's fp32 queries, the BF16 side, the one-launch q/K/V rotation,
     Triton rows with split output dims, the server's choice) and the prefill-size rotations, and writes
     its tables."""
     out = tmp_path / "step.md"
-    _smoke("bench_step.py", out, "--rotate-block-n", "32", "--prefill-tokens", "64")
+    _smoke("bench_step", out, "--rotate-block-n", "32", "--prefill-tokens", "64")
     text = out.read_text()
     rows = [ln for ln in text.splitlines() if ln.startswith("| 352 x 2 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["torch", "triton", "triton-qkv", "triton-qkv auto (served)",
@@ -80,7 +82,7 @@ def test_bench_step_smoke(tmp_path):
 
 def test_bench_decode_smoke(tmp_path):
     out = tmp_path / "bench.md"
-    _smoke("bench_decode.py", out)
+    _smoke("bench_decode", out)
     text = out.read_text()
     assert "| ctx | batch |" in text and "Write (quantize+scatter" in text
 
@@ -93,8 +95,8 @@ def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
     slots (a different slot -> key mapping) changes it."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import bench_decode as bd
+    monkeypatch.syspath_prepend(ROOT)
+    from benchmarks import bench_decode as bd
 
     monkeypatch.setattr(bd, "HQ", 4)
     monkeypatch.setattr(bd, "HKV", 2)

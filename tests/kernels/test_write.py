@@ -1,4 +1,4 @@
-"""Cache write, flush and dequantize kernels vs the format's definition (quant.int2).
+"""Cache write kernel vs the format's definition (quant.int2).
 
 Bytes must match ``quantize_rows`` exactly: codes bit for bit, pairs equal as numbers (the
 kernels use the same fp32 operations, IEEE division and an exact order statistic for the clip).
@@ -10,24 +10,23 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from _support.orthogonal import random_orthogonal
 from kv_fixtures import (
     assert_rows_match,
     fresh_seed,
     poison_,
-    random_rotation,
     random_rows,
 )
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.kernels import (
     Int2Layout,
-    dequantize_slots,
-    flush_hp_rows,
-    rotate_and_write_kv,
+    rotate_rows_hp,
     write_kv,
 )
 from sglang_oscar.kernels.write import clip_threshold
-from sglang_oscar.quant.int2 import dequantize_rows, quantize_rows
+from sglang_oscar.quant.int2 import quantize_rows
 from sglang_oscar.reference.attention import build_cache
+from gpu_sizes import DEV, scaled
 
 
 def _assert_pairs_equal(got: torch.Tensor, exp: torch.Tensor, what: str):
@@ -96,7 +95,7 @@ def test_write_matches_quantize_rows(dk, dv, group, quantizer, sdt, kclip, vclip
     assert bool(torch.isnan(hp_k[rest].float()).all()) and bool(torch.isnan(hp_v[rest].float()).all())
 
 
-def test_write_and_flush_k_only():
+def test_write_k_only():
     """``v=None`` (K only: one program column, no V programs): K slots and K HP rows get exactly the
     bytes of the K + V call, and the V buffers and V HP rows are not touched."""
     fresh_seed()
@@ -122,13 +121,6 @@ def test_write_and_flush_k_only():
         assert torch.equal(hp_k[hp_rows.long()], k)
     assert bool((bufs[1]["v_codes"] == 0xAB).all()) and bool((bufs[1]["v_pairs"].view(torch.uint8) == 0xAB).all())
     assert bool(torch.isnan(hps[1][1].float()).all())
-    # flush K only from the K HP rows into fresh slots: the same K bytes
-    buf = layout.allocate(num_slots, h, "cpu")
-    for t in buf.values():
-        t.view(torch.uint8).fill_(0xAB)
-    flush_hp_rows(hps[1][0], None, hp_rows, loc, buf["k_codes"], buf["k_pairs"], None, None, layout)
-    assert torch.equal(buf["k_codes"], bufs[0]["k_codes"])
-    assert bool((buf["v_codes"] == 0xAB).all())
 
 
 @triton.jit
@@ -215,15 +207,16 @@ def test_rotate_and_write_matches_build_cache():
     layout = Int2Layout.from_config(cfg, dk, dv)
     k = random_rows(n, h, dk)
     v = random_rows(n, h, dv)
-    rk = random_rotation(dk, h)  # per kv head
-    rv = random_rotation(dv)  # per layer
+    rk = random_orthogonal(dk, h)  # per kv head
+    rv = random_orthogonal(dv)  # per layer
     cache = build_cache(k, v, rk, rv, cfg, torch.bfloat16)
     buf = layout.allocate(n + 4, h, "cpu")
     for t in buf.values():
         t.view(torch.uint8).fill_(0xAB)
     loc = torch.randperm(n + 4)[:n]
-    k_rot, v_rot = rotate_and_write_kv(k, v, rk, rv, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"],
-                                       buf["v_pairs"], layout, hp_dtype=torch.bfloat16)
+    # the backend's write path: rotate (fp32, rounded to the HP dtype), then quantize + scatter
+    k_rot, v_rot = rotate_rows_hp(k, rk, torch.bfloat16), rotate_rows_hp(v, rv, torch.bfloat16)
+    write_kv(k_rot, v_rot, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout)
     assert torch.equal(k_rot, cache.k_hp) and torch.equal(v_rot, cache.v_hp)
     assert torch.equal(buf["k_codes"][loc], cache.k_quant.codes)
     assert torch.equal(buf["v_codes"][loc], cache.v_quant.codes)
@@ -234,9 +227,9 @@ def test_rotate_and_write_matches_build_cache():
 @pytest.mark.parametrize("quantizer,group,sdt,rpp", [("uniform", None, "float16", None),
                                                      ("lloyd-max", 32, "float32", None),
                                                      ("uniform", None, "bfloat16", 1), ("lloyd-max", 64, "float16", 4)])
-def test_flush_equals_direct_write(quantizer, group, sdt, rpp):
-    """Rows written to HP (fused copy), later flushed to other slots, give the direct write's bytes
-    (``rpp``: the rows-per-program knob of both kernels; the bytes equal quantize_rows either way)."""
+def test_write_with_hp_copy(quantizer, group, sdt, rpp):
+    """Rows written with the fused HP copy: the copies land at ``hp_rows`` unchanged, the slots get
+    ``quantize_rows``' bytes (``rpp``: the rows-per-program knob), other slots stay untouched."""
     fresh_seed()
     n, h, d = 10, 2, 128
     layout = Int2Layout.create(d, d, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92,
@@ -256,42 +249,9 @@ def test_flush_equals_direct_write(quantizer, group, sdt, rpp):
     if rpp is not None:
         kq = quantize_rows(k, group_size=group, clip_ratio=0.96, quantizer=quantizer, scale_dtype=sdt)
         assert_rows_match(buf["k_codes"][direct], buf["k_pairs"][direct], kq, "K")
-    # flush plan with -1 padding (fixed size), destinations elsewhere
-    src = torch.cat([hp_rows, torch.tensor([-1, 3])]).to(torch.int32)
-    dst = torch.cat([n + torch.randperm(n), torch.tensor([5, -1])])
-    flush_hp_rows(hp_k, hp_v, src, dst, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout,
-                  rows_per_program=rpp)
-    dflush = dst[:n]
-    for name in buf:
-        a = buf[name][direct].view(torch.uint8)
-        b = buf[name][dflush].view(torch.uint8)
-        assert torch.equal(a, b), f"{name}: flushed bytes differ from direct-write bytes"
-    # the padded entries wrote nothing: slots 2n .. 2n+2 are untouched
+    assert torch.equal(hp_k[hp_rows], k) and torch.equal(hp_v[hp_rows], v)
     for t in buf.values():
-        assert bool((t[2 * n:].view(torch.uint8) == 0xAB).all())
-
-
-@pytest.mark.parametrize("d,group,quantizer,sdt,out_dtype", [
-    (128, None, "uniform", "float16", torch.float32),
-    (192, 64, "lloyd-max", "float32", torch.float32),
-    (64, 16, "uniform", "bfloat16", torch.bfloat16),
-])
-def test_dequantize_slots(d, group, quantizer, sdt, out_dtype):
-    fresh_seed()
-    n, h, num_slots = 6, 2, 15
-    x = random_rows(n, h, d).to(torch.bfloat16)
-    qr = quantize_rows(x, group_size=group, clip_ratio=0.9, quantizer=quantizer, scale_dtype=sdt)
-    codes = torch.randint(0, 256, (num_slots, h, d // 4), dtype=torch.uint8)
-    pairs = torch.randn(num_slots, h, qr.pairs.shape[-1]).to(qr.pairs.dtype)
-    slots = torch.randperm(num_slots)[:n]
-    codes[slots] = qr.codes
-    pairs[slots] = qr.pairs
-    query = torch.cat([slots, torch.tensor([-1])])
-    out = poison_(torch.empty(n + 1, h, d, dtype=out_dtype))
-    dequantize_slots(codes, pairs, query, group_size=group, quantizer=quantizer, out=out)
-    exp = dequantize_rows(qr, out_dtype=out_dtype)
-    assert torch.equal(out[:n], exp)
-    assert bool((out[n] == 0).all())
+        assert bool((t[n:].view(torch.uint8) == 0xAB).all())
 
 
 @pytest.mark.parametrize("rpp", [0, 3, 64])
@@ -308,11 +268,11 @@ def test_rows_per_program_default_policy(monkeypatch):
     """GPU: full ~2K-element tiles (16 rows at head_dim 128, one group) for prefill-sized writes;
     with ``min_programs`` fewer rows until the grid has that many programs (decode-sized writes);
     the interpreter keeps its ~8K-element tiles."""
-    from sglang_oscar.kernels import launch
+    from sglang_oscar.kernels import write as write_mod
 
     layout = Int2Layout.create(128, 128, k_clip_ratio=0.96, v_clip_ratio=0.92)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rpp = launch._rows_per_program
+    rpp = write_mod._rows_per_program
     assert rpp(layout, 8192 * 8, min_programs=256) == 16  # prefill chunk: tile budget
     assert rpp(layout, 32 * 8, min_programs=256) == 1  # decode, batch 32 x 8 kv heads
     assert rpp(layout, 64 * 8, min_programs=256) == 2
@@ -325,3 +285,105 @@ def test_rows_per_program_default_policy(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert rpp(layout, 32 * 8) == 64
     assert rpp(layout, 5) == 8
+
+
+# ------------------------------ GPU cases (real sizes, `-m gpu`; sizes and dry run: gpu_sizes.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dk,dv,group,quantizer,sdt", [
+    (128, 128, None, "uniform", "float16"),
+    (192, 128, None, "lloyd-max", "bfloat16"),
+    (256, 256, 128, "lloyd-max", "float32"),
+    (512, 512, None, "uniform", "float16"),
+    (64, 64, 16, "uniform", "float32"),
+])
+def test_gpu_write_bytes(dk, dv, group, quantizer, sdt):
+    _write_bytes(dk, dv, group, quantizer, sdt, scaled(8192))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [32, 64, 3])
+@pytest.mark.parametrize("dk,dv,group,quantizer,sdt", [
+    (128, 128, None, "uniform", "float16"),
+    (192, 128, 64, "lloyd-max", "bfloat16"),
+])
+def test_gpu_write_decode_sized(n, dk, dv, group, quantizer, sdt):
+    """Decode-sized writes (batch x 8 kv heads rows) with the rows per program that the small-grid
+    policy picks (``min_programs=256``: 1-2 rows, see ``WRITE_MIN_PROGRAMS``): bytes must equal the
+    reference quantizer's as for prefill-sized ones."""
+    from sglang_oscar.kernels.write import _rows_per_program
+
+    layout = _layout(dk, dv, group, quantizer, sdt)
+    _write_bytes(dk, dv, group, quantizer, sdt, n,
+                 rows_per_program=_rows_per_program(layout, n * 8, min_programs=256))
+
+
+def _layout(dk, dv, group, quantizer, sdt):
+    return Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92, quantizer=quantizer,
+                             scale_dtype=sdt)
+
+
+def _write_bytes(dk, dv, group, quantizer, sdt, n, rows_per_program=None):
+    fresh_seed()
+    h = 8
+    layout = _layout(dk, dv, group, quantizer, sdt)
+    k = random_rows(n, h, dk, DEV).to(torch.bfloat16)
+    v = random_rows(n, h, dv, DEV).to(torch.bfloat16)
+    num_slots = 2 * n + 16
+    buf = layout.allocate(num_slots, h, DEV)
+    for t in buf.values():
+        t.view(torch.uint8).fill_(0xAB)
+    loc = torch.randperm(n, device=DEV)
+    loc[1::97] = -1
+    hp_k = poison_(torch.empty(n, h, dk, dtype=torch.bfloat16, device=DEV))
+    hp_v = poison_(torch.empty(n, h, dv, dtype=torch.bfloat16, device=DEV))
+    hp_rows = torch.randperm(n, device=DEV).to(torch.int32)
+    write_kv(k, v, loc, buf["k_codes"], buf["k_pairs"], buf["v_codes"], buf["v_pairs"], layout, hp_rows=hp_rows,
+             hp_k=hp_k, hp_v=hp_v, rows_per_program=rows_per_program)
+    ok = loc >= 0
+    kq = quantize_rows(k[ok], group_size=group, clip_ratio=0.96, quantizer=quantizer, scale_dtype=sdt)
+    vq = quantize_rows(v[ok], group_size=group, clip_ratio=0.92, quantizer=quantizer, scale_dtype=sdt)
+    sl = loc[ok]
+    assert_rows_match(buf["k_codes"][sl], buf["k_pairs"][sl], kq, "K")
+    assert_rows_match(buf["v_codes"][sl], buf["v_pairs"][sl], vq, "V")
+    assert torch.equal(hp_k[hp_rows.long()], k) and torch.equal(hp_v[hp_rows.long()], v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["planes", "rows-head-major", "rows-slot-major"])
+def test_gpu_write_into_served_rows(storage):
+    """write_kv into the served pool's head-major code / pair planes and into the
+    earlier 36-byte row views (pool/rows.py; head- and slot-major) store the bytes they store into
+    contiguous code / pair tensors, and touch no other row."""
+    from sglang_oscar.pool.rows import int2_row_views, kv_head_major_zeros
+
+    fresh_seed()
+    n, h, slots = scaled(4096), 8, scaled(4096) * 2 + 7
+    layout = _layout(128, 128, None, "uniform", "float16")
+    k = torch.randn(n, h, 128, device=DEV).to(torch.bfloat16)
+    v = torch.randn(n, h, 128, device=DEV).to(torch.bfloat16)
+    loc = torch.randperm(slots, device=DEV)[:n]
+    ref = layout.allocate(slots, h, DEV)
+    write_kv(k, v, loc, ref["k_codes"], ref["k_pairs"], ref["v_codes"], ref["v_pairs"], layout)
+    views = []
+    for _ in range(2):
+        if storage == "planes":
+            c = kv_head_major_zeros(slots, h, 32, torch.uint8, DEV)
+            p = kv_head_major_zeros(slots, h, 2, torch.float16, DEV)
+            c.fill_(0xAB)
+            p.view(torch.uint8).fill_(0xAB)
+            views.append(((c, p.view(torch.uint8)), c, p))
+        else:
+            rows = kv_head_major_zeros(slots, h, 36, torch.uint8, DEV, head_major=storage == "rows-head-major")
+            rows.fill_(0xAB)
+            views.append(((rows,), *int2_row_views(rows, 128, torch.float16)))
+    (kr, kc, kp), (vr, vc, vp) = views
+    write_kv(k, v, loc, kc, kp, vc, vp, layout)
+    for codes, pairs, name in ((kc, kp, "k"), (vc, vp, "v")):
+        assert torch.equal(codes[loc], ref[f"{name}_codes"][loc])
+        assert torch.equal(pairs[loc].view(torch.uint8), ref[f"{name}_pairs"][loc].view(torch.uint8))
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    for t in (*kr, *vr):
+        assert bool((t[untouched] == 0xAB).all())

@@ -3,7 +3,7 @@
 count the SASS instructions of its loops (the INT2 loop is the last one), plus registers, spill
 stack and shared memory.
 
-    python scripts/sass_loop_count.py '{}' '{"convert": 3, "pairs_ahead": false}'   # tunings as JSON (TRITON_INTERPRET unset)
+    python tests/kernels/sass_loop_count.py '{}' '{"convert": 3, "pairs_ahead": false}'   # tunings as JSON (TRITON_INTERPRET unset)
 
 Uses ``kernels.compile_check.compile_only`` with the small CPU pool of tests/kernels/compile_sm90.py
 (32 q / 8 kv heads, head_dim 128) and the Triton wheel's ``cuobjdump``.
@@ -12,16 +12,11 @@ Uses ``kernels.compile_check.compile_only`` with the small CPU pool of tests/ker
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-import compile_sm90  # noqa: E402
-from sglang_oscar.kernels.compile_check import COMPILED, compile_only, cuobjdump  # noqa: E402
-from sglang_oscar.kernels.compile_check import sass_loops as loops  # noqa: E402
+import compile_sm90
+from sglang_oscar.kernels.compile_check import COMPILED, compile_only, cuobjdump
+from sglang_oscar.kernels.compile_check import sass_loops as loops
 
 
 def main(argv=None) -> int:

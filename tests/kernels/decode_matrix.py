@@ -7,8 +7,8 @@ for bf16 outputs). Meant for a device call when a GPU test fails without details
 which tunings a head_dim may default to; it uses the kernel tests' fixtures (poisoned pools at
 random non-contiguous slots), so every case reads exactly what the tests read.
 
-    python scripts/decode_matrix.py                       # GPU, default matrix (~3 min incl. compiles)
-    TRITON_INTERPRET=1 python scripts/decode_matrix.py --device cpu --scale 0.002 --splits 2  # CPU dry run
+    python tests/kernels/decode_matrix.py                       # GPU, default matrix (~3 min incl. compiles)
+    TRITON_INTERPRET=1 python tests/kernels/decode_matrix.py --device cpu --scale 0.002 --splits 2  # CPU dry run
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import os
 import sys
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # _support (tests/), for kv_fixtures
 
 import torch  # noqa: E402
 from sglang_oscar.kernels import choose_num_splits  # noqa: E402

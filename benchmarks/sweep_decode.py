@@ -10,8 +10,8 @@ engine's, default tuning (rel. L2; ``WRONG`` above ``--tol``) before it is timed
 (time in us; best first) and writes JSON. Also prints, per tuning, the compiled kernel's
 registers / spill bytes / shared memory and the resulting warps per SM.
 
-    python scripts/sweep_decode.py --out $OUT/sweep.md --json $OUT/sweep.json
-    python scripts/sweep_decode.py --profile '{"block_n": 16, "convert": 3}' --waves 24 \\
+    python -m benchmarks.sweep_decode --out $OUT/sweep.md --json $OUT/sweep.json
+    python -m benchmarks.sweep_decode --profile '{"block_n": 16, "convert": 3}' --waves 24 \\
         --contexts 131072 --batches 1          # one variant, for ncu
 """
 
@@ -20,29 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 import traceback
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
+    from . import bench_decode as bd
+except ImportError:
+    import bench_decode as bd
+from sglang_oscar.kernels import decode_num_hp_splits, decode_workspace
+from sglang_oscar.kernels.tuning import AttnTuning
 
-import bench_decode as bd  # noqa: E402
-from sglang_oscar.kernels import decode_num_hp_splits, decode_workspace  # noqa: E402
-from sglang_oscar.kernels.launch import AttnTuning  # noqa: E402
-
-DEFAULT_GRID = [  # {} = the default: the Gluon engine where it applies (kernels/gluon_decode.py)
+DEFAULT_GRID = [  # {} = the default: the Gluon engine where it applies (kernels/decode/gluon_stage1.py)
     {},
     {"engine": "gluon", "maxnreg": 255},  # no register cap: 172 registers, 11 programs per SM
     {"engine": "gluon", "block_n": 16},
-    {"async_stages": 0},  # Gluon, the register pipeline (the default until 2026-11-30 (8))
+    {"async_stages": 0},  # Gluon, the register pipeline
     {"async_stages": 3},  # Gluon, 3 cp.async stages (+ the slot ring, on by default)
     {"async_stages": 2, "async_slots": False},  # Gluon, the word ring without the slot ring
-    # the Triton engine (the default before 2026-11-30 (6)) and some of its knobs
+    # the Triton engine and some of its knobs
     {"engine": "triton"},
     {"engine": "triton", "num_stages": 1},  # 168 registers, 4 KB shared memory: 12 programs per SM
     {"engine": "triton", "maxnreg": 168},
@@ -57,7 +55,7 @@ def splits_for(waves: float, batch: int, sms: int, ctx: int, block_n: int) -> in
 
 def compiled_stage1() -> dict:
     """``id -> CompiledKernel`` of every compiled stage-1 variant (Triton's in-process cache)."""
-    from sglang_oscar.kernels.decode import _decode_stage1
+    from sglang_oscar.kernels.decode.triton_stage1 import _decode_stage1
 
     try:
         return {id(k): k for cache in _decode_stage1.device_caches.values() for k in cache[0].values()}

@@ -8,9 +8,9 @@ Each point runs ``--reps`` eager calls, every one after a 256 MB L2 flush, under
 median device time per kernel and the graph-timed whole call, whose excess over the sum of the
 kernels is the gap between launches inside a graph.
 
-    python scripts/profile_decode.py --contexts 4096,32768,131072 --batches 1,32 --out $OUT/profile.md
-    python scripts/profile_decode.py --tuning '{"engine": "triton"}'
-    python scripts/profile_decode.py --merge     # the merge kernel alone: output dims per program x chunk x warps
+    python -m benchmarks.profile_decode --contexts 4096,32768,131072 --batches 1,32 --out $OUT/profile.md
+    python -m benchmarks.profile_decode --tuning '{"engine": "triton"}'
+    python -m benchmarks.profile_decode --merge     # the merge kernel alone: output dims per program x chunk x warps
 
 ``--merge`` times ``launch.decode_merge`` (CUDA-graph cold-L2 timing, launch included) on random
 partial outputs for 32 q heads, D_v 128, at (batch, splits) = (1, 205), (1, 40), (8, 73), (32, 24)
@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-import bench_decode as bd  # noqa: E402
-from sglang_oscar.kernels.launch import decode_merge, merge_block_d  # noqa: E402
+try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
+    from . import bench_decode as bd
+except ImportError:
+    import bench_decode as bd
+from sglang_oscar.kernels.decode.merge import decode_merge, merge_block_d
 
 
 def merge_grid() -> list:

@@ -21,6 +21,12 @@ from kv_fixtures import (
     rotate_q,
     run_decode,
 )
+import dataclasses
+import math
+import random
+from kv_fixtures import random_rows
+from sglang_oscar.kernels import decode_attention, decode_workspace
+from gpu_sizes import DEV, GPU_RECENT, GPU_SINK, SCALE, scaled
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -149,7 +155,7 @@ def test_decode_min_split_keys(min_keys):
     if min_keys >= 1000:
         one = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=1)
         assert rel_l2(o, one) < 1e-6
-        from sglang_oscar.kernels.launch import AttnTuning
+        from sglang_oscar.kernels.tuning import AttnTuning
         for bad in (-1, AttnTuning.MAX_MIN_SPLIT_KEYS + 1, 10**9):
             with pytest.raises(ValueError, match=f"min_split_keys={bad} must be in"):
                 AttnTuning(min_split_keys=bad)
@@ -247,28 +253,30 @@ def test_choose_num_splits_policy():
 def test_choose_num_splits_gluon_policy(monkeypatch):
     """Gluon: 11 programs per SM up to 8 programs, 12 up to 16, 11 for 256-511 (one resident wave),
     32 otherwise; at 132 SMs (an H200) every branch gives a count the neighbouring rule would not."""
-    from sglang_oscar.kernels import launch
+    from sglang_oscar.kernels.decode import splits
+    from sglang_oscar.kernels.tuning import AttnTuning
 
-    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
-    ns = functools.partial(launch.choose_num_splits, engine="gluon")
+    monkeypatch.setattr(splits, "_sm_count", lambda device: 132)
+    ns = functools.partial(splits.choose_num_splits, engine="gluon")
     assert ns(1, 8) == 182  # ceil(11 * 132 / 8); 12 waves: 198
     assert ns(2, 8) == 99  # 16 programs: ceil(12 * 132 / 16); 11 waves: 91
     assert ns(4, 8) == 132  # 32 programs: 32 waves
     assert ns(32, 8) == 6  # 256 programs: ceil(11 * 132 / 256); 32 waves: 17
     assert ns(63, 8) == 3  # 504 programs: still one wave
     assert ns(64, 8) == 9  # 512 programs: 32 waves; 11 waves: 3
-    assert launch.choose_num_splits(32, 8) == 17  # the Triton engine keeps 32 waves at 256 programs
+    assert splits.choose_num_splits(32, 8) == 17  # the Triton engine keeps 32 waves at 256 programs
     # the split floor caps the count under a static bound (default_num_kv_splits): 4K at batch 4
-    tn = launch.AttnTuning().resolved(128)
-    assert launch.default_num_kv_splits(tn, "gluon", 4, 32, 8, max_seq_len=4096) == 16  # 4096 / 256
-    assert launch.default_num_kv_splits(tn, "gluon", 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
-    assert launch.default_num_kv_splits(launch.AttnTuning(min_split_keys=0).resolved(128), "gluon", 4, 32, 8,
+    tn = AttnTuning().resolved(128)
+    assert splits.default_num_kv_splits(tn, "gluon", 4, 32, 8, max_seq_len=4096) == 16  # 4096 / 256
+    assert splits.default_num_kv_splits(tn, "gluon", 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
+    assert splits.default_num_kv_splits(AttnTuning(min_split_keys=0).resolved(128), "gluon", 4, 32, 8,
                                         max_seq_len=4096) == 64  # 4096 / 64
 
 
 def test_default_min_split_keys():
     """128 keys up to 16 programs, 256 above, Gluon only; an explicit value (0 included) wins."""
-    from sglang_oscar.kernels.launch import AttnTuning, default_min_split_keys
+    from sglang_oscar.kernels.decode.splits import default_min_split_keys
+    from sglang_oscar.kernels.tuning import AttnTuning
 
     assert [default_min_split_keys("gluon", p) for p in (1, 16, 17, 4096)] == [128, 128, 256, 256]
     assert default_min_split_keys("triton", 8) == 0
@@ -278,7 +286,7 @@ def test_default_min_split_keys():
 
 def test_default_tuning_resolution(monkeypatch):
     """The defaults the GPU and the interpreter actually run (docs/kernels.md "Defaults")."""
-    from sglang_oscar.kernels.launch import AttnTuning
+    from sglang_oscar.kernels.tuning import AttnTuning
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = AttnTuning().resolved(128)
@@ -311,8 +319,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     """GPU decode at head_dim 65-128: no async-copy pipeline from STAGES1_MIN_PAIRS (request, kv head)
     pairs; an explicit num_stages, other head dims, extend and the interpreter keep theirs; the
     decode wrapper resolves with B x H_kv."""
-    from sglang_oscar.kernels import launch
-    from sglang_oscar.kernels.launch import STAGES1_MIN_PAIRS, AttnTuning, _resolved_tuning
+    from sglang_oscar.kernels.decode import plan as plan_mod
+    from sglang_oscar.kernels.tuning import STAGES1_MIN_PAIRS, AttnTuning, _resolved_tuning
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert STAGES1_MIN_PAIRS == 256
@@ -332,8 +340,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     assert _resolved_tuning({"num_stages": 3}, lay, False, pairs=32 * 8).num_stages == 3
 
     seen = []
-    real = launch._resolved_tuning
-    monkeypatch.setattr(launch, "_resolved_tuning", lambda *a, **k: seen.append(k.get("pairs")) or real(*a, **k))
+    real = plan_mod._resolved_tuning
+    monkeypatch.setattr(plan_mod, "_resolved_tuning", lambda *a, **k: seen.append(k.get("pairs")) or real(*a, **k))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert AttnTuning().resolved(128, pairs=4096).num_stages == 1  # the interpreter's own default
     assert AttnTuning().resolved(128, pairs=4096).defer_sums is False  # ... but the GPU's choice of sums
@@ -349,8 +357,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
 
 def test_permuting_conversions_need_quarters_of_32_codes():
     """``permuting_ok``: the H200 gave 0.47-0.58 rel. L2 with convert 3 / 5 at head_dim 64
-    (``scripts/decode_matrix.py``); the decode wrapper routes such layouts to 2 (GPU) / 1 (interpreter)."""
-    from sglang_oscar.kernels.launch import permuting_ok
+    (``tests/kernels/decode_matrix.py``); the decode wrapper routes such layouts to 2 (GPU) / 1 (interpreter)."""
+    from sglang_oscar.kernels.tuning import permuting_ok
 
     def lay(dk, dv, group=None):
         return Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92)
@@ -364,7 +372,7 @@ def test_permuting_conversions_need_quarters_of_32_codes():
 
 def test_effective_convert_routing(monkeypatch):
     """5/6 only on the token-major fast path (else 3/4, then 2/1); the interpreter emulates."""
-    from sglang_oscar.kernels.launch import effective_convert
+    from sglang_oscar.kernels.tuning import effective_convert
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     f16 = torch.float16
@@ -389,9 +397,9 @@ def test_effective_convert_routing(monkeypatch):
     (2, 2, 5, 512, None, 4096),  # D_v 512: several dim blocks
 ])
 def test_decode_merge_matches_lse_weighted_mean(bsz, hq, ns, dv, block_d, chunk):
-    """Stage 2 alone (``launch.decode_merge``) vs its formula: the base-2-LSE-weighted mean of the
+    """Stage 2 alone (``decode.merge.decode_merge``) vs its formula: the base-2-LSE-weighted mean of the
     split outputs, empty splits (``lse = -inf``, output poisoned) skipped, zeros where all are empty."""
-    from sglang_oscar.kernels.launch import decode_merge
+    from sglang_oscar.kernels.decode.merge import decode_merge
 
     fresh_seed()
     o_part = torch.randn(bsz, hq, ns + 3, dv)  # 3 extra splits past num_splits: must not be read
@@ -416,7 +424,7 @@ def test_decode_merge_matches_lse_weighted_mean(bsz, hq, ns, dv, block_d, chunk)
 
 
 def test_decode_merge_rejects_bad_arguments():
-    from sglang_oscar.kernels.launch import decode_merge
+    from sglang_oscar.kernels.decode.merge import decode_merge
 
     o_part, lse, out = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4), torch.zeros(1, 2, 8)
     for kw, match in ((dict(num_splits=5), "num_splits=5"), (dict(num_splits=0), "num_splits=0"),
@@ -439,8 +447,8 @@ def test_decode_merge_rejects_bad_arguments():
 
 def test_merge_block_d_rule():
     """Output dims per merge program: the largest of 16-128 that keeps 2,048 programs, else 16, capped
-    by next_pow2(D_v) (H200 timings in docs/benchmarks.md, seventh session)."""
-    from sglang_oscar.kernels.launch import merge_block_d
+    by next_pow2(D_v) (docs/kernels.md#merge-grid)."""
+    from sglang_oscar.kernels.decode.merge import merge_block_d
 
     assert merge_block_d(1, 32, 128) == 16  # 256 programs at 16: fewer than 2,048 anyway
     assert merge_block_d(8, 32, 128) == 16  # 32 would leave 1,024
@@ -453,10 +461,9 @@ def test_merge_block_d_rule():
 
 def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
     """decode_attention takes a preallocated workspace with more rows than the step's batch (a CUDA
-    graph's buffers): the merge reads the first B rows (its argument check accepted only exactly B
-    for a while, 2026-11-30 (7))."""
+    graph's buffers): the merge reads the first B rows."""
     from sglang_oscar.kernels import decode_attention, decode_num_hp_splits, decode_workspace
-    from sglang_oscar.kernels.launch import decode_merge
+    from sglang_oscar.kernels.decode.merge import decode_merge
 
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT)
@@ -479,7 +486,8 @@ def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
 def test_default_num_kv_splits_counts_the_engines_head_blocks():
     """The split count decode_attention picks by default (and benchmarks size workspaces with): the
     Gluon engine runs one program per 8 q heads, the Triton engine per plan_head_blocks block."""
-    from sglang_oscar.kernels.launch import AttnTuning, choose_num_splits, default_num_kv_splits, plan_head_blocks
+    from sglang_oscar.kernels import AttnTuning, plan_head_blocks
+    from sglang_oscar.kernels.decode.splits import choose_num_splits, default_num_kv_splits
 
     tn = AttnTuning.of(None).resolved(128)
     cpu = torch.device("cpu")
@@ -490,3 +498,371 @@ def test_default_num_kv_splits_counts_the_engines_head_blocks():
         assert default_num_kv_splits(tn, "gluon", bsz, hq, hkv, device=cpu, max_seq_len=131072) == \
             choose_num_splits(bsz, hkv * -(-(hq // hkv) // 8), device=cpu, max_seq_len=131072, block_n=tn.block_n,
                               engine="gluon")
+
+
+# ------------------------------ GPU cases (real sizes, `-m gpu`; sizes and dry run: gpu_sizes.py)
+
+
+DECODE_CASES = {
+    # name: (lens, hq, hkv, dk, dv, group, quantizer, sdt, window, cap)
+    "b1_ctx128k": ([131072], 32, 8, 128, 128, None, "uniform", "float16", None, None),
+    "b64_mixed": (None, 32, 8, 128, 128, None, "uniform", "float16", None, None),
+    "b8_32k_lloyd_g64": ([32768] * 8, 32, 8, 128, 128, 64, "lloyd-max", "bfloat16", None, None),
+    "k192_v128_mha": ([20000, 777, 300], 8, 8, 192, 128, None, "uniform", "float32", None, None),
+    "d256_g128_gqa4": ([16384] * 4, 16, 4, 256, 256, 128, "lloyd-max", "float16", None, None),
+    "d512_gqa2": ([8192, 5000], 8, 4, 512, 512, None, "uniform", "bfloat16", None, None),
+    "window_cap": ([16384] * 8, 32, 8, 128, 128, None, "uniform", "float16", 4096, 30.0),
+    "gqa6": ([10000] * 4, 24, 4, 128, 128, None, "uniform", "float16", None, None),
+    "d64_gqa4_lloyd": ([30000, 1000, 77], 16, 4, 64, 64, None, "lloyd-max", "float16", None, 30.0),
+    # 32 x 8 = 256 (request, kv head) pairs: the num_stages-1 default (tuning.STAGES1_MIN_PAIRS)
+    "b32_lloyd_window_cap": ([6000] * 32, 32, 8, 128, 128, None, "lloyd-max", "bfloat16", 2048, 30.0),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_gpu_decode_vs_reference(name):
+    fresh_seed()
+    lens, hq, hkv, dk, dv, group, quantizer, sdt, window, cap = DECODE_CASES[name]
+    if lens is None:
+        lens = [random.randint(1, scaled(8192)) for _ in range(64 if SCALE >= 0.1 else 4)]
+        lens[:4] = [1, GPU_SINK, GPU_SINK + GPU_RECENT, GPU_SINK + GPU_RECENT + 1]
+    lens = [max(1, scaled(x)) if x > 1000 else x for x in lens]
+    window = scaled(window) if window else window
+    cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=GPU_SINK, recent=GPU_RECENT)
+    pool = build_pool(lens, hkv, dk, dv, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(len(lens), hq, dk, device=DEV)
+    ref = reference_decode(pool, q, sliding_window=window, logit_cap=cap)
+    o = run_decode(pool, rotate_q(pool, q).to(torch.bfloat16), sliding_window=window, logit_cap=cap,
+                   num_kv_splits=None, out_dtype=torch.bfloat16, debug=False)
+    assert rel_l2(o, ref) < 1e-2
+
+
+def _zero_mean_rows(t, h, d, device):
+    return torch.randn(t, h, d, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [None, dict(engine="triton"), dict(convert=2, block_n=64, engine="triton"),
+                                    dict(convert=1, token_major=False, engine="triton"),
+                                    dict(convert=3, pairs_ahead=False, engine="triton"),
+                                    dict(convert=5, pairs_ahead=False, engine="triton"),
+                                    pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", block_n=16), id="gluon-bn16"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
+                                    pytest.param(dict(engine="gluon", async_stages=3, async_slots=False),
+                                                 id="gluon-async3"),
+                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-slotring3")])
+def test_gpu_decode_long_split_independent_of_split_count(tuning):
+    """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
+
+    Zero-mean V makes the output small against the values the accumulator sums (the zero-point
+    correction cancels most of ``sum pw E``), so an accumulation bias shows: before the value
+    MMAs started from zero each block, tensor-core truncation put a 64K-token split 1-8% off.
+    """
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+    lens = [scaled(131072), scaled(65536)]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV, rows=_zero_mean_rows)
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    ref = reference_decode(pool, q)
+    outs = {ns: run_decode(pool, rotate_q(pool, q), tuning=tuning, num_kv_splits=ns, debug=False)
+            for ns in (1, 2, 64)}
+    errs = {ns: rel_l2(o, ref) for ns, o in outs.items()}
+    assert all(e < 1e-2 for e in errs.values()), errs
+    assert rel_l2(outs[1], outs[64]) < 5e-3, (errs, rel_l2(outs[1], outs[64]))
+
+
+TUNINGS = [dict(convert=3, block_n=32, pairs_ahead=False), dict(convert=3, block_n=32, pairs_ahead=True),
+           dict(convert=2, block_n=64, pairs_ahead=True), dict(convert=5, block_n=32, pairs_ahead=False),
+           dict(convert=5, block_n=32),  # the default (pairs_ahead and, below 256 pairs, defer_sums on)
+           dict(convert=5, block_n=32, defer_sums=False), dict(convert=5, block_n=32, num_stages=1, defer_sums=True),
+           dict(convert=5, block_n=32, min_block_h=16), dict(convert=5, block_n=32, num_stages=1),
+           dict(convert=5, block_n=16, pairs_ahead=False), dict(convert=5, block_n=64, num_warps=2)] + [
+    dict(convert=c, token_major=tm, num_warps=w, block_n=bn, min_block_h=mh, pairs_ahead=pa)
+    for c, tm, w, bn, mh, pa in (
+        (0, True, 1, 64, 8, False), (1, True, 1, 64, 8, True), (2, True, 1, 64, 8, False), (3, True, 1, 64, 8, True),
+        (3, True, 1, 32, 8, False), (3, True, 1, 16, 8, True),
+        (2, False, 4, 64, 16, False), (3, False, 4, 64, 16, False), (2, True, 2, 32, 16, True),
+        (1, False, 1, 128, 4, False),
+    )
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantizer,group", [("uniform", None), ("lloyd-max", None), ("lloyd-max", 32)])
+def test_gpu_decode_every_tuning(quantizer, group):
+    fresh_seed()
+    cfg = make_config(group_size=group, quantizer=quantizer, sink=GPU_SINK, recent=GPU_RECENT)
+    pool = build_pool([scaled(20000), scaled(3000), 333, 70], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(4, 32, 128, device=DEV)
+    ref = reference_decode(pool, q)
+    errs = {}
+    for tn in TUNINGS:  # Triton knobs: run them on the Triton engine (unset, uniform layouts take Gluon)
+        o = run_decode(pool, rotate_q(pool, q), tuning=dict(tn, engine="triton"), num_kv_splits=None, debug=False)
+        errs[str(tn)] = rel_l2(o, ref)
+    bad = {k: v for k, v in errs.items() if not v < 1e-2}
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantizer,cap", [("uniform", None), ("lloyd-max", None), ("lloyd-max", 30.0)])
+def test_gpu_decode_subnormal_operands_match_convert3(quantizer, cap):
+    """convert 5 (fp16-subnormal code operands on the tensor cores) and pairs_ahead agree with
+    convert 3 without pairs_ahead (the larger heads' default) to well below the oracle tolerance (a flushed subnormal would not)."""
+    fresh_seed()
+    cfg = make_config(quantizer=quantizer, sink=GPU_SINK, recent=GPU_RECENT)
+    pool = build_pool([scaled(20000), scaled(3000), 333, 70], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    q = rotate_q(pool, torch.randn(4, 32, 128, device=DEV))
+    base = run_decode(pool, q, tuning=dict(convert=3, pairs_ahead=False, engine="triton"), logit_cap=cap,
+                      num_kv_splits=None,
+                      debug=False)
+    for tn in (dict(convert=5, pairs_ahead=False), dict(convert=5, pairs_ahead=True), dict(convert=3, pairs_ahead=True)):
+        o = run_decode(pool, q, tuning=dict(tn, engine="triton"), logit_cap=cap, num_kv_splits=None, debug=False)
+        assert rel_l2(o, base) < 2e-3, (tn, rel_l2(o, base))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("convert", [0, 1, 2])  # 2 / 3 / 5 run as 1 with bf16 operands
+def test_gpu_decode_bf16_mma(convert):
+    """bf16 MMA operands (cannot run under the interpreter)."""
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, quantizer="lloyd-max")
+    pool = build_pool([scaled(7000), 500], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(2, 32, 128, device=DEV)
+    ref = reference_decode(pool, q)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.bfloat16, tuning=dict(convert=convert),
+                   num_kv_splits=None, debug=False)
+    assert rel_l2(o, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fp32_exact():
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, quantizer="lloyd-max", scale_dtype="float32")
+    pool = build_pool([scaled(5000), 400, 1], 8, 128, 128, cfg, hp_dtype=torch.float32, device=DEV)
+    q = torch.randn(3, 32, 128, device=DEV)
+    ref = reference_decode(pool, q, hp_dtype=torch.float32)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, num_kv_splits=None, debug=False)
+    assert rel_l2(o, ref) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
+                                    pytest.param(dict(engine="gluon", async_stages=3, async_slots=False),
+                                                 id="gluon-async3"),
+                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-slotring3"),
+                                    pytest.param(dict(engine="triton"), id="triton")])
+def test_gpu_decode_cuda_graph_replay(tuning):
+    """Capture once at the maximum lengths, replay with shorter lengths and new queries."""
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+    lens = [scaled(9000), scaled(4000), 700, 300]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    b, hq = len(lens), 32
+    q_static = torch.zeros(b, hq, 128, dtype=torch.bfloat16, device=DEV)
+    seq_static = pool.seq_lens.clone()
+    out = torch.empty(b, hq, 128, dtype=torch.bfloat16, device=DEV)
+    ws = decode_workspace(b, hq, 128, 66, DEV)
+    if DEV == "cpu":  # dry run: no graphs on CPU
+        return
+
+    def step():
+        decode_attention(q_static, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v,
+                         pool.hp_index, pool.req_to_token, pool.req_pool_indices, seq_static, pool.layout,
+                         sink=GPU_SINK, recent=GPU_RECENT, num_kv_splits=64, num_hp_splits=2, workspace=ws, out=out,
+                         tuning=tuning, debug=False)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(2):
+        q = torch.randn(b, hq, 128, device=DEV)
+        q_static.copy_(rotate_q(pool, q).to(torch.bfloat16))
+        # trial 1: the same requests, shorter (as earlier steps of the same requests): the pool's HP
+        # window was built for the full lengths, so only compare graph vs eager here
+        if trial == 1:
+            seq_static.copy_(pool.seq_lens - 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(got, out)
+        if trial == 0:
+            assert rel_l2(got, reference_decode(pool, q)) < 1e-2
+
+
+GLUON_CASES = {
+    # name: (lens, hq, hkv, window, sink_lens, num_kv_splits, block_n)
+    "b1_ctx128k": ([131072], 32, 8, None, False, None, 32),
+    "b64_mixed": (None, 32, 8, None, False, None, 32),
+    "gqa6_uncapped": ([10000] * 4, 24, 4, None, False, None, 32),
+    "gqa16_two_head_blocks": ([20000, 3000], 32, 2, None, False, None, 32),
+    "gqa12_partial_head_block": ([9000, 2500], 24, 2, None, False, None, 32),
+    "mha_bn16_hp_fp16": ([5000, 700], 8, 8, None, False, 7, 16),
+    "window_sinklens": ([16384] * 8, 32, 8, 4096, True, None, 32),
+    "idx64_forced": ([3000, 40000], 32, 8, None, False, None, 32),  # 64-bit row addresses
+    # the register pipeline (async_stages 0)
+    "b1_ctx128k_regs": ([131072], 32, 8, None, False, None, 32),
+    "b64_mixed_regs": (None, 32, 8, None, False, None, 32),
+    "window_sinklens_regs": ([16384] * 8, 32, 8, 4096, True, None, 32),
+    "idx64_forced_regs": ([3000, 40000], 32, 8, None, False, None, 32),
+    # the cp.async words without the slot ring (async_stages = the digit after "async", async_slots False)
+    "b1_ctx128k_async3": ([131072], 32, 8, None, False, None, 32),
+    "b64_mixed_async2": (None, 32, 8, None, False, None, 32),
+    "window_sinklens_async3": ([16384] * 8, 32, 8, 4096, True, None, 32),
+    "mha_bn16_async4": ([5000, 700], 8, 8, None, False, 7, 16),
+    "idx64_forced_async3": ([3000, 40000], 32, 8, None, False, None, 32),
+    # slot ids through shared memory too (async_stages = the digit after "slotring"; the default has 2)
+    "b1_ctx128k_slotring3": ([131072], 32, 8, None, False, None, 32),
+    "b64_mixed_slotring2": (None, 32, 8, None, False, None, 32),
+    "window_sinklens_slotring3": ([16384] * 8, 32, 8, 4096, True, None, 32),
+    "mha_bn16_slotring4": ([5000, 700], 8, 8, None, False, 7, 16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
+    """engine='gluon' against the oracle (BF16 output) and the Triton engine on the same pool."""
+    if "idx64" in name:  # the path of pools of 2 GiB or more (byte offsets past int32), forced
+        monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
+    fresh_seed()
+    lens, hq, hkv, window, sinkl, ns, bn = GLUON_CASES[name]
+    if lens is None:
+        lens = [random.randint(1, scaled(8192)) for _ in range(64 if SCALE >= 0.1 else 4)]
+        lens[:4] = [1, GPU_SINK, GPU_SINK + GPU_RECENT, GPU_SINK + GPU_RECENT + 1]
+    lens = [max(1, scaled(x)) if x > 1000 else x for x in lens]
+    window = scaled(window) if window else window
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+    hp_dtype = torch.float16 if "hp_fp16" in name else torch.bfloat16
+    pool = build_pool(lens, hkv, 128, 128, cfg, hp_dtype=hp_dtype, device=DEV)
+    q = torch.randn(len(lens), hq, 128, device=DEV)
+    kw = dict(sliding_window=window, num_kv_splits=ns, debug=False)
+    if sinkl:
+        sl = torch.full((pool.hp_index.shape[0],), GPU_SINK, dtype=torch.int32, device=DEV)
+        sl[pool.req_pool_indices[1:3]] = torch.tensor([GPU_SINK // 2, 0], dtype=torch.int32, device=DEV)
+        kw["sink_lens"] = sl
+    qr = rotate_q(pool, q).to(torch.bfloat16)
+    tn = dict(engine="gluon", block_n=bn, maxnreg=255 if "uncapped" in name else None)
+    if "_regs" in name:
+        tn["async_stages"] = 0
+    elif "async" in name:
+        tn.update(async_stages=int(name[name.index("async") + 5]), async_slots=False)
+    elif "slotring" in name:
+        tn["async_stages"] = int(name[name.index("slotring") + 8])
+    o = run_decode(pool, qr, tuning=tn, out_dtype=torch.bfloat16, **kw)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, **kw)
+    assert rel_l2(o, base) < 5e-3
+    if not sinkl:
+        assert rel_l2(o, reference_decode(pool, q, sliding_window=window)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["planes", "rows-head-major", "rows-slot-major"])
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
+                                    pytest.param(dict(engine="triton"), id="triton")])
+def test_gpu_decode_on_served_pool_views(storage, tuning):
+    """The served pool keeps a head-major code plane and a head-major pair plane per layer
+    (pool/rows.py kv_head_major_zeros; head stride = slots x 32 / 4 bytes); the earlier layout kept
+    codes and pairs of a (slot, kv head) in one 36-byte row (kv_head_major_zeros / int2_row_views:
+    no 8-byte alignment). The engines read either through strided views and must match the
+    contiguous pool and the oracle."""
+    from sglang_oscar.pool.rows import int2_row_views, kv_head_major_zeros
+
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+    lens = [scaled(20000), 777, 300]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
+    views = []
+    for codes, pairs in ((pool.k_codes, pool.k_pairs), (pool.v_codes, pool.v_pairs)):
+        if storage == "planes":
+            rc = kv_head_major_zeros(codes.shape[0], codes.shape[1], 32, torch.uint8, DEV)
+            rp = kv_head_major_zeros(codes.shape[0], codes.shape[1], 2, torch.float16, DEV)
+        else:
+            rows = kv_head_major_zeros(codes.shape[0], codes.shape[1], 36, torch.uint8, DEV,
+                                       head_major=storage == "rows-head-major")
+            rc, rp = int2_row_views(rows, 128, torch.float16)
+        rc.copy_(codes)
+        rp.copy_(pairs)
+        views += [rc, rp]
+    served = dataclasses.replace(pool, k_codes=views[0], k_pairs=views[1], v_codes=views[2], v_pairs=views[3])
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    qr = rotate_q(pool, q)
+    o = run_decode(served, qr, tuning=tuning, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), num_kv_splits=None, debug=False)
+    assert rel_l2(o, base) < 5e-3
+    assert rel_l2(o, reference_decode(pool, q)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", async_stages=4), id="gluon-slotring4"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs")])
+def test_gpu_decode_gluon_int64_req_to_token(tuning):
+    """``req_to_token`` / ``hp_index`` in int64 (SGLang's are int32; the kernels take either): the slot
+    ring then copies 8-byte slot ids by ``cp.async`` into an int64 ring; results must match the
+    Triton engine and the oracle as with int32 tables."""
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+    lens = [scaled(40000), scaled(5000), 300]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV, index_dtype=torch.int64)
+    assert pool.req_to_token.dtype == torch.int64
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    qr = rotate_q(pool, q).to(torch.bfloat16)
+    o = run_decode(pool, qr, tuning=tuning, out_dtype=torch.bfloat16, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, num_kv_splits=None,
+                      debug=False)
+    assert rel_l2(o, base) < 5e-3
+    assert rel_l2(o, reference_decode(pool, q)) < 1e-2
+
+
+def _v_magnitude_rows(kind: str):
+    """``rows`` for build_pool: K as random_rows, V times 1e-4 ("tiny": most P v_scale products below
+    fp16's normal range), 300 ("huge": V scales near 1e3) or a per-token factor log-uniform in
+    [1e-4, 10] ("mixed")."""
+    calls = []
+
+    def rows(t, h, d, device):
+        r = random_rows(t, h, d, device)
+        calls.append(None)
+        if len(calls) % 2 == 1:  # build_pool makes K, then V, per request
+            return r
+        if kind == "tiny":
+            return r * 1e-4
+        if kind == "huge":
+            return r * 300.0
+        return r * torch.exp(torch.empty(t, 1, 1, device=device).uniform_(math.log(1e-4), math.log(10.0)))
+    return rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["tiny", "huge", "mixed"])
+@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
+                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs")])
+def test_gpu_decode_gluon_v_scale_range(kind, tuning):
+    """The Gluon kernel feeds ``p * v_scale / ref`` to the value MMA as fp16 (``ref`` the running max
+    of the V scales): V rows of very small, very large and per-token mixed magnitudes must match the
+    Triton engine and the oracle as ordinary rows do."""
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+    lens = [scaled(131072), scaled(9000), 700]
+    pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV, rows=_v_magnitude_rows(kind))
+    vscale = torch.cat([c.v_quant.pairs[..., 0].float().flatten() for c in pool.caches])
+    want = {"tiny": (1e-6, 2e-3), "huge": (1.0, 6e4), "mixed": (1e-6, 6e4)}[kind]
+    assert want[0] < vscale.abs().min() and vscale.abs().max() < want[1]  # the case is what it says
+    if kind == "mixed":
+        assert vscale.abs().max() / vscale.abs().min() > 1e4
+    q = torch.randn(len(lens), 32, 128, device=DEV)
+    qr = rotate_q(pool, q).to(torch.bfloat16)
+    o = run_decode(pool, qr, tuning=tuning, out_dtype=torch.float32, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.float32, num_kv_splits=None,
+                      debug=False)
+    assert torch.isfinite(o).all()
+    assert rel_l2(o, base) < 5e-3
+    assert rel_l2(o, reference_decode(pool, q)) < 1e-2

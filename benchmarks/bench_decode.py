@@ -4,7 +4,7 @@
 One layer of Qwen3-8B geometry (32 q heads, 8 kv heads, head_dim 128), contexts 4K..128K,
 batch 1/8/32, all measured in the same process:
 
-* ``int2``: :func:`sglang_oscar.kernels.decode_attention` (stage 1 + stage 2, rotated frame),
+* ``int2``: :class:`sglang_oscar.kernels.DecodePlan` ``run`` (stage 1 + stage 2, rotated frame),
   default tuning, plus a small sweep of tunings (the best is reported separately, each variant is
   checked against the default's output first);
 * ``sglang``: ``sglang.kernels.ops.attention.decode_attention.decode_attention_fwd`` on a BF16
@@ -16,14 +16,14 @@ batch 1/8/32, all measured in the same process:
 * ``copy``: device-to-device copy bandwidth, (read + write bytes) / time, measured once.
 
 Achieved bandwidth = bytes the kernel must read (codes + pairs + HP rows + slot tables, or the
-BF16 K/V + indices) / time. Also: write kernel (quantize + scatter + HP copy of 32 tokens) and
-flush kernel time at batch 32 as a fraction of the INT2 decode step, and a stage-removed variant
+BF16 K/V + indices) / time. Also: write kernel (quantize + scatter + HP copy of 32 tokens) time
+at batch 32 as a fraction of the INT2 decode step, and a stage-removed variant
 (INT2 tier only: sink = recent = 0). Times are GPU times under CUDA graphs with a cold L2 (see
 ``bench_graph``; ``--timing do_bench`` for triton's do_bench). A case that fails (e.g. OOM) is
 reported as such and the run continues. The markdown table is printed last and written to ``--out``.
 
-    python scripts/bench_decode.py --out docs/bench_decode.md          # H200, ~4-6 min
-    TRITON_INTERPRET=1 python scripts/bench_decode.py --smoke          # CPU smoke test
+    python -m benchmarks.bench_decode --out docs/bench_decode.md          # H200, ~4-6 min
+    TRITON_INTERPRET=1 python -m benchmarks.bench_decode --smoke          # CPU smoke test
 """
 
 from __future__ import annotations
@@ -32,38 +32,30 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import time
 import traceback
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-from sglang_oscar.kernels import (  # noqa: E402
+from sglang_oscar.kernels import (
+    DecodePlan,
     Int2Layout,
-    decode_attention,
     decode_num_hp_splits,
     decode_workspace,
-    flush_hp_rows,
     interpreting,
     write_kv,
 )
-from sglang_oscar.kernels.launch import (  # noqa: E402
-    STAGES1_MIN_PAIRS,
-    AttnTuning,
-    decode_engine,
-    default_num_kv_splits,
-)
+from sglang_oscar.kernels.decode.engine import decode_engine
+from sglang_oscar.kernels.decode.splits import default_num_kv_splits
+from sglang_oscar.kernels.tuning import STAGES1_MIN_PAIRS, AttnTuning
 
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256
 
-SWEEP = [  # compared with the default (the Gluon engine where it applies: kernels/gluon_decode.py)
-    dict(engine="triton"),  # the Triton stage 1 with its defaults (the default before 2026-11-30 (6))
-    dict(engine="triton", num_stages=1),  # best Triton tuning at 32K x 32 (sweep 2026-11-30 (3))
+SWEEP = [  # compared with the default (the Gluon engine where it applies: kernels/decode/gluon_stage1.py)
+    dict(engine="triton"),  # the Triton stage 1 with its defaults
+    dict(engine="triton", num_stages=1),  # the best Triton tuning at 32K x 32 in the sweep
     dict(engine="gluon", maxnreg=255),  # no register cap (172 registers: 11 programs per SM)
     dict(engine="gluon", block_n=16),
 ]
@@ -216,12 +208,21 @@ class Case:
     def bf16_bytes(self, index_bytes: int) -> int:
         return self.batch * self.ctx * (HKV * D * 2 * 2 + index_bytes)
 
+    def buffers(self) -> tuple:
+        """The layer's ``(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)``, as ``DecodePlan.run`` takes them."""
+        return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
+
+    def plan_int2(self, tuning=None, num_kv_splits=None, workspace=None, sink=SINK, recent=RECENT) -> DecodePlan:
+        """The decode plan of this case (what the server builds once per batch)."""
+        return DecodePlan(self.layout, self.q.shape[1], self.buffers(), self.hp_index, self.req_to_token,
+                          self.req_pool_indices, self.seq_lens, sink=sink, recent=recent, q_dtype=self.q.dtype,
+                          tuning=tuning, num_kv_splits=num_kv_splits, workspace=workspace, max_seq_len=self.ctx,
+                          debug=False)
+
     def run_int2(self, tuning=None, num_kv_splits=None, workspace=None, out=None, sink=SINK, recent=RECENT):
-        return decode_attention(
-            self.q, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v, self.hp_index,
-            self.req_to_token, self.req_pool_indices, self.seq_lens, self.layout, sink=sink, recent=recent,
-            tuning=tuning, num_kv_splits=num_kv_splits, workspace=workspace, out=out,
-            max_seq_len=self.ctx, debug=False, validate=False)
+        """One decode call: plan and run (the plan's checks included; time ``plan_int2().run`` for the
+        per-layer cost)."""
+        return self.plan_int2(tuning, num_kv_splits, workspace, sink, recent).run(self.q, *self.buffers(), out=out)
 
 
 def bench_layout(scale_dtype: str = "float16") -> Int2Layout:
@@ -413,7 +414,7 @@ def main(argv=None) -> int:
                 r = {"ctx": ctx, "batch": bsz}
                 tn = AttnTuning.of(None).resolved(D)
                 engine = decode_engine(tn, layout, case.q, torch.float16, False)
-                # the split count decode_attention would choose (sized ahead for the workspace)
+                # the split count the plan would choose (sized ahead for the workspace)
                 ns = default_num_kv_splits(tn, engine, bsz, HQ, HKV, device=device, max_seq_len=ctx)
                 r["engine"] = engine
                 ws = decode_workspace(bsz, HQ, D, ns + decode_num_hp_splits(SINK, RECENT), device)
@@ -421,7 +422,8 @@ def main(argv=None) -> int:
                 ref = case.run_int2(num_kv_splits=ns, workspace=ws, out=out).float().clone()
                 if not bool(torch.isfinite(ref).all()):
                     raise RuntimeError(f"INT2 decode produced non-finite values at ctx={ctx} batch={bsz}")
-                r["int2"] = bench(lambda: case.run_int2(num_kv_splits=ns, workspace=ws, out=out), smoke)
+                plan = case.plan_int2(num_kv_splits=ns, workspace=ws)  # built once, run per layer (the server's way)
+                r["int2"] = bench(lambda: plan.run(case.q, *case.buffers(), out=out), smoke)
                 r["int2_splits"] = ns
                 best, best_cfg = r["int2"], "default"
                 r["sweep"] = {}
@@ -475,9 +477,9 @@ def main(argv=None) -> int:
                 print(f"[bench] ctx={ctx:6d} b={bsz:2d} int2={fmt_ms(r['int2'])} best={fmt_ms(best)} ({best_cfg}) "
                       f"sglang={fmt_ms(r.get('sglang'))} sdpa={fmt_ms(r.get('sdpa'))}[{be}] "
                       f"ratio={r['ratio'] and round(r['ratio'], 2)} ({time.time() - t0:.1f}s)", flush=True)
-                # write / flush cost at batch 32 (per layer, one token per request), vs this decode step
+                # write cost at batch 32 (per layer, one token per request), vs this decode step
                 if bsz == max(batches) and ctx == contexts[len(contexts) // 2]:
-                    extra.update(write_flush_cost(case, layout, device, smoke, r["int2_best"]))
+                    extra.update(write_cost(case, layout, device, smoke, r["int2_best"]))
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rows.append({"ctx": ctx, "batch": bsz, "error": f"{type(e).__name__}: {str(e)[:160]}"})
@@ -496,8 +498,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_flush_cost(case: Case, layout: Int2Layout, device, smoke: bool, decode_ms: float) -> dict:
-    """Write (quantize + scatter + HP copy) and flush of one token per request, K and V, one layer."""
+def write_cost(case: Case, layout: Int2Layout, device, smoke: bool, decode_ms: float) -> dict:
+    """Write (quantize + scatter + HP copy) of one token per request, K and V, one layer."""
     b = case.batch
     g = torch.Generator(device=device)
     g.manual_seed(3)
@@ -510,23 +512,15 @@ def write_flush_cost(case: Case, layout: Int2Layout, device, smoke: bool, decode
         out["write_ms"] = bench(lambda: write_kv(k, v, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs,
                                                  layout, hp_rows=hp_rows, hp_k=case.hp_k, hp_v=case.hp_v,
                                                  debug=False, validate=False), smoke)
-        src = torch.arange(b, device=device, dtype=torch.int32)
-        dst = loc + 1
-        out["flush_ms"] = bench(lambda: flush_hp_rows(case.hp_k, case.hp_v, src, dst, case.k_codes, case.k_pairs,
-                                                      case.v_codes, case.v_pairs, layout, debug=False,
-                                                      validate=False), smoke)
         # rows per program forced to 1 / 2 / 4 (the default picks fewer rows for small grids)
         for r in (1, 2, 4):
             out[f"write_ms_r{r}"] = bench(lambda r=r: write_kv(
                 k, v, loc, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, layout, hp_rows=hp_rows,
                 hp_k=case.hp_k, hp_v=case.hp_v, debug=False, validate=False, rows_per_program=r), smoke)
-            out[f"flush_ms_r{r}"] = bench(lambda r=r: flush_hp_rows(
-                case.hp_k, case.hp_v, src, dst, case.k_codes, case.k_pairs, case.v_codes, case.v_pairs, layout,
-                debug=False, validate=False, rows_per_program=r), smoke)
-        out["write_flush_batch"] = b
-        out["write_flush_ctx"] = case.ctx
-        out["write_flush_frac"] = (out["write_ms"] + out["flush_ms"]) / decode_ms
-        out["write_flush_decode_ms"] = decode_ms
+        out["write_batch"] = b
+        out["write_ctx"] = case.ctx
+        out["write_frac"] = out["write_ms"] / decode_ms
+        out["write_decode_ms"] = decode_ms
     except Exception as e:  # noqa: BLE001
         out["write_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -551,9 +545,9 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
                  "storage of the INT2 rows; SGLang's BF16 kernel reads the same slot ids)")
     engines = sorted({r["engine"] for r in rows if r.get("engine")})
     lines.append(f"INT2 default engine (stage 1): {', '.join(engines) or 'n/a'} (``engine=None`` resolves to the Gluon "
-                 "kernel where it applies, kernels/gluon_decode.py; Triton knobs below apply to the Triton engine)")
+                 "kernel where it applies, kernels/decode/gluon_stage1.py; Triton knobs below apply to the Triton engine)")
     lines.append(f"INT2 default tuning: `{json.dumps(default_tuning, sort_keys=True)}` below {STAGES1_MIN_PAIRS} "
-                 f"(request, kv head) pairs per step, `num_stages` 1 and no `defer_sums` from there (launch.STAGES1_MIN_PAIRS)")
+                 f"(request, kv head) pairs per step, `num_stages` 1 and no `defer_sums` from there (tuning.STAGES1_MIN_PAIRS)")
     lines.append("")
     lines.append("| ctx | batch | INT2 default | INT2 best | SGLang triton BF16 (best splits) | SDPA BF16 | "
                  "INT2 BW (best) | BF16 BW (fastest) | INT2 / fastest BF16 speed-up | best INT2 config |")
@@ -582,21 +576,18 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
             f"{fmt_ms(r['int2_no_hp'])}" for r in no_hp))
     if extra.get("write_ms") is not None:
         lines.append(
-            f"Write (quantize+scatter K,V + HP copy) of {extra['write_flush_batch']} tokens: {fmt_ms(extra['write_ms'])}; "
-            f"flush of {extra['write_flush_batch']} rows: {fmt_ms(extra['flush_ms'])}; together "
-            f"{extra['write_flush_frac'] * 100:.1f}% of the INT2 decode step at batch {extra['write_flush_batch']}, "
-            f"ctx {extra['write_flush_ctx']} (per layer). The served cache runs only the write each step (every "
-            f"token is written in INT2 when it is written and the BF16 windows are copies, docs/design.md; "
-            f"nothing is flushed): {extra['write_ms'] / extra['write_flush_decode_ms'] * 100:.1f}% of that decode "
-            f"attention.")
+            f"Write (quantize+scatter K,V + HP copy) of {extra['write_batch']} tokens: {fmt_ms(extra['write_ms'])}: "
+            f"{extra['write_frac'] * 100:.1f}% of the INT2 decode step at batch {extra['write_batch']}, "
+            f"ctx {extra['write_ctx']} (per layer; every token is written in INT2 when it is written and the BF16 "
+            f"windows are copies, docs/design.md).")
         rs = [r for r in (1, 2, 4) if extra.get(f"write_ms_r{r}") is not None]
         if rs:
-            best = min(extra[f"write_ms_r{r}"] + extra[f"flush_ms_r{r}"] for r in rs)
-            lines.append("Rows per program (write / flush): " + "; ".join(
-                f"{r}: {fmt_ms(extra[f'write_ms_r{r}'])} / {fmt_ms(extra[f'flush_ms_r{r}'])}" for r in rs)
-                + f"; best together {best / extra['write_flush_decode_ms'] * 100:.1f}% of the step.")
+            best = min(extra[f"write_ms_r{r}"] for r in rs)
+            lines.append("Rows per program (write): " + "; ".join(
+                f"{r}: {fmt_ms(extra[f'write_ms_r{r}'])}" for r in rs)
+                + f"; best {best / extra['write_decode_ms'] * 100:.1f}% of the step.")
     elif extra.get("write_error"):
-        lines.append(f"Write/flush timing failed: {extra['write_error']}")
+        lines.append(f"Write timing failed: {extra['write_error']}")
     sweep_keys = sorted({k for r in rows for k in r.get("sweep", {})})
     if sweep_keys:
         lines.append("")

@@ -25,26 +25,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes import round_to
-from .tiles import (
+from ..tiles import (
     NEG_INF,
     finish_int2_values,
-    finish_int2_values_t,
     hp_scores,
     hp_split_range,
     hp_values,
-    int2_block_t,
     int2_scores,
     int2_split_range,
     int2_values,
-    load_int2_codes_t,
-    load_int2_pairs_t,
     load_int2_slots,
     load_q_quarter,
-    load_qt_quarter,
     request_sink_len,
     softmax_update,
     store_quarters,
+)
+from .token_major import (
+    finish_int2_values_t,
+    int2_block_t,
+    load_int2_codes_t,
+    load_int2_pairs_t,
+    load_qt_quarter,
 )
 
 
@@ -152,9 +153,8 @@ def _decode_stage1(
                 # The code tiles go through Triton's software pipeline (asynchronous copies, addresses
                 # from the in-loop slot load); the (scale, zero) loads do not (they feed no dot), so
                 # here they are prefetched by hand: slot ids two blocks ahead, pairs one block ahead,
-                # so that no iteration waits a full memory latency for them (ncu of the default:
-                # 59% of the stall cycles on long_scoreboard; 1.95 instead of 3.96 stall cycles per
-                # issued instruction with this, 2026-11-30).
+                # so that no iteration waits a full memory latency for them (the loop was mostly
+                # stalled on these loads; docs/kernels.md#decode-defaults).
                 slots, valid, vslots, vmask = load_int2_slots(r2t, lo, hi, BLOCK_N, IDX64, False)
                 sk, zk, sv, zv = load_int2_pairs_t(KP_h, stride_kps, VP_h, stride_vps, slots, valid)
                 slots1, valid1, _, _ = load_int2_slots(r2t, lo + BLOCK_N, hi, BLOCK_N, IDX64, False)
@@ -211,38 +211,3 @@ def _decode_stage1(
     store_quarters(OPART, ooff, rmask, acc0, acc1, acc2, acc3, inv_l, QV, QVP, tl.float32)
     lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), NEG_INF)
     tl.store(LSE + b.to(tl.int64) * stride_lb + heads * stride_lh + sp, lse, mask=rmask)
-
-
-@triton.jit
-def _decode_stage2(
-    OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
-    O, stride_b, stride_h, NS,
-    NSP: tl.constexpr, SB: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr,
-    OUT_DT: tl.constexpr,
-):
-    """Merge of the splits for request ``program_id(0)``, q head ``program_id(1)`` and output dims
-    ``[BD * program_id(2), + BD)``: ``O = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)``.
-    Chunks of ``SB`` splits x ``BD`` dims (unrolled, independent loads: one memory round trip
-    for a few hundred splits); splits with ``lse = -inf`` (empty) are not read."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    d = tl.program_id(2) * BD + tl.arange(0, BD)
-    dm = d < DV
-    s_all = tl.arange(0, NSP)
-    lse_row = LSE + b * stride_lb + h * stride_lh
-    mx = tl.max(tl.load(lse_row + s_all, mask=s_all < NS, other=NEG_INF), axis=0)
-    mx = tl.where(mx == NEG_INF, 0.0, mx)
-    acc = tl.zeros([BD], tl.float32)
-    tot = 0.0
-    base = OPART + b * stride_ob + h * stride_oh
-    for s0 in tl.static_range(0, NSP, SB):
-        ss = s0 + tl.arange(0, SB)
-        sm = ss < NS
-        ls = tl.load(lse_row + ss, mask=sm, other=NEG_INF)
-        w = tl.exp2(ls - mx)
-        live = sm & (ls > NEG_INF)  # empty splits: no read of their (zero) partial output
-        o = tl.load(base + ss[:, None] * stride_os + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-        tot += tl.sum(w, axis=0)
-    inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
-    tl.store(O + b * stride_b + h * stride_h + d, round_to(acc * inv, OUT_DT), mask=dm)

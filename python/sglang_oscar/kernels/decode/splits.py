@@ -1,0 +1,133 @@
+"""How a decode step is cut into programs: INT2 / HP split counts, the split floor, the workspace."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention import plan_head_blocks
+from ..tuning import AttnTuning
+from .gluon_operands import head_blocks as gluon_head_blocks
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+#: programs per step (requests x head programs) for which the Gluon engine offers one resident wave
+#: (:func:`choose_num_splits`)
+ONE_WAVE_PROGRAMS = (256, 512)
+
+
+def default_min_split_keys(engine: str, programs: int) -> int:
+    """Default ``min_split_keys`` (:class:`AttnTuning`): the positions an INT2 split covers at least.
+
+    Gluon: 128 up to 16 programs per step (batch 1-2 of an 8-kv-head model), 256 above: short
+    steps then run fewer, longer splits instead of many nearly empty ones, while long steps are
+    unaffected (docs/kernels.md#split-policy). Triton: 0 (not timed; every split gets an equal share).
+    """
+    if engine != "gluon":
+        return 0
+    return 128 if programs <= 16 else 256
+
+
+def _head_programs(tuning: AttnTuning, engine: str, num_q_heads: int, num_kv_heads: int,
+                   blocks_per_kv: int | None = None) -> int:
+    """Stage-1 programs per request and split: kv heads x head blocks as the engine forms them (Triton:
+    :func:`plan_head_blocks` of ``tuning``, or ``blocks_per_kv`` when the caller has it; Gluon: blocks
+    of 8 q heads)."""
+    if engine == "gluon":
+        return num_kv_heads * gluon_head_blocks(num_q_heads // num_kv_heads)
+    return num_kv_heads * (blocks_per_kv or plan_head_blocks(num_q_heads, num_kv_heads, tuning.min_block_h,
+                                                             tuning.max_block_h)[2])
+
+
+def _split_keys(tuning: AttnTuning, engine: str, programs: int) -> int:
+    """``tuning.min_split_keys``, or :func:`default_min_split_keys` for ``programs`` per step."""
+    return default_min_split_keys(engine, programs) if tuning.min_split_keys is None else tuning.min_split_keys
+
+
+def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
+                      block_n: int = 64, waves: float | None = None, max_splits: int = 256,
+                      min_split_tokens: int = 64, engine: str = "triton") -> int:
+    """INT2 splits per (request, head block): ``ceil(waves x SMs / (batch x head_programs))``.
+
+    ``waves`` (programs per SM the grid offers) defaults, when ``batch x head_programs <= 16``
+    (batch 1-2 of an 8-kv-head model), to 8 for the Triton engine (one wave of ~1,000 programs; more
+    splits measured slower) and, for the Gluon engine (168-register programs, 12 per SM), to 11 up
+    to 8 programs and 12 up to 16; from :data:`ONE_WAVE_PROGRAMS` (256-511 programs: batch 32 of an
+    8-kv-head model) the Gluon engine takes 11 (one resident wave: 6 splits); otherwise 32 (several
+    full waves). Each choice was the fastest or within noise of it where measured
+    (docs/kernels.md#split-policy). With ``max_seq_len`` (a *static* bound such as the server's
+    context length) a split keeps at least ``min_split_tokens`` keys. Depends only on host
+    constants, never on per-step lengths, so a CUDA graph captured for a batch size stays valid.
+
+    Args:
+        batch: requests in the step; head_programs: programs per request (kv heads x head blocks
+            of the engine: :func:`plan_head_blocks` for Triton, blocks of 8 q heads for Gluon).
+        device: where the kernel runs (its SM count; 4 for CPU / the interpreter).
+        max_seq_len, block_n, waves, max_splits, min_split_tokens: see above.
+        engine: ``"triton"`` or ``"gluon"`` (:func:`decode_engine`), for the default ``waves``.
+
+    Returns:
+        The number of INT2 splits, in ``[1, max_splits]``.
+    """
+    sms = _sm_count(torch.device(device) if device is not None else torch.device("cpu"))
+    programs = max(1, batch * head_programs)
+    if waves is None:
+        if engine != "gluon":
+            waves = 8.0 if programs <= 16 else 32.0
+        elif programs <= 8:
+            waves = 11.0
+        elif programs <= 16:
+            waves = 12.0
+        elif ONE_WAVE_PROGRAMS[0] <= programs < ONE_WAVE_PROGRAMS[1]:
+            waves = 11.0
+        else:
+            waves = 32.0
+    ns = math.ceil(waves * sms / programs)
+    if max_seq_len is not None:
+        ns = min(ns, max(1, math.ceil(max_seq_len / max(min_split_tokens, block_n))))
+    return int(max(1, min(max_splits, ns)))
+
+
+def default_num_kv_splits(tuning: AttnTuning, engine: str, bsz: int, num_q_heads: int, num_kv_heads: int, *,
+                          device=None, max_seq_len: int | None = None, blocks_per_kv: int | None = None) -> int:
+    """The INT2 split count :func:`decode_attention` uses when ``num_kv_splits`` is ``None``:
+    :func:`choose_num_splits` over ``kv heads x head blocks`` programs per request, head blocks as the
+    engine forms them (Triton: :func:`plan_head_blocks` of the resolved ``tuning``; Gluon: blocks of
+    8 q heads). ``engine``: from :func:`decode_engine`; ``blocks_per_kv``: the Triton plan's
+    blocks when the caller has it already (else computed). Callers sizing a workspace ahead of the
+    call (benchmarks, CUDA-graph buffers) use this to match the call's own choice."""
+    programs = _head_programs(tuning, engine, num_q_heads, num_kv_heads, blocks_per_kv)
+    # with a static bound, no more splits than the split floor can ever fill
+    return choose_num_splits(bsz, programs, device=device, max_seq_len=max_seq_len, block_n=tuning.block_n,
+                             engine=engine,
+                             min_split_tokens=max(64, _split_keys(tuning, engine, bsz * programs)))
+
+
+def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
+    """Stage-1 scratch ``(o_part [B, H_q, S, D_v] fp32, lse [B, H_q, S] fp32)`` (preallocate for graphs)."""
+    return (torch.empty((batch, num_q_heads, total_splits, head_dim_v), dtype=torch.float32, device=device),
+            torch.empty((batch, num_q_heads, total_splits), dtype=torch.float32, device=device))
+
+
+#: HP positions per default HP split (:func:`decode_num_hp_splits`)
+HP_SPLIT_POSITIONS = 48
+
+
+def decode_num_hp_splits(sink: int, recent: int) -> int:
+    """Default HP splits: one per :data:`HP_SPLIT_POSITIONS` (48) HP positions, 1..8 (a BF16 position
+    costs several INT2 ones, so HP splits are kept short to not be the long pole at short contexts:
+    7 splits for the default 64 + 256; 128 positions per split before the Gluon engine, whose HP
+    loop is slower per key than its INT2 loop)."""
+    return int(max(1, min(8, math.ceil((sink + recent) / HP_SPLIT_POSITIONS))))
