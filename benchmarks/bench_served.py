@@ -1,0 +1,615 @@
+"""Served end to end on real shapes: decode tokens/s, capacity and time to first token of BF16, FP8
+and INT2 KV caches (issue 28, item 1).
+
+For every selected model -- dummy weights (``--load-format dummy``) on a folder holding only the
+model's ``config.json`` from ``benchmarks/configs/`` -- and every selected KV format this starts one
+``python -m sglang.launch_server`` through :mod:`sglang_oscar.serving_launcher` and measures:
+
+* **capacity**: the server's ``max_total_num_tokens`` (``/server_info``, else the scheduler's log
+  line) and how many concurrent 128K requests (131072 prompt + ``--decode-tokens`` new tokens) fit;
+* **time to first token** (s) of one 8K and one 32K prompt (``--ttft-contexts``), warm idle server;
+* **decode tokens/s** at input L x batch B: B concurrent streamed ``/generate`` requests of L random
+  token ids (``ignore_eos``, greedy). Throughput = tokens all B requests produce while all B decode
+  (from the last request's first token to the first request's last token) / that window (s), so
+  the other requests' prefills are excluded. Also per request, as issue 28 words it,
+  (output tokens - 1) / (e2e latency - time to first token) (tokens/s; at B > 1 it includes the
+  time a request waits while the others prefill).
+
+Why not ``python -m sglang.bench_serving --dataset-name random``: in sglang 0.5.16
+(``sglang/benchmark/serving.py``) it always loads a tokenizer (``get_tokenizer`` of ``--tokenizer``
+or the model path) and its random dataset encodes and decodes text with it; the dummy checkpoints
+have no tokenizer and the servers run ``--skip-tokenizer-init``. So ``/generate`` is driven
+directly with ``input_ids`` (stdlib ``urllib``, one thread per request, no proxy).
+
+Servers run **one at a time**, every format with the same ``--mem-fraction-static`` (default 0.85),
+so capacities compare like for like: three servers of one model cannot share the GPU at a useful
+fraction (three Qwen3-32B servers need 3 x 65.5 GB of weights alone, and at 0.28 each a Qwen3-8B
+BF16 pool holds one 128K request), and timings must not overlap. All use ``--attention-backend
+triton`` (int2 needs it; BF16/FP8 on triton too, like for like; ``--with-flashinfer`` adds a BF16
+FlashInfer server), ``--disable-radix-cache``, decode CUDA graphs up to the largest batch (the
+prefill graph is off: it only costs startup time), ``--chunked-prefill-size 8192`` (SGLang's H200
+default, pinned so all formats prefill alike) and ``--max-running-requests`` = the largest batch
+(int2's BF16 sink/recent windows are reserved per running request).
+
+Budget: ``--budget`` seconds (wall, whole run). The plan gives each model an equal share of what is
+left (unused time rolls over to the next model) and picks, cheapest first, the (context, batch)
+points whose estimated cost over all formats of the model (prefill FLOPs at ``--lin-tflops`` /
+``--attn-tflops``, decode bytes at ``--hbm-tbs``, times ``--est-scale``; a measured prefill
+rescales later estimates of that format) fits the share after server startups; every format then
+runs the same points, so ratios are complete. A point that does not fit a format's pool is skipped
+for that format (estimated pool in the plan, the real ``max_total_num_tokens`` at run time).
+SIGTERM (device-call timeout) or the budget running out stops the server and still writes partial
+results. ``--dry-run`` prints every server command and the request plan and starts nothing.
+
+Model configs: the published Hugging Face ``config.json`` values of Qwen3-8B, Qwen3-32B and
+Qwen3-30B-A3B, except ``max_position_embeddings`` 135168 (published: 40960, 128K via YaRN factor 4):
+131072 prompt tokens plus up to 4096 new ones without RoPE scaling (the RoPE variant does not change
+the speed). Output (``--out``): ``results.json`` (every measured value, commands, plan),
+``results.md`` (the table printed at the end), ``decode.png`` and ``capacity.png`` (matplotlib,
+skipped with a message when missing) and ``logs.tgz`` (one log per server); five files, the device
+tool returns at most eight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+HERE = Path(__file__).resolve().parent
+CONFIG_DIR = HERE / "configs"
+MODELS = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")
+# format -> (--kv-cache-dtype, --attention-backend, bits per stored K/V element in the pool)
+FORMATS = {"bf16": ("auto", "triton", 16.0), "fp8": ("fp8_e4m3", "triton", 8.0),
+           "int2": ("int2", "triton", 2.25), "bf16-fi": ("auto", "flashinfer", 16.0)}
+# int2: 2-bit codes + one fp16 (scale, zero) pair per 128-element group = 2.25 bits; the BF16 sink
+# (64) + recent (256) windows are separate per-request arenas (docs/design.md).
+INT2_WINDOW_TOKENS = 64 + 256
+GIB = 1 << 30
+# Estimates only (planning; the run measures): server start (imports, dummy init, graph capture),
+# first int2 server's Triton JIT (~85 s measured, docs/serving.md), FlashInfer JIT (~180 s),
+# memory outside the pool besides (1 - fraction), per-step scheduler overhead, warm-up + stop.
+STARTUP_S, INT2_JIT_S, FI_JIT_S, RESERVE_GIB, STEP_OVERHEAD_S, SERVER_OVERHEAD_S = 45, 90, 180, 2.0, 3e-3, 15
+TOKEN_LO, TOKEN_HI = 1000, 150000  # random prompt ids: clear of the special tokens
+
+
+def size_arg(text: str) -> int:
+    """``8k`` / ``128K`` / ``131072`` -> tokens (k = 1024)."""
+    t = text.strip().lower()
+    return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+
+
+def label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def csv(text: str, allowed: Sequence[str] | None = None) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if allowed is not None and x not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_served", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=lambda s: csv(s, MODELS), default=list(MODELS))
+    p.add_argument("--formats", type=lambda s: csv(s, tuple(FORMATS)), default=["bf16", "fp8", "int2"])
+    p.add_argument("--with-flashinfer", action="store_true", help="add a BF16 server on the flashinfer backend")
+    p.add_argument("--contexts", type=lambda s: [size_arg(x) for x in csv(s)], default="8k,32k,128k",
+                   help="prompt lengths (tokens; k = 1024)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in csv(s)], default="1,8,32")
+    p.add_argument("--ttft-contexts", type=lambda s: [size_arg(x) for x in csv(s)], default="8k,32k")
+    p.add_argument("--capacity-context", type=size_arg, default=131072)
+    p.add_argument("--decode-tokens", type=int, default=64, help="decode steps wanted with all B requests running")
+    p.add_argument("--budget", type=float, default=520.0, help="seconds for the whole run (wall)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--gpu-mem-gib", type=float, default=139.0, help="for the plan's pool estimate only")
+    p.add_argument("--lin-tflops", type=float, default=500.0, help="plan: prefill GEMM rate (TFLOP/s)")
+    p.add_argument("--attn-tflops", type=float, default=250.0, help="plan: prefill attention rate (TFLOP/s)")
+    p.add_argument("--hbm-tbs", type=float, default=3.5, help="plan: decode read bandwidth (TB/s)")
+    p.add_argument("--est-scale", type=float, default=1.0, help="plan: multiply every estimated run time")
+    p.add_argument("--startup-s", type=float, default=STARTUP_S, help="plan: seconds until a server is healthy")
+    p.add_argument("--int2-jit-s", type=float, default=INT2_JIT_S,
+                   help="plan: extra startup of the run's first int2 server (Triton JIT; 0 with a warm cache)")
+    p.add_argument("--out", default="bench_served_out")
+    p.add_argument("--work", default="/tmp/bench_served_work", help="model folders and server logs")
+    p.add_argument("--port", type=int, default=31000)
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--server-args", default="", help="extra flags for every server (one shell-quoted string)")
+    p.add_argument("--int2-args", default="", help="extra flags for the int2 servers")
+    p.add_argument("--startup-timeout", type=float, default=420.0)
+    p.add_argument("--dry-run", action="store_true", help="print the commands and the plan, start nothing")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    a = build_parser().parse_args(argv)  # string defaults go through their type too
+    if a.with_flashinfer and "bf16-fi" not in a.formats:
+        a.formats.append("bf16-fi")
+    return a
+
+
+# ------------------------------------------------------------------------------------- shapes
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the estimates need from a ``config.json``; parameter counts exclude norms."""
+
+    name: str
+    config: dict
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    params: float  # all weights
+    matmul_params: float  # weights one token multiplies by (active experts, lm_head; no embedding)
+    expert_params: float  # all routed-expert weights (0 for dense)
+    experts: int = 0
+    topk: int = 0
+
+    @classmethod
+    def load(cls, name: str) -> "Shape":
+        c = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+        h, d, L = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
+        hq, hkv, vocab = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
+        attn = 2 * h * hq * d + 2 * h * hkv * d
+        if "num_experts" in c:
+            e, k = c["num_experts"], c["num_experts_per_tok"]
+            per_expert = 3 * h * c["moe_intermediate_size"]
+            mlp_all, mlp_active, experts_total = e * per_expert + h * e, k * per_expert + h * e, L * e * per_expert
+        else:
+            e = k = 0
+            mlp_all = mlp_active = 3 * h * c["intermediate_size"]
+            experts_total = 0
+        head = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
+        return cls(name, c, L, hq, hkv, d, L * (attn + mlp_all) + head, L * (attn + mlp_active) + vocab * h,
+                   experts_total, e, k)
+
+    def kv_bytes(self, fmt: str) -> float:
+        """Pool bytes per token (all layers, K and V) of a format."""
+        return self.layers * self.kv_heads * self.head_dim * 2 * FORMATS[fmt][2] / 8
+
+
+def est_pool_tokens(s: Shape, fmt: str, a: argparse.Namespace) -> int:
+    """SGLang sizes the pool as (fraction x GPU memory) - weights - what the model load left used."""
+    free = a.mem_fraction_static * a.gpu_mem_gib * GIB - 2 * s.params - RESERVE_GIB * GIB
+    if fmt == "int2":
+        free -= max(a.batches) * INT2_WINDOW_TOKENS * s.kv_bytes("bf16")
+    return max(0, int(free // s.kv_bytes(fmt)))
+
+
+def est_prefill_s(s: Shape, ctx: int, fmt: str, a: argparse.Namespace) -> float:
+    """One prompt: GEMMs 2 x params x L, causal attention 2 x L^2 x q_heads x head_dim per layer;
+    int2 x1.3 (its extend path rotates and quantizes the chunk; issue 28 saw 2x on a tiny model)."""
+    flops_lin = 2 * s.matmul_params * ctx
+    flops_attn = 2 * ctx * ctx * s.q_heads * s.head_dim * s.layers
+    t = flops_lin / (a.lin_tflops * 1e12) + flops_attn / (a.attn_tflops * 1e12)
+    return t * (1.3 if fmt == "int2" else 1.0) * a.est_scale
+
+
+def est_step_s(s: Shape, ctx: int, batch: int, fmt: str, a: argparse.Namespace) -> float:
+    """One decode step: weights read (MoE: the expected fraction of experts B tokens touch) + KV."""
+    touched = 1 - (1 - s.topk / s.experts) ** batch if s.experts else 1.0
+    weights = 2 * (s.params - s.expert_params * (1 - touched))
+    return (weights + batch * ctx * s.kv_bytes(fmt)) / (a.hbm_tbs * 1e12) * a.est_scale + STEP_OVERHEAD_S
+
+
+def new_tokens(ctx: int, batch: int, a: argparse.Namespace) -> int:
+    """max_new_tokens of a decode point: the wanted steps plus one per prefill iteration of the
+    other requests (a running request may decode between them), so the all-decoding window exists."""
+    return a.decode_tokens + math.ceil(batch * ctx / a.chunked_prefill_size) + batch
+
+
+# --------------------------------------------------------------------------------------- plan
+@dataclasses.dataclass
+class ServerPlan:
+    model: str
+    fmt: str
+    port: int
+    argv: list[str]
+    model_dir: str
+    est_startup_s: float
+    est_pool_tokens: int
+    items: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.fmt}"
+
+
+def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int) -> list[str]:
+    kv, backend, _ = FORMATS[fmt]
+    top = max(a.batches)
+    argv = [a.python, "-m", "sglang.launch_server", "--model-path", model_dir, "--load-format", "dummy",
+            "--dtype", "bfloat16", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+            "--nccl-port", str(port + 5), "--kv-cache-dtype", kv, "--attention-backend", backend,
+            "--mem-fraction-static", f"{a.mem_fraction_static:g}", "--disable-radix-cache",
+            "--chunked-prefill-size", str(a.chunked_prefill_size), "--max-running-requests", str(top),
+            "--cuda-graph-max-bs-decode", str(top), "--disable-prefill-cuda-graph", "--sampling-backend", "pytorch",
+            "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info"]
+    return argv + shlex.split(a.server_args) + (shlex.split(a.int2_args) if fmt == "int2" else [])
+
+
+def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
+    """Servers in run order, each with its items; see the module docstring for the budget rule."""
+    plans: list[ServerPlan] = []
+    remaining = a.budget
+    jit_done: set[str] = set()
+    for mi, model in enumerate(a.models):
+        shape = Shape.load(model)
+        mdir = str(Path(a.work) / model)
+        servers = []
+        for fi, fmt in enumerate(a.formats):
+            port = a.port + 10 * (mi * len(FORMATS) + fi)
+            startup = a.startup_s + (a.int2_jit_s if fmt == "int2" and "int2" not in jit_done else 0) \
+                + (FI_JIT_S if fmt == "bf16-fi" and "fi" not in jit_done else 0)
+            jit_done |= {"int2"} if fmt == "int2" else {"fi"} if fmt == "bf16-fi" else set()
+            servers.append(ServerPlan(model, fmt, port, server_argv(a, mdir, fmt, port), mdir, startup,
+                                      est_pool_tokens(shape, fmt, a)))
+        share = remaining / (len(a.models) - mi)  # equal shares; what a model leaves rolls over
+        left = share - sum(s.est_startup_s + SERVER_OVERHEAD_S for s in servers)
+        decode = {(c, b) for c in a.contexts for b in a.batches}
+        cands = [("ttft", c, 1, 2) for c in a.ttft_contexts if (c, 1) not in decode]
+        cands += [("decode", c, b, new_tokens(c, b, a)) for c, b in sorted(decode)]
+
+        def est(s: ServerPlan, c: int, b: int, n: int) -> float:
+            return b * est_prefill_s(shape, c, s.fmt, a) + n * est_step_s(shape, c, b, s.fmt, a)
+
+        def fits(s: ServerPlan, c: int, b: int, n: int) -> bool:
+            return b * (c + n) <= s.est_pool_tokens
+
+        cost = {x: sum(est(s, *x[1:]) for s in servers if fits(s, *x[1:])) for x in cands}
+        cands.sort(key=lambda x: (x[0] != "ttft", cost[x] == 0, cost[x]))  # TTFT, cheapest, fits nowhere
+        for x in cands:
+            kind, c, b, n = x
+            if cost[x] <= left:
+                left -= cost[x]
+                verdict = "planned"
+            else:
+                verdict = f"skip: budget (est. {cost[x]:.0f} s over all formats, {max(left, 0):.0f} s left)"
+            for s in servers:
+                status = verdict if fits(s, c, b, n) else \
+                    f"skip: does not fit (est. pool {s.est_pool_tokens} tokens < {b * (c + n)})"
+                s.items.append({"kind": kind, "context": c, "batch": b, "new_tokens": n,
+                                "est_s": round(est(s, c, b, n), 2), "status": status})
+        remaining -= share - left  # startups count even when no point fits (capacity is still measured)
+        plans += servers
+    return plans
+
+
+def print_plan(plans: Sequence[ServerPlan], a: argparse.Namespace) -> None:
+    total = 0.0
+    for p in plans:
+        run = [it for it in p.items if it["status"] == "planned"]
+        t = p.est_startup_s + SERVER_OVERHEAD_S + sum(it["est_s"] for it in run)
+        total += t
+        cap = p.est_pool_tokens // (a.capacity_context + a.decode_tokens)
+        print(f"# {p.name}: est. startup {p.est_startup_s:.0f} s, pool ~{p.est_pool_tokens} tokens "
+              f"(~{cap} x {label(a.capacity_context)}), est. total {t:.0f} s")
+        print(f"$ {shlex.join(p.argv)}")
+        for it in p.items:
+            print(f"    {it['kind']:6s} {label(it['context']):>5s} x {it['batch']:<3d} new {it['new_tokens']:<4d} "
+                  f"est {it['est_s']:7.1f} s  {it['status']}")
+    print(f"# estimated wall time {total:.0f} s of budget {a.budget:.0f} s "
+          f"(models {','.join(a.models)}; formats {','.join(a.formats)})")
+
+
+# ------------------------------------------------------------------------------------ requests
+def random_ids(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(TOKEN_LO, TOKEN_HI), k=n)
+
+
+def stream_one(opener, url: str, ids: list[int], n_new: int, timeout: float, rec: dict) -> None:
+    """One streamed greedy request; ``rec`` gets ``t0`` and ``ticks`` [(perf_counter s, tokens so far)]."""
+    import urllib.request
+
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    rec["t0"], rec["ticks"] = time.perf_counter(), []
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                if line[5:].strip() == b"[DONE]":
+                    break
+                obj = json.loads(line[5:])
+                if "error" in obj:
+                    raise RuntimeError(str(obj["error"])[:300])
+                n = (obj.get("meta_info") or {}).get("completion_tokens") or len(obj.get("output_ids") or [])
+                rec["ticks"].append((time.perf_counter(), int(n)))
+    except Exception as exc:  # noqa: BLE001  reported with the point
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
+
+
+def summarize(recs: Sequence[dict]) -> dict[str, Any]:
+    """Throughput over the window where all requests decode; TTFT and per-request speed (s, tokens/s)."""
+    first = [r["ticks"][0][0] for r in recs]
+    last = [r["ticks"][-1][0] for r in recs]
+    ws, we = max(first), min(last)
+
+    def count(r: dict, t: float) -> int:
+        return max((n for tt, n in r["ticks"] if tt <= t), default=0)
+
+    tokens = sum(count(r, we) - count(r, ws) for r in recs)
+    per_req = [(r["ticks"][-1][1] - r["ticks"][0][1]) / (r["ticks"][-1][0] - r["ticks"][0][0])
+               for r in recs if r["ticks"][-1][0] > r["ticks"][0][0]]
+    t0 = min(r["t0"] for r in recs)
+    out = {"ttft_s": [round(f - r["t0"], 4) for f, r in zip(first, recs)], "prefill_all_s": round(ws - t0, 3),
+           "window_s": round(we - ws, 4), "window_steps": round(tokens / len(recs), 1),
+           "decode_tok_s": round(tokens / (we - ws), 2) if we > ws and tokens else None,
+           "per_request_tok_s": round(sum(per_req) / len(per_req), 2) if per_req else None,
+           "completion_tokens": [r["ticks"][-1][1] for r in recs]}
+    out["ttft_s_mean"] = round(sum(out["ttft_s"]) / len(recs), 4)
+    return out
+
+
+def measure(url: str, ctx: int, batch: int, n_new: int, deadline: float, seed: int) -> dict[str, Any]:
+    from sglang_oscar.serving_launcher import LOCAL_OPENER
+
+    recs = [{} for _ in range(batch)]
+    ids = [random_ids(ctx, seed * 1000 + i) for i in range(batch)]  # distinct prompts
+    timeout = max(10.0, deadline - time.time())
+    threads = [threading.Thread(target=stream_one, args=(LOCAL_OPENER, url, ids[i], n_new, timeout, recs[i]),
+                                daemon=True) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.time()))
+    if any(t.is_alive() for t in threads):
+        return {"status": "timeout", "done": sum(not t.is_alive() for t in threads)}
+    errors = [r["error"] for r in recs if "error" in r] + ["no tokens" for r in recs if not r.get("ticks")]
+    if errors:
+        return {"status": "error", "error": errors[0], "errors": len(errors)}
+    res = summarize(recs)
+    res["status"] = "ok" if res["window_steps"] >= 0.5 * min(n_new, 64) else "ok (short decode window)"
+    return res
+
+
+# ------------------------------------------------------------------------------------------ run
+def server_capacity(srv, a: argparse.Namespace) -> dict[str, Any]:
+    from sglang_oscar.serving_launcher import http_json
+
+    tok, src = None, "server_info"
+    try:
+        tok = http_json(srv.base_url + "/server_info", timeout=30).get("max_total_num_tokens")
+    except Exception:  # noqa: BLE001  fall back to the log
+        pass
+    if tok is None:
+        found = re.findall(r"max_total_num_tokens=(\d+)", srv.log_text())
+        tok, src = (int(found[-1]) if found else None), "log"
+    cap = {label(c): tok // (c + a.decode_tokens) for c in (32768, a.capacity_context)} if tok else {}
+    return {"max_total_num_tokens": tok, "source": src, "concurrent": cap}
+
+
+def run(a: argparse.Namespace, plans: Sequence[ServerPlan]) -> dict[str, Any]:
+    from sglang_oscar.serving_launcher import LaunchError, ServerProcess, tail
+
+    t_end = time.time() + a.budget
+    out, logs = Path(a.out), Path(a.work) / "logs"
+    out.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"meta": collect_meta(a), "servers": []}
+    scale: dict[str, float] = {}  # measured / estimated prefill time, per format
+    for p in plans:
+        Path(p.model_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(CONFIG_DIR / f"{p.model}.json", Path(p.model_dir) / "config.json")
+    try:
+        for p in plans:
+            rec: dict[str, Any] = {"name": p.name, "model": p.model, "format": p.fmt, "command": shlex.join(p.argv),
+                                   "runs": [], "status": "interrupted"}
+            results["servers"].append(rec)
+            left = t_end - time.time()
+            if left < p.est_startup_s * 0.5 + SERVER_OVERHEAD_S:
+                rec["status"] = f"skip: budget ({left:.0f} s left)"
+                continue
+            srv = ServerProcess(p.argv, port=p.port, log_path=logs / f"{p.name}.log",
+                                log_header="$ " + shlex.join(p.argv))
+            print(f"[{time.strftime('%H:%M:%S')}] starting {p.name} ({left:.0f} s left)", flush=True)
+            try:
+                srv.start()
+                srv.wait_healthy(timeout=min(a.startup_timeout, max(30.0, left - 20)))
+                rec["startup_s"] = round(srv.t_ready - srv.t_start, 1)
+                rec["capacity"] = server_capacity(srv, a)
+                print(f"  healthy after {rec['startup_s']} s; capacity {rec['capacity']}", flush=True)
+                rec["warmup"] = measure(srv.base_url, 2048, 2, 16, min(t_end, time.time() + 120), seed=7)
+                pool = rec["capacity"].get("max_total_num_tokens")
+                stopped = None  # a point that ran past its deadline: the server is still busy with it
+                for k, it in enumerate(p.items):
+                    r = {key: it[key] for key in ("kind", "context", "batch", "new_tokens", "est_s")}
+                    rec["runs"].append(r)
+                    c, b, n = it["context"], it["batch"], it["new_tokens"]
+                    if stopped or it["status"].startswith("skip: budget"):
+                        r["status"] = stopped or it["status"]
+                        continue
+                    if pool is not None and b * (c + n) > pool:
+                        r["status"] = f"skip: does not fit (pool {pool} tokens < {b * (c + n)})"
+                        continue
+                    est = it["est_s"] * scale.get(p.fmt, 1.0)
+                    left = t_end - time.time() - 10  # keep time to stop the server and write
+                    if est > left:
+                        r["status"] = f"skip: budget at run time (est. {est:.0f} s, {left:.0f} s left)"
+                        continue
+                    res = measure(srv.base_url, c, b, n, time.time() + min(left, max(60.0, 3 * est)), seed=k + 1)
+                    r.update(res)
+                    if res["status"].startswith("ok"):
+                        guess = b * est_prefill_s(Shape.load(p.model), c, p.fmt, a)
+                        scale[p.fmt] = max(0.2, res["prefill_all_s"] / guess) if guess > 0.5 else scale.get(p.fmt, 1.0)
+                    speed = f"decode {res.get('decode_tok_s')} tok/s, " if it["kind"] == "decode" else ""
+                    print(f"  {it['kind']} {label(c)} x {b}: {res['status']}, {speed}ttft {res.get('ttft_s_mean')} s",
+                          flush=True)
+                    if res["status"] == "timeout":
+                        stopped = f"skip: {label(c)} x {b} timed out before"
+                rec["status"] = "ok"
+            except LaunchError as exc:
+                rec["status"], rec["error"] = "launch failed", str(exc)[-2000:]
+            except Exception as exc:  # noqa: BLE001  this server's failure must not end the run
+                rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}; log: {tail(srv.log_path, 20)}"
+            finally:
+                srv.stop(grace=15.0)
+    finally:
+        results["meta"]["wall_s"] = round(time.time() - (t_end - a.budget), 1)
+        results["plan"] = [dataclasses.asdict(p) for p in plans]
+        write_outputs(results, a, logs)
+    return results
+
+
+def collect_meta(a: argparse.Namespace) -> dict[str, Any]:
+    meta: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
+                            "args": {k: v for k, v in vars(a).items()}}
+    for key, cmd in (("commit", ["git", "rev-parse", "--short", "HEAD"]),
+                     ("gpu", ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])):
+        try:
+            meta[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=HERE).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            meta[key] = None
+    return meta
+
+
+# --------------------------------------------------------------------------------------- report
+def _fmt(v: float | None, nd: int = 1) -> str:
+    return "-" if v is None else f"{v:,.{nd}f}"
+
+
+def render_table(results: dict[str, Any]) -> str:
+    """One markdown table per model: format rows; capacity, TTFT and decode tokens/s columns; the
+    int2 row's cells carry (int2/BF16, int2/FP8) ratios (for TTFT lower is better)."""
+    lines = []
+    by_model: dict[str, dict[str, dict]] = {}
+    for s in results["servers"]:
+        by_model.setdefault(s["model"], {})[s["format"]] = s
+    for model, servers in by_model.items():
+        pts = sorted({(r["context"], r["batch"]) for s in servers.values() for r in s["runs"] if r["kind"] == "decode"})
+        ttfts = sorted({r["context"] for s in servers.values() for r in s["runs"] if r["batch"] == 1})
+
+        def vals(s: dict) -> dict[str, float | None]:
+            cap = s.get("capacity") or {}
+            v: dict[str, float | None] = {"pool": cap.get("max_total_num_tokens"),
+                                          "cap": (cap.get("concurrent") or {}).get("128K")}
+            for r in s["runs"]:
+                if r.get("status", "").startswith("ok"):
+                    if r["batch"] == 1:
+                        v[f"t{r['context']}"] = r["ttft_s"][0]
+                    if r["kind"] == "decode":
+                        v[f"d{r['context']}x{r['batch']}"] = r["decode_tok_s"]
+            return v
+
+        table = {f: vals(s) for f, s in servers.items()}
+        keys = ["pool", "cap"] + [f"t{c}" for c in ttfts] + [f"d{c}x{b}" for c, b in pts]
+        heads = ["KV tokens", "128K reqs"] + [f"TTFT {label(c)} (s)" for c in ttfts] + \
+            [f"{label(c)} x {b} (tok/s)" for c, b in pts]
+        lines += [f"### {model}", "", "| format | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+        for f, v in table.items():
+            cells = []
+            for k in keys:
+                x = v.get(k)
+                cell = _fmt(x, 3 if k.startswith("t") else 0 if k in ("pool", "cap") else 1)
+                if f == "int2" and x:
+                    rs = [f"{x / table[o][k]:.2f}x" if table.get(o, {}).get(k) else "-" for o in ("bf16", "fp8")]
+                    cell += f" ({rs[0]} / {rs[1]})"
+                cells.append(cell)
+            status = servers[f].get("status", "")
+            lines.append(f"| {f}{'' if status == 'ok' else ' (' + status + ')'} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("int2 cells: (int2/BF16, int2/FP8). Decode tok/s: all requests together while all decode. "
+                 "Skipped points and reasons: results.json.")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], out: Path) -> list[str]:
+    """decode.png (tokens/s vs context, a line per format; rows models, columns batches) and
+    capacity.png (concurrent 128K requests per format and model)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed")
+        return []
+    servers = results["servers"]
+    models = list(dict.fromkeys(s["model"] for s in servers))
+    batches = sorted({r["batch"] for s in servers for r in s["runs"] if r["kind"] == "decode"}) or [1]
+    fig, axes = plt.subplots(len(models), len(batches), figsize=(4 * len(batches), 3.2 * len(models)), squeeze=False)
+    for i, m in enumerate(models):
+        for j, b in enumerate(batches):
+            ax = axes[i][j]
+            for s in (s for s in servers if s["model"] == m):
+                pts = sorted((r["context"], r["decode_tok_s"]) for r in s["runs"] if r["kind"] == "decode"
+                             and r["batch"] == b and r.get("decode_tok_s"))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s["format"])
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{m}, batch {b}", fontsize=9)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("decode tokens/s")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "decode.png", dpi=120)
+    fig2, ax = plt.subplots(figsize=(2 + 2 * len(models), 3.5))
+    fmts = list(dict.fromkeys(s["format"] for s in servers))
+    for k, f in enumerate(fmts):
+        ys = [next(((s.get("capacity") or {}).get("concurrent", {}).get("128K") or 0 for s in servers
+                    if s["model"] == m and s["format"] == f), 0) for m in models]
+        ax.bar([i + k / (len(fmts) + 1) for i in range(len(models))], ys, width=1 / (len(fmts) + 1), label=f)
+    ax.set_xticks([i + (len(fmts) - 1) / (2 * (len(fmts) + 1)) for i in range(len(models))])
+    ax.set_xticklabels(models)
+    ax.set_ylabel("concurrent 128K requests")
+    ax.legend()
+    fig2.tight_layout()
+    fig2.savefig(out / "capacity.png", dpi=120)
+    return ["decode.png", "capacity.png"]
+
+
+def write_outputs(results: dict[str, Any], a: argparse.Namespace, logs: Path) -> None:
+    out = Path(a.out)
+    table = render_table(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "results.md").write_text(f"# bench_served ({results['meta'].get('date')}, commit "
+                                    f"{results['meta'].get('commit')})\n\n`{shlex.join(results['meta']['argv'])}`\n\n"
+                                    + table + "\n")
+    try:
+        plot(results, out)
+    except Exception as exc:  # noqa: BLE001  plots must not lose the table
+        print(f"plots failed: {type(exc).__name__}: {exc}")
+    if logs.is_dir():
+        with tarfile.open(out / "logs.tgz", "w:gz") as tar:
+            tar.add(logs, arcname="logs")
+    print("\n" + table + f"\n\nwrote {out}/results.json, results.md, plots, logs.tgz")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    plans = make_plan(a)
+    if a.dry_run:
+        print_plan(plans, a)
+        return 0
+
+    def _terminate(signum, _frame):  # a device-call timeout: stop the server, keep partial results
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    results = run(a, plans)
+    return 0 if any(s.get("status") == "ok" for s in results["servers"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
