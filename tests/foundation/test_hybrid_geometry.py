@@ -6,7 +6,6 @@ is the transformers default, which ModelGeometry fills in through AutoConfig).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from sglang_oscar.cli.main import main
 from sglang_oscar.config import OscarConfig, parse_skip_layers, resolve_skip_layers
 from sglang_oscar.rotation import ModelGeometry, RotationError, RotationSet, default_hadamard
+from _support.configs import write_config
 
 G4_FULL = list(range(5, 48, 6))  # every 6th layer is full attention (5:1)
 GEMMA4_12B = {  # google/gemma-4-12b-it: multimodal config, text under text_config
@@ -42,10 +42,6 @@ GPT_OSS_20B = {  # openai/gpt-oss-20b: alternating sliding / full, learned sinks
 }
 
 
-def _write(tmp_path, cfg, name="config.json"):
-    p = tmp_path / name
-    p.write_text(json.dumps(cfg))
-    return str(p)
 
 
 # ---------------------------------------------------------------- geometry
@@ -157,7 +153,7 @@ def test_resolve_skip_layers():
 
 # ---------------------------------------------------------------- rotation preflight
 def test_hadamard_cli_writes_a_valid_two_geometry_file(tmp_path, capsys):
-    cfg = _write(tmp_path, GEMMA4_12B)
+    cfg = write_config(tmp_path, GEMMA4_12B)
     out = str(tmp_path / "g4.safetensors")
     assert main(["hadamard", "--config", cfg, "--out", out]) == 0
     printed = capsys.readouterr().out

@@ -19,6 +19,7 @@ import torch
 
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.rotation import ModelGeometry, RotationError, RotationSet, default_hadamard
+from _support.configs import write_config
 
 QWEN35_FULL = tuple(range(3, 40, 4))
 QWEN3_5_35B_A3B = {  # Qwen/Qwen3.5-35B-A3B: multimodal wrapper, text under text_config
@@ -63,10 +64,6 @@ MINIMAX_M3 = {
 }
 
 
-def _write(tmp_path, cfg, name="config.json"):
-    p = tmp_path / name
-    p.write_text(json.dumps(cfg))
-    return str(p)
 
 
 # ---------------------------------------------------------------- geometry
@@ -162,7 +159,7 @@ def test_rotation_missing_a_full_attention_layer_names_it(tmp_path):
     RotationSet.data_free(g).validate(g)
     from sglang_oscar.cli.main import main
 
-    cfg, out = _write(tmp_path, QWEN3_5_35B_A3B), str(tmp_path / "q35.safetensors")
+    cfg, out = write_config(tmp_path, QWEN3_5_35B_A3B), str(tmp_path / "q35.safetensors")
     assert main(["hadamard", "--config", cfg, "--out", out]) == 0
     assert RotationSet.load(out).layer_ids == list(QWEN35_FULL)
     assert main(["validate", out, "--config", cfg]) == 0

@@ -100,16 +100,6 @@ def check_cache(layout: Int2Layout, dev, num_q_heads: int, k_codes, k_pairs, v_c
     return hkv, plan
 
 
-def check_attn_common(layout, q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
-                      sink, recent, sliding_window, logit_cap):
-    """:func:`check_query` then :func:`check_cache` on ``q``'s device; returns ``(device, num_kv_heads,
-    head-block plan)``."""
-    check_query(layout, q)
-    hkv, plan = check_cache(layout, q.device, q.shape[1], k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index,
-                            req_to_token, sink, recent, sliding_window, logit_cap)
-    return q.device, hkv, plan
-
-
 def counter_rotate(o: torch.Tensor, rotation_v: torch.Tensor, num_kv_heads: int, out_dtype) -> torch.Tensor:
     dv = o.shape[-1]
     if rotation_v.shape[-1] != dv or rotation_v.shape[-2] != dv or rotation_v.dim() not in (2, 3):
