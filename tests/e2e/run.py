@@ -137,11 +137,10 @@ def collect_meta(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             vers[mod] = f"unavailable ({type(exc).__name__})"
     meta["versions"] = vers
-    if os.environ.get("OSCAR_COMMIT"):  # the device copy's .git can be stale: the caller names the commit
-        meta["git"] = os.environ["OSCAR_COMMIT"]
     with contextlib.suppress(Exception):
-        meta.setdefault("git", subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True, timeout=10).stdout.strip())
+        # the device copy's .git can be stale, so a caller may name the commit it copied
+        meta["git"] = os.environ.get("OSCAR_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         meta["git_dirty_files"] = len(dirty.splitlines()) if dirty else 0
