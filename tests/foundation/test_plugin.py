@@ -35,15 +35,24 @@ def test_sglang_parser_accepts_int2_and_oscar_flags(sglang_parser):
         "--model-path", "m", "--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", "64",
         "--oscar-rotation", "/r.safetensors", "--oscar-k-clip-ratio", "0.9", "--oscar-quantizer", "lloyd-max",
         "--oscar-sink-tokens", "32", "--oscar-recent-tokens", "128", "--oscar-scale-dtype", "float32",
-        "--oscar-decode-engine", "triton", "--oscar-rotate-engine", "torch",
+        "--oscar-decode-engine", "triton", "--oscar-rotate-engine", "torch", "--oscar-fold-rotations", "on",
     ])
     assert ns.kv_cache_dtype == "int2" and ns.kv_cache_quant_group_size == 64
     cfg, _ = flags.resolve_config({f.dest: getattr(ns, f.dest) for f in flags.FLAGS}, environ={})
     assert cfg == OscarConfig(group_size=64, k_clip_ratio=0.9, sink_tokens=32, recent_tokens=128,
                               quantizer="lloyd-max", scale_dtype="float32", rotation_path="/r.safetensors",
-                              decode_engine="triton", rotate_engine="torch")
+                              decode_engine="triton", rotate_engine="torch", fold_rotations=True)
     cfg, _ = flags.resolve_config({}, environ={})
-    assert cfg.decode_engine == "auto" and cfg.rotate_engine == "triton"
+    assert cfg.decode_engine == "auto" and cfg.rotate_engine == "triton" and cfg.fold_rotations is False
+    ns = sglang_parser.parse_args(["--model-path", "m", "--kv-cache-dtype", "int2", "--oscar-fold-rotations", "off"])
+    cfg, _ = flags.resolve_config({f.dest: getattr(ns, f.dest) for f in flags.FLAGS}, environ={})
+    assert cfg.fold_rotations is False
+    assert flags.config_from_env({flags.CONFIG_ENV: flags.config_to_env(OscarConfig(fold_rotations="on"))}) \
+        == OscarConfig(fold_rotations=True)  # the subprocesses see it
+    with pytest.raises(SystemExit):
+        sglang_parser.parse_args(["--model-path", "m", "--oscar-fold-rotations", "maybe"])
+    with pytest.raises(ValueError, match="fold_rotations must be on or off"):
+        OscarConfig(fold_rotations="maybe")
     with pytest.raises(SystemExit):
         sglang_parser.parse_args(["--model-path", "m", "--oscar-quantizer", "nf4"])
     with pytest.raises(SystemExit):
@@ -55,6 +64,51 @@ def test_sglang_parser_accepts_int2_and_oscar_flags(sglang_parser):
     with pytest.raises(ValueError, match="rotate_engine must be one of"):
         OscarConfig(rotate_engine="cuda")
     assert "--oscar-rotation" in sglang_parser.format_help()
+    assert "--oscar-fold-rotations" in sglang_parser.format_help()
+
+
+def test_weight_updates_are_refused_for_a_folded_model(sglang_parser):
+    """--oscar-fold-rotations on: SGLang's in-place weight updates would load unfolded weights under a
+    backend that reads them as folded; the AROUND hooks on WeightUpdater answer (False, reason naming
+    the flag) for a model with folded layers and pass through otherwise."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    import sglang_oscar.plugin.serving as sv
+    from sglang_oscar.backend.fold import FOLDED_MARK, folded_layer_ids
+
+    attn = torch.nn.Module()
+    attn.qkv_proj, attn.o_proj, attn.attn = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), SimpleNamespace(layer_id=7)
+    model = torch.nn.Sequential(attn)
+    updater = SimpleNamespace(get_model=lambda: model)
+    calls = []
+
+    def original(self, *args, **kwargs):
+        calls.append(args)
+        return True, "Success"
+
+    assert folded_layer_ids(model) == frozenset()
+    assert sv.around_weight_update(original, updater, "/new/weights") == (True, "Success") and calls == [("/new/weights",)]
+    setattr(attn, FOLDED_MARK, (torch.eye(2), None))
+    assert folded_layer_ids(model) == frozenset({7})
+    ok, msg = sv.around_weight_update(original, updater, "/new/weights")
+    assert not ok and "original:" in msg and "--oscar-fold-rotations on" in msg and "1 layers" in msg
+    assert len(calls) == 1
+    # installed on every WeightUpdater entry point (the class's functions are the hooked wrappers)
+    assert set(sv.WEIGHT_UPDATE_HOOK_TARGETS) <= set(plugin_targets())
+    ok, msg = WeightUpdater.update_weights_from_tensor(updater, named_tensors=[])
+    assert not ok and msg.startswith("update_weights_from_tensor: ") and "--oscar-fold-rotations off" in msg
+    for name in sv.WEIGHT_UPDATE_METHODS:
+        ok, msg = getattr(WeightUpdater, name)(updater, *([None] * 5))
+        assert not ok and msg.startswith(f"{name}: "), name
+
+
+def plugin_targets():
+    import sglang_oscar.plugin as plugin
+
+    return plugin.HOOK_TARGETS
 
 
 def test_env_aliases_and_precedence():

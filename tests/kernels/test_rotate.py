@@ -151,6 +151,31 @@ def test_rotate_qkv_matches_einsum(case):
     check_rotate_qkv(*case)
 
 
+@pytest.mark.parametrize("has_mk", [False, True])
+def test_rotate_qkv_without_v_rotates_q_and_k(has_mk):
+    """v=None (layers whose value rotation is folded into the weights): q and K only, in a launch of
+    two products; the results equal the three-product launch's q and K (same block body, block_n
+    given) and the einsum; out's third entry and rotation_v are ignored."""
+    fresh_seed()
+    q, k, v = (torch.randn(5, 8, 64) * 3).bfloat16(), (torch.randn(5, 2, 64) * 3).bfloat16(), torch.randn(5, 2, 64)
+    rk, rv = random_orthogonal(64, 2), random_orthogonal(64, 2)
+    mk = torch.randn(2, 64) if has_mk else None
+    qr, kr, vr = rotate_qkv(q, k, None, rk, None, torch.bfloat16, mean_k=mk, block_n=32)
+    assert vr is None
+    q3, k3, _ = rotate_qkv(q, k, v, rk, rv, torch.bfloat16, mean_k=mk, block_n=32)
+    assert torch.equal(qr, q3) and torch.equal(kr, k3)
+    assert_same_rotation(qr, rotate_heads_reference(q, rk, torch.float32))
+    assert_same_rotation(kr, rotate_heads_reference(k, rk, torch.bfloat16, sub_mean=mk))
+    out = (poison_(torch.empty(5, 8, 64)), poison_(torch.empty(5, 2, 64, dtype=torch.bfloat16)), None)
+    qo, ko, vo = rotate_qkv(q, k, None, rk, rv, torch.bfloat16, mean_k=mk, out=out)  # block_n "auto"
+    assert qo is out[0] and ko is out[1] and vo is None
+    assert_same_rotation(ko, rotate_heads_reference(k, rk, torch.bfloat16, sub_mean=mk))
+    assert [x is None or x.shape for x in rotate_qkv(q[:0], k[:0], None, rk, None, torch.bfloat16)] == \
+        [(0, 8, 64), (0, 2, 64), True]
+    with pytest.raises(ValueError, match="tokens"):
+        rotate_qkv(q, k[:3], None, rk, None, torch.bfloat16)
+
+
 def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
     """Views into one fused QKV output (SGLang's layout), zero tokens, and the argument checks."""
     fresh_seed()

@@ -6,7 +6,10 @@ window bookkeeping and ``forward_extend`` / ``forward_decode`` with SGLang-shape
 (kernels under the Triton interpreter). Checked: prefill and decode match the oracle
 (``reference.oscar_attention``, window modes "extend" / "decode"); chunked prefill and radix
 reuse give the same outputs as a fresh unchunked run; an exhausted sink arena degrades to the
-oracle with a shorter sink, never to garbage; freed slots give their sink rows back.
+oracle with a shorter sink, never to garbage; freed slots give their sink rows back. With
+``--oscar-fold-rotations on`` (a stand-in layer with SGLang's own ``qkv_proj`` / ``o_proj``, folded
+by ``backend.step.fold_model``): folded and unfolded layers agree (bf16 noise; 1e-5 in fp32), and a
+layer the fold keeps runs the unfolded path bit for bit.
 """
 
 from __future__ import annotations
@@ -52,16 +55,18 @@ def _layer():
 class Served:
     """One INT2 pool + backend (one layer) and a slot allocator handing out increasing slots."""
 
-    def __init__(self, config, rk, rv, sink_rows=None, max_reqs=4, slots=512, mk=None, mv=None):
+    def __init__(self, config, rk, rv, sink_rows=None, max_reqs=4, slots=512, mk=None, mv=None,
+                 folded=frozenset(), hp_dtype=torch.bfloat16):
         self.pool = OscarMHATokenToKVPool(
             slots, page_size=1, dtype=torch.uint8, head_num=HKV, head_dim=D, v_head_dim=D, layer_num=1,
             device="cpu", enable_memory_saver=False, enable_alt_stream=False, oscar_config=config,
-            hp_dtype=torch.bfloat16, max_reqs=max_reqs,
+            hp_dtype=hp_dtype, max_reqs=max_reqs,
             sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
         be = object.__new__(OscarTritonAttnBackend)
         be.pool, be.windows, be.layout, be.config = self.pool, self.pool.windows, self.pool.layout, config
         be.rotations = {0: (rk, rv)}
         be.means = {0: (mk, mv)}
+        be.folded = frozenset(folded)  # __init__: fold_model(...) (empty unless --oscar-fold-rotations on)
         be._hp_rows = None
         be._missed_seen = 0
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
@@ -176,7 +181,7 @@ def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
     one ulp), within 1e-2 of the oracle."""
     import dataclasses
 
-    from sglang_oscar.backend import triton_backend
+    from sglang_oscar.backend import step as triton_backend  # the backend's per-layer rotations
 
     from sglang_oscar.kernels import rotate as rotate_mod
 
@@ -319,3 +324,203 @@ def test_centred_rotation_matches_the_centred_oracle(setup, rotate_engine):
     capped.logit_cap = 30.0
     with pytest.raises(NotImplementedError, match="centres the keys"):
         sv.be._check_layer(capped, None, None)
+
+
+# --------------------------------------------------------------------------- --oscar-fold-rotations
+HIDDEN = 96
+FOLD_T = 44  # prefill 0..40, then decode 40..44
+
+
+class Qwen3Attention(torch.nn.Module):
+    """Stand-in named like SGLang's ``Qwen3Attention`` (``fold.FOLDABLE_ATTENTION``) with SGLang's own
+    ``qkv_proj`` / ``o_proj`` (CPU, ``tp_size`` 1) and ``attn.layer_id``."""
+
+    def __init__(self, dtype, seed=3):
+        super().__init__()
+        linear = pytest.importorskip("sglang.srt.layers.linear")
+        self.qkv_proj = linear.QKVParallelLinear(HIDDEN, D, HQ, HKV, bias=False, params_dtype=dtype,
+                                                 tp_rank=0, tp_size=1)
+        self.o_proj = linear.RowParallelLinear(HQ * D, HIDDEN, bias=False, params_dtype=dtype, reduce_results=False,
+                                               tp_rank=0, tp_size=1)
+        self.attn = SimpleNamespace(layer_id=0)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.qkv_proj.weight.copy_(torch.randn(self.qkv_proj.weight.shape, generator=gen) * HIDDEN ** -0.5)
+            self.o_proj.weight.copy_(torch.randn(self.o_proj.weight.shape, generator=gen) * (HQ * D) ** -0.5)
+
+    def qkv(self, x):
+        """``(q, k, v)`` ``[T, H, D]`` of the projection (as the model feeds the backend; no RoPE needed here)."""
+        out, _ = self.qkv_proj(x.to(self.qkv_proj.weight.dtype))
+        q, k, v = out.split([HQ * D, HKV * D, HKV * D], dim=-1)
+        return q.reshape(-1, HQ, D), k.reshape(-1, HKV, D), v.reshape(-1, HKV, D).contiguous()
+
+    def out(self, o):
+        """``o_proj`` as ``RowParallelLinear.forward`` computes it on rank 0 (no reduction: one rank)."""
+        op = self.o_proj
+        return op.quant_method.apply(op, o.to(op.weight.dtype).reshape(o.shape[0], -1), bias=op.bias).float()
+
+
+def _fold_case(per_head, centered, dtype, seed=21):
+    gen = torch.Generator().manual_seed(seed)
+    if per_head:
+        rk, rv = random_orthogonal(D, HKV, generator=gen), random_orthogonal(D, HKV, generator=gen)
+    else:  # one matrix per layer, broadcast to the kv heads (rank_rotations)
+        rk, rv = (random_orthogonal(D, generator=gen).expand(HKV, D, D).contiguous() for _ in range(2))
+    x = torch.randn(FOLD_T, HIDDEN, generator=gen) + 2.0 * torch.randn(HIDDEN, generator=gen)  # offset: K/V means
+    ref = Qwen3Attention(dtype)
+    mk = mv = None
+    if centered:  # calibrated means: the layer's own mean rows, a little off (calibration is never exact)
+        _, k, v = ref.qkv(x)
+        mk = k.float().mean(0) + 0.05 * torch.randn(HKV, D, generator=gen)
+        mv = v.float().mean(0) + 0.05 * torch.randn(HKV, D, generator=gen)
+    return x, rk, rv, mk, mv
+
+
+def _serve_layer(model, x, config, rk, rv, mk, mv, folded, hp_dtype, seq=None):
+    """Prefill 0..40 then decode 40..44 of one request through the backend (``seq``: the backend's
+    q / k / v inputs, default the model's projections); the layer outputs after o_proj."""
+    sv = Served(config, rk, rv, mk=mk, mv=mv, folded=folded, hp_dtype=hp_dtype)
+    seq = model.qkv(x) if seq is None else seq
+    outs = [sv.extend(1, seq, 0, 40)] + [sv.decode(1, seq, p) for p in range(40, FOLD_T)]
+    return model.out(torch.cat(outs)), sv
+
+
+def _fp32_twin(model):
+    """The same layer (its bf16 weights, folded or not, exactly) in fp32."""
+    twin = Qwen3Attention(torch.float32)
+    with torch.no_grad():
+        for name in ("qkv_proj", "o_proj"):
+            a, b = getattr(twin, name), getattr(model, name)
+            a.weight.copy_(b.weight.float())
+            if b.bias is not None:
+                a.bias = torch.nn.Parameter(b.bias.detach().float(), requires_grad=False)
+    return twin
+
+
+# bf16 with the same cache contents: the folded output rounds o' to bf16 where the run-time path rounds
+# o' R^T + mu, and o_proj's folded weights are W R rounded once to bf16: a few bf16 units (2^-8)
+FOLD_BF16 = 1e-2
+
+
+@pytest.mark.parametrize("rotate_engine", ["triton", "torch"])
+@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centred"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-layer", "per-head"])
+def test_folded_layer_matches_the_runtime_rotation(per_head, centered, rotate_engine):
+    """--oscar-fold-rotations on, bf16: the fold (backend.step.fold_model on SGLang's own qkv_proj /
+    o_proj) plus the backend's folded path (V written as projected, no output counter-rotation)
+    give the unfolded layer's output, prefill and decode:
+
+    * fed the V rows the run-time path writes (same cache), within bf16 rounding (FOLD_BF16);
+    * fed its own folded projection, whose bf16 V rows differ from the run-time path's by bf16
+      rounding and so flip a few INT2 codes: about as close to the fp32 computation of the same
+      layer as the run-time path is (both differ from it by such flips, a few percent; torch engine).
+    """
+    import dataclasses
+
+    from sglang_oscar.backend.step import fold_model
+    from sglang_oscar.kernels.rotate import rotate_heads_reference
+
+    config = dataclasses.replace(OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT),
+                                 rotate_engine=rotate_engine)
+    x, rk, rv, mk, mv = _fold_case(per_head, centered, torch.bfloat16)
+    par = SimpleNamespace(attn_tp_rank=0, attn_tp_size=1)
+    ref, m = Qwen3Attention(torch.bfloat16), Qwen3Attention(torch.bfloat16)
+    assert fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)}, par) == frozenset()  # off: nothing folded
+    assert torch.equal(m.o_proj.weight, ref.o_proj.weight)
+    folded = fold_model(dataclasses.replace(config, fold_rotations=True), m, {0: (rk, rv)}, {0: (mk, mv)}, par)
+    assert folded == frozenset({0})
+    want, _ = _serve_layer(ref, x, config, rk, rv, mk, mv, frozenset(), torch.bfloat16)
+    # same cache: V rotated as the torch engine's run-time path does it, one forward's rows at a time
+    q, k, v = ref.qkv(x)
+    v_rt = torch.cat([rotate_heads_reference(v[a:b], rv, torch.bfloat16, sub_mean=mv)
+                      for a, b in [(0, 40)] + [(p, p + 1) for p in range(40, FOLD_T)]])
+    same_cache, _ = _serve_layer(m, x, config, rk, rv, mk, mv, folded, torch.bfloat16, seq=(q, k, v_rt))
+    if rotate_engine == "torch":
+        torch_want = want
+    else:
+        torch_want, _ = _serve_layer(ref, x, dataclasses.replace(config, rotate_engine="torch"), rk, rv, mk, mv,
+                                     frozenset(), torch.bfloat16)
+    assert _rel(same_cache, torch_want) < FOLD_BF16, _rel(same_cache, torch_want)
+    if rotate_engine == "triton":
+        return  # the end-to-end part below is the same arithmetic (torch: faster under the interpreter)
+    # the folded projection end to end, against the fp32 served computation of the same (unfolded) layer;
+    # the folded V carries one more bf16 rounding (of the folded weights R^T W), hence the factor 2
+    got, sv = _serve_layer(m, x, config, rk, rv, mk, mv, folded, torch.bfloat16)
+    truth, _ = _serve_layer(_fp32_twin(ref), x, config, rk, rv, mk, mv, frozenset(), torch.float32)
+    runtime_err, folded_err = _rel(want, truth), _rel(got, truth)
+    assert runtime_err < 0.1 and folded_err < 2 * runtime_err, (runtime_err, folded_err)
+    # the folded pool holds the projected V rows as they came (cast only)
+    from sglang_oscar.quant.int2 import quantize_rows
+    _, _, vc, _, _, _ = sv.pool.int2_buffers(0)
+    slots = sv.r2t[1, :FOLD_T].long()
+    assert torch.equal(vc[slots], quantize_rows(m.qkv(x)[2], **config.quant_kwargs("v")).codes)
+
+
+@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centred"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-layer", "per-head"])
+def test_folded_layer_in_fp32_is_exact(per_head, centered):
+    """In fp32 (model and HP windows fp32, --oscar-rotate-engine torch) the folded and unfolded layers
+    agree to 1e-5: the fold is exact, only fp32 summation orders differ."""
+    import dataclasses
+
+    from sglang_oscar.backend.step import fold_model
+
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, rotate_engine="torch",
+                         fold_rotations=True)
+    x, rk, rv, mk, mv = _fold_case(per_head, centered, torch.float32)
+    ref, m = Qwen3Attention(torch.float32), Qwen3Attention(torch.float32)
+    folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)}, SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
+    assert folded == frozenset({0})
+    unfolded = dataclasses.replace(config, fold_rotations=False)
+    want, _ = _serve_layer(ref, x, unfolded, rk, rv, mk, mv, frozenset(), torch.float32)
+    got, _ = _serve_layer(m, x, config, rk, rv, mk, mv, folded, torch.float32)
+    assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
+    """With --oscar-rotate-engine triton a folded layer rotates q and K in one rotate_qkv launch of two
+    products (v=None) and launches nothing for the output."""
+    import dataclasses
+
+    from sglang_oscar.backend import step
+    from sglang_oscar.kernels import rotate as rotate_mod
+
+    calls, picks = [], []
+    for name in ("rotate_heads", "rotate_qkv"):
+        real = getattr(step, name)
+        monkeypatch.setattr(step, name, lambda *a, _n=name, _r=real, **k: calls.append((_n, a[2] is None)) or _r(*a, **k))
+    real_auto = rotate_mod.auto_block_n
+    monkeypatch.setattr(rotate_mod, "auto_block_n", lambda *a, **k: picks.append(k.get("products", 1)) or real_auto(*a, **k))
+    config = dataclasses.replace(OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT), fold_rotations=True)
+    x, rk, rv, mk, mv = _fold_case(True, True, torch.bfloat16)
+    sv = Served(config, rk, rv, mk=mk, mv=mv, folded=frozenset({0}))
+    seq = Qwen3Attention(torch.bfloat16).qkv(x)
+    sv.extend(1, seq, 0, 40)
+    sv.decode(1, seq, 40)
+    assert calls == [("rotate_qkv", True)] * 2 and picks == [2] * 2
+
+
+class Fp8LinearMethod:
+    """Stand-in for SGLang's FP8 linear method (its class name and an fp8 weight are what the fold checks)."""
+
+
+def test_layer_kept_by_the_fold_uses_the_runtime_path(caplog):
+    """A layer the fold keeps (fp8 qkv_proj stand-in) is reported in the log and served with the
+    run-time rotation: the same output, bit for bit, as with --oscar-fold-rotations off."""
+    from sglang_oscar.backend.step import fold_model
+
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, fold_rotations=True)
+    x, rk, rv, mk, mv = _fold_case(True, True, torch.bfloat16)
+    ref, m = Qwen3Attention(torch.bfloat16), Qwen3Attention(torch.bfloat16)
+    m.qkv_proj.quant_method = Fp8LinearMethod()
+    m.qkv_proj.weight = torch.nn.Parameter(m.qkv_proj.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    with caplog.at_level("INFO", logger="sglang_oscar"):
+        folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)}, SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
+    assert folded == frozenset()
+    assert "layer 0: qkv_proj weights are float8_e4m3fn (Fp8LinearMethod): value rotation stays at run time" in caplog.text
+    assert "folded into the weights of 0 layers, kept at run time in 1" in caplog.text
+    assert torch.equal(m.o_proj.weight, ref.o_proj.weight) and m.o_proj.bias is None
+    off = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    want, _ = _serve_layer(ref, x, off, rk, rv, mk, mv, frozenset(), torch.bfloat16)
+    got, _ = _serve_layer(ref, x, config, rk, rv, mk, mv, folded, torch.bfloat16)
+    assert torch.equal(got, want)

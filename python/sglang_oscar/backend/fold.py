@@ -46,8 +46,9 @@ gate breaks the fold), a centred file where a bias is needed but the layer retur
 caller (``skip_bias_add``), and a centred file under tensor parallelism without ``all_reduce``.
 A layer folded already (a second backend over the same model, a second call) is reported folded
 again without being touched when the rotation and mean are the same, and is an error otherwise.
-Weights reloaded after the fold (SGLang's ``update_weights_from_*``) are unfolded again while the
-report still says folded: the caller must refold (or refuse weight updates) in that case.
+Weights reloaded after the fold (SGLang's ``update_weights_from_*``) would be unfolded again while the
+report still says folded: the plugin refuses those updates for a folded model
+(:func:`folded_layer_ids`, ``plugin/serving.py``).
 """
 
 from __future__ import annotations
@@ -217,6 +218,16 @@ def _attention_modules(model) -> Iterable[tuple[str, object]]:
         attn = getattr(mod, "attn", None)
         if hasattr(mod, "qkv_proj") and hasattr(mod, "o_proj") and hasattr(attn, "layer_id"):
             yield name, mod
+
+
+def folded_layer_ids(model) -> frozenset[int]:
+    """The global layer ids whose value rotation :func:`fold_value_rotations` folded into ``model``'s
+    weights (the plugin refuses in-place weight updates of such a model: they would load unfolded
+    weights under a backend that reads them as folded)."""
+    if model is None:
+        return frozenset()
+    return frozenset(int(mod.attn.layer_id) for _, mod in _attention_modules(model)
+                     if getattr(mod, FOLDED_MARK, None) is not None)
 
 
 def _v_rotation(entry) -> torch.Tensor:

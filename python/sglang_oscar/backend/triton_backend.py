@@ -10,7 +10,10 @@ the two forward paths:
   and the output ``o R_v^T + mean_v`` (the key mean shifts a query's scores by a constant);
 * decode reads ``[BF16 sink | INT2 middle | BF16 recent]`` (window mode ``"decode"``), extend
   reads the sink in BF16 and everything else, the chunk itself included, through INT2 (window
-  mode ``"extend"``), so a prompt's logits do not depend on chunking or on radix reuse.
+  mode ``"extend"``), so a prompt's logits do not depend on chunking or on radix reuse;
+* with ``--oscar-fold-rotations on`` the value rotation and mean of the layers in ``self.folded``
+  live in ``qkv_proj`` / ``o_proj`` (:mod:`.fold`, folded once in ``__init__``): their V rows are
+  written as they come and their output is returned in the rotated frame (:mod:`.step`).
 
 The window bookkeeping of a forward (sink rows for new sink tokens, ring rows, ``hp_index`` and
 ``sink_lens`` of the batch's requests) runs once per forward: in ``init_forward_metadata``
@@ -35,23 +38,11 @@ import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels import DecodePlan, DecodeWorkspace, ExtendPlan
-from ..kernels.rotate import rotate_heads, rotate_heads_reference, rotate_qkv
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
+from .step import fold_model, rotate_inputs, rotate_output
 
 logger = logging.getLogger("sglang_oscar")
-
-
-def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False,
-            sub_mean: torch.Tensor | None = None, add_mean: torch.Tensor | None = None,
-            engine: str = "triton") -> torch.Tensor:
-    """``(x - sub_mean) r`` (or ``x r^T + add_mean``) of ``x [T, H, D]`` per kv head with ``r [H_kv, D, D]``
-    (GQA: head ``h`` uses ``h // (H/H_kv)``; means ``[H_kv, D]`` or ``None``), in fp32, cast to ``out_dtype``;
-    ``engine`` (``--oscar-rotate-engine``): ``"torch"`` einsum or the ``"triton"`` kernel."""
-    if engine == "triton":
-        return rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean,
-                            add_mean=add_mean, validate=False)
-    return rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean, add_mean=add_mean)
 
 
 class Geometry(NamedTuple):
@@ -107,6 +98,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,
                                         layer_ids)
         self.means = rank_means(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device, layer_ids)
+        # --oscar-fold-rotations on: layers whose V rotation and mean now live in qkv_proj / o_proj
+        self.folded = fold_model(self.config, getattr(model_runner, "model", None), self.rotations, self.means, par)
         self._hp_rows = None
         self._missed_seen = 0
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -246,32 +239,31 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         return self.means[layer_id]
 
     def _prepare(self, q, k, v, layer, fb, save_kv_cache):
+        """Rotate q (and write the layer's new K/V rows): ``q_rot`` fp32 ``[T, H_q, D_k]``
+        (:func:`.step.rotate_inputs`; a folded layer's V is written as it comes)."""
         if k is None or v is None:
             raise NotImplementedError("--kv-cache-dtype int2 does not support KV-shared layers (k is None)")
         hq, hkv = layer.tp_q_head_num, layer.tp_k_head_num
         dk, dv = layer.qk_head_dim, layer.v_head_dim
-        rk, rv = self.rotations[layer.layer_id]
-        mk, mv = self._mean(layer.layer_id)
-        eng = self.config.rotate_engine
         q3 = q.reshape(-1, hq, dk)
-        if not save_kv_cache:
-            return _rotate(q3, rk, torch.float32, engine=eng), rv
-        hp = self.pool.hp_dtype
-        k3, v3 = k.reshape(-1, hkv, dk), v.reshape(-1, hkv, dv)
-        if eng == "triton":  # q, K and V in one launch (kernels.rotate.rotate_qkv)
-            q_rot, k_rot, v_rot = rotate_qkv(q3, k3, v3, rk, rv, hp, mean_k=mk, mean_v=mv, validate=False)
-        else:
-            q_rot = _rotate(q3, rk, torch.float32, engine=eng)
-            k_rot = _rotate(k3, rk, hp, sub_mean=mk, engine=eng)
-            v_rot = _rotate(v3, rv, hp, sub_mean=mv, engine=eng)
-        self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
-        return q_rot, rv
+        k3, v3 = (k.reshape(-1, hkv, dk), v.reshape(-1, hkv, dv)) if save_kv_cache else (None, None)
+        q_rot, k_rot, v_rot = rotate_inputs(q3, k3, v3, self.rotations[layer.layer_id], self._mean(layer.layer_id),
+                                            self.pool.hp_dtype, self.config.rotate_engine,
+                                            layer.layer_id in self.folded)
+        if save_kv_cache:
+            self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
+        return q_rot
+
+    def _output(self, o, layer, dtype):
+        """``o`` back in the model's frame (or as is for a folded layer), ``[T, H_q * D_v]`` in ``dtype``."""
+        lid = layer.layer_id
+        return rotate_output(o, self.rotations[lid][1], self._mean(lid)[1], dtype, self.config.rotate_engine,
+                             lid in self.folded).reshape(o.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
         self._check_layer(layer, sinks, score_mod)
-        q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        bs = q_rot.shape[0]
+        q_rot = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         geo = self._layer_geometry.get(layer.layer_id)
         plans = self._decode_plans
         if geo is None or plans is None or geo not in plans:
@@ -279,14 +271,12 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             geo = self._layer_geometry[layer.layer_id]
         o = plans[geo].run(
             q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling, logit_cap=layer.logit_cap or None)
-        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1],
-                       engine=self.config.rotate_engine).reshape(
-            bs, layer.tp_q_head_num * layer.v_head_dim)
+        return self._output(o, layer, q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
         self._check_layer(layer, sinks, score_mod)
-        q_rot, rv = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        q_rot = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer))
         plans = self._extend_plans
         if plans is None or geo not in plans or plans[geo].q_shape[0] != q_rot.shape[0]:
@@ -295,9 +285,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             plans = self.plan_extend(forward_batch, q_rot.shape[0])
         o = plans[geo].run(q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling,
                            logit_cap=layer.logit_cap or None)
-        return _rotate(o, rv, q.dtype, transpose=True, add_mean=self._mean(layer.layer_id)[1],
-                       engine=self.config.rotate_engine).reshape(
-            q_rot.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        return self._output(o, layer, q.dtype)
 
 
 def _attention_layers(model) -> list:

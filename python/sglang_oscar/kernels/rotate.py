@@ -286,9 +286,9 @@ def rotate_heads(
 def rotate_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     rotation_k: torch.Tensor,
-    rotation_v: torch.Tensor,
+    rotation_v: torch.Tensor | None,
     kv_dtype: torch.dtype,
     *,
     mean_k: torch.Tensor | None = None,
@@ -297,7 +297,7 @@ def rotate_qkv(
     block_n: int | str | None = "auto",
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     validate: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The three input rotations of an attention step in one launch: ``q R_k``, ``(k - mean_k) R_k``,
     ``(v - mean_v) R_v``: the block body of :func:`rotate_heads` for each product, so each result
     equals the fp32 einsum up to the summation order as :func:`rotate_heads` does (one launch instead
@@ -305,7 +305,10 @@ def rotate_qkv(
 
     Args:
         q: ``[T, H_q, D_k]`` queries, ``H_q = H_kv * G``; k: ``[T, H_kv, D_k]``; v: ``[T, H_kv, D_v]``
-            (fp32 / fp16 / bf16, last dims contiguous; views into a fused QKV output are fine).
+            (fp32 / fp16 / bf16, last dims contiguous; views into a fused QKV output are fine), or
+            ``None``: only q and K are rotated (the layers whose value rotation is folded into the
+            weights, ``backend/fold.py``), in a launch of two products instead of three;
+            ``rotation_v``, ``mean_v`` and ``out[2]`` are then ignored and the third result is ``None``.
         rotation_k / rotation_v: fp32 ``[H_kv, D_k, D_k]`` / ``[H_kv, D_v, D_v]``, contiguous.
         kv_dtype: dtype of the rotated keys and values (the cache's HP dtype).
         mean_k / mean_v: fp32 ``[H_kv, D_k]`` / ``[H_kv, D_v]`` or ``None`` (centering, docs/format.md).
@@ -316,13 +319,18 @@ def rotate_qkv(
         validate: shape / dtype / device checks.
 
     Returns:
-        ``(q_rot [T, H_q, D_k] q_dtype, k_rot [T, H_kv, D_k] kv_dtype, v_rot [T, H_kv, D_v] kv_dtype)``.
+        ``(q_rot [T, H_q, D_k] q_dtype, k_rot [T, H_kv, D_k] kv_dtype, v_rot [T, H_kv, D_v] kv_dtype)``
+        (``v_rot`` ``None`` without ``v``).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not
             ``"auto"``, ``None`` or a power of two >= 16 (always checked).
     """
     _check_block_n(block_n, "rotate_qkv")
+    has_v = v is not None
+    if not has_v:  # q and K only: the V product is left out of the grid; its arguments alias K's (never read)
+        v, rotation_v, mean_v = k, rotation_k, None
+        out = None if out is None else (out[0], out[1], None)
     if validate:
         check_tensor(q, "q", ndim=3, last_contiguous=True)
         for name, x in (("q", q), ("k", k), ("v", v)):
@@ -350,7 +358,7 @@ def rotate_qkv(
             if not isinstance(out, (tuple, list)) or len(out) != 3:
                 raise ValueError("rotate_qkv: out must be a tuple (q_out, k_out, v_out)")
             for name, o, x, dt in (("q_out", out[0], q, q_dtype), ("k_out", out[1], k, kv_dtype),
-                                   ("v_out", out[2], v, kv_dtype)):
+                                   ("v_out", out[2], v, kv_dtype))[:3 if has_v else 2]:
                 check_tensor(o, name, ndim=3, dtypes=dt, device=q.device, shape=tuple(x.shape), last_contiguous=True)
     t, hq, dk = q.shape
     hkv, dv = k.shape[1], v.shape[2]
@@ -359,18 +367,21 @@ def rotate_qkv(
     else:
         q_out = torch.empty((t, hq, dk), dtype=q_dtype, device=q.device)
         k_out = torch.empty((t, hkv, dk), dtype=kv_dtype, device=q.device)
-        v_out = torch.empty((t, hkv, dv), dtype=kv_dtype, device=q.device)
+        v_out = torch.empty((t, hkv, dv), dtype=kv_dtype, device=q.device) if has_v else None
     if t == 0:
         return q_out, k_out, v_out
+    products = 3 if has_v else 2
+    if not has_v:
+        v_out = k_out  # a pointer for the V product's (absent) programs; returned as None below
     g = hq // hkv
     np_k, np_v = _np(dk), _np(dv)
-    auto = auto_block_n(t * g, hkv, max(dk, dv), products=3) if block_n == "auto" else None
+    auto = auto_block_n(t * g, hkv, max(dk, dv), products=products) if block_n == "auto" else None
     bn_k, bn_v = _block_n(block_n, np_k, auto), _block_n(block_n, np_v, auto)
     ns = max(triton.cdiv(dk, bn_k), triton.cdiv(dv, bn_v))
     block_m = _block_m(t * g, max(np_k, np_v))
     mu_k = mean_k.contiguous() if mean_k is not None else rotation_k
     mu_v = mean_v.contiguous() if mean_v is not None else rotation_v
-    _launch(_rotate_qkv_kernel, (triton.cdiv(t * g, block_m), hkv, 3 * ns),
+    _launch(_rotate_qkv_kernel, (triton.cdiv(t * g, block_m), hkv, products * ns),
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             rotation_k, rotation_k.stride(0), rotation_k.stride(1), rotation_k.stride(2),
             rotation_v, rotation_v.stride(0), rotation_v.stride(1), rotation_v.stride(2), mu_k, mu_v,
@@ -379,7 +390,7 @@ def rotate_qkv(
             G=g, DK=dk, DV=dv, BN_K=bn_k, BN_V=bn_v, NS=ns, BLOCK_M=block_m, BK_K=_block_k(dk), BK_V=_block_k(dv),
             HAS_MU_K=mean_k is not None, HAS_MU_V=mean_v is not None, Q_DT=TORCH_TO_TL[q_dtype],
             KV_DT=TORCH_TO_TL[kv_dtype], PRECISION="ieee", num_warps=_warps(max(np_k, np_v)))
-    return q_out, k_out, v_out
+    return q_out, k_out, (v_out if has_v else None)
 
 
 def rotate_heads_reference(x, rotation, out_dtype, *, transpose=False, sub_mean=None, add_mean=None):

@@ -13,7 +13,8 @@ idempotent. What the hooks do:
   given, use ``triton``; (AFTER): stop the launch before any weights load on an unsupported flag
   (:mod:`.refusals`), a rotation file that does not fit the model, a group size that does not
   divide head_dim, or a serving hook that failed to apply (SGLang only logs hook failures).
-* the serving hooks of :mod:`.serving` (dtype, sizing, pool, allocator, radix cap) and the
+* the serving hooks of :mod:`.serving` (dtype, sizing, pool, allocator, radix cap, refusal of
+  in-place weight updates of a folded model) and the
   ``ATTENTION_BACKENDS["triton"]`` registry entry.
 """
 
@@ -60,6 +61,7 @@ def register() -> None:
         (SERVING_HOOK_TARGETS[6], sv.after_allocator_clear, HookType.AFTER),
         (SERVING_HOOK_TARGETS[7], sv.around_compute_max_prefix_len, HookType.AROUND),
         (SERVING_HOOK_TARGETS[8], sv.before_get_next_batch_to_run, HookType.BEFORE),
+        *((target, sv.around_weight_update, HookType.AROUND) for target in sv.WEIGHT_UPDATE_HOOK_TARGETS),
     ):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, kind)

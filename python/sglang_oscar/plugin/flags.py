@@ -86,6 +86,14 @@ FLAGS = (
          "(default: q, K and V in one kernel, the output in a second) or torch (fp32 einsum, several small kernels per product; same "
          "fp32 arithmetic up to the summation order).",
          choices=("triton", "torch")),
+    Flag("oscar_fold_rotations", "--oscar-fold-rotations", "fold_rotations", str,
+         "INT2 KV cache: on folds each layer's value rotation and value mean into qkv_proj / o_proj at "
+         "load, so the served step skips the V rotation and the output counter-rotation; layers that "
+         "cannot be folded exactly (quantized or fused weights, other attention classes) keep the run-time "
+         "rotation and the log says why. Folded weights cannot be updated in place: with it on, "
+         "update_weights_from_disk / _tensor / _distributed / _ipc (and init_weights_update_group) are "
+         "refused. off (default) keeps the unfolded path, for checking.",
+         choices=("on", "off")),
 )
 K_ROTATION_ENV = "SGLANG_OSCAR_K_ROTATION_PATH"
 V_ROTATION_ENV = "SGLANG_OSCAR_V_ROTATION_PATH"

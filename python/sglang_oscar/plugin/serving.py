@@ -14,6 +14,8 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
 * ``Req._compute_max_prefix_len`` (AROUND): radix matches stop ``recent`` tokens before the end of
   the prompt, so a reused prefix never covers positions a fresh run reads from its BF16 ring;
 * ``Scheduler.get_next_batch_to_run`` (BEFORE): evict radix leaves when the sink arena runs low;
+* ``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group`` (AROUND): refused with
+  ``(False, reason)`` when ``--oscar-fold-rotations on`` folded value rotations into the weights;
 * ``ATTENTION_BACKENDS["triton"]`` (registry entry): :class:`OscarTritonAttnBackend` for int2.
 """
 
@@ -38,6 +40,13 @@ SERVING_HOOK_TARGETS = (
     "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len",
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
 )
+# In-place weight updates (RL / online updates): refused for a model whose value rotations are folded
+# into its weights (--oscar-fold-rotations on), which a reload would silently unfold.
+_WU = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+WEIGHT_UPDATE_METHODS = ("init_weights_update_group", "update_weights_from_disk", "update_weights_from_tensor",
+                         "update_weights_from_distributed", "update_weights_from_ipc")
+WEIGHT_UPDATE_HOOK_TARGETS = tuple(f"{_WU}.{m}" for m in WEIGHT_UPDATE_METHODS)
+SERVING_HOOK_TARGETS = SERVING_HOOK_TARGETS + WEIGHT_UPDATE_HOOK_TARGETS
 
 # Set in the scheduler process when the INT2 pool is built: the recent window that radix
 # matches must leave to be recomputed (None = not serving int2 in this process).
@@ -198,6 +207,24 @@ def before_get_next_batch_to_run(*args, **kwargs):
             logger.info("sglang-oscar: BF16 sink arena low (%d rows free); evicted %d cached tokens",
                         int(windows.host_free), n)
     return None
+
+
+# ---------------------------------------------------------------------------------- weight updates
+def around_weight_update(original_fn, self, *args, **kwargs):
+    """``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group``: ``(False, reason)``
+    when the model holds folded value rotations (SGLang returns the pair to the caller and logs
+    it; the server keeps running on its folded weights), else the original."""
+    from ..backend.fold import folded_layer_ids
+
+    get_model = getattr(self, "get_model", None)
+    folded = folded_layer_ids(get_model() if get_model is not None else None)
+    if not folded:
+        return original_fn(self, *args, **kwargs)
+    name = getattr(original_fn, "__name__", "weight update")
+    return False, (f"{name}: this int2 server runs with --oscar-fold-rotations on: the value rotations of "
+                   f"{len(folded)} layers are folded into qkv_proj / o_proj, and weights loaded in place would "
+                   "be unfolded under a backend that reads them as folded; restart the server with the new "
+                   "weights, or with --oscar-fold-rotations off to update weights in place")
 
 
 # ---------------------------------------------------------------------------------- backend
