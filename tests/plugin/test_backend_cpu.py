@@ -63,13 +63,14 @@ class Served:
             hp_dtype=hp_dtype, max_reqs=max_reqs,
             sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
         be = object.__new__(OscarTritonAttnBackend)
-        be.pool, be.windows, be.layout, be.config = self.pool, self.pool.windows, self.pool.layout, config
+        be.pool, be.windows, be.config = self.pool, self.pool.windows, config
         be.rotations = {0: (rk, rv)}
         be.means = {0: (mk, mv)}
         be.folded = frozenset(folded)  # __init__: fold_model(...) (empty unless --oscar-fold-rotations on)
         be._hp_rows = None
         be._missed_seen = 0
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
+        be._swa_table = be._swa_loc = None  # __init__: a sliding-pool table only for OscarSWAKVPool
         be._decode_tuning = decode_tuning(config)
         be.max_context_len = CTX
         be.set_geometry([_layer()])

@@ -26,6 +26,20 @@ def model_geometry(hf_config) -> ModelGeometry:
     return ModelGeometry.from_hf_config(hf_config)
 
 
+def _kv_shared_layers(hf_config) -> int:
+    """``num_kv_shared_layers`` of a (text) config (Gemma-3n / Gemma-4 small models), 0 if absent."""
+    if hf_config is None:
+        return 0
+    from ..rotation.geometry import _as_dict
+
+    try:
+        cfg = _as_dict(hf_config)
+    except (TypeError, ValueError, OSError):
+        return 0
+    cfg = cfg.get("text_config", cfg) or cfg
+    return int(cfg.get("num_kv_shared_layers") or 0)
+
+
 def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
                         hf_config=None) -> RotationSet:
     """The validated rotation set for ``config`` (file) or the data-free Hadamard set.
@@ -50,11 +64,17 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
             f"{geometry.num_hidden_layers - len(geometry.layers)} linear-attention (mamba/GDN) layers, which the INT2 "
             f"server does not support yet; use --kv-cache-dtype auto"
         )
-    windows = {layer.sliding_window for layer in geometry.layers}
-    if len(windows) > 1:
+    sinks = [layer.layer_id for layer in geometry.layers if layer.has_sinks]
+    if sinks:
         raise ValueError(
-            f"--kv-cache-dtype int2 does not support models mixing sliding-window and full attention layers yet "
-            f"({geometry.model_type!r}: windows {sorted(w for w in windows if w)}); use --kv-cache-dtype auto"
+            f"--kv-cache-dtype int2 does not support learned attention-sink logits yet ({geometry.model_type!r}: "
+            f"layers {sinks[:4]}{'...' if len(sinks) > 4 else ''} have them); use --kv-cache-dtype auto"
+        )
+    shared = _kv_shared_layers(hf_config)
+    if shared:
+        raise ValueError(
+            f"--kv-cache-dtype int2 does not support KV-shared layers yet ({geometry.model_type!r}: the last {shared} "
+            f"layers read another layer's cache, num_kv_shared_layers); use --kv-cache-dtype auto"
         )
     dims = sorted({d for layer in geometry.layers for d in (layer.head_dim_k, layer.head_dim_v)})
     try:

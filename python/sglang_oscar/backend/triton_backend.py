@@ -39,6 +39,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels import DecodePlan, DecodeWorkspace, ExtendPlan
 from ..pool.int2_pool import OscarMHATokenToKVPool
+from ..pool.swa_pool import OscarSWAKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
 from .step import fold_model, rotate_inputs, rotate_output
 
@@ -46,19 +47,29 @@ logger = logging.getLogger("sglang_oscar")
 
 
 class Geometry(NamedTuple):
-    """What a decode plan is built for, besides the pool's layout: one group of layers."""
+    """What a decode plan is built for: one group of layers.
+
+    ``sliding_window``: keys a query sees, its own included (HF's ``sliding_window``; SGLang's
+    ``RadixAttention.sliding_window_size`` + 1), 0 for full attention. ``swa``: the layer's rows live
+    in the sliding pool of an :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool`.
+    """
 
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
     logit_cap: bool
+    sliding_window: int = 0
+    swa: bool = False
 
 
-def layer_geometry(layer) -> Geometry:
-    """The :class:`Geometry` of an attention layer (SGLang's ``RadixAttention`` attributes)."""
+def layer_geometry(layer, pool=None) -> Geometry:
+    """The :class:`Geometry` of an attention layer (SGLang's ``RadixAttention`` attributes; ``pool``
+    says whether its rows live in a sliding pool)."""
+    sw = getattr(layer, "sliding_window_size", None)
     return Geometry(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim,
-                    bool(layer.logit_cap and layer.logit_cap > 0))
+                    bool(layer.logit_cap and layer.logit_cap > 0), sw + 1 if sw is not None and sw > -1 else 0,
+                    bool(pool is not None and pool.is_swa_layer(layer.layer_id)))
 
 
 def decode_tuning(config) -> dict | None:
@@ -77,7 +88,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
 
     def __init__(self, model_runner, *args, **kwargs):
         pool = model_runner.token_to_kv_pool
-        if not isinstance(pool, OscarMHATokenToKVPool):
+        if not isinstance(pool, (OscarMHATokenToKVPool, OscarSWAKVPool)):
             raise RuntimeError(
                 f"--kv-cache-dtype int2: the token pool is {type(pool).__name__}, not the INT2 pool; the "
                 f"sglang-oscar pool hook did not apply (check the log for hook errors)"
@@ -87,7 +98,6 @@ class OscarTritonAttnBackend(TritonAttnBackend):
 
         self.pool = pool
         self.windows = pool.windows
-        self.layout = pool.layout
         self.config = pool.oscar_config
         par = get_parallel()
         geometry = model_geometry(model_runner.model_config.hf_config)
@@ -103,6 +113,10 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self._hp_rows = None
         self._missed_seen = 0
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
+        # sliding-pool slots of each request's window positions (hybrid sliding-window pools only)
+        self._swa_table = (pool.new_swa_table(self._int2_req_to_token) if isinstance(pool, OscarSWAKVPool)
+                           else None)
+        self._swa_loc = None
         self._decode_tuning = decode_tuning(self.config)
         self.set_geometry(layer for layer in _attention_layers(getattr(model_runner, "model", None))
                           if pool.start_layer <= layer.layer_id <= pool.end_layer)
@@ -111,11 +125,13 @@ class OscarTritonAttnBackend(TritonAttnBackend):
     def set_geometry(self, layers) -> None:
         """Group ``layers`` (objects with ``RadixAttention``'s head / dim / logit-cap attributes) by
         :class:`Geometry`: one decode plan per group and batch. Also resets the plans."""
-        self._layer_geometry = {layer.layer_id: layer_geometry(layer) for layer in layers}
+        self._layer_geometry = {layer.layer_id: layer_geometry(layer, self.pool) for layer in layers}
         self._group_layer = {}
         for layer_id, geo in sorted(self._layer_geometry.items()):
             self._group_layer.setdefault(geo, layer_id)  # a layer whose buffers stand for the group's
         self._workspace = DecodeWorkspace(self.pool.device)
+        # the widest window of the sliding-pool layers: the prefix positions an extend refreshes
+        self._swa_window = max((g.sliding_window for g in self._layer_geometry.values() if g.swa), default=0)
         self._decode_plans = None
         self._extend_plans = None
         self._graph_plans = {}
@@ -125,10 +141,11 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         plans = {}
         for geo, layer_id in self._group_layer.items():
             plans[geo] = DecodePlan(
-                self.layout, geo.num_q_heads, self.pool.int2_buffers(layer_id), self.windows.hp_index,
-                self._int2_req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                sink=self.config.sink_tokens, recent=self.config.recent_tokens, q_dtype=torch.float32,
-                sink_lens=self.windows.sink_lens, logit_cap=geo.logit_cap or None, out_dtype=torch.float32,
+                self.pool.layout_of(layer_id), geo.num_q_heads, self.pool.int2_buffers(layer_id),
+                self.windows.hp_index, self._req_to_token_of(geo), forward_batch.req_pool_indices,
+                forward_batch.seq_lens, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
+                q_dtype=torch.float32, sink_lens=self.windows.sink_lens, sliding_window=geo.sliding_window or None,
+                logit_cap=geo.logit_cap or None, out_dtype=torch.float32,
                 max_seq_len=self.max_context_len, workspace=self._workspace, tuning=self._decode_tuning)
         self._decode_plans = plans
         return plans
@@ -141,18 +158,24 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         plans = {}
         for geo, layer_id in self._group_layer.items():
             plans[geo] = ExtendPlan(
-                self.layout, geo.num_q_heads, num_tokens, self.pool.int2_buffers(layer_id), self.windows.hp_index,
-                self._int2_req_to_token, forward_batch.req_pool_indices, md.qo_indptr[: bs + 1],
-                forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, sink=self.config.sink_tokens,
-                q_dtype=torch.float32, max_extend_len=md.max_extend_len, sink_lens=self.windows.sink_lens,
+                self.pool.layout_of(layer_id), geo.num_q_heads, num_tokens, self.pool.int2_buffers(layer_id),
+                self.windows.hp_index, self._req_to_token_of(geo), forward_batch.req_pool_indices,
+                md.qo_indptr[: bs + 1], forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
+                sink=self.config.sink_tokens, q_dtype=torch.float32, max_extend_len=md.max_extend_len,
+                sink_lens=self.windows.sink_lens, sliding_window=geo.sliding_window or None,
                 logit_cap=geo.logit_cap or None, out_dtype=torch.float32)
         self._extend_plans = plans
         return plans
 
+    def _req_to_token_of(self, geo: Geometry) -> torch.Tensor:
+        """The ``[request, position]`` slot table a group's kernels read: SGLang's ``req_to_token``,
+        or the sliding-pool table for the sliding layers of a hybrid pool."""
+        return self._swa_table if geo.swa else self._int2_req_to_token
+
     def _plan_late(self, layer, forward_batch) -> dict:
         """Plans for a decode forward that was not planned ahead (no ``init_forward_metadata`` for it,
         or a layer the model scan missed): adds the layer's group and plans the batch now."""
-        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer))
+        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer, self.pool))
         self._group_layer.setdefault(geo, layer.layer_id)
         return self.plan_decode(forward_batch)
 
@@ -175,6 +198,12 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         pos, req, end = self._token_tables(fb)
         self._hp_rows = self.windows.assign(fb.out_cache_loc, pos, req, end)
         self.windows.refresh(fb.req_pool_indices, self._int2_req_to_token)
+        if self._swa_table is not None:
+            self._swa_loc = self.pool.full_to_swa_index_mapping[fb.out_cache_loc.long()]
+            extend = fb.forward_mode.is_extend()
+            self.pool.update_swa_table(self._swa_table, self._int2_req_to_token, req, pos, fb.out_cache_loc,
+                                       self._swa_window, fb.req_pool_indices if extend else None,
+                                       fb.extend_prefix_lens if extend else None)
 
     def _windows_out_of_graph(self) -> None:
         self.windows.process_releases()
@@ -216,8 +245,6 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             raise NotImplementedError("--kv-cache-dtype int2 does not support attention-sink logits (sinks=)")
         if score_mod is not None:
             raise NotImplementedError("--kv-cache-dtype int2 does not support score_mod attention")
-        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-            raise NotImplementedError("--kv-cache-dtype int2 does not support sliding-window layers yet")
         if getattr(layer, "is_cross_attention", False):
             raise NotImplementedError("--kv-cache-dtype int2 does not support cross attention")
         attn_type = getattr(layer, "attn_type", None)
@@ -251,7 +278,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                                             self.pool.hp_dtype, self.config.rotate_engine,
                                             layer.layer_id in self.folded)
         if save_kv_cache:
-            self.pool.write_rotated(layer.layer_id, fb.out_cache_loc, k_rot, v_rot, self._hp_rows)
+            loc = self._swa_loc if self.pool.is_swa_layer(layer.layer_id) else fb.out_cache_loc
+            self.pool.write_rotated(layer.layer_id, loc, k_rot, v_rot, self._hp_rows)
         return q_rot
 
     def _output(self, o, layer, dtype):
@@ -277,7 +305,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                        aux_tensors=None):
         self._check_layer(layer, sinks, score_mod)
         q_rot = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer))
+        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer, self.pool))
         plans = self._extend_plans
         if plans is None or geo not in plans or plans[geo].q_shape[0] != q_rot.shape[0]:
             # not planned ahead (no init_forward_metadata for this batch, or a layer the model scan missed)

@@ -61,6 +61,7 @@ def register() -> None:
         (SERVING_HOOK_TARGETS[6], sv.after_allocator_clear, HookType.AFTER),
         (SERVING_HOOK_TARGETS[7], sv.around_compute_max_prefix_len, HookType.AROUND),
         (SERVING_HOOK_TARGETS[8], sv.before_get_next_batch_to_run, HookType.BEFORE),
+        (SERVING_HOOK_TARGETS[9], sv.after_hybrid_swa_configurator_init, HookType.AFTER),
         *((target, sv.around_weight_update, HookType.AROUND) for target in sv.WEIGHT_UPDATE_HOOK_TARGETS),
     ):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):

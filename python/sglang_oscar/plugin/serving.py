@@ -5,11 +5,13 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
 * ``kv_cache_dtype.configure_kv_cache_dtype`` (AROUND): ``int2`` -> logical dtype ``uint8`` (so
   bf16-only fused KV writes switch themselves off);
 * ``models.utils.enable_fused_set_kv_buffer`` (AROUND): ``False`` with the INT2 pool;
-* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the packed INT2 bytes per token;
+* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND) and ``HybridSWAPoolConfigurator.__init__``
+  (AFTER): the packed INT2 bytes per token (per layer kind for hybrid sliding-window models);
 * ``KVCacheConfigurator._resolve_memory_pool_config`` (AROUND): reserve the BF16 windows and
   bound ``max_running_requests`` (:func:`~sglang_oscar.pool.sizing.plan_windows`), log both budgets;
 * ``KVCacheConfigurator._build_token_to_kv_pool`` (AROUND): build
-  :class:`~sglang_oscar.pool.OscarMHATokenToKVPool` for plain MHA/GQA models, refuse the rest;
+  :class:`~sglang_oscar.pool.int2_pool.OscarMHATokenToKVPool` for MHA/GQA models,
+  :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool` for hybrid sliding-window ones, refuse the rest;
 * ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER): freed slots return their sink rows;
 * ``Req._compute_max_prefix_len`` (AROUND): radix matches stop ``recent`` tokens before the end of
   the prompt, so a reused prefix never covers positions a fresh run reads from its BF16 ring;
@@ -39,6 +41,7 @@ SERVING_HOOK_TARGETS = (
     f"{_MP}.allocator.token.TokenToKVPoolAllocator.clear",
     "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len",
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+    "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
 )
 # In-place weight updates (RL / online updates): refused for a model whose value rotations are folded
 # into its weights (--oscar-fold-rotations on), which a reload would silently unfold.
@@ -85,6 +88,29 @@ def _geometry(kvc):
     return heads, mc.head_dim, mc.v_head_dim
 
 
+def _swa_geometry(kvc):
+    """``(kv heads, head_dim, v_head_dim)`` of the sliding layers of a hybrid model, as
+    ``_build_hybrid_swa_kv_pool`` sizes its sliding pool (its own geometry only for the models
+    SGLang marks ``is_hybrid_swa_compress``, e.g. Gemma-4; else the full layers')."""
+    from sglang.srt.runtime_context import get_parallel
+
+    if not kvc.is_hybrid_swa_compress:
+        return _geometry(kvc)
+    mc = kvc.model_config
+    heads = max(1, mc.hf_text_config.swa_num_key_value_heads // get_parallel().attn_tp_size)
+    return heads, mc.swa_head_dim, mc.swa_v_head_dim
+
+
+def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
+    """``(kind, layers, kv heads, head_dim, v_head_dim)`` of each pool of the model: one ``"all"``
+    group, or ``"full"`` and ``"sliding"`` for a hybrid sliding-window model."""
+    if not kvc.is_hybrid_swa:
+        return [("all", kvc.layer_info.num_effective_layers, *_geometry(kvc))]
+    mc = kvc.model_config
+    return [("full", len(mc.full_attention_layer_ids), *_geometry(kvc)),
+            ("sliding", len(mc.swa_attention_layer_ids), *_swa_geometry(kvc))]
+
+
 def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs):
     if not _is_int2(kvc.server_args):
         return original_fn(self, kvc, num_layers, *args, **kwargs)
@@ -92,6 +118,27 @@ def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs
 
     heads, d, dv = _geometry(kvc)
     return int2_cell_size(_config(kvc.server_args), heads, d, dv, num_layers)
+
+
+def after_hybrid_swa_configurator_init(result, self, kvc, *args, **kwargs):
+    """INT2 bytes per token of each layer kind of a hybrid sliding-window model, and the cell size
+    SGLang's ``HybridSWAPoolConfigurator`` derives from them (its formula, with INT2 per-token bytes:
+    full layers count once per full token, sliding ones ``--swa-full-tokens-ratio`` times)."""
+    if not _is_int2(kvc.server_args):
+        return result
+    from ..pool.sizing import int2_cell_size
+
+    config = _config(kvc.server_args)
+    self._full_per_token = int2_cell_size(config, *_geometry(kvc), 1)
+    self._swa_per_token = int2_cell_size(config, *_swa_geometry(kvc), 1)
+    swa_layers = self._swa_layers_num + self._draft_swa_full_layers_num
+    if self._full_layers_num == 0:
+        self._cell_size = self._swa_per_token * swa_layers + self._full_per_token * self._draft_full_layers_num
+    else:
+        self._cell_size = (self._full_per_token * (self._full_layers_num + self._draft_full_layers_num)
+                           + self._swa_per_token * self._draft_swa_full_layers_num
+                           + self._swa_full_tokens_ratio * self._swa_per_token * self._swa_layers_num)
+    return result
 
 
 def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, *args, **kwargs):
@@ -102,26 +149,28 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
     from ..pool.sizing import WINDOW_BUDGET_SHARE, hp_row_bytes, int2_cell_size, plan_windows
 
     config = _config(self.server_args)
-    heads, d, dv = _geometry(self)
-    layers = self.layer_info.num_effective_layers
+    groups = _kv_groups(self)
     available = self._profile_available_bytes(pre_model_load_memory)
-    row = hp_row_bytes(heads, d, dv, layers, self.model_dtype)
+    # a BF16 window row holds one token of every layer (the windows are shared by the pools)
+    row = sum(hp_row_bytes(h, d, dv, n, self.model_dtype) for _, n, h, d, dv in groups)
     plan = plan_windows(config, available, row, self.server_args.max_running_requests)
     pool_config = self.config_from_budget(plan.int2_budget)
     pool_config.max_running_requests = min(self.resolve_max_num_reqs(pool_config.max_total_num_tokens),
                                            plan.max_running_requests)
     pool_config = create_memory_pool_configurator(self).finalize_with_max_running_requests(pool_config)
     pool_config.mem_fraction_static = self.server_args.mem_fraction_static
-    cell = int2_cell_size(config, heads, d, dv, layers)
-    bf16 = row  # a BF16 window row is exactly a BF16 token
     if plan.reduced_from is not None:
         logger.warning("sglang-oscar: --max-running-requests %d reduced to %d so the BF16 windows fit in %.0f%% "
                        "of the KV budget", plan.reduced_from, plan.max_running_requests, 100 * WINDOW_BUDGET_SHARE)
-    logger.info(
-        "sglang-oscar: INT2 KV cache: %d bytes/token (BF16: %d, %.2fx fewer); INT2 tokens: %d (%.2f GiB); "
-        "BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",
-        cell, bf16, bf16 / cell, pool_config.max_total_num_tokens, pool_config.max_total_num_tokens * cell / 2**30,
-        config.sink_tokens, config.recent_tokens, pool_config.max_running_requests, plan.window_bytes / 2**30)
+    for kind, n, h, d, dv in groups:
+        tokens = (pool_config.swa_max_total_num_tokens if kind == "sliding" else
+                  pool_config.full_max_total_num_tokens if kind == "full" else pool_config.max_total_num_tokens)
+        cell, bf16 = int2_cell_size(config, h, d, dv, n), hp_row_bytes(h, d, dv, n, self.model_dtype)
+        logger.info("sglang-oscar: INT2 KV cache%s: %d bytes/token (BF16: %d, %.2fx fewer); INT2 tokens: %d "
+                    "(%.2f GiB)", "" if kind == "all" else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
+                    cell, bf16, bf16 / max(cell, 1), tokens or 0, (tokens or 0) * cell / 2**30)
+    logger.info("sglang-oscar: BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",
+                config.sink_tokens, config.recent_tokens, pool_config.max_running_requests, plan.window_bytes / 2**30)
     return pool_config
 
 
@@ -129,50 +178,61 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
 def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     if not _is_int2(self.server_args):
         return original_fn(self, *args, **kwargs)
-    from sglang.srt.runtime_context import get_parallel
-
     from ..pool.int2_pool import OscarMHATokenToKVPool
     from ..pool.sizing import sink_rows_for
+    from ..pool.swa_pool import OscarSWAKVPool
 
     sizes = kwargs["sizes"]
     req_to_token_pool = kwargs["req_to_token_pool"]
     arch = getattr(self.model_config.hf_config, "architectures", None)
     unsupported = [name for name, flag in (
-        ("MLA attention", self.use_mla_backend), ("hybrid sliding-window memory", self.is_hybrid_swa),
+        ("MLA attention", self.use_mla_backend),
         ("hybrid linear-attention (mamba/GDN) layers", self.mambaish_config is not None),
+        ("only sliding-window layers in its hybrid pool",
+         self.is_hybrid_swa and not self.model_config.full_attention_layer_ids),
         ("a draft model (speculative decoding)", self.is_draft_worker)) if flag]
     if unsupported:
-        raise ValueError(f"--kv-cache-dtype int2 serves plain MHA/GQA models; {arch} uses {', '.join(unsupported)}; "
+        raise ValueError(f"--kv-cache-dtype int2 serves MHA/GQA models; {arch} uses {', '.join(unsupported)}; "
                          f"serve it with --kv-cache-dtype auto")
     config = _config(self.server_args)
     max_reqs = req_to_token_pool.req_to_token.shape[0]
-    pool = OscarMHATokenToKVPool(
-        sizes.max_total_num_tokens,
-        page_size=self.server_args.page_size,
-        dtype=torch.uint8,
-        head_num=self.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
-        head_dim=self.model_config.head_dim,
-        v_head_dim=self.model_config.v_head_dim,
-        layer_num=self.layer_info.num_effective_layers,
-        device=self.device,
-        enable_memory_saver=self.server_args.enable_memory_saver,
-        start_layer=self.layer_info.start_layer,
-        end_layer=self.layer_info.end_layer,
-        enable_alt_stream=not self.server_args.enable_pdmux,
-        oscar_config=config,
-        hp_dtype=self.model_dtype,
-        max_reqs=max_reqs,
-        sink_rows=sink_rows_for(config, max_reqs),
-    )
+    heads, head_dim, v_head_dim = _geometry(self)
+    common = dict(page_size=self.server_args.page_size, dtype=torch.uint8, head_num=heads, head_dim=head_dim,
+                  v_head_dim=v_head_dim, device=self.device, oscar_config=config, hp_dtype=self.model_dtype,
+                  max_reqs=max_reqs, sink_rows=sink_rows_for(config, max_reqs))
+    if self.is_hybrid_swa:
+        swa_heads, swa_dim, swa_v_dim = _swa_geometry(self)
+        pool = OscarSWAKVPool(
+            size=sizes.full_max_total_num_tokens, size_swa=sizes.swa_max_total_num_tokens,
+            swa_attention_layer_ids=self.model_config.swa_attention_layer_ids,
+            full_attention_layer_ids=self.model_config.full_attention_layer_ids,
+            swa_head_num=swa_heads, swa_head_dim=swa_dim, swa_v_head_dim=swa_v_dim, **common)
+        full, swa = pool.int2_bytes_per_token()
+        logger.info("sglang-oscar: INT2 hybrid pool: full %d slots x %d layers (%d B/token), sliding %d slots x %d "
+                    "layers (%d B/token); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size,
+                    pool.full_layer_nums, full, pool.size_swa, pool.swa_layer_nums, swa, pool.hp_bytes() / 2**30,
+                    pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
+    else:
+        pool = OscarMHATokenToKVPool(
+            sizes.max_total_num_tokens, layer_num=self.layer_info.num_effective_layers,
+            enable_memory_saver=self.server_args.enable_memory_saver, start_layer=self.layer_info.start_layer,
+            end_layer=self.layer_info.end_layer, enable_alt_stream=not self.server_args.enable_pdmux, **common)
+        logger.info("sglang-oscar: INT2 pool: %d slots x %d layers, %d B/token INT2; BF16 windows %.2f GiB "
+                    "(%d sink rows, %d ring rows)", pool.size, pool.layer_num, pool.int2_bytes_per_token(),
+                    pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
     _ACTIVE["recent"] = config.recent_tokens
-    logger.info("sglang-oscar: INT2 pool: %d slots x %d layers, %d B/token INT2; BF16 windows %.2f GiB "
-                "(%d sink rows, %d ring rows)", pool.size, pool.layer_num, pool.int2_bytes_per_token(),
-                pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
     return pool
 
 
+def _owned_windows(allocator):
+    """The :class:`~sglang_oscar.pool.windows.HPWindows` keyed by this allocator's slots, or ``None``
+    (not an INT2 pool, or the sliding sub-pool of a hybrid model: its slots are another index space)."""
+    kvcache = getattr(allocator, "_kvcache", None)
+    return kvcache.windows if getattr(kvcache, "owns_windows", False) else None
+
+
 def around_allocator_free(original_fn, self, free_index, *args, **kwargs):
-    windows = getattr(getattr(self, "_kvcache", None), "windows", None)
+    windows = _owned_windows(self)
     if windows is not None and self.is_not_in_free_group and free_index is not None and free_index.numel():
         # SGLang usually passes a view of req_to_token and rewrites it right after the free
         # (cache_unfinished_req): copy now, on the current stream, before that happens.
@@ -181,7 +241,7 @@ def around_allocator_free(original_fn, self, free_index, *args, **kwargs):
 
 
 def after_allocator_clear(result, self, *args, **kwargs):
-    windows = getattr(getattr(self, "_kvcache", None), "windows", None)
+    windows = _owned_windows(self)
     if windows is not None:
         windows.reset()
     return result
@@ -200,7 +260,7 @@ def before_get_next_batch_to_run(*args, **kwargs):
     """Tier-aware eviction: free radix-cache leaves when the BF16 sink arena runs low."""
     sched = args[0] if args else None
     alloc = getattr(sched, "token_to_kv_pool_allocator", None)
-    windows = getattr(getattr(alloc, "_kvcache", None), "windows", None)
+    windows = getattr(getattr(alloc, "_kvcache", None), "windows", None)  # a composite pool's shared windows
     if windows is not None and getattr(sched, "tree_cache", None) is not None:
         n = windows.maybe_reclaim(sched.tree_cache)
         if n:

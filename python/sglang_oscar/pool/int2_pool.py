@@ -51,6 +51,14 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
         hp_dtype: dtype of the BF16 windows (the model dtype).
         max_reqs: request slots (``ReqToTokenPool.size``), for the recent ring.
         sink_rows: rows of the sink arena (see :func:`~.sizing.plan_windows`).
+        windows: an :class:`~.windows.HPWindows` to share (the sub-pools of
+            :class:`~.swa_pool.OscarSWAKVPool` share one, keyed by full-pool slots); ``None`` builds
+            this pool's own from ``max_reqs`` / ``sink_rows``.
+
+    Attributes:
+        owns_windows: SGLang's allocator over this pool frees the slots the windows are keyed by,
+            so its ``free`` returns their sink rows (false for the sliding sub-pool of a hybrid
+            model, whose slots are a second index space).
 
     Raises:
         ValueError: page size other than 1, or a head_dim/group combination the kernels do not
@@ -58,20 +66,23 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
     """
 
     def __init__(self, *args, oscar_config: OscarConfig, hp_dtype: torch.dtype, max_reqs: int,
-                 sink_rows: int, **kwargs):
+                 sink_rows: int, windows: HPWindows | None = None, **kwargs):
         page_size = kwargs.get("page_size", args[1] if len(args) > 1 else 1)
         if page_size != 1:
             raise ValueError(f"--kv-cache-dtype int2 needs --page-size 1 (got {page_size})")
-        head_dim = kwargs.get("head_dim")
-        v_head_dim = kwargs.get("v_head_dim") or head_dim
+        # SWAKVPool passes the sliding group's geometry as swa_* keywords (MHATokenToKVPool's rule)
+        head_dim = kwargs.get("swa_head_dim") or kwargs.get("head_dim")
+        v_head_dim = kwargs.get("swa_v_head_dim") or kwargs.get("v_head_dim") or head_dim
         self.oscar_config = oscar_config
         self.hp_dtype = hp_dtype
         self.layout = Int2Layout.from_config(oscar_config, head_dim, v_head_dim)
         self.row_bytes_k = int2_row_bytes(self.layout, "k")
         self.row_bytes_v = int2_row_bytes(self.layout, "v")
         size = kwargs.get("size", args[0] if args else None)
-        self.windows = HPWindows(size + page_size, max_reqs, oscar_config.sink_tokens,
-                                 oscar_config.recent_tokens, sink_rows, kwargs.get("device", "cuda"))
+        self.windows = windows if windows is not None else HPWindows(
+            size + page_size, max_reqs, oscar_config.sink_tokens, oscar_config.recent_tokens, sink_rows,
+            kwargs.get("device", "cuda"))
+        self.owns_windows = True
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ storage
@@ -114,6 +125,14 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
                                                     self.hp_dtype)
 
     # ------------------------------------------------------------------ packed access
+    def layout_of(self, layer_id: int) -> Int2Layout:
+        """The :class:`~sglang_oscar.kernels.layout.Int2Layout` of a global layer id (one per pool)."""
+        return self.layout
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        """Whether a layer's slots are sliding-pool slots (never, in a single pool)."""
+        return False
+
     def int2_buffers(self, layer_id: int):
         """``(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)`` views of a global layer id."""
         i = layer_id - self.start_layer

@@ -1,0 +1,213 @@
+"""Sliding-window layers on the served path (CPU, kernels under the Triton interpreter) vs the oracle.
+
+Two pool shapes SGLang 0.5.16 builds for sliding-window models:
+
+* a single pool whose layers mix sliding and full attention (Gemma-3: SGLang does not treat it as
+  hybrid, every layer's rows share one slot space and only the attention windows differ);
+* :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool` (Gemma-4, GPT-OSS): a full pool and a
+  smaller sliding pool with their own geometry (here 2 kv heads x 64 sliding, 1 x 128 full), the
+  slots handed out by SGLang's own ``SWATokenToKVPoolAllocator``, tokens that left the window
+  freed from the sliding pool (``free_swa``) and their sliding slots reused by another request.
+
+Each layer's prefill and decode outputs are compared with ``reference.oscar_attention`` over the
+whole sequence with the layer's window (key ``j`` visible iff ``pos - j < window``), for a prompt
+three windows long and four decode steps, so the INT2 tier, the BF16 sink (which leaves the window) and the recent ring
+all cross the window's edge.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from _support.orthogonal import random_orthogonal
+from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_tuning
+from sglang_oscar.config import OscarConfig
+from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
+from sglang_oscar.pool.swa_pool import OscarSWAKVPool
+from sglang_oscar.reference.attention import oscar_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+HQ, SINK, RECENT, WINDOW, CTX, T = 4, 4, 8, 16, 96, 52
+
+
+class _Mode:
+    def __init__(self, kind):
+        self.kind = kind
+
+    def is_decode(self):
+        return self.kind == "decode"
+
+    def is_extend(self):
+        return self.kind == "extend"
+
+    def is_idle(self):
+        return False
+
+
+def _layer(layer_id, hkv, d, window):
+    return SimpleNamespace(layer_id=layer_id, tp_q_head_num=HQ, tp_k_head_num=hkv, qk_head_dim=d, v_head_dim=d,
+                           scaling=d ** -0.5, logit_cap=0.0, sliding_window_size=window - 1 if window else -1,
+                           logit_capping_method="tanh", is_cross_attention=False)
+
+
+def _backend(pool, config, layers, rotations, max_reqs):
+    be = object.__new__(OscarTritonAttnBackend)
+    be.pool, be.windows, be.config = pool, pool.windows, config
+    be.rotations = rotations
+    be.means = {lay.layer_id: (None, None) for lay in layers}
+    be.folded = frozenset()
+    be._hp_rows = None
+    be._missed_seen = 0
+    be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
+    be._swa_table = pool.new_swa_table(be._int2_req_to_token) if isinstance(pool, OscarSWAKVPool) else None
+    be._swa_loc = None
+    be._decode_tuning = decode_tuning(config)
+    be.max_context_len = CTX
+    be.set_geometry(layers)
+    return be
+
+
+class Served:
+    """A pool + backend over ``layers``; ``alloc(n)`` hands out full slots (and sliding ones)."""
+
+    def __init__(self, config, layers, rotations, *, hybrid, max_reqs=4):
+        self.layers = layers
+        if hybrid:
+            from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+            full = [lay for lay in layers if not lay.sliding_window_size > -1]
+            slid = [lay for lay in layers if lay.sliding_window_size > -1]
+            self.pool = OscarSWAKVPool(
+                size=256, size_swa=96, page_size=1, dtype=torch.uint8, head_num=full[0].tp_k_head_num,
+                head_dim=full[0].qk_head_dim, v_head_dim=full[0].v_head_dim, swa_head_num=slid[0].tp_k_head_num,
+                swa_head_dim=slid[0].qk_head_dim, swa_v_head_dim=slid[0].v_head_dim,
+                swa_attention_layer_ids=[lay.layer_id for lay in slid],
+                full_attention_layer_ids=[lay.layer_id for lay in full], device="cpu", oscar_config=config,
+                hp_dtype=torch.bfloat16, max_reqs=max_reqs, sink_rows=SINK * 4 * max_reqs)
+            self.allocator = SWATokenToKVPoolAllocator(256, 96, 1, torch.uint8, "cpu", self.pool, need_sort=False)
+        else:
+            lay = layers[0]
+            self.pool = OscarMHATokenToKVPool(
+                256, page_size=1, dtype=torch.uint8, head_num=lay.tp_k_head_num, head_dim=lay.qk_head_dim,
+                v_head_dim=lay.v_head_dim, layer_num=len(layers), device="cpu", enable_memory_saver=False,
+                enable_alt_stream=False, oscar_config=config, hp_dtype=torch.bfloat16, max_reqs=max_reqs,
+                sink_rows=SINK * 4 * max_reqs)
+            self.allocator = None
+            self._next = 1
+        self.be = _backend(self.pool, config, layers, rotations, max_reqs)
+        self.r2t = self.be._int2_req_to_token
+
+    def alloc(self, n):
+        if self.allocator is not None:
+            return self.allocator.alloc(n)
+        s = torch.arange(self._next, self._next + n)
+        self._next += n
+        return s
+
+    def _run(self, fb, seqs, start, end, mode):
+        outs = {}
+        self.be._windows_out_of_graph()
+        self.be._windows_in_forward(fb)
+        if mode == "extend":
+            self.be.forward_metadata = SimpleNamespace(qo_indptr=torch.tensor([0, end - start]),
+                                                       max_extend_len=end - start)
+            self.be.plan_extend(fb, end - start)
+        else:
+            self.be.plan_decode(fb)
+        for lay in self.layers:
+            q, k, v = seqs[lay.layer_id]
+            n = end - start
+            fwd = self.be.forward_extend if mode == "extend" else self.be.forward_decode
+            o = fwd(q[start:end].reshape(n, -1), k[start:end].reshape(n, -1), v[start:end].reshape(n, -1), lay, fb)
+            outs[lay.layer_id] = o.float().reshape(n, HQ, lay.v_head_dim)
+        return outs
+
+    def extend(self, req, seqs, start, end):
+        slots = self.alloc(end - start)
+        self.r2t[req, start:end] = slots.to(torch.int32)
+        fb = SimpleNamespace(forward_mode=_Mode("extend"), batch_size=1, out_cache_loc=slots,
+                             positions=torch.arange(start, end), req_pool_indices=torch.tensor([req]),
+                             seq_lens=torch.tensor([end]), extend_seq_lens=torch.tensor([end - start]),
+                             extend_prefix_lens=torch.tensor([start]))
+        return self._run(fb, seqs, start, end, "extend")
+
+    def decode(self, req, seqs, pos):
+        slot = self.alloc(1)
+        self.r2t[req, pos] = slot.to(torch.int32)
+        fb = SimpleNamespace(forward_mode=_Mode("decode"), batch_size=1, out_cache_loc=slot,
+                             positions=torch.tensor([pos]), req_pool_indices=torch.tensor([req]),
+                             seq_lens=torch.tensor([pos + 1]))
+        return self._run(fb, seqs, pos, pos + 1, "decode")
+
+    def evict_out_of_window(self, req, length):
+        """SGLang's sliding eviction: free the sliding slots of positions that no query reads again."""
+        if self.allocator is not None and length - WINDOW > 0:
+            self.allocator.free_swa(self.r2t[req, : length - WINDOW].long())
+
+
+def _seqs(layers, gen):
+    out = {}
+    for lay in layers:
+        d, hkv = lay.qk_head_dim, lay.tp_k_head_num
+        scale = torch.ones(d)
+        scale[:4] = 8.0  # outlier channels, as post-RoPE keys have
+        out[lay.layer_id] = (torch.randn(T, HQ, d, generator=gen).bfloat16(),
+                             (torch.randn(T, hkv, d, generator=gen) * scale).bfloat16(),
+                             torch.randn(T, hkv, d, generator=gen).bfloat16())
+    return out
+
+
+def _oracle(lay, seq, rot, config, start, end, mode):
+    q, k, v = seq
+    window = lay.sliding_window_size + 1 if lay.sliding_window_size > -1 else None
+    return oscar_attention(q[start:end].float(), k[:end].float(), v[:end].float(), rot[0], rot[1], config,
+                           q_positions=torch.arange(start, end), sliding_window=window, window_mode=mode,
+                           sm_scale=lay.scaling)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["single-pool", "hybrid-pool"])
+def test_sliding_and_full_layers_match_the_oracle(hybrid):
+    gen = torch.Generator().manual_seed(7)
+    if hybrid:  # Gemma-4-like: sliding 2 kv heads x 64, full 1 kv head x 128
+        layers = [_layer(0, 1, 128, 0), _layer(1, 2, 64, WINDOW)]
+    else:  # Gemma-3-like: one geometry, windows differ
+        layers = [_layer(0, 2, 64, WINDOW), _layer(1, 2, 64, 0)]
+    rotations = {lay.layer_id: (random_orthogonal(lay.qk_head_dim, lay.tp_k_head_num, generator=gen),
+                                random_orthogonal(lay.v_head_dim, lay.tp_k_head_num, generator=gen))
+                 for lay in layers}
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    seqs = _seqs(layers, gen)
+    sv = Served(config, layers, rotations, hybrid=hybrid)
+    # another request first, so that the sliding slots request 1 gets back are reused ones
+    other = _seqs(layers, gen)
+    sv.extend(2, other, 0, WINDOW + 8)
+    sv.evict_out_of_window(2, WINDOW + 8)
+    prompt = 3 * WINDOW
+    outs = sv.extend(1, seqs, 0, prompt)
+    for lay in layers:
+        ref = _oracle(lay, seqs[lay.layer_id], rotations[lay.layer_id], config, 0, prompt, "extend")
+        assert _rel(outs[lay.layer_id], ref) < 1e-2, lay.layer_id
+    sv.evict_out_of_window(1, prompt)
+    for pos in range(prompt, T):
+        outs = sv.decode(1, seqs, pos)
+        sv.evict_out_of_window(1, pos + 1)
+        for lay in layers:
+            ref = _oracle(lay, seqs[lay.layer_id], rotations[lay.layer_id], config, pos, pos + 1, "decode")
+            assert _rel(outs[lay.layer_id], ref) < 1e-2, (lay.layer_id, pos)
+    # the window matters at these lengths: the sliding layer without it would be far from its output
+    slid = next(lay for lay in layers if lay.sliding_window_size > -1)
+    unwindowed = _oracle(_layer(slid.layer_id, slid.tp_k_head_num, slid.qk_head_dim, 0), seqs[slid.layer_id],
+                         rotations[slid.layer_id], config, T - 1, T, "decode")
+    assert _rel(outs[slid.layer_id], unwindowed) > 0.05
+    if hybrid:
+        # the sliding pool holds only what the window needs: the evicted positions' slots are free
+        assert sv.allocator.swa_attn_allocator.available_size() == 96 - 2 * WINDOW
+
