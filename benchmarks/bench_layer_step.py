@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""Served decode step of one attention layer of a named geometry, INT2 vs BF16, sliding windows included.
+
+One step of one layer as the server runs it: INT2 -- q / K / V rotated in one launch
+(``kernels.rotate.rotate_qkv``), the new row written (INT2 codes + BF16 window copy,
+``kernels.write_kv``), the decode plan's ``run`` (window-masked for a sliding layer), the output
+rotated back (``rotate_heads``); BF16 -- the new row copied into the cache and SGLang's Triton decode
+kernel (the attention backend the server runs) over the keys the layer sees (the last ``window``
+positions of a sliding layer), and torch SDPA on dense K/V of the same span where it supports the
+head_dim. Geometries (``--layers``): Gemma-4-12B-it's sliding layer (16 q / 8 kv heads x 256, window
+1024) and full layer (16 q / 1 kv head x 512), and Qwen3-8B's (32 / 8 x 128) for reference; INT2 as
+the recipe serves it (group 128, fp32 pairs for Gemma-4; sink 64 + recent 512 / 256).
+
+Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within
+one run.
+
+    python -m benchmarks.bench_layer_step [--layers gemma4-sliding,gemma4-full] [--contexts 32768]
+        [--batches 1,16] [--out layer_step.md]
+    TRITON_INTERPRET=1 python -m benchmarks.bench_layer_step --smoke     # CPU: tiny shapes, every piece once
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import NamedTuple
+
+import torch
+
+try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
+    from . import bench_decode as bd
+except ImportError:
+    import bench_decode as bd
+
+from sglang_oscar.kernels import DecodePlan, write_kv
+from sglang_oscar.kernels.layout import Int2Layout
+from sglang_oscar.kernels.rotate import rotate_heads, rotate_qkv
+
+
+class LayerShape(NamedTuple):
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int  # keys a query sees (HF convention); 0 = full attention
+    group_size: int
+    scale_dtype: str
+    sink: int
+    recent: int
+
+
+LAYERS = {
+    "gemma4-sliding": LayerShape(16, 8, 256, 1024, 128, "float32", 64, 512),
+    "gemma4-full": LayerShape(16, 1, 512, 0, 128, "float32", 64, 512),
+    "qwen3-8b": LayerShape(32, 8, 128, 0, 128, "float16", 64, 256),
+}
+SMOKE = {"gemma4-sliding": LayerShape(4, 2, 64, 24, 32, "float32", 4, 8),
+         "gemma4-full": LayerShape(4, 1, 128, 0, 32, "float32", 4, 8),
+         "qwen3-8b": LayerShape(4, 2, 64, 0, 64, "float16", 4, 8)}
+
+
+class LayerCase:
+    """One (layer, batch, context) point: INT2 pool + windows, BF16 pool, inputs of one step."""
+
+    def __init__(self, shape: LayerShape, batch: int, ctx: int, device):
+        s = shape
+        g = torch.Generator(device=device)
+        g.manual_seed(batch * 7919 + ctx)
+        self.shape, self.batch, self.ctx = s, batch, ctx
+        d, h, hq = s.head_dim, s.num_kv_heads, s.num_q_heads
+        self.layout = Int2Layout.create(d, d, group_size=s.group_size, scale_dtype=s.scale_dtype,
+                                        k_clip_ratio=0.96, v_clip_ratio=0.92)
+        slots = batch * ctx + 64
+        ng = 2 * (d // s.group_size)
+        sdt = self.layout.scale_dtype
+        self.k_codes = torch.randint(0, 256, (slots, h, d // 4), dtype=torch.uint8, device=device, generator=g)
+        self.v_codes = torch.randint(0, 256, (slots, h, d // 4), dtype=torch.uint8, device=device, generator=g)
+        pairs = torch.empty(slots, h, ng, device=device)
+        pairs[..., 0::2].uniform_(0.02, 0.08, generator=g)
+        pairs[..., 1::2].uniform_(0.5, 2.5, generator=g)
+        self.k_pairs, self.v_pairs = pairs.to(sdt), pairs.flip(0).to(sdt)
+        perm = torch.randperm(slots - 1, device=device, generator=g)[: batch * ctx].to(torch.int32) + 1
+        self.req_to_token = perm.view(batch, ctx).contiguous()
+        self.req_pool_indices = torch.arange(batch, device=device, dtype=torch.int64)
+        self.seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int64)
+        n_hp = s.sink + s.recent
+        self.hp_k = torch.randn(batch * n_hp + 8, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.hp_v = torch.randn(batch * n_hp + 8, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.hp_index = torch.arange(batch * n_hp, device=device, dtype=torch.int32).view(batch, n_hp).contiguous()
+        self.q = torch.randn(batch, hq, d, device=device, generator=g).to(torch.bfloat16)
+        self.k_new = torch.randn(batch, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.v_new = torch.randn(batch, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.rk = torch.linalg.qr(torch.randn(h, d, d, device=device, generator=g))[0].contiguous()
+        self.rv = torch.linalg.qr(torch.randn(h, d, d, device=device, generator=g))[0].contiguous()
+        self.loc = self.req_to_token[:, -1].long()
+        self.hp_rows = self.hp_index[:, s.sink].contiguous()
+        # BF16 side: the pool rows of the keys the layer sees (the window of a sliding layer)
+        span = min(ctx, s.window) if s.window else ctx
+        self.span = span
+        self.k_buf = torch.randn(slots, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.v_buf = torch.randn(slots, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.kv_indptr = torch.arange(0, (batch + 1) * span, span, device=device, dtype=torch.int32)
+        self.kv_indices = self.req_to_token[:, ctx - span:].reshape(-1).to(torch.int64)
+
+    def buffers(self):
+        return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
+
+    def int2_step(self):
+        """The served INT2 step's closure (the plan is built once, as once per batch in the server)."""
+        s = self.shape
+        plan = DecodePlan(self.layout, s.num_q_heads, self.buffers(), self.hp_index, self.req_to_token,
+                          self.req_pool_indices, self.seq_lens, sink=s.sink, recent=s.recent, q_dtype=torch.float32,
+                          sliding_window=s.window or None, out_dtype=torch.float32, max_seq_len=self.ctx)
+        scale = 1.0 / math.sqrt(s.head_dim)
+
+        def step():
+            qr, kr, vr = rotate_qkv(self.q, self.k_new, self.v_new, self.rk, self.rv, torch.bfloat16)
+            write_kv(kr, vr, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
+                     hp_rows=self.hp_rows, hp_k=self.hp_k, hp_v=self.hp_v, validate=False)
+            o = plan.run(qr, *self.buffers(), sm_scale=scale)
+            return rotate_heads(o, self.rv, torch.bfloat16, transpose=True)
+
+        return step
+
+    def bf16_steps(self, smoke: bool) -> dict:
+        """SGLang's Triton decode (and SDPA where it runs) with the new row's copy, per layer and step."""
+        s = self.shape
+        out = {}
+        bi = torch.arange(self.batch, device=self.q.device)
+
+        def write():
+            self.k_buf[self.loc] = self.k_new
+            self.v_buf[self.loc] = self.v_new
+
+        try:
+            from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+        except ImportError:
+            try:
+                from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+            except ImportError:
+                decode_attention_fwd = None
+        if decode_attention_fwd is not None:
+            splits = 8 if self.batch < 16 else 4
+            o = torch.empty(self.batch, s.num_q_heads, s.head_dim, dtype=torch.bfloat16, device=self.q.device)
+            logits = torch.empty(self.batch, s.num_q_heads, splits, s.head_dim, dtype=torch.float32,
+                                 device=self.q.device)
+            lse = torch.empty(self.batch, s.num_q_heads, splits, dtype=torch.float32, device=self.q.device)
+            nsplit = torch.full((self.batch,), splits, dtype=torch.int32, device=self.q.device)
+
+            def sglang():
+                write()
+                decode_attention_fwd(self.q, self.k_buf, self.v_buf, o, self.kv_indptr, self.kv_indices, logits,
+                                     lse, nsplit, splits, 1.0 / math.sqrt(s.head_dim), 1.0, 1.0)
+
+            out["sglang-triton"] = sglang
+        if not smoke:
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            kd = self.k_buf[self.kv_indices].view(self.batch, self.span, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            vd = self.v_buf[self.kv_indices].view(self.batch, self.span, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            q = self.q.view(self.batch, s.num_q_heads, 1, s.head_dim)
+            for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+                try:
+                    with sdpa_kernel(be):
+                        F.scaled_dot_product_attention(q, kd, vd, enable_gqa=True)
+                except Exception:  # noqa: BLE001  this backend does not take the shape
+                    continue
+
+                def sdpa(be=be):
+                    kd[bi, :, -1] = self.k_new
+                    vd[bi, :, -1] = self.v_new
+                    with sdpa_kernel(be):
+                        return F.scaled_dot_product_attention(q, kd, vd, enable_gqa=True)
+
+                out[f"sdpa-{be.name.lower()}"] = sdpa
+                break
+        return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="gemma4-sliding,gemma4-full", help=f"comma list of {sorted(LAYERS)}")
+    ap.add_argument("--contexts", default="32768")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
+    a = ap.parse_args(argv)
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    table = LAYERS if not a.smoke else SMOKE
+    contexts = [int(x) for x in a.contexts.split(",")] if not a.smoke else [64]
+    batches = [int(x) for x in a.batches.split(",")] if not a.smoke else [2]
+    rows = ["| layer | batch x context | INT2 step | fastest BF16 step | INT2 / BF16 | BF16 kernels |",
+            "|---|---|---|---|---|---|"]
+    for name in a.layers.split(","):
+        shape = table[name]
+        for b in batches:
+            for ctx in contexts:
+                case = LayerCase(shape, b, ctx, dev)
+                int2 = bd.bench(case.int2_step(), a.smoke)
+                bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16_steps(a.smoke).items()}
+                best = min(bf, key=bf.get) if bf else None
+                ratio = f"{int2 / bf[best]:.2f}x" if best else "-"
+                kernels = ", ".join(f"{k} {bd.fmt_ms(t)}" for k, t in bf.items())
+                rows.append(f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {shape.head_dim}"
+                            f"{f', window {shape.window}' if shape.window else ''}) | {b} x {ctx} | "
+                            f"{bd.fmt_ms(int2)} | {bd.fmt_ms(bf[best]) if best else '-'} ({best}) | {ratio} | "
+                            f"{kernels} |")
+                print(rows[-1], flush=True)
+                del case
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    text = "\n".join(rows) + "\n"
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
