@@ -348,3 +348,62 @@ def test_minimax_m3_sparse_attention_is_refused_from_the_config(tmp_path):
                         "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072}}))
     (msg,) = refusal_messages(SimpleNamespace(model_path=str(d), tp_size=8))
     assert "MiniMax-M3's sparse (MSA) attention" in msg and "--kv-cache-dtype auto" in msg
+
+
+def test_skip_layers_must_be_one_kind_of_a_hybrid_pool_model():
+    """--oscar-skip-layers: sliding / full / the ids of exactly one kind on a model SGLang serves with
+    two pools (Gemma-4) are accepted; other ids, or any skip on a one-pool model (Gemma-3), are refused
+    before weights load, naming what to pass instead."""
+    from sglang_oscar.backend.rotations import model_geometry
+    from sglang_oscar.plugin import skip_kind
+
+    full = [5, 11]
+    gemma4 = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 12,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
+              "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 64, "hidden_size": 64,
+              "layer_types": ["full_attention" if i in full else "sliding_attention" for i in range(12)]}
+    geo = model_geometry(gemma4)
+
+    def kind(spec, cfg=gemma4, g=geo):
+        return skip_kind(OscarConfig(skip_layers=spec), g, cfg)
+
+    assert (kind("none"), kind("sliding"), kind("full"), kind("11,5")) == ("none", "sliding", "full", "full")
+    with pytest.raises(ValueError, match="must be all the sliding-window layers or all the full-attention.*10 sliding and 2 full"):
+        kind("5")
+    with pytest.raises(ValueError, match=r"names layers \[12\] that do not exist"):
+        kind("5,12")
+    gemma3 = {**gemma4, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    with pytest.raises(ValueError, match="keeps all its layers in one SGLang KV pool.*pass none"):
+        kind("sliding", gemma3, model_geometry(gemma3))
+
+
+def test_hybrid_swa_sizing_counts_int2_bytes_per_layer_kind():
+    """HybridSWAPoolConfigurator after our hook: INT2 bytes per token of each kind (the skipped kind
+    keeps SGLang's BF16 figure) in SGLang's formula full + ratio x sliding."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_oscar.plugin import serving
+
+    gemma4 = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 12,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
+              "num_global_key_value_heads": 1, "sliding_window": 64, "hidden_size": 64,
+              "layer_types": ["full_attention" if i in (5, 11) else "sliding_attention" for i in range(12)]}
+
+    def sized(skip):
+        kvc = SimpleNamespace(
+            server_args=SimpleNamespace(kv_cache_dtype="int2", _oscar_config=OscarConfig(group_size=64, skip_layers=skip)),
+            is_hybrid_swa_compress=True,
+            model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 1, head_dim=256, v_head_dim=256, swa_head_dim=128,
+                                         swa_v_head_dim=128, hf_config=gemma4,
+                                         hf_text_config=SimpleNamespace(swa_num_key_value_heads=2)))
+        conf = SimpleNamespace(_full_layers_num=2, _swa_layers_num=10, _draft_full_layers_num=0,
+                               _draft_swa_full_layers_num=0, _swa_full_tokens_ratio=0.5,
+                               _full_per_token=1 * 512 * 2, _swa_per_token=2 * 256 * 2, _cell_size=None)
+        with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
+            serving.after_hybrid_swa_configurator_init(None, conf, kvc)
+        return conf._full_per_token, conf._swa_per_token, conf._cell_size
+
+    # full: 1 head x (2 x 64 code bytes + 2 x 4 groups x 2 fp16) = 160; sliding: 2 x (2 x 32 + 2 x 2 x 2 x 2) = 160
+    assert sized("none") == (160, 160, 160 * 2 + 0.5 * 160 * 10)
+    assert sized("sliding") == (160, 1024, 160 * 2 + 0.5 * 1024 * 10)
+    assert sized("full") == (1024, 160, 1024 * 2 + 0.5 * 160 * 10)

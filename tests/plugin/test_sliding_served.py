@@ -211,3 +211,31 @@ def test_sliding_and_full_layers_match_the_oracle(hybrid):
         # the sliding pool holds only what the window needs: the evicted positions' slots are free
         assert sv.allocator.swa_attn_allocator.available_size() == 96 - 2 * WINDOW
 
+
+
+def test_skip_sliding_keeps_a_bf16_sliding_pool_and_routes_its_layers_to_sglang(monkeypatch):
+    """``--oscar-skip-layers sliding``: the sliding sub-pool is SGLang's BF16 ``MHATokenToKVPool`` (its
+    bytes per token BF16's), the full one INT2 and still the owner of the windows; the backend plans
+    only the INT2 layers and hands the sliding ones to SGLang's own ``TritonAttnBackend``."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    config = OscarConfig(group_size=64, sink_tokens=SINK, recent_tokens=RECENT)
+    full, slid = _layer(0, 1, 128, 0), _layer(1, 2, 64, WINDOW)
+    pool = OscarSWAKVPool(size=64, size_swa=32, page_size=1, dtype=torch.uint8, head_num=1, head_dim=128,
+                          v_head_dim=128, swa_head_num=2, swa_head_dim=64, swa_v_head_dim=64,
+                          swa_attention_layer_ids=[1], full_attention_layer_ids=[0], device="cpu",
+                          oscar_config=config, hp_dtype=torch.bfloat16, max_reqs=2, sink_rows=8, skip="sliding")
+    assert type(pool.swa_kv_pool) is MHATokenToKVPool and pool.swa_kv_pool.store_dtype == torch.bfloat16
+    assert isinstance(pool.full_kv_pool, OscarMHATokenToKVPool)
+    assert [pool.is_int2_layer(i) for i in (0, 1)] == [True, False]
+    # full: 1 kv head x (128/4 code bytes + 2 fp16 pair words) x K and V; sliding: BF16 2 x (64 + 64) x 2 bytes
+    assert pool.int2_bytes_per_token() == (2 * (32 + 2 * 2 * 2), 2 * 128 * 2)
+    assert pool.full_kv_pool.owns_windows and pool.full_kv_pool.windows is pool.windows
+    assert not pool.swa_kv_pool.owns_windows
+    rotations = {0: (random_orthogonal(128, 1), random_orthogonal(128, 1))}
+    be = _backend(pool, config, [lay for lay in (full, slid) if pool.is_int2_layer(lay.layer_id)], rotations, 2)
+    assert set(be._layer_geometry) == {0}
+    calls = []
+    monkeypatch.setattr(TritonAttnBackend, "forward_decode", lambda self, q, k, v, layer, fb, *a: calls.append(layer.layer_id) or "bf16")
+    assert be.forward_decode(None, None, None, slid, None) == "bf16" and calls == [1]

@@ -104,7 +104,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         rs = served_rotation_set(self.config, geometry, log=par.attn_tp_rank == 0,
                                  hf_config=model_runner.model_config.hf_config)
         layer_ids = [layer.layer_id for layer in geometry.layers
-                     if pool.start_layer <= layer.layer_id <= pool.end_layer]
+                     if pool.start_layer <= layer.layer_id <= pool.end_layer and pool.is_int2_layer(layer.layer_id)]
         self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,
                                         layer_ids)
         self.means = rank_means(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device, layer_ids)
@@ -114,12 +114,12 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self._missed_seen = 0
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
         # sliding-pool slots of each request's window positions (hybrid sliding-window pools only)
-        self._swa_table = (pool.new_swa_table(self._int2_req_to_token) if isinstance(pool, OscarSWAKVPool)
-                           else None)
+        self._swa_table = (pool.new_swa_table(self._int2_req_to_token)
+                           if isinstance(pool, OscarSWAKVPool) and pool.skip != "sliding" else None)
         self._swa_loc = None
         self._decode_tuning = decode_tuning(self.config)
         self.set_geometry(layer for layer in _attention_layers(getattr(model_runner, "model", None))
-                          if pool.start_layer <= layer.layer_id <= pool.end_layer)
+                          if pool.start_layer <= layer.layer_id <= pool.end_layer and pool.is_int2_layer(layer.layer_id))
 
     # ------------------------------------------------------------------ decode plans
     def set_geometry(self, layers) -> None:
@@ -290,6 +290,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
+        if not self.pool.is_int2_layer(layer.layer_id):  # --oscar-skip-layers: SGLang's BF16 pool and kernels
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors)
         self._check_layer(layer, sinks, score_mod)
         q_rot = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         geo = self._layer_geometry.get(layer.layer_id)
@@ -303,6 +305,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
+        if not self.pool.is_int2_layer(layer.layer_id):
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors)
         self._check_layer(layer, sinks, score_mod)
         q_rot = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer, self.pool))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
 from .refusals import REFUSALS, refusal_messages
@@ -157,6 +158,7 @@ def preflight(server_args) -> None:
             return
         geometry = model_geometry(hf_config)
     served_rotation_set(config, geometry, log=False, hf_config=hf_config)
+    skip_kind(config, geometry, hf_config)
     if config.decode_engine == "gluon":
         from ..kernels.decode.gluon_stage1 import gluon_layout_reason
         from ..kernels.layout import Int2Layout
@@ -167,6 +169,45 @@ def preflight(server_args) -> None:
                 raise ValueError(f"--oscar-decode-engine gluon cannot decode this model's INT2 cache ({reason}; the "
                                  "Gluon kernel takes head_dim 128, one fp16 (scale, zero) pair per row, uniform "
                                  "levels); use --oscar-decode-engine auto (Gluon where it applies, else Triton)")
+
+
+def skip_kind(config, geometry, hf_config) -> str:
+    """The layer kind ``--oscar-skip-layers`` keeps in BF16: ``"none"``, ``"sliding"`` or ``"full"``.
+
+    Skipped layers keep SGLang's own BF16 pool, so they must be one of the two pools SGLang builds
+    for a hybrid sliding-window model (``is_hybrid_swa_model``: Gemma-4, GPT-OSS, ...); a model whose
+    layers share one pool (Gemma-3, Qwen3) cannot skip some of them.
+
+    Raises:
+        ValueError: ids that are not attention layers (:func:`~sglang_oscar.config.resolve_skip_layers`),
+            ids that are not exactly one kind's layers, or a skip on a single-pool model; the message
+            says what to pass instead.
+    """
+    from ..config import resolve_skip_layers
+
+    skip = resolve_skip_layers(config.skip_layers, geometry)
+    if not skip:
+        return "none"
+    kinds = {kind: frozenset(x.layer_id for x in geometry.layers if x.kind == kind) for kind in ("sliding", "full")}
+    kind = next((k for k, ids in kinds.items() if ids and skip == ids), None)
+    if kind is None:
+        raise ValueError(
+            f"--oscar-skip-layers {config.skip_layers}: the skipped layers must be all the sliding-window layers or "
+            f"all the full-attention layers of the model (SGLang keeps them in separate pools); this "
+            f"{geometry.model_type} model has {len(kinds['sliding'])} sliding and {len(kinds['full'])} full layers; "
+            "pass sliding, full or none")
+    from sglang.srt.configs.model_config import is_hybrid_swa_model
+
+    from ..rotation.geometry import _as_dict
+
+    cfg = _as_dict(hf_config) if hf_config is not None else {}
+    text = cfg.get("text_config") or cfg
+    if not is_hybrid_swa_model(cfg.get("architectures") or [], SimpleNamespace(**text)):
+        raise ValueError(
+            f"--oscar-skip-layers {config.skip_layers}: {cfg.get('architectures')} keeps all its layers in one "
+            "SGLang KV pool, so none can stay BF16 while the others are INT2; pass none (or serve the model "
+            "with --kv-cache-dtype auto)")
+    return kind
 
 
 def oscar_config_of(server_args):

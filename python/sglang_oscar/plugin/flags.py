@@ -94,6 +94,10 @@ FLAGS = (
          "update_weights_from_disk / _tensor / _distributed / _ipc (and init_weights_update_group) are "
          "refused. off (default) keeps the unfolded path, for checking.",
          choices=("on", "off")),
+    Flag("oscar_skip_layers", "--oscar-skip-layers", "skip_layers", str,
+         "INT2 KV cache: layers that keep SGLang's BF16 cache and attention: none (default), sliding or full "
+         "(every layer of that kind of a hybrid sliding-window model, e.g. Gemma-4, GPT-OSS), or "
+         "comma-separated global layer ids that make up exactly one kind."),
 )
 K_ROTATION_ENV = "SGLANG_OSCAR_K_ROTATION_PATH"
 V_ROTATION_ENV = "SGLANG_OSCAR_V_ROTATION_PATH"

@@ -101,6 +101,16 @@ def _swa_geometry(kvc):
     return heads, mc.swa_head_dim, mc.swa_v_head_dim
 
 
+def _skip(kvc) -> str:
+    """The kind ``--oscar-skip-layers`` keeps BF16 (``"none"``, ``"sliding"``, ``"full"``;
+    :func:`sglang_oscar.plugin.skip_kind`, checked at launch)."""
+    from . import skip_kind
+    from ..backend.rotations import model_geometry
+
+    hf = kvc.model_config.hf_config
+    return skip_kind(_config(kvc.server_args), model_geometry(hf), hf)
+
+
 def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
     """``(kind, layers, kv heads, head_dim, v_head_dim)`` of each pool of the model: one ``"all"``
     group, or ``"full"`` and ``"sliding"`` for a hybrid sliding-window model."""
@@ -129,8 +139,11 @@ def after_hybrid_swa_configurator_init(result, self, kvc, *args, **kwargs):
     from ..pool.sizing import int2_cell_size
 
     config = _config(kvc.server_args)
-    self._full_per_token = int2_cell_size(config, *_geometry(kvc), 1)
-    self._swa_per_token = int2_cell_size(config, *_swa_geometry(kvc), 1)
+    skip = _skip(kvc)
+    if skip != "full":
+        self._full_per_token = int2_cell_size(config, *_geometry(kvc), 1)
+    if skip != "sliding":
+        self._swa_per_token = int2_cell_size(config, *_swa_geometry(kvc), 1)
     swa_layers = self._swa_layers_num + self._draft_swa_full_layers_num
     if self._full_layers_num == 0:
         self._cell_size = self._swa_per_token * swa_layers + self._full_per_token * self._draft_full_layers_num
@@ -150,9 +163,10 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
 
     config = _config(self.server_args)
     groups = _kv_groups(self)
+    skip = _skip(self) if self.is_hybrid_swa else "none"
     available = self._profile_available_bytes(pre_model_load_memory)
-    # a BF16 window row holds one token of every layer (the windows are shared by the pools)
-    row = sum(hp_row_bytes(h, d, dv, n, self.model_dtype) for _, n, h, d, dv in groups)
+    # a BF16 window row holds one token of every INT2 layer (the windows are shared by the pools)
+    row = sum(hp_row_bytes(h, d, dv, n, self.model_dtype) for kind, n, h, d, dv in groups if kind != skip)
     plan = plan_windows(config, available, row, self.server_args.max_running_requests)
     pool_config = self.config_from_budget(plan.int2_budget)
     pool_config.max_running_requests = min(self.resolve_max_num_reqs(pool_config.max_total_num_tokens),
@@ -165,9 +179,11 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
     for kind, n, h, d, dv in groups:
         tokens = (pool_config.swa_max_total_num_tokens if kind == "sliding" else
                   pool_config.full_max_total_num_tokens if kind == "full" else pool_config.max_total_num_tokens)
-        cell, bf16 = int2_cell_size(config, h, d, dv, n), hp_row_bytes(h, d, dv, n, self.model_dtype)
-        logger.info("sglang-oscar: INT2 KV cache%s: %d bytes/token (BF16: %d, %.2fx fewer); INT2 tokens: %d "
-                    "(%.2f GiB)", "" if kind == "all" else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
+        bf16 = hp_row_bytes(h, d, dv, n, self.model_dtype)
+        cell = bf16 if kind == skip else int2_cell_size(config, h, d, dv, n)
+        logger.info("sglang-oscar: %s KV cache%s: %d bytes/token (BF16: %d, %.2fx fewer); tokens: %d (%.2f GiB)",
+                    "BF16 (--oscar-skip-layers)" if kind == skip else "INT2",
+                    "" if kind == "all" else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
                     cell, bf16, bf16 / max(cell, 1), tokens or 0, (tokens or 0) * cell / 2**30)
     logger.info("sglang-oscar: BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",
                 config.sink_tokens, config.recent_tokens, pool_config.max_running_requests, plan.window_bytes / 2**30)
@@ -206,10 +222,11 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
             size=sizes.full_max_total_num_tokens, size_swa=sizes.swa_max_total_num_tokens,
             swa_attention_layer_ids=self.model_config.swa_attention_layer_ids,
             full_attention_layer_ids=self.model_config.full_attention_layer_ids,
-            swa_head_num=swa_heads, swa_head_dim=swa_dim, swa_v_head_dim=swa_v_dim, **common)
+            swa_head_num=swa_heads, swa_head_dim=swa_dim, swa_v_head_dim=swa_v_dim, skip=_skip(self), **common)
         full, swa = pool.int2_bytes_per_token()
-        logger.info("sglang-oscar: INT2 hybrid pool: full %d slots x %d layers (%d B/token), sliding %d slots x %d "
-                    "layers (%d B/token); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size,
+        logger.info("sglang-oscar: hybrid pool (BF16 kind: %s): full %d slots x %d layers (%d B/token), sliding %d "
+                    "slots x %d layers (%d B/token); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.skip,
+                    pool.size,
                     pool.full_layer_nums, full, pool.size_swa, pool.swa_layer_nums, swa, pool.hp_bytes() / 2**30,
                     pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
     else:

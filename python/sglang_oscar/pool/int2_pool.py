@@ -129,6 +129,10 @@ class OscarMHATokenToKVPool(MHATokenToKVPool):
         """The :class:`~sglang_oscar.kernels.layout.Int2Layout` of a global layer id (one per pool)."""
         return self.layout
 
+    def is_int2_layer(self, layer_id: int) -> bool:
+        """Every layer of a single pool is INT2."""
+        return True
+
     def is_swa_layer(self, layer_id: int) -> bool:
         """Whether a layer's slots are sliding-pool slots (never, in a single pool)."""
         return False

@@ -8,7 +8,10 @@ indexed by the slots in ``req_to_token`` and a smaller *sliding* pool whose slot
 planes, :class:`~sglang_oscar.kernels.layout.Int2Layout`); SGLang's allocator, eviction and radix
 cache run unchanged.
 
-Both sub-pools share one :class:`~.windows.HPWindows`: the BF16 sink rows and recent ring are
+``--oscar-skip-layers sliding|full`` keeps one kind's sub-pool SGLang's own BF16
+``MHATokenToKVPool`` (its layers then run SGLang's BF16 attention, :meth:`OscarSWAKVPool.is_int2_layer`).
+
+The INT2 sub-pools share one :class:`~.windows.HPWindows`: the BF16 sink rows and recent ring are
 keyed by *full* slots and request slots, so one bookkeeping per forward serves every layer, and
 each sub-pool holds the BF16 rows of its own layers (``[rows, heads, head_dim]`` of its geometry).
 Sink rows go back when a full slot is freed (the full sub-pool ``owns_windows``); a sink token
@@ -23,6 +26,7 @@ backend once per forward, CUDA-graph safe): the new tokens' entries, plus, for a
 from __future__ import annotations
 
 import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from ..kernels.layout import Int2Layout
@@ -38,6 +42,7 @@ class OscarSWAKVPool(SWAKVPool):
             ``swa_max_total_num_tokens``).
         swa_attention_layer_ids, full_attention_layer_ids: global layer ids of each kind.
         oscar_config, hp_dtype, max_reqs, sink_rows: as :class:`~.int2_pool.OscarMHATokenToKVPool`.
+        skip: ``"none"``, or the kind (``"sliding"`` / ``"full"``) whose sub-pool stays BF16.
         **kwargs: ``SWAKVPool``'s other arguments (``page_size``, ``dtype``, ``head_num``,
             ``head_dim``, ``v_head_dim``, ``swa_head_num`` / ``swa_head_dim`` / ``swa_v_head_dim``
             for a sliding geometry that differs, ``device``, ...).
@@ -47,18 +52,31 @@ class OscarSWAKVPool(SWAKVPool):
     """
 
     def __init__(self, *, size: int, size_swa: int, oscar_config, hp_dtype: torch.dtype, max_reqs: int,
-                 sink_rows: int, **kwargs):
+                 sink_rows: int, skip: str = "none", **kwargs):
+        if skip not in ("none", "sliding", "full"):
+            raise ValueError(f"skip must be 'none', 'sliding' or 'full', got {skip!r}")
         page_size = kwargs.get("page_size", 1)
         self.windows = HPWindows(size + page_size, max_reqs, oscar_config.sink_tokens, oscar_config.recent_tokens,
                                  sink_rows, kwargs.get("device", "cuda"))
         self.oscar_config = oscar_config
         self.hp_dtype = hp_dtype
+        self.skip = skip
         shared = dict(oscar_config=oscar_config, hp_dtype=hp_dtype, max_reqs=max_reqs, sink_rows=sink_rows,
-                      windows=self.windows, enable_alt_stream=False)
-        super().__init__(size=size, size_swa=size_swa, token_to_kv_pool_class=OscarMHATokenToKVPool,
-                         **shared, **kwargs)
-        # only the full allocator's frees are full slots, the keys of the sink rows
+                      windows=self.windows)
+        kinds = iter(("sliding", "full"))  # SWAKVPool builds the sliding sub-pool first, then the full one
+
+        def sub_pool(**kw):
+            if next(kinds) == skip:
+                kw["dtype"] = hp_dtype
+                return MHATokenToKVPool(**kw)
+            return OscarMHATokenToKVPool(**kw, **shared)
+
+        super().__init__(size=size, size_swa=size_swa, token_to_kv_pool_class=sub_pool, enable_alt_stream=False,
+                         **kwargs)
+        # only the full allocator's frees are full slots, the keys of the sink rows (whatever the
+        # full sub-pool's dtype: the sliding layers' rows are keyed by them too)
         self.swa_kv_pool.owns_windows = False
+        self.full_kv_pool.windows = self.windows
         self.full_kv_pool.owns_windows = True
         self.owns_windows = False
 
@@ -66,6 +84,10 @@ class OscarSWAKVPool(SWAKVPool):
     def _sub(self, layer_id: int):
         local, is_swa = self.layers_mapping[layer_id]
         return (self.swa_kv_pool if is_swa else self.full_kv_pool), local
+
+    def is_int2_layer(self, layer_id: int) -> bool:
+        """Whether a global layer id is cached in INT2 (``False`` for the kind ``skip`` names)."""
+        return isinstance(self._sub(layer_id)[0], OscarMHATokenToKVPool)
 
     def layout_of(self, layer_id: int) -> Int2Layout:
         """The :class:`~sglang_oscar.kernels.layout.Int2Layout` of a global layer id."""
@@ -88,12 +110,15 @@ class OscarSWAKVPool(SWAKVPool):
         pool.write_rotated(local, loc, k_rot, v_rot, hp_rows)
 
     def int2_bytes_per_token(self) -> tuple[int, int]:
-        """INT2 bytes of one token over ``(full, sliding)`` layers (K + V, all local kv heads)."""
-        return self.full_kv_pool.int2_bytes_per_token(), self.swa_kv_pool.int2_bytes_per_token()
+        """Bytes of one token over ``(full, sliding)`` layers (K + V, all local kv heads): INT2, or
+        BF16 for the kind ``skip`` names."""
+        return tuple(p.int2_bytes_per_token() if isinstance(p, OscarMHATokenToKVPool)
+                     else p.layer_num * p.head_num * (p.head_dim + p.v_head_dim) * p.store_dtype.itemsize
+                     for p in (self.full_kv_pool, self.swa_kv_pool))
 
     def hp_bytes(self) -> int:
-        """Bytes of the BF16 window rows of both sub-pools."""
-        return self.full_kv_pool.hp_bytes() + self.swa_kv_pool.hp_bytes()
+        """Bytes of the BF16 window rows of the INT2 sub-pools."""
+        return sum(p.hp_bytes() for p in (self.full_kv_pool, self.swa_kv_pool) if isinstance(p, OscarMHATokenToKVPool))
 
     # ------------------------------------------------------------------ sliding slot table
     def new_swa_table(self, req_to_token: torch.Tensor) -> torch.Tensor:
