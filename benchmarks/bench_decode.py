@@ -5,7 +5,7 @@ One layer of Qwen3-8B geometry (32 q heads, 8 kv heads, head_dim 128), contexts 
 batch 1/8/32, all measured in the same process:
 
 * ``int2``: :class:`sglang_oscar.kernels.DecodePlan` ``run`` (stage 1 + stage 2, rotated frame),
-  default tuning, plus a small sweep of tunings (the best is reported separately, each variant is
+  default config, plus a small sweep of configs (the best is reported separately, each variant is
   checked against the default's output first);
 * ``sglang``: ``sglang.kernels.ops.attention.decode_attention.decode_attention_fwd`` on a BF16
   paged buffer (page size 1, random slot order), best over max_kv_splits in {8, 16, 32, 64}
@@ -29,6 +29,7 @@ reported as such and the run continues. The markdown table is printed last and w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -40,25 +41,62 @@ import torch
 
 from sglang_oscar.kernels import (
     DecodePlan,
+    DecodeWorkspace,
+    GluonConfig,
     Int2Layout,
-    decode_num_hp_splits,
-    decode_workspace,
+    TritonConfig,
+    default_triton_config,
     interpreting,
     write_kv,
 )
-from sglang_oscar.kernels.decode.engine import decode_engine
-from sglang_oscar.kernels.decode.splits import default_num_kv_splits
-from sglang_oscar.kernels.tuning import STAGES1_MIN_PAIRS, AttnTuning
+from sglang_oscar.kernels.configs import STAGES1_MIN_PAIRS
 
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256
 
 SWEEP = [  # compared with the default (the Gluon engine where it applies: kernels/decode/gluon_stage1.py)
-    dict(engine="triton"),  # the Triton stage 1 with its defaults
-    dict(engine="triton", num_stages=1),  # the best Triton tuning at 32K x 32 in the sweep
-    dict(engine="gluon", maxnreg=255),  # no register cap (172 registers: 11 programs per SM)
-    dict(engine="gluon", block_n=16),
+    TritonConfig,  # the Triton stage 1 with its defaults for the batch
+    TritonConfig(num_stages=1, defer_sums=False),  # the best Triton config at 32K x 32 in the sweep
+    GluonConfig(maxnreg=None),  # no register cap (172 registers: 11 programs per SM)
+    GluonConfig(block_n=16),
 ]
+
+
+def config_label(config) -> str:
+    """A decode ``config`` for tables: ``auto`` (``None``), ``TritonConfig`` / ``GluonConfig`` (the type:
+    that engine's defaults), or an instance with the fields that differ from the dataclass defaults."""
+    if config is None:
+        return "auto"
+    if isinstance(config, type):
+        return config.__name__
+    changed = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+               if getattr(config, f.name) != f.default]
+    return f"{type(config).__name__}({', '.join(changed)})"
+
+
+def parse_config(entry):
+    """A decode config from JSON: ``null`` or ``"auto"`` (auto), ``"triton"`` / ``"gluon"`` (the type:
+    that engine's defaults for each point), or ``{"engine": "triton" | "gluon", field: value, ...}``
+    (an instance; fields not named keep the dataclass defaults, the head_dim-128 decode defaults).
+
+    Raises:
+        ValueError: an unknown engine or field, or a field value the config refuses.
+    """
+    types = {"triton": TritonConfig, "gluon": GluonConfig}
+    if entry is None or entry == "auto":
+        return None
+    if isinstance(entry, str):
+        if entry not in types:
+            raise ValueError(f"config {entry!r}: use 'auto', 'triton', 'gluon' or an object")
+        return types[entry]
+    fields = dict(entry)
+    engine = fields.pop("engine", None)
+    if engine not in types:
+        raise ValueError(f"config {entry!r} needs \"engine\": \"triton\" or \"gluon\"")
+    try:
+        return types[engine](**fields)
+    except TypeError as e:  # an unknown field
+        raise ValueError(f"config {entry!r}: {e}") from e
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -212,17 +250,18 @@ class Case:
         """The layer's ``(k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v)``, as ``DecodePlan.run`` takes them."""
         return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
 
-    def plan_int2(self, tuning=None, num_kv_splits=None, workspace=None, sink=SINK, recent=RECENT) -> DecodePlan:
-        """The decode plan of this case (what the server builds once per batch)."""
+    def plan_int2(self, config=None, num_kv_splits=None, workspace=None, sink=SINK, recent=RECENT) -> DecodePlan:
+        """The decode plan of this case (what the server builds once per batch) for a decode ``config``
+        (``None``, a config type or instance: :class:`DecodePlan`)."""
         return DecodePlan(self.layout, self.q.shape[1], self.buffers(), self.hp_index, self.req_to_token,
                           self.req_pool_indices, self.seq_lens, sink=sink, recent=recent, q_dtype=self.q.dtype,
-                          tuning=tuning, num_kv_splits=num_kv_splits, workspace=workspace, max_seq_len=self.ctx,
+                          config=config, num_kv_splits=num_kv_splits, workspace=workspace, max_seq_len=self.ctx,
                           debug=False)
 
-    def run_int2(self, tuning=None, num_kv_splits=None, workspace=None, out=None, sink=SINK, recent=RECENT):
+    def run_int2(self, config=None, num_kv_splits=None, workspace=None, out=None, sink=SINK, recent=RECENT):
         """One decode call: plan and run (the plan's checks included; time ``plan_int2().run`` for the
         per-layer cost)."""
-        return self.plan_int2(tuning, num_kv_splits, workspace, sink, recent).run(self.q, *self.buffers(), out=out)
+        return self.plan_int2(config, num_kv_splits, workspace, sink, recent).run(self.q, *self.buffers(), out=out)
 
 
 def bench_layout(scale_dtype: str = "float16") -> Int2Layout:
@@ -357,7 +396,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU configuration (TRITON_INTERPRET=1)")
     ap.add_argument("--contexts", default="4096,16384,32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--no-sweep", action="store_true", help="only the default INT2 tuning")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default INT2 config")
     ap.add_argument("--scale-dtype", default="float16")
     ap.add_argument("--smoke-sglang", action="store_true", help="also run SGLang's kernel in --smoke (slow)")
     ap.add_argument("--pool-layout", default="random", choices=POOL_LAYOUTS,
@@ -403,7 +442,7 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(device, smoke)
     print(f"[bench] device={info['device']} copy bandwidth (read+write) = {copy_bw / 1e12:.2f} TB/s", flush=True)
     sweep = [] if (args.no_sweep or smoke) else SWEEP
-    default_tuning = AttnTuning().resolved(D).as_dict()
+    default_config = config_label(default_triton_config(layout))
     rows, extra = [], {}
     for ctx in contexts:
         for bsz in batches:
@@ -412,37 +451,35 @@ def main(argv=None) -> int:
                 case = Case(bsz, ctx, device, layout, with_bf16=True)
                 apply_pool_layout(case, args.pool_layout)
                 r = {"ctx": ctx, "batch": bsz}
-                tn = AttnTuning.of(None).resolved(D)
-                engine = decode_engine(tn, layout, case.q, torch.float16, False)
-                # the split count the plan would choose (sized ahead for the workspace)
-                ns = default_num_kv_splits(tn, engine, bsz, HQ, HKV, device=device, max_seq_len=ctx)
-                r["engine"] = engine
-                ws = decode_workspace(bsz, HQ, D, ns + decode_num_hp_splits(SINK, RECENT), device)
+                ws = DecodeWorkspace(device)
+                # built once, run per layer (the server's way); its engine and split count are the defaults
+                plan = case.plan_int2(workspace=ws)
+                ns = plan.num_kv_splits
+                r["engine"] = plan.engine
                 out = torch.empty(bsz, HQ, D, dtype=torch.bfloat16, device=device)
-                ref = case.run_int2(num_kv_splits=ns, workspace=ws, out=out).float().clone()
+                ref = plan.run(case.q, *case.buffers(), out=out).float().clone()
                 if not bool(torch.isfinite(ref).all()):
                     raise RuntimeError(f"INT2 decode produced non-finite values at ctx={ctx} batch={bsz}")
-                plan = case.plan_int2(num_kv_splits=ns, workspace=ws)  # built once, run per layer (the server's way)
                 r["int2"] = bench(lambda: plan.run(case.q, *case.buffers(), out=out), smoke)
                 r["int2_splits"] = ns
                 best, best_cfg = r["int2"], "default"
                 r["sweep"] = {}
                 for cfg in sweep:
-                    key = json.dumps(cfg, sort_keys=True)
+                    key = config_label(cfg)
                     try:
-                        o = case.run_int2(tuning=cfg).float()
+                        o = case.run_int2(config=cfg).float()
                         err = float((o - ref).norm() / ref.norm().clamp_min(1e-30))
                         if not math.isfinite(err) or err > 2e-2:
                             r["sweep"][key] = f"WRONG (rel {err:.1e})"
                             continue
-                        t = bench(lambda cfg=cfg: case.run_int2(tuning=cfg), smoke)
+                        t = bench(lambda cfg=cfg: case.run_int2(config=cfg), smoke)
                         r["sweep"][key] = t
                         if t < best:
                             best, best_cfg = t, key
                     except Exception as e:  # noqa: BLE001
                         r["sweep"][key] = f"FAIL {type(e).__name__}: {str(e)[:120]}"
                 r["int2_best"], r["int2_best_cfg"] = best, best_cfg
-                # stage-removed variants (default tuning, cheap): INT2 only (no HP window)
+                # stage-removed variants (default config, cheap): INT2 only (no HP window)
                 if ctx >= 32768 and bsz in (1, 32):
                     r["int2_no_hp"] = bench(lambda: case.run_int2(num_kv_splits=ns, sink=0, recent=0), smoke)
                 # BF16 baselines
@@ -487,7 +524,7 @@ def main(argv=None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    table = render(rows, extra, copy_bw, info, default_tuning, time.time() - t_start, smoke)
+    table = render(rows, extra, copy_bw, info, default_config, time.time() - t_start, smoke)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "copy_bw": copy_bw, "rows": rows, "extra": extra}, f, indent=1, default=str)
@@ -531,7 +568,7 @@ def ratio_txt(x) -> str:
     return "-" if not x else f"{x:.2f}x"
 
 
-def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
+def render(rows, extra, copy_bw, info, default_config, elapsed, smoke) -> str:
     lines = []
     lines.append(f"### Decode attention, Qwen3-8B layer ({HQ} q / {HKV} kv heads, head_dim {D}), "
                  f"sink {SINK} + recent {RECENT}")
@@ -544,10 +581,10 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
     lines.append(f"INT2 pool layout: `{info.get('pool_layout')}` (bench_decode.apply_pool_layout: slot order and "
                  "storage of the INT2 rows; SGLang's BF16 kernel reads the same slot ids)")
     engines = sorted({r["engine"] for r in rows if r.get("engine")})
-    lines.append(f"INT2 default engine (stage 1): {', '.join(engines) or 'n/a'} (``engine=None`` resolves to the Gluon "
-                 "kernel where it applies, kernels/decode/gluon_stage1.py; Triton knobs below apply to the Triton engine)")
-    lines.append(f"INT2 default tuning: `{json.dumps(default_tuning, sort_keys=True)}` below {STAGES1_MIN_PAIRS} "
-                 f"(request, kv head) pairs per step, `num_stages` 1 and no `defer_sums` from there (tuning.STAGES1_MIN_PAIRS)")
+    lines.append(f"INT2 default engine (stage 1): {', '.join(engines) or 'n/a'} (``config=None`` runs the Gluon "
+                 "kernel where it applies, kernels/decode/gluon_stage1.py, else the Triton one)")
+    lines.append(f"INT2 default Triton config: `{default_config}` below {STAGES1_MIN_PAIRS} (request, kv head) pairs "
+                 "per step, `num_stages` 1 and no `defer_sums` from there (configs.STAGES1_MIN_PAIRS)")
     lines.append("")
     lines.append("| ctx | batch | INT2 default | INT2 best | SGLang triton BF16 (best splits) | SDPA BF16 | "
                  "INT2 BW (best) | BF16 BW (fastest) | INT2 / fastest BF16 speed-up | best INT2 config |")
@@ -571,7 +608,7 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
     rows = [r for r in rows if "error" not in r]
     no_hp = [r for r in rows if r.get("int2_no_hp")]
     if no_hp:
-        lines.append("Stage-removed variants (default tuning): " + "; ".join(
+        lines.append("Stage-removed variants (default config): " + "; ".join(
             f"ctx {r['ctx']} b {r['batch']}: full {fmt_ms(r['int2'])}, INT2 tier only (sink=recent=0) "
             f"{fmt_ms(r['int2_no_hp'])}" for r in no_hp))
     if extra.get("write_ms") is not None:
@@ -591,7 +628,7 @@ def render(rows, extra, copy_bw, info, default_tuning, elapsed, smoke) -> str:
     sweep_keys = sorted({k for r in rows for k in r.get("sweep", {})})
     if sweep_keys:
         lines.append("")
-        lines.append("INT2 tuning sweep (time; WRONG = output differs from the default's by > 2e-2 rel. L2):")
+        lines.append("INT2 config sweep (time; WRONG = output differs from the default's by > 2e-2 rel. L2):")
         lines.append("")
         lines.append("| ctx | batch | " + " | ".join(f"`{k}`" for k in sweep_keys) + " |")
         lines.append("|---:|---:|" + "---:|" * len(sweep_keys))

@@ -9,7 +9,7 @@ median device time per kernel and the graph-timed whole call, whose excess over 
 kernels is the gap between launches inside a graph.
 
     python -m benchmarks.profile_decode --contexts 4096,32768,131072 --batches 1,32 --out $OUT/profile.md
-    python -m benchmarks.profile_decode --tuning '{"engine": "triton"}'
+    python -m benchmarks.profile_decode --config triton
     python -m benchmarks.profile_decode --merge     # the merge kernel alone: output dims per program x chunk x warps
 
 ``--merge`` times ``launch.decode_merge`` (CUDA-graph cold-L2 timing, launch included) on random
@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--tuning", default="{}", help="JSON tuning passed to decode_attention")
+    ap.add_argument("--config", default="null", help="JSON decode config (bench_decode.parse_config: null = auto, "
+                    "\"triton\", \"gluon\" or {\"engine\": ..., field: value})")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--merge", action="store_true", help="time the merge kernel's configurations only")
     ap.add_argument("--out", default=None)
@@ -96,9 +97,9 @@ def main(argv=None) -> int:
                 f.write(text + "\n")
         return 0
     device = torch.device("cuda")
-    tuning = json.loads(args.tuning)
+    config = bd.parse_config(json.loads(args.config))
     layout = bd.bench_layout()
-    lines = [f"tuning `{json.dumps(tuning)}`; {torch.cuda.get_device_name(0)}; median of {args.reps} cold-L2 "
+    lines = [f"config `{bd.config_label(config)}`; {torch.cuda.get_device_name(0)}; median of {args.reps} cold-L2 "
              "calls per kernel (torch.profiler device time); whole call: CUDA-graph time (bench_decode)\n",
              "| ctx | batch | kernel | us | share of the kernels |", "|---:|---:|---|---:|---:|"]
     for ctx in (int(x) for x in args.contexts.split(",")):
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
             out = torch.empty(b, bd.HQ, bd.D, dtype=torch.bfloat16, device=device)
 
             def fn(c=case, o=out):
-                return c.run_int2(tuning=tuning or None, out=o)
+                return c.run_int2(config, out=o)
 
             times = kernel_times(fn, args.reps)
             med = {k: statistics.median(v) for k, v in times.items()}

@@ -1,17 +1,20 @@
 #!/usr/bin/env python
-"""Tuning sweep of the INT2 decode kernel (issue 3): tile knobs x number of splits, one device call.
+"""Config sweep of the INT2 decode kernel: launch configs x number of splits, one device call.
 
 For each (context, batch) point of the Qwen3-8B layer geometry of ``bench_decode.py`` (32 q / 8 kv
-heads, head_dim 128, sink 64 + recent 256, fp16 scales), times every tuning of ``--grid`` at
-every split count given by ``--waves`` (INT2 splits = ceil(waves x SMs / (batch x kv heads)),
-so ``waves`` is the number of one-warp programs per SM the grid offers), with the same CUDA-graph
-cold-L2 timing as ``bench_decode.py``. Every variant's output is compared with the Triton
-engine's, default tuning (rel. L2; ``WRONG`` above ``--tol``) before it is timed. Prints one table per point
-(time in us; best first) and writes JSON. Also prints, per tuning, the compiled kernel's
-registers / spill bytes / shared memory and the resulting warps per SM.
+heads, head_dim 128, sink 64 + recent 256, fp16 scales), times every config of ``--grid`` (default
+:data:`DEFAULT_GRID`, the variants worth re-timing: the engines' defaults and the
+:class:`TritonConfig` / :class:`GluonConfig` fields the defaults were picked from) at every split
+count given by ``--waves`` (INT2 splits = ceil(waves x SMs / (batch x kv heads)), so ``waves`` is
+the number of one-warp programs per SM the grid offers), with the same CUDA-graph cold-L2 timing as
+``bench_decode.py``. Every variant's output is compared with the Triton engine's default config
+(rel. L2; ``WRONG`` above ``--tol``) before it is timed. Prints one table per point (time in us;
+best first) and writes JSON. Also prints, per Triton config, the compiled kernel's registers /
+spill bytes / shared memory and the resulting warps per SM.
 
     python -m benchmarks.sweep_decode --out $OUT/sweep.md --json $OUT/sweep.json
-    python -m benchmarks.sweep_decode --profile '{"block_n": 16, "convert": 3}' --waves 24 \\
+    python -m benchmarks.sweep_decode --grid '["triton", {"engine": "triton", "convert": 3}]'
+    python -m benchmarks.sweep_decode --profile '{"engine": "triton", "block_n": 16}' --waves 24 \\
         --contexts 131072 --batches 1          # one variant, for ncu
 """
 
@@ -30,21 +33,26 @@ try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py 
     from . import bench_decode as bd
 except ImportError:
     import bench_decode as bd
-from sglang_oscar.kernels import decode_num_hp_splits, decode_workspace
-from sglang_oscar.kernels.tuning import AttnTuning
+from sglang_oscar.kernels import DecodeWorkspace, GluonConfig, TritonConfig
+from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM
 
-DEFAULT_GRID = [  # {} = the default: the Gluon engine where it applies (kernels/decode/gluon_stage1.py)
-    {},
-    {"engine": "gluon", "maxnreg": 255},  # no register cap: 172 registers, 11 programs per SM
-    {"engine": "gluon", "block_n": 16},
-    {"async_stages": 0},  # Gluon, the register pipeline
-    {"async_stages": 3},  # Gluon, 3 cp.async stages (+ the slot ring, on by default)
-    {"async_stages": 2, "async_slots": False},  # Gluon, the word ring without the slot ring
-    # the Triton engine and some of its knobs
-    {"engine": "triton"},
-    {"engine": "triton", "num_stages": 1},  # 168 registers, 4 KB shared memory: 12 programs per SM
-    {"engine": "triton", "maxnreg": 168},
-    {"engine": "triton", "block_n": 16, "num_stages": 3},
+DEFAULT_GRID = [
+    None,  # auto: the Gluon engine where it applies (kernels/decode/gluon_stage1.py)
+    GluonConfig(maxnreg=None),  # no register cap: 172 registers, 11 programs per SM
+    GluonConfig(block_n=16),
+    # the Triton engine: its defaults for the point (num_stages and defer_sums follow the batch), then
+    # variants of the fields its defaults were chosen from (TritonConfig's defaults otherwise)
+    TritonConfig,
+    TritonConfig(num_stages=1, defer_sums=False),  # 168 registers, 4 KB shared memory: 12 programs per SM
+    TritonConfig(defer_sums=False),
+    TritonConfig(pairs_ahead=False, defer_sums=False),
+    TritonConfig(convert=CONVERT_ASM_PERM),
+    TritonConfig(convert=CONVERT_ASM_PERM, pairs_ahead=False, defer_sums=False),  # the larger heads' default
+    TritonConfig(convert=CONVERT_ASM, block_n=64),
+    TritonConfig(min_block_h=16),
+    TritonConfig(block_n=64, num_warps=2),
+    TritonConfig(maxnreg=168),
+    TritonConfig(block_n=16, num_stages=3),
 ]
 
 
@@ -90,13 +98,13 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--waves", default="2,8,16,32")
-    ap.add_argument("--grid", default=None, help="JSON list of tunings (default: the built-in grid); an entry "
-                    "without \"engine\" runs the default engine (Gluon where it applies) unless it names a "
-                    "Triton-only knob (AttnTuning.TRITON_ONLY)")
+    ap.add_argument("--grid", default=None, help="JSON list of configs (default: DEFAULT_GRID): null / \"auto\", "
+                    "\"triton\" / \"gluon\" (that engine's defaults) or {\"engine\": ..., field: value} "
+                    "(bench_decode.parse_config)")
     ap.add_argument("--pool-layout", default="random", choices=bd.POOL_LAYOUTS,
                     help="slot ids and pool storage of the benchmark case (bench_decode.apply_pool_layout)")
     ap.add_argument("--tol", type=float, default=1e-2)
-    ap.add_argument("--profile", default=None, help="JSON tuning: run only it (for ncu), 20 launches")
+    ap.add_argument("--profile", default=None, help="JSON config (as in --grid): run only it (for ncu), 20 launches")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script (TRITON_INTERPRET=1, tiny shapes)")
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
         bd.HQ, bd.HKV = 4, 2
         device, sms = torch.device("cpu"), 4
         args.contexts, args.batches, args.waves = "400", "1,2", "1,2"
-        args.grid = args.grid or json.dumps([{}, {"convert": 3, "block_n": 32}])
+        args.grid = args.grid or json.dumps([None, {"engine": "triton", "convert": 3, "block_n": 32}])
     elif not torch.cuda.is_available():
         print("needs a CUDA device (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
@@ -119,20 +127,19 @@ def main(argv=None) -> int:
     waves = [float(x) for x in args.waves.split(",")]
 
     if args.profile:
-        tn = json.loads(args.profile)
+        cfg = bd.parse_config(json.loads(args.profile))
         case = bd.Case(batches[0], contexts[0], device, layout, with_bf16=False)
         bd.apply_pool_layout(case, args.pool_layout)
-        bn = AttnTuning.of(tn).resolved(bd.D).block_n
-        ns = splits_for(waves[0], batches[0], sms, contexts[0], bn)
-        ws = decode_workspace(batches[0], bd.HQ, bd.D, ns + decode_num_hp_splits(bd.SINK, bd.RECENT), device)
+        ns = splits_for(waves[0], batches[0], sms, contexts[0], case.plan_int2(cfg, num_kv_splits=1).config.block_n)
+        ws = DecodeWorkspace(device)
         for _ in range(20):
-            case.run_int2(tuning=tn, num_kv_splits=ns, workspace=ws)
+            case.run_int2(cfg, num_kv_splits=ns, workspace=ws)
         if not smoke:
             torch.cuda.synchronize()
-        print(f"[profile] {tn} splits={ns} resources={resources(compiled_stage1().values())}")
+        print(f"[profile] {bd.config_label(cfg)} splits={ns} resources={resources(compiled_stage1().values())}")
         return 0
 
-    grid = json.loads(args.grid) if args.grid else DEFAULT_GRID
+    grid = [bd.parse_config(e) for e in json.loads(args.grid)] if args.grid else DEFAULT_GRID
     results, lines, res = [], [], {}
     t_start = time.time()
     for ctx in contexts:
@@ -142,10 +149,11 @@ def main(argv=None) -> int:
             bd.apply_pool_layout(case, args.pool_layout)
             ref_ns = splits_for(8, b, sms, ctx, 64)
             # the reference: the Triton engine (the grid's entries include the default Gluon pipeline)
-            ref = case.run_int2(tuning={"engine": "triton"}, num_kv_splits=ref_ns).float()
+            ref = case.run_int2(TritonConfig, num_kv_splits=ref_ns).float()
             point = {"ctx": ctx, "batch": b, "bytes": case.int2_bytes(), "runs": []}
-            for tn in grid:
-                bn = AttnTuning.of(tn).resolved(bd.D).block_n
+            for cfg in grid:
+                label = bd.config_label(cfg)
+                bn = case.plan_int2(cfg, num_kv_splits=1).config.block_n
                 before = set(compiled_stage1())
                 seen = set()
                 for w in waves:
@@ -153,39 +161,38 @@ def main(argv=None) -> int:
                     if ns in seen:
                         continue
                     seen.add(ns)
-                    run = {"tuning": tn, "waves": w, "splits": ns}
+                    run = {"config": label, "waves": w, "splits": ns}
                     try:
-                        ws = decode_workspace(b, bd.HQ, bd.D, ns + decode_num_hp_splits(bd.SINK, bd.RECENT), device)
+                        ws = DecodeWorkspace(device)
                         out = torch.empty(b, bd.HQ, bd.D, dtype=torch.bfloat16, device=device)
-                        o = case.run_int2(tuning=tn, num_kv_splits=ns, workspace=ws, out=out).float()
+                        o = case.run_int2(cfg, num_kv_splits=ns, workspace=ws, out=out).float()
                         err = float((o - ref).norm() / ref.norm().clamp_min(1e-30))
                         run["rel_err"] = err
                         if not math.isfinite(err) or err > args.tol:
                             run["status"] = f"WRONG {err:.1e}"
                         else:
-                            run["ms"] = bd.bench(lambda c=case, t=tn, n=ns, w=ws, o=out: c.run_int2(
-                                tuning=t, num_kv_splits=n, workspace=w, out=o), smoke)
+                            run["ms"] = bd.bench(lambda c=case, t=cfg, n=ns, w=ws, o=out: c.run_int2(
+                                t, num_kv_splits=n, workspace=w, out=o), smoke)
                             run["tbps"] = point["bytes"] / (run["ms"] * 1e-3) / 1e12
                     except Exception as e:  # noqa: BLE001
                         run["status"] = f"FAIL {type(e).__name__}: {str(e)[:160]}"
                         traceback.print_exc()
                     point["runs"].append(run)
-                key = json.dumps(tn, sort_keys=True)
-                if key not in res:
+                if label not in res:
                     ks = compiled_stage1()
-                    res[key] = resources([ks[i] for i in ks if i not in before])
+                    res[label] = resources([ks[i] for i in ks if i not in before])
             ok = sorted([r for r in point["runs"] if "ms" in r], key=lambda r: r["ms"])
             lines.append(f"\n### ctx {ctx} x batch {b} ({time.time() - t0:.0f} s)\n")
-            lines.append("| us | TB/s | splits | waves | rel err | tuning |\n|---:|---:|---:|---:|---:|---|")
+            lines.append("| us | TB/s | splits | waves | rel err | config |\n|---:|---:|---:|---:|---:|---|")
             for r in ok[:12]:
                 lines.append(f"| {r['ms'] * 1e3:.1f} | {r['tbps']:.2f} | {r['splits']} | {r['waves']:g} | "
-                             f"{r['rel_err']:.1e} | `{json.dumps(r['tuning'], sort_keys=True)}` |")
+                             f"{r['rel_err']:.1e} | `{r['config']}` |")
             bad = [r for r in point["runs"] if "status" in r]
             for r in bad:
-                lines.append(f"| - | - | {r['splits']} | {r['waves']:g} | - | `{json.dumps(r['tuning'])}` {r['status']} |")
-            dflt = [r for r in point["runs"] if r["tuning"] == {} and "ms" in r]
+                lines.append(f"| - | - | {r['splits']} | {r['waves']:g} | - | `{r['config']}` {r['status']} |")
+            dflt = [r for r in point["runs"] if r["config"] == "auto" and "ms" in r]
             if dflt and ok:
-                lines.append(f"\nbest {ok[0]['ms'] * 1e3:.1f} us vs default tuning at 8 waves "
+                lines.append(f"\nbest {ok[0]['ms'] * 1e3:.1f} us vs the default config at 8 waves "
                              f"{min(r['ms'] for r in dflt if r['waves'] == 8) * 1e3 if any(r['waves'] == 8 for r in dflt) else float('nan'):.1f} us")
             print("\n".join(lines[-(len(ok[:12]) + len(bad) + 4):]), flush=True)
             results.append(point)

@@ -8,15 +8,15 @@
 #            suite needs more than one 600 s device call: split it, e.g.
 #              bash device/kernels.sh tests test_decode.py        # call 1
 #              FILES="test_write.py test_extend.py" bash device/kernels.sh tests bench   # call 2
-#            TESTS_K is the -k filter (default "not every_tuning": that test is the tunings step; TESTS_K=""
+#            TESTS_K is the -k filter (default "not every_triton_config": that test is the configs step; TESTS_K=""
 #            runs everything); TESTS_TIMEOUT (default 300) bounds each file.
 #   bench    python -m benchmarks.bench_decode --no-sweep --pool-layout served ($OUT/bench_decode.md, .json)
-#   tunings  the every-tuning decode test (-k every_tuning, ~90-100 s per parameter set)
-#   matrix   decode correctness per head_dim x tuning vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
-#   sweep    tunings x split counts (benchmarks.sweep_decode; SWEEP_CONTEXTS, SWEEP_BATCHES, SWEEP_WAVES, SWEEP_GRID)
+#   configs  the every-Triton-config decode test (-k every_triton_config, ~90-100 s per parameter set)
+#   matrix   decode correctness per head_dim x config vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
+#   sweep    configs x split counts (benchmarks.sweep_decode; SWEEP_CONTEXTS, SWEEP_BATCHES, SWEEP_WAVES, SWEEP_GRID)
 #   step     one layer's served decode step (benchmarks.bench_step; STEP_CONTEXTS, STEP_BATCHES, STEP_BLOCK_N)
 #   profile  device time per kernel of a decode call (benchmarks.profile_decode, ~40 s)
-#   ncu      issue-stall metrics of the decode kernel (NCU_TUNING JSON, NCU_TAG file name, NCU_SASS=1
+#   ncu      issue-stall metrics of the decode kernel (NCU_CONFIG JSON, NCU_TAG file name, NCU_SASS=1
 #            per-instruction csv, NCU_WAVES / NCU_CONTEXT / NCU_BATCH / NCU_POOL)
 # The sglang bundle is only set up (device/env.sh) when it was carried or is installed already: the
 # kernels need torch and triton alone. Exit code: 1 if a test file or a step failed.
@@ -42,9 +42,9 @@ if [ ${#files[@]} -eq 0 ]; then
   fi
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
-grid='[{}, {"engine": "gluon", "block_n": 16}, {"async_stages": 3}, {"engine": "triton"}, {"engine": "triton", "num_stages": 1}]'
+grid='[null, {"engine": "gluon", "block_n": 16}, "triton", {"engine": "triton", "num_stages": 1, "defer_sums": false}]'
 grid="${SWEEP_GRID:-$grid}"
-tuning="${NCU_TUNING:-}"; [ -n "$tuning" ] || tuning='{}'
+ncu_config="${NCU_CONFIG:-}"; [ -n "$ncu_config" ] || ncu_config='null'
 rc=0
 for s in "${steps[@]}"; do
   case "$s" in
@@ -52,7 +52,7 @@ for s in "${steps[@]}"; do
       for f in "${files[@]}"; do
         [ -f "$f" ] || { echo "no such test file: $f"; rc=1; continue; }
         name="${f##*/}"; log="$OUT/gpu_${name%.py}.log"
-        k=(); [ -n "${TESTS_K-not every_tuning}" ] && k=(-k "${TESTS_K-not every_tuning}")
+        k=(); [ -n "${TESTS_K-not every_triton_config}" ] && k=(-k "${TESTS_K-not every_triton_config}")
         # -rf: the failures' names at the end; a timeout still leaves the passed dots in the log
         timeout "${TESTS_TIMEOUT:-300}" python -m pytest -q -rf --tb=short -m gpu "$f" "${k[@]}" \
           -p no:cacheprovider > "$log" 2>&1
@@ -67,10 +67,10 @@ for s in "${steps[@]}"; do
         --json "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1; brc=$?
       [ "$brc" -eq 0 ] || rc=1
       echo "bench rc=$brc"; tail -40 "$OUT/bench_decode.log";;
-    tunings)
-      timeout 300 python -m pytest -v -rf --tb=short -m gpu tests/kernels -k every_tuning -p no:cacheprovider \
-        > "$OUT/gpu_tunings.log" 2>&1 || rc=1
-      grep -E "(PASSED|FAILED|ERROR)( |$)" "$OUT/gpu_tunings.log" | sed 's/.*:://' | head; tail -1 "$OUT/gpu_tunings.log";;
+    configs)
+      timeout 300 python -m pytest -v -rf --tb=short -m gpu tests/kernels -k every_triton_config -p no:cacheprovider \
+        > "$OUT/gpu_configs.log" 2>&1 || rc=1
+      grep -E "(PASSED|FAILED|ERROR)( |$)" "$OUT/gpu_configs.log" | sed 's/.*:://' | head; tail -1 "$OUT/gpu_configs.log";;
     matrix)
       timeout 260 python tests/kernels/decode_matrix.py --json "$OUT/matrix.json" > "$OUT/matrix.txt" 2>&1 || rc=1
       grep -E "BAD|ERROR|cases" "$OUT/matrix.txt" | head -20;;
@@ -95,14 +95,14 @@ for s in "${steps[@]}"; do
         --section WarpStateStats --section SourceCounters \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,smsp__inst_executed.sum" \
         --import-source no -f -o "/tmp/$tag" \
-        python -m benchmarks.sweep_decode --profile "$tuning" --waves "${NCU_WAVES:-12}" \
+        python -m benchmarks.sweep_decode --profile "$ncu_config" --waves "${NCU_WAVES:-12}" \
         --contexts "${NCU_CONTEXT:-131072}" --batches "${NCU_BATCH:-1}" --pool-layout "${NCU_POOL:-random}" \
         > "$OUT/$tag.txt" 2>&1 || rc=1
       ncu -i "/tmp/$tag.ncu-rep" >> "$OUT/$tag.txt" 2>&1
       if [ "${NCU_SASS:-0}" = 1 ]; then
         ncu -i "/tmp/$tag.ncu-rep" --page source --print-source sass --csv > "$OUT/${tag}_sass.csv" 2>&1
       fi;;
-    *) echo "unknown step '$s' (tests, bench, tunings, matrix, sweep, step, profile, ncu)"; rc=2;;
+    *) echo "unknown step '$s' (tests, bench, configs, matrix, sweep, step, profile, ncu)"; rc=2;;
   esac
 done
 exit $rc

@@ -40,7 +40,7 @@ class OscarConfig:
         rotation_v_path: the upstream V ``.pt`` file paired with ``rotation_path`` (set by the
             ``SGLANG_OSCAR_K/V_ROTATION_PATH`` aliases), else ``None``.
         decode_engine: decode attention's stage-1 kernel: ``"auto"`` (the Gluon kernel where it
-            applies, else Triton; ``kernels.decode.engine.decode_engine``), ``"triton"`` or ``"gluon"``
+            applies, else Triton; ``kernels.decode.engine.decode_config``), ``"triton"`` or ``"gluon"``
             (refused with the reason for a model it cannot run).
         rotate_engine: how the backend rotates q, the new K/V rows and the output each step:
             ``"triton"`` (default: q, K and V in one launch, ``kernels.rotate.rotate_qkv``, the

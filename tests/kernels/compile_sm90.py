@@ -8,6 +8,7 @@ non-zero on the first failure. Must run with TRITON_INTERPRET unset.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -20,11 +21,15 @@ import torch  # noqa: E402
 from _support.orthogonal import random_orthogonal  # noqa: E402
 from kv_fixtures import build_pool, make_config  # noqa: E402
 from sglang_oscar.kernels import (  # noqa: E402
+    GluonConfig,
     Int2Layout,
+    TritonConfig,
     decode_attention,
+    default_triton_config,
     extend_attention,
     write_kv,
 )
+from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_BITS  # noqa: E402
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
 
@@ -76,30 +81,34 @@ CASES = [
     ("write d128 one row per program", lambda: _write(128, 128, None, "uniform", "float16", rows_per_program=1)),
     ("write d192/128 lloyd grouped", lambda: _write(192, 128, 64, "lloyd-max", "bfloat16")),
     ("write d512 g128 fp32-scales", lambda: _write(512, 512, 128, "uniform", "float32")),
-    ("decode bits", lambda: _attn("d", tuning=dict(convert=1))),
-    ("decode asm", lambda: _attn("d", tuning=dict(convert=2))),
-    ("decode arith", lambda: _attn("d", tuning=dict(convert=0))),
-    ("decode asm-perm token-major", lambda: _attn("d", tuning=dict(convert=3, token_major=True, pairs_ahead=False))),
-    ("decode asm-perm pairs ahead", lambda: _attn("d", tuning=dict(convert=3, block_n=32, pairs_ahead=True))),
-    ("decode subnormal operands (default)", lambda: _attn("d", tuning=dict(convert=5, block_n=32))),
-    ("decode subnormal, sums per block", lambda: _attn("d", tuning=dict(convert=5, block_n=32, defer_sums=False))),
-    ("decode subnormal, one stage (batch x kv heads >= 256)", lambda: _attn("d", tuning=dict(convert=5, num_stages=1))),
-    ("decode subnormal, pairs in the loop", lambda: _attn("d", tuning=dict(convert=5, block_n=32, pairs_ahead=False))),
-    ("decode gluon engine", lambda: _attn("d", tuning=dict(engine="gluon"))),
+    ("decode bits", lambda: _attn("d", config=TritonConfig(convert=CONVERT_BITS))),
+    ("decode asm", lambda: _attn("d", config=TritonConfig(convert=CONVERT_ASM))),
+    ("decode asm-perm", lambda: _attn("d", config=TritonConfig(convert=CONVERT_ASM_PERM, pairs_ahead=False,
+                                                               defer_sums=False))),
+    ("decode asm-perm pairs ahead", lambda: _attn("d", config=TritonConfig(convert=CONVERT_ASM_PERM))),
+    ("decode subnormal operands (default)", lambda: _attn("d", config=TritonConfig())),
+    ("decode subnormal, sums per block", lambda: _attn("d", config=TritonConfig(defer_sums=False))),
+    ("decode subnormal, one stage (batch x kv heads >= 256)", lambda: _attn(
+        "d", config=TritonConfig(num_stages=1, defer_sums=False))),
+    ("decode subnormal, pairs in the loop", lambda: _attn("d", config=TritonConfig(pairs_ahead=False,
+                                                                                    defer_sums=False))),
+    ("decode gluon engine", lambda: _attn("d", config=GluonConfig())),
     ("decode gluon engine, block_n 16, window, gqa16", lambda: _attn("d", hq=32, hkv=2, sliding_window=64,
-                                                                     tuning=dict(engine="gluon", block_n=16))),
-    ("decode subnormal lloyd", lambda: _attn("d", quantizer="lloyd-max", tuning=dict(convert=5, block_n=32))),
-    ("decode asm-perm head-major lloyd", lambda: _attn("d", quantizer="lloyd-max",
-                                                       tuning=dict(convert=3, token_major=False, num_warps=4))),
-    ("decode asm lloyd g64 (fast grouped)", lambda: _attn("d", group=64, quantizer="lloyd-max", tuning=dict(convert=2))),
+                                                                     config=GluonConfig(block_n=16))),
+    ("decode subnormal lloyd", lambda: _attn("d", quantizer="lloyd-max", config=TritonConfig())),
+    ("decode asm-perm head-major lloyd g64", lambda: _attn("d", group=64, quantizer="lloyd-max",
+                                                           config=TritonConfig(convert=CONVERT_ASM_PERM, num_warps=4))),
+    ("decode asm lloyd g64 (fast grouped)", lambda: _attn("d", group=64, quantizer="lloyd-max",
+                                                          config=TritonConfig(convert=CONVERT_ASM))),
     ("decode general g32 fp32-scales", lambda: _attn("d", group=32, sdt="float32")),
     ("decode 192/128 window cap", lambda: _attn("d", dk=192, dv=128, hq=8, hkv=8, sliding_window=16, logit_cap=30.0)),
-    ("decode d64 gqa6 min_block_h 4", lambda: _attn("d", dk=64, dv=64, hq=12, hkv=2, tuning=dict(min_block_h=4))),
+    ("decode d64 gqa6 min_block_h 4", lambda: _attn("d", dk=64, dv=64, hq=12, hkv=2, config=dataclasses.replace(
+        default_triton_config(Int2Layout.create(64, 64)), min_block_h=4))),
     ("decode d256 bf16 mma", lambda: _attn("d", dk=256, dv=256, hq=16, hkv=2, mma=torch.bfloat16)),
     ("decode d512", lambda: _attn("d", dk=512, dv=512, hq=4, hkv=1)),
     ("decode d64 fp32 ieee", lambda: _attn("d", dk=64, dv=64, hq=4, hkv=1, hp_dtype=torch.float32,
                                            mma=torch.float32)),
-    ("extend d128", lambda: _attn("e", tuning=dict(convert=2))),
+    ("extend d128", lambda: _attn("e")),
     ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
                                                   sliding_window=16, logit_cap=20.0)),
 ]

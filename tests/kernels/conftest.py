@@ -4,6 +4,9 @@
   ``pytest tests/kernels`` works on a CPU-only machine.
 * Under the interpreter the ``gpu`` tests are skipped (real sizes); without the interpreter the
   CPU-sized interpreter tests are skipped (they pass CPU tensors to the kernels).
+* A test run on both takes the ``device`` fixture: ``"cpu"`` (interpreter, small sizes) or ``"cuda"``
+  (compiled, real sizes; the ``gpu`` marker, so ``-m gpu`` selects it and ``-m "not gpu"`` deselects
+  it); the test picks its sizes from the device.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ import torch
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     os.environ["TRITON_INTERPRET"] = "1"
+
+@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Where a kernel test runs: ``"cpu"`` under the interpreter, ``"cuda"`` compiled (``gpu`` marker)."""
+    return request.param
+
 
 # modules that do not go through the interpreter themselves
 _EITHER = {"test_compile.py"}

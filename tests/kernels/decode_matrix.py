@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Correctness matrix of the INT2 decode kernel: head_dim x quantizer x logit cap x tuning vs the oracle.
+"""Correctness matrix of the INT2 decode kernel: head_dim x quantizer x logit cap x config vs the oracle.
 
-Prints one line per (geometry, tuning) with the rel. L2 distance of ``decode_attention``'s output
+Prints one line per (geometry, config) with the rel. L2 distance of ``decode_attention``'s output
 to ``reference_decode`` (the PyTorch oracle) and ``BAD`` above ``--tol`` (the acceptance's 1e-2
 for bf16 outputs). Meant for a device call when a GPU test fails without details, or to decide
-which tunings a head_dim may default to; it uses the kernel tests' fixtures (poisoned pools at
+which conversions a head_dim may default to; it uses the kernel tests' fixtures (poisoned pools at
 random non-contiguous slots), so every case reads exactly what the tests read.
 
     python tests/kernels/decode_matrix.py                       # GPU, default matrix (~3 min incl. compiles)
@@ -14,6 +14,7 @@ random non-contiguous slots), so every case reads exactly what the tests read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,7 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 from sglang_oscar.kernels import choose_num_splits  # noqa: E402
-from kv_fixtures import build_pool, make_config, reference_decode, rel_l2, rotate_q, run_decode  # noqa: E402
+from kv_fixtures import (  # noqa: E402
+    build_pool,
+    make_config,
+    reference_decode,
+    rel_l2,
+    rotate_q,
+    run_decode,
+    triton_config,
+)
 
 GEOMETRIES = [  # (dk, dv, hq, hkv, quantizer, group, logit cap)
     (64, 64, 16, 4, "lloyd-max", None, 30.0),
@@ -35,15 +44,14 @@ GEOMETRIES = [  # (dk, dv, hq, hkv, quantizer, group, logit cap)
     (192, 128, 8, 8, "uniform", None, None),
     (256, 256, 16, 4, "lloyd-max", 128, None),
 ]
-TUNINGS = [
-    None,  # the default of the head_dim
+VARIANTS = [  # TritonConfig fields over the head_dim's default_triton_config (None: config=None, auto)
+    None,
     {"convert": 5, "pairs_ahead": False},
     {"convert": 5, "pairs_ahead": True},
     {"convert": 3, "pairs_ahead": False},
     {"convert": 3, "pairs_ahead": True},
     {"convert": 2, "pairs_ahead": False},
     {"convert": 1, "pairs_ahead": False},
-    {"convert": 0, "pairs_ahead": False},
 ]
 
 
@@ -69,10 +77,13 @@ def main() -> int:
         qr = rotate_q(pool, q).to(torch.bfloat16)
         splits = args.splits or choose_num_splits(len(lens), hkv, device=torch.device(args.device),
                                                      max_seq_len=max(lens))
-        for tn in TUNINGS:
-            name = f"dk{dk} dv{dv} {quantizer} g{group} cap{cap} tuning={json.dumps(tn)}"
+        base = triton_config(pool, pairs=len(lens) * hkv)
+        for ch in VARIANTS:
+            name = f"dk{dk} dv{dv} {quantizer} g{group} cap{cap} config={json.dumps(ch)}"
+            # the deferred sums go with the pair prefetch, as in the defaults
+            tn = None if ch is None else dataclasses.replace(base, **ch, defer_sums=base.defer_sums and ch["pairs_ahead"])
             try:
-                o = run_decode(pool, qr, tuning=tn, logit_cap=cap, num_kv_splits=splits, out_dtype=torch.bfloat16,
+                o = run_decode(pool, qr, config=tn, logit_cap=cap, num_kv_splits=splits, out_dtype=torch.bfloat16,
                                debug=False)
                 err = rel_l2(o, ref)
                 verdict = "ok" if err < args.tol else "BAD"

@@ -9,7 +9,7 @@ developed against static instruction counts on the CPU box and tested against th
 GPU only.
 
     python tests/kernels/gluon_compile_check.py     # prints the artefacts and the SASS instruction count
-    python tests/kernels/gluon_compile_check.py --decode [--block-n 32] [--tuning '{"async_stages": 3}']   # decode loop (JSON)
+    python tests/kernels/gluon_compile_check.py --decode [--block-n 32]   # decode loop (JSON)
     python tests/kernels/gluon_compile_check.py --decode --order   # + the INT2 loop's opcode order as letters
 
 ``--decode`` compiles ``kernels.decode.gluon_kernel._gluon_decode_stage1`` (32 q / 8 kv heads, head_dim 128)
@@ -28,6 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from sglang_oscar.kernels import GluonConfig
 from sglang_oscar.kernels.compile_check import cuobjdump, sass_loops
 
 
@@ -39,9 +40,9 @@ def scale2(x_ptr, y_ptr, n, BLOCK: gl.constexpr):
     gl.store(y_ptr + offs, gl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
-def decode_loop_stats(block_n: int = 32, tuning: dict | None = None) -> dict:
+def decode_loop_stats(block_n: int = 32) -> dict:
     """Compile the Gluon decode kernel for sm_90 through the real launch path (``decode_attention``
-    with ``engine="gluon"`` inside ``compile_check.compile_only``, on the small CPU pool of
+    with ``GluonConfig(block_n=block_n)`` inside ``compile_check.compile_only``, on the small CPU pool of
     tests/kernels/compile_sm90.py: 32 q / 8 kv heads, head_dim 128, so Triton specialises the
     strides as it would on the GPU) and return its resource use and loop opcodes."""
     import re
@@ -52,7 +53,7 @@ def decode_loop_stats(block_n: int = 32, tuning: dict | None = None) -> dict:
 
     with compile_only("cuda", 90):
         before = len(COMPILED)
-        compile_sm90._attn("d", tuning=dict(tuning or {}, engine="gluon", block_n=block_n))
+        compile_sm90._attn("d", config=GluonConfig(block_n=block_n))
         k = next(c[3] for c in COMPILED[before:] if c[0] == "_gluon_decode_stage1")
     usage = cuobjdump(k.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
@@ -91,16 +92,15 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--decode", action="store_true", help="compile the Gluon decode loop, print JSON stats")
-    ap.add_argument("--block-n", type=int, default=32, choices=(16, 32, 64))
+    ap.add_argument("--block-n", type=int, default=32, choices=(16, 32))
     ap.add_argument("--order", action="store_true", help="with --decode: print the INT2 loop's opcode order "
                     "(loop_order letters) after the JSON")
-    ap.add_argument("--tuning", default=None, help='more knobs of the Gluon decode tuning, JSON (e.g. \'{"async_stages": 3}\')')
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter has no compiler", file=sys.stderr)
         return 2
     if args.decode:
-        stats = decode_loop_stats(args.block_n, json.loads(args.tuning) if args.tuning else None)
+        stats = decode_loop_stats(args.block_n)
         order = stats.pop("int2_loop_order")
         print(json.dumps(stats))
         if args.order:

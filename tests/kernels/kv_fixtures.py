@@ -168,11 +168,7 @@ def rotate_q(pool: Pool, q: torch.Tensor) -> torch.Tensor:
 
 def run_decode(pool: Pool, q_rot: torch.Tensor, *, sink=None, recent=None, poison=True, **kw) -> torch.Tensor:
     """``decode_attention`` on ``pool`` with a NaN-poisoned output and workspace; checks full coverage."""
-    from sglang_oscar.kernels import (
-        decode_attention,
-        decode_num_hp_splits,
-        decode_workspace,
-    )
+    from sglang_oscar.kernels import DecodeWorkspace, decode_attention, decode_num_hp_splits
 
     sink = pool.config.sink_tokens if sink is None else sink
     recent = pool.config.recent_tokens if recent is None else recent
@@ -183,7 +179,7 @@ def run_decode(pool: Pool, q_rot: torch.Tensor, *, sink=None, recent=None, poiso
     out = kw.pop("out", None)
     if poison and out is None and kw.get("rotation_v") is None:
         out = poison_(torch.empty(b, hq, dv, dtype=kw.pop("out_dtype", torch.float32), device=q_rot.device))
-    ws = decode_workspace(b, hq, dv, nkv + nhp, q_rot.device)
+    ws = DecodeWorkspace(q_rot.device).views(b, hq, dv, nkv + nhp)
     if poison:
         poison_(ws[0])
         poison_(ws[1])
@@ -193,6 +189,14 @@ def run_decode(pool: Pool, q_rot: torch.Tensor, *, sink=None, recent=None, poiso
                          debug=kw.pop("debug", True), **kw)
     assert not bool(torch.isnan(o.float()).any()), "decode output not fully written (NaN left)"
     return o
+
+
+def triton_config(pool: Pool, *, extend: bool = False, pairs: int | None = None, **changes):
+    """:func:`~sglang_oscar.kernels.default_triton_config` of ``pool``'s layout on this platform with
+    ``changes`` (field values) applied: a variant of what the kernels run by default."""
+    from sglang_oscar.kernels import default_triton_config
+
+    return dataclasses.replace(default_triton_config(pool.layout, extend=extend, pairs=pairs), **changes)
 
 
 def reference_extend(pool: Pool, q: torch.Tensor, prefixes, exts, *, sliding_window=None, logit_cap=None,

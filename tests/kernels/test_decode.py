@@ -11,7 +11,9 @@ import functools
 
 import pytest
 import torch
-from sglang_oscar.kernels import Int2Layout
+from sglang_oscar.kernels import GluonConfig, Int2Layout, TritonConfig, default_triton_config
+from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_BITS, CONVERT_SUBNORMAL
+from sglang_oscar.kernels.configs import GLUON_MAXNREG
 from kv_fixtures import (
     build_pool,
     fresh_seed,
@@ -20,12 +22,13 @@ from kv_fixtures import (
     rel_l2,
     rotate_q,
     run_decode,
+    triton_config,
 )
 import dataclasses
 import math
 import random
 from kv_fixtures import random_rows
-from sglang_oscar.kernels import decode_attention, decode_workspace
+from sglang_oscar.kernels import DecodeWorkspace, decode_attention
 from gpu_sizes import DEV, GPU_RECENT, GPU_SINK, SCALE, scaled
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -46,21 +49,28 @@ FP32_CASES = [
 
 
 @pytest.mark.parametrize("lens,hq,hkv,dk,dv,group,quantizer,sdt", FP32_CASES)
-def test_decode_fp32_exact(lens, hq, hkv, dk, dv, group, quantizer, sdt):
+def test_decode_fp32_exact(device, lens, hq, hkv, dk, dv, group, quantizer, sdt):
+    """fp32 HP rows and fp32 MMAs match the oracle to 1e-4: CPU at the lengths above, CUDA at a 5K
+    context (the served windows, the default split count)."""
     fresh_seed()
-    cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=SINK, recent=RECENT)
-    pool = build_pool(lens, hkv, dk, dv, cfg, hp_dtype=torch.float32)
-    q = torch.randn(len(lens), hq, dk)
+    cuda = device == "cuda"
+    sink, recent = (GPU_SINK, GPU_RECENT) if cuda else (SINK, RECENT)
+    if cuda:
+        lens = [scaled(5000), 400, 1]
+    cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=sink, recent=recent)
+    pool = build_pool(lens, hkv, dk, dv, cfg, hp_dtype=torch.float32, device=DEV if cuda else "cpu")
+    q = torch.randn(len(lens), hq, dk, device=pool.hp_k.device)
     ref = reference_decode(pool, q, hp_dtype=torch.float32)
-    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32)
+    kw = dict(num_kv_splits=None, debug=False) if cuda else {}
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, **kw)
     assert rel_l2(o, ref) < 1e-4
 
 
 @pytest.mark.parametrize("hp_dtype,quantizer,group,sdt,convert", [
-    (torch.bfloat16, "uniform", None, "float16", 1),
-    (torch.bfloat16, "lloyd-max", 64, "bfloat16", 1),
-    (torch.float16, "uniform", 16, "float32", 0),
-    (torch.bfloat16, "lloyd-max", None, "float32", 0),
+    (torch.bfloat16, "uniform", None, "float16", CONVERT_BITS),
+    (torch.bfloat16, "lloyd-max", 64, "bfloat16", CONVERT_BITS),
+    (torch.float16, "uniform", 16, "float32", None),  # None: the default config
+    (torch.bfloat16, "lloyd-max", None, "float32", None),
 ])
 def test_decode_half_precision(hp_dtype, quantizer, group, sdt, convert):
     fresh_seed()
@@ -69,7 +79,7 @@ def test_decode_half_precision(hp_dtype, quantizer, group, sdt, convert):
     q = torch.randn(6, 8, 128)
     ref = reference_decode(pool, q, hp_dtype=hp_dtype)
     o = run_decode(pool, rotate_q(pool, q).to(torch.bfloat16), mma_dtype=torch.float16,
-                   tuning=dict(convert=convert), out_dtype=torch.bfloat16)
+                   config=None if convert is None else triton_config(pool, convert=convert), out_dtype=torch.bfloat16)
     assert o.dtype == torch.bfloat16
     assert rel_l2(o, ref) < 1e-2
 
@@ -107,7 +117,7 @@ def test_decode_head_blocks_never_straddle(hq, hkv, max_block_h, min_block_h):
     q = torch.randn(2, hq, 80)
     ref = reference_decode(pool, q, hp_dtype=torch.float32)
     o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32,
-                   tuning=dict(max_block_h=max_block_h, min_block_h=min_block_h))
+                   config=triton_config(pool, max_block_h=max_block_h, min_block_h=min_block_h))
     assert rel_l2(o, ref) < 1e-4
 
 
@@ -150,40 +160,41 @@ def test_decode_min_split_keys(min_keys):
     q = torch.randn(4, 8, 64)
     ref = reference_decode(pool, q, hp_dtype=torch.float32)
     qr = rotate_q(pool, q)
-    o = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=9, tuning={"min_split_keys": min_keys})
+    o = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=9,
+                   config=triton_config(pool, min_split_keys=min_keys))
     assert rel_l2(o, ref) < 1e-4
     if min_keys >= 1000:
         one = run_decode(pool, qr, mma_dtype=torch.float32, num_kv_splits=1)
         assert rel_l2(o, one) < 1e-6
-        from sglang_oscar.kernels.tuning import AttnTuning
-        for bad in (-1, AttnTuning.MAX_MIN_SPLIT_KEYS + 1, 10**9):
-            with pytest.raises(ValueError, match=f"min_split_keys={bad} must be in"):
-                AttnTuning(min_split_keys=bad)
+        from sglang_oscar.kernels.configs import MAX_MIN_SPLIT_KEYS
+        for bad in (-1, MAX_MIN_SPLIT_KEYS + 1, 10**9):
+            for config_type in (TritonConfig, GluonConfig):
+                with pytest.raises(ValueError, match=f"min_split_keys={bad} must be in"):
+                    config_type(min_split_keys=bad)
 
 
-@pytest.mark.parametrize("token_major,convert,group,pairs_ahead,defer", [
-    (False, 1, None, False, False), (True, 0, None, False, False), (True, 4, None, False, False),
-    (False, 4, None, False, False), (True, 4, 64, False, False), (False, 4, 32, False, False),
-    (True, 4, None, True, False), (True, 1, None, True, False), (True, 6, None, False, False),
-    (True, 6, None, True, False), (True, 6, 64, False, False), (False, 6, None, False, False),
-    (True, 6, None, True, True), (True, 4, None, False, True), (True, 0, None, True, True),
-    (False, 4, None, False, True),
+@pytest.mark.parametrize("convert,group,pairs_ahead,defer", [
+    (CONVERT_BITS, None, False, False), (CONVERT_ASM_PERM, None, False, False), (CONVERT_ASM_PERM, 64, False, False),
+    (CONVERT_ASM_PERM, 32, False, False), (CONVERT_ASM_PERM, None, True, False), (CONVERT_BITS, None, True, False),
+    (CONVERT_SUBNORMAL, None, False, False), (CONVERT_SUBNORMAL, None, True, False),
+    (CONVERT_SUBNORMAL, 64, False, False), (CONVERT_SUBNORMAL, None, True, True),
+    (CONVERT_ASM_PERM, None, False, True), (CONVERT_BITS, None, True, True), (CONVERT_ASM_PERM, 32, False, True),
 ])
-def test_decode_tile_orientations_and_conversions(token_major, convert, group, pairs_ahead, defer):
-    """Token-major vs head-major tiles, every CPU-runnable code conversion (4 / 6 = the emulated
-    forms of the CUDA-only converts 3 / 5; 6 falls back to 4 off the token-major fast path), the
-    hand-prefetched pair loads and the deferred softmax / zero-point sums (``defer_sums``; ignored by
-    head-major tiles) give the oracle's answer (block_n 16 and lengths of several blocks, so the
-    prefetch crosses blocks and ends)."""
+def test_decode_tile_orientations_and_conversions(convert, group, pairs_ahead, defer):
+    """Token-major tiles (one pair group per row) and head-major ones (groups 32 / 64), every code
+    conversion as the interpreter runs it (3 / 5 through their emulations; 5 falls back to 3 off the
+    token-major fast path), the hand-prefetched pair loads and the deferred softmax / zero-point sums
+    (``defer_sums``; ignored by head-major tiles) give the oracle's answer (block_n 16 and lengths of
+    several blocks, so the prefetch crosses blocks and ends)."""
     fresh_seed()
     cfg = make_config(sink=SINK, recent=RECENT, quantizer="lloyd-max", group_size=group)
     pool = build_pool([9, 70, 20], 2, 128, 128, cfg, hp_dtype=torch.bfloat16)
     q = torch.randn(3, 8, 128)
     ref = reference_decode(pool, q)
-    tn = dict(token_major=token_major, convert=convert, pairs_ahead=pairs_ahead, block_n=16, defer_sums=defer)
-    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float16, tuning=tn)
+    tn = triton_config(pool, convert=convert, pairs_ahead=pairs_ahead, block_n=16, defer_sums=defer)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float16, config=tn)
     assert rel_l2(o, ref) < 1e-2
-    o32 = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, tuning=tn, num_kv_splits=1)
+    o32 = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, config=tn, num_kv_splits=1)
     assert rel_l2(o32, ref) < 1e-4
 
 
@@ -210,11 +221,12 @@ def test_decode_empty_request_and_int64_offsets(monkeypatch):
     (192, 128, "lloyd-max", 7, 3.0, 2, False, True),
     (256, 256, "uniform", None, None, 1, True, False),
 ])
-def test_decode_subnormal_and_pairs_ahead_match_convert4(monkeypatch, dk, dv, quantizer, window, cap, splits,
+def test_decode_subnormal_and_pairs_ahead_match_convert3(monkeypatch, dk, dv, quantizer, window, cap, splits,
                                                            sinkl, idx64):
-    """The CUDA-only subnormal conversion (emulated: 6) with hand-prefetched pairs (the GPU default)
-    equals the emulated permuting conversion (4) without them and the oracle on odd lengths, windows, logit caps, per-request sink lengths,
-    int64 offsets and head dims 80-256 (fp32 MMA: the two differ only by rounding)."""
+    """The subnormal conversion (5, run by its emulation here) with hand-prefetched pairs (the GPU
+    default) equals the permuting conversion (3, emulated) without them and the oracle on odd lengths,
+    windows, logit caps, per-request sink lengths, int64 offsets and head dims 80-256 (fp32 MMA: the
+    two differ only by rounding)."""
     fresh_seed()
     if idx64:
         monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
@@ -227,8 +239,10 @@ def test_decode_subnormal_and_pairs_ahead_match_convert4(monkeypatch, dk, dv, qu
         sl = torch.full((pool.hp_index.shape[0],), 4, dtype=torch.int32)
         sl[pool.req_pool_indices[1:3]] = torch.tensor([2, 0], dtype=torch.int32)
         kw["sink_lens"] = sl
-    base = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=4, pairs_ahead=False, block_n=16), **kw)
-    o = run_decode(pool, rotate_q(pool, q), tuning=dict(convert=6, pairs_ahead=True, block_n=16), **kw)
+    base = run_decode(pool, rotate_q(pool, q), config=triton_config(
+        pool, convert=CONVERT_ASM_PERM, pairs_ahead=False, defer_sums=False, block_n=16), **kw)
+    o = run_decode(pool, rotate_q(pool, q), config=triton_config(
+        pool, convert=CONVERT_SUBNORMAL, pairs_ahead=True, block_n=16), **kw)
     assert rel_l2(o, base) < 1e-5
     if not sinkl:
         assert rel_l2(o, reference_decode(pool, q, sliding_window=window, logit_cap=cap,
@@ -254,7 +268,6 @@ def test_choose_num_splits_gluon_policy(monkeypatch):
     """Gluon: 11 programs per SM up to 8 programs, 12 up to 16, 11 for 256-511 (one resident wave),
     32 otherwise; at 132 SMs (an H200) every branch gives a count the neighbouring rule would not."""
     from sglang_oscar.kernels.decode import splits
-    from sglang_oscar.kernels.tuning import AttnTuning
 
     monkeypatch.setattr(splits, "_sm_count", lambda device: 132)
     ns = functools.partial(splits.choose_num_splits, engine="gluon")
@@ -266,87 +279,105 @@ def test_choose_num_splits_gluon_policy(monkeypatch):
     assert ns(64, 8) == 9  # 512 programs: 32 waves; 11 waves: 3
     assert splits.choose_num_splits(32, 8) == 17  # the Triton engine keeps 32 waves at 256 programs
     # the split floor caps the count under a static bound (default_num_kv_splits): 4K at batch 4
-    tn = AttnTuning().resolved(128)
-    assert splits.default_num_kv_splits(tn, "gluon", 4, 32, 8, max_seq_len=4096) == 16  # 4096 / 256
-    assert splits.default_num_kv_splits(tn, "gluon", 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
-    assert splits.default_num_kv_splits(AttnTuning(min_split_keys=0).resolved(128), "gluon", 4, 32, 8,
+    assert splits.default_num_kv_splits(GluonConfig(), 4, 32, 8, max_seq_len=4096) == 16  # 4096 / 256
+    assert splits.default_num_kv_splits(GluonConfig(), 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
+    assert splits.default_num_kv_splits(GluonConfig(min_split_keys=0), 4, 32, 8,
                                         max_seq_len=4096) == 64  # 4096 / 64
 
 
 def test_default_min_split_keys():
     """128 keys up to 16 programs, 256 above, Gluon only; an explicit value (0 included) wins."""
-    from sglang_oscar.kernels.decode.splits import default_min_split_keys
-    from sglang_oscar.kernels.tuning import AttnTuning
+    from sglang_oscar.kernels.decode.splits import _split_keys, default_min_split_keys
 
     assert [default_min_split_keys("gluon", p) for p in (1, 16, 17, 4096)] == [128, 128, 256, 256]
     assert default_min_split_keys("triton", 8) == 0
-    assert AttnTuning().resolved(128).min_split_keys is None  # decided at launch, by engine and programs
-    assert AttnTuning(min_split_keys=0).resolved(128).min_split_keys == 0
+    # decided at launch, by engine and programs
+    assert default_triton_config(Int2Layout.create(128, 128)).min_split_keys is None
+    assert GluonConfig().min_split_keys is None
+    assert _split_keys(GluonConfig(), 8) == 128 and _split_keys(TritonConfig(), 8) == 0
+    assert _split_keys(GluonConfig(min_split_keys=0), 8) == 0  # an explicit value wins
 
 
-def test_default_tuning_resolution(monkeypatch):
-    """The defaults the GPU and the interpreter actually run (docs/kernels.md "Defaults")."""
-    from sglang_oscar.kernels.tuning import AttnTuning
+def _fields(cfg, *names):
+    return tuple(getattr(cfg, n) for n in names)
+
+
+def test_default_triton_config(monkeypatch):
+    """The configs the GPU and the interpreter actually run (docs/kernels.md "Decode defaults"): the
+    GPU's conversions under the interpreter too (it runs them by emulation)."""
+    def lay(dk, dv=None):
+        return Int2Layout.create(dk, dv or dk)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    t = AttnTuning().resolved(128)
-    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps, t.defer_sums) == (5, True, 32, 1, True)
-    t = AttnTuning().resolved(256)  # larger heads: the GPU-tested convert 3, no pairs_ahead
-    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps, t.defer_sums) == (3, False, 64, 2, False)
-    assert AttnTuning(pairs_ahead=True).resolved(256).defer_sums is False  # only where GPU-tested (65-128)
-    t = AttnTuning().resolved(128, extend=True)
-    assert (t.convert, t.pairs_ahead, t.defer_sums) == (2, False, False)
-    assert AttnTuning(pairs_ahead=False).resolved(128).defer_sums is False
-    assert AttnTuning(num_stages=1).resolved(128).defer_sums is False  # 1 stage: keep its registers
-    assert AttnTuning(num_stages=1, defer_sums=True).resolved(128).defer_sums is True  # explicit wins
-    assert AttnTuning(convert=3).resolved(128).pairs_ahead is True  # unset knobs take their default
-    assert AttnTuning(pairs_ahead=False).resolved(128).pairs_ahead is False
+    t = default_triton_config(lay(128))
+    assert _fields(t, "convert", "pairs_ahead", "block_n", "num_warps", "defer_sums") == (5, True, 32, 1, True)
+    assert t == TritonConfig()  # the dataclass defaults are the head_dim-128 decode config
+    t = default_triton_config(lay(256))  # larger heads: the GPU-tested convert 3, no pairs_ahead
+    assert _fields(t, "convert", "pairs_ahead", "block_n", "num_warps", "defer_sums") == (3, False, 64, 2, False)
+    t = default_triton_config(lay(128), extend=True)
+    assert _fields(t, "convert", "pairs_ahead", "defer_sums", "block_m", "block_n", "num_warps") == (
+        2, False, False, 64, 64, 4)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    t = AttnTuning().resolved(128)
-    assert (t.convert, t.pairs_ahead, t.defer_sums) == (6, True, True)  # the GPU default's path
-    assert (AttnTuning().resolved(512).convert, AttnTuning().resolved(512).pairs_ahead) == (4, False)
+    t = default_triton_config(lay(128))
+    assert _fields(t, "convert", "pairs_ahead", "defer_sums", "block_n", "min_block_h") == (5, True, True, 16, 1)
+    assert _fields(default_triton_config(lay(512)), "convert", "pairs_ahead") == (3, False)
     # head_dim 64: no permuting conversion (wrong on the GPU at quarters of 16 codes)
-    assert (AttnTuning().resolved(64).convert, AttnTuning().resolved(64).pairs_ahead) == (2, False)
-    assert (AttnTuning().resolved(80).convert, AttnTuning().resolved(80).pairs_ahead) == (6, True)
+    assert _fields(default_triton_config(lay(64)), "convert", "pairs_ahead") == (2, False)
+    assert _fields(default_triton_config(lay(80)), "convert", "pairs_ahead") == (5, True)
     monkeypatch.delenv("TRITON_INTERPRET")
-    t = AttnTuning().resolved(64)
-    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (2, False, 32, 1)
-    t = AttnTuning().resolved(128, min_head_dim=64)  # K 128 / V 64: the smaller one decides
-    assert (t.convert, t.pairs_ahead, t.block_n, t.num_warps) == (2, False, 32, 1)
+    t = default_triton_config(lay(64))
+    assert _fields(t, "convert", "pairs_ahead", "block_n", "num_warps") == (2, False, 32, 1)
+    t = default_triton_config(lay(128, 64))  # K 128 / V 64: the smaller one decides
+    assert _fields(t, "convert", "pairs_ahead", "block_n", "num_warps") == (2, False, 32, 1)
+
+
+def test_configs_validate_their_fields():
+    """Each config refuses values its kernels cannot take, naming the field; configs are frozen."""
+    for kw, match in ((dict(block_n=48), "block_n=48 must be a power of two"), (dict(num_stages=0), "num_stages=0"),
+                      (dict(convert=0), "convert=0 must be one of"), (dict(convert=4), "convert=4 must be one of"),
+                      (dict(maxnreg=300), "maxnreg=300"), (dict(pairs_ahead=1), "pairs_ahead=1 must be True"),
+                      (dict(block_n="32"), "block_n='32' must be an int"), (dict(max_block_h=0), "max_block_h=0")):
+        with pytest.raises(ValueError, match=match):
+            TritonConfig(**kw)
+    for kw, match in ((dict(block_n=64), "block_n=64 must be 16 or 32"), (dict(maxnreg=8), "maxnreg=8")):
+        with pytest.raises(ValueError, match=match):
+            GluonConfig(**kw)
+    with pytest.raises(TypeError):  # not a Gluon field
+        GluonConfig(num_stages=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TritonConfig().block_n = 16
+    assert (TritonConfig.engine, GluonConfig.engine) == ("triton", "gluon")
 
 
 def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
-    """GPU decode at head_dim 65-128: no async-copy pipeline from STAGES1_MIN_PAIRS (request, kv head)
-    pairs; an explicit num_stages, other head dims, extend and the interpreter keep theirs; the
-    decode wrapper resolves with B x H_kv."""
+    """GPU decode at head_dim 65-128: no async-copy pipeline (and no deferred sums) from
+    STAGES1_MIN_PAIRS (request, kv head) pairs; other head dims, extend and the interpreter keep their
+    stage count; the decode plan resolves with B x H_kv."""
+    from sglang_oscar.kernels.configs import STAGES1_MIN_PAIRS
     from sglang_oscar.kernels.decode import plan as plan_mod
-    from sglang_oscar.kernels.tuning import STAGES1_MIN_PAIRS, AttnTuning, _resolved_tuning
+
+    def cfg(dk, **kw):
+        return default_triton_config(Int2Layout.create(dk, dk), **kw)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert STAGES1_MIN_PAIRS == 256
-    assert AttnTuning().resolved(128).num_stages == 2
-    assert AttnTuning().resolved(128, pairs=255).num_stages == 2
-    assert AttnTuning().resolved(128, pairs=256).num_stages == 1
-    assert AttnTuning().resolved(128, pairs=255).defer_sums is True  # 2 stages: deferred sums
-    assert AttnTuning().resolved(128, pairs=256).defer_sums is False  # 1 stage: not
-    assert AttnTuning().resolved(96, pairs=4096).num_stages == 1
-    assert AttnTuning(num_stages=2).resolved(128, pairs=256).num_stages == 2
-    assert AttnTuning().resolved(256, pairs=4096).num_stages == 2  # larger heads: unmeasured, unchanged
-    assert AttnTuning().resolved(64, pairs=4096).num_stages == 2  # convert-2 path: unchanged
-    assert AttnTuning().resolved(128, extend=True, pairs=4096).num_stages == 2
-    lay = Int2Layout.create(128, 128)
-    assert _resolved_tuning(None, lay, False, pairs=32 * 8).num_stages == 1
-    assert _resolved_tuning(None, lay, False, pairs=8 * 8).num_stages == 2
-    assert _resolved_tuning({"num_stages": 3}, lay, False, pairs=32 * 8).num_stages == 3
+    assert cfg(128).num_stages == 2
+    assert cfg(128, pairs=255).num_stages == 2
+    assert cfg(128, pairs=256).num_stages == 1
+    assert cfg(128, pairs=255).defer_sums is True  # 2 stages: deferred sums
+    assert cfg(128, pairs=256).defer_sums is False  # 1 stage: not
+    assert cfg(96, pairs=4096).num_stages == 1
+    assert cfg(256, pairs=4096).num_stages == 2  # larger heads: unmeasured, unchanged
+    assert cfg(64, pairs=4096).num_stages == 2  # convert-2 path: unchanged
+    assert cfg(128, extend=True, pairs=4096).num_stages == 2
 
     seen = []
-    real = plan_mod._resolved_tuning
-    monkeypatch.setattr(plan_mod, "_resolved_tuning", lambda *a, **k: seen.append(k.get("pairs")) or real(*a, **k))
+    real = plan_mod.decode_config
+    monkeypatch.setattr(plan_mod, "decode_config", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert AttnTuning().resolved(128, pairs=4096).num_stages == 1  # the interpreter's own default
-    assert AttnTuning().resolved(128, pairs=4096).defer_sums is False  # ... but the GPU's choice of sums
-    assert AttnTuning().resolved(128, pairs=8).defer_sums is True
-    assert AttnTuning(num_stages=1).resolved(128, pairs=8).defer_sums is False  # as on the GPU
+    assert cfg(128, pairs=4096).num_stages == 1  # the interpreter's own default
+    assert cfg(128, pairs=4096).defer_sums is False  # ... but the GPU's choice of sums
+    assert cfg(128, pairs=8).defer_sums is True
     fresh_seed()
     pool = build_pool([40, 9, 70], 2, 64, 64, make_config(sink=SINK, recent=RECENT), hp_dtype=torch.float32)
     q = torch.randn(3, 4, 64)
@@ -358,7 +389,7 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
 def test_permuting_conversions_need_quarters_of_32_codes():
     """``permuting_ok``: the H200 gave 0.47-0.58 rel. L2 with convert 3 / 5 at head_dim 64
     (``tests/kernels/decode_matrix.py``); the decode wrapper routes such layouts to 2 (GPU) / 1 (interpreter)."""
-    from sglang_oscar.kernels.tuning import permuting_ok
+    from sglang_oscar.kernels.configs import permuting_ok
 
     def lay(dk, dv, group=None):
         return Int2Layout.create(dk, dv, group_size=group, k_clip_ratio=0.96, v_clip_ratio=0.92)
@@ -372,7 +403,7 @@ def test_permuting_conversions_need_quarters_of_32_codes():
 
 def test_effective_convert_routing(monkeypatch):
     """5/6 only on the token-major fast path (else 3/4, then 2/1); the interpreter emulates."""
-    from sglang_oscar.kernels.tuning import effective_convert
+    from sglang_oscar.kernels.configs import effective_convert
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     f16 = torch.float16
@@ -462,7 +493,7 @@ def test_merge_block_d_rule():
 def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
     """decode_attention takes a preallocated workspace with more rows than the step's batch (a CUDA
     graph's buffers): the merge reads the first B rows."""
-    from sglang_oscar.kernels import decode_attention, decode_num_hp_splits, decode_workspace
+    from sglang_oscar.kernels import decode_attention, decode_num_hp_splits
     from sglang_oscar.kernels.decode.merge import decode_merge
 
     fresh_seed()
@@ -470,7 +501,7 @@ def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
     pool = build_pool([20, 9], 2, 64, 64, cfg, hp_dtype=torch.float32)
     q = torch.randn(2, 4, 64)
     nhp = decode_num_hp_splits(SINK, RECENT)
-    ws = decode_workspace(5, 4, 64, 3 + nhp, q.device)
+    ws = DecodeWorkspace(q.device).views(5, 4, 64, 3 + nhp)
     o = decode_attention(rotate_q(pool, q), pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k,
                          pool.hp_v, pool.hp_index, pool.req_to_token, pool.req_pool_indices, pool.seq_lens,
                          pool.layout, sink=SINK, recent=RECENT, num_kv_splits=3, num_hp_splits=nhp, workspace=ws,
@@ -486,18 +517,18 @@ def test_decode_accepts_a_workspace_sized_for_a_larger_batch():
 def test_default_num_kv_splits_counts_the_engines_head_blocks():
     """The split count decode_attention picks by default (and benchmarks size workspaces with): the
     Gluon engine runs one program per 8 q heads, the Triton engine per plan_head_blocks block."""
-    from sglang_oscar.kernels import AttnTuning, plan_head_blocks
+    from sglang_oscar.kernels import plan_head_blocks
     from sglang_oscar.kernels.decode.splits import choose_num_splits, default_num_kv_splits
 
-    tn = AttnTuning.of(None).resolved(128)
+    tn = default_triton_config(Int2Layout.create(128, 128))
     cpu = torch.device("cpu")
     for bsz, hq, hkv in ((1, 32, 8), (8, 32, 8), (1, 64, 4), (2, 24, 2)):
         bpk = plan_head_blocks(hq, hkv, tn.min_block_h, tn.max_block_h)[2]
-        assert default_num_kv_splits(tn, "triton", bsz, hq, hkv, device=cpu, max_seq_len=131072) == \
+        assert default_num_kv_splits(tn, bsz, hq, hkv, device=cpu, max_seq_len=131072) == \
             choose_num_splits(bsz, hkv * bpk, device=cpu, max_seq_len=131072, block_n=tn.block_n, engine="triton")
-        assert default_num_kv_splits(tn, "gluon", bsz, hq, hkv, device=cpu, max_seq_len=131072) == \
-            choose_num_splits(bsz, hkv * -(-(hq // hkv) // 8), device=cpu, max_seq_len=131072, block_n=tn.block_n,
-                              engine="gluon")
+        assert default_num_kv_splits(GluonConfig(), bsz, hq, hkv, device=cpu, max_seq_len=131072) == \
+            choose_num_splits(bsz, hkv * -(-(hq // hkv) // 8), device=cpu, max_seq_len=131072,
+                              block_n=GluonConfig().block_n, engine="gluon")
 
 
 # ------------------------------ GPU cases (real sizes, `-m gpu`; sizes and dry run: gpu_sizes.py)
@@ -514,7 +545,7 @@ DECODE_CASES = {
     "window_cap": ([16384] * 8, 32, 8, 128, 128, None, "uniform", "float16", 4096, 30.0),
     "gqa6": ([10000] * 4, 24, 4, 128, 128, None, "uniform", "float16", None, None),
     "d64_gqa4_lloyd": ([30000, 1000, 77], 16, 4, 64, 64, None, "lloyd-max", "float16", None, 30.0),
-    # 32 x 8 = 256 (request, kv head) pairs: the num_stages-1 default (tuning.STAGES1_MIN_PAIRS)
+    # 32 x 8 = 256 (request, kv head) pairs: the num_stages-1 default (configs.STAGES1_MIN_PAIRS)
     "b32_lloyd_window_cap": ([6000] * 32, 32, 8, 128, 128, None, "lloyd-max", "bfloat16", 2048, 30.0),
 }
 
@@ -543,17 +574,14 @@ def _zero_mean_rows(t, h, d, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [None, dict(engine="triton"), dict(convert=2, block_n=64, engine="triton"),
-                                    dict(convert=1, token_major=False, engine="triton"),
-                                    dict(convert=3, pairs_ahead=False, engine="triton"),
-                                    dict(convert=5, pairs_ahead=False, engine="triton"),
-                                    pytest.param(dict(engine="gluon"), id="gluon"),
-                                    pytest.param(dict(engine="gluon", block_n=16), id="gluon-bn16"),
-                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
-                                    pytest.param(dict(engine="gluon", async_stages=3, async_slots=False),
-                                                 id="gluon-async3"),
-                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-slotring3")])
-def test_gpu_decode_long_split_independent_of_split_count(tuning):
+@pytest.mark.parametrize("config", [
+    pytest.param(None, id="auto"), pytest.param(TritonConfig, id="triton"),
+    pytest.param(TritonConfig(convert=CONVERT_ASM, block_n=64), id="triton-asm-bn64"),
+    pytest.param(TritonConfig(convert=CONVERT_BITS), id="triton-bits"),
+    pytest.param(TritonConfig(convert=CONVERT_ASM_PERM, pairs_ahead=False, defer_sums=False), id="triton-perm"),
+    pytest.param(TritonConfig(pairs_ahead=False, defer_sums=False), id="triton-subnormal-no-prefetch"),
+    pytest.param(GluonConfig(), id="gluon"), pytest.param(GluonConfig(block_n=16), id="gluon-bn16")])
+def test_gpu_decode_long_split_independent_of_split_count(config):
     """One split walking 128K keys == many short splits == the oracle, on zero-mean values.
 
     Zero-mean V makes the output small against the values the accumulator sums (the zero-point
@@ -566,40 +594,41 @@ def test_gpu_decode_long_split_independent_of_split_count(tuning):
     pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV, rows=_zero_mean_rows)
     q = torch.randn(len(lens), 32, 128, device=DEV)
     ref = reference_decode(pool, q)
-    outs = {ns: run_decode(pool, rotate_q(pool, q), tuning=tuning, num_kv_splits=ns, debug=False)
+    outs = {ns: run_decode(pool, rotate_q(pool, q), config=config, num_kv_splits=ns, debug=False)
             for ns in (1, 2, 64)}
     errs = {ns: rel_l2(o, ref) for ns, o in outs.items()}
     assert all(e < 1e-2 for e in errs.values()), errs
     assert rel_l2(outs[1], outs[64]) < 5e-3, (errs, rel_l2(outs[1], outs[64]))
 
 
-TUNINGS = [dict(convert=3, block_n=32, pairs_ahead=False), dict(convert=3, block_n=32, pairs_ahead=True),
-           dict(convert=2, block_n=64, pairs_ahead=True), dict(convert=5, block_n=32, pairs_ahead=False),
-           dict(convert=5, block_n=32),  # the default (pairs_ahead and, below 256 pairs, defer_sums on)
-           dict(convert=5, block_n=32, defer_sums=False), dict(convert=5, block_n=32, num_stages=1, defer_sums=True),
-           dict(convert=5, block_n=32, min_block_h=16), dict(convert=5, block_n=32, num_stages=1),
-           dict(convert=5, block_n=16, pairs_ahead=False), dict(convert=5, block_n=64, num_warps=2)] + [
-    dict(convert=c, token_major=tm, num_warps=w, block_n=bn, min_block_h=mh, pairs_ahead=pa)
-    for c, tm, w, bn, mh, pa in (
-        (0, True, 1, 64, 8, False), (1, True, 1, 64, 8, True), (2, True, 1, 64, 8, False), (3, True, 1, 64, 8, True),
-        (3, True, 1, 32, 8, False), (3, True, 1, 16, 8, True),
-        (2, False, 4, 64, 16, False), (3, False, 4, 64, 16, False), (2, True, 2, 32, 16, True),
-        (1, False, 1, 128, 4, False),
-    )
+TRITON_CONFIGS = [  # variants of the head_dim-128 GPU default (TritonConfig()), each vs the oracle
+    TritonConfig(convert=CONVERT_ASM_PERM, pairs_ahead=False, defer_sums=False), TritonConfig(convert=CONVERT_ASM_PERM),
+    TritonConfig(convert=CONVERT_ASM, block_n=64), TritonConfig(pairs_ahead=False, defer_sums=False),
+    TritonConfig(),  # the default below 256 pairs (pairs_ahead and defer_sums on)
+    TritonConfig(defer_sums=False), TritonConfig(num_stages=1), TritonConfig(min_block_h=16),
+    TritonConfig(num_stages=1, defer_sums=False), TritonConfig(block_n=16, pairs_ahead=False, defer_sums=False),
+    TritonConfig(block_n=64, num_warps=2), TritonConfig(convert=CONVERT_BITS, block_n=64),
+    TritonConfig(convert=CONVERT_ASM, block_n=64, pairs_ahead=False, defer_sums=False),
+    TritonConfig(convert=CONVERT_ASM_PERM, block_n=64), TritonConfig(convert=CONVERT_ASM_PERM, block_n=16),
+    TritonConfig(convert=CONVERT_ASM, num_warps=4, block_n=64, min_block_h=16, pairs_ahead=False, defer_sums=False),
+    TritonConfig(convert=CONVERT_ASM_PERM, num_warps=4, block_n=64, min_block_h=16, pairs_ahead=False,
+                 defer_sums=False),
+    TritonConfig(convert=CONVERT_ASM, num_warps=2, min_block_h=16),
+    TritonConfig(convert=CONVERT_BITS, block_n=128, min_block_h=4, pairs_ahead=False, defer_sums=False),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantizer,group", [("uniform", None), ("lloyd-max", None), ("lloyd-max", 32)])
-def test_gpu_decode_every_tuning(quantizer, group):
+def test_gpu_decode_every_triton_config(quantizer, group):
     fresh_seed()
     cfg = make_config(group_size=group, quantizer=quantizer, sink=GPU_SINK, recent=GPU_RECENT)
     pool = build_pool([scaled(20000), scaled(3000), 333, 70], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
     q = torch.randn(4, 32, 128, device=DEV)
     ref = reference_decode(pool, q)
     errs = {}
-    for tn in TUNINGS:  # Triton knobs: run them on the Triton engine (unset, uniform layouts take Gluon)
-        o = run_decode(pool, rotate_q(pool, q), tuning=dict(tn, engine="triton"), num_kv_splits=None, debug=False)
+    for tn in TRITON_CONFIGS:
+        o = run_decode(pool, rotate_q(pool, q), config=tn, num_kv_splits=None, debug=False)
         errs[str(tn)] = rel_l2(o, ref)
     bad = {k: v for k, v in errs.items() if not v < 1e-2}
     assert not bad, bad
@@ -614,16 +643,15 @@ def test_gpu_decode_subnormal_operands_match_convert3(quantizer, cap):
     cfg = make_config(quantizer=quantizer, sink=GPU_SINK, recent=GPU_RECENT)
     pool = build_pool([scaled(20000), scaled(3000), 333, 70], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
     q = rotate_q(pool, torch.randn(4, 32, 128, device=DEV))
-    base = run_decode(pool, q, tuning=dict(convert=3, pairs_ahead=False, engine="triton"), logit_cap=cap,
-                      num_kv_splits=None,
-                      debug=False)
-    for tn in (dict(convert=5, pairs_ahead=False), dict(convert=5, pairs_ahead=True), dict(convert=3, pairs_ahead=True)):
-        o = run_decode(pool, q, tuning=dict(tn, engine="triton"), logit_cap=cap, num_kv_splits=None, debug=False)
+    base = run_decode(pool, q, config=TritonConfig(convert=CONVERT_ASM_PERM, pairs_ahead=False, defer_sums=False),
+                      logit_cap=cap, num_kv_splits=None, debug=False)
+    for tn in (TritonConfig(pairs_ahead=False, defer_sums=False), TritonConfig(), TritonConfig(convert=CONVERT_ASM_PERM)):
+        o = run_decode(pool, q, config=tn, logit_cap=cap, num_kv_splits=None, debug=False)
         assert rel_l2(o, base) < 2e-3, (tn, rel_l2(o, base))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("convert", [0, 1, 2])  # 2 / 3 / 5 run as 1 with bf16 operands
+@pytest.mark.parametrize("convert", [None, CONVERT_BITS, CONVERT_ASM])  # 2 / 3 / 5 run as 1 with bf16 operands
 def test_gpu_decode_bf16_mma(convert):
     """bf16 MMA operands (cannot run under the interpreter)."""
     fresh_seed()
@@ -631,30 +659,14 @@ def test_gpu_decode_bf16_mma(convert):
     pool = build_pool([scaled(7000), 500], 8, 128, 128, cfg, hp_dtype=torch.bfloat16, device=DEV)
     q = torch.randn(2, 32, 128, device=DEV)
     ref = reference_decode(pool, q)
-    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.bfloat16, tuning=dict(convert=convert),
-                   num_kv_splits=None, debug=False)
+    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.bfloat16,
+                   config=None if convert is None else TritonConfig(convert=convert), num_kv_splits=None, debug=False)
     assert rel_l2(o, ref) < 1e-2
 
 
 @pytest.mark.gpu
-def test_gpu_decode_fp32_exact():
-    fresh_seed()
-    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, quantizer="lloyd-max", scale_dtype="float32")
-    pool = build_pool([scaled(5000), 400, 1], 8, 128, 128, cfg, hp_dtype=torch.float32, device=DEV)
-    q = torch.randn(3, 32, 128, device=DEV)
-    ref = reference_decode(pool, q, hp_dtype=torch.float32)
-    o = run_decode(pool, rotate_q(pool, q), mma_dtype=torch.float32, num_kv_splits=None, debug=False)
-    assert rel_l2(o, ref) < 1e-4
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
-                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
-                                    pytest.param(dict(engine="gluon", async_stages=3, async_slots=False),
-                                                 id="gluon-async3"),
-                                    pytest.param(dict(engine="gluon", async_stages=3), id="gluon-slotring3"),
-                                    pytest.param(dict(engine="triton"), id="triton")])
-def test_gpu_decode_cuda_graph_replay(tuning):
+@pytest.mark.parametrize("config", [pytest.param(GluonConfig, id="gluon"), pytest.param(TritonConfig, id="triton")])
+def test_gpu_decode_cuda_graph_replay(config):
     """Capture once at the maximum lengths, replay with shorter lengths and new queries."""
     fresh_seed()
     cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
@@ -664,7 +676,7 @@ def test_gpu_decode_cuda_graph_replay(tuning):
     q_static = torch.zeros(b, hq, 128, dtype=torch.bfloat16, device=DEV)
     seq_static = pool.seq_lens.clone()
     out = torch.empty(b, hq, 128, dtype=torch.bfloat16, device=DEV)
-    ws = decode_workspace(b, hq, 128, 66, DEV)
+    ws = DecodeWorkspace(DEV).views(b, hq, 128, 66)
     if DEV == "cpu":  # dry run: no graphs on CPU
         return
 
@@ -672,7 +684,7 @@ def test_gpu_decode_cuda_graph_replay(tuning):
         decode_attention(q_static, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v,
                          pool.hp_index, pool.req_to_token, pool.req_pool_indices, seq_static, pool.layout,
                          sink=GPU_SINK, recent=GPU_RECENT, num_kv_splits=64, num_hp_splits=2, workspace=ws, out=out,
-                         tuning=tuning, debug=False)
+                         config=config, debug=False)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -706,29 +718,13 @@ GLUON_CASES = {
     "mha_bn16_hp_fp16": ([5000, 700], 8, 8, None, False, 7, 16),
     "window_sinklens": ([16384] * 8, 32, 8, 4096, True, None, 32),
     "idx64_forced": ([3000, 40000], 32, 8, None, False, None, 32),  # 64-bit row addresses
-    # the register pipeline (async_stages 0)
-    "b1_ctx128k_regs": ([131072], 32, 8, None, False, None, 32),
-    "b64_mixed_regs": (None, 32, 8, None, False, None, 32),
-    "window_sinklens_regs": ([16384] * 8, 32, 8, 4096, True, None, 32),
-    "idx64_forced_regs": ([3000, 40000], 32, 8, None, False, None, 32),
-    # the cp.async words without the slot ring (async_stages = the digit after "async", async_slots False)
-    "b1_ctx128k_async3": ([131072], 32, 8, None, False, None, 32),
-    "b64_mixed_async2": (None, 32, 8, None, False, None, 32),
-    "window_sinklens_async3": ([16384] * 8, 32, 8, 4096, True, None, 32),
-    "mha_bn16_async4": ([5000, 700], 8, 8, None, False, 7, 16),
-    "idx64_forced_async3": ([3000, 40000], 32, 8, None, False, None, 32),
-    # slot ids through shared memory too (async_stages = the digit after "slotring"; the default has 2)
-    "b1_ctx128k_slotring3": ([131072], 32, 8, None, False, None, 32),
-    "b64_mixed_slotring2": (None, 32, 8, None, False, None, 32),
-    "window_sinklens_slotring3": ([16384] * 8, 32, 8, 4096, True, None, 32),
-    "mha_bn16_slotring4": ([5000, 700], 8, 8, None, False, 7, 16),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GLUON_CASES))
 def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
-    """engine='gluon' against the oracle (BF16 output) and the Triton engine on the same pool."""
+    """GluonConfig against the oracle (BF16 output) and the Triton engine on the same pool."""
     if "idx64" in name:  # the path of pools of 2 GiB or more (byte offsets past int32), forced
         monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")
     fresh_seed()
@@ -748,15 +744,9 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
         sl[pool.req_pool_indices[1:3]] = torch.tensor([GPU_SINK // 2, 0], dtype=torch.int32, device=DEV)
         kw["sink_lens"] = sl
     qr = rotate_q(pool, q).to(torch.bfloat16)
-    tn = dict(engine="gluon", block_n=bn, maxnreg=255 if "uncapped" in name else None)
-    if "_regs" in name:
-        tn["async_stages"] = 0
-    elif "async" in name:
-        tn.update(async_stages=int(name[name.index("async") + 5]), async_slots=False)
-    elif "slotring" in name:
-        tn["async_stages"] = int(name[name.index("slotring") + 8])
-    o = run_decode(pool, qr, tuning=tn, out_dtype=torch.bfloat16, **kw)
-    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, **kw)
+    tn = GluonConfig(block_n=bn, maxnreg=None if "uncapped" in name else GLUON_MAXNREG)
+    o = run_decode(pool, qr, config=tn, out_dtype=torch.bfloat16, **kw)
+    base = run_decode(pool, qr, config=TritonConfig, out_dtype=torch.bfloat16, **kw)
     assert rel_l2(o, base) < 5e-3
     if not sinkl:
         assert rel_l2(o, reference_decode(pool, q, sliding_window=window)) < 1e-2
@@ -764,10 +754,8 @@ def test_gpu_decode_gluon_vs_reference(name, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("storage", ["planes", "rows-head-major", "rows-slot-major"])
-@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
-                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs"),
-                                    pytest.param(dict(engine="triton"), id="triton")])
-def test_gpu_decode_on_served_pool_views(storage, tuning):
+@pytest.mark.parametrize("config", [pytest.param(GluonConfig, id="gluon"), pytest.param(TritonConfig, id="triton")])
+def test_gpu_decode_on_served_pool_views(storage, config):
     """The served pool keeps a head-major code plane and a head-major pair plane per layer
     (pool/rows.py kv_head_major_zeros; head stride = slots x 32 / 4 bytes); the earlier layout kept
     codes and pairs of a (slot, kv head) in one 36-byte row (kv_head_major_zeros / int2_row_views:
@@ -794,17 +782,14 @@ def test_gpu_decode_on_served_pool_views(storage, tuning):
     served = dataclasses.replace(pool, k_codes=views[0], k_pairs=views[1], v_codes=views[2], v_pairs=views[3])
     q = torch.randn(len(lens), 32, 128, device=DEV)
     qr = rotate_q(pool, q)
-    o = run_decode(served, qr, tuning=tuning, num_kv_splits=None, debug=False)
-    base = run_decode(pool, qr, tuning=dict(engine="triton"), num_kv_splits=None, debug=False)
+    o = run_decode(served, qr, config=config, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, config=TritonConfig, num_kv_splits=None, debug=False)
     assert rel_l2(o, base) < 5e-3
     assert rel_l2(o, reference_decode(pool, q)) < 1e-2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
-                                    pytest.param(dict(engine="gluon", async_stages=4), id="gluon-slotring4"),
-                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs")])
-def test_gpu_decode_gluon_int64_req_to_token(tuning):
+def test_gpu_decode_gluon_int64_req_to_token():
     """``req_to_token`` / ``hp_index`` in int64 (SGLang's are int32; the kernels take either): the slot
     ring then copies 8-byte slot ids by ``cp.async`` into an int64 ring; results must match the
     Triton engine and the oracle as with int32 tables."""
@@ -815,9 +800,8 @@ def test_gpu_decode_gluon_int64_req_to_token(tuning):
     assert pool.req_to_token.dtype == torch.int64
     q = torch.randn(len(lens), 32, 128, device=DEV)
     qr = rotate_q(pool, q).to(torch.bfloat16)
-    o = run_decode(pool, qr, tuning=tuning, out_dtype=torch.bfloat16, num_kv_splits=None, debug=False)
-    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.bfloat16, num_kv_splits=None,
-                      debug=False)
+    o = run_decode(pool, qr, config=GluonConfig, out_dtype=torch.bfloat16, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, config=TritonConfig, out_dtype=torch.bfloat16, num_kv_splits=None, debug=False)
     assert rel_l2(o, base) < 5e-3
     assert rel_l2(o, reference_decode(pool, q)) < 1e-2
 
@@ -843,9 +827,7 @@ def _v_magnitude_rows(kind: str):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["tiny", "huge", "mixed"])
-@pytest.mark.parametrize("tuning", [pytest.param(dict(engine="gluon"), id="gluon"),
-                                    pytest.param(dict(engine="gluon", async_stages=0), id="gluon-regs")])
-def test_gpu_decode_gluon_v_scale_range(kind, tuning):
+def test_gpu_decode_gluon_v_scale_range(kind):
     """The Gluon kernel feeds ``p * v_scale / ref`` to the value MMA as fp16 (``ref`` the running max
     of the V scales): V rows of very small, very large and per-token mixed magnitudes must match the
     Triton engine and the oracle as ordinary rows do."""
@@ -860,9 +842,8 @@ def test_gpu_decode_gluon_v_scale_range(kind, tuning):
         assert vscale.abs().max() / vscale.abs().min() > 1e4
     q = torch.randn(len(lens), 32, 128, device=DEV)
     qr = rotate_q(pool, q).to(torch.bfloat16)
-    o = run_decode(pool, qr, tuning=tuning, out_dtype=torch.float32, num_kv_splits=None, debug=False)
-    base = run_decode(pool, qr, tuning=dict(engine="triton"), out_dtype=torch.float32, num_kv_splits=None,
-                      debug=False)
+    o = run_decode(pool, qr, config=GluonConfig, out_dtype=torch.float32, num_kv_splits=None, debug=False)
+    base = run_decode(pool, qr, config=TritonConfig, out_dtype=torch.float32, num_kv_splits=None, debug=False)
     assert torch.isfinite(o).all()
     assert rel_l2(o, base) < 5e-3
     assert rel_l2(o, reference_decode(pool, q)) < 1e-2

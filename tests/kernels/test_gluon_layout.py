@@ -7,10 +7,10 @@
   row ``r``, scaled by ``2^(2k-24)`` for the dim's quarter ``k``; ``movmatrix`` + ``P_PERM``
   return P; the in-kernel formulas equal the maps. (The join tree is re-written here: a
   different tree would change the joined axis order, which the maps would then not match.)
-* The engine resolution (``decode.engine.decode_engine``): scope checks and refusals.
+* The engine resolution (``decode.engine.decode_config``): scope checks and refusals.
 * The compiled INT2 loop (sm_90, offline, through the real launch path): no spills in the loops, no
-  shared-memory traffic, shuffles only for the slot ids and the softmax's row reductions, one
-  ``movmatrix`` per 8 keys, the expected tensor-core instruction count.
+  global load waited on (words and slot ids arrive by ``cp.async``), the expected ``cp.async`` and
+  tensor-core instruction counts, the shared-memory rings' size.
 
 The numbers it computes are checked against the oracle on the GPU (the ``gluon`` GPU cases of test_decode.py).
 """
@@ -160,25 +160,29 @@ def test_p_operand_bookkeeping():
 
 
 def test_engine_resolution(monkeypatch):
-    """decode_engine: Triton-only knobs keep Triton; the Gluon scope is checked, and naming the Gluon
-    engine outside it is a ValueError with the reason."""
-    from sglang_oscar.kernels import tuning as T
-    from sglang_oscar.kernels.decode import engine as L
-    from sglang_oscar.kernels import Int2Layout
+    """decode_config: the config's type is the engine; auto (None) takes the Gluon engine where its scope
+    accepts the call (never under the interpreter, nor in an offline compile unless asked); a Gluon
+    config outside the scope is a ValueError with the reason."""
+    from sglang_oscar.kernels import GluonConfig, Int2Layout, TritonConfig, default_triton_config
     from sglang_oscar.kernels.compile_check import compile_only
+    from sglang_oscar.kernels.decode import engine as L
+    from sglang_oscar.kernels.decode.gluon_stage1 import gluon_decode_supported
 
     lay = Int2Layout.create(128, 128)
     q = torch.zeros(1, 8, 128)
-    t = L.AttnTuning.of
+
+    def scope(*args):
+        return lambda: gluon_decode_supported(*args)
+
+    ok = scope(lay, q, torch.float16, False)
     # under the interpreter (this suite) the Gluon engine never applies
-    assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "triton"
+    assert L.decode_config(None, lay, 8, ok) == default_triton_config(lay, pairs=8)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        L.decode_engine(t({"engine": "gluon"}).resolved(128), lay, q, torch.float16, False)
+        L.decode_config(GluonConfig, lay, 8, ok)
     # the scope checks, as on a GPU (an offline compile skips the device checks)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with compile_only("cuda", 90):
-        g = t({"engine": "gluon"}).resolved(128)
-        assert L.decode_engine(g, lay, q, torch.float16, False, torch.bfloat16) == "gluon"
+        assert L.decode_config(GluonConfig, lay, 8, scope(lay, q, torch.float16, False, torch.bfloat16)) == GluonConfig()
         for args, why in (((lay, q, torch.float16, False, torch.float32), "HP rows in torch.float32"),
                           ((lay, q, torch.float32, False), "MMA operands"),
                           ((lay, q, torch.float16, True), "logit cap"),
@@ -186,110 +190,50 @@ def test_engine_resolution(monkeypatch):
                           ((Int2Layout.create(64, 64), q, torch.float16, False), "head_dim 64"),
                           ((Int2Layout.create(128, 128, group_size=64), q, torch.float16, False), "group")):
             with pytest.raises(ValueError, match=why):
-                L.decode_engine(g, *args)
+                L.decode_config(GluonConfig(), lay, 8, scope(*args))
         odd = torch.zeros(10, 2, 37, dtype=torch.uint8)[..., 1:33]  # storage offset of 1 byte
         with pytest.raises(ValueError, match="32-bit words"):
-            L.decode_engine(g, lay, q, torch.float16, False, torch.bfloat16, (odd,))
-        with pytest.raises(ValueError, match="block_n 64"):
-            L.decode_engine(t({"engine": "gluon", "block_n": 64}).resolved(128), lay, q, torch.float16, False)
-        # unset engine: an offline compile keeps Triton unless told; on a GPU (not offline) the
-        # Gluon engine, except when a Triton-only knob is named
-        assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "triton"
-        # async_stages is a Gluon knob: named with the engine unset it asks for Gluon (an offline
-        # compile then compiles it, and the scope is enforced like engine='gluon')
-        assert L.decode_engine(t({"async_stages": 3}).resolved(128), lay, q, torch.float16, False) == "gluon"
-        with pytest.raises(ValueError, match="logit cap"):
-            L.decode_engine(t({"async_stages": 2}).resolved(128), lay, q, torch.float16, True)
-    with pytest.raises(ValueError, match="Gluon-engine knob"):
-        t({"async_stages": 3, "engine": "triton"})
-    with pytest.raises(ValueError, match=r"Triton-only knob\(s\) \['num_stages'\]"):  # not silently dropped
-        L.decode_engine(t({"async_stages": 3, "num_stages": 2}).resolved(128), lay, q, torch.float16, False)
-    with pytest.raises(ValueError, match="async_stages=3.7 must be an integer"):
-        t({"async_stages": 3.7})
-    with pytest.raises(ValueError, match="block_n='x' must be an integer"):
-        t({"block_n": "x"})
-    assert t({"block_n": "32"}).block_n == 32
-    with pytest.raises(ValueError, match="async_stages=5"):
-        t({"async_stages": 5})
-    assert t({"async_stages": 0}).resolved(128).async_stages == 0
-    # async_slots: a bool, needs the cp.async words, Gluon-only like async_stages
-    with pytest.raises(ValueError, match="async_slots=True needs async_stages 2-4"):
-        t({"async_stages": 0, "async_slots": True})
-    with pytest.raises(ValueError, match="must be true or false"):
-        t({"async_slots": 1})
-    with pytest.raises(ValueError, match="async_slots is a Gluon-engine knob"):
-        t({"async_slots": True, "engine": "triton"})
-    assert L.gluon_pipeline(t(None)) == {"async_stages": L.GLUON_ASYNC_STAGES, "slot_ring": True}
-    assert L.gluon_pipeline(t({"async_stages": 0})) == {"async_stages": 0, "slot_ring": False}
-    assert L.gluon_pipeline(t({"async_stages": 3, "async_slots": False})) == {"async_stages": 3, "slot_ring": False}
-    assert L.gluon_pipeline(t({"async_slots": True})) == {"async_stages": 2, "slot_ring": True}
-    assert L.gluon_pipeline(t({"async_slots": False})) == {"async_stages": 2, "slot_ring": False}
-    # 0 / False are Gluon choices too (the default is 2 stages + the slot ring): refused with Triton,
-    # and they select the Gluon engine (which cannot run here: no CUDA device)
-    for knob, val in (("async_stages", 0), ("async_slots", False)):
-        with pytest.raises(ValueError, match="Gluon-engine knob"):
-            t({knob: val, "engine": "triton"})
-        with pytest.raises(ValueError, match=r"Triton-only knob\(s\) \['convert'\]"):
-            L.decode_engine(t({knob: val, "convert": 3}).resolved(128), lay, q, torch.float16, False)
-        with pytest.raises(ValueError, match=f"{knob}={val} selects the Gluon engine, which cannot run"):
-            L.decode_engine(t({knob: val}).resolved(128), lay, q, torch.float16, False)
-    # engine='gluon' with a Triton-only knob: refused, not silently dropped
-    with pytest.raises(ValueError, match=r"engine='gluon' with Triton-engine knob\(s\) \['convert', 'num_stages'\]"):
-        L.decode_engine(t({"engine": "gluon", "convert": 3, "num_stages": 3}).resolved(128), lay, q, torch.float16, False)
-    # the resolved-tuning cache keys on the value's type: True == 1 must not let 1 through
-    T._resolved_tuning({"async_slots": True}, lay, False)
-    with pytest.raises(ValueError, match="must be true or false"):
-        T._resolved_tuning({"async_slots": 1}, lay, False)
+            L.decode_config(GluonConfig(), lay, 8, scope(lay, q, torch.float16, False, torch.bfloat16, (odd,)))
+        with pytest.raises(ValueError, match="block_n=64"):  # spills: refused by the config itself
+            GluonConfig(block_n=64)
+        # auto: an offline compile keeps Triton unless told
+        assert L.decode_config(None, lay, 8, ok) == default_triton_config(lay, pairs=8)
+    # a config instance runs as given; a type gives that engine's defaults (Triton's by pairs)
+    t = TritonConfig(num_stages=3)
+    assert L.decode_config(t, lay, 8, ok) is t
+    assert L.decode_config(TritonConfig, lay, 256, ok) == default_triton_config(lay, pairs=256)
+    with pytest.raises(ValueError, match="config must be None, TritonConfig or GluonConfig"):
+        L.decode_config("gluon", lay, 8, ok)
+    asked = []
+    L.decode_config(TritonConfig(), lay, 8, lambda: asked.append(1))  # a Triton config needs no scope check
+    L.decode_config(TritonConfig, lay, 8, lambda: asked.append(1))
+    assert asked == []
     monkeypatch.setattr(L, "compiling_offline", lambda: False)
-    monkeypatch.setattr(L, "gluon_decode_supported", lambda *a, **k: None)
-    assert L.decode_engine(t(None).resolved(128), lay, q, torch.float16, False) == "gluon"
-    assert L.decode_engine(t({"maxnreg": 200}).resolved(128), lay, q, torch.float16, False) == "gluon"
-    for knob in L.AttnTuning.TRITON_ONLY:
-        val = {"convert": 3, "token_major": True, "pairs_ahead": False, "defer_sums": False}.get(knob, 1)
-        assert L.decode_engine(t({knob: val}).resolved(128), lay, q, torch.float16, False) == "triton", knob
+    assert L.decode_config(None, lay, 8, lambda: None) == GluonConfig()  # on a GPU, in scope: Gluon
+    g = GluonConfig(maxnreg=200)
+    assert L.decode_config(g, lay, 8, lambda: None) is g
 
 
-def _compile_stats(block_n: int, tuning: dict | None = None) -> dict:
+def _compile_stats(block_n: int) -> dict:
     """``tests/kernels/gluon_compile_check.py --decode`` in a subprocess without the interpreter: the JSON of
     the Gluon decode kernel compiled for sm_90 (registers, stack, shared memory, loop opcodes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.join(HERE, "gluon_compile_check.py"), "--decode", "--block-n", str(block_n)]
-    if tuning:
-        cmd += ["--tuning", json.dumps(tuning)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("block_n,stages", [(16, 3), (32, 2), (32, 4)])
-def test_gluon_decode_async_loop_compiles(block_n, stages):
-    """sm_90 SASS of the ``async_stages`` variant without the slot ring (``async_slots`` False): code
-    and pair words reach shared memory by ``cp.async`` (LDGSTS) and come back by LDS; the only
-    global loads of the INT2 loop are the slot ids; no local memory; the ring fits (2.3 KB per
-    stage at block_n 32)."""
-    stats = _compile_stats(block_n, {"async_stages": stages, "async_slots": False})
-    assert stats["stack"] <= 16, stats
-    assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
-    ring = stages * (2 * block_n * 8 * 4 + 2 * block_n * 4)
-    assert ring <= stats["shared"] <= ring + 4096, stats
-    ops = stats["loops"][-1]
-    # K words: block_n / 8 rows x one 8-byte copy; V words: block_n / 4 keys; pairs: one K and one V
-    # word per lane (block_n / 32 each)
-    assert ops["LDGSTS"] == block_n // 8 + block_n // 4 + 2 * max(1, block_n // 32), ops
-    # slot ids only: block_n / 8 rows in the K-row layout + one per lane for the pair copies
-    assert ops["LDG"] == block_n // 8 + max(1, block_n // 32), ops
-    assert ops["HMMA"] == block_n // 16 * 8 * 2, ops
-
-
-@pytest.mark.parametrize("block_n,stages", [(16, None), (32, None), (32, 3)])
-def test_gluon_decode_slot_ring_loop_compiles(block_n, stages):
-    """sm_90 SASS of the default pipeline (``async_stages`` 2, slot ring on) and of 3 stages: the
-    INT2 loop waits on no global load -- code / pair words and the slot ids all arrive by
-    ``cp.async`` (LDGSTS: the words as above plus one slot copy per lane) -- no local memory, and
-    the shared memory is the word ring plus a slot ring of ``2 stages + 2`` stages."""
-    stats = _compile_stats(block_n, None if stages is None else {"async_stages": stages})
-    st = stages or 2
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_gluon_decode_slot_ring_loop_compiles(block_n):
+    """sm_90 SASS of the Gluon pipeline (a ring of 2 ``cp.async`` stages for the words, a slot ring):
+    the INT2 loop waits on no global load -- code / pair words and the slot ids all arrive by
+    ``cp.async`` (LDGSTS: K words block_n / 8 rows x one 8-byte copy, V words block_n / 4 keys, the K
+    and V pair words and the slot ids one key per lane) -- no local memory, and the shared memory is
+    the word ring (2.3 KB per stage at block_n 32) plus a slot ring of ``2 stages + 2`` stages."""
+    stats = _compile_stats(block_n)
+    st = 2
     assert stats["stack"] <= 16, stats
     assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
     ring = st * (2 * block_n * 8 * 4 + 2 * block_n * 4) + (2 * st + 2) * block_n * 4
@@ -298,35 +242,6 @@ def test_gluon_decode_slot_ring_loop_compiles(block_n, stages):
     assert ops.get("LDG", 0) == 0, ops
     assert ops["LDGSTS"] == block_n // 8 + block_n // 4 + 3 * max(1, block_n // 32), ops
     assert ops["HMMA"] == block_n // 16 * 8 * 2, ops
-
-
-@pytest.mark.parametrize("block_n", [16, 32])
-def test_gluon_decode_loop_compiles_without_layout_traffic(block_n):
-    """sm_90 SASS (compiled through decode_attention's real launch) of the register pipeline
-    (``async_stages`` 0): the INT2 key loop never moves operands through shared memory; the HP loop
-    (at most sink + recent keys) may, once per block."""
-    stats = _compile_stats(block_n, {"async_stages": 0})
-    # at the default 168-register cap no loop touches local memory; the prologue may park two
-    # output pointers there (16 bytes, reloaded once in the epilogue)
-    assert stats["stack"] <= 16, stats
-    assert all(loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0 for loop in stats["loops"]), stats
-    assert stats["shared"] <= 4096, stats  # the HP tier's V^T tile only
-    assert len(stats["loops"]) == 2, stats["loop_instructions"]  # HP loop, INT2 loop
-    ops = stats["loops"][1]
-    for op in ("LDS", "STS", "LDSM", "STSM", "BAR"):
-        assert ops.get(op, 0) == 0, (op, ops)
-    # S^T: block_n/16 row tiles x 8 k-steps; O^T: 8 row tiles x block_n/16 k-steps
-    assert ops["HMMA"] == block_n // 16 * 8 * 2, ops
-    assert ops["MOVM"] == block_n // 8, ops
-    # shuffles: the slot ids from the K-row to the V-key layout (block_n / 4 per thread) and the
-    # softmax row reductions (max of the scores, 2 columns x 3 lane steps; max of the V scales, 3)
-    assert ops.get("SHFL", 0) <= block_n // 4 + 9, ops
-    # conversion floor: one AND per two codes of K and V (2 x 128 x block_n / 2 / 32 lanes)
-    assert ops["LOP3"] >= 4 * block_n, ops
-    # loads per thread and block: slot ids (block_n / 8 rows), K words 2t, 2t+1 of those rows as one
-    # 8-byte load each (the test pool's byte strides are multiples of 16: the pair is 8-byte aligned),
-    # V word g of block_n / 4 keys, the K and V (scale, zero) words of the rows: 3 block_n / 4 in all
-    assert ops["LDG"] == 3 * block_n // 4, ops
 
 
 def test_gluon_compile_check_prints_the_loop_order():

@@ -6,8 +6,9 @@ import pytest
 import torch
 from kv_fixtures import build_pool, make_config, rotate_q, run_decode
 from sglang_oscar.kernels import (
-    AttnTuning,
+    GluonConfig,
     Int2Layout,
+    TritonConfig,
     decode_attention,
     extend_attention,
     plan_head_blocks,
@@ -99,8 +100,12 @@ def test_decode_rejects_bad_inputs():
         _decode(pool, torch.randn(3, 4, 64))
     with pytest.raises(ValueError, match="bfloat16"):
         _decode(pool, q, mma_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="tuning"):
-        _decode(pool, q, tuning={"blok_n": 32})
+    with pytest.raises(ValueError, match="config must be None, TritonConfig or GluonConfig"):
+        _decode(pool, q, config={"block_n": 32})  # a dict of fields is not a config
+    with pytest.raises(ValueError, match="extend config must be None or a TritonConfig, got GluonConfig"):
+        extend_attention(q, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v,
+                         pool.hp_index, pool.req_to_token, pool.req_pool_indices, torch.tensor([0, 1, 2]),
+                         torch.tensor([0, 0]), torch.tensor([1, 1]), pool.layout, sink=4, config=GluonConfig())
     with pytest.raises(ValueError, match="workspace"):
         _decode(pool, q, num_kv_splits=4, workspace=(torch.empty(2, 4, 2, 64), torch.empty(2, 4, 2)))
     # a NaN / inf / non-positive softmax scale would zero every output; an integer output dtype has no kernel
@@ -156,9 +161,9 @@ def test_head_block_plan():
     with pytest.raises(ValueError):
         plan_head_blocks(10, 4)
     with pytest.raises(ValueError):
-        AttnTuning(block_n=48)
-    with pytest.raises(ValueError, match="unknown tuning keys"):  # not a knob (a loop unroll the GPU compiled wrongly)
-        AttnTuning.of({"unroll": 2})
+        TritonConfig(block_n=48)
+    with pytest.raises(TypeError, match="unroll"):  # not a field (a loop unroll the GPU compiled wrongly)
+        TritonConfig(unroll=2)
 
 
 def test_needs_idx64_uses_the_offset_extent_of_strided_views(monkeypatch):

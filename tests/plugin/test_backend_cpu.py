@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _support.orthogonal import random_orthogonal
-from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_tuning
+from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
 from sglang_oscar.reference.attention import oscar_attention
@@ -71,7 +71,7 @@ class Served:
         be._missed_seen = 0
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
         be._swa_table = be._swa_loc = None  # __init__: a sliding-pool table only for OscarSWAKVPool
-        be._decode_tuning = decode_tuning(config)
+        be._decode_config = decode_config(config)
         be.max_context_len = CTX
         be.set_geometry([_layer()])
         self.be = be
@@ -171,8 +171,33 @@ def test_decode_engine_flag_reaches_the_kernels(setup):
     assert _rel(outs["triton"], _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2
     sv = Served(dataclasses.replace(config, decode_engine="gluon"), rk, rv)
     sv.extend(1, seq, 0, 40)
-    with pytest.raises(ValueError, match="engine='gluon' cannot run this decode call: TRITON_INTERPRET"):
+    with pytest.raises(ValueError, match=r"Gluon engine\) cannot run this decode call: TRITON_INTERPRET"):
         sv.decode(1, seq, 40)
+
+
+def test_decode_planned_during_a_capture_is_kept_with_the_graph(setup, monkeypatch):
+    """A decode forward nobody planned ahead plans its batch at its first layer; during a CUDA-graph
+    capture those plans are kept beside the batch size's first ones (the graph replays both plans'
+    launches, so their workspace views must outlive the capture)."""
+    seq, config, rk, rv = setup
+    sv = Served(config, rk, rv)
+    sv.extend(1, seq, 0, 40)
+    be = sv.be
+    first = be.plan_decode(SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([41])))
+    be._graph_plans[1] = [first]  # init_forward_metadata_out_graph(in_capture=True)'s plans
+    be._layer_geometry = {}  # a layer the model scan missed: not planned ahead
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    slot = sv.alloc(1)
+    sv.r2t[1, 40] = int(slot)
+    fb = SimpleNamespace(forward_mode=_Mode("decode"), batch_size=1, out_cache_loc=slot, positions=torch.tensor([40]),
+                         req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([41]))
+    be._windows_in_forward(fb)
+    q, k, v = seq
+    o = be.forward_decode(q[40:41].reshape(1, -1), k[40:41].reshape(1, -1), v[40:41].reshape(1, -1), _layer(), fb)
+    assert len(be._graph_plans[1]) == 2 and be._graph_plans[1][0] is first
+    assert be._graph_plans[1][1] is be._decode_plans  # the late plans, kept
+    assert _rel(o.float().reshape(1, HQ, D), _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2
 
 
 def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from _support.orthogonal import random_orthogonal
-from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_tuning
+from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
 from sglang_oscar.pool.swa_pool import OscarSWAKVPool
@@ -65,7 +65,7 @@ def _backend(pool, config, layers, rotations, max_reqs):
     be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
     be._swa_table = pool.new_swa_table(be._int2_req_to_token) if isinstance(pool, OscarSWAKVPool) else None
     be._swa_loc = None
-    be._decode_tuning = decode_tuning(config)
+    be._decode_config = decode_config(config)
     be.max_context_len = CTX
     be.set_geometry(layers)
     return be

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-from ..kernels import DecodePlan, DecodeWorkspace, ExtendPlan
+from ..kernels import DecodePlan, DecodeWorkspace, ExtendPlan, GluonConfig, TritonConfig
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from ..pool.swa_pool import OscarSWAKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
@@ -72,10 +72,12 @@ def layer_geometry(layer, pool=None) -> Geometry:
                     bool(pool is not None and pool.is_swa_layer(layer.layer_id)))
 
 
-def decode_tuning(config) -> dict | None:
-    """The ``tuning`` the backend passes to ``decode_attention`` for ``--oscar-decode-engine``:
-    ``None`` for ``auto`` (the kernels pick: Gluon where it applies), else ``{"engine": name}``."""
-    return None if config.decode_engine == "auto" else {"engine": config.decode_engine}
+def decode_config(config):
+    """The decode plans' ``config`` for ``--oscar-decode-engine`` (``config.decode_engine``): ``None``
+    for ``auto`` (the kernels pick: Gluon where it applies), else the config type of that engine
+    (:class:`~sglang_oscar.kernels.TritonConfig` / :class:`~sglang_oscar.kernels.GluonConfig`,
+    whose defaults the plan resolves per batch)."""
+    return {"auto": None, "triton": TritonConfig, "gluon": GluonConfig}[config.decode_engine]
 
 
 class OscarTritonAttnBackend(TritonAttnBackend):
@@ -117,7 +119,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self._swa_table = (pool.new_swa_table(self._int2_req_to_token)
                            if isinstance(pool, OscarSWAKVPool) and pool.skip != "sliding" else None)
         self._swa_loc = None
-        self._decode_tuning = decode_tuning(self.config)
+        self._decode_config = decode_config(self.config)
         self.set_geometry(layer for layer in _attention_layers(getattr(model_runner, "model", None))
                           if pool.start_layer <= layer.layer_id <= pool.end_layer and pool.is_int2_layer(layer.layer_id))
 
@@ -146,7 +148,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                 forward_batch.seq_lens, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
                 q_dtype=torch.float32, sink_lens=self.windows.sink_lens, sliding_window=geo.sliding_window or None,
                 logit_cap=geo.logit_cap or None, out_dtype=torch.float32,
-                max_seq_len=self.max_context_len, workspace=self._workspace, tuning=self._decode_tuning)
+                max_seq_len=self.max_context_len, workspace=self._workspace, config=self._decode_config)
         self._decode_plans = plans
         return plans
 
@@ -174,10 +176,15 @@ class OscarTritonAttnBackend(TritonAttnBackend):
 
     def _plan_late(self, layer, forward_batch) -> dict:
         """Plans for a decode forward that was not planned ahead (no ``init_forward_metadata`` for it,
-        or a layer the model scan missed): adds the layer's group and plans the batch now."""
+        or a layer the model scan missed): adds the layer's group and plans the batch now. During a
+        CUDA-graph capture the new plans are kept beside the batch size's first ones: the graph
+        replays the launches of both, so both plans' workspace views must stay alive with it."""
         geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer, self.pool))
         self._group_layer.setdefault(geo, layer.layer_id)
-        return self.plan_decode(forward_batch)
+        plans = self.plan_decode(forward_batch)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._graph_plans.setdefault(forward_batch.batch_size, []).append(plans)
+        return plans
 
     # ------------------------------------------------------------------ per-forward bookkeeping
     def _token_tables(self, fb):
@@ -233,7 +240,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         if in_capture and forward_batch.forward_mode.is_decode():
             # built before the capture and kept: the graph replays this plan's launches (its index
             # tensors are the graph's static inputs, its workspace views stay allocated)
-            self._graph_plans[forward_batch.batch_size] = self.plan_decode(forward_batch)
+            self._graph_plans[forward_batch.batch_size] = [self.plan_decode(forward_batch)]
 
     def init_forward_metadata_in_graph(self, forward_batch):
         super().init_forward_metadata_in_graph(forward_batch)

@@ -2,8 +2,8 @@
 
 One module per op: :mod:`.write` (quantize + scatter rows), :mod:`.rotate` (per-head rotations),
 :mod:`.decode` (decode attention: plan, stage 1 in Triton or Gluon, merge), :mod:`.extend` (extend /
-prefill attention). :class:`Int2Layout` describes one layer geometry; :class:`AttnTuning` holds the
-attention launch knobs.
+prefill attention). :class:`Int2Layout` describes one layer geometry; :class:`TritonConfig` and
+:class:`GluonConfig` are the attention launch configurations (the type is the decode engine).
 """
 
 from .compile_check import interpreting
@@ -14,27 +14,27 @@ from .decode import (
     choose_num_splits,
     decode_attention,
     decode_num_hp_splits,
-    decode_workspace,
 )
 from .extend import ExtendPlan, extend_attention
 from .layout import Int2Layout, TensorLayout
 from .rotate import rotate_rows_hp
-from .tuning import AttnTuning
+from .configs import GluonConfig, TritonConfig, default_triton_config
 from .validate import debug_enabled
 from .write import write_kv
 
 __all__ = [
-    "AttnTuning",
     "DecodePlan",
     "DecodeWorkspace",
     "ExtendPlan",
+    "GluonConfig",
     "Int2Layout",
     "TensorLayout",
+    "TritonConfig",
     "choose_num_splits",
     "debug_enabled",
     "decode_attention",
     "decode_num_hp_splits",
-    "decode_workspace",
+    "default_triton_config",
     "extend_attention",
     "interpreting",
     "plan_head_blocks",

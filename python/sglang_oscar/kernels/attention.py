@@ -77,7 +77,7 @@ def check_cache(layout: Int2Layout, dev, num_q_heads: int, k_codes, k_pairs, v_c
     tables, window sizes, sliding window and logit cap (``ValueError`` naming the problem).
 
     Returns:
-        ``(num_kv_heads, plan_head_blocks(num_q_heads, num_kv_heads))`` (the head ratio is checked).
+        ``num_kv_heads`` (``num_q_heads`` is checked to be a positive multiple of it).
     """
     check_tensor(k_codes, "k_codes", ndim=3)
     hkv = k_codes.shape[1]
@@ -96,8 +96,9 @@ def check_cache(layout: Int2Layout, dev, num_q_heads: int, k_codes, k_pairs, v_c
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if logit_cap is not None and not (logit_cap >= 0):
         raise ValueError(f"logit_cap must be >= 0 or None, got {logit_cap!r}")
-    plan = plan_head_blocks(num_q_heads, hkv)  # validates the head ratio
-    return hkv, plan
+    if hkv <= 0 or num_q_heads % hkv:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
+    return hkv
 
 
 def counter_rotate(o: torch.Tensor, rotation_v: torch.Tensor, num_kv_heads: int, out_dtype) -> torch.Tensor:

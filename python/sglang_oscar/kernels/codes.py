@@ -22,9 +22,9 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# CONVERT modes of code_operand.
-CONVERT_ARITH = 0  # shift/and, int->float convert, fma (reference form)
-CONVERT_BITS = 1  # mantissa bit trick in plain Triton (what 2-5 become with non-fp16 operands)
+# CONVERT modes of code_operand (configs.TritonConfig.convert names 1, 2, 3 or 5; 4 and 6 are the
+# interpreter's emulations of 3 and 5, chosen by configs.effective_convert).
+CONVERT_BITS = 1  # mantissa bit trick in plain Triton: the portable mode (non-fp16 operands, interpreter)
 CONVERT_ASM = 2  # packed PTX (prmt + lop3 on 32-bit words); CUDA only, never under the interpreter
 # packed PTX without byte permutes: each group of 4 consecutive K elements comes out in the order
 # (0, 2, 1, 3); the kernels compensate by permuting q's K index / the V tile's token order the
@@ -37,7 +37,7 @@ CONVERT_PERM_EMULATED = 4
 # word for its odd bytes; no 1.0 offset to remove). Same (0, 2, 1, 3) order as CONVERT_ASM_PERM;
 # the kernel pre-scales q by 2^-2K and folds 2^24 into the epilogue. CONVERT_SUBNORMAL_EMULATED
 # computes the same values with integer ops and perm4 (interpreter, any operand dtype). GPU decode
-# default for head_dim 65-128 (AttnTuning.resolved); extend defaults to CONVERT_ASM.
+# default for head_dim 65-128 (configs.default_triton_config); extend defaults to CONVERT_ASM.
 CONVERT_SUBNORMAL = 5
 CONVERT_SUBNORMAL_EMULATED = 6
 
@@ -253,13 +253,6 @@ def code_operand(b, K: tl.constexpr, OP: tl.constexpr, BIT0: tl.constexpr, CONVE
         return _asm_subnormal_operand(b, K, BIT0)
     elif CONVERT == 6:
         return perm4(_code_subnormal(b, K, OP, BIT0), KAXIS)
-    elif CONVERT == 0:
-        c = (b.to(tl.int32) >> (2 * K)) & 3
-        if BIT0:
-            v = (c & 1).to(tl.float32) * 0.5 + 1.0
-        else:
-            v = c.to(tl.float32) * 0.25 + 1.0
-        return round_to(v, OP)
     elif CONVERT == 2 and OP == tl.float16:
         return _asm_operand(b, K, BIT0)
     else:

@@ -32,7 +32,7 @@ from .attention import (
 from .compile_check import launch as _launch
 from .compile_check import row_args
 from .layout import TORCH_TO_TL, Int2Layout
-from .tuning import _resolved_tuning, effective_convert
+from .configs import GluonConfig, TritonConfig, default_triton_config, effective_convert
 from .validate import INDEX_DTYPES, check_tensor, debug_enabled, needs_idx64
 from .tiles import (
     NEG_INF,
@@ -159,7 +159,7 @@ def _extend_kernel(
 
 
 class ExtendPlan:
-    """The launch of one extend (prefill) batch for one KV geometry: checks, tuning, grid and kernel
+    """The launch of one extend (prefill) batch for one KV geometry: checks, config, grid and kernel
     constants resolved once; :meth:`run` launches one layer.
 
     Args:
@@ -174,11 +174,14 @@ class ExtendPlan:
         sink: HP sink size (tokens); q_dtype: dtype of the queries.
         max_extend_len: host bound on ``extend_seq_lens`` (default: read from the device, a sync).
         sliding_window, logit_cap (on / off; the value is a :meth:`run` argument), out_dtype,
-            mma_dtype, tuning, debug: as :class:`~.decode.plan.DecodePlan`.
+            mma_dtype, debug: as :class:`~.decode.plan.DecodePlan`.
+        config: ``None`` or the type :class:`~.configs.TritonConfig` (:func:`~.configs.default_triton_config`
+            for extend), or a :class:`~.configs.TritonConfig` (extend has only a Triton kernel).
         return_lse: :meth:`run` also returns the natural-log LSE ``[N, H_q]`` fp32.
 
     Raises:
-        ValueError: unsupported layout, mismatched shapes / dtypes / devices, (debug) bad indices.
+        ValueError: unsupported layout, mismatched shapes / dtypes / devices, a config that is not a
+            :class:`~.configs.TritonConfig`, (debug) bad indices.
     """
 
     def __init__(self, layout: Int2Layout, num_q_heads: int, num_tokens: int, buffers: tuple,
@@ -187,15 +190,21 @@ class ExtendPlan:
                  sink: int, q_dtype: torch.dtype, max_extend_len: int | None = None,
                  sink_lens: torch.Tensor | None = None, sliding_window: int | None = None,
                  logit_cap: float | None = None, out_dtype: torch.dtype | None = None,
-                 mma_dtype: torch.dtype | None = None, tuning=None, return_lse: bool = False,
+                 mma_dtype: torch.dtype | None = None, config=None, return_lse: bool = False,
                  debug: bool | None = None):
-        tn = _resolved_tuning(tuning, layout, True)
+        if config is None or config is TritonConfig:
+            config = default_triton_config(layout, extend=True)
+        elif not isinstance(config, TritonConfig):
+            what = "GluonConfig (the Gluon engine is decode only)" if config is GluonConfig or isinstance(
+                config, GluonConfig) else repr(config)
+            raise ValueError(f"extend config must be None or a TritonConfig, got {what}")
+        tn = config
         k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v = buffers
         check_tensor(k_codes, "k_codes", ndim=3)
         dev = k_codes.device
         n, hq = num_tokens, num_q_heads
-        hkv, _ = check_cache(layout, dev, hq, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
-                             sink, 0, sliding_window, logit_cap)
+        hkv = check_cache(layout, dev, hq, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
+                          sink, 0, sliding_window, logit_cap)
         check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=dev)
         bsz = req_pool_indices.shape[0]
         check_tensor(extend_prefix_lens, "extend_prefix_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
@@ -220,7 +229,7 @@ class ExtendPlan:
         self.layout, self.device, self.config = layout, dev, tn
         self.num_kv_heads, self.q_shape = hkv, (n, hq, layout.k.head_dim)
         self.out_shape = (n, hq, layout.v.head_dim)
-        self.out_dtype, self.return_lse = out_dtype, return_lse
+        self.q_dtype, self.out_dtype, self.return_lse = q_dtype, out_dtype, return_lse
         self.has_cap = logit_cap is not None and logit_cap > 0
         self.empty = not (bsz and max_extend_len > 0 and n > 0)
         self._tables = (hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices,
@@ -248,11 +257,13 @@ class ExtendPlan:
             the LSE ``[N, H_q]`` fp32 if the plan was built with ``return_lse``.
 
         Raises:
-            ValueError: ``q`` of another shape than the plan's, ``sm_scale`` not finite and > 0, a
+            ValueError: ``q`` of another shape or dtype than the plan's, ``sm_scale`` not finite and > 0, a
                 logit cap that does not match the plan's.
         """
         if q.shape != self.q_shape:
             raise ValueError(f"q has shape {tuple(q.shape)}; this plan was built for {self.q_shape}")
+        if q.dtype != self.q_dtype:
+            raise ValueError(f"q has dtype {q.dtype}; this plan was built for {self.q_dtype}")
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device) if self.return_lse else out
@@ -293,7 +304,7 @@ def extend_attention(
     out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
     mma_dtype: torch.dtype | None = None,
-    tuning=None,
+    config=None,
     sink_lens: torch.Tensor | None = None,
     debug: bool | None = None,
 ):
@@ -322,6 +333,6 @@ def extend_attention(
                       req_to_token, req_pool_indices, qo_indptr, extend_prefix_lens, extend_seq_lens, sink=sink,
                       q_dtype=q.dtype, max_extend_len=max_extend_len, sink_lens=sink_lens,
                       sliding_window=sliding_window, logit_cap=logit_cap, out_dtype=out_dtype, mma_dtype=mma_dtype,
-                      tuning=tuning, return_lse=return_lse, debug=debug)
+                      config=config, return_lse=return_lse, debug=debug)
     return run_once(plan, q, (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), sm_scale=sm_scale,
                     logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v)

@@ -98,7 +98,7 @@ def int2_split_range(sink_r, win_lo, L, sink, recent, split, num_splits, BLOCK: 
     n_mid = tl.maximum(mid_hi - mid_lo, 0)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(n_mid, num_splits), BLOCK) * BLOCK, tl.maximum(min_chunk, BLOCK))
     # splits past the last non-empty one start at the end of the middle (no int32 overflow of
-    # split * chunk for any floor the launcher accepts, AttnTuning.MAX_MIN_SPLIT_KEYS)
+    # split * chunk for any floor the launcher accepts, configs.MAX_MIN_SPLIT_KEYS)
     lo = mid_lo + tl.minimum(split, tl.cdiv(n_mid, chunk)) * chunk
     return lo, tl.minimum(lo + chunk, mid_hi)
 

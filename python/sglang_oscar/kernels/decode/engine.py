@@ -1,74 +1,47 @@
-"""Which stage-1 engine a decode call runs (Triton or Gluon) and the Gluon launch's pipeline."""
+"""Which stage-1 engine a decode call runs: the config a plan is given, or the default one."""
 
 from __future__ import annotations
 
-import torch
+from typing import Callable
 
 from ..compile_check import active as compiling_offline
+from ..configs import GluonConfig, TritonConfig, default_triton_config
 from ..layout import Int2Layout
-from ..tuning import AttnTuning, _gluon_knobs
-from .gluon_stage1 import gluon_decode_supported
 
 
-#: register cap of the Gluon decode kernel unless the tuning names one (12 one-warp programs per SM)
-GLUON_MAXNREG = 168
-#: cp.async stages of the Gluon decode kernel unless the tuning names ``async_stages`` (the fastest of
-#: 0 / 2 / 3 stages at most points timed; docs/kernels.md#gluon-pipeline)
-GLUON_ASYNC_STAGES = 2
-
-
-def gluon_pipeline(tuning: "AttnTuning") -> dict:
-    """``{"async_stages": n, "slot_ring": bool}`` the Gluon decode launch takes for ``tuning``:
-    ``async_stages`` or :data:`GLUON_ASYNC_STAGES`; the slot ring per ``async_slots``, on by
-    default whenever the words go through the ``cp.async`` ring (:class:`AttnTuning` refuses
-    ``async_slots=True`` with ``async_stages`` 0)."""
-    stages = GLUON_ASYNC_STAGES if tuning.async_stages is None else tuning.async_stages
-    slots = bool(stages) if tuning.async_slots is None else bool(tuning.async_slots)
-    return {"async_stages": stages, "slot_ring": slots}
-
-
-def decode_engine(tuning: "AttnTuning", layout: Int2Layout, q: torch.Tensor, mma_dtype: torch.dtype,
-                  has_cap: bool, hp_dtype: torch.dtype | None = None, buffers: tuple = ()) -> str:
-    """The stage-1 engine a decode call runs: the tuning's ``engine``; with ``None``, ``"triton"`` if
-    the tuning names a Triton-only knob (:attr:`AttnTuning.TRITON_ONLY`), ``"gluon"`` if it names a
-    Gluon-only one (:attr:`AttnTuning.GLUON_ONLY`, any value; ``ValueError`` if the call is outside
-    the Gluon scope or the tuning names knobs of both), else ``"gluon"`` where
-    :func:`.gluon_stage1.gluon_decode_supported` accepts the call (a CUDA sm_80+ device, not the
-    interpreter, not an offline compile) and ``block_n`` is 16 / 32, else ``"triton"``.
+def decode_config(config, layout: Int2Layout, pairs: int, gluon_scope: Callable[[], str | None]):
+    """The :class:`TritonConfig` or :class:`GluonConfig` a decode plan runs.
 
     Args:
-        tuning: the resolved :class:`AttnTuning`; layout, q, mma_dtype, has_cap, hp_dtype, buffers:
-            as :func:`.gluon_stage1.gluon_decode_supported` takes them.
+        config: ``None`` (auto: :class:`GluonConfig` where ``gluon_scope()`` accepts the call and
+            this is not an offline compile, else :func:`default_triton_config`), the type
+            :class:`TritonConfig` or :class:`GluonConfig` (that engine's default config), or an
+            instance (run as given).
+        layout, pairs: the plan's layout and requests x kv heads (the Triton defaults depend on them).
+        gluon_scope: returns ``None`` when the Gluon kernel can run the call, else the reason
+            (:func:`.gluon_stage1.gluon_decode_supported`); called only when Gluon is asked or auto.
 
     Raises:
-        ValueError: ``engine="gluon"`` or a Gluon-only knob named for a call the Gluon engine cannot
-            run (the reason is in the message), or Gluon-only and Triton-only knobs named together.
+        ValueError: a Gluon config for a call outside the Gluon scope (the reason is in the
+            message), or ``config`` of another type.
     """
-    gluon_named = sorted(k for k in AttnTuning.GLUON_ONLY if k in tuning.explicit)
-    if tuning.engine == "triton" or (tuning.engine is None
-                                     and any(k in tuning.explicit for k in AttnTuning.TRITON_ONLY)):
-        if gluon_named:
-            named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
-            raise ValueError(f"tuning {', '.join(gluon_named)} {_gluon_knobs(gluon_named)}, but the tuning also names "
-                             f"Triton-only knob(s) {named}, which select the Triton engine; drop one or the other")
-        return "triton"  # no scope check needed (hot path)
-    why = gluon_decode_supported(layout, q, mma_dtype, has_cap, hp_dtype, buffers)
-    if why is None and tuning.block_n not in (16, 32):
-        why = f"block_n {tuning.block_n} (16 or 32; 64 spills registers)"
-    if tuning.engine == "gluon":
-        triton_named = sorted(k for k in tuning.explicit if k in AttnTuning.TRITON_ONLY)
-        if triton_named:
-            raise ValueError(f"tuning engine='gluon' with Triton-engine knob(s) {triton_named}, which the Gluon "
-                             "engine does not have; drop them or use engine='triton'")
-    if tuning.engine == "gluon" or (tuning.engine is None and gluon_named):
-        if why is not None:
-            if tuning.engine == "gluon":
-                raise ValueError(f"tuning engine='gluon' cannot run this decode call: {why}; "
-                                 "use engine='triton' (or leave engine unset), which covers every layout")
-            knobs = ", ".join(f"{k}={getattr(tuning, k)}" for k in gluon_named)
-            raise ValueError(f"tuning {knobs} selects the Gluon engine, which cannot run this decode call: {why}; "
-                             f"drop {' and '.join(gluon_named)} (the Triton engine covers every layout)")
-        return "gluon"
-    # an offline compile (compile_check.compile_only, CPU tensors) names the engine it compiles;
-    # left unset it compiles the Triton kernel, as before the Gluon engine existed
-    return "gluon" if why is None and not compiling_offline() else "triton"
+    if isinstance(config, TritonConfig):
+        return config
+    if config is TritonConfig:
+        return default_triton_config(layout, pairs=pairs)
+    if config is None:
+        # an offline compile (compile_check.compile_only, CPU tensors) compiles the Triton kernel
+        # unless it names the Gluon one
+        if not compiling_offline() and gluon_scope() is None:
+            return GluonConfig()
+        return default_triton_config(layout, pairs=pairs)
+    if config is GluonConfig:
+        config = GluonConfig()
+    if not isinstance(config, GluonConfig):
+        raise ValueError(f"config must be None, TritonConfig or GluonConfig (the type or an instance), "
+                         f"got {config!r}")
+    why = gluon_scope()
+    if why is not None:
+        raise ValueError(f"GluonConfig (the Gluon engine) cannot run this decode call: {why}; use TritonConfig "
+                         "or config=None (auto), which cover every layout")
+    return config

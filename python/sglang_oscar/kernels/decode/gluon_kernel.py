@@ -39,7 +39,9 @@ if HAVE_GLUON:
     # HP rows [BLOCK_N, 128] (bf16 / fp16): 16-byte loads, 16 lanes per row
     HW = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0]))
     ROW1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # one key per lane
-    # shared-memory rings of the asynchronous variant (ASYNC stages): word tiles row-major, pairs 1-D
+    # cp.async stages of the word ring (the fastest of 0 / 2 / 3 stages where timed: docs/kernels.md#gluon-pipeline)
+    RING_STAGES = gl.constexpr(2)
+    # shared-memory rings: word tiles row-major, pairs and slot ids 1-D
     SM2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     SM1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
@@ -108,22 +110,15 @@ if HAVE_GLUON:
             return x.to(gl.int32)
 
     @gluon.jit
-    def _slot_ids(R2T_r, n0, hi, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` from a ``req_to_token`` row, in ``layout`` (0 past ``hi``)."""
-        r = n0 + gl.arange(0, BLOCK_N, layout=layout)
-        return gl.load(R2T_r + r, mask=r < hi, other=0)
-
-    @gluon.jit
-    def _load_slots(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
-        """Slot ids of keys ``[n0, n0 + BLOCK_N)`` in the K-row and the V-key layouts (0 past ``hi``)."""
-        sk = _slot_ids(R2T_r, n0, hi, BLOCK_N, gl.SliceLayout(1, KW))
-        sv = gl.convert_layout(sk, gl.SliceLayout(1, VW))  # warp shuffles, no second gather
-        return _idx(sk, IDX64), _idx(sv, IDX64)
-
-    @gluon.jit
     def _code_ptrs(sk, sv, KC_h, stride_kcs, VC_h, stride_vcs):
         """Pointers (int32 words) to the K code words ``[BLOCK_N, 8]`` of the keys at slots ``sk``
-        (layout KW) and the V code words of the keys at slots ``sv`` (layout VW)."""
+        (layout KW) and the V code words of the keys at slots ``sv`` (layout VW).
+
+        The buffers come as byte pointers with byte strides, so Triton's stride specialisation
+        (multiples of 16 bytes) shows the compiler when the K words ``2t, 2t+1`` of a row are
+        8-byte aligned: one 8-byte copy instead of two. (Row addresses stay 64-bit products: 32-bit
+        ones save instructions but the loop is latency-bound and they measured slower;
+        docs/kernels.md#gluon-pipeline.)"""
         wk = gl.arange(0, 8, layout=gl.SliceLayout(0, KW))
         wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
         krow = (KC_h + sk * stride_kcs).to(gl.pointer_type(gl.int32), bitcast=True)
@@ -136,23 +131,6 @@ if HAVE_GLUON:
         return (P_h + s * stride_ps).to(gl.pointer_type(gl.int32), bitcast=True)
 
     @gluon.jit
-    def _load_words(sk, sv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps):
-        """K / V code words and the (scale, zero) words of the keys at slots ``sk`` / ``sv``
-        (the same keys in two layouts). Keys past the range read slot 0, masked later.
-
-        The buffers come as byte pointers with byte strides, so Triton's stride specialisation
-        (multiples of 16 bytes) shows the compiler when the K words ``2t, 2t+1`` of a row are
-        8-byte aligned: one 8-byte load instead of two. (Row addresses stay 64-bit
-        products: 32-bit ones save instructions but the loop is latency-bound and they measured
-        slower; docs/kernels.md#gluon-pipeline.)"""
-        kptr, vptr = _code_ptrs(sk, sv, KC_h, stride_kcs, VC_h, stride_vcs)
-        kw = gl.load(kptr)
-        vw = gl.load(vptr)
-        kp = gl.load(_pair_ptr(sk, KP_h, stride_kps))
-        vp = gl.load(_pair_ptr(sk, VP_h, stride_vps))
-        return kw, vw, kp, vp
-
-    @gluon.jit
     def _word_ring(ASYNC: gl.constexpr, BLOCK_N: gl.constexpr):
         """The ``cp.async`` ring of ``ASYNC`` stages :func:`_issue_words` fills: ``(K words, V words,
         K pairs, V pairs)`` shared tiles, int32 ``[ASYNC, BLOCK_N, 8]`` / ``[ASYNC, BLOCK_N]``."""
@@ -163,8 +141,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_words(sk, sv, s1, ring, st, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps):
-        """``cp.async`` of the words :func:`_load_words` reads, into stage ``st`` of ``ring`` =
-        ``(K words, V words, K pairs, V pairs)`` shared tiles: the code words by the threads that read
+        """``cp.async`` of the K / V code words and (scale, zero) words of the keys at slots ``sk`` / ``sv``
+        (the same keys in two layouts), into stage ``st`` of ``ring`` = ``(K words, V words, K pairs,
+        V pairs)`` shared tiles: the code words by the threads that read
         them back (:func:`_read_words`), the pair words one key per lane (slots ``s1``, layout ROW1:
         the read-back layout replicates each key over 4 lanes, whose copies would need guards)."""
         ksm, vsm, kpsm, vpsm = ring
@@ -174,11 +153,6 @@ if HAVE_GLUON:
         async_copy.async_copy_global_to_shared(kpsm.index(st), _pair_ptr(s1, KP_h, stride_kps))
         async_copy.async_copy_global_to_shared(vpsm.index(st), _pair_ptr(s1, VP_h, stride_vps))
         async_copy.commit_group()
-
-    @gluon.jit
-    def _load_slots1(R2T_r, n0, hi, BLOCK_N: gl.constexpr, IDX64: gl.constexpr):
-        """Slot ids of keys ``[n0, n0 + BLOCK_N)``, one key per lane (0 past ``hi``)."""
-        return _idx(_slot_ids(R2T_r, n0, hi, BLOCK_N, ROW1), IDX64)
 
     @gluon.jit
     def _issue_slots(R2T_r, n0, hi, slot_ring, st, BLOCK_N: gl.constexpr):
@@ -198,7 +172,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _read_words(ring, st):
-        """The words of stage ``st`` in the layouts :func:`_load_words` returns them in."""
+        """The words of stage ``st``: ``(K words [BLOCK_N, 8] in KW, V words in VW, K and V pair words
+        [BLOCK_N] in the K-row layout)``."""
         ksm, vsm, kpsm, vpsm = ring
         return (ksm.index(st).load(KW), vsm.index(st).load(VW), kpsm.index(st).load(gl.SliceLayout(1, KW)),
                 vpsm.index(st).load(gl.SliceLayout(1, KW)))
@@ -225,7 +200,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _block(w, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o, BLOCK_N: gl.constexpr,
                MASKED: gl.constexpr):
-        """One block of keys ``[n0, n0 + BLOCK_N)`` (words ``w`` from :func:`_load_words`) into the
+        """One block of keys ``[n0, n0 + BLOCK_N)`` (words ``w`` from :func:`_read_words`) into the
         running state ``(m, ref, lt, corr, acc)``: scores, online softmax (base 2), values.
         ``MASKED``: the block may reach past ``hi`` (only a split's last block can: split ranges
         are ``BLOCK_N``-aligned, :func:`.tiles.int2_split_range`); full blocks skip every mask."""
@@ -265,8 +240,7 @@ if HAVE_GLUON:
                     OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                     b, kvh, h0, req, L, sink_r, win_lo, spq, sp, heads_o, hmask_o, qscale, sink, recent, NS_Q,
                     MIN_CHUNK,
-                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr,
-                    SLOT_RING: gl.constexpr):
+                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr):
         """INT2 split ``spq`` of ``NS_Q`` over ``[max(sink_r, window start), L - recent)``."""
         lo, hi = int2_split_range(sink_r, win_lo, L, sink, recent, spq, NS_Q, BLOCK_N, MIN_CHUNK)
         if hi <= lo:  # empty split (short context): only its log-sum-exp, which the merge skips on
@@ -302,86 +276,42 @@ if HAVE_GLUON:
             zero_o = gl.full([128, 8], 0.0, gl.float32, MMA)
 
             full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N  # the full blocks, then at most one partial block
-            if ASYNC == 0:
-                # software pipeline in registers: slot ids two blocks ahead, code / pair words one block
-                # ahead (their latency hides behind a block of math; two blocks ahead does not fit 168
-                # registers and measured slower)
-                slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
-                w0 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h, stride_vps)
-                slk, slv = _load_slots(R2T_r, lo + BLOCK_N, hi, BLOCK_N, IDX64)
-                for n0 in range(lo, full_hi, BLOCK_N):
-                    slk2, slv2 = _load_slots(R2T_r, n0 + 2 * BLOCK_N, hi, BLOCK_N, IDX64)
-                    w1 = _load_words(slk, slv, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
-                                     stride_vps)
-                    m, ref, lt, corr, acc = _block(w0, n0, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s, zero_o,
-                                                   BLOCK_N, False)
-                    w0 = w1
-                    slk, slv = slk2, slv2
-                if full_hi < hi:
-                    m, ref, lt, corr, acc = _block(w0, full_hi, hi, qb, qsum_u, m, ref, lt, corr, acc, zero_s,
-                                                   zero_o, BLOCK_N, True)
-            elif not SLOT_RING:
-                # pipeline through shared memory: code / pair words of ASYNC - 1 blocks in flight by
-                # cp.async (no registers held for them), slot ids one block ahead of their copy
-                ring = _word_ring(ASYNC, BLOCK_N)
-                slk, slv = _load_slots(R2T_r, lo, hi, BLOCK_N, IDX64)
-                sl1 = _load_slots1(R2T_r, lo, hi, BLOCK_N, IDX64)
-                for i in gl.static_range(ASYNC - 1):
-                    _issue_words(slk, slv, sl1, ring, i, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
-                                 stride_vps)
-                    slk, slv = _load_slots(R2T_r, lo + (i + 1) * BLOCK_N, hi, BLOCK_N, IDX64)
-                    sl1 = _load_slots1(R2T_r, lo + (i + 1) * BLOCK_N, hi, BLOCK_N, IDX64)
-                st = 0
-                for n0 in range(lo, full_hi, BLOCK_N):
-                    # block n0 + (ASYNC - 1) BLOCK_N into the stage block n0 - BLOCK_N was read from
-                    _issue_words(slk, slv, sl1, ring, (st + ASYNC - 1) % ASYNC, KC_h, stride_kcs, KP_h, stride_kps,
-                                 VC_h, stride_vcs, VP_h, stride_vps)
-                    slk, slv = _load_slots(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
-                    sl1 = _load_slots1(R2T_r, n0 + ASYNC * BLOCK_N, hi, BLOCK_N, IDX64)
-                    async_copy.wait_group(ASYNC - 1)  # block n0's group has landed
-                    m, ref, lt, corr, acc = _block(_read_words(ring, st), n0, hi, qb, qsum_u, m, ref, lt, corr,
-                                                   acc, zero_s, zero_o, BLOCK_N, False)
-                    st = (st + 1) % ASYNC
-                async_copy.wait_group(0)
-                if full_hi < hi:
-                    m, ref, lt, corr, acc = _block(_read_words(ring, st), full_hi, hi, qb, qsum_u, m, ref, lt,
-                                                   corr, acc, zero_s, zero_o, BLOCK_N, True)
-            else:
-                # slot ids through shared memory as well: SLOT_LEAD = 2 ASYNC - 1 blocks ahead by cp.async,
-                # read back by LDS in the three layouts, so no global load is waited on in the loop.
-                # Groups: prologue word groups for blocks 0 .. ASYNC - 2, then one group per iteration j
-                # with the words of block j + ASYNC - 1 and the slots of block j + SLOT_LEAD.
-                SLOT_LEAD: gl.constexpr = 2 * ASYNC - 1
-                # slot stages: the prologue fills 2 ASYNC - 1 without wrapping, and a stage is rewritten
-                # ASYNC + 2 iterations after it was read (a simulation of the group accounting: >= 2 ASYNC - 1)
-                SR: gl.constexpr = 2 * ASYNC + 2
-                ring = _word_ring(ASYNC, BLOCK_N)
-                # in req_to_token's own dtype (int32 in SGLang; int64 allowed): a copy converts nothing
-                slot_ring = gl.allocate_shared_memory(R2T.dtype.element_ty, [SR, BLOCK_N], SM1)
-                for i in gl.static_range(SLOT_LEAD):
-                    _issue_slots(R2T_r, lo + i * BLOCK_N, hi, slot_ring, i, BLOCK_N)
-                async_copy.commit_group()
-                async_copy.wait_group(0)
-                for i in gl.static_range(ASYNC - 1):
-                    sk, sv, s1 = _read_slots(slot_ring, i, IDX64)
-                    _issue_words(sk, sv, s1, ring, i, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
-                                 stride_vps)
-                j = 0
-                for n0 in range(lo, full_hi, BLOCK_N):
-                    # slots of block j + ASYNC - 1 (group j + ASYNC - 1 - SLOT_LEAD, or the prologue)
-                    async_copy.wait_group(SLOT_LEAD - ASYNC)
-                    sk, sv, s1 = _read_slots(slot_ring, (j + ASYNC - 1) % SR, IDX64)
-                    _issue_slots(R2T_r, n0 + SLOT_LEAD * BLOCK_N, hi, slot_ring, (j + SLOT_LEAD) % SR, BLOCK_N)
-                    _issue_words(sk, sv, s1, ring, (j + ASYNC - 1) % ASYNC, KC_h, stride_kcs, KP_h, stride_kps,
-                                 VC_h, stride_vcs, VP_h, stride_vps)  # commits this iteration's group
-                    async_copy.wait_group(ASYNC - 1)  # block j's words have landed
-                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), n0, hi, qb, qsum_u, m, ref, lt,
-                                                   corr, acc, zero_s, zero_o, BLOCK_N, False)
-                    j += 1
-                async_copy.wait_group(0)
-                if full_hi < hi:
-                    m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), full_hi, hi, qb, qsum_u, m, ref,
-                                                   lt, corr, acc, zero_s, zero_o, BLOCK_N, True)
+            # pipeline through shared memory: code / pair words ASYNC - 1 blocks ahead by cp.async (no
+            # registers held for them) and the slot ids SLOT_LEAD = 2 ASYNC - 1 blocks ahead, read back
+            # by LDS in the three layouts, so no global load is waited on in the loop.
+            # Groups: prologue word groups for blocks 0 .. ASYNC - 2, then one group per iteration j
+            # with the words of block j + ASYNC - 1 and the slots of block j + SLOT_LEAD.
+            SLOT_LEAD: gl.constexpr = 2 * ASYNC - 1
+            # slot stages: the prologue fills 2 ASYNC - 1 without wrapping, and a stage is rewritten
+            # ASYNC + 2 iterations after it was read (a simulation of the group accounting: >= 2 ASYNC - 1)
+            SR: gl.constexpr = 2 * ASYNC + 2
+            ring = _word_ring(ASYNC, BLOCK_N)
+            # in req_to_token's own dtype (int32 in SGLang; int64 allowed): a copy converts nothing
+            slot_ring = gl.allocate_shared_memory(R2T.dtype.element_ty, [SR, BLOCK_N], SM1)
+            for i in gl.static_range(SLOT_LEAD):
+                _issue_slots(R2T_r, lo + i * BLOCK_N, hi, slot_ring, i, BLOCK_N)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            for i in gl.static_range(ASYNC - 1):
+                sk, sv, s1 = _read_slots(slot_ring, i, IDX64)
+                _issue_words(sk, sv, s1, ring, i, KC_h, stride_kcs, KP_h, stride_kps, VC_h, stride_vcs, VP_h,
+                             stride_vps)
+            j = 0
+            for n0 in range(lo, full_hi, BLOCK_N):
+                # slots of block j + ASYNC - 1 (group j + ASYNC - 1 - SLOT_LEAD, or the prologue)
+                async_copy.wait_group(SLOT_LEAD - ASYNC)
+                sk, sv, s1 = _read_slots(slot_ring, (j + ASYNC - 1) % SR, IDX64)
+                _issue_slots(R2T_r, n0 + SLOT_LEAD * BLOCK_N, hi, slot_ring, (j + SLOT_LEAD) % SR, BLOCK_N)
+                _issue_words(sk, sv, s1, ring, (j + ASYNC - 1) % ASYNC, KC_h, stride_kcs, KP_h, stride_kps,
+                             VC_h, stride_vcs, VP_h, stride_vps)  # commits this iteration's group
+                async_copy.wait_group(ASYNC - 1)  # block j's words have landed
+                m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), n0, hi, qb, qsum_u, m, ref, lt,
+                                               corr, acc, zero_s, zero_o, BLOCK_N, False)
+                j += 1
+            async_copy.wait_group(0)
+            if full_hi < hi:
+                m, ref, lt, corr, acc = _block(_read_words(ring, j % ASYNC), full_hi, hi, qb, qsum_u, m, ref,
+                                               lt, corr, acc, zero_s, zero_o, BLOCK_N, True)
 
             l_h = gl.sum(lt, axis=0)
             c_h = gl.sum(corr, axis=0)
@@ -480,9 +410,7 @@ if HAVE_GLUON:
         OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
         qscale, sink, recent, window, NS_HP, NS_Q, MIN_CHUNK,
         GROUP: gl.constexpr, BLOCKS_PER_KV: gl.constexpr, BLOCK_N: gl.constexpr,
-        HAS_WINDOW: gl.constexpr, HAS_SINKL: gl.constexpr, IDX64: gl.constexpr, ASYNC: gl.constexpr = 0,
-        SLOT_RING: gl.constexpr = False,
-        HP_BLOCK: gl.constexpr = 16,
+        HAS_WINDOW: gl.constexpr, HAS_SINKL: gl.constexpr, IDX64: gl.constexpr, HP_BLOCK: gl.constexpr = 16,
     ):
         """Stage 1 of decode attention (the grid and outputs of :func:`.decode._decode_stage1`): split
         ``program_id(2)`` of request ``program_id(0)`` for 8 q heads of one kv head; splits
@@ -491,7 +419,7 @@ if HAVE_GLUON:
 
         ``KC``/``VC``: the code buffers ``[S, H_kv, 32]`` and ``KP``/``VP``: the (scale, zero) pairs
         ``[S, H_kv, 4]`` (fp16 scale in bytes 0-1), all as byte pointers with byte strides, read as
-        int32 words (:func:`_load_words`).
+        int32 words (:func:`_issue_words`).
         Writes ``OPART[b, h, split, :]`` (normalised, fp32) and ``LSE[b, h, split]`` (base 2).
         """
         b = gl.program_id(0)
@@ -520,4 +448,4 @@ if HAVE_GLUON:
                         VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph, R2T, stride_r2t,
                         OPART, stride_ob, stride_oh, stride_os, lse_ptr,
                         b, kvh, h0, req, L, sink_r, win_lo, sp - NS_HP, sp.to(gl.int64), heads_o, hmask_o, qscale,
-                        sink, recent, NS_Q, MIN_CHUNK, GROUP, BLOCK_N, IDX64, ASYNC, SLOT_RING)
+                        sink, recent, NS_Q, MIN_CHUNK, GROUP, BLOCK_N, IDX64, RING_STAGES)

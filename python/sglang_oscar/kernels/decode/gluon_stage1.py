@@ -140,17 +140,18 @@ def gluon_decode_supported(layout, q: torch.Tensor, mma_dtype: torch.dtype, has_
 def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token, req_pool_indices,
                         seq_lens, sink_lens, o_part, lse, *, qscale: float, sink: int, recent: int, sliding_window,
                         num_hp_splits: int, num_kv_splits: int, block_n: int, min_chunk: int = 0,
-                        maxnreg: int | None = None, async_stages: int = 0, slot_ring: bool = False) -> None:
+                        maxnreg: int | None = None) -> None:
     """Launch stage 1 of decode attention: ``num_hp_splits`` HP splits then ``num_kv_splits`` INT2 splits.
 
-    Arguments as in :class:`.plan.DecodePlan` (which checked them unless
-    called with ``validate=False``, and :func:`gluon_decode_supported` returned ``None``):
+    Arguments as in :class:`.plan.DecodePlan` (which checked them, and :func:`gluon_decode_supported`
+    returned ``None``):
     ``q [B, H_q, 128]``, the INT2 buffers (uint8 codes ``[S, H_kv, 32]``, fp16 pairs
     ``[S, H_kv, 2]``), the HP buffers ``[R, H_kv, 128]`` (bf16 / fp16) and ``hp_index``, the index
     tensors, the stage-1 workspace ``o_part [B, H_q, splits, 128]`` / ``lse [B, H_q, splits]``
     (fp32) it writes into, ``qscale`` (softmax scale x log2 e), ``min_chunk`` (an INT2 split
     covers at least this many positions, a multiple of ``block_n``: :func:`.tiles.int2_split_range`),
-    ``maxnreg`` (register cap given to ptxas). The grid depends only on host constants (CUDA graphs).
+    ``maxnreg`` (register cap given to ptxas; ``None`` = none). The grid depends only on host
+    constants (CUDA graphs).
 
     Raises:
         ValueError: a code or pair buffer whose rows cannot be read as 32-bit words (callers check
@@ -164,7 +165,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         kc, vc = k_codes.view(torch.int32).view(torch.uint8), v_codes.view(torch.int32).view(torch.uint8)
         kp, vp = k_pairs.view(torch.int32).view(torch.uint8), v_pairs.view(torch.int32).view(torch.uint8)
     except RuntimeError as e:
-        raise ValueError(f"engine='gluon' reads codes and pairs as 32-bit words; these buffers cannot be viewed "
+        raise ValueError(f"the Gluon engine reads codes and pairs as 32-bit words; these buffers cannot be viewed "
                          f"so ({e}); allocate them with Int2Layout.allocate") from e
     _launch(_gluon_decode_stage1, (bsz, hkv * bpk, num_hp_splits + num_kv_splits),
         *row_args(q, kc, kp, vc, vp, hp_k, hp_v), hp_index, hp_index.stride(0),
@@ -175,7 +176,7 @@ def launch_gluon_decode(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_in
         min_chunk,
         GROUP=group, BLOCKS_PER_KV=bpk, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SINKL=sink_lens is not None, IDX64=needs_idx64(kc, kp, vc, vp),
-        ASYNC=async_stages, SLOT_RING=slot_ring, HP_BLOCK=16,
+        HP_BLOCK=16,
         num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 

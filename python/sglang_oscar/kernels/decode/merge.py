@@ -118,7 +118,7 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
 
     Args:
         o_part: ``[>= B, H_q, >= num_splits, D_v]`` fp32 normalised partial outputs (stage 1; a
-            workspace from :func:`.splits.decode_workspace`, possibly sized for a larger batch), last
+            workspace from :meth:`.plan.DecodeWorkspace.views`, possibly sized for a larger batch), last
             dim contiguous.
         lse: ``[>= B, H_q, >= num_splits]`` fp32 base-2 log-sum-exp of each split (``-inf`` =
             empty), last dim contiguous.

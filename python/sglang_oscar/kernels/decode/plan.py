@@ -1,8 +1,8 @@
 """Decode attention over the two-tier cache: plan once per batch, run once per layer.
 
 :class:`DecodePlan` resolves everything a decode step's launches need that does not depend on a
-layer's data -- the launch config, the stage-1 engine (Triton or Gluon), the HP / INT2 split counts,
-the grid, the stage-1 workspace -- and checks the batch's tables once; :meth:`DecodePlan.run` then
+layer's data -- the launch config (whose type is the stage-1 engine, Triton or Gluon), the HP / INT2
+split counts, the grid, the buffer strides, the stage-1 workspace -- and checks the batch's tables once; :meth:`DecodePlan.run` then
 launches stage 1 (:mod:`.triton_stage1` or :mod:`.gluon_stage1`) and the merge (:mod:`.merge`) for
 one layer. A plan's launch choices depend only on host constants (batch size, head counts, the
 static context bound), so a plan built before a CUDA-graph capture stays valid for every replay of
@@ -26,12 +26,11 @@ from ..attention import (
     run_scales,
 )
 from ..compile_check import launch as _launch
-from ..compile_check import row_args
 from ..layout import TORCH_TO_TL, Int2Layout
-from ..tuning import _resolved_tuning, effective_convert, permuting_ok
+from ..configs import effective_convert, permuting_ok
 from ..validate import INDEX_DTYPES, check_tensor, debug_enabled, needs_idx64
-from .engine import GLUON_MAXNREG, decode_engine, gluon_pipeline
-from .gluon_stage1 import launch_gluon_decode
+from .engine import decode_config
+from .gluon_stage1 import gluon_decode_supported, launch_gluon_decode
 from .merge import launch_merge, merge_launch
 from .splits import _head_programs, _split_keys, decode_num_hp_splits, default_num_kv_splits
 from .triton_stage1 import _decode_stage1
@@ -101,17 +100,19 @@ class DecodePlan:
         max_seq_len: a static bound on the context (the server's), used by the default split count.
         workspace: ``(o_part, lse)`` with at least ``B`` rows and ``num_hp_splits + num_kv_splits``
             splits, or a :class:`DecodeWorkspace` to take views of, or ``None`` (allocated here).
-        tuning: dict / :class:`~sglang_oscar.kernels.tuning.AttnTuning`; unset knobs take
-            :meth:`AttnTuning.resolved`'s defaults for this layout and ``B x H_kv``.
+        config: ``None`` (auto: the Gluon engine where it applies, else Triton), the type
+            :class:`~..configs.TritonConfig` / :class:`~..configs.GluonConfig` (that engine's
+            defaults for this layout and ``B x H_kv``), or an instance (:func:`.engine.decode_config`).
         debug: check index values on every run (host sync); default ``SGLANG_OSCAR_DEBUG``.
 
     Attributes:
-        engine: ``"triton"`` or ``"gluon"`` (:func:`.engine.decode_engine`); config: the resolved
-        tuning; num_hp_splits, num_kv_splits, grid (stage 1), o_part, lse (the workspace views).
+        config: the :class:`~..configs.TritonConfig` or :class:`~..configs.GluonConfig` it runs;
+        engine: ``config.engine`` (``"triton"`` / ``"gluon"``); num_hp_splits, num_kv_splits, grid
+        (stage 1), o_part, lse (the workspace views).
 
     Raises:
-        ValueError: an unsupported layout, mismatched shapes / dtypes / devices, a tuning or engine
-            the call cannot run, a workspace too small.
+        ValueError: an unsupported layout, mismatched shapes / dtypes / devices, a config
+            the call cannot run (a Gluon config outside the Gluon scope), a workspace too small.
     """
 
     def __init__(self, layout: Int2Layout, num_q_heads: int, buffers: tuple, hp_index: torch.Tensor,
@@ -120,17 +121,15 @@ class DecodePlan:
                  sliding_window: int | None = None, logit_cap: float | None = None,
                  out_dtype: torch.dtype | None = None, mma_dtype: torch.dtype | None = None,
                  num_kv_splits: int | None = None, num_hp_splits: int | None = None,
-                 max_seq_len: int | None = None, workspace=None, tuning=None, debug: bool | None = None):
+                 max_seq_len: int | None = None, workspace=None, config=None, debug: bool | None = None):
         k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v = buffers
         check_tensor(k_codes, "k_codes", ndim=3)
         dev = k_codes.device
         hq = num_q_heads
-        hkv, _ = check_cache(layout, dev, hq, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
-                             sink, recent, sliding_window, logit_cap)
+        hkv = check_cache(layout, dev, hq, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
+                          sink, recent, sliding_window, logit_cap)
         check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=dev)
         bsz = req_pool_indices.shape[0]
-        tn = _resolved_tuning(tuning, layout, False, pairs=bsz * hkv)
-        group, hpb, bpk, block_h = plan_head_blocks(hq, hkv, tn.min_block_h, tn.max_block_h)
         check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, shape=(bsz,))
         if sink_lens is not None:
             check_tensor(sink_lens, "sink_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev)
@@ -140,11 +139,16 @@ class DecodePlan:
         out_dtype = out_dtype or q_dtype
         check_out_dtype(out_dtype)
         has_cap = logit_cap is not None and logit_cap > 0
-        engine = decode_engine(tn, layout, dev, op, has_cap, hp_k.dtype, (k_codes, k_pairs, v_codes, v_pairs))
+        cfg = decode_config(config, layout, bsz * hkv, lambda: gluon_decode_supported(
+            layout, dev, op, has_cap, hp_k.dtype, (k_codes, k_pairs, v_codes, v_pairs)))
+        engine = cfg.engine
+        bpk = None
+        if engine == "triton":
+            group, hpb, bpk, block_h = plan_head_blocks(hq, hkv, cfg.min_block_h, cfg.max_block_h)
         if num_hp_splits is None:
             num_hp_splits = decode_num_hp_splits(sink, recent)
         if num_kv_splits is None:
-            num_kv_splits = default_num_kv_splits(tn, engine, bsz, hq, hkv, device=dev, max_seq_len=max_seq_len,
+            num_kv_splits = default_num_kv_splits(cfg, bsz, hq, hkv, device=dev, max_seq_len=max_seq_len,
                                                   blocks_per_kv=bpk)
         if num_hp_splits < 1 or num_kv_splits < 1:
             raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
@@ -165,7 +169,7 @@ class DecodePlan:
                              f"{tuple(o_part.shape)}, {tuple(lse.shape)}; size it with decode_num_hp_splits + "
                              "num_kv_splits, or pass both split counts")
 
-        self.layout, self.device, self.engine, self.config = layout, dev, engine, tn
+        self.layout, self.device, self.engine, self.config = layout, dev, engine, cfg
         self.batch, self.num_q_heads, self.num_kv_heads = bsz, hq, hkv
         self.q_shape = (bsz, hq, layout.k.head_dim)
         self.out_shape = (bsz, hq, dv)
@@ -179,29 +183,36 @@ class DecodePlan:
         self._merge = merge_launch(bsz, hq, dv, ns)
         self._hp_rows, self._slots = hp_k.shape[0], k_codes.shape[0]
         # the split floor as the kernels take it: a multiple of block_n
-        self.min_chunk = -(-_split_keys(tn, engine, bsz * _head_programs(tn, engine, hq, hkv, bpk))
-                           // tn.block_n) * tn.block_n
+        self.min_chunk = -(-_split_keys(cfg, bsz * _head_programs(cfg, hq, hkv, bpk)) // cfg.block_n) * cfg.block_n
         if engine == "gluon":
             self.grid = None  # launch_gluon_decode forms its grid (blocks of 8 q heads)
             self._gluon = dict(sink=sink, recent=recent, sliding_window=sliding_window, num_hp_splits=num_hp_splits,
-                               num_kv_splits=num_kv_splits, block_n=tn.block_n, min_chunk=self.min_chunk,
-                               maxnreg=tn.maxnreg or GLUON_MAXNREG, **gluon_pipeline(tn))
+                               num_kv_splits=num_kv_splits, block_n=cfg.block_n, min_chunk=self.min_chunk,
+                               maxnreg=cfg.maxnreg)
         else:
             self.grid = (bsz, hkv * bpk, ns)
-            token_major = tn.token_major and layout.k.num_groups == 1 and layout.v.num_groups == 1
+            # token-major tiles need one (scale, zero) group per K and V row
+            token_major = layout.k.num_groups == 1 and layout.v.num_groups == 1
             self._idx64 = needs_idx64(*buffers)
             self._constexprs = dict(
                 GROUP=group, HEADS_PER_BLOCK=hpb, BLOCKS_PER_KV=bpk, BLOCK_H=block_h, **layout_constexprs(layout),
                 OP=TORCH_TO_TL[op], PREC="ieee" if op == torch.float32 else None,
-                CONVERT=effective_convert(tn.convert, op, permuting_ok(layout), subnormal_ok=token_major),
+                CONVERT=effective_convert(cfg.convert, op, permuting_ok(layout), subnormal_ok=token_major),
                 HAS_CAP=has_cap, HAS_WINDOW=sliding_window is not None, IDX64=self._idx64,
                 TOKEN_MAJOR=token_major,
                 NS_HP=num_hp_splits, NS_Q=num_kv_splits, MIN_CHUNK=self.min_chunk,
-                BLOCK_N=tn.block_n, HAS_SINKL=sink_lens is not None,
-                PAIRS_AHEAD=tn.pairs_ahead, DEFER_SUMS=tn.defer_sums,
-                num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
+                BLOCK_N=cfg.block_n, HAS_SINKL=sink_lens is not None,
+                PAIRS_AHEAD=cfg.pairs_ahead, DEFER_SUMS=cfg.defer_sums,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.launch_options(),
             )
             self._consts = attn_constants(layout)
+            # every layer's buffers have the plan's strides (the docstring's contract), so the row and
+            # head strides and the tables' / workspace's strides are fixed here, not read per run
+            self._strides = tuple((t.stride(0), t.stride(1)) for t in buffers)
+            self._tables = (hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices,
+                            seq_lens, hp_index if sink_lens is None else sink_lens,
+                            o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                            lse, lse.stride(0), lse.stride(1))
 
     def run(self, q: torch.Tensor, k_codes: torch.Tensor, k_pairs: torch.Tensor, v_codes: torch.Tensor,
             v_pairs: torch.Tensor, hp_k: torch.Tensor, hp_v: torch.Tensor, *, sm_scale: float | None = None,
@@ -210,7 +221,7 @@ class DecodePlan:
 
         Args:
             q: ``[B, H_q, D_k]`` rotated queries (query ``b`` at position ``seq_lens[b] - 1``),
-                last dim contiguous, in any float dtype.
+                last dim contiguous, in the plan's ``q_dtype``.
             k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v: the layer's buffers, shaped as the
                 plan's ``buffers`` (not checked again: the plan did).
             sm_scale: softmax scale (default ``1/sqrt(D_k)``); logit_cap: the layer's cap, > 0 iff
@@ -222,11 +233,13 @@ class DecodePlan:
             ``[B, H_q, D_v]`` in the rotated V frame.
 
         Raises:
-            ValueError: ``q`` of another shape than the plan's, ``sm_scale`` not finite and > 0, a
+            ValueError: ``q`` of another shape or dtype than the plan's, ``sm_scale`` not finite and > 0, a
                 logit cap on a plan without one (or none on a plan with one), (debug) bad indices.
         """
         if q.shape != self.q_shape:
             raise ValueError(f"q has shape {tuple(q.shape)}; this plan was built for {self.q_shape}")
+        if q.dtype != self.q_dtype:
+            raise ValueError(f"q has dtype {q.dtype}; this plan was built for {self.q_dtype}")
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         if self.debug:
@@ -241,12 +254,9 @@ class DecodePlan:
                                 self.req_pool_indices, self.seq_lens, self.sink_lens, self.o_part, self.lse,
                                 qscale=qscale, **self._gluon)
         else:
-            o_part, lse, hp_index, r2t = self.o_part, self.lse, self.hp_index, self.req_to_token
-            _launch(_decode_stage1, self.grid,
-                *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v),
-                hp_index, hp_index.stride(0), r2t, r2t.stride(0), self.req_pool_indices, self.seq_lens,
-                hp_index if self.sink_lens is None else self.sink_lens,
-                o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
+            kc, kp, vc, vp, hk, hv = self._strides
+            _launch(_decode_stage1, self.grid, q, q.stride(0), q.stride(1),
+                k_codes, *kc, k_pairs, *kp, v_codes, *vc, v_pairs, *vp, hp_k, *hk, hp_v, *hv, *self._tables,
                 qscale, cap_log2e, self.sink, self.recent, self.sliding_window or 0,
                 *self._consts, **self._constexprs,
             )
@@ -281,7 +291,7 @@ def decode_attention(
     max_seq_len: int | None = None,
     workspace: tuple | None = None,
     mma_dtype: torch.dtype | None = None,
-    tuning=None,
+    config=None,
     sink_lens: torch.Tensor | None = None,
     debug: bool | None = None,
 ) -> torch.Tensor:
@@ -306,7 +316,7 @@ def decode_attention(
                       req_pool_indices, seq_lens, sink=sink, recent=recent, q_dtype=q.dtype, sink_lens=sink_lens,
                       sliding_window=sliding_window, logit_cap=logit_cap, out_dtype=out_dtype, mma_dtype=mma_dtype,
                       num_kv_splits=num_kv_splits, num_hp_splits=num_hp_splits, max_seq_len=max_seq_len,
-                      workspace=workspace, tuning=tuning, debug=debug)
+                      workspace=workspace, config=config, debug=debug)
     check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=q.device, shape=(q.shape[0],))
     return run_once(plan, q, (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), sm_scale=sm_scale,
                     logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v, empty=plan.batch == 0)

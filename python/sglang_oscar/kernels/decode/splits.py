@@ -1,4 +1,4 @@
-"""How a decode step is cut into programs: INT2 / HP split counts, the split floor, the workspace."""
+"""How a decode step is cut into programs: INT2 / HP split counts and the split floor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import torch
 
 from ..attention import plan_head_blocks
-from ..tuning import AttnTuning
 from .gluon_operands import head_blocks as gluon_head_blocks
 
 
@@ -29,7 +28,7 @@ ONE_WAVE_PROGRAMS = (256, 512)
 
 
 def default_min_split_keys(engine: str, programs: int) -> int:
-    """Default ``min_split_keys`` (:class:`AttnTuning`): the positions an INT2 split covers at least.
+    """Default ``min_split_keys`` (of a config): the positions an INT2 split covers at least.
 
     Gluon: 128 up to 16 programs per step (batch 1-2 of an 8-kv-head model), 256 above: short
     steps then run fewer, longer splits instead of many nearly empty ones, while long steps are
@@ -40,20 +39,21 @@ def default_min_split_keys(engine: str, programs: int) -> int:
     return 128 if programs <= 16 else 256
 
 
-def _head_programs(tuning: AttnTuning, engine: str, num_q_heads: int, num_kv_heads: int,
-                   blocks_per_kv: int | None = None) -> int:
-    """Stage-1 programs per request and split: kv heads x head blocks as the engine forms them (Triton:
-    :func:`plan_head_blocks` of ``tuning``, or ``blocks_per_kv`` when the caller has it; Gluon: blocks
-    of 8 q heads)."""
-    if engine == "gluon":
+def _head_programs(config, num_q_heads: int, num_kv_heads: int, blocks_per_kv: int | None = None) -> int:
+    """Stage-1 programs per request and split: kv heads x head blocks as the config's engine forms them
+    (Triton: :func:`plan_head_blocks` of ``config``, or ``blocks_per_kv`` when the caller has it;
+    Gluon: blocks of 8 q heads)."""
+    if config.engine == "gluon":
         return num_kv_heads * gluon_head_blocks(num_q_heads // num_kv_heads)
-    return num_kv_heads * (blocks_per_kv or plan_head_blocks(num_q_heads, num_kv_heads, tuning.min_block_h,
-                                                             tuning.max_block_h)[2])
+    return num_kv_heads * (blocks_per_kv or plan_head_blocks(num_q_heads, num_kv_heads, config.min_block_h,
+                                                             config.max_block_h)[2])
 
 
-def _split_keys(tuning: AttnTuning, engine: str, programs: int) -> int:
-    """``tuning.min_split_keys``, or :func:`default_min_split_keys` for ``programs`` per step."""
-    return default_min_split_keys(engine, programs) if tuning.min_split_keys is None else tuning.min_split_keys
+def _split_keys(config, programs: int) -> int:
+    """``config.min_split_keys``, or :func:`default_min_split_keys` for ``programs`` per step."""
+    if config.min_split_keys is None:
+        return default_min_split_keys(config.engine, programs)
+    return config.min_split_keys
 
 
 def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_len: int | None = None,
@@ -76,7 +76,7 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
             of the engine: :func:`plan_head_blocks` for Triton, blocks of 8 q heads for Gluon).
         device: where the kernel runs (its SM count; 4 for CPU / the interpreter).
         max_seq_len, block_n, waves, max_splits, min_split_tokens: see above.
-        engine: ``"triton"`` or ``"gluon"`` (:func:`decode_engine`), for the default ``waves``.
+        engine: ``"triton"`` or ``"gluon"`` (the config's ``engine``), for the default ``waves``.
 
     Returns:
         The number of INT2 splits, in ``[1, max_splits]``.
@@ -100,25 +100,18 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
     return int(max(1, min(max_splits, ns)))
 
 
-def default_num_kv_splits(tuning: AttnTuning, engine: str, bsz: int, num_q_heads: int, num_kv_heads: int, *,
-                          device=None, max_seq_len: int | None = None, blocks_per_kv: int | None = None) -> int:
-    """The INT2 split count :func:`decode_attention` uses when ``num_kv_splits`` is ``None``:
-    :func:`choose_num_splits` over ``kv heads x head blocks`` programs per request, head blocks as the
-    engine forms them (Triton: :func:`plan_head_blocks` of the resolved ``tuning``; Gluon: blocks of
-    8 q heads). ``engine``: from :func:`decode_engine`; ``blocks_per_kv``: the Triton plan's
-    blocks when the caller has it already (else computed). Callers sizing a workspace ahead of the
-    call (benchmarks, CUDA-graph buffers) use this to match the call's own choice."""
-    programs = _head_programs(tuning, engine, num_q_heads, num_kv_heads, blocks_per_kv)
+def default_num_kv_splits(config, bsz: int, num_q_heads: int, num_kv_heads: int, *, device=None,
+                          max_seq_len: int | None = None, blocks_per_kv: int | None = None) -> int:
+    """The INT2 split count a :class:`.plan.DecodePlan` uses when ``num_kv_splits`` is ``None``:
+    :func:`choose_num_splits` over ``kv heads x head blocks`` programs per request, head blocks as
+    ``config``'s engine forms them (a :class:`~..configs.TritonConfig`: :func:`plan_head_blocks`; a
+    :class:`~..configs.GluonConfig`: blocks of 8 q heads). ``blocks_per_kv``: the Triton plan's
+    blocks when the caller has them. Callers sizing a workspace ahead of the call (benchmarks,
+    CUDA-graph buffers) use this to match the plan's own choice (``plan.config`` is the config)."""
+    programs = _head_programs(config, num_q_heads, num_kv_heads, blocks_per_kv)
     # with a static bound, no more splits than the split floor can ever fill
-    return choose_num_splits(bsz, programs, device=device, max_seq_len=max_seq_len, block_n=tuning.block_n,
-                             engine=engine,
-                             min_split_tokens=max(64, _split_keys(tuning, engine, bsz * programs)))
-
-
-def decode_workspace(batch: int, num_q_heads: int, head_dim_v: int, total_splits: int, device) -> tuple:
-    """Stage-1 scratch ``(o_part [B, H_q, S, D_v] fp32, lse [B, H_q, S] fp32)`` (preallocate for graphs)."""
-    return (torch.empty((batch, num_q_heads, total_splits, head_dim_v), dtype=torch.float32, device=device),
-            torch.empty((batch, num_q_heads, total_splits), dtype=torch.float32, device=device))
+    return choose_num_splits(bsz, programs, device=device, max_seq_len=max_seq_len, block_n=config.block_n,
+                             engine=config.engine, min_split_tokens=max(64, _split_keys(config, bsz * programs)))
 
 
 #: HP positions per default HP split (:func:`decode_num_hp_splits`)
@@ -128,6 +121,6 @@ HP_SPLIT_POSITIONS = 48
 def decode_num_hp_splits(sink: int, recent: int) -> int:
     """Default HP splits: one per :data:`HP_SPLIT_POSITIONS` (48) HP positions, 1..8 (a BF16 position
     costs several INT2 ones, so HP splits are kept short to not be the long pole at short contexts:
-    7 splits for the default 64 + 256; 128 positions per split before the Gluon engine, whose HP
-    loop is slower per key than its INT2 loop)."""
+    7 splits for the default 64 + 256; the Gluon engine's HP loop is also slower per key than its
+    INT2 loop)."""
     return int(max(1, min(8, math.ceil((sink + recent) / HP_SPLIT_POSITIONS))))
