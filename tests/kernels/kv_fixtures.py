@@ -149,14 +149,14 @@ def build_pool(lens, hkv, dk, dv, config: OscarConfig, *, hp_dtype=torch.bfloat1
 
 
 def reference_decode(pool: Pool, q: torch.Tensor, *, sliding_window=None, logit_cap=None, counter_rotate=False,
-                     hp_dtype=torch.bfloat16) -> torch.Tensor:
+                     hp_dtype=torch.bfloat16, sinks=None) -> torch.Tensor:
     """Oracle output ``[B, H_q, D_v]`` for unrotated queries ``q`` (query b at position L_b - 1)."""
     outs = []
     for b, L in enumerate(pool.seq_lens.tolist()):
         o = oscar_attention(q[b:b + 1], pool.ks[b], pool.vs[b], pool.rot_k, pool.rot_v, pool.config,
                             q_positions=torch.tensor([L - 1], device=q.device), sliding_window=sliding_window, logit_cap=logit_cap,
                             window_mode="decode", counter_rotate=counter_rotate, hp_dtype=hp_dtype,
-                            cache=pool.caches[b])
+                            cache=pool.caches[b], sinks=sinks)
         outs.append(o[0])
     return torch.stack(outs)
 
@@ -200,14 +200,15 @@ def triton_config(pool: Pool, *, extend: bool = False, pairs: int | None = None,
 
 
 def reference_extend(pool: Pool, q: torch.Tensor, prefixes, exts, *, sliding_window=None, logit_cap=None,
-                     counter_rotate=False, hp_dtype=torch.bfloat16) -> torch.Tensor:
+                     counter_rotate=False, hp_dtype=torch.bfloat16, sinks=None) -> torch.Tensor:
     outs = []
     start = 0
     for b, (p, e) in enumerate(zip(prefixes, exts)):
         outs.append(oscar_attention(q[start:start + e], pool.ks[b][:p + e], pool.vs[b][:p + e], pool.rot_k,
                                     pool.rot_v, pool.config, q_positions=torch.arange(p, p + e, device=q.device),
                                     sliding_window=sliding_window, logit_cap=logit_cap, window_mode="extend",
-                                    counter_rotate=counter_rotate, hp_dtype=hp_dtype, cache=pool.caches[b]))
+                                    counter_rotate=counter_rotate, hp_dtype=hp_dtype, cache=pool.caches[b],
+                                    sinks=sinks))
         start += e
     return torch.cat(outs)
 

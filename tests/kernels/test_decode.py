@@ -108,6 +108,30 @@ def test_decode_sliding_window_and_cap(window, cap):
     assert rel_l2(o, ref) < 1e-4
 
 
+@pytest.mark.parametrize("window,dk", [(None, 64), (20, 128)])
+def test_decode_attention_sinks(device, window, dk):
+    """Learned attention-sink logits (GPT-OSS: one per q head, natural log) join each head's softmax
+    denominator only, as the oracle's: fp32 to 1e-4 (CPU: the lengths below; CUDA: a 5K context,
+    GPT-OSS's 64 q / 8 kv heads, the window 64x longer); on CUDA also bf16 rows with the default
+    config (the Gluon engine at head_dim 128) to 1e-2. Without the sinks the output is far off."""
+    fresh_seed()
+    cuda = device == "cuda"
+    lens, hq, hkv = ([scaled(5000), 400, 1], 64, 8) if cuda else ([3, 12, 25, 40], 6, 2)
+    sink, recent = (GPU_SINK, GPU_RECENT) if cuda else (SINK, RECENT)
+    window = None if window is None else (scaled(window * 64) if cuda else window)
+    cfg = make_config(sink=sink, recent=recent)
+    dev = DEV if cuda else "cpu"
+    kw = dict(num_kv_splits=None, debug=False) if cuda else {}
+    sinks = (torch.randn(hq, device=dev) * 2 + 1).float()
+    for hp_dtype, mma, tol in [(torch.float32, torch.float32, 1e-4)] + ([(torch.bfloat16, None, 1e-2)] if cuda else []):
+        pool = build_pool(lens, hkv, dk, dk, cfg, hp_dtype=hp_dtype, device=dev)
+        q = torch.randn(len(lens), hq, dk, device=dev) * 2
+        ref = reference_decode(pool, q, sliding_window=window, hp_dtype=hp_dtype, sinks=sinks)
+        o = run_decode(pool, rotate_q(pool, q), mma_dtype=mma, sliding_window=window, sinks=sinks, **kw)
+        assert rel_l2(o.float(), ref) < tol, hp_dtype
+        assert rel_l2(reference_decode(pool, q, sliding_window=window, hp_dtype=hp_dtype), ref) > 20 * tol
+
+
 @pytest.mark.parametrize("hq,hkv,max_block_h,min_block_h", [(12, 2, 4, 1), (16, 2, 4, 16), (6, 1, 2, 1)])
 def test_decode_head_blocks_never_straddle(hq, hkv, max_block_h, min_block_h):
     """Groups split into blocks that divide them (6 -> 3+3, 8 -> 4+4), rows padded to min_block_h."""

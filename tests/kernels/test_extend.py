@@ -80,6 +80,28 @@ def test_extend_window_and_cap(device, window, cap):
     assert rel_l2(o, ref) < 1e-4
 
 
+def test_extend_attention_sinks(device):
+    """Attention-sink logits (natural log, one per q head) join each query's denominator as the
+    oracle's, with a sliding window: fp32 to 1e-4, CPU on short chunks, CUDA on a 5K prefix with
+    GPT-OSS's 64 q / 8 kv heads at head_dim 64."""
+    fresh_seed()
+    if device == "cuda":
+        cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT)
+        prefixes, exts, hkv, hq, d, dev, window = [scaled(5000), 100], [scaled(700), 64], 8, 64, 64, DEV, scaled(1280)
+    else:
+        cfg = make_config(sink=SINK)
+        prefixes, exts, hkv, hq, d, dev, window = [9, 20], [24, 3], 2, 4, 64, "cpu", 12
+    pool = build_pool([p + e for p, e in zip(prefixes, exts)], hkv, d, d, cfg, hp_dtype=torch.float32,
+                      window_mode="extend", device=dev)
+    q = torch.randn(sum(exts), hq, d, device=dev) * 2
+    sinks = (torch.randn(hq, device=dev) * 2 + 1).float()
+    ref = reference_extend(pool, q, prefixes, exts, sliding_window=window, hp_dtype=torch.float32, sinks=sinks)
+    o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32, sliding_window=window,
+                   sinks=sinks, debug=device == "cpu")
+    assert rel_l2(o, ref) < 1e-4
+    assert rel_l2(reference_extend(pool, q, prefixes, exts, sliding_window=window, hp_dtype=torch.float32), ref) > 2e-3
+
+
 def test_extend_chunking_invariance_and_lse():
     """One 40-token chunk == the same prompt as chunks 13 + 1 + 26 (pool written by write_kv per chunk)."""
     fresh_seed()

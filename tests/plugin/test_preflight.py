@@ -218,13 +218,20 @@ def test_models_the_int2_server_cannot_serve_are_refused_from_the_config(hooked,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, sliding_window=64,
                      architectures=["Gemma3ForCausalLM"]).save_pretrained(gemma)
     assert _server_args(str(gemma), monkeypatch).kv_cache_dtype == "int2"
-    # learned attention sinks (GPT-OSS) are not yet: refused, naming the layers and the fix
+    # learned attention sinks (GPT-OSS) are served, but not with a centred rotation (the sink logit is
+    # not shifted by the key mean): that file is refused, naming the layers and the fix
     oss = tmp_path / "gpt_oss"
     GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, sliding_window=32, num_local_experts=4,
                  architectures=["GptOssForCausalLM"]).save_pretrained(oss)
-    with pytest.raises(ValueError, match=r"attention-sink logits yet \('gpt_oss': layers \[0, 1\].*--kv-cache-dtype auto"):
-        _server_args(str(oss), monkeypatch)
+    assert _server_args(str(oss), monkeypatch).kv_cache_dtype == "int2"
+    rs = RotationSet.data_free(ModelGeometry.from_hf_config(str(oss)))
+    rs.k_mean = {i: torch.zeros(2, 64) for i in (0, 1)}
+    rs.v_mean = {i: torch.zeros(2, 64) for i in (0, 1)}
+    centred = str(tmp_path / "centred.safetensors")
+    rs.save(centred)
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] have attention-sink logits.*refit the rotation without --center"):
+        _server_args(str(oss), monkeypatch, rotation_path=centred)
     # KV-shared layers (Gemma-3n / small Gemma-4: k is None in the last layers) are refused too
     shared = tmp_path / "kv_shared"
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=6,

@@ -64,12 +64,6 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
             f"{geometry.num_hidden_layers - len(geometry.layers)} linear-attention (mamba/GDN) layers, which the INT2 "
             f"server does not support yet; use --kv-cache-dtype auto"
         )
-    sinks = [layer.layer_id for layer in geometry.layers if layer.has_sinks]
-    if sinks:
-        raise ValueError(
-            f"--kv-cache-dtype int2 does not support learned attention-sink logits yet ({geometry.model_type!r}: "
-            f"layers {sinks[:4]}{'...' if len(sinks) > 4 else ''} have them); use --kv-cache-dtype auto"
-        )
     shared = _kv_shared_layers(hf_config)
     if shared:
         raise ValueError(
@@ -111,6 +105,12 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         rs.validate(geometry)
     except ValueError as exc:
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from None
+    sinks = [layer.layer_id for layer in geometry.layers if layer.has_sinks]
+    if sinks and (rs.k_mean or rs.v_mean):
+        raise ValueError(f"--oscar-rotation {config.rotation_path} centres the keys/values (k_mean / v_mean) but this "
+                         f"model's layers {sinks[:4]}{'...' if len(sinks) > 4 else ''} have attention-sink logits, "
+                         "which the centering does not commute with (the sink logit is not shifted, the key "
+                         "probabilities sum to less than 1): refit the rotation without --center")
     cap = attention_logit_softcap(hf_config) if (hf_config is not None and rs.k_mean) else None
     if cap:
         raise ValueError(f"--oscar-rotation {config.rotation_path} centres the keys (k_mean) but this model caps its "

@@ -248,8 +248,9 @@ class OscarTritonAttnBackend(TritonAttnBackend):
 
     # ------------------------------------------------------------------ forward paths
     def _check_layer(self, layer, sinks, score_mod) -> None:
-        if sinks is not None:
-            raise NotImplementedError("--kv-cache-dtype int2 does not support attention-sink logits (sinks=)")
+        if sinks is not None and any(m is not None for m in self._mean(layer.layer_id)):
+            raise NotImplementedError(f"layer {layer.layer_id} has attention-sink logits but its rotation is centred "
+                                      "(k_mean / v_mean), which does not commute with them: refit without --center")
         if score_mod is not None:
             raise NotImplementedError("--kv-cache-dtype int2 does not support score_mod attention")
         if getattr(layer, "is_cross_attention", False):
@@ -306,8 +307,8 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         if geo is None or plans is None or geo not in plans:
             plans = self._plan_late(layer, forward_batch)
             geo = self._layer_geometry[layer.layer_id]
-        o = plans[geo].run(
-            q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling, logit_cap=layer.logit_cap or None)
+        o = plans[geo].run(q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling,
+                           logit_cap=layer.logit_cap or None, sinks=sinks)
         return self._output(o, layer, q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
@@ -323,7 +324,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             self._group_layer.setdefault(geo, layer.layer_id)
             plans = self.plan_extend(forward_batch, q_rot.shape[0])
         o = plans[geo].run(q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling,
-                           logit_cap=layer.logit_cap or None)
+                           logit_cap=layer.logit_cap or None, sinks=sinks)
         return self._output(o, layer, q.dtype)
 
 

@@ -165,7 +165,7 @@ def run_scales(plan_has_cap: bool, head_dim: int, sm_scale, logit_cap) -> tuple[
 
 
 def run_once(plan, q: torch.Tensor, buffers: tuple, *, sm_scale, logit_cap, out, out_dtype, rotation_v,
-             empty: bool = False):
+             empty: bool = False, sinks: torch.Tensor | None = None):
     """The one-shot wrappers' run of a just-built plan: into ``out`` (checked), or -- with
     ``rotation_v`` -- into an fp32 buffer that is counter-rotated to ``out_dtype`` (and copied into
     ``out`` if given). ``empty``: the batch is empty, return the fp32 buffer cast. Returns what
@@ -174,9 +174,9 @@ def run_once(plan, q: torch.Tensor, buffers: tuple, *, sm_scale, logit_cap, out,
         if out is not None:
             check_tensor(out, "out", ndim=3, device=q.device, shape=plan.out_shape, last_contiguous=True)
             check_float(out, "out")
-        return plan.run(q, *buffers, sm_scale=sm_scale, logit_cap=logit_cap, out=out)
+        return plan.run(q, *buffers, sm_scale=sm_scale, logit_cap=logit_cap, out=out, sinks=sinks)
     check_tensor(rotation_v, "rotation_v", device=q.device)
-    res = plan.run(q, *buffers, sm_scale=sm_scale, logit_cap=logit_cap,
+    res = plan.run(q, *buffers, sm_scale=sm_scale, logit_cap=logit_cap, sinks=sinks,
                    out=torch.empty(plan.out_shape, dtype=torch.float32, device=q.device))
     o_rot, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, ())
     if empty:

@@ -33,7 +33,7 @@ from .compile_check import launch as _launch
 from .compile_check import row_args
 from .layout import TORCH_TO_TL, Int2Layout
 from .configs import GluonConfig, TritonConfig, default_triton_config, effective_convert
-from .validate import INDEX_DTYPES, check_tensor, debug_enabled, needs_idx64
+from .validate import INDEX_DTYPES, check_sinks, check_tensor, debug_enabled, needs_idx64
 from .tiles import (
     NEG_INF,
     hp_scores,
@@ -54,7 +54,7 @@ def _extend_kernel(
     VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph,
     HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh,
     HPI, stride_hpi, R2T, stride_r2t, RPI, QO_INDPTR, PREFIX, EXTLEN, SINKL,
-    O, stride_on, stride_oh, LSE, stride_ln, stride_lh,
+    O, stride_on, stride_oh, LSE, stride_ln, stride_lh, SINKS,
     qscale, cap_log2e, sink, window,
     A4, RB, C0, l0, l1, l2, l3,
     GROUP: tl.constexpr,
@@ -64,6 +64,7 @@ def _extend_kernel(
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LSE: tl.constexpr, OUT_DT: tl.constexpr,
     IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     mb = tl.program_id(0)
     b = tl.program_id(1)
@@ -149,6 +150,10 @@ def _extend_kernel(
                 p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs, VP_h, stride_vps, slots, tm,
                 slots, tm, A4, RB, C0, l0, l1, l2, l3, QV, QVP, GV, NGV, V_FAST, LM, OP, PREC, CONVERT, True)
 
+        if HAS_SINKS:
+            # the head's sink logit (natural log) joins the denominator only, relative to the running max
+            sink2 = tl.load(SINKS + h64).to(tl.float32) * 1.4426950408889634
+            l += tl.where(m > NEG_INF, tl.exp2(sink2 - tl.where(m > NEG_INF, m, 0.0)), 0.0)
         has = l > 0.0
         inv_l = tl.where(has, 1.0 / tl.where(has, l, 1.0), 0.0)
         ooff = rows_q * stride_on + h64 * stride_oh
@@ -249,8 +254,10 @@ class ExtendPlan:
 
     def run(self, q: torch.Tensor, k_codes: torch.Tensor, k_pairs: torch.Tensor, v_codes: torch.Tensor,
             v_pairs: torch.Tensor, hp_k: torch.Tensor, hp_v: torch.Tensor, *, sm_scale: float | None = None,
-            logit_cap: float | None = None, out: torch.Tensor | None = None):
-        """Extend attention of one layer (buffers shaped as the plan's; not checked again).
+            logit_cap: float | None = None, out: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+        """Extend attention of one layer (buffers shaped as the plan's; not checked again). ``sinks``:
+        optional fp32 ``[H_q]`` attention-sink logits (natural log), added to each head's softmax
+        denominator (as :class:`~.decode.plan.DecodePlan.run`).
 
         Returns:
             ``o [N, H_q, D_v]`` in the rotated V frame (``out`` if given, else in ``out_dtype``), and
@@ -267,13 +274,14 @@ class ExtendPlan:
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device) if self.return_lse else out
+        check_sinks(sinks, self.q_shape[1], self.device, "ExtendPlan.run")
         if not self.empty:
             qscale, cap_log2e = run_scales(self.has_cap, q.shape[-1], sm_scale, logit_cap)
             _launch(_extend_kernel, self.grid,
                 *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), *self._tables,
-                out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+                out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), lse if sinks is None else sinks,
                 qscale, cap_log2e, *self._scalars, *self._consts,
-                OUT_DT=TORCH_TO_TL[out.dtype], **self._constexprs,
+                OUT_DT=TORCH_TO_TL[out.dtype], HAS_SINKS=sinks is not None, **self._constexprs,
             )
         return (out, lse) if self.return_lse else out
 
@@ -307,6 +315,7 @@ def extend_attention(
     config=None,
     sink_lens: torch.Tensor | None = None,
     debug: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """One-shot extend attention: build an :class:`ExtendPlan` for this call and run it.
 
@@ -318,6 +327,7 @@ def extend_attention(
         q: ``[N, H_q, D_k]`` rotated queries of all chunks; the other tensors and settings as
             :class:`ExtendPlan` and :meth:`ExtendPlan.run` take them.
         rotation_v: if given (``[D_v, D_v]`` or ``[H_kv, D_v, D_v]``), return ``o R_v^T``.
+        sinks: optional fp32 ``[H_q]`` attention-sink logits (natural log, denominator only).
         out: optional ``[N, H_q, D_v]`` output (the counter-rotated one with ``rotation_v``).
         out_dtype: default ``out.dtype`` if ``out`` is given, else ``q.dtype``.
 
@@ -335,4 +345,4 @@ def extend_attention(
                       sliding_window=sliding_window, logit_cap=logit_cap, out_dtype=out_dtype, mma_dtype=mma_dtype,
                       config=config, return_lse=return_lse, debug=debug)
     return run_once(plan, q, (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), sm_scale=sm_scale,
-                    logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v)
+                    logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v, sinks=sinks)

@@ -96,3 +96,12 @@ def check_int2_buffers(layout, k_codes, k_pairs, v_codes, v_pairs, heads, device
                      shape=(k_codes.shape[0], heads, layout.v.head_dim // 4), last_contiguous=True)
         check_tensor(v_pairs, "v_pairs", ndim=3, dtypes=layout.scale_dtype, device=device,
                      shape=(k_codes.shape[0], heads, 2 * layout.v.num_groups), last_contiguous=True)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, device, who: str) -> None:
+    """``sinks`` is ``None`` or a contiguous float ``[num_q_heads]`` tensor on ``device`` (fp32, bf16 --
+    GPT-OSS's parameter under SGLang's Triton backend -- or fp16; the kernels read it in fp32), else
+    ``ValueError``."""
+    if sinks is not None:
+        check_tensor(sinks, f"{who}: sinks", ndim=1, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                     device=device, shape=(num_q_heads,), last_contiguous=True)

@@ -14,20 +14,22 @@ from ..codes import round_to
 from ..compile_check import launch as _launch
 from ..layout import TORCH_TO_TL, next_pow2
 from ..tiles import NEG_INF
-from ..validate import check_float, check_tensor
+from ..validate import check_float, check_sinks, check_tensor
 
 
 @triton.jit
 def _decode_stage2(
-    OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
+    OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh, SINKS,
     O, stride_b, stride_h, NS,
     NSP: tl.constexpr, SB: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr,
-    OUT_DT: tl.constexpr,
+    OUT_DT: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     """Merge of the splits for request ``program_id(0)``, q head ``program_id(1)`` and output dims
     ``[BD * program_id(2), + BD)``: ``O = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)``.
     Chunks of ``SB`` splits x ``BD`` dims (unrolled, independent loads: one memory round trip
-    for a few hundred splits); splits with ``lse = -inf`` (empty) are not read."""
+    for a few hundred splits); splits with ``lse = -inf`` (empty) are not read. With ``HAS_SINKS``
+    the head's sink logit ``SINKS[h]`` (natural log) joins the denominator only, as SGLang's
+    ``_fwd_kernel_stage2`` adds ``exp(sink - max)``."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -35,6 +37,9 @@ def _decode_stage2(
     s_all = tl.arange(0, NSP)
     lse_row = LSE + b * stride_lb + h * stride_lh
     mx = tl.max(tl.load(lse_row + s_all, mask=s_all < NS, other=NEG_INF), axis=0)
+    if HAS_SINKS:
+        sink2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634  # base 2, as the LSEs
+        mx = tl.maximum(mx, sink2)
     mx = tl.where(mx == NEG_INF, 0.0, mx)
     acc = tl.zeros([BD], tl.float32)
     tot = 0.0
@@ -48,6 +53,8 @@ def _decode_stage2(
         o = tl.load(base + ss[:, None] * stride_os + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
         tot += tl.sum(w, axis=0)
+    if HAS_SINKS:
+        tot += tl.exp2(sink2 - mx)
     inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
     tl.store(O + b * stride_b + h * stride_h + d, round_to(acc * inv, OUT_DT), mask=dm)
 
@@ -102,18 +109,20 @@ def merge_launch(bsz: int, hq: int, dv: int, num_splits: int, block_d: int | Non
 
 
 def launch_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int, grid: tuple,
-                 constexprs: dict, num_warps: int = 1) -> None:
-    """Launch the merge with launch parameters from :func:`merge_launch`; no checks (a
-    :class:`~.plan.DecodePlan` checked its workspace when it was built)."""
+                 constexprs: dict, num_warps: int = 1, sinks: torch.Tensor | None = None) -> None:
+    """Launch the merge with launch parameters from :func:`merge_launch` (``sinks``: fp32 ``[H_q]``
+    attention-sink logits or ``None``); no checks (a :class:`~.plan.DecodePlan` checked its workspace
+    when it was built, and checks ``sinks``)."""
     _launch(_decode_stage2, grid,
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
-        out, out.stride(0), out.stride(1), num_splits,
-        OUT_DT=TORCH_TO_TL[out.dtype], num_warps=num_warps, **constexprs,
+        lse if sinks is None else sinks, out, out.stride(0), out.stride(1), num_splits,
+        OUT_DT=TORCH_TO_TL[out.dtype], num_warps=num_warps, HAS_SINKS=sinks is not None, **constexprs,
     )
 
 
 def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int,
-                 block_d: int | None = None, chunk: int = MERGE_CHUNK, num_warps: int = 1) -> None:
+                 block_d: int | None = None, chunk: int = MERGE_CHUNK, num_warps: int = 1,
+                 sinks: torch.Tensor | None = None) -> None:
     """Stage 2 of decode attention: merge ``num_splits`` partial outputs into ``out``.
 
     Args:
@@ -132,6 +141,8 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
         chunk: splits x dims per unrolled step, a power of two (all loads of a few hundred splits in
             flight at once).
         num_warps: warps per program (one was fastest or within 0.1 us of it at every point timed).
+        sinks: optional ``[H_q]`` attention-sink logits (natural log, fp32, contiguous): joins each
+            head's denominator (:func:`sglang_oscar.reference.attention.attend`'s ``sinks``).
 
     Raises:
         ValueError: wrong dims / shapes / dtypes / devices, ``num_splits`` not an int in
@@ -141,5 +152,6 @@ def decode_merge(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
     The grid depends only on shapes (CUDA graphs).
     """
     _check_merge_args(o_part, lse, out, num_splits, block_d, chunk)
+    check_sinks(sinks, out.shape[1], out.device, "decode_merge")
     grid, constexprs = merge_launch(*out.shape, num_splits, block_d, chunk)
-    launch_merge(o_part, lse, out, num_splits, grid, constexprs, num_warps)
+    launch_merge(o_part, lse, out, num_splits, grid, constexprs, num_warps, sinks)

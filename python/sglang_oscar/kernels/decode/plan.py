@@ -28,7 +28,7 @@ from ..attention import (
 from ..compile_check import launch as _launch
 from ..layout import TORCH_TO_TL, Int2Layout
 from ..configs import effective_convert, permuting_ok
-from ..validate import INDEX_DTYPES, check_tensor, debug_enabled, needs_idx64
+from ..validate import INDEX_DTYPES, check_sinks, check_tensor, debug_enabled, needs_idx64
 from .engine import decode_config
 from .gluon_stage1 import gluon_decode_supported, launch_gluon_decode
 from .merge import launch_merge, merge_launch
@@ -216,7 +216,8 @@ class DecodePlan:
 
     def run(self, q: torch.Tensor, k_codes: torch.Tensor, k_pairs: torch.Tensor, v_codes: torch.Tensor,
             v_pairs: torch.Tensor, hp_k: torch.Tensor, hp_v: torch.Tensor, *, sm_scale: float | None = None,
-            logit_cap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+            logit_cap: float | None = None, out: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of one layer: stage 1 into the plan's workspace, then the merge.
 
         Args:
@@ -228,6 +229,8 @@ class DecodePlan:
                 the plan was built with one.
             out: optional ``[B, H_q, D_v]`` output (last dim contiguous), else allocated in
                 ``out_dtype``.
+            sinks: optional fp32 ``[H_q]`` attention-sink logits (GPT-OSS), natural log, added to
+                each head's softmax denominator only (in the merge).
 
         Returns:
             ``[B, H_q, D_v]`` in the rotated V frame.
@@ -240,6 +243,7 @@ class DecodePlan:
             raise ValueError(f"q has shape {tuple(q.shape)}; this plan was built for {self.q_shape}")
         if q.dtype != self.q_dtype:
             raise ValueError(f"q has dtype {q.dtype}; this plan was built for {self.q_dtype}")
+        check_sinks(sinks, self.q_shape[1], self.device, "DecodePlan.run")
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         if self.debug:
@@ -260,7 +264,7 @@ class DecodePlan:
                 qscale, cap_log2e, self.sink, self.recent, self.sliding_window or 0,
                 *self._consts, **self._constexprs,
             )
-        launch_merge(self.o_part, self.lse, out, self.num_splits, *self._merge)
+        launch_merge(self.o_part, self.lse, out, self.num_splits, *self._merge, sinks=sinks)
         return out
 
 
@@ -294,6 +298,7 @@ def decode_attention(
     config=None,
     sink_lens: torch.Tensor | None = None,
     debug: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One-shot decode attention: build a :class:`DecodePlan` for this call and run it.
 
@@ -301,6 +306,7 @@ def decode_attention(
         q: ``[B, H_q, D_k]`` rotated queries; the other tensors and settings as :class:`DecodePlan`
             and :meth:`DecodePlan.run` take them.
         rotation_v: if given (``[D_v, D_v]`` or ``[H_kv, D_v, D_v]``), return ``o R_v^T``.
+        sinks: optional fp32 ``[H_q]`` attention-sink logits (natural log, denominator only).
         out: optional ``[B, H_q, D_v]`` output (the counter-rotated one with ``rotation_v``).
         out_dtype: default ``out.dtype`` if ``out`` is given, else ``q.dtype``.
 
@@ -319,4 +325,5 @@ def decode_attention(
                       workspace=workspace, config=config, debug=debug)
     check_tensor(req_pool_indices, "req_pool_indices", ndim=1, dtypes=INDEX_DTYPES, device=q.device, shape=(q.shape[0],))
     return run_once(plan, q, (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), sm_scale=sm_scale,
-                    logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v, empty=plan.batch == 0)
+                    logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v, empty=plan.batch == 0,
+                    sinks=sinks)
