@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from sglang_oscar.cli.main import CLIError
+from sglang_oscar.errors import CLIError
 
 
 class LaunchError(CLIError, RuntimeError):
