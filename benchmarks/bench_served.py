@@ -314,28 +314,14 @@ def random_ids(n: int, seed: int) -> list[int]:
     return random.Random(seed).choices(range(TOKEN_LO, TOKEN_HI), k=n)
 
 
-def stream_one(opener, url: str, ids: list[int], n_new: int, timeout: float, rec: dict) -> None:
+def stream_one(url: str, ids: list[int], n_new: int, timeout: float, rec: dict) -> None:
     """One streamed greedy request; ``rec`` gets ``t0`` and ``ticks`` [(perf_counter s, tokens so far)]."""
-    import urllib.request
+    from sglang_oscar.serving_launcher import stream_generate
 
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True}}
     rec["t0"], rec["ticks"] = time.perf_counter(), []
     try:
-        with opener.open(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                if line[5:].strip() == b"[DONE]":
-                    break
-                obj = json.loads(line[5:])
-                if "error" in obj:
-                    raise RuntimeError(str(obj["error"])[:300])
-                n = (obj.get("meta_info") or {}).get("completion_tokens") or len(obj.get("output_ids") or [])
-                rec["ticks"].append((time.perf_counter(), int(n)))
+        rec["ticks"].extend(stream_generate(url, body, timeout))
     except Exception as exc:  # noqa: BLE001  reported with the point
         rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
 
@@ -363,12 +349,10 @@ def summarize(recs: Sequence[dict]) -> dict[str, Any]:
 
 
 def measure(url: str, ctx: int, batch: int, n_new: int, deadline: float, seed: int) -> dict[str, Any]:
-    from sglang_oscar.serving_launcher import LOCAL_OPENER
-
     recs = [{} for _ in range(batch)]
     ids = [random_ids(ctx, seed * 1000 + i) for i in range(batch)]  # distinct prompts
     timeout = max(10.0, deadline - time.time())
-    threads = [threading.Thread(target=stream_one, args=(LOCAL_OPENER, url, ids[i], n_new, timeout, recs[i]),
+    threads = [threading.Thread(target=stream_one, args=(url, ids[i], n_new, timeout, recs[i]),
                                 daemon=True) for i in range(batch)]
     for t in threads:
         t.start()

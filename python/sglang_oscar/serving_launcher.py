@@ -6,7 +6,8 @@ device harness (``tests/e2e``) both run their servers through :class:`ServerProc
 
 * a server runs in its own session, so :meth:`ServerProcess.stop` ends its whole process
   group (tensor-parallel workers and helpers included, also after the leader has exited);
-* the health check and the local HTTP helpers never go through ``http_proxy``: the server is
+* the health check and the local HTTP helpers (:func:`http_json`, :func:`stream_generate`, also
+  used by ``benchmarks/bench_served.py`` and ``tests/e2e``) never go through ``http_proxy``: the server is
   on this machine and a proxy cannot reach its 127.0.0.1;
 * the server gets the caller's environment plus the ``env`` it is given, nothing else.
 """
@@ -24,9 +25,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from sglang_oscar.cli.main import CLIError
+from sglang_oscar.errors import CLIError
 
 
 class LaunchError(CLIError, RuntimeError):
@@ -82,6 +83,32 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 60.0) -> A
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
         raise RuntimeError(f"{url}: {exc}") from None
     return json.loads(body) if body else None
+
+
+def stream_generate(url: str, payload: dict, timeout: float) -> Iterator[tuple[float, int]]:
+    """POST ``payload`` to a local server's ``/generate`` as a streamed request (``stream`` set,
+    no proxy) and yield ``(time.perf_counter(), completion tokens so far)`` per ``data:`` chunk
+    until ``[DONE]``; the count is ``meta_info.completion_tokens``, else ``len(output_ids)``.
+
+    Raises:
+        RuntimeError: a chunk reports an ``error``.
+    """
+    body = json.dumps({**payload, "stream": True}).encode()
+    req = urllib.request.Request(url.rstrip("/") + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with LOCAL_OPENER.open(req, timeout=timeout) as r:  # noqa: S310 (local server)
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(str(obj["error"])[:300])
+            n = (obj.get("meta_info") or {}).get("completion_tokens")
+            yield time.perf_counter(), int(len(obj.get("output_ids") or []) if n is None else n)
 
 
 def tail(path: Path | str | None, n: int = 60) -> str:

@@ -1,19 +1,17 @@
 """Client side of the device checks: ``/generate`` requests and answers, streamed decode
 rates, server-log parsing and the comparisons of two generations.
 
-Requests go to servers on this machine, never through a proxy
-(:data:`sglang_oscar.serving_launcher.LOCAL_OPENER`).
+Requests go to servers on this machine, never through a proxy (the helpers of
+:mod:`sglang_oscar.serving_launcher`: :func:`http_json`, :func:`stream_generate`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
-import urllib.request
 from typing import Any, Sequence
 
-from sglang_oscar.serving_launcher import LOCAL_OPENER, http_json
+from sglang_oscar.serving_launcher import http_json, stream_generate
 
 from .config import LEAK_PATTERNS
 
@@ -66,26 +64,12 @@ def stream_decode_rate(url: str, input_ids: Sequence[int], n_new: int, timeout: 
     (excludes prefill and the first token). Also time to first chunk and end-to-end time."""
     payload = generate_payload(input_ids, n_new, top_logprobs=0, stream=True)
     payload["return_logprob"] = False
-    req = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
     first_t = first_n = last_t = last_n = None
-    with LOCAL_OPENER.open(req, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            body = line[5:].strip()
-            if body == "[DONE]":
-                break
-            obj = json.loads(body)
-            n = obj.get("meta_info", {}).get("completion_tokens")
-            if n is None:
-                n = len(obj.get("output_ids") or [])
-            now = time.perf_counter()
-            if first_t is None:
-                first_t, first_n = now, n
-            last_t, last_n = now, n
+    for now, n in stream_generate(url, payload, timeout):
+        if first_t is None:
+            first_t, first_n = now, n
+        last_t, last_n = now, n
     if first_t is None or last_n is None or last_n <= first_n or last_t <= first_t:
         raise RuntimeError(f"streaming gave no decode steps (chunks: first {first_n}, last {last_n})")
     return {"decode_tok_s": (last_n - first_n) / (last_t - first_t), "ttft_s": first_t - t0,

@@ -76,6 +76,40 @@ def test_stream_decode_rate_excludes_the_first_chunk():
     assert r["ttft_s"] >= 0.05 and r["e2e_s"] > r["ttft_s"]
 
 
+class _SSEOddChunks(http.server.BaseHTTPRequestHandler):
+    """Chunks without ``completion_tokens`` (counted by ``output_ids``), a comment line, then an error."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] is True and body["input_ids"] == [1, 2]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for chunk in ({"output_ids": [4]}, {"output_ids": [4, 5], "meta_info": {}}):
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n: keep-alive\n\n")
+        self.wfile.write(b'data: {"error": {"message": "boom"}}\n\n')
+
+    def log_message(self, *a):
+        pass
+
+
+def test_stream_generate_counts_output_ids_and_raises_on_an_error_chunk():
+    """The one stream parser (``serving_launcher.stream_generate``, also bench_served's): the token
+    count falls back to ``len(output_ids)``, non-``data:`` lines are skipped, an error chunk raises."""
+    from sglang_oscar.serving_launcher import stream_generate
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SSEOddChunks)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ticks = []
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            for tick in stream_generate(f"http://127.0.0.1:{srv.server_port}/", {"input_ids": [1, 2]}, timeout=30):
+                ticks.append(tick)
+    finally:
+        srv.shutdown()
+    assert [n for _, n in ticks] == [1, 2] and ticks[0][0] <= ticks[1][0]
+
+
 def test_log_parsers():
     log = "\n".join([
         "[2026] max_total_num_tokens=123456, chunked_prefill_size=8192, max_prefill_tokens=16384",

@@ -464,9 +464,20 @@ def test_serve_cli_launch_failures_are_one_line_errors_exit_2(tmp_path, fake_sgl
 
 
 def test_launch_error_is_a_cli_error():
-    from sglang_oscar.cli.main import CLIError
+    import ast
+    import inspect
 
+    from sglang_oscar import serving_launcher
+    from sglang_oscar.cli.main import CLIError
+    from sglang_oscar.errors import CLIError as shared_cli_error
+
+    assert CLIError is shared_cli_error  # the public name stays importable from cli.main
     assert issubclass(launcher.LaunchError, CLIError)
+    # the server launcher does not import the CLI (CLIError lives in sglang_oscar.errors)
+    tree = ast.parse(inspect.getsource(serving_launcher))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.startswith("sglang_oscar.cli") for m in imported), imported
 
 
 def test_health_check_ignores_http_proxy(tmp_path):

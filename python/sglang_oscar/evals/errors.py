@@ -1,11 +1,11 @@
 """User-facing errors of the evaluation harness.
 
-They derive from the CLI's ``CLIError`` so that ``sglang-oscar`` prints them as one line and
-exits with status 2."""
+They derive from ``CLIError`` (:mod:`sglang_oscar.errors`) so that ``sglang-oscar`` prints them
+as one line and exits with status 2."""
 
 from __future__ import annotations
 
-from sglang_oscar.cli.main import CLIError
+from sglang_oscar.errors import CLIError
 
 
 class EvalError(CLIError, ValueError):

@@ -91,12 +91,15 @@ The recipe's own folder is where a relative ``[rotation].path`` is resolved.
 
 from __future__ import annotations
 
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from sglang_oscar.evals.recipe_checks import (DEAD_ENV_PREFIXES, FLAG_ENV_ALIASES, Checker,  # noqa: F401
+                                              RecipeError, argv_item, boolean, check_table, choice, env_table,
+                                              integer, list_of, mem_fraction, nonempty_str, nonneg_float,
+                                              nonneg_int, port, pos_int, ratio, string, table, top_p)
 from sglang_oscar.evals.tasks import TASKS
 
 FAMILIES = (
@@ -114,156 +117,6 @@ ROTATION_METHODS = ("oscar", "oscar-perhead", "hadamard", "identity")
 QUANTIZERS = ("uniform", "lloyd-max")
 SCALE_DTYPES = ("float32", "float16", "bfloat16")
 GEOMETRY_SUBTABLES = ("sliding", "full")
-
-# Environment variable names that nothing reads any more (spec §11.1 item 1): refusing them
-# keeps a recipe from believing it switched something on.
-DEAD_ENV_PREFIXES = ("SGLANG_COQUANT_",)
-# Environment aliases of settings that the recipe passes as flags ([rotation] and [quant]
-# keys): the flag wins, so such a variable in [serve].env would be silently ignored.
-# Kept equal to the aliases in sglang_oscar.plugin.flags (a test checks).
-FLAG_ENV_ALIASES = {
-    "SGLANG_OSCAR_K_ROTATION_PATH": "[rotation].path",
-    "SGLANG_OSCAR_V_ROTATION_PATH": "[rotation].path",
-    "SGLANG_OSCAR_K_CLIP_RATIO": "[quant].k_clip_ratio",
-    "SGLANG_OSCAR_V_CLIP_RATIO": "[quant].v_clip_ratio",
-    "SGLANG_MIXED_KV_PREFIX_TOKENS": "[quant].sink_tokens",
-    "SGLANG_MIXED_KV_RECENT_TOKENS": "[quant].recent_tokens",
-    "SGLANG_LLOYD_MAX": "[quant].quantizer",
-    "SGLANG_MIXED_KV_SCALE_DTYPE": "[quant].scale_dtype",
-}
-
-
-class RecipeError(ValueError):
-    """A recipe file is missing, unreadable or does not follow the schema."""
-
-
-# ----------------------------------------------------------------------------- checkers
-# A checker takes (value, where) and returns the normalised value or raises RecipeError.
-Checker = Callable[[Any, str], Any]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(v: Any, where: str) -> int:
-    if not _is_int(v):
-        raise RecipeError(f"{where} must be an integer, got {v!r}")
-    return v
-
-
-def _pos_int(v: Any, where: str) -> int:
-    v = _int(v, where)
-    if v <= 0:
-        raise RecipeError(f"{where} must be a positive integer, got {v}")
-    return v
-
-
-def _nonneg_int(v: Any, where: str) -> int:
-    v = _int(v, where)
-    if v < 0:
-        raise RecipeError(f"{where} must be >= 0, got {v}")
-    return v
-
-
-def _float(v: Any, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise RecipeError(f"{where} must be a number, got {v!r}")
-    if not math.isfinite(v):
-        raise RecipeError(f"{where} must be a finite number, got {v!r}")
-    return float(v)
-
-
-def _ratio(v: Any, where: str) -> float:
-    v = _float(v, where)
-    if not 0.0 <= v <= 1.0:
-        raise RecipeError(f"{where} must be in [0, 1], got {v}")
-    return v
-
-
-def _str(v: Any, where: str) -> str:
-    if not isinstance(v, str):
-        raise RecipeError(f"{where} must be a string, got {v!r}")
-    return v
-
-
-def _nonempty_str(v: Any, where: str) -> str:
-    v = _str(v, where)
-    if not v.strip():
-        raise RecipeError(f"{where} must not be empty")
-    return v
-
-
-def _bool(v: Any, where: str) -> bool:
-    if not isinstance(v, bool):
-        raise RecipeError(f"{where} must be true or false, got {v!r}")
-    return v
-
-
-def _table(v: Any, where: str) -> dict:
-    if not isinstance(v, dict):
-        raise RecipeError(f"{where} must be a table, got {v!r}")
-    return dict(v)
-
-
-def _choice(*allowed: str) -> Checker:
-    def check(v: Any, where: str) -> str:
-        v = _str(v, where)
-        if v not in allowed:
-            raise RecipeError(f"{where} = {v!r} is not one of: {', '.join(allowed)}")
-        return v
-
-    return check
-
-
-def _list_of(item: Checker, nonempty: bool = False) -> Checker:
-    def check(v: Any, where: str) -> list:
-        if not isinstance(v, list):
-            raise RecipeError(f"{where} must be a list, got {v!r}")
-        if nonempty and not v:
-            raise RecipeError(f"{where} must not be empty")
-        return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
-
-    return check
-
-
-def _argv_item(v: Any, where: str) -> str:
-    v = _str(v, where)
-    if v == "":
-        raise RecipeError(f"{where} is an empty string: it would become an empty argv element")
-    if v.startswith("-") and any(c.isspace() for c in v.split("=", 1)[0]):
-        raise RecipeError(
-            f"{where} = {v!r} holds a flag and more in one element (argv is not split on "
-            "spaces); write each flag and each value as its own list element"
-        )
-    return v
-
-
-def _env_table(v: Any, where: str) -> dict[str, str]:
-    table = _table(v, where)
-    out: dict[str, str] = {}
-    for k, val in table.items():
-        if not k or not (k[0].isalpha() or k[0] == "_") or not all(
-            c.isalnum() or c == "_" for c in k
-        ):
-            raise RecipeError(f"{where}: {k!r} is not a valid environment variable name")
-        if k.startswith(DEAD_ENV_PREFIXES):
-            raise RecipeError(
-                f"{where}: {k} is a dead legacy name that the server never reads "
-                "(spec §11.1); remove it"
-            )
-        if k in FLAG_ENV_ALIASES:
-            raise RecipeError(
-                f"{where}: {k} is set through {FLAG_ENV_ALIASES[k]} in the recipe (passed as a "
-                "server flag, which would override the variable); remove it from env"
-            )
-        if not isinstance(val, str):
-            raise RecipeError(
-                f"{where}.{k} must be a string (quote it: {k} = \"{val}\"), got {val!r}"
-            )
-        out[k] = val
-    return out
-
 
 # ----------------------------------------------------------------------------- sections
 
@@ -401,136 +254,75 @@ class Recipe:
 
 # key -> (checker, required). Defaults come from the dataclasses above.
 _MODEL_KEYS: dict[str, tuple[Checker, bool]] = {
-    "hf_id": (_nonempty_str, True),
-    "family": (_choice(*FAMILIES), True),
-    "served": (_bool, True),
-    "notes": (_str, False),
-    "context_length": (_pos_int, False),
-    "json_model_override_args": (_table, False),
+    "hf_id": (nonempty_str, True),
+    "family": (choice(*FAMILIES), True),
+    "served": (boolean, True),
+    "notes": (string, False),
+    "context_length": (pos_int, False),
+    "json_model_override_args": (table, False),
 }
 _LAYER_GEOMETRY_KEYS: dict[str, tuple[Checker, bool]] = {
-    "num_q_heads": (_pos_int, False),
-    "num_kv_heads": (_pos_int, False),
-    "head_dim": (_pos_int, False),
-    "head_dim_k": (_pos_int, False),
-    "head_dim_v": (_pos_int, False),
-    "sliding_window": (_pos_int, False),
-    "layers": (_list_of(_nonneg_int, nonempty=True), False),
-    "k_eq_v": (_bool, False),
+    "num_q_heads": (pos_int, False),
+    "num_kv_heads": (pos_int, False),
+    "head_dim": (pos_int, False),
+    "head_dim_k": (pos_int, False),
+    "head_dim_v": (pos_int, False),
+    "sliding_window": (pos_int, False),
+    "layers": (list_of(nonneg_int, nonempty=True), False),
+    "k_eq_v": (boolean, False),
 }
 _GEOMETRY_KEYS: dict[str, tuple[Checker, bool]] = {
-    "num_layers": (_pos_int, False),
-    "num_q_heads": (_pos_int, False),
-    "num_kv_heads": (_pos_int, False),
-    "head_dim": (_pos_int, False),
-    "head_dim_k": (_pos_int, False),
-    "head_dim_v": (_pos_int, False),
-    "kv_lora_rank": (_pos_int, False),
-    "qk_rope_head_dim": (_pos_int, False),
-    "partial_rotary_dim": (_pos_int, False),
+    "num_layers": (pos_int, False),
+    "num_q_heads": (pos_int, False),
+    "num_kv_heads": (pos_int, False),
+    "head_dim": (pos_int, False),
+    "head_dim_k": (pos_int, False),
+    "head_dim_v": (pos_int, False),
+    "kv_lora_rank": (pos_int, False),
+    "qk_rope_head_dim": (pos_int, False),
+    "partial_rotary_dim": (pos_int, False),
 }
 _ROTATION_KEYS: dict[str, tuple[Checker, bool]] = {
-    "method": (_choice(*ROTATION_METHODS), False),
-    "path": (_nonempty_str, False),
-    "calib_tokens": (_pos_int, False),
-    "calib_data": (_str, False),
-    "center": (_bool, False),
+    "method": (choice(*ROTATION_METHODS), False),
+    "path": (nonempty_str, False),
+    "calib_tokens": (pos_int, False),
+    "calib_data": (string, False),
+    "center": (boolean, False),
 }
 _QUANT_KEYS: dict[str, tuple[Checker, bool]] = {
-    "group_size": (_pos_int, False),
-    "k_clip_ratio": (_ratio, False),
-    "v_clip_ratio": (_ratio, False),
-    "sink_tokens": (_nonneg_int, False),
-    "recent_tokens": (_nonneg_int, False),
-    "quantizer": (_choice(*QUANTIZERS), False),
-    "scale_dtype": (_choice(*SCALE_DTYPES), False),
+    "group_size": (pos_int, False),
+    "k_clip_ratio": (ratio, False),
+    "v_clip_ratio": (ratio, False),
+    "sink_tokens": (nonneg_int, False),
+    "recent_tokens": (nonneg_int, False),
+    "quantizer": (choice(*QUANTIZERS), False),
+    "scale_dtype": (choice(*SCALE_DTYPES), False),
 }
-
-
-def _port(v: Any, where: str) -> int:
-    v = _int(v, where)
-    if not 1 <= v <= 65535:
-        raise RecipeError(f"{where} must be a TCP port (1-65535), got {v}")
-    return v
-
-
-def _mem_fraction(v: Any, where: str) -> float:
-    v = _float(v, where)
-    if not 0.0 < v < 1.0:
-        raise RecipeError(f"{where} must be in (0, 1), got {v}")
-    return v
 
 
 _SERVE_KEYS: dict[str, tuple[Checker, bool]] = {
-    "tp": (_pos_int, False),
-    "port": (_port, False),
-    "host": (_nonempty_str, False),
-    "mem_fraction_static": (_mem_fraction, False),
-    "max_running_requests": (_pos_int, False),
-    "context_length": (_pos_int, False),
-    "extra_args": (_list_of(_argv_item), False),
-    "env": (_env_table, False),
+    "tp": (pos_int, False),
+    "port": (port, False),
+    "host": (nonempty_str, False),
+    "mem_fraction_static": (mem_fraction, False),
+    "max_running_requests": (pos_int, False),
+    "context_length": (pos_int, False),
+    "extra_args": (list_of(argv_item), False),
+    "env": (env_table, False),
 }
 _EVAL_KEYS: dict[str, tuple[Checker, bool]] = {
-    "tasks": (_list_of(_choice(*TASKS), nonempty=True), False),
-    "seeds": (_list_of(_int, nonempty=True), False),
-    "max_tokens": (_pos_int, False),
-    "temperature": (lambda v, w: _nonneg_float(v, w), False),
-    "top_p": (lambda v, w: _top_p(v, w), False),
-    "top_k": (_pos_int, False),
-    "threads": (_pos_int, False),
-    "n_examples": (_pos_int, False),
+    "tasks": (list_of(choice(*TASKS), nonempty=True), False),
+    "seeds": (list_of(integer, nonempty=True), False),
+    "max_tokens": (pos_int, False),
+    "temperature": (nonneg_float, False),
+    "top_p": (top_p, False),
+    "top_k": (pos_int, False),
+    "threads": (pos_int, False),
+    "n_examples": (pos_int, False),
 }
-
-
-def _nonneg_float(v: Any, where: str) -> float:
-    v = _float(v, where)
-    if v < 0:
-        raise RecipeError(f"{where} must be >= 0, got {v}")
-    return v
-
-
-def _top_p(v: Any, where: str) -> float:
-    v = _float(v, where)
-    if not 0.0 < v <= 1.0:
-        raise RecipeError(f"{where} must be in (0, 1], got {v}")
-    return v
 
 
 _SECTIONS = ("model", "geometry", "rotation", "quant", "serve", "eval")
-
-
-def _allowed(keys) -> str:
-    return ", ".join(keys)
-
-
-def _check_table(
-    table: Any,
-    spec: dict[str, tuple[Checker, bool]],
-    section: str,
-    file: Path,
-    subtables: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    if not isinstance(table, dict):
-        raise RecipeError(f"{file}: [{section}] must be a table, got {table!r}")
-    out: dict[str, Any] = {}
-    for key, value in table.items():
-        if key in subtables:
-            continue
-        if key not in spec:
-            allowed = list(spec) + [f"[{section}.{s}]" for s in subtables]
-            raise RecipeError(
-                f"{file}: unknown key '{key}' in [{section}]; allowed keys: {_allowed(allowed)}"
-            )
-        checker, _ = spec[key]
-        try:
-            out[key] = checker(value, f"[{section}].{key}")
-        except RecipeError as exc:
-            raise RecipeError(f"{file}: {exc}") from None
-    for key, (_, required) in spec.items():
-        if required and key not in table:
-            raise RecipeError(f"{file}: [{section}] is missing the required key '{key}'")
-    return out
 
 
 def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
@@ -546,29 +338,29 @@ def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
     if "model" not in data:
         raise RecipeError(f"{path}: the [model] section is required")
 
-    model = ModelSection(**_check_table(data["model"], _MODEL_KEYS, "model", path))
+    model = ModelSection(**check_table(data["model"], _MODEL_KEYS, "model", path))
 
     geo_raw = data.get("geometry", {})
-    geo_vals = _check_table(geo_raw, _GEOMETRY_KEYS, "geometry", path, GEOMETRY_SUBTABLES)
+    geo_vals = check_table(geo_raw, _GEOMETRY_KEYS, "geometry", path, GEOMETRY_SUBTABLES)
     for sub in GEOMETRY_SUBTABLES:
         if sub in geo_raw:
-            vals = _check_table(
+            vals = check_table(
                 geo_raw[sub], _LAYER_GEOMETRY_KEYS, f"geometry.{sub}", path
             )
             geo_vals[sub] = LayerGeometry(**vals)
     geometry = GeometrySection(**geo_vals)
 
     rotation = RotationSection(
-        **_check_table(data.get("rotation", {}), _ROTATION_KEYS, "rotation", path)
+        **check_table(data.get("rotation", {}), _ROTATION_KEYS, "rotation", path)
     )
     if rotation.center and rotation.method in ("hadamard", "identity"):
         raise RecipeError(
             f"{path}: [rotation].center = true needs calibration statistics, but method {rotation.method!r} is "
             "data-free (its recipe has no calibrate step): use a fitted method (oscar, oscar-perhead) or drop center"
         )
-    quant = QuantSection(**_check_table(data.get("quant", {}), _QUANT_KEYS, "quant", path))
-    serve = ServeSection(**_check_table(data.get("serve", {}), _SERVE_KEYS, "serve", path))
-    ev = EvalSection(**_check_table(data.get("eval", {}), _EVAL_KEYS, "eval", path))
+    quant = QuantSection(**check_table(data.get("quant", {}), _QUANT_KEYS, "quant", path))
+    serve = ServeSection(**check_table(data.get("serve", {}), _SERVE_KEYS, "serve", path))
+    ev = EvalSection(**check_table(data.get("eval", {}), _EVAL_KEYS, "eval", path))
 
     if (
         model.context_length is not None

@@ -19,7 +19,6 @@ import functools
 import math
 
 import numpy as np
-from scipy.stats import norm
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +41,10 @@ def gaussian_lloyd_max(num_levels: int = 4, tol: float = 1e-13, max_iter: int = 
     """
     if num_levels < 2:
         raise ValueError(f"num_levels must be >= 2, got {num_levels}")
+    # imported here: scipy.stats takes ~1 s to import, and every process that imports
+    # sglang_oscar.quant (SGLang's, each CLI verb) would pay it; the result is cached
+    from scipy.stats import norm
+
     # Start from uniformly spaced levels over +-2 sigma.
     levels = np.linspace(-2.0, 2.0, num_levels)
     for _ in range(max_iter):
