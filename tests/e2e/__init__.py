@@ -29,6 +29,10 @@ h. (``--tp2``) ``--tp 2`` vs ``--tp 1`` with a per-head rotation: identical gree
 i. bad input (mismatched / missing rotation, bad group size, unsupported flags): the launch exits
    non-zero before loading weights and names the problem
 
+``--families`` (default ``qwen3,moe,llama``) picks the model families: b runs on each, a/c/d/e/i on
+each but the b-only ``moe``/``llama``; ``gemma3`` and ``gemma4`` are sliding-window models (window 64;
+c adds a prompt 4x the window, f a sizing pair per family compared pool by pool).
+
 Independent servers start concurrently with a capped KV pool (``--max-total-tokens``) and a
 modest ``--mem-fraction-static``; the sizing/throughput pair (f, g) and the TP=2 server run
 alone afterwards. Writes ``$OUT/e2e.json``, ``$OUT/e2e.md`` and ``$OUT/logs/*.log``; prints the
@@ -39,8 +43,8 @@ screened first: for each prompt length several seeded candidates are generated g
 process (HF BF16 for the BF16-path checks; the oracle for the INT2-path checks) and the one with
 the largest minimum top-1/top-2 margin is used; the margins are reported.
 
-Modules: ``config`` (check letters, sizes, command line), ``checkpoints`` (tiny seeded models,
-rotation files), ``oracle`` (reference log-probabilities, prompt screening), ``client`` (HTTP
+Modules: ``config`` (check letters, sizes, command line), ``families`` (model configs),
+``checkpoints`` (tiny seeded models, rotation files), ``oracle`` (reference log-probabilities, prompt screening), ``client`` (HTTP
 requests, answer parsing, log parsing, comparisons), ``servers`` (server specs and processes),
 ``fp32_shim`` (the ``--dtype float32`` servers' SGLang plugin), ``results`` (table, JSON),
 ``run`` (run state, setup, references), ``check_a`` ... ``check_i``, ``__main__`` (the run).

@@ -32,8 +32,9 @@ from .servers import Server, launch_command, plugin_entry_point, server_specs
 
 def dry_run(args: argparse.Namespace) -> int:
     """Print every server of the selected checks (name, checks, phase) and its command; start nothing."""
+    fams = list(dict.fromkeys(args.families + (["qwen3"] if "h" in args.checks else [])))
     rot = {f"{m}:{k}": os.path.join(args.work, f"rot-{m}", f"rot_{k}.safetensors")
-           for m in ("qwen3", "moe", "llama") for k in ("layer", "head", "identity", "mismatch")}
+           for m in fams for k in ("layer", "head", "identity", "mismatch") + (("onedim",) if m == "gemma4" else ())}
     specs = server_specs(args, rot)
     for s in specs:
         env = " ".join(f"{k}={v}" for k, v in s.env.items())

@@ -3,18 +3,20 @@ plugin-disabled server serves (greedy tokens and log-probabilities, prompt and o
 
 from __future__ import annotations
 
+from typing import Any
+
 from .client import abs_diff_stats, compare_generations
-from .config import FAIL, PASS
+from .config import FAIL, PASS, main_families
 from .results import CheckResult
 from .run import Run
 
 
-def check_a(run: Run) -> CheckResult:
-    """Servers ``qwen3-plugin-off`` vs ``qwen3-bf16`` on the screened prompts; tolerance ``--a-tol``."""
-    off, on = run.need("qwen3-plugin-off"), run.need("qwen3-bf16")
+def _check_a_family(run: Run, q: str) -> tuple[bool, str, dict[str, Any]]:
+    """Servers ``<q>-plugin-off`` vs ``<q>-bf16`` on ``q``'s screened prompts: (ok, measured, detail)."""
+    off, on = run.need(f"{q}-plugin-off"), run.need(f"{q}-bf16")
     n = run.args.greedy_tokens
     rows, n_eq, n_bit, worst, worst_in = [], 0, 0, 0.0, 0.0
-    for p in run.data["greedy_bf16"]["qwen3"]:
+    for p in run.data["greedy_bf16"][q]:
         r0 = run.gen(off, p["prompt"], n, input_logprobs=True)
         r1 = run.gen(on, p["prompt"], n, input_logprobs=True)
         cmp = compare_generations(r0, r1)
@@ -31,6 +33,18 @@ def check_a(run: Run) -> CheckResult:
                 f"prompt {worst_in:.2g} (tol {run.args.a_tol:g}); entry point oscar {'found' if ep.get('oscar') else 'MISSING'}")
     if not ep.get("oscar"):
         ok = False
-    return CheckResult("a", PASS if ok else FAIL, measured,
-                       {"prompts": rows, "plugin_disabled_env": run.servers["qwen3-plugin-off"].spec.env,
-                        "entry_point": ep})
+    return ok, measured, {"prompts": rows, "plugin_disabled_env": run.servers[f"{q}-plugin-off"].spec.env,
+                          "entry_point": ep}
+
+
+def check_a(run: Run) -> CheckResult:
+    """Each family of :func:`~.config.main_families` (qwen3 by default); tolerance ``--a-tol``."""
+    fams = main_families(run.args)
+    res = {q: _check_a_family(run, q) for q in fams}
+    ok = all(r[0] for r in res.values())
+    if len(fams) == 1:
+        _, measured, detail = res[fams[0]]
+    else:
+        measured = " | ".join(f"{q}: {r[1]}" for q, r in res.items())
+        detail = {"families": {q: r[2] for q, r in res.items()}}
+    return CheckResult("a", PASS if ok else FAIL, measured, detail)

@@ -1,5 +1,5 @@
 """Check b: int2 with BF16 windows covering every position and the identity rotation serves the
-same greedy tokens as BF16 (Qwen3, Qwen3-MoE, Llama)."""
+same greedy tokens as BF16 (every ``--families`` entry; default Qwen3, Qwen3-MoE, Llama)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def check_b(run: Run) -> CheckResult:
     """``<model>-bf16`` vs ``<model>-int2-full`` per family: every prompt's greedy tokens equal."""
     n = run.args.greedy_tokens
     per_model, parts, ok = {}, [], True
-    for m in ("qwen3", "moe", "llama"):
+    for m in run.args.families:
         bf, i2 = run.need(f"{m}-bf16"), run.need(f"{m}-int2-full")
         rows = []
         for p in run.data["greedy_bf16"][m]:

@@ -7,28 +7,29 @@ from __future__ import annotations
 from typing import Any
 
 from .client import abs_diff_stats
-from .config import C_RECENT, C_SINK, FAIL, PASS
-from .fp32_shim import C_FP32_FLOOR, C_FP32_SERVERS
+from .config import C_RECENT, C_SINK, FAIL, PASS, main_families
+from .fp32_shim import C_FP32_SERVERS, fp32_name
 from .oracle import teacher_forced_logprobs
 from .results import CheckError, CheckResult
 from .run import Run
 
 
-def _c_against_oracle(run: Run, server: str, model, kind: str, dtype: str) -> dict[str, Any]:
+def _c_against_oracle(run: Run, server: str, model, kind: str, dtype: str, family: str = "qwen3") -> dict[str, Any]:
     """One int2 server of check c vs the oracle on ``model``: (1) prefill, the served
     ``input_token_logprobs`` of a prompt-only request (``logprob_start_len 0``: fully recomputed)
     vs the precomputed oracle with extend windows; (2) decode, the ``output_token_logprobs`` of
     ``--c-decode-tokens`` served greedy tokens vs the oracle teacher-forced on them (prompt
     positions extend windows, generated positions decode windows). ``dtype`` ``bf16`` or
-    ``fp32`` names the references (model and oracle HP tier in that dtype)."""
+    ``fp32`` names the references (model and oracle HP tier in that dtype) of ``family``."""
     import torch
 
-    args, cfg, prompts = run.args, run.data["c_config"], run.data["c_prompts"]
+    d = run.fdata(family)
+    args, cfg, prompts = run.args, run.data["c_config"], d["c_prompts"]
     hp = torch.float32 if dtype == "fp32" else None  # None: the oracle's BF16 HP tier
-    oracle = run.data[f"c_oracle_{kind}" if dtype == "bf16" else f"c_oracle_fp32_{kind}"]
-    plain = run.data[f"c_hf_{dtype}"]
+    oracle = d[f"c_oracle_{kind}" if dtype == "bf16" else f"c_oracle_fp32_{kind}"]
+    plain = d[f"c_hf_{dtype}"]
     srv = run.need(server)
-    rs = run.data[f"c_rot_{kind}"]
+    rs = d[f"c_rot_{kind}"]
     rows, complete = [], True
     for i, prompt in enumerate(prompts):
         gen = run.gen(srv, prompt, args.c_decode_tokens)  # fresh prefill + decode
@@ -53,22 +54,36 @@ def _c_against_oracle(run: Run, server: str, model, kind: str, dtype: str) -> di
             "quantization_effect_mean": mean(f"oracle_int2_vs_hf_{dtype}"), "ok": ok}
 
 
-def _c_noise_floor(run: Run, server: str, reference: list[list[float]]) -> float | None:
+def _c_noise_floor(run: Run, server: str, reference: list[list[float]], prompts: list[list[int]]) -> float | None:
     """Mean |served - HF| prompt log-prob of a plain (``--kv-cache-dtype auto``) server on c's
     prompts, ``None`` when that server is not serving (a reported number, not a criterion)."""
     srv = run.servers.get(server)
     if srv is None or srv.t_ready is None or not srv.alive():
         return None
     fl = [abs_diff_stats(run.gen(srv, p, 1, input_logprobs=True, top_logprobs=0)["input_logprobs"], reference[i])["mean"]
-          for i, p in enumerate(run.data["c_prompts"])]
+          for i, p in enumerate(prompts)]
     return sum(fl) / len(fl)
 
 
 def check_c(run: Run) -> CheckResult:
     """PASS when every prompt's mean |served - oracle| log-prob, prefill and decode, is below ``--c-tol``
-    for both rotations (the fp32 servers with ``--c-fp32``, else the BF16 ones); noise floors reported."""
+    for both rotations (the fp32 servers with ``--c-fp32``, else the BF16 ones); noise floors reported.
+    Each family of :func:`~.config.main_families` (qwen3 by default; a sliding-window family adds a
+    prompt 4x its window, :func:`~.config.c_prompt_lens`)."""
+    fams = main_families(run.args)
+    if len(fams) == 1:
+        return _check_c_family(run, fams[0])
+    res = {q: _check_c_family(run, q) for q in fams}
+    ok = all(r.status == PASS for r in res.values())
+    return CheckResult("c", PASS if ok else FAIL, " | ".join(f"{q}: {r.measured}" for q, r in res.items()),
+                       {"families": {q: r.detail for q, r in res.items()}})
+
+
+def _check_c_family(run: Run, q: str) -> CheckResult:
+    """Check c on family ``q``: servers ``<q>-int2-layer`` / ``-head`` (and their fp32 twins)."""
     args = run.args
-    prompts = run.data["c_prompts"]
+    d = run.fdata(q)
+    prompts = d["c_prompts"]
     detail: dict[str, Any] = {"settings": {"sink": C_SINK, "recent": C_RECENT, "prompt_lens": [len(p) for p in prompts],
                                            "decode_tokens": args.c_decode_tokens, "fp32": args.c_fp32,
                                            "criterion": "fp32" if args.c_fp32 else "bf16"}}
@@ -77,16 +92,16 @@ def check_c(run: Run) -> CheckResult:
     try:
         parts = []
         for kind in ("layer", "head"):
-            detail[kind] = _c_against_oracle(run, f"qwen3-int2-{kind}", run.hf["qwen3"], kind, "bf16")
+            detail[kind] = _c_against_oracle(run, f"{q}-int2-{kind}", run.hf[q], kind, "bf16", q)
             parts.append(f"{kind}: prefill {detail[kind]['prefill_mean']:.3g}, decode {detail[kind]['decode_mean']:.3g}")
         bf16_ok = all(detail[k]["ok"] for k in ("layer", "head"))
         # BF16 noise floor: served BF16 vs HF BF16 on the same prompts (not a pass criterion)
-        floor = _c_noise_floor(run, "qwen3-bf16", run.data["c_hf_bf16"])
+        floor = _c_noise_floor(run, f"{q}-bf16", d["c_hf_bf16"], prompts)
         detail["bf16_noise_floor_mean"] = floor
         sens = None
-        if "c_oracle_layer_fp32_model" in run.data:
-            sens = sum(abs_diff_stats(a, b)["mean"] for a, b in zip(run.data["c_oracle_layer_fp32_model"],
-                                                                    run.data["c_oracle_layer"])) / len(prompts)
+        if "c_oracle_layer_fp32_model" in d:
+            sens = sum(abs_diff_stats(a, b)["mean"] for a, b in zip(d["c_oracle_layer_fp32_model"],
+                                                                    d["c_oracle_layer"])) / len(prompts)
         detail["oracle_sensitivity_fp32_vs_bf16_model_mean"] = sens
         qe = sum(detail[k]["quantization_effect_mean"] for k in ("layer", "head")) / 2
         bf16_txt = (f"mean |served - oracle| logprob: {'; '.join(parts)} (tol {args.c_tol:g}); "
@@ -107,15 +122,15 @@ def check_c(run: Run) -> CheckResult:
     detail["fp32"] = f32
     try:
         parts = []
-        for kind, name in C_FP32_SERVERS.items():
-            f32[kind] = _c_against_oracle(run, name, run.hf["qwen3-fp32"], kind, "fp32")
+        for kind in C_FP32_SERVERS:
+            f32[kind] = _c_against_oracle(run, fp32_name(q, kind), run.hf[f"{q}-fp32"], kind, "fp32", q)
             parts.append(f"{kind}: prefill {f32[kind]['prefill_mean']:.3g}, decode {f32[kind]['decode_mean']:.3g}")
     except CheckError as exc:
         f32["error"] = str(exc)
         return CheckResult("c", FAIL, f"fp32 comparison could not be evaluated: {exc} | BF16 (reported): {bf16_txt}",
                            detail)
     ok = all(f32[k]["ok"] for k in C_FP32_SERVERS)
-    floor32 = _c_noise_floor(run, C_FP32_FLOOR, run.data["c_hf_fp32"])
+    floor32 = _c_noise_floor(run, fp32_name(q), d["c_hf_fp32"], prompts)
     f32["noise_floor_mean"] = floor32
     qe32 = sum(f32[k]["quantization_effect_mean"] for k in C_FP32_SERVERS) / len(C_FP32_SERVERS)
     measured = (f"--dtype float32 servers, mean |served - oracle (fp32 model, HP fp32)| logprob: {'; '.join(parts)} "

@@ -4,20 +4,32 @@ same tokens and log-probabilities as the plain int2 server."""
 from __future__ import annotations
 
 from .client import abs_diff_stats, compare_generations
-from .config import FAIL, PASS
+from .config import FAIL, PASS, main_families
 from .results import CheckResult, margins_note
 from .run import Run
 
 
 def check_d(run: Run) -> CheckResult:
-    """Radix hit, chunk 64 and no CUDA graph vs the first answer of ``qwen3-int2-layer``: same tokens,
+    """Each family of :func:`~.config.main_families` (qwen3 by default): :func:`_check_d_family`."""
+    fams = main_families(run.args)
+    if len(fams) == 1:
+        return _check_d_family(run, fams[0])
+    res = {q: _check_d_family(run, q) for q in fams}
+    return CheckResult("d", PASS if all(r.status == PASS for r in res.values()) else FAIL,
+                       " | ".join(f"{q}: {r.measured}" for q, r in res.items()),
+                       {"families": {q: r.detail for q, r in res.items()}})
+
+
+def _check_d_family(run: Run, q: str) -> CheckResult:
+    """Radix hit, chunk 64 and no CUDA graph vs the first answer of ``<q>-int2-layer``: same tokens,
     max |d logprob| <= ``--d-tol``; chunked prompt log-probs mean |d| <= ``--d-tol``."""
     args = run.args
     n = args.greedy_tokens
-    base, chunk, eager = (run.need("qwen3-int2-layer"), run.need("qwen3-int2-layer-chunk64"),
-                          run.need("qwen3-int2-layer-eager"))
+    base, chunk, eager = (run.need(f"{q}-int2-layer"), run.need(f"{q}-int2-layer-chunk64"),
+                          run.need(f"{q}-int2-layer-eager"))
+    screened = run.fdata(q)["greedy_layer"]
     rows, ok = [], True
-    for p in run.data["greedy_layer"]:
+    for p in screened:
         first = run.gen(base, p["prompt"], n)
         second = run.gen(base, p["prompt"], n)  # radix hit
         r_chunk = run.gen(chunk, p["prompt"], n)
@@ -32,7 +44,7 @@ def check_d(run: Run) -> CheckResult:
             ok &= row[key]["tokens_equal"] and row[key]["max_abs_dlogprob"] <= args.d_tol
         ok &= bool(second["cached_tokens"])
     # prompt log-probs, chunked vs unchunked (full recompute: logprob_start_len 0)
-    longest = max((pp["prompt"] for pp in run.data["greedy_layer"]), key=len)
+    longest = max((pp["prompt"] for pp in screened), key=len)
     a = run.gen(base, longest, 1, input_logprobs=True, top_logprobs=0)["input_logprobs"]
     b = run.gen(chunk, longest, 1, input_logprobs=True, top_logprobs=0)["input_logprobs"]
     pl = abs_diff_stats(a, b)
@@ -49,4 +61,4 @@ def check_d(run: Run) -> CheckResult:
                 f"{summ('chunk64')}, prompt logprobs mean/max |d| {pl['mean']:.2g}/{pl['max']:.2g}; no CUDA graph: "
                 f"{summ('no_cuda_graph')}; tol {args.d_tol:g}")
     return CheckResult("d", PASS if ok else FAIL, measured,
-                       {"prompts": rows, "chunked_prompt_logprobs": pl, "screening": margins_note(run.data["greedy_layer"])})
+                       {"prompts": rows, "chunked_prompt_logprobs": pl, "screening": margins_note(screened)})

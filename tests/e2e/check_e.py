@@ -10,7 +10,7 @@ from typing import Any
 
 from .checkpoints import random_prompt
 from .client import http_json, leak_lines, log_stats, parse_generation
-from .config import FAIL, PASS
+from .config import FAIL, PASS, main_families
 from .results import CheckError, CheckResult
 from .run import Run
 from .servers import Server
@@ -81,11 +81,22 @@ def load_run(run: Run, srv: Server, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def check_e(run: Run) -> CheckResult:
-    """PASS when the int2 server completes every request and stays healthy with no leak report and
-    no new traceback (:func:`load_run`)."""
+    """Each family of :func:`~.config.main_families` (qwen3 by default): :func:`_check_e_family`."""
+    fams = main_families(run.args)
+    if len(fams) == 1:
+        return _check_e_family(run, fams[0])
+    res = {q: _check_e_family(run, q) for q in fams}
+    return CheckResult("e", PASS if all(r.status == PASS for r in res.values()) else FAIL,
+                       " | ".join(f"{q}: {r.measured}" for q, r in res.items()),
+                       {"families": {q: r.detail for q, r in res.items()}})
+
+
+def _check_e_family(run: Run, q: str) -> CheckResult:
+    """PASS when the int2 server ``<q>-int2-load`` completes every request and stays healthy with no
+    leak report and no new traceback (:func:`load_run`)."""
     args = run.args
-    srv = run.need("qwen3-int2-load")
-    control = run.servers.get("qwen3-bf16-load")  # the same load on BF16: tells upstream issues from ours
+    srv = run.need(f"{q}-int2-load")
+    control = run.servers.get(f"{q}-bf16-load")  # the same load on BF16: tells upstream issues from ours
     prompts = load_prompts(args.load_requests, args.load_min_len, args.load_max_len, args.seed + 55)
     lens = [len(p) for p in prompts]
     targets = [srv] + ([control] if control is not None and control.t_ready is not None and control.alive() else [])

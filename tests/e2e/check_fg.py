@@ -1,6 +1,10 @@
 """Checks f and g, measured together on one pair of long-context servers that run alone: f, the
 KV pool (``max_total_num_tokens``) of int2 vs BF16 at the same ``--mem-fraction-static``; g, decode
-tok/s at 32K context, batch 1, int2 vs BF16."""
+tok/s at 32K context, batch 1, int2 vs BF16. With sliding-window families (``--families``), f also
+measures a ``<family>-sizing-bf16`` / ``-int2`` pair per family, per pool: SGLang's hybrid SWA
+memory (Gemma-4) logs ``full_layer_tokens=F, swa_layer_tokens=S``
+(``sglang/srt/model_executor/pool_configurator.py`` ``_solve_pool_sizes``; ``/server_info``'s
+``max_total_num_tokens`` is F), and each pool's ratio must reach the target."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import contextlib
 from typing import Any
 
 from .checkpoints import random_prompt
-from .client import http_json, max_total_tokens_from_log, stream_decode_rate
+from .client import http_json, max_total_tokens_from_log, stream_decode_rate, swa_pool_tokens_from_log
 from .config import FAIL, PASS
 from .results import CheckError, CheckResult, unevaluated_status
 from .run import Run
@@ -30,7 +34,9 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
         tok = info.get("max_total_num_tokens") if isinstance(info, dict) else None
         out["max_total_num_tokens"] = tok if tok is not None else max_total_tokens_from_log(srv.log_text())
         out["max_total_num_tokens_source"] = "server_info" if tok is not None else "log"
-        if "g" in run.args.checks:
+        pools = swa_pool_tokens_from_log(srv.log_text())
+        out["pools"] = pools or {"all": out["max_total_num_tokens"]}
+        if "g" in run.args.checks and spec.model == "long":
             a = run.args
             run.gen(srv, random_prompt(256, 3), 8)  # warm-up
             out["short"] = stream_decode_rate(srv.url, random_prompt(512, 4), a.decode_tokens, a.request_timeout)
@@ -41,13 +47,26 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
     return out
 
 
+def _pool_ratios(run: Run, res: dict[str, Any], model: str) -> tuple[bool, str] | None:
+    """f for the sizing pair of a sliding-window family: (ok, text) per pool, None if unmeasured."""
+    bf, i2 = (res.get(f"{model}-sizing-{k}", {}).get("pools") for k in ("bf16", "int2"))
+    if not bf or not i2 or set(bf) != set(i2) or not all(bf.values()) or not all(i2.values()):
+        return None
+    ratios = {p: i2[p] / bf[p] for p in bf}
+    text = ", ".join(f"{p} pool int2 {i2[p]} / BF16 {bf[p]} = {r:.2f}x" for p, r in ratios.items())
+    return all(r >= run.args.memory_target for r in ratios.values()), f"{model}: {text}"
+
+
 def check_fg(run: Run) -> None:
-    """Measure ``long-bf16`` and ``long-int2`` one after the other and record f and/or g (targets
-    ``--memory-target``, ``--speedup-target``); a check the budget cut short is SKIP."""
+    """Measure ``long-bf16`` and ``long-int2`` (and each sliding-window family's sizing pair) one
+    after the other and record f and/or g (targets ``--memory-target``, ``--speedup-target``); a
+    check the budget cut short is SKIP."""
     ch = set(run.args.checks)
     res: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    for name in ("long-bf16", "long-int2"):
+    names = [s.name for s in run.specs if s.phase == 2 and s.tp == 1 and set(s.checks) & set("fg")]
+    swa = [n[: -len("-sizing-bf16")] for n in names if n.endswith("-sizing-bf16")]
+    for name in names:
         if run.left() <= 0:
             errors[name] = f"time budget of {run.args.budget:.0f} s used up"
             continue
@@ -56,7 +75,22 @@ def check_fg(run: Run) -> None:
         except (CheckError, RuntimeError) as exc:
             errors[name] = str(exc)
     run.data["long"] = res
-    if "f" in ch:
+    if "f" in ch and swa:
+        parts = {m: _pool_ratios(run, res, m) for m in swa}
+        if "long-bf16" in names:
+            bf, i2 = (res.get(n, {}).get("max_total_num_tokens") for n in ("long-bf16", "long-int2"))
+            parts["long"] = (i2 / bf >= run.args.memory_target, f"long: int2 {i2} / BF16 {bf} = {i2 / bf:.2f}x") \
+                if bf and i2 else None
+        done = {m: p for m, p in parts.items() if p is not None}
+        missing = [m for m, p in parts.items() if p is None]
+        ok = not missing and all(p[0] for p in done.values())
+        text = ("max_total_num_tokens per pool: " + "; ".join(p[1] for p in done.values())
+                + (f"; not measured: {', '.join(missing)} ({errors or 'tokens not found'})" if missing else "")
+                + f" (target >= {run.args.memory_target:g}x each; --mem-fraction-static {run.args.sizing_mem_fraction:g}, "
+                  "group 128, fp16 scales)")
+        status = PASS if ok else (FAIL if done or not errors else unevaluated_status(errors))
+        run.record(CheckResult("f", status, text, {"long": res, "errors": errors}))
+    elif "f" in ch:
         bf, i2 = (res.get(n, {}).get("max_total_num_tokens") for n in ("long-bf16", "long-int2"))
         if bf and i2:
             ratio = i2 / bf

@@ -1,5 +1,6 @@
 """Check i: bad input (a rotation of another model, a missing rotation, a bad group size,
-unsupported flags) makes the launch exit non-zero before loading weights, naming the problem."""
+unsupported flags; a Gemma-4 rotation with one head_dim for every layer) makes the launch exit
+non-zero before loading weights, naming the problem."""
 
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ BAD_INPUT_EXPECT: dict[str, list[list[str]]] = {
     "bad-group-size": [["group"], ["48"]],
     "bad-flag-flashinfer": [["flashinfer"], ["attention-backend", "attention_backend"]],
     "bad-flag-dp-attention": [["dp-attention", "dp_attention"]],
+    # a Gemma-4 file giving its full layers the sliding layers' head_dim: the first full layer is named
+    "bad-rotation-one-head-dim": [["rotation"], ["head_dim"], ["(full)"]],
 }
 
 
 def check_i(run: Run) -> CheckResult:
     """Every bad launch of :data:`BAD_INPUT_EXPECT`: non-zero exit within ``--i-max-seconds``, before
-    weight loading, with an error line holding one word of each expected group."""
+    weight loading, with an error line holding one word of each expected group. A family's own
+    cases (``<family>-bad-...``, :attr:`~.servers.ServerSpec.case`) count like the generic ones."""
     rows, ok = [], True
-    for name, expect in BAD_INPUT_EXPECT.items():
-        srv = run.servers.get(name)
-        if srv is None:
+    for name, srv in list(run.servers.items()):
+        expect = BAD_INPUT_EXPECT.get(getattr(srv.spec, "case", "") or name)
+        if expect is None:
             continue
         deadline = srv.t_start + run.args.fail_timeout
         while srv.alive() and time.time() < deadline and WEIGHT_LOAD_MARK not in srv.log_text():

@@ -1,6 +1,6 @@
 """Tiny seeded checkpoints of the device checks and their rotation files.
 
-Four ``transformers`` families (:data:`~.config.MODEL_FAMILIES`), head_dim 128, randomly
+The ``transformers`` families of :mod:`.families` (:data:`~.config.MODEL_FAMILIES`), randomly
 initialised from a seed, then *sharpened* (:func:`sharpen`) so that attention and logits react
 to KV-cache errors, saved as bf16 safetensors. Rotation files come from the package's own
 calibrate / fit path on seeded random token sequences.
@@ -14,46 +14,28 @@ import math
 import os
 from typing import Any
 
-from .config import MODEL_FAMILIES, VOCAB
-
-
-def model_config(name: str, args: argparse.Namespace | None = None, **over):
-    """``transformers`` config of one tiny model: ``qwen3`` (GQA 8/2), ``moe`` (Qwen3-MoE, 8 experts,
-    top-2), ``llama`` (GQA 8/2), ``long`` (Qwen3, many kv heads, 40K positions: attention dominates
-    its decode step at 32K). head_dim 128, bf16. ``over`` overrides config fields (tests use it to
-    shrink the models)."""
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=16384,
-                  tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1,
-                  eos_token_id=2, pad_token_id=0)
-    if name == "long":
-        a = args or argparse.Namespace(long_layers=8, long_heads=128, long_kv_heads=32, long_hidden=256)
-        common.update(num_hidden_layers=a.long_layers, num_attention_heads=a.long_heads,
-                      num_key_value_heads=a.long_kv_heads, hidden_size=a.long_hidden, intermediate_size=256,
-                      max_position_embeddings=40960)
-    common.update(over)
-    rope = common.pop("rope_theta")
-    if name in ("qwen3", "long"):
-        cfg = tf.Qwen3Config(**common)
-    elif name == "moe":
-        cfg = tf.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                                decoder_sparse_step=1, norm_topk_prob=True)
-    elif name == "llama":
-        cfg = tf.LlamaConfig(**common, attention_bias=False)
-    else:
-        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODEL_FAMILIES)}")
-    # transformers 5 keeps RoPE settings in rope_parameters; older versions in rope_theta
-    if getattr(cfg, "rope_parameters", None) is not None:
-        cfg.rope_parameters = {**(cfg.rope_parameters or {}), "rope_type": "default", "rope_theta": rope}
-    else:
-        cfg.rope_theta = rope
-    return cfg
+from .config import SWA_FAMILIES, VOCAB
+from .families import causal_lm_class, model_config  # noqa: F401  (model_config: the tests' entry)
 
 
 def _rows_std(t) -> float:
     return float(t.float().std())
+
+
+def _scale_norm(norm, factor: float) -> None:
+    """Scale an RMSNorm's output by ``factor``: its weight, or ``1 + weight`` for Gemma-3 style
+    norms (``Gemma3RMSNorm`` multiplies by ``1 + weight``; found by probing the module)."""
+    import torch
+
+    w = norm.weight
+    saved = w.detach().clone()
+    w.zero_()
+    offset = float(norm(torch.ones(1, w.shape[-1], dtype=torch.float32, device=w.device)).float().mean())
+    w.copy_(saved)
+    if abs(offset) < 1e-6:
+        w.mul_(factor)  # the plain case, exactly as before
+    else:
+        w.copy_((saved + offset) * factor - offset)
 
 
 def sharpen(model, logit_std: float, score_std: float, seed: int) -> dict[str, float]:
@@ -88,9 +70,9 @@ def sharpen(model, logit_std: float, score_std: float, seed: int) -> dict[str, f
         gain = max(score_std / max(s0, 1e-6), 1e-3)
         for name, mod in model.named_modules():
             if name.endswith("self_attn"):
-                if getattr(mod, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm weights scale q and k
-                    mod.q_norm.weight.mul_(math.sqrt(gain))
-                    mod.k_norm.weight.mul_(math.sqrt(gain))
+                if getattr(mod, "q_norm", None) is not None:  # Qwen3, Gemma: per-head RMSNorm weights scale q and k
+                    _scale_norm(mod.q_norm, math.sqrt(gain))
+                    _scale_norm(mod.k_norm, math.sqrt(gain))
                 else:
                     mod.q_proj.weight.mul_(math.sqrt(gain))
                     mod.k_proj.weight.mul_(math.sqrt(gain))
@@ -98,7 +80,10 @@ def sharpen(model, logit_std: float, score_std: float, seed: int) -> dict[str, f
                         if getattr(proj, "bias", None) is not None:
                             proj.bias.mul_(math.sqrt(gain))
         _, l0 = measure()
-        model.lm_head.weight.mul_(logit_std / max(l0, 1e-6))
+        if model.lm_head.weight is model.get_input_embeddings().weight:  # tied (Gemma): scale the final norm
+            _scale_norm(model.get_decoder().norm, logit_std / max(l0, 1e-6))
+        else:
+            model.lm_head.weight.mul_(logit_std / max(l0, 1e-6))
         s1, l1 = measure()
     return {"score_std": s1, "logit_std": l1}
 
@@ -112,13 +97,15 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
         ``{"path", "name", "config": {...sizes}, "sharpen": {...}, "reused": bool}``.
     """
     import torch
-    import transformers as tf
 
     cfg = model_config(name, args, **over)
+    keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+            "max_position_embeddings", "intermediate_size")
+    if name in SWA_FAMILIES:
+        keys += ("sliding_window", "layer_types") + (("global_head_dim", "num_global_key_value_heads",
+                                                      "attention_k_eq_v") if name == "gemma4" else ())
     recipe = {"name": name, "seed": seed, "logit_std": logit_std, "score_std": score_std,
-              "config": {k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                                                      "num_key_value_heads", "head_dim", "vocab_size",
-                                                      "max_position_embeddings", "intermediate_size")}}
+              "config": {k: getattr(cfg, k) for k in keys}}
     marker = os.path.join(path, "oscar_e2e.json")
     if os.path.exists(marker):
         with open(marker) as f:
@@ -126,9 +113,7 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
         if {k: old.get(k) for k in recipe} == recipe:
             return {**old, "path": path, "reused": True}
     torch.manual_seed(seed)
-    cls = {"qwen3": tf.Qwen3ForCausalLM, "long": tf.Qwen3ForCausalLM, "moe": tf.Qwen3MoeForCausalLM,
-           "llama": tf.LlamaForCausalLM}[name]
-    model = cls(cfg).to(device=device, dtype=torch.float32).eval()
+    model = causal_lm_class(name)(cfg).to(device=device, dtype=torch.float32).eval()
     stats = sharpen(model, logit_std, score_std, seed)
     model = model.to(torch.bfloat16)
     os.makedirs(path, exist_ok=True)
@@ -208,7 +193,9 @@ def make_rotation_files(model, model_path: str, out_dir: str, *, seed: int = 1, 
     * ``layer``: fitted per layer (``sglang-oscar fit --method oscar``),
     * ``head``: fitted per kv head (``--method oscar-perhead``, format_version 2),
     * ``identity``: data-free identity (exactness checks),
-    * ``mismatch``: a valid identity file for another geometry (one layer fewer, twice the kv heads).
+    * ``mismatch``: a valid identity file for another geometry (one layer fewer, twice the kv heads),
+    * ``onedim`` (models with more than one layer geometry, Gemma-4): an identity file giving every
+      layer the sliding layers' kv heads and head_dim.
     """
     from sglang_oscar.calibrate.fit import DEFAULT_MIN_TOKENS, fit_rotations
     from sglang_oscar.calibrate.model import config_fingerprint, geometry_of
@@ -242,4 +229,10 @@ def make_rotation_files(model, model_path: str, out_dir: str, *, seed: int = 1, 
                        {"method": "identity", "model_type": other.model_type, "geometry": other.to_dict()})
     out["mismatch"] = os.path.join(out_dir, "rot_mismatch.safetensors")
     mism.save(out["mismatch"])
+    if len({(l.num_kv_heads, l.head_dim_k, l.head_dim_v) for l in geometry.layers}) > 1:
+        # Gemma-4: a valid identity file with the sliding layers' geometry for every layer
+        cfg = model.config.to_dict()
+        cfg.update(global_head_dim=cfg["head_dim"], num_global_key_value_heads=cfg["num_key_value_heads"])
+        out["onedim"] = os.path.join(out_dir, "rot_onedim.safetensors")
+        RotationSet.data_free(ModelGeometry.from_hf_config(cfg), "identity").save(out["onedim"])
     return out

@@ -16,7 +16,8 @@ from sglang_oscar.serving_launcher import http_json, stream_generate
 from .config import LEAK_PATTERNS
 
 __all__ = ["abs_diff_stats", "compare_generations", "generate_payload", "http_json", "last_error", "leak_lines",
-           "log_stats", "max_total_tokens_from_log", "parse_generation", "stream_decode_rate"]
+           "log_stats", "max_total_tokens_from_log", "parse_generation", "stream_decode_rate",
+           "swa_pool_tokens_from_log"]
 
 
 def generate_payload(input_ids: Sequence[int], max_new_tokens: int, *, input_logprobs: bool = False,
@@ -92,6 +93,13 @@ def max_total_tokens_from_log(log: str) -> int | None:
     """``max_total_num_tokens=N`` of the scheduler's startup line (the last one in the log)."""
     found = re.findall(r"max_total_num_tokens=(\d+)", log)
     return int(found[-1]) if found else None
+
+
+def swa_pool_tokens_from_log(log: str) -> dict[str, int] | None:
+    """``{"full": F, "swa": S}`` of SGLang's hybrid SWA startup line ``full_layer_tokens=F,
+    swa_layer_tokens=S`` (the last one in the log), ``None`` without one."""
+    found = re.findall(r"full_layer_tokens=(\d+), swa_layer_tokens=(\d+)", log)
+    return {"full": int(found[-1][0]), "swa": int(found[-1][1])} if found else None
 
 
 def leak_lines(log: str) -> list[str]:

@@ -32,7 +32,12 @@ BUDGET_CUT = "the harness's time budget cut the wait short"
 
 # Tiny checkpoints. head_dim 128 everywhere (the served geometry of real models); vocab a multiple of 64.
 VOCAB = 2048
-MODEL_FAMILIES = {"qwen3": "qwen3", "moe": "qwen3_moe", "llama": "llama", "long": "qwen3"}
+MODEL_FAMILIES = {"qwen3": "qwen3", "moe": "qwen3_moe", "llama": "llama", "long": "qwen3",
+                  "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+DEFAULT_FAMILIES = "qwen3,moe,llama"  # --families
+SWA_FAMILIES = ("gemma3", "gemma4")  # sliding-window families (tests/e2e/families.py)
+B_ONLY_FAMILIES = ("moe", "llama")  # served by check b only; the other families by a, b, c, d, e, i
+SWA_WINDOW = 64  # HF sliding_window of the sliding-window families (key j visible iff pos - j < 64)
 
 # Oracle / server settings of the quantizing checks (c, d, h).
 C_SINK, C_RECENT = 16, 32
@@ -65,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", type=_checks_arg, default=None, metavar="a,b,c",
                    help=f"checks to run (default {','.join(DEFAULT_CHECKS)}; h also with --tp2)")
     p.add_argument("--tp2", action="store_true", help="2-GPU machine: add check h (--tp 2 vs --tp 1)")
+    p.add_argument("--families", default=DEFAULT_FAMILIES, metavar="qwen3,moe,llama",
+                   help=f"model families (default {DEFAULT_FAMILIES}; also {','.join(SWA_FAMILIES)}, sliding window "
+                        f"{SWA_WINDOW}): b runs on each; a, c, d, e, i on each but {'/'.join(B_ONLY_FAMILIES)} (on the "
+                        "first family if only those); f adds a sizing pair per sliding-window family; g and h stay qwen3")
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/oscar_e2e", help="results folder (default $OUT)")
     p.add_argument("--work", default=None,
                    help="checkpoints and rotation files (default OUT_work, next to OUT: kept out of the results)")
@@ -136,6 +145,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if "h" in checks and not args.tp2:
         build_parser().error("check h needs --tp2 (a machine with 2 GPUs)")
     args.checks = sorted(checks)
+    fams = [f.strip().lower() for f in str(args.families).split(",") if f.strip()]
+    bad = [f for f in fams if f not in MODEL_FAMILIES or f == "long"]
+    if bad or not fams:
+        build_parser().error(f"--families: unknown {bad or args.families!r}; choose from "
+                             f"{','.join(f for f in MODEL_FAMILIES if f != 'long')}")
+    args.families = list(dict.fromkeys(fams))
+    if "h" in checks and "qwen3" not in args.families:
+        build_parser().error("check h runs on qwen3: add it to --families")
     for key in ("b_lens", "c_prompt_lens", "d_lens", "h_lens"):
         try:
             setattr(args, key, [int(x) for x in str(getattr(args, key)).split(",") if x.strip()])
@@ -150,3 +167,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.load_min_len < 2 or args.load_max_len < args.load_min_len:
         build_parser().error("need 2 <= --load-min-len <= --load-max-len")
     return args
+
+
+def main_families(args: argparse.Namespace) -> list[str]:
+    """The families of checks a, c, d, e, i: every selected one but the b-only ones (the first
+    selected family if only those); ``["qwen3"]`` by default."""
+    fams = list(getattr(args, "families", None) or DEFAULT_FAMILIES.split(","))
+    return [f for f in fams if f not in B_ONLY_FAMILIES] or fams[:1]
+
+
+def c_prompt_lens(args: argparse.Namespace, family: str) -> list[int]:
+    """Check c's prompt lengths for ``family``: ``--c-prompt-lens``, led by a prompt 4x the window
+    for a sliding-window family (decoding then runs past the window's edge)."""
+    lens = list(args.c_prompt_lens)
+    return list(dict.fromkeys([4 * SWA_WINDOW] + lens)) if family in SWA_FAMILIES else lens

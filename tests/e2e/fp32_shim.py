@@ -22,6 +22,13 @@ import shutil
 
 C_FP32_SERVERS = {"layer": "qwen3-int2-layer-fp32", "head": "qwen3-int2-head-fp32"}
 C_FP32_FLOOR = "qwen3-fp32"
+
+
+def fp32_name(family: str, kind: str | None = None) -> str:
+    """Name of a ``--dtype float32`` server of check c: ``<family>-int2-<kind>-fp32`` (``kind``
+    ``layer`` / ``head``) or the noise-floor twin ``<family>-fp32`` (qwen3: :data:`C_FP32_SERVERS`,
+    :data:`C_FP32_FLOOR`)."""
+    return f"{family}-int2-{kind}-fp32" if kind else f"{family}-fp32"
 FP32_SHIM_ENTRY = "oscar_e2e_fp32"
 FP32_SHIM_MODULE = "oscar_e2e_fp32_shim"
 FP32_SHIM_VALUE = f"{FP32_SHIM_MODULE}:fp32_shim_register"
@@ -61,6 +68,11 @@ def _no_fp32_jit_qknorm(original_fn, head_dim, dtype, *args, **kwargs):
 FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", _fp32_native),
     ("sglang.srt.layers.activation.SiluAndMul.forward_cuda", _fp32_native),
+    # the Gemma families (--families gemma3,gemma4): their norms and GELU-tanh MLP
+    ("sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda", _fp32_native),
+    ("sglang.srt.layers.layernorm.Gemma3RMSNorm.forward_cuda", _fp32_native),
+    ("sglang.srt.layers.layernorm.Gemma4RMSNorm.forward_cuda", _fp32_native),
+    ("sglang.srt.layers.activation.GeluAndMul.forward_cuda", _fp32_native),
     ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_cuda", _fp32_native_rope),
     ("sglang.jit_kernel.norm.can_use_fused_inplace_qknorm", _no_fp32_jit_qknorm),
 )

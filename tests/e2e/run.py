@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
-from .config import BUDGET_CUT, C_RECENT, C_SINK, FAIL, ROOT, SKIP
+from .config import (BUDGET_CUT, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SKIP, SWA_FAMILIES, c_prompt_lens,
+                     main_families)
 from .fp32_shim import fp32_shim_dir, write_fp32_shim
 from .oracle import screen_prompts, teacher_forced_logprobs
 from .results import CheckError, CheckResult, write_results
@@ -45,6 +46,10 @@ class Run:
         self.timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ helpers
+    def fdata(self, family: str) -> dict[str, Any]:
+        """The reference data of ``family``: :attr:`data` itself for qwen3, else its own dict."""
+        return self.data if family == "qwen3" else self.data.setdefault(f"family:{family}", {})
+
     def left(self) -> float:
         return self.deadline - time.time()
 
@@ -150,16 +155,23 @@ def collect_meta(args: argparse.Namespace) -> dict[str, Any]:
     return meta
 
 
-def needed_models(checks: Iterable[str]) -> list[str]:
-    """The tiny checkpoints (:data:`~.config.MODEL_FAMILIES` keys) the checks need."""
+def needed_models(checks: Iterable[str], families: Sequence[str] | None = None) -> list[str]:
+    """The tiny checkpoints (:data:`~.config.MODEL_FAMILIES` keys) the checks need on ``families``
+    (``--families``, default qwen3, moe, llama)."""
     ch = set(checks)
+    families = list(families or DEFAULT_FAMILIES.split(","))
+    main = main_families(argparse.Namespace(families=families))
     out = []
     if ch & set("abcdehi"):
+        out += main
+    if "h" in ch and "qwen3" not in out:
         out.append("qwen3")
     if "b" in ch:
-        out += ["moe", "llama"]
-    if ch & set("fg"):
+        out += [m for m in families if m not in out]
+    if "g" in ch or ("f" in ch and "qwen3" in main):
         out.append("long")
+    if "f" in ch:
+        out += [m for m in main if m in SWA_FAMILIES and m not in out]
     return out
 
 
@@ -170,7 +182,7 @@ def prepare(run: Run) -> None:
     args = run.args
     run.device = "cuda" if torch.cuda.is_available() else "cpu"
     t = time.time()
-    for name in needed_models(args.checks):
+    for name in needed_models(args.checks, args.families):
         path = os.path.join(args.work, f"tiny-{name}")
         info = build_checkpoint(name, path, seed=args.seed, args=args, logit_std=args.logit_std,
                                 score_std=args.score_std, device=run.device)
@@ -180,16 +192,17 @@ def prepare(run: Run) -> None:
     run.log(f"checkpoints: {', '.join(run.models)} ({run.timings['checkpoints']:.0f} s)")
     t = time.time()
     ch = set(args.checks)
-    if ch & set("bcdhi") and "qwen3" in run.models:
-        model = load_hf(run.models["qwen3"], run.device, fp32_head=args.fp32_lm_head)
-        run.hf["qwen3"] = model
-        files = make_rotation_files(model, run.models["qwen3"], os.path.join(args.work, "rot-qwen3"))
-        run.rot.update({f"qwen3:{k}": v for k, v in files.items()})
+    main = main_families(args) + (["qwen3"] if "h" in ch and "qwen3" not in main_families(args) else [])
+    for m in main if ch & set("bcdhi") else ():
+        model = load_hf(run.models[m], run.device, fp32_head=args.fp32_lm_head)
+        run.hf[m] = model
+        files = make_rotation_files(model, run.models[m], os.path.join(args.work, f"rot-{m}"))
+        run.rot.update({f"{m}:{k}": v for k, v in files.items()})
     if "b" in ch:
         from sglang_oscar.calibrate.model import geometry_of
         from sglang_oscar.rotation import RotationSet
 
-        for m in ("moe", "llama"):
+        for m in [m for m in args.families if m not in main]:
             from transformers import AutoConfig
 
             geo = geometry_of(AutoConfig.from_pretrained(run.models[m]))
@@ -205,7 +218,8 @@ def prepare(run: Run) -> None:
 
 def precompute(run: Run) -> None:
     """Reference data computed in this process while the servers start: screened greedy prompts
-    (HF BF16 for a/b, the oracle for d/h) and the oracle/HF log-probs of check c's prompts."""
+    (HF BF16 for a/b, the oracle for d/h) and the oracle/HF log-probs of check c's prompts, per
+    family (:meth:`Run.fdata`)."""
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.rotation import RotationSet
 
@@ -214,41 +228,53 @@ def precompute(run: Run) -> None:
     n = args.greedy_tokens
     cfg = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT)
     run.data["c_config"] = cfg
-    for m in [m for m in ("qwen3", "moe", "llama") if ("b" in ch) or (m == "qwen3" and "a" in ch)]:
+    main = main_families(args)
+    for m in [m for m in args.families if ("b" in ch) or (m in main and "a" in ch)]:
         model = run.hf.get(m) or load_hf(run.models[m], run.device, fp32_head=args.fp32_lm_head)
         run.hf[m] = model
         run.data.setdefault("greedy_bf16", {})[m] = screen_prompts(model, args.b_lens, n, candidates=args.screen_candidates,
                                                                     seed=args.seed + 11)
-    q = run.hf.get("qwen3")
-    if "d" in ch:
-        run.data["greedy_layer"] = screen_prompts(q, args.d_lens, n, candidates=args.screen_candidates, seed=args.seed + 22,
-                                                  rotation=RotationSet.load(run.rot["qwen3:layer"]), config=cfg)
     if "h" in ch:
-        run.data["greedy_head"] = screen_prompts(q, args.h_lens, n, candidates=args.screen_candidates, seed=args.seed + 33,
-                                                 rotation=RotationSet.load(run.rot["qwen3:head"]), config=cfg)
-    if "c" in ch:
-        prompts = [random_prompt(L, args.seed * 31 + 44 + i, q.config.vocab_size) for i, L in enumerate(args.c_prompt_lens)]
-        run.data["c_prompts"] = prompts
-        run.data["c_hf_bf16"] = teacher_forced_logprobs(q, prompts)
-        for kind in ("layer", "head"):
-            rs = RotationSet.load(run.rot[f"qwen3:{kind}"])
-            run.data[f"c_rot_{kind}"] = rs
-            run.data[f"c_oracle_{kind}"] = teacher_forced_logprobs(q, prompts, rotation=rs, config=cfg)
-        # the oracle's own sensitivity: the same checkpoint loaded in fp32 (K/V differ from the
-        # bf16 run only by BF16-level rounding, as SGLang's kernels differ from transformers')
-        import torch
-
-        q32 = load_hf(run.models["qwen3"], run.device, dtype=torch.float32, fp32_head=args.fp32_lm_head)
-        run.data["c_oracle_layer_fp32_model"] = teacher_forced_logprobs(q32, prompts, rotation=run.data["c_rot_layer"],
-                                                                        config=cfg)
-        if args.c_fp32:
-            # references of the --dtype float32 servers: the model in fp32 and the oracle's HP tier
-            # in fp32 (what those servers' windows hold); kept for c's decode teacher forcing
-            run.hf["qwen3-fp32"] = q32
-            run.data["c_hf_fp32"] = teacher_forced_logprobs(q32, prompts)
-            for kind in ("layer", "head"):
-                run.data[f"c_oracle_fp32_{kind}"] = teacher_forced_logprobs(
-                    q32, prompts, rotation=run.data[f"c_rot_{kind}"], config=cfg, hp_dtype=torch.float32)
-        del q32
+        run.data["greedy_head"] = screen_prompts(run.hf["qwen3"], args.h_lens, n, candidates=args.screen_candidates,
+                                                 seed=args.seed + 33, rotation=RotationSet.load(run.rot["qwen3:head"]),
+                                                 config=cfg)
+    for m in main:
+        _precompute_family(run, m, cfg)
     run.timings["precompute"] = time.time() - t
     run.log(f"references computed ({run.timings['precompute']:.0f} s)")
+
+
+def _precompute_family(run: Run, m: str, cfg) -> None:
+    """Check d's screened prompts and check c's references of family ``m`` into ``run.fdata(m)``."""
+    import torch
+
+    from sglang_oscar.rotation import RotationSet
+
+    args, ch, d = run.args, set(run.args.checks), run.fdata(m)
+    q = run.hf.get(m)
+    if "d" in ch:
+        d["greedy_layer"] = screen_prompts(q, args.d_lens, args.greedy_tokens, candidates=args.screen_candidates,
+                                           seed=args.seed + 22, rotation=RotationSet.load(run.rot[f"{m}:layer"]),
+                                           config=cfg)
+    if "c" not in ch:
+        return
+    prompts = [random_prompt(L, args.seed * 31 + 44 + i, q.config.vocab_size) for i, L in enumerate(c_prompt_lens(args, m))]
+    d["c_prompts"] = prompts
+    d["c_hf_bf16"] = teacher_forced_logprobs(q, prompts)
+    for kind in ("layer", "head"):
+        rs = RotationSet.load(run.rot[f"{m}:{kind}"])
+        d[f"c_rot_{kind}"] = rs
+        d[f"c_oracle_{kind}"] = teacher_forced_logprobs(q, prompts, rotation=rs, config=cfg)
+    # the oracle's own sensitivity: the same checkpoint loaded in fp32 (K/V differ from the
+    # bf16 run only by BF16-level rounding, as SGLang's kernels differ from transformers')
+    q32 = load_hf(run.models[m], run.device, dtype=torch.float32, fp32_head=args.fp32_lm_head)
+    d["c_oracle_layer_fp32_model"] = teacher_forced_logprobs(q32, prompts, rotation=d["c_rot_layer"], config=cfg)
+    if args.c_fp32:
+        # references of the --dtype float32 servers: the model in fp32 and the oracle's HP tier
+        # in fp32 (what those servers' windows hold); kept for c's decode teacher forcing
+        run.hf[f"{m}-fp32"] = q32
+        d["c_hf_fp32"] = teacher_forced_logprobs(q32, prompts)
+        for kind in ("layer", "head"):
+            d[f"c_oracle_fp32_{kind}"] = teacher_forced_logprobs(q32, prompts, rotation=d[f"c_rot_{kind}"], config=cfg,
+                                                                 hp_dtype=torch.float32)
+    del q32

@@ -16,8 +16,9 @@ from typing import Any
 from sglang_oscar.serving_launcher import LaunchError, ServerProcess
 
 from .client import http_json, last_error
-from .config import B_RECENT, B_SINK, C_RECENT, C_SINK, ROOT
-from .fp32_shim import C_FP32_FLOOR, C_FP32_SERVERS, fp32_server_env
+from .config import B_RECENT, B_SINK, C_RECENT, C_SINK, ROOT, SWA_FAMILIES, main_families
+from .families import sglang_override_args
+from .fp32_shim import C_FP32_SERVERS, fp32_name, fp32_server_env
 
 
 @dataclasses.dataclass
@@ -25,7 +26,7 @@ class ServerSpec:
     """One ``sglang.launch_server`` process of the run."""
 
     name: str
-    model: str  # model key (qwen3, moe, llama, long)
+    model: str  # model key (qwen3, moe, llama, long, gemma3, gemma4)
     args: list[str]  # extra sglang flags
     checks: str  # check letters that use it
     env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -37,14 +38,17 @@ class ServerSpec:
     max_running: int = 16
     port: int = 0
     gpu: int = 0
+    case: str = ""  # check i: the BAD_INPUT_EXPECT entry of a bad launch
 
 
 def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSpec]:
-    """Every server the selected checks need (deduplicated), with ports assigned."""
-    q = "qwen3"
+    """Every server the selected checks need (deduplicated), with ports assigned. Checks a, c, d,
+    e, i run on each of :func:`~.config.main_families` (servers ``<family>-...``; check i's generic
+    cases on the first one only), b on every ``--families`` entry; g and h on qwen3."""
     c_win = ["--oscar-sink-tokens", str(C_SINK), "--oscar-recent-tokens", str(C_RECENT)]
     b_win = ["--oscar-sink-tokens", str(B_SINK), "--oscar-recent-tokens", str(B_RECENT)]
     i2 = ["--kv-cache-dtype", "int2"] + shlex.split(args.int2_args or "")
+    main = main_families(args)
     specs: list[ServerSpec] = []
 
     def add(spec: ServerSpec):
@@ -58,63 +62,78 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
     if "a" in ch:
         # SGLANG_PLUGINS is a whitelist of entry-point names: every installed plugin but ours
         others = plugin_entry_point()["others"]
-        add(ServerSpec("qwen3-plugin-off", q, [], "a", env={"SGLANG_PLUGINS": ",".join(others) or "__no_plugin__"}))
-        add(ServerSpec("qwen3-bf16", q, [], "a"))
+        for q in main:
+            add(ServerSpec(f"{q}-plugin-off", q, [], "a", env={"SGLANG_PLUGINS": ",".join(others) or "__no_plugin__"}))
+            add(ServerSpec(f"{q}-bf16", q, [], "a"))
     if "b" in ch:
-        for m in ("qwen3", "moe", "llama"):
+        for m in args.families:
             add(ServerSpec(f"{m}-bf16", m, [], "b"))
             add(ServerSpec(f"{m}-int2-full", m, i2 + ["--oscar-rotation", rot[f"{m}:identity"]] + b_win, "b",
                            max_running=8))
-    if "c" in ch:
-        add(ServerSpec("qwen3-bf16", q, [], "c"))
-    if "c" in ch or "d" in ch:
-        add(ServerSpec("qwen3-int2-layer", q, i2 + ["--oscar-rotation", rot["qwen3:layer"]] + c_win, "cd"))
-    if "c" in ch or "h" in ch:
-        add(ServerSpec("qwen3-int2-head", q, i2 + ["--oscar-rotation", rot["qwen3:head"]] + c_win, "ch"))
-    if "c" in ch and getattr(args, "c_fp32", False):  # c only: d and h keep the BF16 servers above
-        f32, env32 = ["--dtype", "float32"], fp32_server_env(args.work)
-        for kind, name in C_FP32_SERVERS.items():
-            add(ServerSpec(name, q, i2 + ["--oscar-rotation", rot[f"qwen3:{kind}"]] + c_win + f32, "c",
-                           env=dict(env32)))
-        add(ServerSpec(C_FP32_FLOOR, q, list(f32), "c", env=dict(env32)))
-    if "d" in ch:
-        add(ServerSpec("qwen3-int2-layer-chunk64", q, i2 + ["--oscar-rotation", rot["qwen3:layer"]] + c_win +
-                       ["--chunked-prefill-size", "64"], "d"))
-        add(ServerSpec("qwen3-int2-layer-eager", q, i2 + ["--oscar-rotation", rot["qwen3:layer"]] + c_win +
-                       ["--disable-cuda-graph"], "d"))
-    if "e" in ch:
-        strict = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
-                  "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
-        for name, extra in (("qwen3-int2-load", i2), ("qwen3-bf16-load", [])):
-            add(ServerSpec(name, q, list(extra), "e", max_running=args.load_requests, pool_tokens=args.load_pool_tokens,
-                           env=dict(strict)))
+    for q in main:
+        _quantizing_specs(args, add, q, rot, i2 + ["--oscar-rotation"], c_win)
     if "i" in ch:
+        # generic cases on one family: not gemma4 if there is another (SGLang asserts its own backend
+        # list for Gemma-4, server_args.py:4709, before the plugin names --attention-backend)
+        q0 = next((q for q in main if q != "gemma4"), main[0])
         bad = {
-            "bad-rotation-other-model": ["--oscar-rotation", rot["qwen3:mismatch"]],
+            "bad-rotation-other-model": ["--oscar-rotation", rot[f"{q0}:mismatch"]],
             "bad-rotation-missing": ["--oscar-rotation", os.path.join(args.work, "no_such_rotation.safetensors")],
             "bad-group-size": ["--kv-cache-quant-group-size", "48"],
             "bad-flag-flashinfer": ["--attention-backend", "flashinfer"],
             # upstream silently turns --enable-dp-attention off when --dp-size is 1, so ask for dp 2 / tp 2
             "bad-flag-dp-attention": ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
         }
-        for name, extra in bad.items():
-            add(ServerSpec(name, q, i2 + extra, "i", expect_fail=True))  # launch_command drops its own backend flag
+        cases = [(q0, name, extra) for name, extra in bad.items()]
+        cases += [(q, "bad-rotation-other-model", ["--oscar-rotation", rot[f"{q}:mismatch"]]) for q in main if q != q0]
+        cases += [(q, "bad-rotation-one-head-dim", ["--oscar-rotation", rot[f"{q}:onedim"]]) for q in main if f"{q}:onedim" in rot]
+        for q, case, extra in cases:  # launch_command drops its own backend flag
+            add(ServerSpec(case if q == q0 else f"{q}-{case}", q, i2 + extra, "i", expect_fail=True, case=case))
     if "h" in ch:
+        q = "qwen3"
         add(ServerSpec("qwen3-int2-head-tp2", q, i2 + ["--oscar-rotation", rot["qwen3:head"]] + c_win, "h", phase=2,
                        tp=2, pool_tokens=args.pool_tokens))
-    if "f" in ch or "g" in ch:
-        for name, extra in (("long-bf16", []), ("long-int2", i2 + ["--kv-cache-quant-group-size", "128"])):
-            add(ServerSpec(name, "long", extra, "".join(c for c in "fg" if c in ch), phase=2,
-                           mem_fraction=args.sizing_mem_fraction, pool_tokens=None, max_running=8))
+    sizing = [("long", "long-bf16", "long-int2")] if "g" in ch or ("f" in ch and "qwen3" in main) else []
+    sizing += [(q, f"{q}-sizing-bf16", f"{q}-sizing-int2") for q in main if "f" in ch and q in SWA_FAMILIES]
+    for model, bf_name, i2_name in sizing:
+        for name, extra in ((bf_name, []), (i2_name, i2 + ["--kv-cache-quant-group-size", "128"])):
+            add(ServerSpec(name, model, extra, "".join(c for c in "fg" if c in ch and (c == "f" or model == "long")),
+                           phase=2, mem_fraction=args.sizing_mem_fraction, pool_tokens=None, max_running=8))
     extra = (["--enable-fp32-lm-head"] if args.fp32_lm_head else []) + shlex.split(args.server_args or "")
     for i, s in enumerate(specs):
-        s.args = s.args + extra
+        s.args = s.args + sglang_override_args(s.model) + extra
         s.port = args.base_port + 10 * i
         if s.mem_fraction is None:
             s.mem_fraction = args.mem_fraction
         if s.pool_tokens is None and s.phase == 1:
             s.pool_tokens = args.pool_tokens
     return specs
+
+
+def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_win: list[str]) -> None:
+    """The servers of checks c, d, e for family ``q`` (``i2r``: the int2 flags up to ``--oscar-rotation``)."""
+    ch = set(args.checks)
+    if "c" in ch:
+        add(ServerSpec(f"{q}-bf16", q, [], "c"))
+    if "c" in ch or "d" in ch:
+        add(ServerSpec(f"{q}-int2-layer", q, i2r + [rot[f"{q}:layer"]] + c_win, "cd"))
+    if "c" in ch or ("h" in ch and q == "qwen3"):
+        add(ServerSpec(f"{q}-int2-head", q, i2r + [rot[f"{q}:head"]] + c_win, "ch" if q == "qwen3" else "c"))
+    if "c" in ch and getattr(args, "c_fp32", False):  # c only: d and h keep the BF16 servers above
+        f32, env32 = ["--dtype", "float32"], fp32_server_env(args.work)
+        for kind in C_FP32_SERVERS:
+            add(ServerSpec(fp32_name(q, kind), q, i2r + [rot[f"{q}:{kind}"]] + c_win + f32, "c", env=dict(env32)))
+        add(ServerSpec(fp32_name(q), q, list(f32), "c", env=dict(env32)))
+    if "d" in ch:
+        add(ServerSpec(f"{q}-int2-layer-chunk64", q, i2r + [rot[f"{q}:layer"]] + c_win + ["--chunked-prefill-size", "64"],
+                       "d"))
+        add(ServerSpec(f"{q}-int2-layer-eager", q, i2r + [rot[f"{q}:layer"]] + c_win + ["--disable-cuda-graph"], "d"))
+    if "e" in ch:
+        strict = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+                  "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
+        for name, extra in ((f"{q}-int2-load", i2r[:-1]), (f"{q}-bf16-load", [])):
+            add(ServerSpec(name, q, list(extra), "e", max_running=args.load_requests, pool_tokens=args.load_pool_tokens,
+                           env=dict(strict)))
 
 
 def launch_command(spec: ServerSpec, model_path: str, python: str = sys.executable) -> list[str]:

@@ -196,3 +196,39 @@ def test_check_c_without_fp32_keeps_the_bf16_criterion(c_run):
             check_c.check_c(run)
     finally:
         run.args = saved
+
+
+def test_check_c_on_a_sliding_window_family(tmp_path):
+    """--families gemma4 --c-fp32: precompute fills gemma4's own references (a prompt 4x the window
+    leads c's prompts) and check c compares the ``gemma4-*`` servers with them."""
+    from sglang_oscar.calibrate.model import geometry_of
+    from sglang_oscar.rotation import RotationSet
+
+    from .tiny import TINY_SWA
+
+    path = str(tmp_path / "g4")
+    checkpoints.build_checkpoint("gemma4", path, seed=3, **TINY_SWA)
+    args = config.parse_args(["--only", "c", "--c-fp32", "--families", "gemma4", "--out", str(tmp_path / "out"),
+                              "--c-prompt-lens", "40", "--c-decode-tokens", "2"])
+    run = Run(args)
+    run.models["gemma4"] = path
+    run.hf["gemma4"] = checkpoints.load_hf(path, "cpu")
+    ident = RotationSet.data_free(geometry_of(run.hf["gemma4"].config), "identity")
+    for kind in ("layer", "head"):
+        run.rot[f"gemma4:{kind}"] = str(tmp_path / f"rot_{kind}.safetensors")
+        ident.save(run.rot[f"gemma4:{kind}"])
+    precompute(run)
+    d = run.fdata("gemma4")
+    assert [len(p) for p in d["c_prompts"]] == [4 * config.SWA_WINDOW, 40] and "c_prompts" not in run.data
+    cfg = run.data["c_config"]
+    srv = {"gemma4-bf16": _FakeServer("gemma4-bf16", run.hf["gemma4"]),
+           fp32_shim.fp32_name("gemma4"): _FakeServer("gemma4-fp32", run.hf["gemma4-fp32"])}
+    for kind in ("layer", "head"):
+        srv[f"gemma4-int2-{kind}"] = _FakeServer(f"gemma4-int2-{kind}", run.hf["gemma4"], d[f"c_rot_{kind}"], cfg)
+        srv[fp32_shim.fp32_name("gemma4", kind)] = _FakeServer("f", run.hf["gemma4-fp32"], d[f"c_rot_{kind}"], cfg,
+                                                               torch.float32)
+    run.servers = srv
+    res = check_c.check_c(run)
+    assert res.status == config.PASS, res.measured
+    assert res.detail["settings"]["prompt_lens"] == [256, 40] and res.detail["fp32"]["layer"]["prefill_mean"] == 0
+    assert res.detail["fp32"]["layer"]["quantization_effect_mean"] > 1e-3

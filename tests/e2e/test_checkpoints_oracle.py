@@ -177,3 +177,79 @@ def test_rotation_files(tiny_qwen3, tmp_path):
     assert torch.equal(RotationSet.load(files["identity"]).matrices(1, "v"), torch.eye(32))
     with pytest.raises(RotationError):
         RotationSet.load(files["mismatch"]).validate(geo)
+
+
+# ----------------------------------------------------------------------------- sliding-window families
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma4"])
+def tiny_swa(request, tmp_path_factory):
+    from .tiny import TINY_SWA
+
+    path = str(tmp_path_factory.mktemp(f"tiny_{request.param}"))
+    return request.param, path, checkpoints.build_checkpoint(request.param, path, seed=3, **TINY_SWA)
+
+
+def test_swa_families_build_and_match_sglang(tiny_swa):
+    """The saved Gemma checkpoints: layer kinds, geometry, sharpening; and the config SGLang 0.5.16
+    reads (with the harness's --json-model-override-args for gemma4)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_oscar.rotation.geometry import ModelGeometry
+
+    from .families import sglang_override_for
+
+    name, path, info = tiny_swa
+    model = checkpoints.load_hf(path, "cpu")
+    assert type(model).__name__ == {"gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}[name]
+    assert info["config"]["layer_types"] == ["sliding_attention", "full_attention"] and info["config"]["sliding_window"] == 16
+    assert info["sharpen"]["logit_std"] == pytest.approx(0.5, rel=0.05)
+    assert info["sharpen"]["score_std"] == pytest.approx(1.5, rel=0.35)
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied: SGLang's Gemma3 reads no lm_head
+    geo = ModelGeometry.from_hf_config(path)
+    shapes = [(lay.layer_id, lay.num_kv_heads, lay.head_dim_k, lay.sliding_window, lay.v_shares_k_proj) for lay in geo.layers]
+    full = (1, 1, 64, None, True) if name == "gemma4" else (1, 2, 32, None, False)
+    assert shapes == [(0, 2, 32, 16, False), full]
+    over = json.dumps(sglang_override_for(name, model.config))
+    mc = ModelConfig(path, model_override_args=over)
+    assert mc.is_hybrid_swa == mc.is_hybrid_swa_compress == (name == "gemma4")
+    if name == "gemma4":  # SGLang's naming: base = full layers, swa_* = sliding layers
+        assert (mc.swa_attention_layer_ids, mc.full_attention_layer_ids) == ([0], [1])
+        assert (mc.head_dim, mc.v_head_dim, mc.get_num_kv_heads(1)) == (64, 64, 1)
+        assert (mc.swa_head_dim, mc.swa_v_head_dim, mc.hf_text_config.swa_num_key_value_heads) == (32, 32, 2)
+        plain = ModelConfig(path)  # without the override SGLang sees the sliding geometry everywhere
+        assert plain.head_dim == 32 and not hasattr(plain.hf_text_config, "swa_num_key_value_heads")
+    else:
+        assert (mc.head_dim, mc.get_num_kv_heads(1)) == (32, 2)
+
+
+def test_swa_oracle_and_rotation_files(tiny_swa, tmp_path):
+    """The oracle on a sliding-window model equals the HF model when nothing is quantized (windows
+    applied as the model applies them) and moves when quantizing; the rotation files validate;
+    gemma4's one-head-dim file is refused naming its full layer."""
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation import RotationSet
+    from sglang_oscar.rotation.geometry import ModelGeometry
+    from sglang_oscar.rotation.rotation_set import RotationError
+
+    name, path, _ = tiny_swa
+    model = checkpoints.load_hf(path, "cpu")
+    seq = checkpoints.random_prompt(64, 7, vocab=256)
+    m32 = checkpoints.load_hf(path, "cpu", torch.float32)
+    files = checkpoints.make_rotation_files(m32, path, str(tmp_path), seqs=2, seq_len=48, min_tokens=48)
+    geo = ModelGeometry.from_hf_config(path)
+    for key in ("layer", "head", "identity"):
+        RotationSet.load(files[key]).validate(geo)
+    with pytest.raises(RotationError):
+        RotationSet.load(files["mismatch"]).validate(geo)
+    assert ("onedim" in files) == (name == "gemma4")
+    if name == "gemma4":
+        with pytest.raises(RotationError, match=r"layer 1 \(full\).*head_dim 64"):
+            RotationSet.load(files["onedim"]).validate(geo)
+    ident = RotationSet.load(files["identity"])
+    bf16 = oracle.teacher_forced_logprobs(model, [seq])[0]
+    full = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=OscarConfig(sink_tokens=len(seq)))[0]
+    quant = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=OscarConfig(sink_tokens=4, recent_tokens=8))[0]
+    same, q = client.abs_diff_stats(bf16, full), client.abs_diff_stats(bf16, quant)
+    assert same["mean"] < 1e-2 and same["max"] < 5e-2
+    assert q["mean"] > 5 * same["mean"] and q["mean"] > 1e-2

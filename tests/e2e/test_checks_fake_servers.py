@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from . import check_a, check_b, check_d, check_i, config
+from . import check_a, check_b, check_d, check_fg, check_i, client, config
 from .run import Run
 
 
@@ -40,8 +40,8 @@ class _Server:
         return {"output_ids": toks, "meta_info": meta}
 
 
-def _run(tmp_path, servers, **data):
-    run = Run(config.parse_args(["--out", str(tmp_path / "out"), "--greedy-tokens", "4"]))
+def _run(tmp_path, servers, *argv, **data):
+    run = Run(config.parse_args(["--out", str(tmp_path / "out"), "--greedy-tokens", "4", *argv]))
     run.servers = {s.spec.name: s for s in servers}
     run.data.update(data)
     run.meta["entry_point"] = {"oscar": True}
@@ -122,3 +122,62 @@ def test_check_i_reads_exit_code_time_and_message(tmp_path):
     rows = {r["case"]: r for r in res.detail["cases"]}
     assert rows["bad-group-size"]["weights_loaded"] and rows["bad-flag-flashinfer"]["exit_code"] == 0
     assert rows["bad-rotation-missing"]["seconds"] == pytest.approx(5, abs=1)
+
+
+def test_checks_on_the_sliding_window_families(tmp_path):
+    """--families gemma3,gemma4: a, b and d compare each family's servers; i counts gemma4's own cases."""
+    fams = ("gemma3", "gemma4")
+    srv = [_Server(f"{m}-{k}", env={"SGLANG_PLUGINS": "x"} if k == "plugin-off" else None) for m in fams
+           for k in ("plugin-off", "bf16", "int2-full", "int2-layer", "int2-layer-chunk64", "int2-layer-eager")]
+    run = _run(tmp_path, srv, "--families", "gemma3,gemma4", greedy_bf16={m: _prompts(8, 16) for m in fams})
+    for m in fams:
+        run.fdata(m)["greedy_layer"] = _prompts(12)
+    a, b, d = check_a.check_a(run), check_b.check_b(run), check_d.check_d(run)
+    assert a.status == b.status == d.status == config.PASS, (a.measured, d.measured)
+    assert a.measured.startswith("gemma3: 2/2 prompts same tokens") and " | gemma4: 2/2" in a.measured
+    assert "gemma3 2/2" in b.measured and "gemma4 2/2" in b.measured and set(d.detail["families"]) == set(fams)
+    run.servers["gemma4-int2-layer-eager"] = _Server("gemma4-int2-layer-eager", shift=1)
+    assert check_d.check_d(run).status == config.FAIL
+    assert "family:gemma4" in run.data and "greedy_layer" not in run.data  # qwen3 keeps run.data itself
+
+    class _Exited:
+        def __init__(self, name, case, msg):
+            self.spec = SimpleNamespace(name=name, args=["--x"], case=case)
+            self.proc = SimpleNamespace(poll=lambda: 1)
+            self.t_start, self.t_exit, self.text = time.time() - 3, time.time(), msg + "\n"
+
+        def alive(self):
+            return False
+
+        def log_text(self):
+            return self.text
+
+        def wait_exit(self, timeout):
+            return 1
+
+    msg = ("RotationError: rot_onedim.safetensors: layer 2 (full) K rotation has shape (128, 128), expected (256, 256) "
+           "(per layer) or (1, 256, 256) (per kv head) for head_dim 256 and 1 kv heads")
+    run.servers = {"gemma4-bad-rotation-one-head-dim": _Exited("gemma4-bad-rotation-one-head-dim",
+                                                               "bad-rotation-one-head-dim", msg),
+                   "gemma4-bad-rotation-other-model": _Exited("gemma4-bad-rotation-other-model", "bad-rotation-other-model",
+                                                              "ValueError: rotation file: missing layer [5]")}
+    res = check_i.check_i(run)
+    assert res.status == config.PASS and res.measured.startswith("2/2 refused"), res.measured
+    run.servers["gemma4-bad-rotation-one-head-dim"].text = "ValueError: rotation file is broken\n"
+    assert check_i.check_i(run).status == config.FAIL
+
+
+def test_check_f_per_pool_ratios(tmp_path):
+    """f on a hybrid SWA model: both pools of SGLang's startup line, each ratio against the target."""
+    log = ("max_total_num_tokens=9\nUse sliding window memory pool. full_layer_tokens=1000, swa_layer_tokens=800\n"
+           "Use sliding window memory pool. full_layer_tokens=1200, swa_layer_tokens=960\n")
+    assert client.swa_pool_tokens_from_log(log) == {"full": 1200, "swa": 960}
+    assert client.swa_pool_tokens_from_log("max_total_num_tokens=9") is None
+    run = _run(tmp_path, [], "--families", "gemma4")
+    res = {"gemma4-sizing-bf16": {"pools": {"full": 1200, "swa": 960}},
+           "gemma4-sizing-int2": {"pools": {"full": 7200, "swa": 5760}}}
+    ok, text = check_fg._pool_ratios(run, res, "gemma4")
+    assert ok and text == "gemma4: full pool int2 7200 / BF16 1200 = 6.00x, swa pool int2 5760 / BF16 960 = 6.00x"
+    res["gemma4-sizing-int2"]["pools"]["swa"] = 4000
+    assert check_fg._pool_ratios(run, res, "gemma4")[0] is False
+    assert check_fg._pool_ratios(run, {"gemma4-sizing-bf16": res["gemma4-sizing-bf16"]}, "gemma4") is None

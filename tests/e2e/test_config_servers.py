@@ -200,3 +200,56 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_families_option_servers_and_dry_run(tmp_path, capsys):
+    """--families gemma3,gemma4: every check's servers per family (gemma4's carry SGLang's Gemma-4
+    remap), the one-head-dim bad launch, a sizing pair per family for f; qwen3 servers gone."""
+    import json
+
+    from .run import needed_models
+
+    assert config.parse_args([]).families == ["qwen3", "moe", "llama"]
+    for bad in (["--families", "gpt2"], ["--families", "long"], ["--families", ""], ["--tp2", "--families", "gemma3"]):
+        with pytest.raises(SystemExit):
+            config.parse_args(bad)
+    args = config.parse_args(["--only", "a,b,c,d,e,f,i", "--families", "gemma3,gemma4", "--c-fp32", "--out", str(tmp_path)])
+    assert config.main_families(args) == ["gemma3", "gemma4"]
+    assert config.main_families(config.parse_args(["--families", "moe,llama"])) == ["moe"]
+    assert config.c_prompt_lens(args, "gemma4") == [4 * config.SWA_WINDOW, 1024, 1800]
+    assert config.c_prompt_lens(args, "qwen3") == [1024, 1800]
+    assert needed_models(args.checks, args.families) == ["gemma3", "gemma4"]
+    assert needed_models(list("abcdefgi")) == ["qwen3", "moe", "llama", "long"]  # the default, unchanged
+    rot = {f"{m}:{k}": f"/r/{m}_{k}" for m in ("gemma3", "gemma4") for k in ("layer", "head", "identity", "mismatch")}
+    rot["gemma4:onedim"] = "/r/gemma4_onedim"
+    specs = servers.server_specs(args, rot)
+    by = {s.name: s for s in specs}
+    assert len(by) == len(specs) and len({s.port for s in specs}) == len(specs)
+    assert not any(s.model in ("qwen3", "long") for s in specs)
+    for m in ("gemma3", "gemma4"):
+        for suffix in ("plugin-off", "bf16", "int2-full", "int2-layer", "int2-head", "int2-layer-fp32", "int2-head-fp32",
+                       "fp32", "int2-layer-chunk64", "int2-layer-eager", "int2-load", "bf16-load", "sizing-bf16",
+                       "sizing-int2"):
+            assert by[f"{m}-{suffix}"].model == m, suffix
+        assert by[f"{m}-int2-layer"].args[by[f"{m}-int2-layer"].args.index("--oscar-rotation") + 1] == rot[f"{m}:layer"]
+        assert by[f"{m}-sizing-int2"].phase == 2 and by[f"{m}-sizing-int2"].checks == "f"
+    for s in specs:
+        has = "--json-model-override-args" in s.args
+        assert has == (s.model == "gemma4"), s.name
+        if has:
+            remap = json.loads(s.args[s.args.index("--json-model-override-args") + 1])
+            assert remap == {"head_dim": 256, "num_key_value_heads": 1, "swa_head_dim": 128, "swa_v_head_dim": 128,
+                             "swa_num_key_value_heads": 2}
+    bad = {s.name: s for s in specs if s.expect_fail}
+    assert set(bad) == {"bad-rotation-other-model", "bad-rotation-missing", "bad-group-size", "bad-flag-flashinfer",
+                        "bad-flag-dp-attention", "gemma4-bad-rotation-other-model", "gemma4-bad-rotation-one-head-dim"}
+    assert bad["bad-group-size"].model == "gemma3"  # generic cases: not on gemma4 (SGLang asserts its backends)
+    one = bad["gemma4-bad-rotation-one-head-dim"]
+    assert one.case == "bad-rotation-one-head-dim" and one.args[one.args.index("--oscar-rotation") + 1] == rot["gemma4:onedim"]
+    # the dry run lists them, with the checkpoint of each family
+    assert entry.main(["--dry-run", "--only", "b,i", "--families", "gemma3,gemma4", "--python", "py"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in out if ln.startswith("# ")]
+    assert any(h.startswith("# gemma4-int2-full [b]") for h in heads) and any("one-head-dim" in h for h in heads)
+    cmds = [shlex.split(ln) for ln in out if not ln.startswith("# ")]
+    assert {c[c.index("--model-path") + 1].rsplit("-", 1)[-1] for c in cmds} == {"gemma3", "gemma4"}

@@ -212,7 +212,6 @@ def test_sliding_and_full_layers_match_the_oracle(hybrid):
         assert sv.allocator.swa_attn_allocator.available_size() == 96 - 2 * WINDOW
 
 
-
 def test_skip_sliding_keeps_a_bf16_sliding_pool_and_routes_its_layers_to_sglang(monkeypatch):
     """``--oscar-skip-layers sliding``: the sliding sub-pool is SGLang's BF16 ``MHATokenToKVPool`` (its
     bytes per token BF16's), the full one INT2 and still the owner of the windows; the backend plans
@@ -239,3 +238,28 @@ def test_skip_sliding_keeps_a_bf16_sliding_pool_and_routes_its_layers_to_sglang(
     calls = []
     monkeypatch.setattr(TritonAttnBackend, "forward_decode", lambda self, q, k, v, layer, fb, *a: calls.append(layer.layer_id) or "bf16")
     assert be.forward_decode(None, None, None, slid, None) == "bf16" and calls == [1]
+
+
+def test_gemma3_bidirectional_layers_pass_while_upstream_runs_them_causally():
+    """SGLang's Gemma-3 layers are ``AttentionType.DECODER_BIDIRECTIONAL``; upstream's Triton backend
+    computes them causally unless CUDA graphs are fully off and chunked prefill is -1
+    (``allow_bidirectional_attention_in_extend``): the INT2 backend takes them exactly then."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    be = object.__new__(OscarTritonAttnBackend)
+    be.means = {0: (None, None)}
+    layer = _layer(0, 2, 64, 16)
+    layer.attn_type = AttentionType.DECODER_BIDIRECTIONAL
+    be.allow_bidirectional_attention_in_extend = False
+    be._check_layer(layer, None, None)
+    layer.attn_type = AttentionType.DECODER
+    be._check_layer(layer, None, None)
+    be.allow_bidirectional_attention_in_extend = True
+    be._check_layer(layer, None, None)
+    layer.attn_type = AttentionType.DECODER_BIDIRECTIONAL
+    with pytest.raises(NotImplementedError, match="causal decoder attention only.*chunked prefill"):
+        be._check_layer(layer, None, None)
+    layer.attn_type = AttentionType.ENCODER_ONLY
+    be.allow_bidirectional_attention_in_extend = False
+    with pytest.raises(NotImplementedError, match="causal decoder attention only"):
+        be._check_layer(layer, None, None)

@@ -256,8 +256,16 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         if getattr(layer, "is_cross_attention", False):
             raise NotImplementedError("--kv-cache-dtype int2 does not support cross attention")
         attn_type = getattr(layer, "attn_type", None)
-        if attn_type is not None and getattr(attn_type, "name", str(attn_type)) != "DECODER":
-            raise NotImplementedError(f"--kv-cache-dtype int2 supports causal decoder attention only, not {attn_type}")
+        kind = None if attn_type is None else getattr(attn_type, "name", str(attn_type))
+        # SGLang's Gemma-3 layers are DECODER_BIDIRECTIONAL (for image tokens); upstream's Triton
+        # backend runs them causally unless CUDA graphs are fully off and chunked prefill is -1
+        # (``allow_bidirectional_attention_in_extend``): accept them exactly when they stay causal.
+        if kind == "DECODER_BIDIRECTIONAL" and not getattr(self, "allow_bidirectional_attention_in_extend", False):
+            kind = "DECODER"
+        if kind not in (None, "DECODER"):
+            raise NotImplementedError(f"--kv-cache-dtype int2 supports causal decoder attention only, not {attn_type}"
+                                      + (" (bidirectional extend: keep CUDA graphs or chunked prefill on)"
+                                         if kind == "DECODER_BIDIRECTIONAL" else ""))
         if (getattr(layer, "xai_temperature_len", None) or -1) > 0:
             raise NotImplementedError("--kv-cache-dtype int2 does not support xai temperature scaling (Grok)")
         if layer.logit_cap and getattr(layer, "logit_capping_method", "tanh") != "tanh":

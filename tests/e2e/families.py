@@ -1,0 +1,115 @@
+"""The model families of the device checks: ``transformers`` configs of the tiny checkpoints and
+what the servers of a sliding-window family need.
+
+``qwen3``, ``moe``, ``llama``, ``long``: head_dim 128, GQA (``long``: attention-heavy, check g).
+``gemma3`` (Gemma3ForCausalLM: SGLang 0.5.16 serves it from one pool whose layers mix sliding and
+full attention) and ``gemma4`` (Gemma4ForCausalLM: SGLang's hybrid SWA memory, its sliding layers
+with their own kv heads / head_dim, full layers with K shared as V) have a sliding window of
+:data:`~.config.SWA_WINDOW` keys, small enough that the test prompts cross it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .config import MODEL_FAMILIES, SWA_FAMILIES, SWA_WINDOW, VOCAB
+
+# Every ``period``-th layer (and the last one) is full attention, the others slide.
+_FULL_PERIOD = {"gemma3": 4, "gemma4": 3}
+
+
+def layer_types(name: str, n_layers: int) -> list[str]:
+    """``layer_types`` of a sliding-window family: layer ``i`` is full iff ``(i + 1) % period == 0``
+    or it is the last layer (gemma3 4 layers: S S S F; gemma4 6 layers: S S F S S F)."""
+    p = _FULL_PERIOD[name]
+    return ["full_attention" if (i + 1) % p == 0 or i == n_layers - 1 else "sliding_attention" for i in range(n_layers)]
+
+
+def model_config(name: str, args: argparse.Namespace | None = None, **over):
+    """``transformers`` config of one tiny model: ``qwen3`` (GQA 8/2), ``moe`` (Qwen3-MoE, 8 experts,
+    top-2), ``llama`` (GQA 8/2), ``long`` (Qwen3, many kv heads, 40K positions: attention dominates
+    its decode step at 32K), ``gemma3`` (4 layers, 3 sliding + 1 full, GQA 8/2), ``gemma4`` (6
+    layers, 4 sliding with 2 kv heads x 128 + 2 full with 1 kv head x ``global_head_dim`` 256 and
+    K shared as V, no per-layer input embeddings, no KV-shared layers). head_dim 128 (sliding
+    layers), bf16, tied embeddings for the Gemma families (SGLang's Gemma3ForCausalLM reads no
+    ``lm_head``). ``over`` overrides config fields (tests use it to shrink the models)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=16384,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if name == "long":
+        a = args or argparse.Namespace(long_layers=8, long_heads=128, long_kv_heads=32, long_hidden=256)
+        common.update(num_hidden_layers=a.long_layers, num_attention_heads=a.long_heads,
+                      num_key_value_heads=a.long_kv_heads, hidden_size=a.long_hidden, intermediate_size=256,
+                      max_position_embeddings=40960)
+    if name in SWA_FAMILIES:
+        return _swa_config(name, {**common, "num_hidden_layers": 6 if name == "gemma4" else 4,
+                                  "tie_word_embeddings": True, **over})
+    common.update(over)
+    rope = common.pop("rope_theta")
+    if name in ("qwen3", "long"):
+        cfg = tf.Qwen3Config(**common)
+    elif name == "moe":
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                                decoder_sparse_step=1, norm_topk_prob=True)
+    elif name == "llama":
+        cfg = tf.LlamaConfig(**common, attention_bias=False)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODEL_FAMILIES)}")
+    # transformers 5 keeps RoPE settings in rope_parameters; older versions in rope_theta
+    if getattr(cfg, "rope_parameters", None) is not None:
+        cfg.rope_parameters = {**(cfg.rope_parameters or {}), "rope_type": "default", "rope_theta": rope}
+    else:
+        cfg.rope_theta = rope
+    return cfg
+
+
+def _swa_config(name: str, kw: dict):
+    """Gemma3TextConfig / Gemma4TextConfig from the common fields (RoPE per layer type: the
+    transformers defaults, sliding theta 10K; Gemma-4 full layers proportional RoPE, 1/4 rotary)."""
+    import transformers as tf
+
+    kw.pop("rope_theta")
+    kw.setdefault("sliding_window", SWA_WINDOW)
+    kw.setdefault("layer_types", layer_types(name, kw["num_hidden_layers"]))
+    kw.setdefault("final_logit_softcapping", None)
+    if name == "gemma3":
+        kw.setdefault("query_pre_attn_scalar", kw["head_dim"])  # softmax scale 1/sqrt(head_dim)
+        kw.setdefault("attn_logit_softcapping", None)
+        return tf.Gemma3TextConfig(**kw)
+    kw.setdefault("global_head_dim", 2 * kw["head_dim"])
+    kw.setdefault("num_global_key_value_heads", 1)
+    kw.setdefault("attention_k_eq_v", True)
+    kw.setdefault("hidden_size_per_layer_input", 0)  # no per-layer input embeddings
+    kw.setdefault("vocab_size_per_layer_input", kw["vocab_size"])
+    kw.setdefault("num_kv_shared_layers", 0)
+    return tf.Gemma4TextConfig(**kw)
+
+
+def causal_lm_class(name: str):
+    import transformers as tf
+
+    return {"qwen3": tf.Qwen3ForCausalLM, "long": tf.Qwen3ForCausalLM, "moe": tf.Qwen3MoeForCausalLM,
+            "llama": tf.LlamaForCausalLM, "gemma3": tf.Gemma3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM}[name]
+
+
+def sglang_override_args(name: str) -> list[str]:
+    """Extra server flags a family needs: ``gemma4`` gets ``--json-model-override-args`` with the
+    remap SGLang 0.5.16 applies to Gemma-4 *multimodal* configs only (``model_type`` ``gemma4``,
+    ``srt/utils/hf_transformers/config.py:159-185``: base keys = full layers, ``swa_*`` = sliding);
+    a transformers-saved Gemma4ForCausalLM (``gemma4_text``) is not remapped, so SGLang would build
+    its full layers with the sliding head_dim and kv heads (and fail to load ``q_proj``)."""
+    if name != "gemma4":
+        return []
+    return ["--json-model-override-args", json.dumps(sglang_override_for(name, model_config(name)),
+                                                      separators=(",", ":"))]
+
+
+def sglang_override_for(name: str, cfg) -> dict:
+    """The remap of :func:`sglang_override_args` for a given (possibly shrunk) gemma4 config."""
+    return {"head_dim": cfg.global_head_dim, "num_key_value_heads": cfg.num_global_key_value_heads,
+            "swa_head_dim": cfg.head_dim, "swa_v_head_dim": cfg.head_dim,
+            "swa_num_key_value_heads": cfg.num_key_value_heads} if name == "gemma4" else {}
