@@ -65,6 +65,23 @@ def test_gemma4_12b_two_geometry_groups():
         g.group_of(48)
 
 
+def test_gemma4_in_sglang_names_reads_the_same_geometry():
+    """The served backend reads SGLang's own config object, whose Gemma-4 names are swapped (base keys =
+    full layers, ``swa_*`` = sliding; sglang/srt/utils/hf_transformers/config.py:159-185); it gives
+    the same layers as the HF config.json, so a rotation file checked at launch fits the server."""
+    text = dict(GEMMA4_12B["text_config"])
+    sglang = {**text, "head_dim": 512, "num_key_value_heads": 1, "swa_head_dim": 256, "swa_v_head_dim": 256,
+              "swa_num_key_value_heads": 8}
+    hf = ModelGeometry.from_hf_config(GEMMA4_12B)
+    served = ModelGeometry.from_hf_config({**GEMMA4_12B, "text_config": sglang})
+    assert served.layers == hf.layers
+    assert {(x.num_kv_heads, x.head_dim_k, x.sliding_window) for x in served.layers} == {(8, 256, 1024), (1, 512, None)}
+    # SGLang sets swa_head_dim = head_dim on every text config: a one-geometry model reads the same
+    qwen = {"model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 128, "hidden_size": 256}
+    assert ModelGeometry.from_hf_config({**qwen, "swa_head_dim": 128}).layers == ModelGeometry.from_hf_config(qwen).layers
+
+
 def test_gemma3_and_gpt_oss_groups():
     g3 = ModelGeometry.from_hf_config(GEMMA3_12B)
     s, f = g3.groups()

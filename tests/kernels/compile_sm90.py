@@ -3,7 +3,8 @@
 Runs the wrappers inside ``kernels.compile_check.compile_only`` with CPU tensors: the GPU
 launch parameters (block sizes, warps, stages, the inline-PTX code conversion) are compiled by
 Triton down to a cubin with the wheel's ptxas. Prints one line per compiled kernel; exits
-non-zero on the first failure. Must run with TRITON_INTERPRET unset.
+non-zero on the first failure, or when a kernel needs more shared memory than an sm_90 SM gives one
+program (227 KB: the launch would fail with OutOfResources). Must run with TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
@@ -108,10 +109,17 @@ CASES = [
     ("decode d512", lambda: _attn("d", dk=512, dv=512, hq=4, hkv=1)),
     ("decode d64 fp32 ieee", lambda: _attn("d", dk=64, dv=64, hq=4, hkv=1, hp_dtype=torch.float32,
                                            mma=torch.float32)),
+    ("decode d512 fp32 ieee (default: one stage)", lambda: _attn("d", dk=512, dv=512, hq=4, hkv=1,
+                                                                 hp_dtype=torch.float32, mma=torch.float32)),
+    ("decode d128 sinks window", lambda: _attn("d", sliding_window=16, sinks=torch.zeros(32))),
     ("extend d128", lambda: _attn("e")),
     ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
                                                   sliding_window=16, logit_cap=20.0)),
 ]
+
+
+#: shared memory one program may use on an H100 / H200 SM (227 KB, the limit Triton's launcher checks)
+SM90_MAX_SHARED = 232448
 
 
 def main(argv):
@@ -128,6 +136,12 @@ def main(argv):
             t0 = time.time()
             fn()
             kernels = ", ".join(c[0] for c in COMPILED[before:])
+            for kname, _, _, kernel in COMPILED[before:]:
+                shared = getattr(getattr(kernel, "metadata", None), "shared", 0)
+                if shared > SM90_MAX_SHARED:
+                    print(f"FAIL {name}: {kname} needs {shared} B of shared memory (sm_90: {SM90_MAX_SHARED})",
+                          file=sys.stderr)
+                    return 1
             print(f"ok  {name:40s} {time.time() - t0:5.1f}s  [{kernels}]", flush=True)
     return 0
 

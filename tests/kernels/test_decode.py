@@ -341,6 +341,9 @@ def test_default_triton_config(monkeypatch):
     t = default_triton_config(lay(128), extend=True)
     assert _fields(t, "convert", "pairs_ahead", "defer_sums", "block_m", "block_n", "num_warps") == (
         2, False, False, 64, 64, 4)
+    # fp32 operands above head_dim 256: one stage (two need 281 KB of shared memory at 512, compile_sm90.py)
+    assert [default_triton_config(lay(d), mma_dtype=m).num_stages
+            for d, m in ((512, torch.float32), (512, torch.float16), (256, torch.float32))] == [1, 2, 2]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     t = default_triton_config(lay(128))
     assert _fields(t, "convert", "pairs_ahead", "defer_sums", "block_n", "min_block_h") == (5, True, True, 16, 1)

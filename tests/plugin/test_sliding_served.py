@@ -232,6 +232,7 @@ def test_skip_sliding_keeps_a_bf16_sliding_pool_and_routes_its_layers_to_sglang(
     assert pool.int2_bytes_per_token() == (2 * (32 + 2 * 2 * 2), 2 * 128 * 2)
     assert pool.full_kv_pool.owns_windows and pool.full_kv_pool.windows is pool.windows
     assert not pool.swa_kv_pool.owns_windows
+    assert (pool.start_layer, pool.end_layer) == (0, 1)  # the backend's layer range (global ids)
     rotations = {0: (random_orthogonal(128, 1), random_orthogonal(128, 1))}
     be = _backend(pool, config, [lay for lay in (full, slid) if pool.is_int2_layer(lay.layer_id)], rotations, 2)
     assert set(be._layer_geometry) == {0}

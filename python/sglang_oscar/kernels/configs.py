@@ -171,7 +171,8 @@ def permuting_ok(layout: Int2Layout) -> bool:
             and _permutable_head_dim(layout.k.head_dim) and _permutable_head_dim(layout.v.head_dim))
 
 
-def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: int | None = None) -> TritonConfig:
+def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: int | None = None,
+                          mma_dtype: torch.dtype = torch.float16) -> TritonConfig:
     """The :class:`TritonConfig` the kernels run for ``layout`` on this platform (memoized).
 
     GPU decode, K and V head_dim 65-128 (timed and GPU-tested at 128): the dataclass defaults --
@@ -181,16 +182,21 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     192-512). K or V head_dim <= 64 (no permuting conversion, :func:`permuting_ok`) and extend:
     ``CONVERT_ASM`` without the prefetch; extend takes 64 x 64 tiles and 4 warps. The interpreter runs
     the same conversions and prefetch / deferred-sum choices (so CPU tests exercise the GPU's
-    bookkeeping) with 16-key tiles, 4 warps and no head padding.
+    bookkeeping) with 16-key tiles, 4 warps and no head padding. fp32 MMA operands (``--dtype
+    float32`` servers, the exact tests) above head_dim 256 decode with one pipeline stage: two stages
+    of 64-key fp32 tiles at head_dim 512 need 281 KB of shared memory, more than an H200 SM has.
 
     Args:
         layout: the call's :class:`Int2Layout`; extend: the extend kernel's config;
-        pairs: decode requests x kv heads of the step (``None`` = few).
+        pairs: decode requests x kv heads of the step (``None`` = few); mma_dtype: the MMA operand dtype.
     """
     hi = max(layout.k.head_dim, layout.v.head_dim)
     lo = min(layout.k.head_dim, layout.v.head_dim)
     many = pairs is not None and pairs >= STAGES1_MIN_PAIRS
-    return _default_triton(hi, lo, extend, many, interpreting())
+    cfg = _default_triton(hi, lo, extend, many, interpreting())
+    if not extend and hi > 256 and mma_dtype == torch.float32 and cfg.num_stages > 1:
+        cfg = dataclasses.replace(cfg, num_stages=1)
+    return cfg
 
 
 @functools.lru_cache(maxsize=64)

@@ -75,6 +75,8 @@ class OscarSWAKVPool(SWAKVPool):
                          **kwargs)
         # only the full allocator's frees are full slots, the keys of the sink rows (whatever the
         # full sub-pool's dtype: the sliding layers' rows are keyed by them too)
+        # SWAKVPool sets start_layer 0 only; the backend selects its layers by [start_layer, end_layer]
+        self.end_layer = self.layer_num - 1
         self.swa_kv_pool.owns_windows = False
         self.full_kv_pool.windows = self.windows
         self.full_kv_pool.owns_windows = True

@@ -267,6 +267,9 @@ class ModelGeometry:
         full, ``swa_*`` = sliding; transformers uses the global kv heads only with
         ``attention_k_eq_v``, which every released config sets together); ``attention_k_eq_v``
         marks the full layers ``v_shares_k_proj`` (not ``k_eq_v``: their cached V differs from K).
+        A config in SGLang's names (the served ``model_config.hf_config``: ``swa_head_dim`` /
+        ``swa_num_key_value_heads`` set) is read in those: sliding layers from ``swa_*``, full
+        layers from the base keys.
         Attention sinks: every layer of ``gpt_oss`` (SGLang ``model_config.py``
         ``_detect_attention_sinks``: GPT-OSS always creates them, ``models/gpt_oss.py:391``), and
         MiMo-V2's ``add_swa_attention_sink_bias`` / ``add_full_attention_sink_bias`` per kind.
@@ -311,6 +314,14 @@ class ModelGeometry:
 
         global_dim = cfg.get("global_head_dim") or head_dim
         global_kv = cfg.get("num_global_key_value_heads") or n_kv
+        v_dim = int(cfg.get("v_head_dim") or head_dim)
+        # SGLang's own config objects name the kinds the other way (base = full, swa_* = sliding)
+        sglang_names = cfg.get("swa_head_dim") is not None or cfg.get("swa_num_key_value_heads") is not None
+        if sglang_names:
+            swa_dim = int(cfg.get("swa_head_dim") or head_dim)
+            slid = (int(cfg.get("swa_num_key_value_heads") or n_kv), swa_dim, int(cfg.get("swa_v_head_dim") or swa_dim))
+        else:
+            slid = (n_kv, int(head_dim), v_dim)
         sinks_everywhere = model_type == "gpt_oss"
         sinks_sliding = sinks_everywhere or bool(cfg.get("add_swa_attention_sink_bias"))
         sinks_full = sinks_everywhere or bool(cfg.get("add_full_attention_sink_bias"))
@@ -320,15 +331,14 @@ class ModelGeometry:
             if t in _LINEAR:
                 continue
             if t in _SLIDING and sliding_window:
-                layers.append(LayerGeometry(i, n_kv, int(head_dim), int(cfg.get("v_head_dim") or head_dim), int(sliding_window),
-                                            has_sinks=sinks_sliding))
+                layers.append(LayerGeometry(i, *slid, int(sliding_window), has_sinks=sinks_sliding))
             elif t in _FULL or t in _SLIDING:
-                is_global = t in _FULL and "global_head_dim" in cfg
+                is_global = t in _FULL and "global_head_dim" in cfg and not sglang_names
                 d = int(global_dim if is_global else head_dim)
                 kv = int(global_kv if is_global else n_kv)
                 layers.append(LayerGeometry(i, kv, d, d if is_global else int(cfg.get("v_head_dim") or d),
                                             has_sinks=sinks_full,
-                                            v_shares_k_proj=bool(is_global and cfg.get("attention_k_eq_v")),
+                                            v_shares_k_proj=bool(t in _FULL and cfg.get("attention_k_eq_v")),
                                             **index.get(i, {})))
             else:
                 raise ValueError(f"layer {i} has unknown layer type {t!r} in model_type {model_type!r}")

@@ -140,7 +140,7 @@ class DecodePlan:
         check_out_dtype(out_dtype)
         has_cap = logit_cap is not None and logit_cap > 0
         cfg = decode_config(config, layout, bsz * hkv, lambda: gluon_decode_supported(
-            layout, dev, op, has_cap, hp_k.dtype, (k_codes, k_pairs, v_codes, v_pairs)))
+            layout, dev, op, has_cap, hp_k.dtype, (k_codes, k_pairs, v_codes, v_pairs)), mma_dtype=op)
         engine = cfg.engine
         bpk = None
         if engine == "triton":
