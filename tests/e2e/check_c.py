@@ -10,7 +10,7 @@ from .client import abs_diff_stats
 from .config import C_RECENT, C_SINK, FAIL, PASS, main_families
 from .fp32_shim import C_FP32_SERVERS, fp32_name
 from .oracle import teacher_forced_logprobs
-from .results import CheckError, CheckResult
+from .results import CheckError, CheckResult, per_family
 from .run import Run
 
 
@@ -70,13 +70,7 @@ def check_c(run: Run) -> CheckResult:
     for both rotations (the fp32 servers with ``--c-fp32``, else the BF16 ones); noise floors reported.
     Each family of :func:`~.config.main_families` (qwen3 by default; a sliding-window family adds a
     prompt 4x its window, :func:`~.config.c_prompt_lens`)."""
-    fams = main_families(run.args)
-    if len(fams) == 1:
-        return _check_c_family(run, fams[0])
-    res = {q: _check_c_family(run, q) for q in fams}
-    ok = all(r.status == PASS for r in res.values())
-    return CheckResult("c", PASS if ok else FAIL, " | ".join(f"{q}: {r.measured}" for q, r in res.items()),
-                       {"families": {q: r.detail for q, r in res.items()}})
+    return per_family("c", main_families(run.args), lambda q: _check_c_family(run, q))
 
 
 def _check_c_family(run: Run, q: str) -> CheckResult:

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 from .client import abs_diff_stats, compare_generations
 from .config import FAIL, PASS, main_families
-from .results import CheckResult, margins_note
+from .results import CheckResult, margins_note, per_family
 from .run import Run
 
 
 def check_d(run: Run) -> CheckResult:
     """Each family of :func:`~.config.main_families` (qwen3 by default): :func:`_check_d_family`."""
-    fams = main_families(run.args)
-    if len(fams) == 1:
-        return _check_d_family(run, fams[0])
-    res = {q: _check_d_family(run, q) for q in fams}
-    return CheckResult("d", PASS if all(r.status == PASS for r in res.values()) else FAIL,
-                       " | ".join(f"{q}: {r.measured}" for q, r in res.items()),
-                       {"families": {q: r.detail for q, r in res.items()}})
+    return per_family("d", main_families(run.args), lambda q: _check_d_family(run, q))
 
 
 def _check_d_family(run: Run, q: str) -> CheckResult:

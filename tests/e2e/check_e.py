@@ -11,7 +11,7 @@ from typing import Any
 from .checkpoints import random_prompt
 from .client import http_json, leak_lines, log_stats, parse_generation
 from .config import FAIL, PASS, main_families
-from .results import CheckError, CheckResult
+from .results import CheckError, CheckResult, per_family
 from .run import Run
 from .servers import Server
 
@@ -82,13 +82,7 @@ def load_run(run: Run, srv: Server, prompts: list[list[int]]) -> dict[str, Any]:
 
 def check_e(run: Run) -> CheckResult:
     """Each family of :func:`~.config.main_families` (qwen3 by default): :func:`_check_e_family`."""
-    fams = main_families(run.args)
-    if len(fams) == 1:
-        return _check_e_family(run, fams[0])
-    res = {q: _check_e_family(run, q) for q in fams}
-    return CheckResult("e", PASS if all(r.status == PASS for r in res.values()) else FAIL,
-                       " | ".join(f"{q}: {r.measured}" for q, r in res.items()),
-                       {"families": {q: r.detail for q, r in res.items()}})
+    return per_family("e", main_families(run.args), lambda q: _check_e_family(run, q))
 
 
 def _check_e_family(run: Run, q: str) -> CheckResult:

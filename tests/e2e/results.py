@@ -82,6 +82,25 @@ class CheckError(RuntimeError):
     """A check cannot be evaluated (a server it needs is down, a request failed)."""
 
 
+def per_family(letter: str, families: Sequence[str], check_one) -> CheckResult:
+    """Check ``letter`` over ``families`` with ``check_one(family) -> CheckResult``: one family's result
+    as it is; several joined (PASS iff each passes), a family that cannot be evaluated (``CheckError``)
+    recorded as its FAIL without hiding the others'."""
+    res = {}
+    for q in families:
+        try:
+            res[q] = check_one(q)
+        except CheckError as exc:
+            if len(families) == 1:
+                raise
+            res[q] = CheckResult(letter, FAIL, f"could not be evaluated: {exc}")
+    if len(families) == 1:
+        return res[families[0]]
+    return CheckResult(letter, PASS if all(r.status == PASS for r in res.values()) else FAIL,
+                       " | ".join(f"{q}: {r.measured}" for q, r in res.items()),
+                       {"families": {q: r.detail for q, r in res.items()}})
+
+
 def unevaluated_status(errors: dict[str, str]) -> str:
     """SKIP when every reason a check could not be evaluated is the harness's own time budget."""
     budget = ("time budget", BUDGET_CUT)

@@ -155,3 +155,23 @@ def test_table_json_and_exit_code(tmp_path):
     assert table in md and "- command: python -m tests.e2e --only a,g" in md and "## g:" in md
     assert results.overall_exit_code(rows) == 1
     assert results.overall_exit_code(rows[:1]) == 0 and results.overall_exit_code([]) == 1
+
+
+def test_per_family_keeps_the_families_it_could_evaluate():
+    """A family whose servers are down is that family's FAIL; the other families' results stay in the
+    check's line and detail; with one family the CheckError reaches the harness as before."""
+    from tests.e2e.config import FAIL, PASS
+    from tests.e2e.results import CheckError, CheckResult, per_family
+
+    def one(q):
+        if q == "gemma4":
+            raise CheckError("server gemma4-int2-layer is not serving")
+        return CheckResult("d", PASS, f"{q} 3/3", {"n": 3})
+
+    res = per_family("d", ["gemma3", "gemma4"], one)
+    assert res.status == FAIL
+    assert res.measured == "gemma3: gemma3 3/3 | gemma4: could not be evaluated: server gemma4-int2-layer is not serving"
+    assert res.detail["families"]["gemma3"] == {"n": 3}
+    assert per_family("d", ["gemma3"], one).status == PASS
+    with pytest.raises(CheckError, match="not serving"):
+        per_family("d", ["gemma4"], one)

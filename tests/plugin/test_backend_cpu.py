@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _support.forward import Mode as _Mode
 from _support.orthogonal import random_orthogonal
 from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
 from sglang_oscar.config import OscarConfig
@@ -31,20 +32,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 HQ, HKV, D = 4, 2, 64
 SINK, RECENT = 4, 8
 CTX = 96
-
-
-class _Mode:
-    def __init__(self, kind):
-        self.kind = kind
-
-    def is_decode(self):
-        return self.kind == "decode"
-
-    def is_extend(self):
-        return self.kind == "extend"
-
-    def is_idle(self):
-        return False
 
 
 def _layer():

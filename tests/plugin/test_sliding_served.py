@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _support.forward import Mode as _Mode
 from _support.orthogonal import random_orthogonal
 from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
 from sglang_oscar.config import OscarConfig
@@ -32,20 +33,6 @@ from sglang_oscar.reference.attention import oscar_attention
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 HQ, SINK, RECENT, WINDOW, CTX, T = 4, 4, 8, 16, 96, 52
-
-
-class _Mode:
-    def __init__(self, kind):
-        self.kind = kind
-
-    def is_decode(self):
-        return self.kind == "decode"
-
-    def is_extend(self):
-        return self.kind == "extend"
-
-    def is_idle(self):
-        return False
 
 
 def _layer(layer_id, hkv, d, window):
