@@ -218,6 +218,18 @@ def test_models_the_int2_server_cannot_serve_are_refused_from_the_config(hooked,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, sliding_window=64,
                      architectures=["Gemma3ForCausalLM"]).save_pretrained(gemma)
     assert _server_args(str(gemma), monkeypatch).kv_cache_dtype == "int2"
+    # linear-attention hybrids (Qwen3-Next / Qwen3.5) are served: their attention layers in INT2
+    from transformers import Qwen3NextConfig
+
+    nxt = tmp_path / "qwen3_next"
+    Qwen3NextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, num_experts=4, architectures=["Qwen3NextForCausalLM"]
+                    ).save_pretrained(nxt)
+    from sglang_oscar.backend.rotations import model_geometry, served_rotation_set
+
+    # (SGLang's own ServerArgs needs a GPU for this architecture: check the preflight's rotation set)
+    geo = model_geometry(str(nxt))
+    assert served_rotation_set(OscarConfig(), geo, log=False, hf_config=str(nxt)).validate(geo) is None
     # learned attention sinks (GPT-OSS) are served, but not with a centred rotation (the sink logit is
     # not shifted by the key mean): that file is refused, naming the layers and the fix
     oss = tmp_path / "gpt_oss"

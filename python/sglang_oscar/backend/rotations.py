@@ -58,12 +58,6 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
             f"--kv-cache-dtype int2 serves MHA/GQA models; {geometry.model_type!r} uses MLA attention "
             f"(latent c_kv), which the INT2 server does not support yet; use --kv-cache-dtype auto"
         )
-    if len(geometry.layers) < geometry.num_hidden_layers:
-        raise ValueError(
-            f"--kv-cache-dtype int2 serves models whose layers all use attention; {geometry.model_type!r} has "
-            f"{geometry.num_hidden_layers - len(geometry.layers)} linear-attention (mamba/GDN) layers, which the INT2 "
-            f"server does not support yet; use --kv-cache-dtype auto"
-        )
     shared = _kv_shared_layers(hf_config)
     if shared:
         raise ValueError(

@@ -111,11 +111,20 @@ def _skip(kvc) -> str:
     return skip_kind(_config(kvc.server_args), model_geometry(hf), hf)
 
 
+def _attention_layer_ids(kvc) -> list[int]:
+    """Global ids of this rank's layers that have a KV cache: all of them, or the full-attention
+    layers of a linear-attention hybrid (``mambaish_config``, as SGLang's own configurator counts)."""
+    start, end = kvc.layer_info.start_layer, kvc.layer_info.end_layer
+    if kvc.mambaish_config is not None:
+        return [i for i in kvc.mambaish_config.full_attention_layer_ids if start <= i < end]
+    return list(range(start, start + kvc.layer_info.num_effective_layers))
+
+
 def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
     """``(kind, layers, kv heads, head_dim, v_head_dim)`` of each pool of the model: one ``"all"``
     group, or ``"full"`` and ``"sliding"`` for a hybrid sliding-window model."""
     if not kvc.is_hybrid_swa:
-        return [("all", kvc.layer_info.num_effective_layers, *_geometry(kvc))]
+        return [("all", len(_attention_layer_ids(kvc)), *_geometry(kvc))]
     mc = kvc.model_config
     return [("full", len(mc.full_attention_layer_ids), *_geometry(kvc)),
             ("sliding", len(mc.swa_attention_layer_ids), *_swa_geometry(kvc))]
@@ -195,6 +204,7 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     if not _is_int2(self.server_args):
         return original_fn(self, *args, **kwargs)
     from ..pool.int2_pool import OscarMHATokenToKVPool
+    from ..pool.linear_pool import OscarHybridLinearKVPool
     from ..pool.sizing import sink_rows_for
     from ..pool.swa_pool import OscarSWAKVPool
 
@@ -203,7 +213,6 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     arch = getattr(self.model_config.hf_config, "architectures", None)
     unsupported = [name for name, flag in (
         ("MLA attention", self.use_mla_backend),
-        ("hybrid linear-attention (mamba/GDN) layers", self.mambaish_config is not None),
         ("only sliding-window layers in its hybrid pool",
          self.is_hybrid_swa and not self.model_config.full_attention_layer_ids),
         ("a draft model (speculative decoding)", self.is_draft_worker)) if flag]
@@ -229,6 +238,19 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
                     pool.size,
                     pool.full_layer_nums, full, pool.size_swa, pool.swa_layer_nums, swa, pool.hp_bytes() / 2**30,
                     pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
+    elif self.mambaish_config is not None:
+        ids = _attention_layer_ids(self)
+        inner = OscarMHATokenToKVPool(
+            sizes.max_total_num_tokens, layer_num=len(ids), enable_memory_saver=self.server_args.enable_memory_saver,
+            enable_alt_stream=not self.server_args.enable_pdmux, **common)
+        pool = OscarHybridLinearKVPool(
+            full_kv_pool=inner, size=sizes.max_total_num_tokens, dtype=torch.uint8, page_size=common["page_size"],
+            head_num=heads, head_dim=head_dim, full_attention_layer_ids=ids, device=self.device,
+            mamba_pool=req_to_token_pool.mamba_pool, start_layer=self.layer_info.start_layer)
+        logger.info("sglang-oscar: INT2 pool of the %d attention layers (%d linear-attention layers keep SGLang's "
+                    "state pool): %d slots, %d B/token INT2; BF16 windows %.2f GiB", len(ids),
+                    self.layer_info.num_effective_layers - len(ids), inner.size, inner.int2_bytes_per_token(),
+                    inner.hp_bytes() / 2**30)
     else:
         pool = OscarMHATokenToKVPool(
             sizes.max_total_num_tokens, layer_num=self.layer_info.num_effective_layers,

@@ -1,6 +1,6 @@
-"""Sliding-window layers on the served path (CPU, kernels under the Triton interpreter) vs the oracle.
+"""The served path over each pool shape (CPU, kernels under the Triton interpreter) vs the oracle.
 
-Two pool shapes SGLang 0.5.16 builds for sliding-window models:
+Sliding-window models, two pool shapes SGLang 0.5.16 builds for them:
 
 * a single pool whose layers mix sliding and full attention (Gemma-3: SGLang does not treat it as
   hybrid, every layer's rows share one slot space and only the attention windows differ);
@@ -8,6 +8,9 @@ Two pool shapes SGLang 0.5.16 builds for sliding-window models:
   smaller sliding pool with their own geometry (here 2 kv heads x 64 sliding, 1 x 128 full), the
   slots handed out by SGLang's own ``SWATokenToKVPoolAllocator``, tokens that left the window
   freed from the sliding pool (``free_swa``) and their sliding slots reused by another request.
+
+Linear-attention hybrids (Qwen3.5): :class:`~sglang_oscar.pool.linear_pool.OscarHybridLinearKVPool`,
+the attention layers' INT2 pool inside SGLang's ``HybridLinearKVPool``, addressed by global layer id.
 
 Each layer's prefill and decode outputs are compared with ``reference.oscar_attention`` over the
 whole sequence with the layer's window (key ``j`` visible iff ``pos - j < window``), for a prompt
@@ -27,6 +30,7 @@ from _support.orthogonal import random_orthogonal
 from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
+from sglang_oscar.pool.linear_pool import OscarHybridLinearKVPool
 from sglang_oscar.pool.swa_pool import OscarSWAKVPool
 from sglang_oscar.reference.attention import oscar_attention
 
@@ -251,3 +255,32 @@ def test_gemma3_bidirectional_layers_pass_while_upstream_runs_them_causally():
     be.allow_bidirectional_attention_in_extend = False
     with pytest.raises(NotImplementedError, match="causal decoder attention only"):
         be._check_layer(layer, None, None)
+
+
+def test_linear_hybrid_pool_serves_its_attention_layers_by_global_id():
+    """Qwen3.5-like: layers 0 and 2 are linear attention (SGLang's state pool), 1 and 3 attention. The
+    INT2 pool holds the two attention layers at local indices 0 / 1; the backend reads and writes them
+    by global id, and a prefill + decode of layer 3 matches the oracle."""
+    gen = torch.Generator().manual_seed(11)
+    config = OscarConfig(group_size=64, sink_tokens=SINK, recent_tokens=RECENT)
+    layers = [_layer(1, 2, 64, 0), _layer(3, 2, 64, 0)]
+    inner = OscarMHATokenToKVPool(128, page_size=1, dtype=torch.uint8, head_num=2, head_dim=64, v_head_dim=64,
+                                  layer_num=2, device="cpu", enable_memory_saver=False, enable_alt_stream=False,
+                                  oscar_config=config, hp_dtype=torch.bfloat16, max_reqs=4, sink_rows=SINK * 16)
+    pool = OscarHybridLinearKVPool(full_kv_pool=inner, size=128, dtype=torch.uint8, page_size=1, head_num=2,
+                                   head_dim=64, full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=None)
+    assert [pool.is_int2_layer(i) for i in range(4)] == [False, True, False, True]
+    assert pool.int2_buffers(3)[0] is inner.k_buffer[1] and pool.windows is inner.windows and pool.owns_windows
+    assert (pool.start_layer, pool.end_layer) == (0, 3)
+    rotations = {lay.layer_id: (random_orthogonal(64, 2, generator=gen), random_orthogonal(64, 2, generator=gen))
+                 for lay in layers}
+    sv = Served.__new__(Served)
+    sv.layers, sv.pool, sv.allocator, sv._next = layers[1:], pool, None, 1
+    sv.be = _backend(pool, config, layers, rotations, 4)
+    sv.r2t = sv.be._int2_req_to_token
+    seqs = _seqs(layers[1:], gen)
+    outs = sv.extend(1, seqs, 0, 24)
+    assert _rel(outs[3], _oracle(layers[1], seqs[3], rotations[3], config, 0, 24, "extend")) < 1e-2
+    outs = sv.decode(1, seqs, 24)
+    assert _rel(outs[3], _oracle(layers[1], seqs[3], rotations[3], config, 24, 25, "decode")) < 1e-2
+    assert inner.k_buffer[0].abs().sum() == 0  # layer 1 (local 0) was never written
