@@ -152,9 +152,9 @@ def bench_graph(fn, n: int = 16, trials: int = 7) -> float:
 
 
 def bench(fn, smoke: bool, rep_ms: int = 60) -> float:
-    """Time of ``fn`` in ms: CUDA-graph cold-L2 timing (fallback: triton do_bench); smoke: wall clock."""
+    """Time of ``fn`` in ms: CUDA-graph cold-L2 timing (fallback: triton do_bench); smoke: the wall
+    clock of one call (a smoke run checks that every piece runs; its times mean nothing)."""
     if smoke:
-        fn()
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3

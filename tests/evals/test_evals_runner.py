@@ -641,7 +641,9 @@ def test_is_loopback_url():
 
 def test_ctrl_c_in_eval_is_one_line_exit_130(tmp_path, gpqa_file):
     out = tmp_path / "int"
-    with FakeOpenAIServer(gpqa_responder, delay=0.3) as srv:
+    # 1 s per answer: after the first sample the other questions take > 10 s, so a loaded machine's
+    # delay before the signal cannot let the run finish first
+    with FakeOpenAIServer(gpqa_responder, delay=1.0) as srv:
         argv = [sys.executable, "-m", "sglang_oscar.cli", "eval", "--task", "gpqa",
                 "--base-url", srv.base_url, "--model", "fake-model", "--threads", "1",
                 "--data-file", str(gpqa_file), "--out", str(out), "--no-progress"]
