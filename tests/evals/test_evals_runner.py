@@ -641,13 +641,14 @@ def test_is_loopback_url():
 
 def test_ctrl_c_in_eval_is_one_line_exit_130(tmp_path, gpqa_file):
     out = tmp_path / "int"
-    # 1 s per answer: after the first sample the other questions take > 10 s, so a loaded machine's
-    # delay before the signal cannot let the run finish first
-    with FakeOpenAIServer(gpqa_responder, delay=1.0) as srv:
+    with FakeOpenAIServer(gpqa_responder, delay=0.3) as srv:
         argv = [sys.executable, "-m", "sglang_oscar.cli", "eval", "--task", "gpqa",
                 "--base-url", srv.base_url, "--model", "fake-model", "--threads", "1",
                 "--data-file", str(gpqa_file), "--out", str(out), "--no-progress"]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # SIGINT back to its default in the child: a shell's background job or a pytest-xdist worker runs
+        # with it ignored, which the child would inherit (and Python then installs no KeyboardInterrupt)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         samples = out / "samples.jsonl"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (samples.exists() and samples.read_bytes()):
