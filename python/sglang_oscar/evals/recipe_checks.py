@@ -43,6 +43,13 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _within(v, where: str, ok, want: str):
+    """``v`` if ``ok(v)``, else ``RecipeError("<where> must be <want>, got <v>")``."""
+    if not ok(v):
+        raise RecipeError(f"{where} must be {want}, got {v}")
+    return v
+
+
 def integer(v: Any, where: str) -> int:
     """An integer (not a bool)."""
     if not is_int(v):
@@ -52,18 +59,12 @@ def integer(v: Any, where: str) -> int:
 
 def pos_int(v: Any, where: str) -> int:
     """An integer > 0."""
-    v = integer(v, where)
-    if v <= 0:
-        raise RecipeError(f"{where} must be a positive integer, got {v}")
-    return v
+    return _within(integer(v, where), where, lambda x: x > 0, "a positive integer")
 
 
 def nonneg_int(v: Any, where: str) -> int:
     """An integer >= 0."""
-    v = integer(v, where)
-    if v < 0:
-        raise RecipeError(f"{where} must be >= 0, got {v}")
-    return v
+    return _within(integer(v, where), where, lambda x: x >= 0, ">= 0")
 
 
 def number(v: Any, where: str) -> float:
@@ -177,34 +178,22 @@ def env_table(v: Any, where: str) -> dict[str, str]:
 
 def port(v: Any, where: str) -> int:
     """A TCP port (1-65535)."""
-    v = integer(v, where)
-    if not 1 <= v <= 65535:
-        raise RecipeError(f"{where} must be a TCP port (1-65535), got {v}")
-    return v
+    return _within(integer(v, where), where, lambda x: 1 <= x <= 65535, "a TCP port (1-65535)")
 
 
 def mem_fraction(v: Any, where: str) -> float:
     """A number in (0, 1)."""
-    v = number(v, where)
-    if not 0.0 < v < 1.0:
-        raise RecipeError(f"{where} must be in (0, 1), got {v}")
-    return v
+    return _within(number(v, where), where, lambda x: 0.0 < x < 1.0, "in (0, 1)")
 
 
 def nonneg_float(v: Any, where: str) -> float:
     """A number >= 0."""
-    v = number(v, where)
-    if v < 0:
-        raise RecipeError(f"{where} must be >= 0, got {v}")
-    return v
+    return _within(number(v, where), where, lambda x: x >= 0, ">= 0")
 
 
 def top_p(v: Any, where: str) -> float:
     """A number in (0, 1]."""
-    v = number(v, where)
-    if not 0.0 < v <= 1.0:
-        raise RecipeError(f"{where} must be in (0, 1], got {v}")
-    return v
+    return _within(number(v, where), where, lambda x: 0.0 < x <= 1.0, "in (0, 1]")
 
 
 def _allowed(keys) -> str:
