@@ -118,25 +118,29 @@ class _FakeServer:
         return {"output_ids": new, "meta_info": meta}
 
 
-@pytest.fixture(scope="module")
-def c_run(tiny_qwen3, tmp_path_factory):
-    """A Run of check c with --c-fp32 on the tiny checkpoint: references from precompute()."""
+def _identity_c_run(family: str, path: str, out, argv: list) -> Run:
+    """A Run of check c (``argv`` after ``--only c --c-fp32``) on ``family``'s checkpoint at ``path`` with
+    identity rotation files, its references from precompute()."""
     from sglang_oscar.calibrate.model import geometry_of
     from sglang_oscar.rotation import RotationSet
 
-    path, _ = tiny_qwen3
-    out = tmp_path_factory.mktemp("c_run")
-    args = config.parse_args(["--only", "c", "--c-fp32", "--out", str(out / "out"), "--c-prompt-lens", "40,64",
-                           "--c-decode-tokens", "4"])
-    run = Run(args)
-    run.models["qwen3"] = path
-    run.hf["qwen3"] = checkpoints.load_hf(path, "cpu")
-    ident = RotationSet.data_free(geometry_of(run.hf["qwen3"].config), "identity")
+    run = Run(config.parse_args(["--only", "c", "--c-fp32", "--out", str(out / "out"), *argv]))
+    run.models[family] = path
+    run.hf[family] = checkpoints.load_hf(path, "cpu")
+    ident = RotationSet.data_free(geometry_of(run.hf[family].config), "identity")
     for kind in ("layer", "head"):
-        run.rot[f"qwen3:{kind}"] = str(out / f"rot_{kind}.safetensors")
-        ident.save(run.rot[f"qwen3:{kind}"])
+        run.rot[f"{family}:{kind}"] = str(out / f"rot_{kind}.safetensors")
+        ident.save(run.rot[f"{family}:{kind}"])
     precompute(run)
     return run
+
+
+@pytest.fixture(scope="module")
+def c_run(tiny_qwen3, tmp_path_factory):
+    """A Run of check c with --c-fp32 on the tiny checkpoint: references from precompute()."""
+    path, _ = tiny_qwen3
+    return _identity_c_run("qwen3", path, tmp_path_factory.mktemp("c_run"),
+                           ["--c-prompt-lens", "40,64", "--c-decode-tokens", "4"])
 
 
 def _c_servers(run, fp32_hp=torch.float32):
@@ -201,23 +205,12 @@ def test_check_c_without_fp32_keeps_the_bf16_criterion(c_run):
 def test_check_c_on_a_sliding_window_family(tmp_path):
     """--families gemma4 --c-fp32: precompute fills gemma4's own references (a prompt 4x the window
     leads c's prompts) and check c compares the ``gemma4-*`` servers with them."""
-    from sglang_oscar.calibrate.model import geometry_of
-    from sglang_oscar.rotation import RotationSet
-
     from .tiny import TINY_SWA
 
     path = str(tmp_path / "g4")
     checkpoints.build_checkpoint("gemma4", path, seed=3, **TINY_SWA)
-    args = config.parse_args(["--only", "c", "--c-fp32", "--families", "gemma4", "--out", str(tmp_path / "out"),
-                              "--c-prompt-lens", "40", "--c-decode-tokens", "2"])
-    run = Run(args)
-    run.models["gemma4"] = path
-    run.hf["gemma4"] = checkpoints.load_hf(path, "cpu")
-    ident = RotationSet.data_free(geometry_of(run.hf["gemma4"].config), "identity")
-    for kind in ("layer", "head"):
-        run.rot[f"gemma4:{kind}"] = str(tmp_path / f"rot_{kind}.safetensors")
-        ident.save(run.rot[f"gemma4:{kind}"])
-    precompute(run)
+    run = _identity_c_run("gemma4", path, tmp_path, ["--families", "gemma4", "--c-prompt-lens", "40",
+                                                     "--c-decode-tokens", "2"])
     d = run.fdata("gemma4")
     assert [len(p) for p in d["c_prompts"]] == [4 * config.SWA_WINDOW, 40] and "c_prompts" not in run.data
     cfg = run.data["c_config"]
