@@ -93,3 +93,37 @@ def test_softcap_uses_the_models_eager_attention():
         with attention_override(model, lambda call: None):
             got = model(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_sinks_use_the_models_eager_attention():
+    """Attention sinks (GPT-OSS ``s_aux``, which SDPA would drop): the observe-only path runs the
+    model's own eager attention, and every call carries the layer's sinks."""
+    import transformers as tf
+
+    cfg = tf.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                          num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = tf.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(3.0, 1.0)  # large enough to matter
+    ids = torch.randint(4, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    seen = []
+
+    def observe(call):
+        seen.append(call.sinks is call.module.sinks)
+        return None
+
+    with torch.inference_mode():
+        model.set_attn_implementation("eager")
+        ref = model(input_ids=ids, use_cache=False).logits
+        with attention_override(model, observe):
+            got = model(input_ids=ids, use_cache=False).logits
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.fill_(-1e4)  # no sink: what transformers' SDPA (which ignores s_aux) would compute
+        no_sink = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert seen == [True, True] and (no_sink - ref).abs().max() > 1e-2

@@ -30,8 +30,9 @@ i. bad input (mismatched / missing rotation, bad group size, unsupported flags):
    non-zero before loading weights and names the problem
 
 ``--families`` (default ``qwen3,moe,llama``) picks the model families: b runs on each, a/c/d/e/i on
-each but the b-only ``moe``/``llama``; ``gemma3`` and ``gemma4`` are sliding-window models (window 64;
-c adds a prompt 4x the window, f a sizing pair per family compared pool by pool).
+each but the b-only ``moe``/``llama``; ``gemma3``, ``gemma4`` and ``gpt_oss`` (attention sinks) are
+sliding-window models (window 64; c adds a prompt 4x the window, f a sizing pair per family compared
+pool by pool), ``qwen3_next`` a linear-attention hybrid (f: its KV pool, the mamba pool reported).
 
 Independent servers start concurrently with a capped KV pool (``--max-total-tokens``) and a
 modest ``--mem-fraction-static``; the sizing/throughput pair (f, g) and the TP=2 server run

@@ -24,7 +24,7 @@ from .check_e import check_e
 from .check_fg import check_fg
 from .check_h import check_h, collect_h_reference
 from .check_i import check_i
-from .config import FAIL, parse_args
+from .config import FAIL, FAMILY_BAD_ROTATIONS, parse_args
 from .results import CheckResult, format_table, overall_exit_code
 from .run import Run, collect_meta, precompute, prepare
 from .servers import Server, launch_command, plugin_entry_point, server_specs
@@ -34,7 +34,8 @@ def dry_run(args: argparse.Namespace) -> int:
     """Print every server of the selected checks (name, checks, phase) and its command; start nothing."""
     fams = list(dict.fromkeys(args.families + (["qwen3"] if "h" in args.checks else [])))
     rot = {f"{m}:{k}": os.path.join(args.work, f"rot-{m}", f"rot_{k}.safetensors")
-           for m in fams for k in ("layer", "head", "identity", "mismatch") + (("onedim",) if m == "gemma4" else ())}
+           for m in fams for k in ("layer", "head", "identity", "mismatch")
+           + ((FAMILY_BAD_ROTATIONS[m][0],) if m in FAMILY_BAD_ROTATIONS else ())}
     specs = server_specs(args, rot)
     for s in specs:
         env = " ".join(f"{k}={v}" for k, v in s.env.items())

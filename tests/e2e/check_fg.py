@@ -1,10 +1,13 @@
 """Checks f and g, measured together on one pair of long-context servers that run alone: f, the
 KV pool (``max_total_num_tokens``) of int2 vs BF16 at the same ``--mem-fraction-static``; g, decode
-tok/s at 32K context, batch 1, int2 vs BF16. With sliding-window families (``--families``), f also
-measures a ``<family>-sizing-bf16`` / ``-int2`` pair per family, per pool: SGLang's hybrid SWA
-memory (Gemma-4) logs ``full_layer_tokens=F, swa_layer_tokens=S``
-(``sglang/srt/model_executor/pool_configurator.py`` ``_solve_pool_sizes``; ``/server_info``'s
-``max_total_num_tokens`` is F), and each pool's ratio must reach the target."""
+tok/s at 32K context, batch 1, int2 vs BF16. With sliding-window and hybrid families
+(``--families``, :data:`~.config.SIZED_FAMILIES`), f also measures a ``<family>-sizing-bf16`` /
+``-int2`` pair per family, per pool: SGLang's hybrid SWA memory (Gemma-4, GPT-OSS) logs
+``full_layer_tokens=F, swa_layer_tokens=S`` (``sglang/srt/model_executor/pool_configurator.py``
+``_solve_pool_sizes``; ``/server_info``'s ``max_total_num_tokens`` is F), and each pool's ratio
+must reach the target. A linear-attention hybrid (Qwen3-Next) has one KV pool (its full-attention
+layers: ``max_total_num_tokens``, pool ``kv``) and a separate mamba state pool, which INT2 does not
+touch: its size (``max_mamba_cache_size``) is reported, not judged."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import contextlib
 from typing import Any
 
 from .checkpoints import random_prompt
-from .client import http_json, max_total_tokens_from_log, stream_decode_rate, swa_pool_tokens_from_log
-from .config import FAIL, PASS
+from .client import (http_json, mamba_pool_from_log, max_total_tokens_from_log, stream_decode_rate,
+                     swa_pool_tokens_from_log)
+from .config import FAIL, LINEAR_FAMILIES, PASS
 from .results import CheckError, CheckResult, unevaluated_status
 from .run import Run
 
@@ -35,7 +39,10 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
         out["max_total_num_tokens"] = tok if tok is not None else max_total_tokens_from_log(srv.log_text())
         out["max_total_num_tokens_source"] = "server_info" if tok is not None else "log"
         pools = swa_pool_tokens_from_log(srv.log_text())
-        out["pools"] = pools or {"all": out["max_total_num_tokens"]}
+        out["pools"] = pools or {"kv" if spec.model in LINEAR_FAMILIES else "all": out["max_total_num_tokens"]}
+        mamba = mamba_pool_from_log(srv.log_text())
+        if mamba:
+            out["mamba_pool"] = mamba
         if "g" in run.args.checks and spec.model == "long":
             a = run.args
             run.gen(srv, random_prompt(256, 3), 8)  # warm-up
@@ -54,6 +61,11 @@ def _pool_ratios(run: Run, res: dict[str, Any], model: str) -> tuple[bool, str] 
         return None
     ratios = {p: i2[p] / bf[p] for p in bf}
     text = ", ".join(f"{p} pool int2 {i2[p]} / BF16 {bf[p]} = {r:.2f}x" for p, r in ratios.items())
+    mb, mi = (res.get(f"{model}-sizing-{k}", {}).get("mamba_pool") for k in ("bf16", "int2"))
+    if mb or mi:  # reported, not judged: INT2 leaves the mamba state pool alone
+        text += "; mamba pool " + ", ".join(
+            f"{k} {m['slots']} slots (conv {m['conv_gb']:g} GB, ssm {m['ssm_gb']:g} GB)" if m else f"{k} not logged"
+            for k, m in (("int2", mi), ("BF16", mb)))
     return all(r >= run.args.memory_target for r in ratios.values()), f"{model}: {text}"
 
 

@@ -1,6 +1,7 @@
 """Check i: bad input (a rotation of another model, a missing rotation, a bad group size,
-unsupported flags; a Gemma-4 rotation with one head_dim for every layer) makes the launch exit
-non-zero before loading weights, naming the problem."""
+unsupported flags; a Gemma-4 rotation with one head_dim for every layer, a centred GPT-OSS
+rotation, a Qwen3-Next rotation for its linear-attention layers) makes the launch exit non-zero
+before loading weights, naming the problem."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ BAD_INPUT_EXPECT: dict[str, list[list[str]]] = {
     "bad-flag-dp-attention": [["dp-attention", "dp_attention"]],
     # a Gemma-4 file giving its full layers the sliding layers' head_dim: the first full layer is named
     "bad-rotation-one-head-dim": [["rotation"], ["head_dim"], ["(full)"]],
+    # GPT-OSS: a centred file (k_mean / v_mean) for a model with attention-sink logits
+    "bad-rotation-centred": [["rotation"], ["sink"], ["centre", "center"]],
+    # Qwen3-Next: rotations for its Gated-DeltaNet layers too (they have no KV cache)
+    "bad-rotation-linear-layers": [["rotation"], ["linear-attention"]],
 }
 
 

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any
 
-from .config import SWA_FAMILIES, VOCAB
+from .config import LINEAR_FAMILIES, SINK_FAMILIES, SWA_FAMILIES, VOCAB
 from .families import causal_lm_class, model_config  # noqa: F401  (model_config: the tests' entry)
 
 
@@ -88,6 +88,24 @@ def sharpen(model, logit_std: float, score_std: float, seed: int) -> dict[str, f
     return {"score_std": s1, "logit_std": l1}
 
 
+def init_sinks(model, seed: int, mean: float = 3.0, std: float = 1.5) -> int:
+    """Seeded attention-sink logits ``N(mean, std)`` for every module with a ``sinks`` parameter
+    (GPT-OSS; transformers initialises them near 0, where ``exp(sink)`` is lost among the keys):
+    large enough that the sink takes a visible share of short rows and little of long ones.
+    Returns the number of modules set."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 29)
+    n = 0
+    with torch.no_grad():
+        for _, mod in model.named_modules():
+            p = getattr(mod, "sinks", None)
+            if isinstance(p, torch.nn.Parameter):
+                p.copy_((torch.randn(p.shape, generator=gen) * std + mean).to(p.dtype))
+                n += 1
+    return n
+
+
 def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Namespace | None = None,
                      logit_std: float = 0.5, score_std: float = 1.5, device: str = "cpu", **over) -> dict[str, Any]:
     """Build, sharpen (:func:`sharpen`) and ``save_pretrained`` (bf16 safetensors) one tiny seeded
@@ -104,6 +122,9 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
     if name in SWA_FAMILIES:
         keys += ("sliding_window", "layer_types") + (("global_head_dim", "num_global_key_value_heads",
                                                       "attention_k_eq_v") if name == "gemma4" else ())
+    if name in LINEAR_FAMILIES:
+        keys += ("layer_types", "full_attention_interval", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
     recipe = {"name": name, "seed": seed, "logit_std": logit_std, "score_std": score_std,
               "config": {k: getattr(cfg, k) for k in keys}}
     marker = os.path.join(path, "oscar_e2e.json")
@@ -114,6 +135,8 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
             return {**old, "path": path, "reused": True}
     torch.manual_seed(seed)
     model = causal_lm_class(name)(cfg).to(device=device, dtype=torch.float32).eval()
+    if name in SINK_FAMILIES:
+        init_sinks(model, seed)
     stats = sharpen(model, logit_std, score_std, seed)
     model = model.to(torch.bfloat16)
     os.makedirs(path, exist_ok=True)
@@ -193,10 +216,20 @@ def make_rotation_files(model, model_path: str, out_dir: str, *, seed: int = 1, 
     * ``layer``: fitted per layer (``sglang-oscar fit --method oscar``),
     * ``head``: fitted per kv head (``--method oscar-perhead``, format_version 2),
     * ``identity``: data-free identity (exactness checks),
-    * ``mismatch``: a valid identity file for another geometry (one layer fewer, twice the kv heads),
+    * ``mismatch``: a valid identity file for another geometry (one layer fewer -- hybrids: as many
+      -- and twice the kv heads),
     * ``onedim`` (models with more than one layer geometry, Gemma-4): an identity file giving every
-      layer the sliding layers' kv heads and head_dim.
+      layer the sliding layers' kv heads and head_dim,
+    * ``centred`` (models with attention sinks, GPT-OSS): the identity file with key/value means,
+      which the launch must refuse (centering does not commute with the sink logit),
+    * ``linear`` (linear-attention hybrids, Qwen3-Next): an identity file for every layer, as if
+      the Gated-DeltaNet layers attended, which the launch must refuse.
+
+    The fitted files are never centred (``center=False``): SGLang refuses centred files for
+    models with attention sinks (``backend/rotations.py``).
     """
+    import dataclasses
+
     from sglang_oscar.calibrate.fit import DEFAULT_MIN_TOKENS, fit_rotations
     from sglang_oscar.calibrate.model import config_fingerprint, geometry_of
     from sglang_oscar.rotation import RotationSet
@@ -209,15 +242,18 @@ def make_rotation_files(model, model_path: str, out_dir: str, *, seed: int = 1, 
     fp = config_fingerprint(model.config, model_path)
     out = {}
     for key, method in (("layer", "oscar"), ("head", "oscar-perhead")):
-        rs = fit_rotations(stats, method, geometry=geometry, fingerprint=fp,
+        rs = fit_rotations(stats, method, geometry=geometry, fingerprint=fp, center=False,
                            min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens)
+        if rs.k_mean or rs.v_mean:  # pragma: no cover - center=False
+            raise AssertionError(f"{key}: a centred rotation file")
         out[key] = os.path.join(out_dir, f"rot_{key}.safetensors")
         rs.save(out[key])
     ident = RotationSet.data_free(geometry, "identity")
     out["identity"] = os.path.join(out_dir, "rot_identity.safetensors")
     ident.save(out["identity"])
     cfg = dict(model.config.to_dict())
-    cfg["num_hidden_layers"] = max(1, cfg["num_hidden_layers"] - 1)
+    # one layer fewer (a hybrid keeps its layers: with one fewer it may have no attention layer)
+    cfg["num_hidden_layers"] = cfg["num_hidden_layers"] - (0 if geometry.linear_layer_ids else 1) or 1
     cfg["num_key_value_heads"] = cfg["num_key_value_heads"] * 2
     cfg["num_attention_heads"] = max(cfg["num_attention_heads"], cfg["num_key_value_heads"])
     cfg.pop("layer_types", None)
@@ -235,4 +271,14 @@ def make_rotation_files(model, model_path: str, out_dir: str, *, seed: int = 1, 
         cfg.update(global_head_dim=cfg["head_dim"], num_global_key_value_heads=cfg["num_key_value_heads"])
         out["onedim"] = os.path.join(out_dir, "rot_onedim.safetensors")
         RotationSet.data_free(ModelGeometry.from_hf_config(cfg), "identity").save(out["onedim"])
+    if any(l.has_sinks for l in geometry.layers):
+        gen = torch.Generator().manual_seed(seed + 5)
+        means = {l.layer_id: torch.randn(l.num_kv_heads, l.head_dim_k, generator=gen) for l in geometry.layers}
+        out["centred"] = os.path.join(out_dir, "rot_centred.safetensors")
+        dataclasses.replace(ident, k_mean=means, v_mean={i: m.clone() for i, m in means.items()}).save(out["centred"])
+    if geometry.linear_layer_ids:
+        cfg = model.config.to_dict()
+        cfg.update(layer_types=["full_attention"] * cfg["num_hidden_layers"], full_attention_interval=1)
+        out["linear"] = os.path.join(out_dir, "rot_linear.safetensors")
+        RotationSet.data_free(ModelGeometry.from_hf_config(cfg), "identity").save(out["linear"])
     return out

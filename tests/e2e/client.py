@@ -102,6 +102,18 @@ def swa_pool_tokens_from_log(log: str) -> dict[str, int] | None:
     return {"full": int(found[-1][0]), "swa": int(found[-1][1])} if found else None
 
 
+def mamba_pool_from_log(log: str) -> dict[str, float] | None:
+    """The mamba state pool of a linear-attention hybrid (Qwen3-Next), separate from the KV pool:
+    ``{"slots": N, "conv_gb": C, "ssm_gb": S}`` of SGLang's startup line ``Mamba Cache is allocated.
+    max_mamba_cache_size: N, conv_state size: C GB, ssm_state size: S GB`` (the last one; 0.5.16
+    ``srt/mem_cache/memory_pool.py:740``), ``None`` without one."""
+    found = re.findall(r"max_mamba_cache_size: (\d+), conv_state size: ([\d.]+)GB, ssm_state size: ([\d.]+)GB", log)
+    if not found:
+        return None
+    n, conv, ssm = found[-1]
+    return {"slots": int(n), "conv_gb": float(conv), "ssm_gb": float(ssm)}
+
+
 def leak_lines(log: str) -> list[str]:
     """Log lines reporting an SGLang memory-leak / KV-page invariant violation."""
     return [ln.strip() for ln in log.splitlines() if any(p.lower() in ln.lower() for p in LEAK_PATTERNS)]

@@ -33,9 +33,22 @@ BUDGET_CUT = "the harness's time budget cut the wait short"
 # Tiny checkpoints. head_dim 128 everywhere (the served geometry of real models); vocab a multiple of 64.
 VOCAB = 2048
 MODEL_FAMILIES = {"qwen3": "qwen3", "moe": "qwen3_moe", "llama": "llama", "long": "qwen3",
-                  "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+                  "gemma3": "gemma3_text", "gemma4": "gemma4_text", "gpt_oss": "gpt_oss", "qwen3_next": "qwen3_next"}
 DEFAULT_FAMILIES = "qwen3,moe,llama"  # --families
-SWA_FAMILIES = ("gemma3", "gemma4")  # sliding-window families (tests/e2e/families.py)
+GEMMA_FAMILIES = ("gemma3", "gemma4")
+SWA_FAMILIES = GEMMA_FAMILIES + ("gpt_oss",)  # sliding-window families (tests/e2e/families.py)
+SINK_FAMILIES = ("gpt_oss",)  # learned attention-sink logits (GPT-OSS ``sinks``)
+LINEAR_FAMILIES = ("qwen3_next",)  # linear-attention hybrids (Gated-DeltaNet + full attention layers)
+SIZED_FAMILIES = SWA_FAMILIES + LINEAR_FAMILIES  # f measures a sizing pair of their own
+# Families whose architecture SGLang checks --attention-backend for itself (server_args.py: Gemma-4
+# :4709, GPT-OSS :4595), before the plugin's launch checks: check i's flashinfer case avoids them.
+OWN_BACKEND_ASSERT = ("gemma4", "gpt_oss")
+# Check i's family-specific bad rotation files: family -> (rotation file kind, case). gemma4: one
+# head_dim for every layer; gpt_oss: a centred file (refused with attention sinks); qwen3_next: a
+# rotation for every layer, its Gated-DeltaNet layers included (tests/e2e/checkpoints.py).
+FAMILY_BAD_ROTATIONS = {"gemma4": ("onedim", "bad-rotation-one-head-dim"),
+                        "gpt_oss": ("centred", "bad-rotation-centred"),
+                        "qwen3_next": ("linear", "bad-rotation-linear-layers")}
 B_ONLY_FAMILIES = ("moe", "llama")  # served by check b only; the other families by a, b, c, d, e, i
 SWA_WINDOW = 64  # HF sliding_window of the sliding-window families (key j visible iff pos - j < 64)
 
@@ -72,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp2", action="store_true", help="2-GPU machine: add check h (--tp 2 vs --tp 1)")
     p.add_argument("--families", default=DEFAULT_FAMILIES, metavar="qwen3,moe,llama",
                    help=f"model families (default {DEFAULT_FAMILIES}; also {','.join(SWA_FAMILIES)}, sliding window "
-                        f"{SWA_WINDOW}): b runs on each; a, c, d, e, i on each but {'/'.join(B_ONLY_FAMILIES)} (on the "
-                        "first family if only those); f adds a sizing pair per sliding-window family; g and h stay qwen3")
+                        f"{SWA_WINDOW}, and {','.join(LINEAR_FAMILIES)}, a linear-attention hybrid): b runs on each; "
+                        f"a, c, d, e, i on each but {'/'.join(B_ONLY_FAMILIES)} (on the first family if only those); "
+                        "f adds a sizing pair per sliding-window / hybrid family; g and h stay qwen3")
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/oscar_e2e", help="results folder (default $OUT)")
     p.add_argument("--work", default=None,
                    help="checkpoints and rotation files (default OUT_work, next to OUT: kept out of the results)")

@@ -3,9 +3,13 @@ what the servers of a sliding-window family need.
 
 ``qwen3``, ``moe``, ``llama``, ``long``: head_dim 128, GQA (``long``: attention-heavy, check g).
 ``gemma3`` (Gemma3ForCausalLM: SGLang 0.5.16 serves it from one pool whose layers mix sliding and
-full attention) and ``gemma4`` (Gemma4ForCausalLM: SGLang's hybrid SWA memory, its sliding layers
-with their own kv heads / head_dim, full layers with K shared as V) have a sliding window of
-:data:`~.config.SWA_WINDOW` keys, small enough that the test prompts cross it.
+full attention), ``gemma4`` (Gemma4ForCausalLM: SGLang's hybrid SWA memory, its sliding layers
+with their own kv heads / head_dim, full layers with K shared as V) and ``gpt_oss``
+(GptOssForCausalLM: hybrid SWA memory, sliding and full layers of one geometry, learned
+attention-sink logits, MoE) have a sliding window of :data:`~.config.SWA_WINDOW` keys, small
+enough that the test prompts cross it. ``qwen3_next`` (Qwen3NextForCausalLM) is a
+linear-attention hybrid: Gated-DeltaNet layers (SGLang's mamba pool, not quantized) and
+full-attention layers (the INT2 KV pool).
 """
 
 from __future__ import annotations
@@ -13,15 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 
-from .config import MODEL_FAMILIES, SWA_FAMILIES, SWA_WINDOW, VOCAB
+from .config import GEMMA_FAMILIES, MODEL_FAMILIES, SWA_WINDOW, VOCAB
 
 # Every ``period``-th layer (and the last one) is full attention, the others slide.
-_FULL_PERIOD = {"gemma3": 4, "gemma4": 3}
+_FULL_PERIOD = {"gemma3": 4, "gemma4": 3, "gpt_oss": 2}
+# qwen3_next: layer i is full attention iff (i + 1) % interval == 0, else Gated-DeltaNet. SGLang
+# 0.5.16 reads only ``full_attention_interval`` (``srt/configs/qwen3_next.py:264``, default none:
+# AttributeError), which transformers 5.12 consumes into ``layer_types`` and does not save, so
+# :func:`model_config` sets it on the config again (saved to config.json).
+QWEN3_NEXT_INTERVAL = 2
 
 
 def layer_types(name: str, n_layers: int) -> list[str]:
     """``layer_types`` of a sliding-window family: layer ``i`` is full iff ``(i + 1) % period == 0``
-    or it is the last layer (gemma3 4 layers: S S S F; gemma4 6 layers: S S F S S F)."""
+    or it is the last layer (gemma3 4 layers: S S S F; gemma4 6 layers: S S F S S F; gpt_oss 4
+    layers: S F S F, as GptOssConfig's default)."""
     p = _FULL_PERIOD[name]
     return ["full_attention" if (i + 1) % p == 0 or i == n_layers - 1 else "sliding_attention" for i in range(n_layers)]
 
@@ -31,9 +41,12 @@ def model_config(name: str, args: argparse.Namespace | None = None, **over):
     top-2), ``llama`` (GQA 8/2), ``long`` (Qwen3, many kv heads, 40K positions: attention dominates
     its decode step at 32K), ``gemma3`` (4 layers, 3 sliding + 1 full, GQA 8/2), ``gemma4`` (6
     layers, 4 sliding with 2 kv heads x 128 + 2 full with 1 kv head x ``global_head_dim`` 256 and
-    K shared as V, no per-layer input embeddings, no KV-shared layers). head_dim 128 (sliding
-    layers), bf16, tied embeddings for the Gemma families (SGLang's Gemma3ForCausalLM reads no
-    ``lm_head``). ``over`` overrides config fields (tests use it to shrink the models)."""
+    K shared as V, no per-layer input embeddings, no KV-shared layers), ``gpt_oss`` (4 layers S F S
+    F, GQA 8/2 x head_dim 64, 4 experts top-2, attention biases, YaRN RoPE as GPT-OSS), ``qwen3_next``
+    (4 layers: Gated-DeltaNet, full, GDN, full; GQA 8/2 x 128 with output gate, 2/4 linear heads x
+    128, 8 experts top-2 plus a shared expert). head_dim 128 (sliding layers; gpt_oss 64), bf16,
+    tied embeddings for the Gemma families (SGLang's Gemma3ForCausalLM reads no ``lm_head``).
+    ``over`` overrides config fields (tests use it to shrink the models)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -45,9 +58,13 @@ def model_config(name: str, args: argparse.Namespace | None = None, **over):
         common.update(num_hidden_layers=a.long_layers, num_attention_heads=a.long_heads,
                       num_key_value_heads=a.long_kv_heads, hidden_size=a.long_hidden, intermediate_size=256,
                       max_position_embeddings=40960)
-    if name in SWA_FAMILIES:
+    if name in GEMMA_FAMILIES:
         return _swa_config(name, {**common, "num_hidden_layers": 6 if name == "gemma4" else 4,
                                   "tie_word_embeddings": True, **over})
+    if name == "gpt_oss":
+        return _gpt_oss_config({**common, "head_dim": 64, **over})
+    if name == "qwen3_next":
+        return _qwen3_next_config({**common, **over})
     common.update(over)
     rope = common.pop("rope_theta")
     if name in ("qwen3", "long"):
@@ -89,11 +106,61 @@ def _swa_config(name: str, kw: dict):
     return tf.Gemma4TextConfig(**kw)
 
 
+def _gpt_oss_config(kw: dict):
+    """GptOssConfig from the common fields: head_dim 64 (GPT-OSS's; the INT2 kernels take 64..512),
+    MoE with ``intermediate_size`` per expert, YaRN RoPE with GPT-OSS's parameters but a factor
+    that matches ``max_position_embeddings`` (theta 150K, original 4096 positions), and
+    ``swiglu_limit`` 7.0 written to config.json: transformers hard-codes the clamp
+    (``GptOssExperts.limit``) and its config has no such field, while SGLang 0.5.16 reads
+    ``config.swiglu_limit`` (``srt/models/gpt_oss.py:205``, AttributeError without it)."""
+    import transformers as tf
+
+    kw = dict(kw)
+    kw.pop("rope_theta")
+    kw.setdefault("sliding_window", SWA_WINDOW)
+    kw.setdefault("layer_types", layer_types("gpt_oss", kw["num_hidden_layers"]))
+    kw.setdefault("num_local_experts", 4)
+    kw.setdefault("num_experts_per_tok", 2)
+    kw.setdefault("attention_bias", True)
+    orig = 4096 if kw["max_position_embeddings"] >= 4096 else kw["max_position_embeddings"]
+    kw.setdefault("rope_parameters", {"rope_type": "yarn", "rope_theta": 150000.0, "factor":
+                                      max(1.0, kw["max_position_embeddings"] / orig), "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": orig})
+    kw.setdefault("swiglu_limit", 7.0)
+    return tf.GptOssConfig(**kw)
+
+
+def _qwen3_next_config(kw: dict):
+    """Qwen3NextConfig from the common fields: full attention every :data:`QWEN3_NEXT_INTERVAL`-th
+    layer (``full_attention_interval`` kept on the config, see there), the others Gated-DeltaNet
+    (2 key / 4 value heads x 128, conv kernel 4), 8 experts top-2 of ``moe_intermediate_size`` 128
+    plus a shared expert, partial RoPE (1/4 of head_dim), theta 10K (SGLang's Qwen3NextConfig
+    reads ``rope_theta``, default 10K, not ``rope_parameters``)."""
+    import transformers as tf
+
+    kw = dict(kw)
+    theta = kw.pop("rope_theta")
+    interval = kw.pop("full_attention_interval", QWEN3_NEXT_INTERVAL)
+    n = kw["num_hidden_layers"]
+    kw.setdefault("layer_types", ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)])
+    for key, value in (("linear_key_head_dim", 128), ("linear_value_head_dim", 128), ("linear_num_key_heads", 2),
+                       ("linear_num_value_heads", 4), ("linear_conv_kernel_dim", 4), ("num_experts", 8),
+                       ("num_experts_per_tok", 2), ("moe_intermediate_size", 128),
+                       ("shared_expert_intermediate_size", 128), ("decoder_sparse_step", 1), ("norm_topk_prob", True)):
+        kw.setdefault(key, value)
+    cfg = tf.Qwen3NextConfig(**kw)
+    cfg.rope_parameters = {**(cfg.rope_parameters or {}), "rope_type": "default", "rope_theta": theta}
+    cfg.rope_theta = theta
+    cfg.full_attention_interval = interval
+    return cfg
+
+
 def causal_lm_class(name: str):
     import transformers as tf
 
     return {"qwen3": tf.Qwen3ForCausalLM, "long": tf.Qwen3ForCausalLM, "moe": tf.Qwen3MoeForCausalLM,
-            "llama": tf.LlamaForCausalLM, "gemma3": tf.Gemma3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM}[name]
+            "llama": tf.LlamaForCausalLM, "gemma3": tf.Gemma3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM,
+            "gpt_oss": tf.GptOssForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[name]
 
 
 def sglang_override_args(name: str) -> list[str]:

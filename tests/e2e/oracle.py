@@ -22,7 +22,9 @@ def oracle_handler(rotation, config, prompt_len: int, hp_dtype=None):
     positions (generated tokens) the *decode* windows (sink and the last ``recent`` positions in
     BF16). K/V rows are rotated, rounded to the HP dtype ``hp_dtype`` (default BF16, what a BF16
     server stores; ``torch.float32`` for a ``--dtype float32`` server, whose HP windows hold the
-    model dtype) and quantized once per call."""
+    model dtype) and quantized once per call. A layer with attention-sink logits (GPT-OSS: the
+    call's ``sinks``, transformers' ``s_aux=module.sinks``) passes them to the oracle, which adds
+    them to each head's softmax denominator as SGLang's ``sinks`` argument does."""
     import torch
 
     from sglang_oscar.calibrate.oracle import RotationCache
@@ -38,6 +40,7 @@ def oracle_handler(rotation, config, prompt_len: int, hp_dtype=None):
             rk = cache.get(call.layer_id, "k", q.device)
             rv = cache.get(call.layer_id, "v", q.device)
             km, vm = cache.mean(call.layer_id, "k", q.device), cache.mean(call.layer_id, "v", q.device)
+            sinks = call.sinks if call.sinks is not None else getattr(call.module, "sinks", None)
             kv = build_cache(k, v, rk, rv, config, hp, k_mean=km, v_mean=vm)
             t = q.shape[0]
             pos = torch.arange(t, device=q.device)
@@ -48,7 +51,7 @@ def oracle_handler(rotation, config, prompt_len: int, hp_dtype=None):
                     parts.append(oscar_attention(q[lo:hi], k, v, rk, rv, config, q_positions=pos[lo:hi],
                                                  sm_scale=call.scaling, sliding_window=call.sliding_window,
                                                  logit_cap=call.softcap, window_mode=mode, cache=kv,
-                                                 k_mean=km, v_mean=vm))
+                                                 k_mean=km, v_mean=vm, sinks=sinks))
             outs.append(torch.cat(parts, dim=0))
         return torch.stack(outs).to(call.query.dtype)
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
-from .config import (BUDGET_CUT, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SKIP, SWA_FAMILIES, c_prompt_lens,
+from .config import (BUDGET_CUT, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SIZED_FAMILIES, SKIP, c_prompt_lens,
                      main_families)
 from .fp32_shim import fp32_shim_dir, write_fp32_shim
 from .oracle import screen_prompts, teacher_forced_logprobs
@@ -171,7 +171,7 @@ def needed_models(checks: Iterable[str], families: Sequence[str] | None = None) 
     if "g" in ch or ("f" in ch and "qwen3" in main):
         out.append("long")
     if "f" in ch:
-        out += [m for m in main if m in SWA_FAMILIES and m not in out]
+        out += [m for m in main if m in SIZED_FAMILIES and m not in out]
     return out
 
 

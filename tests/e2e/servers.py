@@ -16,7 +16,8 @@ from typing import Any
 from sglang_oscar.serving_launcher import LaunchError, ServerProcess
 
 from .client import http_json, last_error
-from .config import B_RECENT, B_SINK, C_RECENT, C_SINK, ROOT, SWA_FAMILIES, main_families
+from .config import (B_RECENT, B_SINK, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS, OWN_BACKEND_ASSERT, ROOT, SIZED_FAMILIES,
+                     main_families)
 from .families import sglang_override_args
 from .fp32_shim import C_FP32_SERVERS, fp32_name, fp32_server_env
 
@@ -26,7 +27,7 @@ class ServerSpec:
     """One ``sglang.launch_server`` process of the run."""
 
     name: str
-    model: str  # model key (qwen3, moe, llama, long, gemma3, gemma4)
+    model: str  # model key (qwen3, moe, llama, long, gemma3, gemma4, gpt_oss, qwen3_next)
     args: list[str]  # extra sglang flags
     checks: str  # check letters that use it
     env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -44,7 +45,9 @@ class ServerSpec:
 def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSpec]:
     """Every server the selected checks need (deduplicated), with ports assigned. Checks a, c, d,
     e, i run on each of :func:`~.config.main_families` (servers ``<family>-...``; check i's generic
-    cases on the first one only), b on every ``--families`` entry; g and h on qwen3."""
+    cases on the first one only, :data:`~.config.FAMILY_BAD_ROTATIONS` on their family), b on
+    every ``--families`` entry; f's sizing pairs on the :data:`~.config.SIZED_FAMILIES`; g and h
+    on qwen3."""
     c_win = ["--oscar-sink-tokens", str(C_SINK), "--oscar-recent-tokens", str(C_RECENT)]
     b_win = ["--oscar-sink-tokens", str(B_SINK), "--oscar-recent-tokens", str(B_RECENT)]
     i2 = ["--kv-cache-dtype", "int2"] + shlex.split(args.int2_args or "")
@@ -73,9 +76,11 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
     for q in main:
         _quantizing_specs(args, add, q, rot, i2 + ["--oscar-rotation"], c_win)
     if "i" in ch:
-        # generic cases on one family: not gemma4 if there is another (SGLang asserts its own backend
-        # list for Gemma-4, server_args.py:4709, before the plugin names --attention-backend)
-        q0 = next((q for q in main if q != "gemma4"), main[0])
+        # generic cases on one family: not gemma4 / gpt_oss if there is another (SGLang asserts its
+        # own backend list for Gemma-4, server_args.py:4709, and GPT-OSS, server_args.py:4595, in
+        # ServerArgs.__post_init__, before the plugin's AFTER hook names --attention-backend); with
+        # only those, no flashinfer case (SGLang refuses it itself, with its own message)
+        q0 = next((q for q in main if q not in OWN_BACKEND_ASSERT), main[0])
         bad = {
             "bad-rotation-other-model": ["--oscar-rotation", rot[f"{q0}:mismatch"]],
             "bad-rotation-missing": ["--oscar-rotation", os.path.join(args.work, "no_such_rotation.safetensors")],
@@ -84,9 +89,13 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
             # upstream silently turns --enable-dp-attention off when --dp-size is 1, so ask for dp 2 / tp 2
             "bad-flag-dp-attention": ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
         }
+        if q0 in OWN_BACKEND_ASSERT:
+            del bad["bad-flag-flashinfer"]
         cases = [(q0, name, extra) for name, extra in bad.items()]
         cases += [(q, "bad-rotation-other-model", ["--oscar-rotation", rot[f"{q}:mismatch"]]) for q in main if q != q0]
-        cases += [(q, "bad-rotation-one-head-dim", ["--oscar-rotation", rot[f"{q}:onedim"]]) for q in main if f"{q}:onedim" in rot]
+        # a family's own bad file: gemma4 one head_dim, gpt_oss centred (sinks), qwen3_next linear layers
+        cases += [(q, FAMILY_BAD_ROTATIONS[q][1], ["--oscar-rotation", rot[f"{q}:{FAMILY_BAD_ROTATIONS[q][0]}"]])
+                  for q in main if q in FAMILY_BAD_ROTATIONS and f"{q}:{FAMILY_BAD_ROTATIONS[q][0]}" in rot]
         for q, case, extra in cases:  # launch_command drops its own backend flag
             add(ServerSpec(case if q == q0 else f"{q}-{case}", q, i2 + extra, "i", expect_fail=True, case=case))
     if "h" in ch:
@@ -94,7 +103,7 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
         add(ServerSpec("qwen3-int2-head-tp2", q, i2 + ["--oscar-rotation", rot["qwen3:head"]] + c_win, "h", phase=2,
                        tp=2, pool_tokens=args.pool_tokens))
     sizing = [("long", "long-bf16", "long-int2")] if "g" in ch or ("f" in ch and "qwen3" in main) else []
-    sizing += [(q, f"{q}-sizing-bf16", f"{q}-sizing-int2") for q in main if "f" in ch and q in SWA_FAMILIES]
+    sizing += [(q, f"{q}-sizing-bf16", f"{q}-sizing-int2") for q in main if "f" in ch and q in SIZED_FAMILIES]
     for model, bf_name, i2_name in sizing:
         for name, extra in ((bf_name, []), (i2_name, i2 + ["--kv-cache-quant-group-size", "128"])):
             add(ServerSpec(name, model, extra, "".join(c for c in "fg" if c in ch and (c == "f" or model == "long")),

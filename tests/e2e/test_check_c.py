@@ -225,3 +225,37 @@ def test_check_c_on_a_sliding_window_family(tmp_path):
     assert res.status == config.PASS, res.measured
     assert res.detail["settings"]["prompt_lens"] == [256, 40] and res.detail["fp32"]["layer"]["prefill_mean"] == 0
     assert res.detail["fp32"]["layer"]["quantization_effect_mean"] > 1e-3
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next"])
+def test_check_c_on_sink_and_hybrid_families(tiny_family, tmp_path, monkeypatch, name):
+    """--families gpt_oss / qwen3_next: precompute fills the family's own references (gpt_oss, a
+    sliding-window family, leads with a prompt 4x the window: the tiny model's window 16 here) with
+    the oracle on its attention layers (GPT-OSS: with the layers' sinks), and check c compares the
+    family's servers with them."""
+    from sglang_oscar.calibrate.model import geometry_of
+    from sglang_oscar.rotation import RotationSet
+
+    path, _ = tiny_family(name)
+    monkeypatch.setattr(config, "SWA_WINDOW", 16)  # TINY_SWA's window: a 64-token lead prompt
+    args = config.parse_args(["--only", "c", "--families", name, "--out", str(tmp_path / "out"),
+                              "--c-prompt-lens", "40", "--c-decode-tokens", "2"])
+    run = Run(args)
+    run.models[name] = path
+    run.hf[name] = checkpoints.load_hf(path, "cpu")
+    ident = RotationSet.data_free(geometry_of(run.hf[name].config), "identity")
+    for kind in ("layer", "head"):
+        run.rot[f"{name}:{kind}"] = str(tmp_path / f"rot_{kind}.safetensors")
+        ident.save(run.rot[f"{name}:{kind}"])
+    precompute(run)
+    d = run.fdata(name)
+    assert [len(p) for p in d["c_prompts"]] == ([4 * config.SWA_WINDOW] if name == "gpt_oss" else []) + [40]
+    cfg = run.data["c_config"]
+    srv = {f"{name}-bf16": _FakeServer(f"{name}-bf16", run.hf[name])}
+    for kind in ("layer", "head"):
+        srv[f"{name}-int2-{kind}"] = _FakeServer(f"{name}-int2-{kind}", run.hf[name], d[f"c_rot_{kind}"], cfg)
+    run.servers = srv
+    res = check_c.check_c(run)
+    assert res.status == config.PASS, res.measured
+    # the oracle quantizes: its references are not the BF16 model's
+    assert max(abs(a - b) for a, b in zip(d["c_oracle_layer"][-1], d["c_hf_bf16"][-1])) > 1e-2

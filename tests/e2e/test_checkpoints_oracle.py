@@ -253,3 +253,106 @@ def test_swa_oracle_and_rotation_files(tiny_swa, tmp_path):
     same, q = client.abs_diff_stats(bf16, full), client.abs_diff_stats(bf16, quant)
     assert same["mean"] < 1e-2 and same["max"] < 5e-2
     assert q["mean"] > 5 * same["mean"] and q["mean"] > 1e-2
+
+
+# ----------------------------------------------------------------------------- attention sinks, linear-attention hybrids
+
+
+def test_sink_and_hybrid_families_build_and_match_sglang(tiny_family):
+    """gpt_oss (sliding + full layers, attention sinks, MoE) and qwen3_next (Gated-DeltaNet + full
+    attention): the saved checkpoints, their geometry, and the config SGLang 0.5.16 reads (GPT-OSS:
+    hybrid SWA with sinks and ``swiglu_limit``; Qwen3-Next: ``full_attention_interval`` kept)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_oscar.rotation.geometry import ModelGeometry
+
+    path, info = tiny_family("gpt_oss")
+    model = checkpoints.load_hf(path, "cpu")
+    assert type(model).__name__ == "GptOssForCausalLM" and info["config"]["layer_types"] == ["sliding_attention", "full_attention"]
+    assert info["sharpen"]["logit_std"] == pytest.approx(0.5, rel=0.05)
+    assert info["sharpen"]["score_std"] == pytest.approx(1.5, rel=0.35)
+    sinks = model.model.layers[0].self_attn.sinks.detach().float()
+    assert float(sinks.mean()) > 1.0  # init_sinks: large enough to matter (transformers starts them near 0)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["swiglu_limit"] == 7.0  # SGLang's GptOssSparseMoeBlock reads it
+    geo = ModelGeometry.from_hf_config(path)
+    assert [(l.layer_id, l.num_kv_heads, l.head_dim_k, l.sliding_window, l.has_sinks) for l in geo.layers] == \
+        [(0, 2, 64, 16, True), (1, 2, 64, None, True)]
+    mc = ModelConfig(path)
+    assert mc.is_hybrid_swa and mc.has_attention_sinks and (mc.swa_attention_layer_ids, mc.full_attention_layer_ids) == ([0], [1])
+    assert (mc.head_dim, mc.get_num_kv_heads(1), mc.hf_config.sliding_window, mc.hf_config.swiglu_limit) == (64, 2, 16, 7.0)
+
+    path, info = tiny_family("qwen3_next")
+    model = checkpoints.load_hf(path, "cpu")
+    assert type(model).__name__ == "Qwen3NextForCausalLM" and info["config"]["full_attention_interval"] == 2
+    assert info["config"]["layer_types"] == ["linear_attention", "full_attention"]
+    assert info["sharpen"]["logit_std"] == pytest.approx(0.5, rel=0.05)
+    geo = ModelGeometry.from_hf_config(path)
+    assert [(l.layer_id, l.num_kv_heads, l.head_dim_k) for l in geo.layers] == [(1, 2, 64)] and geo.linear_layer_ids == (0,)
+    mc = ModelConfig(path)  # SGLang's Qwen3NextConfig: layer kinds from full_attention_interval alone
+    h = mc.hf_config
+    assert (h.full_attention_layer_ids, h.linear_layer_ids, mc.head_dim, mc.get_num_kv_heads(1)) == ([1], [0], 64, 2)
+    assert not mc.is_hybrid_swa and not mc.has_attention_sinks
+    assert (h.rope_theta, h.partial_rotary_factor) == (10000.0, 0.25)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next"])
+def test_sink_and_hybrid_oracle_and_rotation_files(tiny_family, tmp_path, name):
+    """The rotation files validate (qwen3_next: attention layer only; gpt_oss: not centred); the
+    family's bad file is refused by the launch preflight with the words check i expects; the
+    oracle equals the HF model when nothing is quantized (GPT-OSS: only with the layer's sinks) and
+    moves when quantizing."""
+    from sglang_oscar.backend.rotations import served_rotation_set
+    from sglang_oscar.calibrate.capture import attention_override
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation import RotationSet
+    from sglang_oscar.rotation.geometry import ModelGeometry
+    from sglang_oscar.rotation.rotation_set import RotationError
+
+    from .check_i import BAD_INPUT_EXPECT
+
+    path, _ = tiny_family(name)
+    m32 = checkpoints.load_hf(path, "cpu", torch.float32)
+    files = checkpoints.make_rotation_files(m32, path, str(tmp_path), seqs=2, seq_len=48, min_tokens=48)
+    geo = ModelGeometry.from_hf_config(path)
+    for key in ("layer", "head", "identity"):
+        rs = RotationSet.load(files[key])
+        rs.validate(geo)
+        assert not rs.k_mean and not rs.v_mean and sorted(rs.k) == list(geo.layer_ids)
+        served_rotation_set(OscarConfig(rotation_path=files[key]), geo, log=False, hf_config=path)
+    with pytest.raises(RotationError):
+        RotationSet.load(files["mismatch"]).validate(geo)
+    kind, case = config.FAMILY_BAD_ROTATIONS[name]
+    assert {k for k in files if k not in ("layer", "head", "identity", "mismatch")} == {kind}
+    with pytest.raises(ValueError) as exc:
+        served_rotation_set(OscarConfig(rotation_path=files[kind]), geo, log=False, hf_config=path)
+    msg = str(exc.value).lower()
+    assert all(any(w.lower() in msg for w in group) for group in BAD_INPUT_EXPECT[case]), msg
+
+    model = checkpoints.load_hf(path, "cpu")
+    seq = checkpoints.random_prompt(48, 7, vocab=256)
+    ident = RotationSet.load(files["identity"])
+    full_cfg = OscarConfig(sink_tokens=len(seq))
+    bf16 = oracle.teacher_forced_logprobs(model, [seq])[0]
+    full = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=full_cfg)[0]
+    quant = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=OscarConfig(sink_tokens=4, recent_tokens=8))[0]
+    same, q = client.abs_diff_stats(bf16, full), client.abs_diff_stats(bf16, quant)
+    assert same["mean"] < 1e-2 and same["max"] < 5e-2
+    assert q["mean"] > 5 * same["mean"] and q["mean"] > 1e-2
+    ids = torch.tensor([seq])
+    with torch.no_grad(), attention_override(m32, lambda call: None):  # observe only: the model's own attention
+        observed = m32(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(observed, m32(input_ids=ids, use_cache=False).logits, atol=1e-5)
+    if name == "gpt_oss":  # the handler passes the layer's sinks: without them the oracle is far off
+        handler = oracle.oracle_handler(ident, full_cfg, len(seq))
+        seen = []
+
+        def no_sinks(call):
+            seen.append(call.sinks is not None and torch.equal(call.sinks, call.module.sinks))
+            call.sinks, call.module = None, object()
+            return handler(call)
+
+        with torch.no_grad(), attention_override(model, no_sinks):
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+        assert seen == [True, True] and client.abs_diff_stats(bf16, lp)["mean"] > 10 * same["mean"]

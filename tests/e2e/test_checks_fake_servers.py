@@ -181,3 +181,26 @@ def test_check_f_per_pool_ratios(tmp_path):
     res["gemma4-sizing-int2"]["pools"]["swa"] = 4000
     assert check_fg._pool_ratios(run, res, "gemma4")[0] is False
     assert check_fg._pool_ratios(run, {"gemma4-sizing-bf16": res["gemma4-sizing-bf16"]}, "gemma4") is None
+
+
+def test_check_f_hybrid_families(tmp_path):
+    """f on gpt_oss (hybrid SWA: both pools) and qwen3_next (one KV pool, pool ``kv``; SGLang's
+    mamba state pool reported from its log line, not judged)."""
+    log = ("max_total_num_tokens=5000\nMamba Cache is allocated. max_mamba_cache_size: 40, conv_state size: 0.01GB, "
+           "ssm_state size: 0.52GB \nMamba Cache is allocated. max_mamba_cache_size: 48, conv_state size: 0.02GB, "
+           "ssm_state size: 0.63GB intermediate_ssm_state_cache size: 0.00GB\n")
+    assert client.mamba_pool_from_log(log) == {"slots": 48, "conv_gb": 0.02, "ssm_gb": 0.63}
+    assert client.mamba_pool_from_log("max_total_num_tokens=9") is None
+    run = _run(tmp_path, [], "--families", "gpt_oss,qwen3_next", "--only", "f")
+    mamba = {"slots": 48, "conv_gb": 0.02, "ssm_gb": 0.63}
+    res = {"gpt_oss-sizing-bf16": {"pools": {"full": 1000, "swa": 800}},
+           "gpt_oss-sizing-int2": {"pools": {"full": 6000, "swa": 4800}},
+           "qwen3_next-sizing-bf16": {"pools": {"kv": 1000}, "mamba_pool": mamba},
+           "qwen3_next-sizing-int2": {"pools": {"kv": 6100}, "mamba_pool": mamba}}
+    ok, text = check_fg._pool_ratios(run, res, "gpt_oss")
+    assert ok and text == "gpt_oss: full pool int2 6000 / BF16 1000 = 6.00x, swa pool int2 4800 / BF16 800 = 6.00x"
+    ok, text = check_fg._pool_ratios(run, res, "qwen3_next")
+    assert ok and text == ("qwen3_next: kv pool int2 6100 / BF16 1000 = 6.10x; mamba pool int2 48 slots (conv 0.02 GB, "
+                           "ssm 0.63 GB), BF16 48 slots (conv 0.02 GB, ssm 0.63 GB)")
+    del res["qwen3_next-sizing-bf16"]["mamba_pool"]
+    assert check_fg._pool_ratios(run, res, "qwen3_next")[1].endswith("BF16 not logged")

@@ -253,3 +253,49 @@ def test_families_option_servers_and_dry_run(tmp_path, capsys):
     assert any(h.startswith("# gemma4-int2-full [b]") for h in heads) and any("one-head-dim" in h for h in heads)
     cmds = [shlex.split(ln) for ln in out if not ln.startswith("# ")]
     assert {c[c.index("--model-path") + 1].rsplit("-", 1)[-1] for c in cmds} == {"gemma3", "gemma4"}
+
+
+def test_sink_and_hybrid_families_servers_and_dry_run(tmp_path, capsys):
+    """--families gpt_oss,qwen3_next: every check's servers per family (no config remap), the
+    generic bad launches on qwen3_next (SGLang asserts its own backend list for GPT-OSS), each
+    family's own bad rotation (gpt_oss centred, qwen3_next linear layers), a sizing pair per family
+    for f; c leads with a prompt 4x the window on gpt_oss only."""
+    from .run import needed_models
+
+    fams = ("gpt_oss", "qwen3_next")
+    args = config.parse_args(["--only", "a,b,c,d,e,f,i", "--families", ",".join(fams), "--out", str(tmp_path)])
+    assert config.main_families(args) == list(fams) and needed_models(args.checks, args.families) == list(fams)
+    assert config.c_prompt_lens(args, "gpt_oss") == [4 * config.SWA_WINDOW, 1024, 1800]
+    assert config.c_prompt_lens(args, "qwen3_next") == [1024, 1800]
+    rot = {f"{m}:{k}": f"/r/{m}_{k}" for m in fams for k in ("layer", "head", "identity", "mismatch")}
+    rot.update({"gpt_oss:centred": "/r/gpt_oss_centred", "qwen3_next:linear": "/r/qwen3_next_linear"})
+    specs = servers.server_specs(args, rot)
+    by = {s.name: s for s in specs}
+    assert len(by) == len(specs) and len({s.port for s in specs}) == len(specs)
+    for m in fams:
+        for suffix in ("plugin-off", "bf16", "int2-full", "int2-layer", "int2-head", "int2-layer-chunk64",
+                       "int2-layer-eager", "int2-load", "bf16-load", "sizing-bf16", "sizing-int2"):
+            assert by[f"{m}-{suffix}"].model == m, suffix
+        assert by[f"{m}-sizing-int2"].phase == 2 and by[f"{m}-sizing-int2"].checks == "f"
+    assert not any("--json-model-override-args" in s.args for s in specs)
+    bad = {s.name: s for s in specs if s.expect_fail}
+    assert set(bad) == {"bad-rotation-other-model", "bad-rotation-missing", "bad-group-size", "bad-flag-flashinfer",
+                        "bad-flag-dp-attention", "gpt_oss-bad-rotation-other-model", "gpt_oss-bad-rotation-centred",
+                        "bad-rotation-linear-layers"}  # qwen3_next's cases: no prefix (the generic family)
+    assert bad["bad-group-size"].model == bad["bad-rotation-linear-layers"].model == "qwen3_next"  # not gpt_oss
+    for name, key in (("gpt_oss-bad-rotation-centred", "gpt_oss:centred"), ("bad-rotation-linear-layers", "qwen3_next:linear")):
+        s = bad[name]
+        assert s.case == name.replace("gpt_oss-", "") and s.args[s.args.index("--oscar-rotation") + 1] == rot[key]
+    alone = {s.name for s in servers.server_specs(config.parse_args(["--only", "i", "--families", "gpt_oss"]), rot)}
+    assert alone == {"bad-rotation-other-model", "bad-rotation-missing", "bad-group-size", "bad-flag-dp-attention",
+                     "bad-rotation-centred"}  # no flashinfer case: SGLang refuses it for GPT-OSS itself
+    assert entry.main(["--dry-run", "--only", "b,f,i", "--families", ",".join(fams), "--python", "py"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in out if ln.startswith("# ")]
+    for h in ("# gpt_oss-int2-full [b]", "# qwen3_next-sizing-int2 [f]", "# gpt_oss-bad-rotation-centred [i]",
+              "# bad-rotation-linear-layers [i]"):
+        assert any(x.startswith(h) for x in heads), h
+    cmds = [shlex.split(ln) for ln in out if not ln.startswith("# ")]
+    assert {c[c.index("--model-path") + 1].rsplit("-", 1)[-1] for c in cmds} == set(fams)
+    assert any(c[c.index("--oscar-rotation") + 1].endswith("rot-gpt_oss/rot_centred.safetensors")
+               for c in cmds if "--oscar-rotation" in c)

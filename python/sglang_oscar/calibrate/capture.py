@@ -12,7 +12,13 @@ and routes every call to a handler. The handler sees an :class:`AttentionCall` a
 ``None`` (observe only: the model's own attention runs) or the attention output
 ``[B, T, H_q, D_v]`` (replace). All heads of a layer are in one call -- there is no
 tensor-parallel sharding in this path, so every kv head is seen. Observe-only calls run SDPA
-(or, with a logit softcap, the model's own ``eager_attention_forward``) on the model's mask.
+(or, with a logit softcap or attention sinks, the model's own ``eager_attention_forward``) on the
+model's mask.
+
+Attention sinks: GPT-OSS passes its learned per-head sink logits as ``s_aux=module.sinks``
+(transformers 5.12 ``GptOssAttention.forward``); SDPA would drop them silently, so such calls
+run the model's eager attention (which adds the sinks to the softmax denominator), and the call
+carries them (``AttentionCall.sinks``) for handlers that replace attention.
 
 Sparse attention: under a custom implementation DSA models (GLM-5.x, DeepSeek-V3.2) pass their
 top-k key selection as ``indices=`` instead of folding it into the mask; it is folded here
@@ -54,6 +60,8 @@ class AttentionCall:
         sparse_dropped: (query, key) pairs that a sparse-attention key selection (DSA top-k
             ``indices``, folded into ``attention_mask``) removes from the causally visible ones;
             0 for dense attention. The reference oracle computes dense attention only.
+        sinks: learned attention-sink logits ``[H_q]`` (GPT-OSS's ``s_aux``), else ``None``: one
+            extra logit per query head in the softmax denominator, no value row.
     """
 
     module: torch.nn.Module
@@ -66,6 +74,7 @@ class AttentionCall:
     sliding_window: int | None
     softcap: float | None
     sparse_dropped: int = 0
+    sinks: torch.Tensor | None = None
 
     def rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q [T, H_q, D], k [T, H_kv, D], v [T, H_kv, D_v])`` of batch row ``b``."""
@@ -77,6 +86,7 @@ class AttentionCall:
 # instead, but under a custom attention implementation the models pass these.
 TOPK_INDICES_KWARG = "indices"  # DeepSeek Sparse Attention (GLM-5.x GlmMoeDsa, DeepSeek-V3.2): [B, S, topk]
 BLOCK_INDICES_KWARG = "block_indices"  # MiniMax-M3 block-sparse (MSA) selection
+SINKS_KWARG = "s_aux"  # GPT-OSS learned attention-sink logits [H_q] (transformers 5.12)
 
 
 def _visible(attention_mask: torch.Tensor | None, t_q: int, t_k: int, device) -> torch.Tensor:
@@ -114,14 +124,15 @@ def fold_topk_indices(attention_mask: torch.Tensor | None, indices: torch.Tensor
 
 def _eager_with_softcap(module, query, key, value, attention_mask, scaling, softcap, dropout, **kwargs):
     """The model's own eager attention (``eager_attention_forward`` of its modeling module; SDPA
-    has no logit softcap), with the mask given to it in the additive form it expects."""
+    has no logit softcap and no attention sinks), with the mask given to it in the additive form
+    it expects."""
     import sys
 
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         raise CalibrationError(
-            f"unsupported architecture: {type(module).__name__} uses a logit softcap but its modeling module has no "
-            "eager_attention_forward to compute it"
+            f"unsupported architecture: {type(module).__name__} uses a logit softcap or attention sinks but its "
+            "modeling module has no eager_attention_forward to compute it"
         )
     visible = _visible(attention_mask, query.shape[2], key.shape[2], query.device)
     additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -142,6 +153,7 @@ def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout: 
             "sparse attention is not supported by calibrate/error/ppl yet"
         )
     indices = kwargs.pop(TOPK_INDICES_KWARG, None)
+    sinks = kwargs.get(SINKS_KWARG)
     dropped = 0
     if indices is not None:
         attention_mask, dropped = fold_topk_indices(attention_mask, indices, query.shape[2], key.shape[2])
@@ -153,11 +165,11 @@ def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout: 
                 "so its calls cannot be mapped to layers"
             )
         call = AttentionCall(module, int(layer_id), query, key, value, attention_mask, float(scaling),
-                             kwargs.get("sliding_window"), softcap, dropped)
+                             kwargs.get("sliding_window"), softcap, dropped, sinks)
         out = _HANDLERS[-1](call)
         if out is not None:
             return out, None
-    if softcap:
+    if softcap or sinks is not None:
         return _eager_with_softcap(module, query, key, value, attention_mask, scaling, softcap, dropout, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
