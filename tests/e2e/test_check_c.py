@@ -119,12 +119,12 @@ class _FakeServer:
 
 
 def _identity_c_run(family: str, path: str, out, argv: list) -> Run:
-    """A Run of check c (``argv`` after ``--only c --c-fp32``) on ``family``'s checkpoint at ``path`` with
-    identity rotation files, its references from precompute()."""
+    """A Run of check c (``argv`` after ``--only c``) on ``family``'s checkpoint at ``path`` with identity
+    rotation files, its references from precompute()."""
     from sglang_oscar.calibrate.model import geometry_of
     from sglang_oscar.rotation import RotationSet
 
-    run = Run(config.parse_args(["--only", "c", "--c-fp32", "--out", str(out / "out"), *argv]))
+    run = Run(config.parse_args(["--only", "c", "--out", str(out / "out"), *argv]))
     run.models[family] = path
     run.hf[family] = checkpoints.load_hf(path, "cpu")
     ident = RotationSet.data_free(geometry_of(run.hf[family].config), "identity")
@@ -140,7 +140,7 @@ def c_run(tiny_qwen3, tmp_path_factory):
     """A Run of check c with --c-fp32 on the tiny checkpoint: references from precompute()."""
     path, _ = tiny_qwen3
     return _identity_c_run("qwen3", path, tmp_path_factory.mktemp("c_run"),
-                           ["--c-prompt-lens", "40,64", "--c-decode-tokens", "4"])
+                           ["--c-fp32", "--c-prompt-lens", "40,64", "--c-decode-tokens", "4"])
 
 
 def _c_servers(run, fp32_hp=torch.float32):
@@ -209,7 +209,7 @@ def test_check_c_on_a_sliding_window_family(tmp_path):
 
     path = str(tmp_path / "g4")
     checkpoints.build_checkpoint("gemma4", path, seed=3, **TINY_SWA)
-    run = _identity_c_run("gemma4", path, tmp_path, ["--families", "gemma4", "--c-prompt-lens", "40",
+    run = _identity_c_run("gemma4", path, tmp_path, ["--c-fp32", "--families", "gemma4", "--c-prompt-lens", "40",
                                                      "--c-decode-tokens", "2"])
     d = run.fdata("gemma4")
     assert [len(p) for p in d["c_prompts"]] == [4 * config.SWA_WINDOW, 40] and "c_prompts" not in run.data
@@ -233,21 +233,9 @@ def test_check_c_on_sink_and_hybrid_families(tiny_family, tmp_path, monkeypatch,
     sliding-window family, leads with a prompt 4x the window: the tiny model's window 16 here) with
     the oracle on its attention layers (GPT-OSS: with the layers' sinks), and check c compares the
     family's servers with them."""
-    from sglang_oscar.calibrate.model import geometry_of
-    from sglang_oscar.rotation import RotationSet
-
     path, _ = tiny_family(name)
     monkeypatch.setattr(config, "SWA_WINDOW", 16)  # TINY_SWA's window: a 64-token lead prompt
-    args = config.parse_args(["--only", "c", "--families", name, "--out", str(tmp_path / "out"),
-                              "--c-prompt-lens", "40", "--c-decode-tokens", "2"])
-    run = Run(args)
-    run.models[name] = path
-    run.hf[name] = checkpoints.load_hf(path, "cpu")
-    ident = RotationSet.data_free(geometry_of(run.hf[name].config), "identity")
-    for kind in ("layer", "head"):
-        run.rot[f"{name}:{kind}"] = str(tmp_path / f"rot_{kind}.safetensors")
-        ident.save(run.rot[f"{name}:{kind}"])
-    precompute(run)
+    run = _identity_c_run(name, path, tmp_path, ["--families", name, "--c-prompt-lens", "40", "--c-decode-tokens", "2"])
     d = run.fdata(name)
     assert [len(p) for p in d["c_prompts"]] == ([4 * config.SWA_WINDOW] if name == "gpt_oss" else []) + [40]
     cfg = run.data["c_config"]
