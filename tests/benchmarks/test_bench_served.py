@@ -228,7 +228,7 @@ import http.server, json, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
 kv = sys.argv[sys.argv.index("--kv-cache-dtype") + 1]
 pool = {"auto": 300000, "fp8_e4m3": 600000, "int2": 2100000}[kv]
-rate = {"auto": 0.004, "fp8_e4m3": 0.003, "int2": 0.002}[kv]
+rate = {"auto": 0.008, "fp8_e4m3": 0.004, "int2": 0.002}[kv]
 print(f"max_total_num_tokens={pool}", flush=True)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -268,11 +268,12 @@ def test_run_with_fake_servers(tmp_path, capsys, monkeypatch):
     assert by["int2"]["capacity"]["max_total_num_tokens"] == 2100000
     assert by["int2"]["capacity"]["concurrent"]["128K"] == 2100000 // (131072 + 16)
     runs = {(r["context"], r["batch"]): r for r in by["int2"]["runs"]}
-    assert runs[(131072, 8)]["status"] == "ok" and runs[(32768, 1)]["kind"] == "ttft"
+    # "ok" or "ok (short decode window)": on a loaded box 8 streams may overlap for few steps
+    assert runs[(131072, 8)]["status"].startswith("ok") and runs[(32768, 1)]["kind"] == "ttft"
     assert {(r["context"], r["batch"]): r["status"] for r in by["bf16"]["runs"]}[(131072, 8)].startswith(
         "skip: does not fit (pool 300000")
     bf16 = {(r["context"], r["batch"]): r for r in by["bf16"]["runs"]}
-    assert runs[(8192, 8)]["decode_tok_s"] > bf16[(8192, 8)]["decode_tok_s"] > 0  # fake steps: 2 vs 4 ms
+    assert runs[(8192, 8)]["decode_tok_s"] > bf16[(8192, 8)]["decode_tok_s"] > 0  # fake steps: 2 vs 8 ms
     assert (tmp_path / "work" / "qwen3-8b" / "config.json").exists()
     assert "| int2 |" in (out / "results.md").read_text()
     assert (out / "logs.tgz").exists()
