@@ -3,7 +3,8 @@
 #   bash device/e2e.sh [--only a,b,c] [--tp2] [more options of python -m tests.e2e]
 #   e.g. bash device/e2e.sh --only b,d,g --server-args=--disable-prefill-cuda-graph
 # Sets up sglang and the plugin's entry point (device/env.sh), then runs `python -m tests.e2e`;
-# logs, e2e.json and e2e.md go to $OUT (default /tmp/oscar_e2e), checkpoints to ${OUT}_work.
+# e2e.json, e2e.md and the server logs (as logs.tgz: a device call returns at most 8 files) go to $OUT
+# (default /tmp/oscar_e2e), checkpoints to ${OUT}_work.
 # Exit code: the harness's (1 if a selected check did not pass).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,3 +16,7 @@ PY="${PYTHON:-python3}"
 "$PY" -c "import sglang_oscar, sys; print('sglang_oscar from', sglang_oscar.__file__, '| python', sys.version.split()[0])"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total,compute_mode --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
 "$PY" -m tests.e2e --out "$OUT" --python "$(command -v "$PY")" "$@"
+rc=$?
+# a device call returns at most 8 files from $OUT: the server logs travel as one archive
+if [ -d "$OUT/logs" ]; then tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"; fi
+exit $rc
