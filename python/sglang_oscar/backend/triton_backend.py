@@ -207,11 +207,10 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self._hp_rows = self.windows.assign(fb.out_cache_loc, pos, req, end)
         self.windows.refresh(fb.req_pool_indices, self._int2_req_to_token)
         if self._swa_table is not None:
-            self._swa_loc = self.pool.full_to_swa_index_mapping[fb.out_cache_loc.long()]
             extend = fb.forward_mode.is_extend()
-            self.pool.update_swa_table(self._swa_table, self._int2_req_to_token, req, pos, fb.out_cache_loc,
-                                       self._swa_window, fb.req_pool_indices if extend else None,
-                                       fb.extend_prefix_lens if extend else None)
+            self._swa_loc = self.pool.update_swa_table(
+                self._swa_table, self._int2_req_to_token, req, pos, fb.out_cache_loc, self._swa_window,
+                fb.req_pool_indices if extend else None, fb.extend_prefix_lens if extend else None)
 
     def _windows_out_of_graph(self) -> None:
         self.windows.process_releases()

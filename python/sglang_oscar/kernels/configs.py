@@ -193,14 +193,11 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     hi = max(layout.k.head_dim, layout.v.head_dim)
     lo = min(layout.k.head_dim, layout.v.head_dim)
     many = pairs is not None and pairs >= STAGES1_MIN_PAIRS
-    cfg = _default_triton(hi, lo, extend, many, interpreting())
-    if not extend and hi > 256 and mma_dtype == torch.float32 and cfg.num_stages > 1:
-        cfg = dataclasses.replace(cfg, num_stages=1)
-    return cfg
+    return _default_triton(hi, lo, extend, many, interpreting(), mma_dtype == torch.float32)
 
 
 @functools.lru_cache(maxsize=64)
-def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool) -> TritonConfig:
+def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp32: bool) -> TritonConfig:
     small = not _permutable_head_dim(lo)
     # decode with K and V head_dim in 65-128: the timed fast path (prefetch, stages by pairs, deferred sums)
     fast = not extend and not small and hi <= 128
@@ -216,8 +213,10 @@ def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool) ->
     if extend:
         return TritonConfig(block_n=64, block_m=64, num_warps=4, num_stages=2, min_block_h=16, convert=convert,
                             pairs_ahead=False, defer_sums=False)
-    return TritonConfig(block_n=32 if hi <= 128 else 64, num_warps=max(1, hi // 128), num_stages=1 if many else 2,
-                        min_block_h=8, convert=convert, pairs_ahead=fast, defer_sums=defer)
+    one_stage = many or (fp32 and hi > 256)  # two fp32 stages at head_dim 512 need 281 KB of shared memory
+    return TritonConfig(block_n=32 if hi <= 128 else 64, num_warps=max(1, hi // 128),
+                        num_stages=1 if one_stage else 2, min_block_h=8, convert=convert, pairs_ahead=fast,
+                        defer_sums=defer)
 
 
 def effective_convert(convert: int, op: torch.dtype, permuting_ok: bool, subnormal_ok: bool = False) -> int:

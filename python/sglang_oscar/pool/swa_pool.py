@@ -132,7 +132,7 @@ class OscarSWAKVPool(SWAKVPool):
     def update_swa_table(self, table: torch.Tensor, req_to_token: torch.Tensor, new_req: torch.Tensor,
                          new_pos: torch.Tensor, new_loc: torch.Tensor, window: int,
                          req_pool_indices: torch.Tensor | None = None,
-                         prefix_lens: torch.Tensor | None = None) -> None:
+                         prefix_lens: torch.Tensor | None = None) -> torch.Tensor:
         """Write the sliding-pool slots the kernels read into ``table`` (static shapes, no sync).
 
         Args:
@@ -143,12 +143,16 @@ class OscarSWAKVPool(SWAKVPool):
             window: the largest sliding window of the model's layers (keys, HF convention).
             req_pool_indices, prefix_lens: int ``[B]`` (extend only): the ``window`` positions
                 before each request's chunk are (re)written too.
+
+        Returns:
+            int64 ``[N]``: the new tokens' sliding-pool slots (where the sliding layers write them).
         """
         cols = table.shape[1] - 1
         mapping = self.full_to_swa_index_mapping
-        table[new_req.long(), new_pos.long()] = mapping[new_loc.long()].to(torch.int32)
+        new_swa = mapping[new_loc.long()]
+        table[new_req.long(), new_pos.long()] = new_swa.to(torch.int32)
         if req_pool_indices is None or prefix_lens is None or window <= 0:
-            return
+            return new_swa
         offs = torch.arange(window, device=table.device)
         pos = prefix_lens.long()[:, None] - window + offs[None, :]
         req = req_pool_indices.long()[:, None].expand_as(pos)
@@ -156,3 +160,4 @@ class OscarSWAKVPool(SWAKVPool):
         full = req_to_token[req, pos.clamp(min=0)].long()
         swa = mapping[full].to(torch.int32)
         table[req, torch.where(ok, pos, torch.full_like(pos, cols))] = torch.where(ok, swa, torch.zeros_like(swa))
+        return new_swa
