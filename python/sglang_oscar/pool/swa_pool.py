@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from ..kernels.layout import Int2Layout
 from .int2_pool import OscarMHATokenToKVPool
+from .sizing import hp_row_bytes
 from .windows import HPWindows
 
 
@@ -115,7 +116,7 @@ class OscarSWAKVPool(SWAKVPool):
         """Bytes of one token over ``(full, sliding)`` layers (K + V, all local kv heads): INT2, or
         BF16 for the kind ``skip`` names."""
         return tuple(p.int2_bytes_per_token() if isinstance(p, OscarMHATokenToKVPool)
-                     else p.layer_num * p.head_num * (p.head_dim + p.v_head_dim) * p.store_dtype.itemsize
+                     else hp_row_bytes(p.head_num, p.head_dim, p.v_head_dim, p.layer_num, p.store_dtype)
                      for p in (self.full_kv_pool, self.swa_kv_pool))
 
     def hp_bytes(self) -> int:
