@@ -7,16 +7,19 @@ from .client import compare_generations
 from .config import B_SINK, FAIL, PASS
 from .results import CheckError, CheckResult
 from .run import Run
+from .servers import b_baseline
 
 
 def check_b(run: Run) -> CheckResult:
-    """``<model>-bf16`` vs ``<model>-int2-full`` per family: every prompt's greedy tokens equal (a family
-    whose servers are down is a FAIL that does not hide the other families' results)."""
+    """BF16 (:func:`~.servers.b_baseline`: a sliding-window family's BF16 server decodes over the
+    same ``W`` keys as INT2 and transformers, :mod:`.window_shim`) vs ``<model>-int2-full`` per
+    family: every prompt's greedy tokens equal (a family whose servers are down is a FAIL that
+    does not hide the other families' results)."""
     n = run.args.greedy_tokens
     per_model, parts, ok = {}, [], True
     for m in run.args.families:
         try:
-            bf, i2 = run.need(f"{m}-bf16"), run.need(f"{m}-int2-full")
+            bf, i2 = run.need(b_baseline(m)), run.need(f"{m}-int2-full")
         except CheckError as exc:
             if len(run.args.families) == 1:
                 raise

@@ -24,7 +24,8 @@ def _c_against_oracle(run: Run, server: str, model, kind: str, dtype: str, famil
     import torch
 
     d = run.fdata(family)
-    args, cfg, prompts = run.args, run.data["c_config"], d["c_prompts"]
+    args, prompts = run.args, d["c_prompts"]
+    cfg = run.data["c_config" if dtype == "bf16" else "c_config_fp32"]
     hp = torch.float32 if dtype == "fp32" else None  # None: the oracle's BF16 HP tier
     oracle = d[f"c_oracle_{kind}" if dtype == "bf16" else f"c_oracle_fp32_{kind}"]
     plain = d[f"c_hf_{dtype}"]

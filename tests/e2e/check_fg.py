@@ -99,7 +99,7 @@ def check_fg(run: Run) -> None:
         text = ("max_total_num_tokens per pool: " + "; ".join(p[1] for p in done.values())
                 + (f"; not measured: {', '.join(missing)} ({errors or 'tokens not found'})" if missing else "")
                 + f" (target >= {run.args.memory_target:g}x each; --mem-fraction-static {run.args.sizing_mem_fraction:g}, "
-                  "group 128, fp16 scales)")
+                  "group 128 (or the head_dim if smaller), fp16 scales)")
         status = PASS if ok else (FAIL if done or not errors else unevaluated_status(errors))
         run.record(CheckResult("f", status, text, {"long": res, "errors": errors}))
     elif "f" in ch:
@@ -108,7 +108,7 @@ def check_fg(run: Run) -> None:
             ratio = i2 / bf
             r = CheckResult("f", PASS if ratio >= run.args.memory_target else FAIL,
                             f"max_total_num_tokens int2 {i2} / BF16 {bf} = {ratio:.2f}x (target >= {run.args.memory_target:g}x; "
-                            f"--mem-fraction-static {run.args.sizing_mem_fraction:g}, group 128, fp16 scales)",
+                            f"--mem-fraction-static {run.args.sizing_mem_fraction:g}, group 128 (or the head_dim if smaller), fp16 scales)",
                             {"long": res, "errors": errors})
         else:
             r = CheckResult("f", unevaluated_status(errors),

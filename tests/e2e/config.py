@@ -54,6 +54,12 @@ SWA_WINDOW = 64  # HF sliding_window of the sliding-window families (key j visib
 
 # Oracle / server settings of the quantizing checks (c, d, h).
 C_SINK, C_RECENT = 16, 32
+# Check c's --dtype float32 servers and their oracle store (scale, zero) in fp32: a one-ulp change
+# of a row's min/max flips the fp16 rounding of its pair, and on the sharpened tiny checkpoints the
+# flipped codes cascade through the layers to ~0.02 mean |d logprob| (Gemma-4's oracle against
+# itself with K/V perturbed by 1e-7 relative), the check's tolerance. fp32 pairs keep that floor
+# near 0.004; the served default (fp16 pairs) is what the BF16 servers and the kernel tests check.
+C_FP32_SCALE_DTYPE = "float32"
 # Windows that cover every position of check b's sequences (prompt + generated <= B_SINK).
 B_SINK, B_RECENT = 1024, 64
 

@@ -163,16 +163,35 @@ def causal_lm_class(name: str):
             "gpt_oss": tf.GptOssForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[name]
 
 
-def sglang_override_args(name: str) -> list[str]:
-    """Extra server flags a family needs: ``gemma4`` gets ``--json-model-override-args`` with the
+# Recurrent-state slots per running request of a linear-attention server that shares the GPU:
+# SGLang needs max_running x (3 + up to 2 ping-pong) slots (kv_cache_configurator.py:101-104).
+STATE_SLOTS_PER_REQUEST = 8
+
+
+def sglang_override_args(name: str, *, max_running: int | None = None) -> list[str]:
+    """Extra server flags a family needs. ``gemma4``: ``--json-model-override-args`` with the
     remap SGLang 0.5.16 applies to Gemma-4 *multimodal* configs only (``model_type`` ``gemma4``,
     ``srt/utils/hf_transformers/config.py:159-185``: base keys = full layers, ``swa_*`` = sliding);
     a transformers-saved Gemma4ForCausalLM (``gemma4_text``) is not remapped, so SGLang would build
-    its full layers with the sliding head_dim and kv heads (and fail to load ``q_proj``)."""
+    its full layers with the sliding head_dim and kv heads (and fail to load ``q_proj``).
+    ``qwen3_next`` with ``max_running`` (a server started beside others on one GPU):
+    ``--max-mamba-cache-size`` of :data:`STATE_SLOTS_PER_REQUEST` per request. Without it SGLang
+    gives the state pool a share of all memory free when it profiles, which servers starting at
+    the same time take from each other ("Not enough GPU memory for hybrid ... state cache")."""
+    if name == "qwen3_next" and max_running:
+        return ["--max-mamba-cache-size", str(STATE_SLOTS_PER_REQUEST * max_running)]
     if name != "gemma4":
         return []
     return ["--json-model-override-args", json.dumps(sglang_override_for(name, model_config(name)),
                                                       separators=(",", ":"))]
+
+
+def sizing_group_size(name: str) -> int:
+    """``--kv-cache-quant-group-size`` of check f's sizing servers: 128, or the family's smallest
+    head_dim when that is smaller (gpt_oss: 64), since a group never spans two rows."""
+    cfg = model_config(name)
+    dims = [cfg.head_dim] + ([cfg.global_head_dim] if getattr(cfg, "global_head_dim", None) else [])
+    return min([128] + dims)
 
 
 def sglang_override_for(name: str, cfg) -> dict:

@@ -8,7 +8,9 @@ fp32 to flashinfer's ``rmsnorm`` (compiled for fp16/bf16 only: "failed to dispat
 Float"). These servers therefore load a second, harness-only SGLang plugin (entry point
 ``oscar_e2e_fp32``, :func:`fp32_shim_register`, made discoverable by a dist-info folder on their
 PYTHONPATH) that routes fp32 inputs of RMSNorm, SiluAndMul and RoPE to their PyTorch
-``forward_native`` and skips the JIT fused QK-norm (``static_assert`` fp16/bf16) for fp32.
+``forward_native``, skips the JIT fused QK-norm (``static_assert`` fp16/bf16) for fp32, and
+builds GPT-OSS's attention and router weights in fp32 (SGLang takes their dtype from the
+checkpoint's config). The same folder carries :mod:`.window_shim`, check b's BF16 baseline plugin.
 
 :func:`write_fp32_shim` copies this file next to the dist-info as the top-level module
 ``oscar_e2e_fp32_shim`` that the server processes import, so it imports nothing of the harness.
@@ -65,6 +67,19 @@ def _no_fp32_jit_qknorm(original_fn, head_dim, dtype, *args, **kwargs):
     return original_fn(head_dim, dtype, *args, **kwargs)
 
 
+def _gpt_oss_weights_in_default_dtype(original_fn, self, config, *args, **kwargs):
+    """AROUND hook of ``GptOssForCausalLM.__init__``: SGLang builds GPT-OSS's attention and router
+    weights in ``config.dtype`` (the checkpoint's bf16, ``gpt_oss.py:249,522``) whatever ``--dtype``
+    says, so a ``--dtype float32`` server multiplies fp32 activations by bf16 weights and fails
+    ("mat1 and mat2 must have the same dtype"). Under an fp32 default dtype (SGLang's loader sets
+    ``--dtype`` as the default while it builds the model) the config follows it."""
+    import torch
+
+    if torch.get_default_dtype() == torch.float32 and getattr(config, "dtype", None) in (torch.bfloat16, torch.float16):
+        config.dtype = torch.float32
+    return original_fn(self, config, *args, **kwargs)
+
+
 FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", _fp32_native),
     ("sglang.srt.layers.activation.SiluAndMul.forward_cuda", _fp32_native),
@@ -75,6 +90,7 @@ FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.activation.GeluAndMul.forward_cuda", _fp32_native),
     ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_cuda", _fp32_native_rope),
     ("sglang.jit_kernel.norm.can_use_fused_inplace_qknorm", _no_fp32_jit_qknorm),
+    ("sglang.srt.models.gpt_oss.GptOssForCausalLM.__init__", _gpt_oss_weights_in_default_dtype),
 )
 
 
@@ -93,16 +109,22 @@ def fp32_shim_dir(work: str) -> str:
 
 
 def write_fp32_shim(path: str) -> str:
-    """A minimal ``oscar_e2e_fp32-0.dist-info`` (METADATA + entry_points.txt) under ``path`` and
-    this file as ``path/oscar_e2e_fp32_shim.py``, which make :func:`fp32_shim_register` an
-    ``sglang.srt.plugins`` entry point for a process with ``path`` on its PYTHONPATH; returns ``path``."""
+    """A minimal ``oscar_e2e_fp32-0.dist-info`` (METADATA + entry_points.txt) under ``path``, this
+    file as ``path/oscar_e2e_fp32_shim.py`` and :mod:`.window_shim` as
+    ``path/oscar_e2e_window_shim.py``, which make :func:`fp32_shim_register` and
+    ``hf_window_register`` ``sglang.srt.plugins`` entry points of a process with ``path`` on its
+    PYTHONPATH; returns ``path``."""
+    from . import window_shim
+
     info = os.path.join(path, f"{FP32_SHIM_ENTRY}-0.dist-info")
     os.makedirs(info, exist_ok=True)
     shutil.copyfile(os.path.abspath(__file__), os.path.join(path, f"{FP32_SHIM_MODULE}.py"))
+    shutil.copyfile(os.path.abspath(window_shim.__file__), os.path.join(path, f"{window_shim.WINDOW_SHIM_MODULE}.py"))
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write(f"Metadata-Version: 2.1\nName: {FP32_SHIM_ENTRY}\nVersion: 0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write(f"[sglang.srt.plugins]\n{FP32_SHIM_ENTRY} = {FP32_SHIM_VALUE}\n")
+        f.write(f"[sglang.srt.plugins]\n{FP32_SHIM_ENTRY} = {FP32_SHIM_VALUE}\n"
+                f"{window_shim.WINDOW_SHIM_ENTRY} = {window_shim.WINDOW_SHIM_MODULE}:hf_window_register\n")
     return path
 
 
@@ -110,5 +132,17 @@ def fp32_server_env(work: str) -> dict[str, str]:
     """Environment of the fp32 servers: the shim's folder (:func:`write_fp32_shim`) first on
     PYTHONPATH, and ``TRITON_F32_DEFAULT=ieee`` so that no Triton ``tl.dot`` on fp32 operands
     silently runs in TF32 (the INT2 kernels already ask for IEEE)."""
+    return {"PYTHONPATH": _shim_path(work), "TRITON_F32_DEFAULT": "ieee"}
+
+
+def hf_window_server_env(work: str) -> dict[str, str]:
+    """Environment of check b's BF16 baseline of a sliding-window family: the shim's folder first
+    on PYTHONPATH and ``OSCAR_E2E_HF_WINDOW=1`` (:mod:`.window_shim`)."""
+    from .window_shim import WINDOW_ENV
+
+    return {"PYTHONPATH": _shim_path(work), WINDOW_ENV: "1"}
+
+
+def _shim_path(work: str) -> str:
     parts = [fp32_shim_dir(work)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(parts)), "TRITON_F32_DEFAULT": "ieee"}
+    return os.pathsep.join(dict.fromkeys(parts))

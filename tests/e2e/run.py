@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
-from .config import (BUDGET_CUT, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SIZED_FAMILIES, SKIP, c_prompt_lens,
-                     main_families)
+from .config import (BUDGET_CUT, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SIZED_FAMILIES, SKIP,
+                     SWA_FAMILIES, c_prompt_lens, main_families)
 from .fp32_shim import fp32_shim_dir, write_fp32_shim
 from .oracle import screen_prompts, teacher_forced_logprobs
 from .results import CheckError, CheckResult, write_results
@@ -209,8 +209,8 @@ def prepare(run: Run) -> None:
             path = os.path.join(args.work, f"rot-{m}", "rot_identity.safetensors")
             RotationSet.data_free(geo, "identity").save(path)
             run.rot[f"{m}:identity"] = path
-    if "c" in ch and args.c_fp32:
-        run.meta["fp32_shim"] = write_fp32_shim(fp32_shim_dir(args.work))
+    if ("c" in ch and args.c_fp32) or ("b" in ch and set(args.families) & set(SWA_FAMILIES)):
+        run.meta["fp32_shim"] = write_fp32_shim(fp32_shim_dir(args.work))  # and check b's window shim
     run.timings["rotations"] = time.time() - t
     run.meta["rotations"] = dict(run.rot)
     run.log(f"rotation files: {', '.join(run.rot)} ({run.timings['rotations']:.0f} s)")
@@ -228,6 +228,7 @@ def precompute(run: Run) -> None:
     n = args.greedy_tokens
     cfg = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT)
     run.data["c_config"] = cfg
+    run.data["c_config_fp32"] = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT, scale_dtype=C_FP32_SCALE_DTYPE)
     main = main_families(args)
     for m in [m for m in args.families if ("b" in ch) or (m in main and "a" in ch)]:
         model = run.hf.get(m) or load_hf(run.models[m], run.device, fp32_head=args.fp32_lm_head)
@@ -275,6 +276,6 @@ def _precompute_family(run: Run, m: str, cfg) -> None:
         run.hf[f"{m}-fp32"] = q32
         d["c_hf_fp32"] = teacher_forced_logprobs(q32, prompts)
         for kind in ("layer", "head"):
-            d[f"c_oracle_fp32_{kind}"] = teacher_forced_logprobs(q32, prompts, rotation=d[f"c_rot_{kind}"], config=cfg,
-                                                                 hp_dtype=torch.float32)
+            d[f"c_oracle_fp32_{kind}"] = teacher_forced_logprobs(q32, prompts, rotation=d[f"c_rot_{kind}"],
+                                                                 config=run.data["c_config_fp32"], hp_dtype=torch.float32)
     del q32

@@ -16,10 +16,10 @@ from typing import Any
 from sglang_oscar.serving_launcher import LaunchError, ServerProcess
 
 from .client import http_json, last_error
-from .config import (B_RECENT, B_SINK, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS, OWN_BACKEND_ASSERT, ROOT, SIZED_FAMILIES,
-                     main_families)
-from .families import sglang_override_args
-from .fp32_shim import C_FP32_SERVERS, fp32_name, fp32_server_env
+from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS, OWN_BACKEND_ASSERT,
+                     ROOT, SIZED_FAMILIES, SWA_FAMILIES, main_families)
+from .families import sglang_override_args, sizing_group_size
+from .fp32_shim import C_FP32_SERVERS, fp32_name, fp32_server_env, hf_window_server_env
 
 
 @dataclasses.dataclass
@@ -70,7 +70,10 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
             add(ServerSpec(f"{q}-bf16", q, [], "a"))
     if "b" in ch:
         for m in args.families:
-            add(ServerSpec(f"{m}-bf16", m, [], "b"))
+            if m in SWA_FAMILIES:  # SGLang's BF16 decode reads W - 1 keys: a baseline with the W of HF and INT2
+                add(ServerSpec(b_baseline(m), m, [], "b", env=hf_window_server_env(args.work)))
+            else:
+                add(ServerSpec(b_baseline(m), m, [], "b"))
             add(ServerSpec(f"{m}-int2-full", m, i2 + ["--oscar-rotation", rot[f"{m}:identity"]] + b_win, "b",
                            max_running=8))
     for q in main:
@@ -105,12 +108,14 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
     sizing = [("long", "long-bf16", "long-int2")] if "g" in ch or ("f" in ch and "qwen3" in main) else []
     sizing += [(q, f"{q}-sizing-bf16", f"{q}-sizing-int2") for q in main if "f" in ch and q in SIZED_FAMILIES]
     for model, bf_name, i2_name in sizing:
-        for name, extra in ((bf_name, []), (i2_name, i2 + ["--kv-cache-quant-group-size", "128"])):
+        group = ["--kv-cache-quant-group-size", str(sizing_group_size(model))]
+        for name, extra in ((bf_name, []), (i2_name, i2 + group)):
             add(ServerSpec(name, model, extra, "".join(c for c in "fg" if c in ch and (c == "f" or model == "long")),
                            phase=2, mem_fraction=args.sizing_mem_fraction, pool_tokens=None, max_running=8))
     extra = (["--enable-fp32-lm-head"] if args.fp32_lm_head else []) + shlex.split(args.server_args or "")
     for i, s in enumerate(specs):
-        s.args = s.args + sglang_override_args(s.model) + extra
+        shared_gpu = s.phase == 1 and not s.expect_fail  # phase 1 starts together; phase 2 measures sizing alone
+        s.args = s.args + sglang_override_args(s.model, max_running=s.max_running if shared_gpu else None) + extra
         s.port = args.base_port + 10 * i
         if s.mem_fraction is None:
             s.mem_fraction = args.mem_fraction
@@ -130,8 +135,10 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
         add(ServerSpec(f"{q}-int2-head", q, i2r + [rot[f"{q}:head"]] + c_win, "ch" if q == "qwen3" else "c"))
     if "c" in ch and getattr(args, "c_fp32", False):  # c only: d and h keep the BF16 servers above
         f32, env32 = ["--dtype", "float32"], fp32_server_env(args.work)
+        pairs = ["--oscar-scale-dtype", C_FP32_SCALE_DTYPE]
         for kind in C_FP32_SERVERS:
-            add(ServerSpec(fp32_name(q, kind), q, i2r + [rot[f"{q}:{kind}"]] + c_win + f32, "c", env=dict(env32)))
+            add(ServerSpec(fp32_name(q, kind), q, i2r + [rot[f"{q}:{kind}"]] + c_win + f32 + pairs, "c",
+                           env=dict(env32)))
         add(ServerSpec(fp32_name(q), q, list(f32), "c", env=dict(env32)))
     if "d" in ch:
         add(ServerSpec(f"{q}-int2-layer-chunk64", q, i2r + [rot[f"{q}:layer"]] + c_win + ["--chunked-prefill-size", "64"],
@@ -143,6 +150,12 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
         for name, extra in ((f"{q}-int2-load", i2r[:-1]), (f"{q}-bf16-load", [])):
             add(ServerSpec(name, q, list(extra), "e", max_running=args.load_requests, pool_tokens=args.load_pool_tokens,
                            env=dict(strict)))
+
+
+def b_baseline(family: str) -> str:
+    """Check b's BF16 server of ``family``: ``<family>-bf16``, or for a sliding-window family
+    ``<family>-bf16-hf-window`` (SGLang's BF16 path with :mod:`.window_shim`)."""
+    return f"{family}-bf16-hf-window" if family in SWA_FAMILIES else f"{family}-bf16"
 
 
 def launch_command(spec: ServerSpec, model_path: str, python: str = sys.executable) -> list[str]:

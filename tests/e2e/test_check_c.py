@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-from . import check_c, checkpoints, config, fp32_shim, oracle, results
+from types import SimpleNamespace
+
+from . import check_c, checkpoints, config, fp32_shim, oracle, results, window_shim
 from .run import Run, precompute
 
 # ----------------------------------------------------------------------------- fp32 servers of check c
@@ -20,12 +22,48 @@ def test_fp32_shim_entry_point(tmp_path):
     shim = fp32_shim.write_fp32_shim(fp32_shim.fp32_shim_dir(str(tmp_path)))
     assert shim == str(tmp_path / "fp32_shim")
     eps = [ep for d in distributions(path=[shim]) for ep in d.entry_points if ep.group == "sglang.srt.plugins"]
-    assert [(ep.name, ep.value) for ep in eps] == [(fp32_shim.FP32_SHIM_ENTRY, fp32_shim.FP32_SHIM_VALUE)]
+    win = f"{window_shim.WINDOW_SHIM_MODULE}:{window_shim.hf_window_register.__name__}"
+    assert [(ep.name, ep.value) for ep in eps] == [(fp32_shim.FP32_SHIM_ENTRY, fp32_shim.FP32_SHIM_VALUE),
+                                                   (window_shim.WINDOW_SHIM_ENTRY, win)]
     mod, fn = fp32_shim.FP32_SHIM_VALUE.split(":")
     assert mod == fp32_shim.FP32_SHIM_MODULE and fn == fp32_shim.fp32_shim_register.__name__
-    # the module the entry point names sits next to the dist-info (first on the servers' PYTHONPATH): this file
-    with open(os.path.join(shim, mod + ".py")) as copy, open(fp32_shim.__file__) as original:
-        assert copy.read() == original.read()
+    # the modules the entry points name sit next to the dist-info (first on the servers' PYTHONPATH)
+    for name, src in ((mod, fp32_shim.__file__), (window_shim.WINDOW_SHIM_MODULE, window_shim.__file__)):
+        with open(os.path.join(shim, name + ".py")) as copy, open(src) as original:
+            assert copy.read() == original.read()
+
+
+def test_gpt_oss_weights_follow_an_fp32_default_dtype():
+    seen = []
+
+    def init(self, config, *a, **k):
+        seen.append(config.dtype)
+
+    for default, cfg_dtype, want in ((torch.float32, torch.bfloat16, torch.float32),
+                                     (torch.bfloat16, torch.bfloat16, torch.bfloat16)):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            fp32_shim._gpt_oss_weights_in_default_dtype(init, object(), SimpleNamespace(dtype=cfg_dtype))
+        finally:
+            torch.set_default_dtype(prev)
+        assert seen[-1] == want
+
+
+def test_window_shim_widens_only_sglangs_own_sliding_backend(monkeypatch):
+    TritonAttnBackend = type("TritonAttnBackend", (), {})
+    Subclass = type("OscarTritonAttnBackend", (TritonAttnBackend,), {})
+    for cls, sws, want in ((TritonAttnBackend, 63, 64), (TritonAttnBackend, None, None), (TritonAttnBackend, -1, -1),
+                           (Subclass, 63, 63)):
+        be = cls()
+        be.sliding_window_size = sws
+        assert window_shim._decode_reads_w_keys("r", be) == "r" and be.sliding_window_size == want
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.delenv(window_shim.WINDOW_ENV, raising=False)
+    before = list(HookRegistry._hooks.get(window_shim.WINDOW_SHIM_TARGET, ()))
+    window_shim.hf_window_register()  # without the env var: nothing registered
+    assert list(HookRegistry._hooks.get(window_shim.WINDOW_SHIM_TARGET, ())) == before
 
 
 def test_fp32_shim_hooks_route_only_fp32():
@@ -52,6 +90,8 @@ def test_fp32_shim_hooks_route_only_fp32():
 
         obj_path, attr = target.rsplit(".", 1)
         assert callable(getattr(pkgutil.resolve_name(obj_path), attr)), target
+    obj_path, attr = window_shim.WINDOW_SHIM_TARGET.rsplit(".", 1)
+    assert callable(getattr(pkgutil.resolve_name(obj_path), attr))
 
 
 def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
@@ -84,6 +124,18 @@ def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=str(tmp_path), check=False)
     assert out.returncode == 0 and "SHIM_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    # check b's baseline environment: the window shim's hook on SGLang's Triton backend
+    env = dict(os.environ, **fp32_shim.hf_window_server_env(work), SGLANG_PLUGINS=window_shim.WINDOW_SHIM_ENTRY)
+    code = "\n".join([
+        "from sglang.srt.plugins import load_plugins",
+        "load_plugins()",
+        "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend",
+        "assert hasattr(TritonAttnBackend.__init__, '__wrapped__'), 'TritonAttnBackend.__init__ not hooked'",
+        "print('WINDOW_OK')",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path), check=False)
+    assert out.returncode == 0 and "WINDOW_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
 
 
 # ----------------------------------------------------------------------------- check c (fake servers)
@@ -143,15 +195,15 @@ def c_run(tiny_qwen3, tmp_path_factory):
                            ["--c-fp32", "--c-prompt-lens", "40,64", "--c-decode-tokens", "4"])
 
 
-def _c_servers(run, fp32_hp=torch.float32):
-    cfg = run.data["c_config"]
+def _c_servers(run, fp32_hp=torch.float32, fp32_cfg=None):
+    cfg, cfg32 = run.data["c_config"], fp32_cfg or run.data["c_config_fp32"]
     srv = {"qwen3-bf16": _FakeServer("qwen3-bf16", run.hf["qwen3"]),
            fp32_shim.C_FP32_FLOOR: _FakeServer(fp32_shim.C_FP32_FLOOR, run.hf["qwen3-fp32"])}
     for kind in ("layer", "head"):
         rs = run.data[f"c_rot_{kind}"]
         srv[f"qwen3-int2-{kind}"] = _FakeServer(f"qwen3-int2-{kind}", run.hf["qwen3"], rs, cfg)
         name = fp32_shim.C_FP32_SERVERS[kind]
-        srv[name] = _FakeServer(name, run.hf["qwen3-fp32"], rs, cfg, fp32_hp)
+        srv[name] = _FakeServer(name, run.hf["qwen3-fp32"], rs, cfg32, fp32_hp)
     return srv
 
 
@@ -177,6 +229,11 @@ def test_check_c_fp32_criterion(c_run):
     run.servers = _c_servers(run, fp32_hp=None)
     off = check_c.check_c(run)
     assert off.detail["fp32"]["layer"]["prefill_mean"] > 0 and off.detail["layer"]["prefill_mean"] == 0
+    # nor one that stored fp16 (scale, zero) pairs: the fp32 criterion's references use fp32 pairs
+    assert run.data["c_config_fp32"].scale_dtype == "float32"
+    run.servers = _c_servers(run, fp32_cfg=run.data["c_config"])
+    fp16_pairs = check_c.check_c(run)
+    assert fp16_pairs.detail["fp32"]["layer"]["prefill_mean"] > 0 and fp16_pairs.detail["layer"]["prefill_mean"] == 0
     # a missing fp32 server: c fails, the BF16 comparison is still reported
     run.servers = {k: v for k, v in _c_servers(run).items() if k != fp32_shim.C_FP32_SERVERS["head"]}
     miss = check_c.check_c(run)
@@ -218,8 +275,8 @@ def test_check_c_on_a_sliding_window_family(tmp_path):
            fp32_shim.fp32_name("gemma4"): _FakeServer("gemma4-fp32", run.hf["gemma4-fp32"])}
     for kind in ("layer", "head"):
         srv[f"gemma4-int2-{kind}"] = _FakeServer(f"gemma4-int2-{kind}", run.hf["gemma4"], d[f"c_rot_{kind}"], cfg)
-        srv[fp32_shim.fp32_name("gemma4", kind)] = _FakeServer("f", run.hf["gemma4-fp32"], d[f"c_rot_{kind}"], cfg,
-                                                               torch.float32)
+        srv[fp32_shim.fp32_name("gemma4", kind)] = _FakeServer("f", run.hf["gemma4-fp32"], d[f"c_rot_{kind}"],
+                                                               run.data["c_config_fp32"], torch.float32)
     run.servers = srv
     res = check_c.check_c(run)
     assert res.status == config.PASS, res.measured

@@ -125,10 +125,12 @@ def test_check_i_reads_exit_code_time_and_message(tmp_path):
 
 
 def test_checks_on_the_sliding_window_families(tmp_path):
-    """--families gemma3,gemma4: a, b and d compare each family's servers; i counts gemma4's own cases."""
+    """--families gemma3,gemma4: a, b and d compare each family's servers (b against the BF16 server
+    with the HF window, a against the unpatched one); i counts gemma4's own cases."""
     fams = ("gemma3", "gemma4")
     srv = [_Server(f"{m}-{k}", env={"SGLANG_PLUGINS": "x"} if k == "plugin-off" else None) for m in fams
-           for k in ("plugin-off", "bf16", "int2-full", "int2-layer", "int2-layer-chunk64", "int2-layer-eager")]
+           for k in ("plugin-off", "bf16", "bf16-hf-window", "int2-full", "int2-layer", "int2-layer-chunk64",
+                     "int2-layer-eager")]
     run = _run(tmp_path, srv, "--families", "gemma3,gemma4", greedy_bf16={m: _prompts(8, 16) for m in fams})
     for m in fams:
         run.fdata(m)["greedy_layer"] = _prompts(12)
@@ -136,6 +138,8 @@ def test_checks_on_the_sliding_window_families(tmp_path):
     assert a.status == b.status == d.status == config.PASS, (a.measured, d.measured)
     assert a.measured.startswith("gemma3: 2/2 prompts same tokens") and " | gemma4: 2/2" in a.measured
     assert "gemma3 2/2" in b.measured and "gemma4 2/2" in b.measured and set(d.detail["families"]) == set(fams)
+    run.servers["gemma4-bf16-hf-window"] = _Server("gemma4-bf16-hf-window", shift=1)  # b reads this baseline
+    assert check_b.check_b(run).status == config.FAIL and check_a.check_a(run).status == config.PASS
     run.servers["gemma4-int2-layer-eager"] = _Server("gemma4-int2-layer-eager", shift=1)
     assert check_d.check_d(run).status == config.FAIL
     assert "family:gemma4" in run.data and "greedy_layer" not in run.data  # qwen3 keeps run.data itself

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from . import config, fp32_shim, results, servers, smoke
+from . import config, families, fp32_shim, results, servers, smoke, window_shim
 from . import __main__ as entry
 from .run import Run
 
@@ -117,9 +117,10 @@ def test_c_fp32_server_specs(tmp_path):
         assert a[a.index("--kv-cache-dtype") + 1] == "int2" and a[a.index("--oscar-rotation") + 1] == rot[f"qwen3:{kind}"]
         assert a[a.index("--oscar-sink-tokens") + 1] == str(config.C_SINK)
         assert a[a.index("--oscar-recent-tokens") + 1] == str(config.C_RECENT)
-        # the same flags as the BF16 server of the same rotation, plus --dtype float32
+        # the same flags as the BF16 server of the same rotation, plus --dtype float32 and fp32 pairs
+        assert a[a.index("--oscar-scale-dtype") + 1] == config.C_FP32_SCALE_DTYPE == "float32"
         base = by[f"qwen3-int2-{kind}"].args
-        assert [x for x in a if x not in ("--dtype", "float32")] == base
+        assert [x for x in a if x not in ("--dtype", "float32", "--oscar-scale-dtype")] == base
     assert "--kv-cache-dtype" not in by[fp32_shim.C_FP32_FLOOR].args
     # c not selected: no fp32 servers even with --c-fp32
     assert not set(fp32) & {s.name for s in servers.server_specs(config.parse_args(["--only", "d", "--c-fp32"]), rot)}
@@ -233,6 +234,10 @@ def test_families_option_servers_and_dry_run(tmp_path, capsys):
             assert by[f"{m}-{suffix}"].model == m, suffix
         assert by[f"{m}-int2-layer"].args[by[f"{m}-int2-layer"].args.index("--oscar-rotation") + 1] == rot[f"{m}:layer"]
         assert by[f"{m}-sizing-int2"].phase == 2 and by[f"{m}-sizing-int2"].checks == "f"
+        # b's BF16 baseline decodes over the HF window (window shim); a keeps SGLang's own server
+        hw = by[f"{m}-bf16-hf-window"]
+        assert hw.checks == "b" and hw.env[window_shim.WINDOW_ENV] == "1" and by[f"{m}-bf16"].checks == "ac"
+        assert hw.env["PYTHONPATH"].split(os.pathsep)[0] == fp32_shim.fp32_shim_dir(args.work) and not by[f"{m}-bf16"].env
     for s in specs:
         has = "--json-model-override-args" in s.args
         assert has == (s.model == "gemma4"), s.name
@@ -278,6 +283,19 @@ def test_sink_and_hybrid_families_servers_and_dry_run(tmp_path, capsys):
             assert by[f"{m}-{suffix}"].model == m, suffix
         assert by[f"{m}-sizing-int2"].phase == 2 and by[f"{m}-sizing-int2"].checks == "f"
     assert not any("--json-model-override-args" in s.args for s in specs)
+    # b's baseline: the HF window for the sliding-window family only
+    assert "gpt_oss-bf16-hf-window" in by and "qwen3_next-bf16-hf-window" not in by and "qwen3_next-bf16" in by
+    # qwen3_next servers that start together get a fixed state pool; the sizing pair keeps SGLang's split
+    for s in specs:
+        if s.model == "qwen3_next" and not s.expect_fail:
+            a = s.args
+            fixed = a[a.index("--max-mamba-cache-size") + 1] if "--max-mamba-cache-size" in a else None
+            assert fixed == (str(families.STATE_SLOTS_PER_REQUEST * s.max_running) if s.phase == 1 else None), s.name
+    assert by["qwen3_next-int2-load"].max_running == args.load_requests
+    # f's group size divides every head_dim (gpt_oss: 64)
+    for m, g in (("gpt_oss", "64"), ("qwen3_next", "128")):
+        a = by[f"{m}-sizing-int2"].args
+        assert a[a.index("--kv-cache-quant-group-size") + 1] == g
     bad = {s.name: s for s in specs if s.expect_fail}
     assert set(bad) == {"bad-rotation-other-model", "bad-rotation-missing", "bad-group-size", "bad-flag-flashinfer",
                         "bad-flag-dp-attention", "gpt_oss-bad-rotation-other-model", "gpt_oss-bad-rotation-centred",
