@@ -33,13 +33,15 @@ BUDGET_CUT = "the harness's time budget cut the wait short"
 # Tiny checkpoints. head_dim 128 everywhere (the served geometry of real models); vocab a multiple of 64.
 VOCAB = 2048
 MODEL_FAMILIES = {"qwen3": "qwen3", "moe": "qwen3_moe", "llama": "llama", "long": "qwen3",
-                  "gemma3": "gemma3_text", "gemma4": "gemma4_text", "gpt_oss": "gpt_oss", "qwen3_next": "qwen3_next"}
+                  "gemma3": "gemma3_text", "gemma4": "gemma4_text", "gpt_oss": "gpt_oss", "qwen3_next": "qwen3_next",
+                  "minimax_m2": "minimax_m2"}
 DEFAULT_FAMILIES = "qwen3,moe,llama"  # --families
 GEMMA_FAMILIES = ("gemma3", "gemma4")
 SWA_FAMILIES = GEMMA_FAMILIES + ("gpt_oss",)  # sliding-window families (tests/e2e/families.py)
 SINK_FAMILIES = ("gpt_oss",)  # learned attention-sink logits (GPT-OSS ``sinks``)
 LINEAR_FAMILIES = ("qwen3_next",)  # linear-attention hybrids (Gated-DeltaNet + full attention layers)
-SIZED_FAMILIES = SWA_FAMILIES + LINEAR_FAMILIES  # f measures a sizing pair of their own
+MOE_MHA_FAMILIES = ("minimax_m2",)  # one MHA pool; partial RoPE and cross-head q/k norms before the cache write
+SIZED_FAMILIES = SWA_FAMILIES + LINEAR_FAMILIES + MOE_MHA_FAMILIES  # f measures a sizing pair of their own
 # Families whose architecture SGLang checks --attention-backend for itself (server_args.py: Gemma-4
 # :4709, GPT-OSS :4595), before the plugin's launch checks: check i's flashinfer case avoids them.
 OWN_BACKEND_ASSERT = ("gemma4", "gpt_oss")
@@ -91,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp2", action="store_true", help="2-GPU machine: add check h (--tp 2 vs --tp 1)")
     p.add_argument("--families", default=DEFAULT_FAMILIES, metavar="qwen3,moe,llama",
                    help=f"model families (default {DEFAULT_FAMILIES}; also {','.join(SWA_FAMILIES)}, sliding window "
-                        f"{SWA_WINDOW}, and {','.join(LINEAR_FAMILIES)}, a linear-attention hybrid): b runs on each; "
+                        f"{SWA_WINDOW}, {','.join(LINEAR_FAMILIES)}, a linear-attention hybrid, and "
+                        f"{','.join(MOE_MHA_FAMILIES)}, partial RoPE + cross-head q/k norms): b runs on each; "
                         f"a, c, d, e, i on each but {'/'.join(B_ONLY_FAMILIES)} (on the first family if only those); "
-                        "f adds a sizing pair per sliding-window / hybrid family; g and h stay qwen3")
+                        "f adds a sizing pair per family after qwen3/moe/llama; g and h stay qwen3")
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/oscar_e2e", help="results folder (default $OUT)")
     p.add_argument("--work", default=None,
                    help="checkpoints and rotation files (default OUT_work, next to OUT: kept out of the results)")

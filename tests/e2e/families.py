@@ -44,7 +44,8 @@ def model_config(name: str, args: argparse.Namespace | None = None, **over):
     K shared as V, no per-layer input embeddings, no KV-shared layers), ``gpt_oss`` (4 layers S F S
     F, GQA 8/2 x head_dim 64, 4 experts top-2, attention biases, YaRN RoPE as GPT-OSS), ``qwen3_next``
     (4 layers: Gated-DeltaNet, full, GDN, full; GQA 8/2 x 128 with output gate, 2/4 linear heads x
-    128, 8 experts top-2 plus a shared expert). head_dim 128 (sliding layers; gpt_oss 64), bf16,
+    128, 8 experts top-2 plus a shared expert), ``minimax_m2`` (GQA 8/2 x 128, RoPE on 64 of 128
+    dims, q/k RMSNorm across heads, 8 experts top-2, sigmoid routing). head_dim 128 (sliding layers; gpt_oss 64), bf16,
     tied embeddings for the Gemma families (SGLang's Gemma3ForCausalLM reads no ``lm_head``).
     ``over`` overrides config fields (tests use it to shrink the models)."""
     import transformers as tf
@@ -65,6 +66,8 @@ def model_config(name: str, args: argparse.Namespace | None = None, **over):
         return _gpt_oss_config({**common, "head_dim": 64, **over})
     if name == "qwen3_next":
         return _qwen3_next_config({**common, **over})
+    if name == "minimax_m2":
+        return _minimax_m2_config({**common, **over})
     common.update(over)
     rope = common.pop("rope_theta")
     if name in ("qwen3", "long"):
@@ -155,12 +158,37 @@ def _qwen3_next_config(kw: dict):
     return cfg
 
 
+def _minimax_m2_config(kw: dict):
+    """MiniMaxM2Config from the common fields: partial RoPE on the first half of head_dim (MiniMax-M2:
+    64 of 128), RMSNorm of q and k across all heads (``q_norm`` over ``H_q x head_dim``), 8 experts
+    top-2 (each of ``intermediate_size``, MiniMax's per-expert width) with sigmoid routing and a
+    score-correction bias. Five fields
+    SGLang 0.5.16 reads and transformers' config lacks are set on it (saved to config.json, as the
+    released checkpoints carry them): ``rotary_dim`` (``srt/models/minimax_m2.py:755``, default the
+    full head_dim), ``use_qk_norm`` (``:760``, default False: no norms), ``qk_norm_type``
+    ``per_layer``, ``scoring_func`` ``sigmoid`` (``:527``, required) and ``use_routing_bias``
+    (``:503``, default False: the bias would not load)."""
+    import transformers as tf
+
+    kw = dict(kw)
+    theta = kw.pop("rope_theta")
+    kw.setdefault("num_local_experts", 8)
+    kw.setdefault("num_experts_per_tok", 2)
+    kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5})
+    rotary = int(kw["head_dim"] * kw["rope_parameters"].get("partial_rotary_factor", 1.0))
+    for key, value in (("rotary_dim", rotary), ("use_qk_norm", True), ("qk_norm_type", "per_layer"),
+                       ("scoring_func", "sigmoid"), ("use_routing_bias", True)):
+        kw.setdefault(key, value)
+    return tf.MiniMaxM2Config(**kw)
+
+
 def causal_lm_class(name: str):
     import transformers as tf
 
     return {"qwen3": tf.Qwen3ForCausalLM, "long": tf.Qwen3ForCausalLM, "moe": tf.Qwen3MoeForCausalLM,
             "llama": tf.LlamaForCausalLM, "gemma3": tf.Gemma3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM,
-            "gpt_oss": tf.GptOssForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[name]
+            "gpt_oss": tf.GptOssForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
+            "minimax_m2": tf.MiniMaxM2ForCausalLM}[name]
 
 
 # Recurrent-state slots per running request of a linear-attention server that shares the GPU:

@@ -356,3 +356,55 @@ def test_sink_and_hybrid_oracle_and_rotation_files(tiny_family, tmp_path, name):
             logits = model(input_ids=ids, use_cache=False).logits[0].float()
         lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).squeeze(1).tolist()
         assert seen == [True, True] and client.abs_diff_stats(bf16, lp)["mean"] > 10 * same["mean"]
+
+
+# ----------------------------------------------------------------------------- MiniMax-M2 (partial RoPE, cross-head QK norm)
+
+
+def test_minimax_m2_builds_matches_sglang_and_its_oracle(tiny_family, tmp_path):
+    """minimax_m2: the fields SGLang 0.5.16 reads are saved (partial RoPE on half of head_dim, q/k
+    RMSNorm across heads, sigmoid routing with its bias); the plain MHA geometry; the rotation files
+    pass the launch preflight; the oracle equals the HF model when nothing is quantized and moves
+    when quantizing (the rotation acts on the cached post-RoPE, post-norm K, whole row)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_oscar.backend.rotations import served_rotation_set
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation import RotationSet
+    from sglang_oscar.rotation.geometry import ModelGeometry
+    from sglang_oscar.rotation.rotation_set import RotationError
+
+    path, info = tiny_family("minimax_m2")
+    model = checkpoints.load_hf(path, "cpu")
+    assert type(model).__name__ == "MiniMaxM2ForCausalLM"
+    assert info["sharpen"]["logit_std"] == pytest.approx(0.5, rel=0.05)
+    assert info["sharpen"]["score_std"] == pytest.approx(1.5, rel=0.35)  # through the cross-head q/k norms
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    assert (saved["rotary_dim"], saved["use_qk_norm"], saved["qk_norm_type"], saved["scoring_func"],
+            saved["use_routing_bias"], saved["rope_parameters"]["partial_rotary_factor"]) == (32, True, "per_layer",
+                                                                                              "sigmoid", True, 0.5)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape[0] == 4 * 64 and attn.k_norm.weight.shape[0] == 2 * 64  # across heads
+    mc = ModelConfig(path)
+    assert (mc.head_dim, mc.get_num_kv_heads(1), mc.is_hybrid_swa, mc.hf_config.rotary_dim) == (64, 2, False, 32)
+    geo = ModelGeometry.from_hf_config(path)
+    assert [(l.layer_id, l.num_kv_heads, l.head_dim_k, l.sliding_window) for l in geo.layers] == \
+        [(0, 2, 64, None), (1, 2, 64, None)]
+
+    m32 = checkpoints.load_hf(path, "cpu", torch.float32)
+    files = checkpoints.make_rotation_files(m32, path, str(tmp_path), seqs=2, seq_len=48, min_tokens=48)
+    for key in ("layer", "head", "identity"):
+        RotationSet.load(files[key]).validate(geo)
+        served_rotation_set(OscarConfig(rotation_path=files[key]), geo, log=False, hf_config=path)
+    with pytest.raises(RotationError):
+        RotationSet.load(files["mismatch"]).validate(geo)
+
+    seq = checkpoints.random_prompt(48, 7, vocab=256)
+    ident, fitted = RotationSet.load(files["identity"]), RotationSet.load(files["layer"])
+    bf16 = oracle.teacher_forced_logprobs(model, [seq])[0]
+    full = oracle.teacher_forced_logprobs(model, [seq], rotation=fitted, config=OscarConfig(sink_tokens=len(seq)))[0]
+    quant = oracle.teacher_forced_logprobs(model, [seq], rotation=ident, config=OscarConfig(sink_tokens=4, recent_tokens=8))[0]
+    same, q = client.abs_diff_stats(bf16, full), client.abs_diff_stats(bf16, quant)
+    assert same["mean"] < 1e-2 and same["max"] < 5e-2  # an orthogonal rotation of BF16 rows: rounding only
+    assert q["mean"] > 5 * same["mean"] and q["mean"] > 1e-2

@@ -317,3 +317,22 @@ def test_sink_and_hybrid_families_servers_and_dry_run(tmp_path, capsys):
     assert {c[c.index("--model-path") + 1].rsplit("-", 1)[-1] for c in cmds} == set(fams)
     assert any(c[c.index("--oscar-rotation") + 1].endswith("rot-gpt_oss/rot_centred.safetensors")
                for c in cmds if "--oscar-rotation" in c)
+
+
+def test_minimax_m2_family_servers():
+    """--families minimax_m2: a-e and i on its servers (the generic bad launches too: SGLang has no
+    backend assert of its own for MiniMax), a sizing pair for f, no HF-window baseline (no sliding
+    window), no fixed state pool (no linear-attention layers)."""
+    args = config.parse_args(["--only", "a,b,c,d,e,f,i", "--families", "minimax_m2"])
+    assert config.main_families(args) == ["minimax_m2"] and config.c_prompt_lens(args, "minimax_m2") == [1024, 1800]
+    rot = {f"minimax_m2:{k}": f"/r/{k}" for k in ("layer", "head", "identity", "mismatch")}
+    by = {s.name: s for s in servers.server_specs(args, rot)}
+    for suffix in ("plugin-off", "bf16", "int2-full", "int2-layer", "int2-head", "int2-layer-chunk64",
+                   "int2-layer-eager", "int2-load", "bf16-load", "sizing-bf16", "sizing-int2"):
+        assert by[f"minimax_m2-{suffix}"].model == "minimax_m2", suffix
+    assert servers.b_baseline("minimax_m2") == "minimax_m2-bf16" and by["minimax_m2-bf16"].checks == "abc"
+    assert {"bad-rotation-other-model", "bad-group-size", "bad-flag-flashinfer"} <= {s.name for s in by.values() if s.expect_fail}
+    assert not any("--max-mamba-cache-size" in s.args or "--json-model-override-args" in s.args for s in by.values())
+    a = by["minimax_m2-sizing-int2"].args
+    assert a[a.index("--kv-cache-quant-group-size") + 1] == "128" and by["minimax_m2-sizing-int2"].phase == 2
+

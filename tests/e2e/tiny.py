@@ -13,4 +13,5 @@ TINY_SWA = dict(TINY, sliding_window=16)
 # accepts (the tests run it on their rotation files).
 TINY_LINEAR = dict(TINY, head_dim=64, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                    linear_num_value_heads=2, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-TINY_FAMILY = {"gpt_oss": dict(TINY_SWA, head_dim=64, num_local_experts=4), "qwen3_next": TINY_LINEAR}
+TINY_FAMILY = {"gpt_oss": dict(TINY_SWA, head_dim=64, num_local_experts=4), "qwen3_next": TINY_LINEAR,
+               "minimax_m2": dict(TINY, head_dim=64, num_local_experts=4)}  # RoPE on 32 of 64 dims
