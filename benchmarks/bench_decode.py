@@ -49,7 +49,8 @@ from sglang_oscar.kernels import (
     interpreting,
     write_kv,
 )
-from sglang_oscar.kernels.configs import STAGES1_MIN_PAIRS
+
+from .bench_decode_report import fmt_ms, render
 
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256
@@ -385,10 +386,6 @@ def make_sdpa(case: Case, smoke: bool):
 # ------------------------------------------------------------------------------------ main
 
 
-def fmt_ms(t):
-    return "-" if t is None else (f"{t * 1e3:.1f} us" if t < 1 else f"{t:.3f} ms")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the markdown table here")
@@ -524,7 +521,8 @@ def main(argv=None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    table = render(rows, extra, copy_bw, info, default_config, time.time() - t_start, smoke)
+    table = render(rows, extra, copy_bw, info, default_config, time.time() - t_start, smoke,
+                   geometry={"hq": HQ, "hkv": HKV, "d": D, "sink": SINK, "recent": RECENT}, timing_mode=TIMING["mode"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "copy_bw": copy_bw, "rows": rows, "extra": extra}, f, indent=1, default=str)
@@ -562,83 +560,6 @@ def write_cost(case: Case, layout: Int2Layout, device, smoke: bool, decode_ms: f
         out["write_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
     return out
-
-
-def ratio_txt(x) -> str:
-    return "-" if not x else f"{x:.2f}x"
-
-
-def render(rows, extra, copy_bw, info, default_config, elapsed, smoke) -> str:
-    lines = []
-    lines.append(f"### Decode attention, Qwen3-8B layer ({HQ} q / {HKV} kv heads, head_dim {D}), "
-                 f"sink {SINK} + recent {RECENT}")
-    lines.append("")
-    lines.append(f"device: {info.get('device')}; torch {info.get('torch')}, triton {info.get('triton')}, "
-                 f"sglang {info.get('sglang')}; copy bandwidth (read+write) **{copy_bw / 1e12:.2f} TB/s**; "
-                 f"run {elapsed:.0f} s{' (SMOKE: interpreter timings are meaningless)' if smoke else ''}; "
-                 f"timing: {TIMING['mode']}" + (" (CUDA graph of 16 calls, 256 MB L2 flush before each, flush time "
-                                                "subtracted)" if TIMING["mode"] == "graph" else ""))
-    lines.append(f"INT2 pool layout: `{info.get('pool_layout')}` (bench_decode.apply_pool_layout: slot order and "
-                 "storage of the INT2 rows; SGLang's BF16 kernel reads the same slot ids)")
-    engines = sorted({r["engine"] for r in rows if r.get("engine")})
-    lines.append(f"INT2 default engine (stage 1): {', '.join(engines) or 'n/a'} (``config=None`` runs the Gluon "
-                 "kernel where it applies, kernels/decode/gluon_stage1.py, else the Triton one)")
-    lines.append(f"INT2 default Triton config: `{default_config}` below {STAGES1_MIN_PAIRS} (request, kv head) pairs "
-                 "per step, `num_stages` 1 and no `defer_sums` from there (configs.STAGES1_MIN_PAIRS)")
-    lines.append("")
-    lines.append("| ctx | batch | INT2 default | INT2 best | SGLang triton BF16 (best splits) | SDPA BF16 | "
-                 "INT2 BW (best) | BF16 BW (fastest) | INT2 / fastest BF16 speed-up | best INT2 config |")
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['ctx']} | {r['batch']} | failed: {r['error']} |||||||| |")
-            continue
-
-        def bw(nbytes, t):
-            return "-" if not t else f"{nbytes / (t * 1e-3) / 1e12:.2f} TB/s ({nbytes / (t * 1e-3) / copy_bw * 100:.0f}%)"
-        bf_t = r.get("bf16_best")
-        bf_bytes = r["bytes_sdpa"] if bf_t == r.get("sdpa") else r["bytes_sglang"]
-        sg = fmt_ms(r.get("sglang")) + (f" [{r.get('sglang_splits')}]" if r.get("sglang") else f" {r.get('sglang_note', '')}")
-        lines.append(
-            f"| {r['ctx']} | {r['batch']} | {fmt_ms(r['int2'])} | {fmt_ms(r['int2_best'])} | {sg} | "
-            f"{fmt_ms(r.get('sdpa'))} ({r.get('sdpa_backend')}) | {bw(r['bytes_int2'], r['int2_best'])} | "
-            f"{bw(bf_bytes, bf_t)} | {ratio_txt(r.get('ratio'))} | "
-            f"{r['int2_best_cfg']} |")
-    lines.append("")
-    rows = [r for r in rows if "error" not in r]
-    no_hp = [r for r in rows if r.get("int2_no_hp")]
-    if no_hp:
-        lines.append("Stage-removed variants (default config): " + "; ".join(
-            f"ctx {r['ctx']} b {r['batch']}: full {fmt_ms(r['int2'])}, INT2 tier only (sink=recent=0) "
-            f"{fmt_ms(r['int2_no_hp'])}" for r in no_hp))
-    if extra.get("write_ms") is not None:
-        lines.append(
-            f"Write (quantize+scatter K,V + HP copy) of {extra['write_batch']} tokens: {fmt_ms(extra['write_ms'])}: "
-            f"{extra['write_frac'] * 100:.1f}% of the INT2 decode step at batch {extra['write_batch']}, "
-            f"ctx {extra['write_ctx']} (per layer; every token is written in INT2 when it is written and the BF16 "
-            f"windows are copies, docs/design.md).")
-        rs = [r for r in (1, 2, 4) if extra.get(f"write_ms_r{r}") is not None]
-        if rs:
-            best = min(extra[f"write_ms_r{r}"] for r in rs)
-            lines.append("Rows per program (write): " + "; ".join(
-                f"{r}: {fmt_ms(extra[f'write_ms_r{r}'])}" for r in rs)
-                + f"; best {best / extra['write_decode_ms'] * 100:.1f}% of the step.")
-    elif extra.get("write_error"):
-        lines.append(f"Write timing failed: {extra['write_error']}")
-    sweep_keys = sorted({k for r in rows for k in r.get("sweep", {})})
-    if sweep_keys:
-        lines.append("")
-        lines.append("INT2 config sweep (time; WRONG = output differs from the default's by > 2e-2 rel. L2):")
-        lines.append("")
-        lines.append("| ctx | batch | " + " | ".join(f"`{k}`" for k in sweep_keys) + " |")
-        lines.append("|---:|---:|" + "---:|" * len(sweep_keys))
-        for r in rows:
-            cells = []
-            for k in sweep_keys:
-                v = r["sweep"].get(k)
-                cells.append(fmt_ms(v) if isinstance(v, float) else str(v))
-            lines.append(f"| {r['ctx']} | {r['batch']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 #            the files: the FILE.py arguments, else $FILES (a name is taken in tests/kernels/, a path from
 #            the repository root, e.g. tests/plugin/test_backend_cpu.py), else every tests/kernels/test_*.py. The whole
 #            suite needs more than one 600 s device call: split it, e.g.
-#              bash device/kernels.sh tests test_decode.py        # call 1
+#              bash device/kernels.sh tests test_decode.py test_decode_gpu.py     # call 1
 #              FILES="test_write.py test_extend.py" bash device/kernels.sh tests bench   # call 2
 #            TESTS_K is the -k filter (default "not every_triton_config": that test is the configs step; TESTS_K=""
 #            runs everything); TESTS_TIMEOUT (default 300) bounds each file.

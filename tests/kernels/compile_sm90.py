@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # _support (tests/)
 
 import torch  # noqa: E402
 from _support.orthogonal import random_orthogonal  # noqa: E402
-from kv_fixtures import build_pool, make_config  # noqa: E402
+from kv_fixtures import build_latent_pool, build_pool, make_config  # noqa: E402
 from sglang_oscar.kernels import (  # noqa: E402
     GluonConfig,
     Int2Layout,
@@ -32,6 +32,7 @@ from sglang_oscar.kernels import (  # noqa: E402
 )
 from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_BITS  # noqa: E402
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
+from sglang_oscar.kernels.latent import latent_decode_attention  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
 
 
@@ -69,6 +70,15 @@ def _rotate(t, h, hr, d, out_dtype, **kw):
     x = torch.randn(t, h, d).to(torch.bfloat16)
     r = random_orthogonal(d, hr)
     rotate_heads(x, r, out_dtype, **kw)
+
+
+def _latent(h, r, p, group, hp_dtype=torch.bfloat16):
+    from sglang_oscar.config import OscarConfig
+
+    cfg = OscarConfig(group_size=group, sink_tokens=4, recent_tokens=8)
+    _, pool = build_latent_pool([20, 30], r, p, cfg, random_orthogonal(r), hp_dtype)
+    latent_decode_attention(torch.randn(2, h, r), torch.randn(2, h, p), **pool, group_size=group, quantizer="uniform",
+                            sink=4, recent=8, sm_scale=0.1, num_splits=8)
 
 
 CASES = [
@@ -112,6 +122,7 @@ CASES = [
     ("decode d512 fp32 ieee (default: one stage)", lambda: _attn("d", dk=512, dv=512, hq=4, hkv=1,
                                                                  hp_dtype=torch.float32, mma=torch.float32)),
     ("decode d128 sinks window", lambda: _attn("d", sliding_window=16, sinks=torch.zeros(32))),
+    ("latent decode R512 P64 g128 h16 (DeepSeek-V3 at TP 8)", lambda: _latent(16, 512, 64, 128)),
     ("extend d128", lambda: _attn("e")),
     ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
                                                   sliding_window=16, logit_cap=20.0)),

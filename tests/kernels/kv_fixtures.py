@@ -253,3 +253,54 @@ def assert_rows_match(codes: torch.Tensor, pairs: torch.Tensor, ref, what: str =
     row_ok = same_pair.reshape(-1, pairs.shape[-1]).all(dim=-1)
     c, rc = codes.reshape(-1, codes.shape[-1]), ref.codes.reshape(-1, codes.shape[-1])
     assert torch.equal(c[row_ok], rc[row_ok]), f"{what}: code bytes differ on rows with identical pairs"
+
+
+def build_latent_pool(lens, r, p, config, rotation, hp_dtype=torch.bfloat16, device="cpu"):
+    """Random MLA latents ``c_kv [L, r]`` / ``k_pe [L, p]`` of each request quantized by the oracle
+    (``reference.latent.build_latent_cache`` with ``rotation``) in a paged latent pool: codes,
+    pairs and ``k_pe`` at random slots, the sink / recent rows at random HP rows, the rest poisoned.
+    Returns ``(seqs, tensors)``: ``seqs[i] = (c_kv, k_pe)``, ``tensors`` the keyword arguments of
+    ``kernels.latent.latent_decode_attention`` on ``device``."""
+    from sglang_oscar.reference.latent import build_latent_cache
+
+    g = config.group_size
+    total = sum(lens)
+    slots_n, rows_n = 2 * total + 7, 2 * len(lens) * (config.sink_tokens + config.recent_tokens) + 5
+    codes = poison_(torch.empty(slots_n, r // 4, dtype=torch.uint8))
+    pairs = poison_(torch.empty(slots_n, 2 * r // g, dtype=torch.float16))
+    k_pe = poison_(torch.empty(slots_n, p, dtype=hp_dtype))
+    hp_latent = poison_(torch.empty(rows_n, r, dtype=hp_dtype))
+    hp_pe = poison_(torch.empty(rows_n, p, dtype=hp_dtype))
+    sink, recent = config.sink_tokens, config.recent_tokens
+    hp_index = torch.full((len(lens) + 2, sink + recent), -1, dtype=torch.int32)
+    r2t = torch.zeros(len(lens) + 2, max(lens) + 3, dtype=torch.int32)
+    slot_perm = torch.randperm(slots_n - 1)[:total] + 1
+    row_perm = iter(torch.randperm(rows_n).tolist())
+    seqs, at = [], 0
+    for i, n in enumerate(lens):
+        req = i + 1  # request slot 0 stays unused
+        c_kv, kpe = torch.randn(n, r) * (torch.rand(r) * 1.5 + 0.25), torch.randn(n, p)
+        seqs.append((c_kv, kpe))
+        lc = build_latent_cache(c_kv, kpe, rotation, config, hp_dtype=hp_dtype)
+        s = slot_perm[at:at + n]
+        at += n
+        r2t[req, :n] = s.to(torch.int32)
+        codes[s] = lc.quant.codes[:, 0]
+        pairs[s] = lc.quant.pairs[:, 0].to(torch.float16)
+        k_pe[s] = lc.kpe
+        for pos in range(n):
+            if pos < sink or pos >= n - recent:
+                entry = pos if pos < sink else sink + pos % recent
+                row = next(row_perm)
+                hp_index[req, entry] = row
+                hp_latent[row], hp_pe[row] = lc.ckv_hp[pos], lc.kpe[pos]
+    tensors = dict(codes=codes, pairs=pairs, k_pe=k_pe, hp_latent=hp_latent, hp_pe=hp_pe, hp_index=hp_index,
+                   req_to_token=r2t, req_pool_indices=torch.arange(1, len(lens) + 1, dtype=torch.int32),
+                   seq_lens=torch.tensor(lens, dtype=torch.int32))
+    return seqs, {k: v.to(device) for k, v in tensors.items()}
+
+
+class _Cfg:
+    def __init__(self, cfg, rotation):
+        self.cfg, self.rotation = cfg, rotation
+        self.group_size, self.sink_tokens, self.recent_tokens = cfg.group_size, cfg.sink_tokens, cfg.recent_tokens

@@ -12,7 +12,7 @@
   global load waited on (words and slot ids arrive by ``cp.async``), the expected ``cp.async`` and
   tensor-core instruction counts, the shared-memory rings' size.
 
-The numbers it computes are checked against the oracle on the GPU (the ``gluon`` GPU cases of test_decode.py).
+The numbers it computes are checked against the oracle on the GPU (the ``gluon`` GPU cases of test_decode_gpu.py).
 """
 
 from __future__ import annotations

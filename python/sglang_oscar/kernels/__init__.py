@@ -2,7 +2,7 @@
 
 One module per op: :mod:`.write` (quantize + scatter rows), :mod:`.rotate` (per-head rotations),
 :mod:`.decode` (decode attention: plan, stage 1 in Triton or Gluon, merge), :mod:`.extend` (extend /
-prefill attention). :class:`Int2Layout` describes one layer geometry; :class:`TritonConfig` and
+prefill attention), :mod:`.latent` (decode of MLA layers over the packed INT2 latent). :class:`Int2Layout` describes one layer geometry; :class:`TritonConfig` and
 :class:`GluonConfig` are the attention launch configurations (the type is the decode engine).
 """
 
@@ -16,6 +16,7 @@ from .decode import (
     decode_num_hp_splits,
 )
 from .extend import ExtendPlan, extend_attention
+from .latent import latent_decode_attention
 from .layout import Int2Layout, TensorLayout
 from .rotate import rotate_rows_hp
 from .configs import GluonConfig, TritonConfig, default_triton_config
@@ -37,6 +38,7 @@ __all__ = [
     "default_triton_config",
     "extend_attention",
     "interpreting",
+    "latent_decode_attention",
     "plan_head_blocks",
     "rotate_rows_hp",
     "write_kv",

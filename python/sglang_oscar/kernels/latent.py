@@ -1,0 +1,216 @@
+"""Decode attention of MLA layers over the packed INT2 latent cache (absorbed MQA, split-KV).
+
+The oracle is :func:`sglang_oscar.reference.latent.latent_attention` (``output="latent_rotated"``,
+window mode ``"decode"``). Per token the pool holds the rotated latent ``c' = c Rot`` (``R`` =
+kv_lora_rank) as INT2 codes + (scale, zero) pairs, and ``k_pe`` (``P`` dims) in BF16; the sink and
+recent windows keep the BF16 latent row and ``k_pe`` in HP rows, addressed exactly as the MHA
+pool's (:mod:`.decode.triton_stage1`: position ``p < sink_len`` from sink row ``hp_index[req, p]``,
+``p >= L - recent`` from ring row ``hp_index[req, sink + p % recent]``, the rest from INT2 slot
+``req_to_token[req, p]``). Every q head of a request shares each latent read: one program takes
+``BLOCK_H`` heads and one split of the positions, scores
+``s_j = (q_abs' . c'_j + q_pe . k_pe_j) * scale`` and accumulates ``sum_j p_j c'_j`` from the same
+dequantized tile (V is the latent itself, so its codes are read once). The output is the latent
+``o' = o_latent Rot`` in the rotated frame ``[B, H, R]``; the caller counter-rotates and applies
+``W_UV`` (``reference.latent`` module docstring). Stage 2 is the MHA decode merge
+(:func:`.decode.merge.decode_merge`).
+
+This first kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per
+element, any group size) and multiplies in fp32 (IEEE), which the interpreter and the GPU compute
+alike; the MHA kernels' affine-code MMA tricks (:mod:`.tiles`) are the path to its speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.int2 import codebook
+from .compile_check import launch as _launch
+from .decode.merge import decode_merge
+from .layout import next_pow2
+from .tiles import NEG_INF
+from .validate import INDEX_DTYPES, check_tensor
+
+
+@triton.jit
+def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp,
+                    l0, l1, l2, l3, K: tl.constexpr, Q: tl.constexpr, G: tl.constexpr):
+    """Quarter ``K`` (elements ``[K*Q, (K+1)*Q)``) of the latent rows of one block, fp32
+    ``[BLOCK_N, Q]``: HP rows where ``hp``, dequantized INT2 codes where ``int2``, else 0."""
+    cols = tl.arange(0, Q)
+    byte = tl.load(KC + slots[:, None] * stride_kcs + cols[None, :], mask=int2[:, None], other=0)
+    code = (byte >> (2 * K)) & 3
+    lv = tl.where(code == 0, l0, tl.where(code == 1, l1, tl.where(code == 2, l2, l3)))
+    pair = KPR + slots[:, None] * stride_kps + 2 * ((K * Q + cols[None, :]) // G)
+    scale = tl.load(pair, mask=int2[:, None], other=0.0).to(tl.float32)
+    zero = tl.load(pair + 1, mask=int2[:, None], other=0.0).to(tl.float32)
+    deq = scale * (lv - zero)
+    hpv = tl.load(HC + rows[:, None] * stride_hcr + K * Q + cols[None, :], mask=hp[:, None], other=0.0)
+    return tl.where(hp[:, None], hpv.to(tl.float32), tl.where(int2[:, None], deq, 0.0))
+
+
+@triton.jit
+def _latent_decode_stage1(
+    QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph,
+    KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, HC, stride_hcr, HPE, stride_hper,
+    HPI, stride_hpi, R2T, stride_r2t, RPI, SEQ,
+    OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
+    qscale, sink, recent, num_splits, l0, l1, l2, l3,
+    H: tl.constexpr, Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, G: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid ``(batch, head blocks, splits)``: split ``sp`` of request ``b`` covers positions
+    ``[sp * chunk, (sp + 1) * chunk)`` of ``[0, L)`` (``chunk`` a multiple of ``BLOCK_N``) and
+    writes its normalised partial latent output and base-2 log-sum-exp (``-inf`` when empty)."""
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    sp = tl.program_id(2)
+    req = tl.load(RPI + b).to(tl.int64)
+    L = tl.load(SEQ + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, L)
+    ring = tl.maximum(recent, 1)
+
+    qa = QA + b.to(tl.int64) * stride_qab + heads[:, None].to(tl.int64) * stride_qah
+    cols = tl.arange(0, Q)
+    q0 = tl.load(qa + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    q1 = tl.load(qa + Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    q2 = tl.load(qa + 2 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    q3 = tl.load(qa + 3 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    pcols = tl.arange(0, PP)
+    pmask = pcols < P
+    qp = tl.load(QP + b.to(tl.int64) * stride_qpb + heads[:, None].to(tl.int64) * stride_qph + pcols[None, :],
+                 mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * qscale
+
+    m = tl.full([BLOCK_H], NEG_INF, tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, Q], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, Q], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, Q], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, Q], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        in_sink = pos < sink
+        entry = tl.where(in_sink, pos, sink + pos % ring)
+        row = tl.load(HPI + req * stride_hpi + entry, mask=valid & (in_sink | (pos >= L - recent)), other=-1)
+        hp = valid & (row >= 0) & (in_sink | (pos >= L - recent))
+        int2 = valid & ~hp
+        rows = tl.where(hp, row, 0).to(tl.int64)
+        slots = tl.load(R2T + req * stride_r2t + pos, mask=int2, other=0).to(tl.int64)
+        c0 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 0, Q, G)
+        c1 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 1, Q, G)
+        c2 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 2, Q, G)
+        c3 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 3, Q, G)
+        kpe_i = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=int2[:, None] & pmask[None, :], other=0.0)
+        kpe_h = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=hp[:, None] & pmask[None, :], other=0.0)
+        kpe = tl.where(hp[:, None], kpe_h.to(tl.float32), kpe_i.to(tl.float32))
+        s = tl.dot(q0, tl.trans(c0), input_precision="ieee")
+        s = tl.dot(q1, tl.trans(c1), s, input_precision="ieee")
+        s = tl.dot(q2, tl.trans(c2), s, input_precision="ieee")
+        s = tl.dot(q3, tl.trans(c3), s, input_precision="ieee")
+        s = tl.dot(qp, tl.trans(kpe), s, input_precision="ieee")
+        s = tl.where(valid[None, :], s, NEG_INF)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.where(m_new > NEG_INF, tl.exp2(m - m_new), 1.0)
+        p = tl.where(valid[None, :], tl.exp2(s - tl.where(m_new > NEG_INF, m_new, 0.0)[:, None]), 0.0)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc0 = tl.dot(p, c0, acc0 * alpha[:, None], input_precision="ieee")
+        acc1 = tl.dot(p, c1, acc1 * alpha[:, None], input_precision="ieee")
+        acc2 = tl.dot(p, c2, acc2 * alpha[:, None], input_precision="ieee")
+        acc3 = tl.dot(p, c3, acc3 * alpha[:, None], input_precision="ieee")
+        m = m_new
+
+    has = l > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l, 1.0), 0.0)
+    o = OPART + b.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh + sp.to(tl.int64) * stride_os
+    tl.store(o + cols[None, :], acc0 * inv[:, None], mask=hmask[:, None])
+    tl.store(o + Q + cols[None, :], acc1 * inv[:, None], mask=hmask[:, None])
+    tl.store(o + 2 * Q + cols[None, :], acc2 * inv[:, None], mask=hmask[:, None])
+    tl.store(o + 3 * Q + cols[None, :], acc3 * inv[:, None], mask=hmask[:, None])
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), NEG_INF)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh + sp, lse, mask=hmask)
+
+
+def latent_decode_attention(
+    q_abs: torch.Tensor,
+    q_pe: torch.Tensor,
+    codes: torch.Tensor,
+    pairs: torch.Tensor,
+    k_pe: torch.Tensor,
+    hp_latent: torch.Tensor,
+    hp_pe: torch.Tensor,
+    hp_index: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    group_size: int,
+    quantizer: str,
+    sink: int,
+    recent: int,
+    sm_scale: float,
+    num_splits: int = 4,
+    block_n: int = 16,
+    block_h: int = 16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed-MQA decode over the packed latent cache of one MLA layer (module docstring).
+
+    Args:
+        q_abs: ``[B, H, R]`` rotated absorbed queries ``(q_nope W_UK) Rot`` (any float dtype).
+        q_pe: ``[B, H, P]`` post-RoPE query rope part.
+        codes: uint8 ``[S, R/4]`` quarter-packed codes of the rotated latents (pool slots).
+        pairs: ``[S, 2R/G]`` (scale, zero) per group, interleaved (``QuantizedRows.pairs``).
+        k_pe: ``[S, P]`` BF16 (or fp32) rope keys per slot.
+        hp_latent: ``[rows, R]`` HP latent rows (rotated frame); hp_pe: ``[rows, P]`` their ``k_pe``.
+        hp_index: int32 ``[max_reqs, sink + recent]`` (``pool.windows.HPWindows.hp_index``; -1 = no row).
+        req_to_token: int ``[max_reqs, ctx]`` slots; req_pool_indices: int ``[B]``; seq_lens: int ``[B]``
+            (the query sits at ``L - 1``).
+        group_size, quantizer: the latent's INT2 format (``G`` divides ``R``).
+        sink, recent: window sizes in tokens; sm_scale: the layer's softmax scale (natural units).
+        num_splits: splits of each request's positions; block_n / block_h: tile sizes (powers of 2).
+        out: optional ``[B, H, R]`` output (any float dtype).
+
+    Returns:
+        ``o' [B, H, R]`` (``out`` or fp32): the latent output in the rotated frame.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, ``R`` not a multiple of 4 x 16,
+            a group size not dividing ``R``.
+    """
+    bsz, h, r = q_abs.shape
+    p = q_pe.shape[-1]
+    dev = q_abs.device
+    if r % 64 or r % group_size or tuple(q_pe.shape[:2]) != (bsz, h):
+        raise ValueError(f"q_abs {tuple(q_abs.shape)} / q_pe {tuple(q_pe.shape)}: R must be a multiple of 64 "
+                         f"and of group_size {group_size}, with equal [B, H]")
+    s_slots = codes.shape[0]
+    check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), device=dev, shape=(s_slots, r // 4), last_contiguous=True)
+    check_tensor(pairs, "pairs", ndim=2, device=dev, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
+    check_tensor(k_pe, "k_pe", ndim=2, device=dev, shape=(s_slots, p), last_contiguous=True)
+    check_tensor(hp_latent, "hp_latent", ndim=2, device=dev, shape=(hp_latent.shape[0], r), last_contiguous=True)
+    check_tensor(hp_pe, "hp_pe", ndim=2, device=dev, shape=(hp_latent.shape[0], p), last_contiguous=True)
+    for t, name in ((hp_index, "hp_index"), (req_to_token, "req_to_token"), (req_pool_indices, "req_pool_indices"),
+                    (seq_lens, "seq_lens")):
+        check_tensor(t, name, dtypes=INDEX_DTYPES, device=dev)
+    if hp_index.shape[1] < sink + recent:
+        raise ValueError(f"hp_index has {hp_index.shape[1]} columns, fewer than sink + recent = {sink + recent}")
+    lv = codebook(quantizer).levels
+    o_part = torch.empty(bsz, h, num_splits, r, dtype=torch.float32, device=dev)
+    lse = torch.empty(bsz, h, num_splits, dtype=torch.float32, device=dev)
+    grid = (bsz, triton.cdiv(h, block_h), num_splits)
+    _launch(_latent_decode_stage1, grid,
+            q_abs, q_abs.stride(0), q_abs.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+            codes, codes.stride(0), pairs, pairs.stride(0), k_pe, k_pe.stride(0), hp_latent, hp_latent.stride(0),
+            hp_pe, hp_pe.stride(0), hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0),
+            req_pool_indices, seq_lens,
+            o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
+            sm_scale * 1.4426950408889634, sink, recent, num_splits, *lv,
+            H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n)
+    out = torch.empty(bsz, h, r, dtype=torch.float32, device=dev) if out is None else out
+    decode_merge(o_part, lse, out, num_splits)
+    return out
