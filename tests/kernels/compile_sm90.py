@@ -32,7 +32,7 @@ from sglang_oscar.kernels import (  # noqa: E402
 )
 from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_BITS  # noqa: E402
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
-from sglang_oscar.kernels.latent import latent_decode_attention  # noqa: E402
+from sglang_oscar.kernels.latent import gather_latent, latent_decode_attention  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
 
 
@@ -79,6 +79,8 @@ def _latent(h, r, p, group, hp_dtype=torch.bfloat16):
     _, pool = build_latent_pool([20, 30], r, p, cfg, random_orthogonal(r), hp_dtype)
     latent_decode_attention(torch.randn(2, h, r), torch.randn(2, h, p), **pool, group_size=group, quantizer="uniform",
                             sink=4, recent=8, sm_scale=0.1, num_splits=8)
+    gather_latent(pool["codes"], pool["pairs"], pool["k_pe"], pool["req_to_token"][1, :20], group_size=group,
+                  quantizer="uniform")
 
 
 CASES = [
@@ -122,7 +124,7 @@ CASES = [
     ("decode d512 fp32 ieee (default: one stage)", lambda: _attn("d", dk=512, dv=512, hq=4, hkv=1,
                                                                  hp_dtype=torch.float32, mma=torch.float32)),
     ("decode d128 sinks window", lambda: _attn("d", sliding_window=16, sinks=torch.zeros(32))),
-    ("latent decode R512 P64 g128 h16 (DeepSeek-V3 at TP 8)", lambda: _latent(16, 512, 64, 128)),
+    ("latent decode + gather R512 P64 g128 h16 (DeepSeek-V3 TP 8)", lambda: _latent(16, 512, 64, 128)),
     ("extend d128", lambda: _attn("e")),
     ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
                                                   sliding_window=16, logit_cap=20.0)),

@@ -55,3 +55,49 @@ def test_latent_decode_rejects_bad_shapes():
         latent_decode_attention(q, qp, **{**pool, "pairs": pool["pairs"][:, :2]}, **kw)
     with pytest.raises(ValueError, match="hp_index"):
         latent_decode_attention(q, qp, **pool, **{**kw, "recent": 64})
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gather_latent_dequantizes_like_the_oracle(device, out_dtype):
+    """[c_kv | k_pe] rows of random slots (the extend path's input): the oracle's dequantized latent
+    rounded once to ``out_dtype``, and ``k_pe`` as stored."""
+    from sglang_oscar.kernels.latent import gather_latent
+    from sglang_oscar.quant.int2 import QuantizedRows, dequantize_rows
+
+    fresh_seed()
+    r, p, g = 128, 32, 32
+    cfg = OscarConfig(group_size=g, sink_tokens=2, recent_tokens=4, quantizer="lloyd-max")
+    seqs, pool = build_latent_pool([30, 7], r, p, cfg, random_orthogonal(r), torch.float32, device)
+    slots = pool["req_to_token"][1, :30].flip(0).contiguous()
+    out = gather_latent(pool["codes"], pool["pairs"], pool["k_pe"], slots, group_size=g, quantizer="lloyd-max",
+                        out_dtype=out_dtype)
+    s = slots.long().cpu()
+    qr = QuantizedRows(codes=pool["codes"].cpu()[s][:, None], pairs=pool["pairs"].cpu()[s][:, None], group_size=g,
+                       quantizer="lloyd-max")
+    want = torch.cat([dequantize_rows(qr)[:, 0], pool["k_pe"].cpu()[s]], dim=-1).to(out_dtype)
+    assert out.shape == (30, r + p) and out.dtype == out_dtype
+    assert torch.equal(out.cpu(), want)
+    with pytest.raises(ValueError, match="out_dtype"):
+        gather_latent(pool["codes"], pool["pairs"], pool["k_pe"], slots, group_size=g, quantizer="uniform",
+                      out_dtype=torch.float16)
+
+
+def test_latent_pool_written_by_write_kv(device):
+    """The MHA write kernel with one 'kv head' of width R and no V stores exactly the oracle's latent
+    bytes, so the served latent pool can use it: codes and pairs equal build_latent_cache's."""
+    from sglang_oscar.kernels import Int2Layout, write_kv
+    from sglang_oscar.reference.latent import build_latent_cache
+
+    fresh_seed()
+    r, p, g = 128, 32, 64
+    cfg = OscarConfig(group_size=g)
+    rot = random_orthogonal(r)
+    c_kv, kpe = torch.randn(19, r) * 3, torch.randn(19, p)
+    lc = build_latent_cache(c_kv, kpe, rot, cfg)  # BF16 rows of c Rot, K's clip ratio
+    lay = Int2Layout.create(r, group_size=g, k_clip_ratio=cfg.k_clip_ratio, quantizer=cfg.quantizer,
+                            scale_dtype=cfg.scale_dtype, attention=False)
+    buf = lay.allocate(40, 1, device)
+    loc = (torch.randperm(39)[:19] + 1).to(device)
+    write_kv(lc.ckv_hp[:, None].to(device), None, loc, buf["k_codes"], buf["k_pairs"], None, None, lay)
+    assert torch.equal(buf["k_codes"][loc].cpu(), lc.quant.codes)
+    assert torch.equal(buf["k_pairs"][loc].cpu(), lc.quant.pairs)

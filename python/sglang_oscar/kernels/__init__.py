@@ -16,7 +16,7 @@ from .decode import (
     decode_num_hp_splits,
 )
 from .extend import ExtendPlan, extend_attention
-from .latent import latent_decode_attention
+from .latent import gather_latent, latent_decode_attention
 from .layout import Int2Layout, TensorLayout
 from .rotate import rotate_rows_hp
 from .configs import GluonConfig, TritonConfig, default_triton_config
@@ -37,6 +37,7 @@ __all__ = [
     "decode_num_hp_splits",
     "default_triton_config",
     "extend_attention",
+    "gather_latent",
     "interpreting",
     "latent_decode_attention",
     "plan_head_blocks",

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..quant.int2 import codebook
+from .codes import round_to
 from .compile_check import launch as _launch
 from .decode.merge import decode_merge
 from .layout import next_pow2
@@ -133,6 +134,64 @@ def _latent_decode_stage1(
     tl.store(o + 3 * Q + cols[None, :], acc3 * inv[:, None], mask=hmask[:, None])
     lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), NEG_INF)
     tl.store(LSE + b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh + sp, lse, mask=hmask)
+
+
+@triton.jit
+def _gather_latent(KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, SLOTS, OUT, stride_on,
+                   n, l0, l1, l2, l3, Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, G: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
+    """Rows ``[BLOCK_T * program_id(0), +BLOCK_T)`` of ``OUT [n, 4Q + P]``: the dequantized latent of
+    slot ``SLOTS[i]`` then its ``k_pe``, rounded once to ``OUT``'s dtype."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < n
+    slots = tl.load(SLOTS + t, mask=tm, other=0).to(tl.int64)
+    no_hp = tl.zeros([BLOCK_T], tl.int64)
+    o = OUT + t[:, None].to(tl.int64) * stride_on
+    cols = tl.arange(0, Q)
+    for k in tl.static_range(4):
+        c = _latent_quarter(KC, stride_kcs, KPR, stride_kps, KPE, 0, slots, no_hp, tm, tm & False,
+                            l0, l1, l2, l3, k, Q, G)
+        tl.store(o + k * Q + cols[None, :], round_to(c, OUT.dtype.element_ty), mask=tm[:, None])
+    pc = tl.arange(0, PP)
+    pm = tm[:, None] & (pc[None, :] < P)
+    kpe = tl.load(KPE + slots[:, None] * stride_kpe + pc[None, :], mask=pm, other=0.0)
+    tl.store(o + 4 * Q + pc[None, :], round_to(kpe.to(tl.float32), OUT.dtype.element_ty), mask=pm)
+
+
+def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, *,
+                  group_size: int, quantizer: str, out_dtype: torch.dtype = torch.bfloat16,
+                  block_t: int = 16) -> torch.Tensor:
+    """Dequantized latent rows of ``slots`` joined with their ``k_pe``: the ``[c_kv | k_pe]`` rows an
+    MLA extend kernel reads (the chunk and its prefix through INT2, as the MHA extend reads them).
+
+    Args:
+        codes: uint8 ``[S, R/4]``; pairs: ``[S, 2R/G]``; k_pe: ``[S, P]`` (the latent pool's planes).
+        slots: int ``[n]`` pool slots.
+        group_size, quantizer: the latent's INT2 format.
+        out_dtype: fp32 or BF16 (an FP8 checkpoint's rows are still joined in BF16: never cast down).
+
+    Returns:
+        ``[n, R + P]`` in ``out_dtype``: ``scale * (level[code] - zero)`` rounded once, then ``k_pe``.
+
+    Raises:
+        ValueError: shapes or devices that do not fit, ``out_dtype`` not fp32 / BF16.
+    """
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    s_slots, q = codes.shape
+    r, p = 4 * q, k_pe.shape[-1]
+    if r % 64 or r % group_size:
+        raise ValueError(f"latent width {r} must be a multiple of 64 and of group_size {group_size}")
+    check_tensor(pairs, "pairs", ndim=2, device=codes.device, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
+    check_tensor(k_pe, "k_pe", ndim=2, device=codes.device, shape=(s_slots, p), last_contiguous=True)
+    check_tensor(slots, "slots", ndim=1, dtypes=INDEX_DTYPES, device=codes.device)
+    n = slots.numel()
+    out = torch.empty(n, r + p, dtype=out_dtype, device=codes.device)
+    if n:
+        _launch(_gather_latent, (triton.cdiv(n, block_t),), codes, codes.stride(0), pairs, pairs.stride(0), k_pe,
+                k_pe.stride(0), slots, out, out.stride(0), n, *codebook(quantizer).levels,
+                Q=q, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_T=block_t)
+    return out
 
 
 def latent_decode_attention(
