@@ -97,10 +97,8 @@ def test_fp32_shim_hooks_route_only_fp32():
 def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
     """A fresh interpreter with the fp32 servers' environment: SGLang's own plugin loader finds the
     shim, applies its hooks, and an fp32 RMSNorm.forward_cuda then runs forward_native (on CPU; the
-    upstream CUDA path would call flashinfer's fp16/bf16-only rmsnorm)."""
-    import subprocess
-    import sys
-
+    upstream CUDA path would call flashinfer's fp16/bf16-only rmsnorm); with check b's baseline
+    environment the window shim's hook lands on SGLang's Triton backend."""
     work = str(tmp_path)
     fp32_shim.write_fp32_shim(fp32_shim.fp32_shim_dir(work))
     env = dict(os.environ, **fp32_shim.fp32_server_env(work), SGLANG_PLUGINS=fp32_shim.FP32_SHIM_ENTRY)
@@ -121,9 +119,7 @@ def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
         "assert can_use_fused_inplace_qknorm(128, torch.float32) is False",
         "print('SHIM_OK')",
     ])
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=str(tmp_path), check=False)
-    assert out.returncode == 0 and "SHIM_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    _probe(code, env, "SHIM_OK", tmp_path)
     # check b's baseline environment: the window shim's hook on SGLang's Triton backend
     env = dict(os.environ, **fp32_shim.hf_window_server_env(work), SGLANG_PLUGINS=window_shim.WINDOW_SHIM_ENTRY)
     code = "\n".join([
@@ -133,9 +129,17 @@ def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
         "assert hasattr(TritonAttnBackend.__init__, '__wrapped__'), 'TritonAttnBackend.__init__ not hooked'",
         "print('WINDOW_OK')",
     ])
+    _probe(code, env, "WINDOW_OK", tmp_path)
+
+
+def _probe(code: str, env: dict, token: str, cwd) -> None:
+    """Run ``code`` in a fresh interpreter with ``env``; it must exit 0 and print ``token``."""
+    import subprocess
+    import sys
+
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=str(tmp_path), check=False)
-    assert out.returncode == 0 and "WINDOW_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+                         cwd=str(cwd), check=False)
+    assert out.returncode == 0 and token in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
 
 
 # ----------------------------------------------------------------------------- check c (fake servers)
