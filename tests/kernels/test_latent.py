@@ -101,3 +101,25 @@ def test_latent_pool_written_by_write_kv(device):
     write_kv(lc.ckv_hp[:, None].to(device), None, loc, buf["k_codes"], buf["k_pairs"], None, None, lay)
     assert torch.equal(buf["k_codes"][loc].cpu(), lc.quant.codes)
     assert torch.equal(buf["k_pairs"][loc].cpu(), lc.quant.pairs)
+
+
+def test_latent_decode_sink_lens_read_later_sink_positions_through_int2(device):
+    """With ``sink_lens[r] = 2 < sink = 4`` (the sink arena ran out) positions 2 and 3 are read
+    through INT2 although their rows exist: the same attention as an oracle with sink 2 (requests
+    longer than sink + recent, so the ring is the same)."""
+    fresh_seed()
+    r, p, h = 64, 16, 4
+    cfg = OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8)
+    rot = random_orthogonal(r)
+    seqs, pool = build_latent_pool([40, 33], r, p, cfg, rot, torch.float32, device)
+    eye = torch.eye(r).expand(h, r, r)
+    q_nope, q_pe = torch.randn(2, h, r), torch.randn(2, h, p)
+    short = OscarConfig(group_size=32, sink_tokens=2, recent_tokens=8)
+    ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, short, softmax_scale=0.2,
+                                        hp_dtype=torch.float32, output="latent_rotated")[0]
+                       for i, (c, kpe) in enumerate(seqs)])
+    sink_lens = torch.full((pool["hp_index"].shape[0],), 2, dtype=torch.int32, device=device)
+    kw = dict(group_size=32, quantizer="uniform", sink=4, recent=8, sm_scale=0.2, num_splits=2)
+    out = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, sink_lens=sink_lens, **kw)
+    full = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, **kw)
+    assert rel_l2(out.cpu(), ref) < 1e-4 and rel_l2(full.cpu(), ref) > 1e-3

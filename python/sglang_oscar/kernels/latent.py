@@ -5,8 +5,8 @@ window mode ``"decode"``). Per token the pool holds the rotated latent ``c' = c 
 kv_lora_rank) as INT2 codes + (scale, zero) pairs, and ``k_pe`` (``P`` dims) in BF16; the sink and
 recent windows keep the BF16 latent row and ``k_pe`` in HP rows, addressed exactly as the MHA
 pool's (:mod:`.decode.triton_stage1`: position ``p < sink_len`` from sink row ``hp_index[req, p]``,
-``p >= L - recent`` from ring row ``hp_index[req, sink + p % recent]``, the rest from INT2 slot
-``req_to_token[req, p]``). Every q head of a request shares each latent read: one program takes
+``p >= max(sink, L - recent)`` from ring row ``hp_index[req, sink + p % recent]``, the rest from
+INT2 slot ``req_to_token[req, p]``). Every q head of a request shares each latent read: one program takes
 ``BLOCK_H`` heads and one split of the positions, scores
 ``s_j = (q_abs' . c'_j + q_pe . k_pe_j) * scale`` and accumulates ``sum_j p_j c'_j`` from the same
 dequantized tile (V is the latent itself, so its codes are read once). The output is the latent
@@ -30,7 +30,7 @@ from .codes import round_to
 from .compile_check import launch as _launch
 from .decode.merge import decode_merge
 from .layout import next_pow2
-from .tiles import NEG_INF
+from .tiles import NEG_INF, request_sink_len
 from .validate import INDEX_DTYPES, check_tensor
 
 
@@ -55,11 +55,11 @@ def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows
 def _latent_decode_stage1(
     QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph,
     KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, HC, stride_hcr, HPE, stride_hper,
-    HPI, stride_hpi, R2T, stride_r2t, RPI, SEQ,
+    HPI, stride_hpi, R2T, stride_r2t, RPI, SEQ, SINKL,
     OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
     qscale, sink, recent, num_splits, l0, l1, l2, l3,
     H: tl.constexpr, Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, G: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr,
 ):
     """Grid ``(batch, head blocks, splits)``: split ``sp`` of request ``b`` covers positions
     ``[sp * chunk, (sp + 1) * chunk)`` of ``[0, L)`` (``chunk`` a multiple of ``BLOCK_N``) and
@@ -74,6 +74,10 @@ def _latent_decode_stage1(
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, L)
     ring = tl.maximum(recent, 1)
+    # the MHA decode's tiers (tiles.hp_split_range / int2_split_range): sink rows for p < sink_r, the
+    # ring for p >= max(sink, L - recent), INT2 between (sink positions without a row included)
+    sink_r = request_sink_len(SINKL, req, sink, L, HAS_SINKL)
+    rec_start = tl.maximum(sink, L - recent)
 
     qa = QA + b.to(tl.int64) * stride_qab + heads[:, None].to(tl.int64) * stride_qah
     cols = tl.arange(0, Q)
@@ -95,10 +99,11 @@ def _latent_decode_stage1(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        in_sink = pos < sink
+        in_sink = pos < sink_r
+        in_hp = in_sink | (pos >= rec_start)
         entry = tl.where(in_sink, pos, sink + pos % ring)
-        row = tl.load(HPI + req * stride_hpi + entry, mask=valid & (in_sink | (pos >= L - recent)), other=-1)
-        hp = valid & (row >= 0) & (in_sink | (pos >= L - recent))
+        row = tl.load(HPI + req * stride_hpi + entry, mask=valid & in_hp, other=-1)
+        hp = valid & in_hp & (row >= 0)
         int2 = valid & ~hp
         rows = tl.where(hp, row, 0).to(tl.int64)
         slots = tl.load(R2T + req * stride_r2t + pos, mask=int2, other=0).to(tl.int64)
@@ -215,6 +220,7 @@ def latent_decode_attention(
     num_splits: int = 4,
     block_n: int = 16,
     block_h: int = 16,
+    sink_lens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed-MQA decode over the packed latent cache of one MLA layer (module docstring).
@@ -232,6 +238,9 @@ def latent_decode_attention(
         group_size, quantizer: the latent's INT2 format (``G`` divides ``R``).
         sink, recent: window sizes in tokens; sm_scale: the layer's softmax scale (natural units).
         num_splits: splits of each request's positions; block_n / block_h: tile sizes (powers of 2).
+        sink_lens: optional int ``[max_reqs]`` (``HPWindows.sink_lens``): request ``r`` reads its
+            first ``min(sink_lens[r], sink)`` positions from sink rows and the rest of ``[0, sink)``
+            through INT2, as the MHA decode does when the sink arena ran out.
         out: optional ``[B, H, R]`` output (any float dtype).
 
     Returns:
@@ -254,7 +263,7 @@ def latent_decode_attention(
     check_tensor(hp_latent, "hp_latent", ndim=2, device=dev, shape=(hp_latent.shape[0], r), last_contiguous=True)
     check_tensor(hp_pe, "hp_pe", ndim=2, device=dev, shape=(hp_latent.shape[0], p), last_contiguous=True)
     for t, name in ((hp_index, "hp_index"), (req_to_token, "req_to_token"), (req_pool_indices, "req_pool_indices"),
-                    (seq_lens, "seq_lens")):
+                    (seq_lens, "seq_lens")) + (() if sink_lens is None else ((sink_lens, "sink_lens"),)):
         check_tensor(t, name, dtypes=INDEX_DTYPES, device=dev)
     if hp_index.shape[1] < sink + recent:
         raise ValueError(f"hp_index has {hp_index.shape[1]} columns, fewer than sink + recent = {sink + recent}")
@@ -266,10 +275,11 @@ def latent_decode_attention(
             q_abs, q_abs.stride(0), q_abs.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
             codes, codes.stride(0), pairs, pairs.stride(0), k_pe, k_pe.stride(0), hp_latent, hp_latent.stride(0),
             hp_pe, hp_pe.stride(0), hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0),
-            req_pool_indices, seq_lens,
+            req_pool_indices, seq_lens, seq_lens if sink_lens is None else sink_lens,
             o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
             sm_scale * 1.4426950408889634, sink, recent, num_splits, *lv,
-            H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n)
+            H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n,
+            HAS_SINKL=sink_lens is not None)
     out = torch.empty(bsz, h, r, dtype=torch.float32, device=dev) if out is None else out
     decode_merge(o_part, lse, out, num_splits)
     return out
