@@ -50,7 +50,10 @@ from sglang_oscar.kernels import (
     write_kv,
 )
 
-from .bench_decode_report import fmt_ms, render
+try:  # python -m benchmarks.bench_decode (a package), or python benchmarks/bench_decode.py (its folder on the path)
+    from .bench_decode_report import fmt_ms, render
+except ImportError:
+    from bench_decode_report import fmt_ms, render
 
 HQ, HKV, D = 32, 8, 128
 SINK, RECENT = 64, 256

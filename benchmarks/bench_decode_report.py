@@ -6,10 +6,12 @@ from sglang_oscar.kernels.configs import STAGES1_MIN_PAIRS
 
 
 def fmt_ms(t):
+    """A time in ms as text (microseconds under 1 ms; ``-`` for ``None``)."""
     return "-" if t is None else (f"{t * 1e3:.1f} us" if t < 1 else f"{t:.3f} ms")
 
 
 def ratio_txt(x) -> str:
+    """A speed-up as ``1.23x`` (``-`` when missing)."""
     return "-" if not x else f"{x:.2f}x"
 
 

@@ -122,6 +122,10 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
     if name in SWA_FAMILIES:
         keys += ("sliding_window", "layer_types") + (("global_head_dim", "num_global_key_value_heads",
                                                       "attention_k_eq_v") if name == "gemma4" else ())
+    if name in ("gpt_oss", "minimax_m2"):
+        keys += ("num_local_experts", "num_experts_per_tok")
+    if name == "minimax_m2":
+        keys += ("rotary_dim", "use_qk_norm", "qk_norm_type", "scoring_func", "use_routing_bias", "rope_parameters")
     if name in LINEAR_FAMILIES:
         keys += ("layer_types", "full_attention_interval", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads")

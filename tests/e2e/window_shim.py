@@ -10,8 +10,10 @@ installed beside :mod:`.fp32_shim`'s; active only with :data:`WINDOW_ENV` set): 
 ``TritonAttnBackend.__init__`` widens that backend's window to ``W`` keys. Its extend kernel masks
 by the layer's own ``sliding_window_size`` on positions relative to the window start
 (``extend_attention.py:387-393``), so the one extra prefix key is masked there; SGLang's sliding
-pool frees only positions below ``L - 1 - W`` (``free_swa_out_of_window_slots``), so the widened
-decode never reads a freed slot. Check a keeps the unpatched ``<family>-bf16``.
+pool frees only positions older than the ``W`` keys up to the query (``free_swa_out_of_window_slots``;
+docs/design.md), which the INT2 decode reads too, so the widened decode never reads a freed slot. Check a keeps the
+unpatched ``<family>-bf16``. The server also loads :mod:`.fp32_shim`'s entry point (same folder),
+whose hooks change nothing for bf16 tensors.
 
 :func:`.fp32_shim.write_fp32_shim` copies this file next to the plugin folder's dist-info as the
 top-level module ``oscar_e2e_window_shim``; it imports nothing of the harness.

@@ -48,8 +48,8 @@ def test_latent_pool_sizes_and_refusals():
                               use_dsa=True, oscar_config=cfg, hp_dtype=torch.bfloat16, max_reqs=2, sink_rows=8)
 
 
-@pytest.mark.parametrize("hp_dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_latent_pool_rows_decode_like_the_oracle(hp_dtype, tol):
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16])
+def test_latent_pool_rows_decode_like_the_oracle(hp_dtype):
     """Two requests prefilled through write_latent (one forward each, HP rows from HPWindows.assign),
     then one decode token each: the latent decode over the pool's planes equals the oracle."""
     gen = torch.Generator().manual_seed(7)
@@ -84,6 +84,6 @@ def test_latent_pool_rows_decode_like_the_oracle(hp_dtype, tol):
                                   sink_lens=pool.windows.sink_lens, group_size=32, quantizer="lloyd-max", sink=SINK,
                                   recent=RECENT, sm_scale=scale, num_splits=2)
     err = float((out - ref).norm() / ref.norm())
-    assert err < tol, err
+    assert err < 1e-4, err  # the oracle's rows exactly (BF16 windows on both sides), fp32 math
     # the other layer was never written: its planes are still zero
     assert not pool.codes[0].any() and not pool.k_pe[0].any()

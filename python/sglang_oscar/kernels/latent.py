@@ -107,6 +107,8 @@ def _latent_decode_stage1(
         int2 = valid & ~hp
         rows = tl.where(hp, row, 0).to(tl.int64)
         slots = tl.load(R2T + req * stride_r2t + pos, mask=int2, other=0).to(tl.int64)
+        int2 = int2 & (slots >= 0)  # a -1 slot (SGLang's padding) is never read
+        slots = tl.where(int2, slots, 0)
         c0 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 0, Q, G)
         c1 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 1, Q, G)
         c2 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 2, Q, G)
@@ -163,6 +165,17 @@ def _gather_latent(KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, SLOTS, OUT,
     tl.store(o + 4 * Q + pc[None, :], round_to(kpe.to(tl.float32), OUT.dtype.element_ty), mask=pm)
 
 
+def _check_latent_width(r: int, group_size: int) -> None:
+    if r <= 0 or r % 64 or r % group_size or (r // 4) & (r // 4 - 1):
+        raise ValueError(f"latent width {r}: R/4 must be a power of two >= 16 (R = 64, 128, 256, 512, ...) and "
+                         f"R a multiple of group_size {group_size}")
+
+
+def _check_pow2(value: int, name: str, low: int) -> None:
+    if value < low or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {low}, got {value}")
+
+
 def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, *,
                   group_size: int, quantizer: str, out_dtype: torch.dtype = torch.bfloat16,
                   block_t: int = 16) -> torch.Tensor:
@@ -174,19 +187,22 @@ def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, 
         slots: int ``[n]`` pool slots.
         group_size, quantizer: the latent's INT2 format.
         out_dtype: fp32 or BF16 (an FP8 checkpoint's rows are still joined in BF16: never cast down).
+        block_t: rows per program (a power of two >= 1).
 
     Returns:
         ``[n, R + P]`` in ``out_dtype``: ``scale * (level[code] - zero)`` rounded once, then ``k_pe``.
 
     Raises:
-        ValueError: shapes or devices that do not fit, ``out_dtype`` not fp32 / BF16.
+        ValueError: shapes, dtypes or devices that do not fit (``codes`` uint8 ``[S, R/4]`` with
+            ``R/4`` a power of two), ``out_dtype`` not fp32 / BF16, ``block_t`` not a power of two.
     """
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), last_contiguous=True)
     s_slots, q = codes.shape
     r, p = 4 * q, k_pe.shape[-1]
-    if r % 64 or r % group_size:
-        raise ValueError(f"latent width {r} must be a multiple of 64 and of group_size {group_size}")
+    _check_latent_width(r, group_size)
+    _check_pow2(block_t, "block_t", 1)
     check_tensor(pairs, "pairs", ndim=2, device=codes.device, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
     check_tensor(k_pe, "k_pe", ndim=2, device=codes.device, shape=(s_slots, p), last_contiguous=True)
     check_tensor(slots, "slots", ndim=1, dtypes=INDEX_DTYPES, device=codes.device)
@@ -247,24 +263,32 @@ def latent_decode_attention(
         ``o' [B, H, R]`` (``out`` or fp32): the latent output in the rotated frame.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit, ``R`` not a multiple of 4 x 16,
-            a group size not dividing ``R``.
+        ValueError: shapes, dtypes or devices that do not fit (``R/4`` must be a power of two >= 16,
+            ``R`` a multiple of ``group_size``; ``q_abs`` / ``q_pe`` with equal ``[B, H]`` and a
+            contiguous last dim), ``block_n`` / ``block_h`` not powers of two >= 16, ``num_splits < 1``.
     """
+    check_tensor(q_abs, "q_abs", ndim=3, last_contiguous=True)
     bsz, h, r = q_abs.shape
-    p = q_pe.shape[-1]
     dev = q_abs.device
-    if r % 64 or r % group_size or tuple(q_pe.shape[:2]) != (bsz, h):
-        raise ValueError(f"q_abs {tuple(q_abs.shape)} / q_pe {tuple(q_pe.shape)}: R must be a multiple of 64 "
-                         f"and of group_size {group_size}, with equal [B, H]")
+    check_tensor(q_pe, "q_pe", ndim=3, device=dev, last_contiguous=True)
+    p = q_pe.shape[-1]
+    _check_latent_width(r, group_size)
+    if tuple(q_pe.shape[:2]) != (bsz, h):
+        raise ValueError(f"q_abs {tuple(q_abs.shape)} and q_pe {tuple(q_pe.shape)} must share [B, H]")
+    _check_pow2(block_n, "block_n", 16)
+    _check_pow2(block_h, "block_h", 16)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     s_slots = codes.shape[0]
     check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), device=dev, shape=(s_slots, r // 4), last_contiguous=True)
     check_tensor(pairs, "pairs", ndim=2, device=dev, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
     check_tensor(k_pe, "k_pe", ndim=2, device=dev, shape=(s_slots, p), last_contiguous=True)
     check_tensor(hp_latent, "hp_latent", ndim=2, device=dev, shape=(hp_latent.shape[0], r), last_contiguous=True)
     check_tensor(hp_pe, "hp_pe", ndim=2, device=dev, shape=(hp_latent.shape[0], p), last_contiguous=True)
-    for t, name in ((hp_index, "hp_index"), (req_to_token, "req_to_token"), (req_pool_indices, "req_pool_indices"),
-                    (seq_lens, "seq_lens")) + (() if sink_lens is None else ((sink_lens, "sink_lens"),)):
-        check_tensor(t, name, dtypes=INDEX_DTYPES, device=dev)
+    for t, name, nd in ((hp_index, "hp_index", 2), (req_to_token, "req_to_token", 2),
+                        (req_pool_indices, "req_pool_indices", 1), (seq_lens, "seq_lens", 1)) + (
+            () if sink_lens is None else ((sink_lens, "sink_lens", 1),)):
+        check_tensor(t, name, ndim=nd, dtypes=INDEX_DTYPES, device=dev)
     if hp_index.shape[1] < sink + recent:
         raise ValueError(f"hp_index has {hp_index.shape[1]} columns, fewer than sink + recent = {sink + recent}")
     lv = codebook(quantizer).levels
