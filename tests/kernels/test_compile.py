@@ -87,6 +87,15 @@ def test_bench_decode_smoke(tmp_path):
     assert "| ctx | batch |" in text and "Write (quantize+scatter" in text
 
 
+def test_bench_latent_smoke(tmp_path):
+    """benchmarks/bench_latent.py --smoke runs the INT2 latent decode and SGLang's Triton MLA decode
+    (its 288-wide latent shape) once each and writes the table row with their ratio."""
+    out = tmp_path / "latent.md"
+    _smoke("bench_latent", out)
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 4 | 2 x 48 |")]
+    assert len(rows) == 1 and "sglang-triton-mla" in rows[0] and rows[0].split("|")[5].strip().endswith("x"), rows
+
+
 def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
     """bench_decode.apply_pool_layout re-lays a case without changing what any slot holds: the
     served pool's head-major code / pair planes with the same (random) slot ids give the decode
