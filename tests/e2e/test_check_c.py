@@ -95,20 +95,27 @@ def test_fp32_shim_hooks_route_only_fp32():
 
 
 def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
-    """A fresh interpreter with the fp32 servers' environment: SGLang's own plugin loader finds the
-    shim, applies its hooks, and an fp32 RMSNorm.forward_cuda then runs forward_native (on CPU; the
-    upstream CUDA path would call flashinfer's fp16/bf16-only rmsnorm); with check b's baseline
-    environment the window shim's hook lands on SGLang's Triton backend."""
+    """A fresh interpreter with the shims' folder first on PYTHONPATH: SGLang's own plugin loader
+    finds both entry points and applies their hooks -- an fp32 RMSNorm.forward_cuda then runs
+    forward_native (on CPU; the upstream CUDA path would call flashinfer's fp16/bf16-only rmsnorm),
+    and with OSCAR_E2E_HF_WINDOW=1 (check b's baseline) the window hook lands on SGLang's Triton
+    backend. One interpreter for both: importing SGLang takes most of the time."""
+    import subprocess
+    import sys
+
     work = str(tmp_path)
     fp32_shim.write_fp32_shim(fp32_shim.fp32_shim_dir(work))
-    env = dict(os.environ, **fp32_shim.fp32_server_env(work), SGLANG_PLUGINS=fp32_shim.FP32_SHIM_ENTRY)
+    env = {**os.environ, **fp32_shim.fp32_server_env(work), **fp32_shim.hf_window_server_env(work),
+           "SGLANG_PLUGINS": f"{fp32_shim.FP32_SHIM_ENTRY},{window_shim.WINDOW_SHIM_ENTRY}"}
     code = "\n".join([
         "import torch",
         "from sglang.srt.plugins import load_plugins",
         "load_plugins()",
         "from sglang.srt.layers.layernorm import RMSNorm",
         "from sglang.jit_kernel.norm import can_use_fused_inplace_qknorm",
+        "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend",
         "assert hasattr(RMSNorm.forward_cuda, '__wrapped__'), 'RMSNorm.forward_cuda not hooked'",
+        "assert hasattr(TritonAttnBackend.__init__, '__wrapped__'), 'TritonAttnBackend.__init__ not hooked'",
         "n = RMSNorm(8, eps=1e-6)",
         "n.weight.data.uniform_(0.5, 1.5)",
         "x, r = torch.randn(3, 8), torch.randn(3, 8)",
@@ -119,27 +126,9 @@ def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
         "assert can_use_fused_inplace_qknorm(128, torch.float32) is False",
         "print('SHIM_OK')",
     ])
-    _probe(code, env, "SHIM_OK", tmp_path)
-    # check b's baseline environment: the window shim's hook on SGLang's Triton backend
-    env = dict(os.environ, **fp32_shim.hf_window_server_env(work), SGLANG_PLUGINS=window_shim.WINDOW_SHIM_ENTRY)
-    code = "\n".join([
-        "from sglang.srt.plugins import load_plugins",
-        "load_plugins()",
-        "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend",
-        "assert hasattr(TritonAttnBackend.__init__, '__wrapped__'), 'TritonAttnBackend.__init__ not hooked'",
-        "print('WINDOW_OK')",
-    ])
-    _probe(code, env, "WINDOW_OK", tmp_path)
-
-
-def _probe(code: str, env: dict, token: str, cwd) -> None:
-    """Run ``code`` in a fresh interpreter with ``env``; it must exit 0 and print ``token``."""
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=str(cwd), check=False)
-    assert out.returncode == 0 and token in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+                         cwd=str(tmp_path), check=False)
+    assert out.returncode == 0 and "SHIM_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
 
 
 # ----------------------------------------------------------------------------- check c (fake servers)
