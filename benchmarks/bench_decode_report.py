@@ -89,3 +89,23 @@ def render(rows, extra, copy_bw, info, default_config, elapsed, smoke, *, geomet
                 cells.append(fmt_ms(v) if isinstance(v, float) else str(v))
             lines.append(f"| {r['ctx']} | {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def step_row_cells(int2, bf: dict) -> str:
+    """The table cells shared by the per-layer benchmarks (``bench_layer_step``, ``bench_latent``):
+    ``INT2 time | fastest BF16 time (kernel) | INT2 / BF16 | every BF16 kernel's time`` from the INT2
+    time and a ``{kernel: time}`` dict (ms; the dict may be empty)."""
+    best = min(bf, key=bf.get) if bf else None
+    ratio = f"{int2 / bf[best]:.2f}x" if best else "-"
+    kernels = ", ".join(f"{k} {fmt_ms(t)}" for k, t in bf.items())
+    return f"{fmt_ms(int2)} | {fmt_ms(bf[best]) if best else '-'} ({best}) | {ratio} | {kernels}"
+
+
+def write_table(rows: list, out: str | None) -> str:
+    """``rows`` joined as one markdown table (written to ``out`` when given); returns the text."""
+    text = "\n".join(rows) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    return text
+

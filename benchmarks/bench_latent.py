@@ -27,8 +27,10 @@ import torch
 
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
+    from .bench_decode_report import step_row_cells, write_table
 except ImportError:
     import bench_decode as bd
+    from bench_decode_report import step_row_cells, write_table
 
 from sglang_oscar.kernels.latent import latent_decode_attention
 
@@ -135,19 +137,12 @@ def main(argv=None) -> int:
                 case = LatentCase(h, b, ctx, dev, **kw)
                 int2 = bd.bench(case.int2(2 if a.smoke else a.splits), a.smoke)
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16(a.smoke).items()}
-                best = min(bf, key=bf.get) if bf else None
-                ratio = f"{int2 / bf[best]:.2f}x" if best else "-"
-                kernels = ", ".join(f"{k} {bd.fmt_ms(t)}" for k, t in bf.items())
-                rows.append(f"| {h} | {b} x {ctx} | {bd.fmt_ms(int2)} | {bd.fmt_ms(bf[best]) if best else '-'} "
-                            f"({best}) | {ratio} | {kernels} |")
+                rows.append(f"| {h} | {b} x {ctx} | {step_row_cells(int2, bf)} |")
                 print(rows[-1], flush=True)
                 del case
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-    text = "\n".join(rows) + "\n"
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    write_table(rows, a.out)
     return 0
 
 

@@ -30,8 +30,10 @@ import torch
 
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
+    from .bench_decode_report import step_row_cells, write_table
 except ImportError:
     import bench_decode as bd
+    from bench_decode_report import step_row_cells, write_table
 
 from sglang_oscar.kernels import DecodePlan, write_kv
 from sglang_oscar.kernels.layout import Int2Layout
@@ -199,21 +201,14 @@ def main(argv=None) -> int:
                 case = LayerCase(shape, b, ctx, dev)
                 int2 = bd.bench(case.int2_step(), a.smoke)
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16_steps(a.smoke).items()}
-                best = min(bf, key=bf.get) if bf else None
-                ratio = f"{int2 / bf[best]:.2f}x" if best else "-"
-                kernels = ", ".join(f"{k} {bd.fmt_ms(t)}" for k, t in bf.items())
                 rows.append(f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {shape.head_dim}"
                             f"{f', window {shape.window}' if shape.window else ''}) | {b} x {ctx} | "
-                            f"{bd.fmt_ms(int2)} | {bd.fmt_ms(bf[best]) if best else '-'} ({best}) | {ratio} | "
-                            f"{kernels} |")
+                            f"{step_row_cells(int2, bf)} |")
                 print(rows[-1], flush=True)
                 del case
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-    text = "\n".join(rows) + "\n"
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    write_table(rows, a.out)
     return 0
 
 
