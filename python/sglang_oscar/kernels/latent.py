@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..quant.int2 import codebook
-from .codes import round_to
+from .codes import LOG2E, level_of, round_to
 from .compile_check import launch as _launch
 from .decode.merge import decode_merge
 from .layout import next_pow2
@@ -42,7 +42,7 @@ def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows
     cols = tl.arange(0, Q)
     byte = tl.load(KC + slots[:, None] * stride_kcs + cols[None, :], mask=int2[:, None], other=0)
     code = (byte >> (2 * K)) & 3
-    lv = tl.where(code == 0, l0, tl.where(code == 1, l1, tl.where(code == 2, l2, l3)))
+    lv = level_of(code, l0, l1, l2, l3)
     pair = KPR + slots[:, None] * stride_kps + 2 * ((K * Q + cols[None, :]) // G)
     scale = tl.load(pair, mask=int2[:, None], other=0.0).to(tl.float32)
     zero = tl.load(pair + 1, mask=int2[:, None], other=0.0).to(tl.float32)
@@ -301,7 +301,7 @@ def latent_decode_attention(
             hp_pe, hp_pe.stride(0), hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0),
             req_pool_indices, seq_lens, seq_lens if sink_lens is None else sink_lens,
             o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
-            sm_scale * 1.4426950408889634, sink, recent, num_splits, *lv,
+            sm_scale * LOG2E, sink, recent, num_splits, *lv,
             H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n,
             HAS_SINKL=sink_lens is not None)
     out = torch.empty(bsz, h, r, dtype=torch.float32, device=dev) if out is None else out

@@ -32,6 +32,8 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from ..config import OscarConfig
 from ..kernels import write_kv
 from ..kernels.layout import Int2Layout
+from .int2_pool import int2_row_bytes
+from .sizing import hp_row_bytes
 from .windows import HPWindows
 
 
@@ -94,14 +96,12 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
 
     def int2_bytes_per_token(self) -> int:
         """Bytes of one token over all local layers: codes + pairs + ``k_pe``."""
-        lk = self.layout.k
-        row = lk.head_dim // 4 + 2 * lk.num_groups * self.layout.scale_dtype.itemsize
-        return self.layer_num * (row + self.qk_rope_head_dim * self.hp_dtype.itemsize)
+        return self.layer_num * (int2_row_bytes(self.layout, "k") + self.qk_rope_head_dim * self.hp_dtype.itemsize)
 
     def hp_bytes(self) -> int:
         """Bytes of the BF16 window arenas (latent + ``k_pe`` rows, all layers)."""
-        return self.windows.num_rows * self.layer_num * (self.kv_lora_rank + self.qk_rope_head_dim) \
-            * self.hp_dtype.itemsize
+        return self.windows.num_rows * hp_row_bytes(1, self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num,
+                                                    self.hp_dtype)
 
     # ------------------------------------------------------------------ packed access
     def latent_buffers(self, layer_id: int) -> dict:
