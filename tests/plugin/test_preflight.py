@@ -136,10 +136,15 @@ def test_cell_size_hook_and_radix_cap(hooked):
 
     kvc = SimpleNamespace(
         server_args=SimpleNamespace(kv_cache_dtype="int2", _oscar_config=OscarConfig(group_size=64)),
-        model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 8 // tp, head_dim=128, v_head_dim=128))
+        model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 8 // tp, head_dim=128, v_head_dim=128),
+        use_mla_backend=False)
     with get_parallel().override(attn_tp_size=2, attn_tp_rank=0):
         got = serving.around_compute_cell_size(lambda *a: -1, None, kvc, 10)
     assert got == 10 * 4 * 2 * (32 + 2 * 2 * 2)
+    # MLA (DeepSeek-V3 latent 512 + k_pe 64): codes 128 + 8 fp16 pairs 32 + BF16 k_pe 128 per layer
+    mla = SimpleNamespace(server_args=kvc.server_args, use_mla_backend=True, model_dtype=torch.bfloat16,
+                          model_config=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64))
+    assert serving.around_compute_cell_size(lambda *a: -1, None, mla, 10) == 10 * (128 + 32 + 128)
     kvc.server_args.kv_cache_dtype = "auto"
     assert serving.around_compute_cell_size(lambda *a: -1, None, kvc, 10) == -1
     # radix cap: only while an INT2 pool is active in this process

@@ -17,6 +17,7 @@ from ..config import OscarConfig
 from ..rotation import RotationSet
 from ..rotation.rotation_set import RotationError
 from ..rotation.geometry import ModelGeometry, attention_logit_softcap
+from ..rotation.latent import LatentRotationSet
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -55,8 +56,8 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     """
     if geometry.attention_kind != "mha":
         raise ValueError(
-            f"--kv-cache-dtype int2 serves MHA/GQA models; {geometry.model_type!r} uses MLA attention "
-            f"(latent c_kv), which the INT2 server does not support yet; use --kv-cache-dtype auto"
+            f"served_rotation_set takes an MHA/GQA geometry; {geometry.model_type!r} uses MLA attention "
+            f"(latent c_kv): its rotations come from served_latent_rotations"
         )
     shared = _kv_shared_layers(hf_config)
     if shared:
@@ -113,6 +114,61 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     if log:
         logger.info("sglang-oscar: rotation %s (%s, %d layers)", config.rotation_path,
                     "per kv head" if rs.per_head else "per layer", len(rs.layer_ids))
+    return rs
+
+
+def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True
+                            ) -> LatentRotationSet:
+    """The validated latent rotations of an MLA model (``--oscar-rotation`` file, else the data-free
+    block Hadamard, :meth:`LatentRotationSet.data_free`), after the checks of what the latent pool serves.
+
+    Raises:
+        ValueError: a DSA (sparse-attention) or linear-attention hybrid MLA model, ``--oscar-rotation-v``,
+            ``--oscar-skip-layers``, ``--oscar-fold-rotations on`` or ``--oscar-decode-engine gluon`` (MHA
+            features), a group size that does not fit ``kv_lora_rank``, a missing or unreadable file, an
+            MHA rotation file, or a file fitted for another model (layers, rank). Every message says what
+            to change.
+    """
+    from ..kernels.latent import check_latent_width
+    from ..rotation.latent import LatentRotationSet
+
+    name = geometry.model_type
+    if geometry.index_topk:
+        raise ValueError(f"--kv-cache-dtype int2 does not serve {name!r}'s sparse attention (DSA: the lightning "
+                         "indexer's top-k selection over the latent cache) yet; serve it with --kv-cache-dtype auto")
+    if geometry.linear_layer_ids:
+        raise ValueError(f"--kv-cache-dtype int2 does not serve {name!r}'s MLA + linear-attention hybrid "
+                         f"({len(geometry.linear_layer_ids)} linear-attention layers) yet; serve it with "
+                         "--kv-cache-dtype auto")
+    for given, flag in ((config.rotation_v_path, "--oscar-rotation-v"), (config.skip_layers not in (None, "none"),
+                        "--oscar-skip-layers"), (config.fold_rotations, "--oscar-fold-rotations on"),
+                        (config.decode_engine == "gluon", "--oscar-decode-engine gluon")):
+        if given:
+            raise ValueError(f"{flag} applies to MHA/GQA models; {name!r} caches one MLA latent per token "
+                             "(one rotation per layer, one decode kernel): drop the flag")
+    try:
+        check_latent_width(int(geometry.kv_lora_rank), config.group_size or int(geometry.kv_lora_rank))
+    except ValueError as exc:
+        raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache: {exc}; pick "
+                         "--kv-cache-quant-group-size 128 (or 64, 32)") from None
+    if config.rotation_path is None:
+        rs = LatentRotationSet.data_free(geometry)
+        if log:
+            logger.info("sglang-oscar: no --oscar-rotation given; using the data-free block-Hadamard latent rotation "
+                        "(fit one with recipes/<model>/compute_rotation.sh for better accuracy)")
+        return rs
+    try:
+        rs = LatentRotationSet.load(config.rotation_path)
+        rs.validate(geometry)
+    except FileNotFoundError as exc:
+        raise ValueError(f"--oscar-rotation: {exc}; pass an existing latent rotation file, or drop the flag to use "
+                         "the data-free block-Hadamard rotation") from None
+    except RotationError as exc:
+        raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this MLA model: {exc}; an MLA model "
+                         "takes a latent rotation file (`sglang-oscar fit` on its calibration, or `hadamard`)") from None
+    if log:
+        logger.info("sglang-oscar: latent rotation %s (%d layers, kv_lora_rank %d)", config.rotation_path,
+                    len(rs.layer_ids), geometry.kv_lora_rank)
     return rs
 
 

@@ -165,7 +165,8 @@ def _gather_latent(KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, SLOTS, OUT,
     tl.store(o + 4 * Q + pc[None, :], round_to(kpe.to(tl.float32), OUT.dtype.element_ty), mask=pm)
 
 
-def _check_latent_width(r: int, group_size: int) -> None:
+def check_latent_width(r: int, group_size: int) -> None:
+    """Raise ``ValueError`` unless the latent kernels take rank ``r`` with ``group_size``."""
     if r <= 0 or r % 64 or r % group_size or (r // 4) & (r // 4 - 1):
         raise ValueError(f"latent width {r}: R/4 must be a power of two >= 16 (R = 64, 128, 256, 512, ...) and "
                          f"R a multiple of group_size {group_size}")
@@ -174,6 +175,16 @@ def _check_latent_width(r: int, group_size: int) -> None:
 def _check_pow2(value: int, name: str, low: int) -> None:
     if value < low or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= {low}, got {value}")
+
+
+def latent_num_splits(batch: int, num_heads: int, *, block_h: int = 16, num_sms: int = 132,
+                      max_splits: int = 32) -> int:
+    """Splits of each request's positions for :func:`latent_decode_attention`: enough programs
+    (``batch x ceil(H / block_h) x splits``) for about two waves over ``num_sms`` SMs, at most
+    ``max_splits`` (empty splits cost one early exit). Depends on the batch shape only, so a CUDA
+    graph captured for a batch size replays the right count."""
+    programs = batch * -(-num_heads // block_h)
+    return max(1, min(max_splits, -(-2 * num_sms // max(programs, 1))))
 
 
 def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, *,
@@ -201,7 +212,7 @@ def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, 
     check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), last_contiguous=True)
     s_slots, q = codes.shape
     r, p = 4 * q, k_pe.shape[-1]
-    _check_latent_width(r, group_size)
+    check_latent_width(r, group_size)
     _check_pow2(block_t, "block_t", 1)
     check_tensor(pairs, "pairs", ndim=2, device=codes.device, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
     check_tensor(k_pe, "k_pe", ndim=2, device=codes.device, shape=(s_slots, p), last_contiguous=True)
@@ -272,7 +283,7 @@ def latent_decode_attention(
     dev = q_abs.device
     check_tensor(q_pe, "q_pe", ndim=3, device=dev, last_contiguous=True)
     p = q_pe.shape[-1]
-    _check_latent_width(r, group_size)
+    check_latent_width(r, group_size)
     if tuple(q_pe.shape[:2]) != (bsz, h):
         raise ValueError(f"q_abs {tuple(q_abs.shape)} and q_pe {tuple(q_pe.shape)} must share [B, H]")
     _check_pow2(block_n, "block_n", 16)

@@ -63,6 +63,7 @@ def register() -> None:
         (SERVING_HOOK_TARGETS[7], sv.around_compute_max_prefix_len, HookType.AROUND),
         (SERVING_HOOK_TARGETS[8], sv.before_get_next_batch_to_run, HookType.BEFORE),
         (SERVING_HOOK_TARGETS[9], sv.after_hybrid_swa_configurator_init, HookType.AFTER),
+        (SERVING_HOOK_TARGETS[10], sv.around_mla_dispatch, HookType.AROUND),
         *((target, sv.around_weight_update, HookType.AROUND) for target in sv.WEIGHT_UPDATE_HOOK_TARGETS),
     ):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
@@ -141,7 +142,7 @@ def preflight(server_args) -> None:
     Raises:
         ValueError: the message names the problem and the flag that fixes it.
     """
-    from ..backend.rotations import model_geometry, served_rotation_set
+    from ..backend.rotations import model_geometry, served_latent_rotations, served_rotation_set
 
     config = oscar_config_of(server_args)
     try:
@@ -157,6 +158,9 @@ def preflight(server_args) -> None:
             logger.warning("sglang-oscar: could not read the model config for the int2 checks: %s", exc)
             return
         geometry = model_geometry(hf_config)
+    if geometry.attention_kind == "mla":
+        served_latent_rotations(config, geometry, log=False)
+        return
     served_rotation_set(config, geometry, log=False, hf_config=hf_config)
     skip_kind(config, geometry, hf_config)
     if config.decode_engine == "gluon":

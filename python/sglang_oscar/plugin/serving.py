@@ -6,19 +6,23 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
   bf16-only fused KV writes switch themselves off);
 * ``models.utils.enable_fused_set_kv_buffer`` (AROUND): ``False`` with the INT2 pool;
 * ``DefaultPoolConfigurator._compute_cell_size`` (AROUND) and ``HybridSWAPoolConfigurator.__init__``
-  (AFTER): the packed INT2 bytes per token (per layer kind for hybrid sliding-window models);
+  (AFTER): the packed INT2 bytes per token (per layer kind for hybrid sliding-window models, the
+  INT2 latent + BF16 ``k_pe`` for MLA models);
 * ``KVCacheConfigurator._resolve_memory_pool_config`` (AROUND): reserve the BF16 windows and
   bound ``max_running_requests`` (:func:`~sglang_oscar.pool.sizing.plan_windows`), log both budgets;
 * ``KVCacheConfigurator._build_token_to_kv_pool`` (AROUND): build
   :class:`~sglang_oscar.pool.int2_pool.OscarMHATokenToKVPool` for MHA/GQA models,
-  :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool` for hybrid sliding-window ones, refuse the rest;
+  :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool` for hybrid sliding-window ones,
+  :class:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool` for MLA ones, refuse the rest (DSA);
+* ``DeepseekV2AttentionMLA.dispatch_attn_forward_method`` (AROUND): absorbed MLA for every forward;
 * ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER): freed slots return their sink rows;
 * ``Req._compute_max_prefix_len`` (AROUND): radix matches stop ``recent`` tokens before the end of
   the prompt, so a reused prefix never covers positions a fresh run reads from its BF16 ring;
 * ``Scheduler.get_next_batch_to_run`` (BEFORE): evict radix leaves when the sink arena runs low;
 * ``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group`` (AROUND): refused with
   ``(False, reason)`` when ``--oscar-fold-rotations on`` folded value rotations into the weights;
-* ``ATTENTION_BACKENDS["triton"]`` (registry entry): :class:`OscarTritonAttnBackend` for int2.
+* ``ATTENTION_BACKENDS["triton"]`` (registry entry): :class:`OscarTritonAttnBackend` for int2
+  (:class:`OscarTritonLatentBackend` over the latent pool).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ SERVING_HOOK_TARGETS = (
     "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len",
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
     "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
+    "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.dispatch_attn_forward_method",
 )
 # In-place weight updates (RL / online updates): refused for a model whose value rotations are folded
 # into its weights (--oscar-fold-rotations on), which a reload would silently unfold.
@@ -122,7 +127,11 @@ def _attention_layer_ids(kvc) -> list[int]:
 
 def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
     """``(kind, layers, kv heads, head_dim, v_head_dim)`` of each pool of the model: one ``"all"``
-    group, or ``"full"`` and ``"sliding"`` for a hybrid sliding-window model."""
+    group, ``"full"`` and ``"sliding"`` for a hybrid sliding-window model, or one ``"latent"`` group
+    ``(1 head, kv_lora_rank, qk_rope_head_dim)`` for an MLA model (a window row is ``[c_kv | k_pe]``)."""
+    if kvc.use_mla_backend:
+        mc = kvc.model_config
+        return [("latent", kvc.layer_info.num_effective_layers, 1, mc.kv_lora_rank, mc.qk_rope_head_dim)]
     if not kvc.is_hybrid_swa:
         return [("all", len(_attention_layer_ids(kvc)), *_geometry(kvc))]
     mc = kvc.model_config
@@ -133,8 +142,12 @@ def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
 def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs):
     if not _is_int2(kvc.server_args):
         return original_fn(self, kvc, num_layers, *args, **kwargs)
-    from ..pool.sizing import int2_cell_size
+    from ..pool.sizing import int2_cell_size, latent_cell_size
 
+    if kvc.use_mla_backend:
+        mc = kvc.model_config
+        return latent_cell_size(_config(kvc.server_args), mc.kv_lora_rank, mc.qk_rope_head_dim, num_layers,
+                                kvc.model_dtype)
     heads, d, dv = _geometry(kvc)
     return int2_cell_size(_config(kvc.server_args), heads, d, dv, num_layers)
 
@@ -168,7 +181,7 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
         return original_fn(self, pre_model_load_memory, *args, **kwargs)
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
-    from ..pool.sizing import WINDOW_BUDGET_SHARE, hp_row_bytes, int2_cell_size, plan_windows
+    from ..pool.sizing import WINDOW_BUDGET_SHARE, hp_row_bytes, int2_cell_size, latent_cell_size, plan_windows
 
     config = _config(self.server_args)
     groups = _kv_groups(self)
@@ -189,10 +202,12 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
         tokens = (pool_config.swa_max_total_num_tokens if kind == "sliding" else
                   pool_config.full_max_total_num_tokens if kind == "full" else pool_config.max_total_num_tokens)
         bf16 = hp_row_bytes(h, d, dv, n, self.model_dtype)
-        cell = bf16 if kind == skip else int2_cell_size(config, h, d, dv, n)
+        cell = (bf16 if kind == skip else latent_cell_size(config, d, dv, n, self.model_dtype) if kind == "latent"
+                else int2_cell_size(config, h, d, dv, n))
         logger.info("sglang-oscar: %s KV cache%s: %d bytes/token (BF16: %d, %.2fx fewer); tokens: %d (%.2f GiB)",
                     "BF16 (--oscar-skip-layers)" if kind == skip else "INT2",
-                    "" if kind == "all" else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
+                    "" if kind == "all" else f", MLA latent ({n} layers x c_kv {d} + k_pe {dv})" if kind == "latent"
+                    else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
                     cell, bf16, bf16 / max(cell, 1), tokens or 0, (tokens or 0) * cell / 2**30)
     logger.info("sglang-oscar: BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",
                 config.sink_tokens, config.recent_tokens, pool_config.max_running_requests, plan.window_bytes / 2**30)
@@ -208,19 +223,25 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     from ..pool.sizing import sink_rows_for
     from ..pool.swa_pool import OscarSWAKVPool
 
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
     sizes = kwargs["sizes"]
     req_to_token_pool = kwargs["req_to_token_pool"]
     arch = getattr(self.model_config.hf_config, "architectures", None)
     unsupported = [name for name, flag in (
-        ("MLA attention", self.use_mla_backend),
+        ("DSA sparse attention (its indexer's key pool)", self.use_mla_backend and is_deepseek_dsa(self.model_config.hf_config)),
+        ("MLA with linear-attention layers", self.use_mla_backend and self.mambaish_config is not None),
         ("only sliding-window layers in its hybrid pool",
          self.is_hybrid_swa and not self.model_config.full_attention_layer_ids),
         ("a draft model (speculative decoding)", self.is_draft_worker)) if flag]
     if unsupported:
-        raise ValueError(f"--kv-cache-dtype int2 serves MHA/GQA models; {arch} uses {', '.join(unsupported)}; "
+        raise ValueError(f"--kv-cache-dtype int2 does not serve {arch}: it uses {', '.join(unsupported)}; "
                          f"serve it with --kv-cache-dtype auto")
     config = _config(self.server_args)
     max_reqs = req_to_token_pool.req_to_token.shape[0]
+    if self.use_mla_backend:
+        _ACTIVE["recent"] = config.recent_tokens
+        return _build_latent_pool(self, sizes.max_total_num_tokens, config, max_reqs)
     heads, head_dim, v_head_dim = _geometry(self)
     common = dict(page_size=self.server_args.page_size, dtype=torch.uint8, head_num=heads, head_dim=head_dim,
                   v_head_dim=v_head_dim, device=self.device, oscar_config=config, hp_dtype=self.model_dtype,
@@ -260,6 +281,26 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
                     "(%d sink rows, %d ring rows)", pool.size, pool.layer_num, pool.int2_bytes_per_token(),
                     pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
     _ACTIVE["recent"] = config.recent_tokens
+    return pool
+
+
+def _build_latent_pool(self, size: int, config, max_reqs: int):
+    """The INT2 latent pool of an MLA model (``KVCacheConfigurator._build_mla_kv_pool``'s arguments)."""
+    from ..pool.latent_pool import OscarMLATokenToKVPool
+    from ..pool.sizing import sink_rows_for
+
+    mc = self.model_config
+    pool = OscarMLATokenToKVPool(
+        size, page_size=self.server_args.page_size, dtype=torch.uint8, kv_lora_rank=mc.kv_lora_rank,
+        qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=self.layer_info.num_effective_layers, device=self.device,
+        enable_memory_saver=self.server_args.enable_memory_saver, start_layer=self.layer_info.start_layer,
+        end_layer=self.layer_info.end_layer, oscar_config=config, hp_dtype=self.model_dtype, max_reqs=max_reqs,
+        sink_rows=sink_rows_for(config, max_reqs))
+    logger.info("sglang-oscar: INT2 MLA latent pool: %d slots x %d layers, %d B/token (c_kv %d INT2 + k_pe %d "
+                "BF16; BF16 MLA: %d); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size, pool.layer_num,
+                pool.int2_bytes_per_token(), mc.kv_lora_rank, mc.qk_rope_head_dim,
+                pool.layer_num * (mc.kv_lora_rank + mc.qk_rope_head_dim) * pool.hp_dtype.itemsize,
+                pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
     return pool
 
 
@@ -308,6 +349,18 @@ def before_get_next_batch_to_run(*args, **kwargs):
     return None
 
 
+# ---------------------------------------------------------------------------------- MLA dispatch
+def around_mla_dispatch(original_fn, self, forward_batch, *args, **kwargs):
+    """``DeepseekV2AttentionMLA.dispatch_attn_forward_method``: absorbed MLA for every forward of an
+    int2 server (SGLang's Triton handler runs a prefill without prefix as non-absorbed MHA, which
+    writes BF16 latent rows the INT2 pool refuses and never reads the cache)."""
+    if _ACTIVE["recent"] is None:
+        return original_fn(self, forward_batch, *args, **kwargs)
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return AttnForwardMethod.MLA
+
+
 # ---------------------------------------------------------------------------------- weight updates
 def around_weight_update(original_fn, self, *args, **kwargs):
     """``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group``: ``(False, reason)``
@@ -338,8 +391,12 @@ def install_backend_factory() -> None:
 
     def create_triton_backend(runner):
         if _is_int2(runner.server_args):
+            from ..backend.latent_backend import OscarTritonLatentBackend
             from ..backend.triton_backend import OscarTritonAttnBackend
+            from ..pool.latent_pool import OscarMLATokenToKVPool
 
+            if isinstance(runner.token_to_kv_pool, OscarMLATokenToKVPool):
+                return OscarTritonLatentBackend(runner)
             return OscarTritonAttnBackend(runner)
         return original(runner)
 

@@ -32,8 +32,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from ..config import OscarConfig
 from ..kernels import write_kv
 from ..kernels.layout import Int2Layout
-from .int2_pool import int2_row_bytes
-from .sizing import hp_row_bytes
+from .sizing import hp_row_bytes, latent_cell_size
 from .windows import HPWindows
 
 
@@ -96,7 +95,8 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
 
     def int2_bytes_per_token(self) -> int:
         """Bytes of one token over all local layers: codes + pairs + ``k_pe``."""
-        return self.layer_num * (int2_row_bytes(self.layout, "k") + self.qk_rope_head_dim * self.hp_dtype.itemsize)
+        return latent_cell_size(self.oscar_config, self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num,
+                                self.hp_dtype)
 
     def hp_bytes(self) -> int:
         """Bytes of the BF16 window arenas (latent + ``k_pe`` rows, all layers)."""

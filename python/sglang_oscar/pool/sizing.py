@@ -42,6 +42,24 @@ def int2_cell_size(config: OscarConfig, num_kv_heads: int, head_dim: int, v_head
                                                                 config.scale_dtype)
 
 
+def latent_cell_size(config: OscarConfig, kv_lora_rank: int, rope_dim: int, num_layers: int,
+                     hp_dtype: torch.dtype) -> int:
+    """INT2 bytes per token of an MLA latent cache over ``num_layers`` layers: codes + (scale, zero)
+    pairs of the ``kv_lora_rank``-wide latent, plus ``k_pe`` (``rope_dim`` elements in ``hp_dtype``).
+
+    Equals what :class:`~.latent_pool.OscarMLATokenToKVPool` allocates per slot: R = 512, P = 64,
+    G = 128, fp16 pairs: 128 + 16 + 128 = 272 bytes per layer (BF16 MLA: 1,152).
+
+    Raises:
+        ValueError: ``group_size`` does not divide the rank.
+    """
+    layout = Int2Layout.create(kv_lora_rank, group_size=config.group_size, k_clip_ratio=config.k_clip_ratio,
+                               quantizer=config.quantizer, scale_dtype=config.scale_dtype, attention=False)
+    t = layout.k
+    itemsize = torch.tensor([], dtype=hp_dtype).element_size()
+    return num_layers * (t.head_dim // 4 + 2 * t.num_groups * layout.scale_dtype.itemsize + rope_dim * itemsize)
+
+
 def hp_row_bytes(num_kv_heads: int, head_dim: int, v_head_dim: int, num_layers: int, hp_dtype: torch.dtype) -> int:
     """Bytes of one BF16 window row (one token, all local layers and kv heads, K + V)."""
     return num_layers * num_kv_heads * (head_dim + v_head_dim) * torch.tensor([], dtype=hp_dtype).element_size()

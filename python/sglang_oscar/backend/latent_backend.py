@@ -1,0 +1,222 @@
+"""``OscarTritonLatentBackend``: SGLang's Triton attention backend over the INT2 MLA latent pool.
+
+MLA layers (DeepSeek-V3 family) reach the backend through SGLang's absorbed path
+(``forward_mla.py``): ``q = [q_nope W_UK | q_pe]`` ``[T, H, R + P]``, ``k = [c_kv | k_pe]``
+``[T, 1, R + P]``, ``v = c_kv``, output ``o_latent [T, H * R]`` that the model multiplies by
+``W_UV``. An AROUND hook on ``DeepseekV2AttentionMLA.dispatch_attn_forward_method``
+(:mod:`sglang_oscar.plugin.serving`) sends every forward of an int2 server down that path (the Triton
+handler would run a prefill without prefix as non-absorbed MHA, which never reads the cache).
+
+Per layer, with its orthogonal latent rotation ``Rot`` (:class:`~sglang_oscar.rotation.latent.LatentRotationSet`):
+
+* write: ``c' = round(c Rot)`` to the model dtype, quantized to INT2 at the slot SGLang allocated,
+  ``k_pe`` as is, both copied to the BF16 sink/recent rows
+  (:meth:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool.write_latent`);
+* decode: :func:`~sglang_oscar.kernels.latent.latent_decode_attention` with ``q_abs' = q_abs Rot``
+  (fp32) reads ``[BF16 sink | INT2 middle | BF16 recent]`` and returns ``o'``; the output is
+  ``o' Rot^T`` (``Rot Rot^T = I``: ``reference.latent`` module docstring);
+* extend: the batch's prefix and chunk rows are dequantized once per layer
+  (:func:`~sglang_oscar.kernels.latent.gather_latent`, model dtype), sink positions replaced by their
+  BF16 rows (window mode ``"extend"``: the chunk reads INT2 latents of itself too, as the MHA pool's
+  extend), and SGLang's own Triton extend kernel attends over them.
+
+The window bookkeeping, CUDA-graph plumbing and slot release are the MHA backend's
+(:class:`~.triton_backend.OscarTritonAttnBackend`); the plans here are small: the split count of a
+decode batch, the gather indices of an extend batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+from ..kernels.latent import gather_latent, latent_decode_attention, latent_num_splits
+from ..pool.latent_pool import OscarMLATokenToKVPool
+from .rotations import model_geometry, served_latent_rotations
+from .triton_backend import OscarTritonAttnBackend
+
+
+class LatentExtendPlan(NamedTuple):
+    """Rows an extend batch reads, built once per forward.
+
+    ``slots`` int64 ``[n_prefix + n_new]``: the requests' prefix slots (request-major, position order)
+    then the chunk's ``out_cache_loc``; ``hp_mask`` bool and ``hp_rows`` int64 of the same length: rows
+    read from the BF16 sink arena instead; ``kv_indptr`` int32 ``[B + 1]`` / ``kv_indices`` int64
+    ``[n_prefix]`` address the prefix part for SGLang's extend kernel."""
+
+    slots: torch.Tensor
+    hp_mask: torch.Tensor
+    hp_rows: torch.Tensor
+    n_prefix: int
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    max_extend_len: int
+
+
+class OscarTritonLatentBackend(OscarTritonAttnBackend):
+    """Triton attention over :class:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool` (module docstring).
+
+    Raises:
+        RuntimeError: the pool is not the INT2 latent pool (a hook did not apply).
+        ValueError: rotation file / model problems (:func:`.rotations.served_latent_rotations`).
+    """
+
+    def __init__(self, model_runner, *args, **kwargs):
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, OscarMLATokenToKVPool):
+            raise RuntimeError(f"--kv-cache-dtype int2 on an MLA model: the token pool is {type(pool).__name__}, not "
+                               "the INT2 latent pool; the sglang-oscar pool hook did not apply (check the log)")
+        TritonAttnBackend.__init__(self, model_runner, *args, **kwargs)
+        from sglang.srt.runtime_context import get_parallel
+
+        config = pool.oscar_config
+        geometry = model_geometry(model_runner.model_config.hf_config)
+        rs = served_latent_rotations(config, geometry, log=get_parallel().attn_tp_rank == 0)
+        rotations = {lid: rs.matrix(lid).to(model_runner.device) for lid in rs.layer_ids
+                     if pool.start_layer <= lid <= pool.end_layer}
+        heads = max(1, model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size)
+        self.setup_latent(pool, rotations, model_runner.req_to_token_pool.req_to_token, heads,
+                          getattr(self, "device_core_count", None) or 132)
+
+    def setup_latent(self, pool: OscarMLATokenToKVPool, rotations: dict, req_to_token: torch.Tensor,
+                     num_heads: int, num_sms: int) -> None:
+        """Attributes the forward paths read (also how CPU tests build the backend without a model runner).
+
+        Args:
+            rotations: ``{global layer id: fp32 [R, R]}`` on the pool's device.
+            req_to_token: SGLang's ``ReqToTokenPool.req_to_token`` ``[max_reqs, ctx]``.
+            num_heads: q heads of this rank (every MLA layer has the same).
+            num_sms: streaming multiprocessors, for the decode split count.
+        """
+        self.pool, self.windows, self.config = pool, pool.windows, pool.oscar_config
+        self.rotations = rotations
+        self.means = {lid: (None, None) for lid in rotations}
+        self.folded = frozenset()
+        self._hp_rows = None
+        self._missed_seen = 0
+        self._int2_req_to_token = req_to_token
+        self._swa_table = self._swa_loc = None
+        self._num_sms = num_sms
+        self._decode_plans = self._extend_plans = None
+        self._graph_plans = {}
+        self._heads = num_heads
+
+    # ------------------------------------------------------------------ plans
+    def set_geometry(self, layers) -> None:  # one latent geometry: nothing to group
+        self._decode_plans = self._extend_plans = None
+
+    def plan_decode(self, forward_batch) -> dict:
+        """The decode split count of ``forward_batch`` (static per batch size: CUDA graphs replay it)."""
+        self._decode_plans = {"num_splits": latent_num_splits(forward_batch.batch_size, self._heads,
+                                                             num_sms=self._num_sms)}
+        return self._decode_plans
+
+    def plan_extend(self, forward_batch, num_tokens: int) -> LatentExtendPlan:
+        """The prefix + chunk rows of ``forward_batch`` (:class:`LatentExtendPlan`); one host read of the
+        prefix total (``extend_prefix_lens_cpu`` when SGLang gives it)."""
+        fb = forward_batch
+        dev = fb.out_cache_loc.device
+        bs = fb.batch_size
+        prefix = fb.extend_prefix_lens.to(dev, torch.int64)
+        cpu = getattr(fb, "extend_prefix_lens_cpu", None)
+        n_prefix = int(sum(cpu)) if cpu is not None else int(prefix.sum())
+        kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+        kv_indptr[1:] = torch.cumsum(prefix, 0)
+        req_pre = torch.repeat_interleave(fb.req_pool_indices.long(), prefix, output_size=n_prefix)
+        pos_pre = (torch.arange(n_prefix, device=dev)
+                   - torch.repeat_interleave(kv_indptr[:-1].long(), prefix, output_size=n_prefix))
+        slots_pre = self._int2_req_to_token[req_pre, pos_pre].long()
+        req_new = torch.repeat_interleave(fb.req_pool_indices.long(), fb.extend_seq_lens.long(), output_size=num_tokens)
+        req, pos = torch.cat([req_pre, req_new]), torch.cat([pos_pre, fb.positions.long()])
+        # window mode "extend": the first sink positions come from their BF16 rows (as many as have
+        # rows: sink_lens), everything else, the chunk included, through INT2
+        sink = self.config.sink_tokens
+        sink_r = torch.clamp(self.windows.sink_lens[req].long(), max=sink)
+        hp_mask = pos < sink_r
+        hp_rows = torch.where(hp_mask, self.windows.hp_index[req, pos.clamp(max=max(sink - 1, 0))].long(), 0)
+        hp_mask &= hp_rows >= 0
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+        qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+        max_extend_len = getattr(getattr(self, "forward_metadata", None), "max_extend_len", None)
+        if max_extend_len is None:
+            max_extend_len = int(fb.extend_seq_lens.max())
+        self._extend_plans = LatentExtendPlan(
+            torch.cat([slots_pre, fb.out_cache_loc.long()]), hp_mask, torch.where(hp_mask, hp_rows, 0), n_prefix,
+            qo_indptr, kv_indptr, torch.arange(n_prefix, dtype=torch.int64, device=dev), max_extend_len)
+        return self._extend_plans
+
+    def _plan_late(self, layer, forward_batch) -> dict:
+        plans = self.plan_decode(forward_batch)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._graph_plans.setdefault(forward_batch.batch_size, []).append(plans)
+        return plans
+
+    # ------------------------------------------------------------------ forward paths
+    def _check_latent_layer(self, layer, sinks, score_mod) -> None:
+        if sinks is not None or score_mod is not None or (layer.logit_cap and layer.logit_cap > 0):
+            raise NotImplementedError("--kv-cache-dtype int2 MLA layers take no attention sinks, score_mod or logit cap")
+        r, p = self.pool.kv_lora_rank, self.pool.qk_rope_head_dim
+        if layer.tp_k_head_num != 1 or layer.qk_head_dim != r + p or layer.v_head_dim != r:
+            raise NotImplementedError(
+                f"layer {layer.layer_id}: the INT2 latent pool serves SGLang's absorbed MLA attention (1 kv head, "
+                f"head_dim {r + p}, v_head_dim {r}), got {layer.tp_k_head_num} kv heads, {layer.qk_head_dim}/"
+                f"{layer.v_head_dim}: a non-absorbed (MHA) forward reached the backend")
+
+    def _prepare_latent(self, q, k, layer, fb, save_kv_cache):
+        """Rotated absorbed query ``q_abs'`` fp32 ``[T, H, R]`` and ``q_pe`` ``[T, H, P]``; writes the
+        layer's new latent rows."""
+        r = self.pool.kv_lora_rank
+        rot = self.rotations[layer.layer_id]
+        q3 = q.reshape(-1, layer.tp_q_head_num, r + self.pool.qk_rope_head_dim)
+        q_abs = q3[..., :r].float() @ rot
+        q_pe = q3[..., r:].contiguous()
+        if save_kv_cache:
+            k2 = k.reshape(-1, r + self.pool.qk_rope_head_dim)
+            c_rot = (k2[:, :r].float() @ rot).to(self.pool.hp_dtype)
+            self.pool.write_latent(layer.layer_id, fb.out_cache_loc, c_rot, k2[:, r:], self._hp_rows)
+        return q_abs, q_pe
+
+    def _output(self, o, layer, dtype):
+        """``o' Rot^T`` ``[T, H * R]`` in ``dtype``."""
+        return (o.float() @ self.rotations[layer.layer_id].T).to(dtype).reshape(o.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
+                       aux_tensors=None, **kwargs):
+        self._check_latent_layer(layer, sinks, score_mod)
+        q_abs, q_pe = self._prepare_latent(q, k, layer, forward_batch, save_kv_cache)
+        plans = self._decode_plans or self._plan_late(layer, forward_batch)
+        w = self.windows
+        o = latent_decode_attention(
+            q_abs, q_pe, **self.pool.latent_buffers(layer.layer_id), hp_index=w.hp_index,
+            req_to_token=self._int2_req_to_token, req_pool_indices=forward_batch.req_pool_indices,
+            seq_lens=forward_batch.seq_lens, group_size=self.pool.layout.k.group_size,
+            quantizer=self.config.quantizer, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
+            sm_scale=layer.scaling, num_splits=plans["num_splits"], sink_lens=w.sink_lens)
+        return self._output(o, layer, q.dtype)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
+                       aux_tensors=None, **kwargs):
+        self._check_latent_layer(layer, sinks, score_mod)
+        q_abs, q_pe = self._prepare_latent(q, k, layer, forward_batch, save_kv_cache)
+        plan = self._extend_plans
+        if not isinstance(plan, LatentExtendPlan) or plan.slots.numel() != plan.n_prefix + q_abs.shape[0]:
+            plan = self.plan_extend(forward_batch, q_abs.shape[0])
+        buf = self.pool.latent_buffers(layer.layer_id)
+        # gather_latent writes fp32 or BF16: an fp16 model's rows join in fp32 (never narrower than BF16)
+        dtype = torch.bfloat16 if self.pool.hp_dtype == torch.bfloat16 else torch.float32
+        rows = gather_latent(buf["codes"], buf["pairs"], buf["k_pe"], plan.slots,
+                             group_size=self.pool.layout.k.group_size, quantizer=self.config.quantizer, out_dtype=dtype)
+        hp = torch.cat([buf["hp_latent"][plan.hp_rows], buf["hp_pe"][plan.hp_rows]], dim=-1).to(dtype)
+        rows = torch.where(plan.hp_mask[:, None], hp, rows).unsqueeze(1)  # [n, 1, R + P]
+        r = self.pool.kv_lora_rank
+        k_pre, k_new = rows[: plan.n_prefix], rows[plan.n_prefix:]
+        qx = torch.cat([q_abs, q_pe.float()], dim=-1).to(dtype)
+        o = torch.empty(qx.shape[0], qx.shape[1], r, dtype=dtype, device=qx.device)
+        self.extend_attention_fwd(qx, k_new, k_new[..., :r], o, k_pre, k_pre[..., :r], plan.qo_indptr,
+                                  plan.kv_indptr, plan.kv_indices, None, True, None, plan.max_extend_len, 1.0, 1.0,
+                                  layer.scaling)
+        return self._output(o, layer, q.dtype)
+

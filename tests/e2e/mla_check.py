@@ -1,0 +1,191 @@
+"""Device check of the served INT2 MLA latent cache on a tiny seeded DeepSeek-V3.
+
+    python -m tests.e2e.mla_check [--out DIR] [--budget SECONDS]   (GPU machine, after ``source device/env.sh``)
+
+Builds a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry (kv_lora_rank 512,
+qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; 4 layers, 8 heads, MoE from layer 1)
+and launches, concurrently: a BF16 server (SGLang's MLA pool and Triton MLA kernels) and int2
+servers with small windows (sink 16, recent 32, so most of each prompt is read through INT2):
+CUDA graphs on, ``--chunked-prefill-size 64``, ``--disable-cuda-graph``. The same prompts (400 to
+1500 tokens, 24 greedy tokens, prompt log-probs) go to every server. Reported (``mla_check.json``
+and ``.md`` in ``--out``) and judged:
+
+* **serves**: every server healthy, its log names the INT2 latent pool, finite log-probs;
+* **vs BF16**: greedy token agreement and the mean / max |log-prob difference| of the prompt and
+  output tokens (INT2 vs BF16 differs by design: reported, judged only as agreement >= 0.5);
+* **chunked / eager**: int2-chunk64 and int2-eager equal int2 (prompt log-probs within 0.02: the
+  chunk reads INT2 latents of itself, so chunking changes only BF16 GEMM rounding);
+* **radix**: the int2 server answers a repeated prompt from its cache (``cached_tokens`` > 0) with
+  the same greedy tokens;
+* **capacity**: ``max_total_num_tokens`` of int2 over BF16 at the same memory fraction.
+
+Exit 1 when a judged item fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+from sglang_oscar.serving_launcher import ServerProcess
+
+from .client import generate_payload, http_json, parse_generation
+
+BASE_PORT = 31200
+WINDOWS = ["--oscar-sink-tokens", "16", "--oscar-recent-tokens", "32"]
+SERVERS = {
+    "bf16": ["--kv-cache-dtype", "auto"],
+    "int2": ["--kv-cache-dtype", "int2", *WINDOWS],
+    "int2-chunk64": ["--kv-cache-dtype", "int2", *WINDOWS, "--chunked-prefill-size", "64"],
+    "int2-eager": ["--kv-cache-dtype", "int2", *WINDOWS, "--disable-cuda-graph"],
+}
+PROMPT_LENS = (400, 900, 1500)
+NEW_TOKENS = 24
+VOCAB = 2048
+
+
+def build_model(path: str) -> dict:
+    """Save a seeded random bf16 DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry to ``path``."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512,
+                           q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                           first_k_dense_replace=1, max_position_embeddings=8192, tie_word_embeddings=False,
+                           initializer_range=0.08, rope_scaling=None, architectures=["DeepseekV3ForCausalLM"],
+                           bos_token_id=1, eos_token_id=2)
+    # fields SGLang 0.5.16's deepseek_v2.py reads that transformers' config does not keep (saved to
+    # config.json, as released DeepSeek-V3 checkpoints carry them)
+    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("rope_theta", 10000.0),
+                       ("moe_layer_freq", 1), ("num_nextn_predict_layers", 0)):
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return {k: getattr(cfg, k) for k in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                                         "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+
+
+def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
+            "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--skip-tokenizer-init", "--mem-fraction-static", "0.1", "--cuda-graph-max-bs", "4",
+            "--disable-prefill-cuda-graph", "--max-running-requests", "8", *extra]
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def _log_value(path: str, pattern: str):
+    try:
+        with open(path, errors="replace") as f:
+            m = re.findall(pattern, f.read())
+    except OSError:
+        return None
+    return m[-1] if m else None
+
+
+def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
+    d = [abs(x - y) for x, y in zip(a, b)]
+    return (sum(d) / len(d), max(d)) if d else (math.nan, math.nan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.e2e.mla_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--model", default="/tmp/mla-check-dsv3")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for startup + requests")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    os.makedirs(args.out, exist_ok=True)
+    geometry = build_model(args.model)
+    servers = {}
+    for i, (name, extra) in enumerate(SERVERS.items()):
+        a = server_argv(args.model, BASE_PORT + i, extra)
+        servers[name] = ServerProcess(a, port=BASE_PORT + i, log_path=os.path.join(args.out, f"mla_{name}.log"),
+                                      log_header="$ " + " ".join(a))
+    prompts = [prompt(n, seed) for seed, n in enumerate(PROMPT_LENS)]
+    res: dict = {"geometry": geometry, "servers": {}}
+    try:
+        for srv in servers.values():
+            srv.start()
+        for name, srv in servers.items():
+            left = max(10.0, args.budget - (time.monotonic() - t0))
+            if srv.poll_health(left, interval=2.0) != "healthy":
+                res["servers"][name] = "NOT HEALTHY"
+                continue
+            try:
+                gens = [parse_generation(http_json(srv.base_url + "/generate",
+                                                   generate_payload(p, NEW_TOKENS, input_logprobs=True), timeout=180))
+                        for p in prompts]
+                if name == "int2":  # radix: the first prompt again, answered from the cache
+                    gens.append(parse_generation(http_json(srv.base_url + "/generate",
+                                                           generate_payload(prompts[0], NEW_TOKENS), timeout=180)))
+                res["servers"][name] = gens
+            except RuntimeError as exc:
+                res["servers"][name] = f"REQUEST FAILED: {exc}"
+    finally:
+        for srv in servers.values():
+            srv.stop(grace=30.0)
+    verdict = {}
+    sv = res["servers"]
+    logs = {name: os.path.join(args.out, f"mla_{name}.log") for name in servers}
+    ok_serve = all(isinstance(sv.get(n), list) for n in servers)
+    ok_serve &= all(_log_value(logs[n], r"INT2 MLA latent pool") for n in servers if n != "bf16")
+    ok_serve &= all(math.isfinite(x) for n in servers if isinstance(sv.get(n), list)
+                    for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
+    verdict["serves"] = ok_serve
+    base = sv.get("bf16")
+    rows = []
+    for name in servers:
+        if name == "bf16" or not isinstance(sv.get(name), list) or not isinstance(base, list):
+            continue
+        ref = base if name == "int2" else sv["int2"] if isinstance(sv.get("int2"), list) else None
+        if ref is None:
+            continue
+        agree = sum(a == b for g, r in zip(sv[name], ref) for a, b in zip(g["tokens"], r["tokens"]))
+        total = sum(len(r["tokens"]) for r in ref[: len(prompts)])
+        p_mean, p_max = _diff([x for g in sv[name][: len(prompts)] for x in g["input_logprobs"]],
+                              [x for r in ref[: len(prompts)] for x in r["input_logprobs"]])
+        o_mean, o_max = _diff([x for g in sv[name][: len(prompts)] for x in g["logprobs"]],
+                              [x for r in ref[: len(prompts)] for x in r["logprobs"]])
+        rows.append({"server": name, "vs": "bf16" if name == "int2" else "int2", "agreement": agree / max(total, 1),
+                     "prompt_dlp_mean": p_mean, "prompt_dlp_max": p_max, "out_dlp_mean": o_mean, "out_dlp_max": o_max})
+        if name == "int2":
+            verdict["vs_bf16"] = agree / max(total, 1) >= 0.5
+            radix = sv[name][-1]
+            verdict["radix"] = bool(radix.get("cached_tokens")) and radix["tokens"] == sv[name][0]["tokens"]
+            res["radix_cached_tokens"] = radix.get("cached_tokens")
+        else:
+            verdict[name] = p_max <= 0.02 and agree == total
+    tokens = {n: _log_value(logs[n], r"max_total_num_tokens=(\d+)") for n in ("bf16", "int2")}
+    if all(tokens.values()):
+        res["capacity"] = {**{n: int(v) for n, v in tokens.items()}, "ratio": int(tokens["int2"]) / int(tokens["bf16"])}
+    res["rows"], res["verdict"] = rows, verdict
+    res["wall_s"] = time.monotonic() - t0
+    with open(os.path.join(args.out, "mla_check.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = ["| server | vs | greedy agreement | prompt dlogprob mean / max | output dlogprob mean / max |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['server']} | {r['vs']} | {r['agreement']:.3f} | {r['prompt_dlp_mean']:.4f} / {r['prompt_dlp_max']:.4f} "
+              f"| {r['out_dlp_mean']:.4f} / {r['out_dlp_max']:.4f} |" for r in rows]
+    lines += ["", f"verdict: {verdict}", f"capacity: {res.get('capacity')}", f"radix cached: {res.get('radix_cached_tokens')}"]
+    lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]
+    with open(os.path.join(args.out, "mla_check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if verdict and all(verdict.values()) and len(verdict) >= 5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Launch checks of MLA models (DeepSeek-V3 family) with ``--kv-cache-dtype int2``, before weights load.
+
+A tiny ``DeepseekV3Config`` directory goes through SGLang's ``ServerArgs`` with the plugin's hooks:
+a fitting latent rotation file (or none: the data-free block Hadamard) passes; an MHA rotation file,
+a latent file of another model, a group size that does not divide the rank, MHA-only flags and DSA
+sparse attention stop the launch with a message naming the fix. The pool hook's sizing of the
+latent cache and the dispatch hook's absorbed path are checked on stand-ins of SGLang's objects.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_oscar.config import OscarConfig
+from sglang_oscar.plugin import flags
+from sglang_oscar.rotation import RotationSet
+from sglang_oscar.rotation.geometry import ModelGeometry
+from sglang_oscar.rotation.latent import LatentRotationSet
+
+
+def _deepseek_dir(tmp_path, name, layers=2, rank=128, **extra):
+    from transformers import DeepseekV3Config
+
+    d = tmp_path / name
+    cfg = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=rank,
+                           q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+                           num_experts_per_tok=2, first_k_dense_replace=1, architectures=["DeepseekV3ForCausalLM"])
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    cfg.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def hooked():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import sglang_oscar.plugin as plugin
+
+    plugin.register()
+    HookRegistry.apply_hooks()
+    assert plugin.missing_hooks() == []
+    return plugin
+
+
+def _server_args(model_dir, monkeypatch, **cfg):
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig(**cfg)))
+    return ServerArgs(model_path=model_dir, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda")
+
+
+def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
+    model = _deepseek_dir(tmp_path, "m")
+    assert _server_args(model, monkeypatch).attention_backend == "triton"
+    rot = str(tmp_path / "latent.safetensors")
+    LatentRotationSet.data_free(ModelGeometry.from_hf_config(model)).save(rot)
+    assert _server_args(model, monkeypatch, rotation_path=rot, group_size=64).kv_cache_dtype == "int2"
+
+
+@pytest.mark.parametrize("case,match", [
+    ("mha_file", r"does not fit this MLA model: .*not an sglang-oscar latent rotation file.*latent rotation file"),
+    ("other_layers", r"does not fit this MLA model: .*cover 3 layers but the model .* has 2 MLA layers"),
+    ("other_rank", r"does not fit this MLA model: .*expected \(128, 128\) for kv_lora_rank 128"),
+    ("missing", r"--oscar-rotation: .*does not exist.*drop the flag"),
+    ("group", r"latent cache: latent width 128.*group_size 48.*--kv-cache-quant-group-size 128"),
+    ("skip", r"--oscar-skip-layers applies to MHA/GQA models.*drop the flag"),
+    ("fold", r"--oscar-fold-rotations on applies to MHA/GQA models"),
+    ("gluon", r"--oscar-decode-engine gluon applies to MHA/GQA models"),
+])
+def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypatch, case, match):
+    model = _deepseek_dir(tmp_path, "m")
+    rot = str(tmp_path / "rot.safetensors")
+    cfg = {}
+    if case == "mha_file":
+        from transformers import Qwen3Config
+
+        q = tmp_path / "qwen3"
+        Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=128, architectures=["Qwen3ForCausalLM"]).save_pretrained(q)
+        RotationSet.data_free(ModelGeometry.from_hf_config(str(q))).save(rot)
+        cfg["rotation_path"] = rot
+    elif case in ("other_layers", "other_rank"):
+        other = _deepseek_dir(tmp_path, "o", **({"layers": 3} if case == "other_layers" else {"rank": 256}))
+        LatentRotationSet.data_free(ModelGeometry.from_hf_config(other)).save(rot)
+        cfg["rotation_path"] = rot
+    elif case == "missing":
+        cfg["rotation_path"] = str(tmp_path / "nope.safetensors")
+    elif case == "group":
+        cfg["group_size"] = 48
+    elif case == "skip":
+        cfg["skip_layers"] = "0"
+    elif case == "fold":
+        cfg["fold_rotations"] = True
+    else:
+        cfg["decode_engine"] = "gluon"
+    with pytest.raises(ValueError, match=match):
+        _server_args(model, monkeypatch, **cfg)
+
+
+def test_dsa_sparse_attention_is_refused_from_the_config(hooked, tmp_path):
+    """GLM-5 / DeepSeek-V3.2 (``index_topk``): the plugin's preflight refuses it (SGLang's own
+    ``ServerArgs`` needs a GPU for DSA configs, so the preflight is called as the hook calls it)."""
+    model = _deepseek_dir(tmp_path, "dsa", index_topk=64, index_head_dim=32, index_n_heads=2)
+    with pytest.raises(ValueError, match=r"does not serve .*sparse attention \(DSA.*--kv-cache-dtype auto"):
+        hooked.preflight(SimpleNamespace(model_path=model, _oscar_config=OscarConfig()))
+
+
+def test_latent_sizing_and_windows_follow_the_pool(hooked):
+    """The memory plan's groups of an MLA model are one latent group whose INT2 cell and BF16 window
+    row equal what :class:`OscarMLATokenToKVPool` allocates per token."""
+    from sglang_oscar.plugin import serving
+    from sglang_oscar.pool.latent_pool import OscarMLATokenToKVPool
+    from sglang_oscar.pool.sizing import hp_row_bytes, latent_cell_size
+
+    kvc = SimpleNamespace(use_mla_backend=True, layer_info=SimpleNamespace(num_effective_layers=3),
+                          model_config=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64))
+    (group,) = serving._kv_groups(kvc)
+    assert group == ("latent", 3, 1, 512, 64)
+    config = OscarConfig(group_size=128, sink_tokens=4, recent_tokens=8)
+    pool = OscarMLATokenToKVPool(32, page_size=1, dtype=torch.uint8, kv_lora_rank=512, qk_rope_head_dim=64,
+                                 layer_num=3, device="cpu", enable_memory_saver=False, oscar_config=config,
+                                 hp_dtype=torch.bfloat16, max_reqs=2, sink_rows=16)
+    assert latent_cell_size(config, 512, 64, 3, torch.bfloat16) == pool.int2_bytes_per_token() == 3 * 272
+    assert hp_row_bytes(*group[2:], group[1], torch.bfloat16) * pool.windows.num_rows == pool.hp_bytes()
+
+
+def test_dispatch_hook_takes_the_absorbed_path_only_for_int2(hooked):
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    from sglang_oscar.plugin import serving
+
+    def handler(self, fb):
+        return AttnForwardMethod.MHA
+
+    old = serving._ACTIVE["recent"]
+    try:
+        serving._ACTIVE["recent"] = None
+        assert serving.around_mla_dispatch(handler, None, None) == AttnForwardMethod.MHA
+        serving._ACTIVE["recent"] = 8
+        assert serving.around_mla_dispatch(handler, None, None) == AttnForwardMethod.MLA
+    finally:
+        serving._ACTIVE["recent"] = old
