@@ -13,7 +13,7 @@ read per token: INT2 272 (codes 128 + pairs 16 + k_pe 128), BF16 1,152.
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within
 one run.
 
-    python -m benchmarks.bench_latent [--heads 16,128] [--contexts 4096,32768,131072] [--batches 1,8,32]
+    python -m benchmarks.bench_latent [--heads 16,128] [--contexts 4096,32768,131072] [--batches 1,8,32] [--precisions bf16,tf32,ieee]
         [--out latent.md]
     TRITON_INTERPRET=1 python -m benchmarks.bench_latent --smoke     # CPU: tiny shapes, every piece once
 """
@@ -27,12 +27,12 @@ import torch
 
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
-    from .bench_decode_report import step_row_cells, write_table
+    from .bench_decode_report import fmt_ms, step_row_cells, write_table
 except ImportError:
     import bench_decode as bd
-    from bench_decode_report import step_row_cells, write_table
+    from bench_decode_report import fmt_ms, step_row_cells, write_table
 
-from sglang_oscar.kernels.latent import latent_decode_attention
+from sglang_oscar.kernels.latent import latent_decode_attention, latent_num_splits
 
 R, P, G, SINK, RECENT = 512, 64, 128, 64, 256
 
@@ -61,14 +61,15 @@ class LatentCase:
         self.q_pe = torch.randn(batch, heads, p, generator=gen).to(device)
         self.scale = (128 + p) ** -0.5  # DeepSeek-V3: (qk_nope_head_dim + rope)^-0.5
 
-    def int2(self, splits: int):
+    def int2(self, splits: int, precision: str = "ieee"):
         out = torch.empty(self.batch, self.heads, self.r, dtype=torch.bfloat16, device=self.q_abs.device)
 
         def run():
             latent_decode_attention(self.q_abs, self.q_pe, self.codes, self.pairs, self.k_pe, self.hp_latent,
                                     self.hp_pe, self.hp_index, self.req_to_token, self.req_pool_indices,
                                     self.seq_lens, group_size=self.g, quantizer="uniform", sink=self.sink,
-                                    recent=self.recent, sm_scale=self.scale, num_splits=splits, out=out)
+                                    recent=self.recent, sm_scale=self.scale, num_splits=splits, out=out,
+                                    precision=precision)
         return run
 
     def bf16(self, smoke: bool) -> dict:
@@ -84,7 +85,7 @@ class LatentCase:
             from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
         except ImportError:
             decode_attention_fwd = None
-        if decode_attention_fwd is not None:
+        if decode_attention_fwd is not None and kv.numel() < 2**31:  # its offsets are int32
             splits = 8 if self.batch < 16 else 4
             o = torch.empty(self.batch, self.heads, self.r, dtype=torch.bfloat16, device=dev)
             logits = torch.empty(self.batch, self.heads, splits, self.r, dtype=torch.float32, device=dev)
@@ -120,7 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="16,128", help="q heads per GPU (DeepSeek-V3: 128 / TP)")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--splits", type=int, default=16, help="INT2 kernel splits per request")
+    ap.add_argument("--splits", type=int, default=0,
+                    help="INT2 kernel splits per request (0: the served policy, kernels.latent.latent_num_splits)")
+    ap.add_argument("--precisions", default="bf16",
+                    help="INT2 kernel dot engines to time, comma-separated (ieee, tf32, bf16); one column each")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     a = ap.parse_args(argv)
@@ -128,16 +132,19 @@ def main(argv=None) -> int:
     heads = [int(x) for x in a.heads.split(",")] if not a.smoke else [4]
     contexts = [int(x) for x in a.contexts.split(",")] if not a.smoke else [48]
     batches = [int(x) for x in a.batches.split(",")] if not a.smoke else [2]
-    rows = ["| q heads | batch x context | INT2 latent | fastest BF16 | INT2 / BF16 time | BF16 kernels |",
-            "|---:|---|---|---|---|---|"]
+    precisions = ["ieee"] if a.smoke else a.precisions.split(",")
+    rows = ["| q heads | batch x context | INT2 latent | fastest BF16 | INT2 / BF16 time | BF16 kernels |"
+            + "".join(f" INT2 {x} |" for x in precisions[1:]), "|---:|---|---|---|---|---|" + "---|" * (len(precisions) - 1)]
     for h in heads:
         for b in batches:
             for ctx in contexts:
                 kw = dict(r=256, p=32, g=64, sink=4, recent=8) if a.smoke else {}  # Lk 288: SGLang MLA shapes
                 case = LatentCase(h, b, ctx, dev, **kw)
-                int2 = bd.bench(case.int2(2 if a.smoke else a.splits), a.smoke)
+                splits = 2 if a.smoke else a.splits or latent_num_splits(b, h)
+                times = [bd.bench(case.int2(splits, x), a.smoke) for x in precisions]
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16(a.smoke).items()}
-                rows.append(f"| {h} | {b} x {ctx} | {step_row_cells(int2, bf)} |")
+                rows.append(f"| {h} | {b} x {ctx} | {step_row_cells(times[0], bf)} |"
+                            + "".join(f" {fmt_ms(t)} |" for t in times[1:]))
                 print(rows[-1], flush=True)
                 del case
                 if dev.type == "cuda":

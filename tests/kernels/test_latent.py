@@ -44,6 +44,28 @@ def test_latent_decode_matches_the_oracle(device, lens, h, r, p, group, quantize
         assert rel_l2(out.cpu(), ref) < 1e-4, splits  # the same stored rows on both sides, fp32 math
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,tol", [("tf32", 3e-3), ("bf16", 1.5e-2)])
+def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol):
+    """The serving engines on DeepSeek-V3's latent (R 512, P 64, G 128, BF16 windows): TF32 / BF16
+    operands move the output by their rounding only (relative L2 under ``tol``)."""
+    fresh_seed()
+    cfg = OscarConfig(group_size=128, sink_tokens=16, recent_tokens=32)
+    r, p, h, lens = 512, 64, 16, [300, 77, 1030]
+    rot = random_orthogonal(r)
+    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.bfloat16, "cuda")
+    scale = (128 + p) ** -0.5
+    eye = torch.eye(r).expand(h, r, r)
+    q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
+    ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
+                                        window_mode="decode", hp_dtype=torch.bfloat16, output="latent_rotated")[0]
+                       for i, (c, kpe) in enumerate(seqs)])
+    out = latent_decode_attention((q_nope @ rot).cuda(), q_pe.cuda(), **pool, group_size=128, quantizer="uniform",
+                                  sink=16, recent=32, sm_scale=scale, num_splits=8, precision=precision)
+    err = rel_l2(out.cpu(), ref)
+    assert err < tol, (precision, err)
+
+
 def test_latent_decode_rejects_bad_shapes():
     cfg = OscarConfig(group_size=32, sink_tokens=2, recent_tokens=4)
     _, pool = build_latent_pool([10], 64, 16, cfg, torch.eye(64), torch.float32, "cpu")
@@ -61,6 +83,10 @@ def test_latent_decode_rejects_bad_shapes():
         latent_decode_attention(q, qp, **{**pool, "pairs": pool["pairs"][:, :2]}, **kw)
     with pytest.raises(ValueError, match="hp_index"):
         latent_decode_attention(q, qp, **pool, **{**kw, "recent": 64})
+    with pytest.raises(ValueError, match="'bf16' on a GPU only"):
+        latent_decode_attention(q, qp, **pool, **kw, precision="bf16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        latent_decode_attention(q, qp, **pool, **kw, precision="fp8")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

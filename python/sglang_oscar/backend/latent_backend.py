@@ -14,7 +14,9 @@ Per layer, with its orthogonal latent rotation ``Rot`` (:class:`~sglang_oscar.ro
   (:meth:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool.write_latent`);
 * decode: :func:`~sglang_oscar.kernels.latent.latent_decode_attention` with ``q_abs' = q_abs Rot``
   (fp32) reads ``[BF16 sink | INT2 middle | BF16 recent]`` and returns ``o'``; the output is
-  ``o' Rot^T`` (``Rot Rot^T = I``: ``reference.latent`` module docstring);
+  ``o' Rot^T`` (``Rot Rot^T = I``: ``reference.latent`` module docstring). On the GPU its dot
+  products take BF16 operands, as SGLang's BF16 MLA decode does (fp32 under the interpreter,
+  whose BF16 dot is wrong);
 * extend: the batch's prefix and chunk rows are dequantized once per layer
   (:func:`~sglang_oscar.kernels.latent.gather_latent`, model dtype), sink positions replaced by their
   BF16 rows (window mode ``"extend"``: the chunk reads INT2 latents of itself too, as the MHA pool's
@@ -194,7 +196,8 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             req_to_token=self._int2_req_to_token, req_pool_indices=forward_batch.req_pool_indices,
             seq_lens=forward_batch.seq_lens, group_size=self.pool.layout.k.group_size,
             quantizer=self.config.quantizer, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
-            sm_scale=layer.scaling, num_splits=plans["num_splits"], sink_lens=w.sink_lens)
+            sm_scale=layer.scaling, num_splits=plans["num_splits"], sink_lens=w.sink_lens,
+            precision="bf16" if q_abs.is_cuda else "ieee")
         return self._output(o, layer, q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,

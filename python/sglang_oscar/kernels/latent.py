@@ -14,9 +14,9 @@ dequantized tile (V is the latent itself, so its codes are read once). The outpu
 ``W_UV`` (``reference.latent`` module docstring). Stage 2 is the MHA decode merge
 (:func:`.decode.merge.decode_merge`).
 
-This first kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per
-element, any group size) and multiplies in fp32 (IEEE), which the interpreter and the GPU compute
-alike; the MHA kernels' affine-code MMA tricks (:mod:`.tiles`) are the path to its speed.
+The kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per element,
+any group size) and multiplies with the engine ``precision`` names: fp32 (IEEE, what the
+interpreter and the oracle compute; the exactness tests), TF32 or BF16 tensor cores (serving).
 """
 
 from __future__ import annotations
@@ -51,6 +51,22 @@ def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows
     return tl.where(hp[:, None], hpv.to(tl.float32), tl.where(int2[:, None], deq, 0.0))
 
 
+# dot-product engines of the decode kernel: exact fp32 (the oracle's arithmetic), TF32 or BF16
+# tensor cores (BF16: the operands SGLang's BF16 MLA kernels multiply; not under the interpreter)
+PRECISIONS = {"ieee": 0, "tf32": 1, "bf16": 2}
+
+
+@triton.jit
+def _mma(a, b, acc, DOT: tl.constexpr):
+    """``acc + a @ b`` (fp32 accumulate) with the operands of engine ``DOT`` (:data:`PRECISIONS`)."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    elif DOT == 1:
+        return tl.dot(a, b, acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
 @triton.jit
 def _latent_decode_stage1(
     QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph,
@@ -59,7 +75,7 @@ def _latent_decode_stage1(
     OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
     qscale, sink, recent, num_splits, l0, l1, l2, l3,
     H: tl.constexpr, Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, G: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr, DOT: tl.constexpr,
 ):
     """Grid ``(batch, head blocks, splits)``: split ``sp`` of request ``b`` covers positions
     ``[sp * chunk, (sp + 1) * chunk)`` of ``[0, L)`` (``chunk`` a multiple of ``BLOCK_N``) and
@@ -116,20 +132,20 @@ def _latent_decode_stage1(
         kpe_i = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=int2[:, None] & pmask[None, :], other=0.0)
         kpe_h = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=hp[:, None] & pmask[None, :], other=0.0)
         kpe = tl.where(hp[:, None], kpe_h.to(tl.float32), kpe_i.to(tl.float32))
-        s = tl.dot(q0, tl.trans(c0), input_precision="ieee")
-        s = tl.dot(q1, tl.trans(c1), s, input_precision="ieee")
-        s = tl.dot(q2, tl.trans(c2), s, input_precision="ieee")
-        s = tl.dot(q3, tl.trans(c3), s, input_precision="ieee")
-        s = tl.dot(qp, tl.trans(kpe), s, input_precision="ieee")
+        s = _mma(q0, tl.trans(c0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
+        s = _mma(q1, tl.trans(c1), s, DOT)
+        s = _mma(q2, tl.trans(c2), s, DOT)
+        s = _mma(q3, tl.trans(c3), s, DOT)
+        s = _mma(qp, tl.trans(kpe), s, DOT)
         s = tl.where(valid[None, :], s, NEG_INF)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.where(m_new > NEG_INF, tl.exp2(m - m_new), 1.0)
         p = tl.where(valid[None, :], tl.exp2(s - tl.where(m_new > NEG_INF, m_new, 0.0)[:, None]), 0.0)
         l = l * alpha + tl.sum(p, axis=1)
-        acc0 = tl.dot(p, c0, acc0 * alpha[:, None], input_precision="ieee")
-        acc1 = tl.dot(p, c1, acc1 * alpha[:, None], input_precision="ieee")
-        acc2 = tl.dot(p, c2, acc2 * alpha[:, None], input_precision="ieee")
-        acc3 = tl.dot(p, c3, acc3 * alpha[:, None], input_precision="ieee")
+        acc0 = _mma(p, c0, acc0 * alpha[:, None], DOT)
+        acc1 = _mma(p, c1, acc1 * alpha[:, None], DOT)
+        acc2 = _mma(p, c2, acc2 * alpha[:, None], DOT)
+        acc3 = _mma(p, c3, acc3 * alpha[:, None], DOT)
         m = m_new
 
     has = l > 0.0
@@ -249,6 +265,7 @@ def latent_decode_attention(
     block_h: int = 16,
     sink_lens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    precision: str = "ieee",
 ) -> torch.Tensor:
     """Absorbed-MQA decode over the packed latent cache of one MLA layer (module docstring).
 
@@ -269,6 +286,9 @@ def latent_decode_attention(
             first ``min(sink_lens[r], sink)`` positions from sink rows and the rest of ``[0, sink)``
             through INT2, as the MHA decode does when the sink arena ran out.
         out: optional ``[B, H, R]`` output (any float dtype).
+        precision: the dot products' operands (:data:`PRECISIONS`): ``"ieee"`` fp32 (the oracle's
+            arithmetic), ``"tf32"`` or ``"bf16"`` tensor cores (q, the dequantized latents and the
+            probabilities rounded to BF16, as SGLang's BF16 MLA decode multiplies them; GPU only).
 
     Returns:
         ``o' [B, H, R]`` (``out`` or fp32): the latent output in the rotated frame.
@@ -276,7 +296,8 @@ def latent_decode_attention(
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (``R/4`` must be a power of two >= 16,
             ``R`` a multiple of ``group_size``; ``q_abs`` / ``q_pe`` with equal ``[B, H]`` and a
-            contiguous last dim), ``block_n`` / ``block_h`` not powers of two >= 16, ``num_splits < 1``.
+            contiguous last dim), ``block_n`` / ``block_h`` not powers of two >= 16, ``num_splits < 1``,
+            an unknown ``precision`` or ``"bf16"`` off the GPU.
     """
     check_tensor(q_abs, "q_abs", ndim=3, last_contiguous=True)
     bsz, h, r = q_abs.shape
@@ -290,6 +311,9 @@ def latent_decode_attention(
     _check_pow2(block_h, "block_h", 16)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if precision not in PRECISIONS or (precision == "bf16" and dev.type != "cuda"):
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)} ('bf16' on a GPU only: the Triton "
+                         f"interpreter's BF16 dot is wrong), got {precision!r} on {dev.type}")
     s_slots = codes.shape[0]
     check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), device=dev, shape=(s_slots, r // 4), last_contiguous=True)
     check_tensor(pairs, "pairs", ndim=2, device=dev, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
@@ -314,7 +338,7 @@ def latent_decode_attention(
             o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
             sm_scale * LOG2E, sink, recent, num_splits, *lv,
             H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n,
-            HAS_SINKL=sink_lens is not None)
+            HAS_SINKL=sink_lens is not None, DOT=PRECISIONS[precision])
     out = torch.empty(bsz, h, r, dtype=torch.float32, device=dev) if out is None else out
     decode_merge(o_part, lse, out, num_splits)
     return out
