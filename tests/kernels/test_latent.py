@@ -23,6 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
     ([40, 9, 3], 4, 64, 16, 32, "uniform", 4, 8, torch.float32),  # windows, short requests, 2 groups
     ([33, 70], 20, 128, 32, 128, "lloyd-max", 2, 16, torch.float32),  # H > BLOCK_H, one group per row
     ([65], 3, 64, 16, 16, "uniform", 0, 0, torch.float32),  # INT2 only
+    ([20], 4, 128, 16, 16, "uniform", 2, 4, torch.float32),  # two groups per quarter (R/4 = 32 > G)
     ([50, 21], 8, 64, 16, 32, "uniform", 4, 8, torch.bfloat16),  # BF16 windows and k_pe
 ])
 def test_latent_decode_matches_the_oracle(device, lens, h, r, p, group, quantizer, sink, recent, hp):

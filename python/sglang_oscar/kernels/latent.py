@@ -43,10 +43,16 @@ def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows
     byte = tl.load(KC + slots[:, None] * stride_kcs + cols[None, :], mask=int2[:, None], other=0)
     code = (byte >> (2 * K)) & 3
     lv = level_of(code, l0, l1, l2, l3)
-    pair = KPR + slots[:, None] * stride_kps + 2 * ((K * Q + cols[None, :]) // G)
-    scale = tl.load(pair, mask=int2[:, None], other=0.0).to(tl.float32)
-    zero = tl.load(pair + 1, mask=int2[:, None], other=0.0).to(tl.float32)
-    deq = scale * (lv - zero)
+    if G % Q == 0:  # the quarter lies in one group: one pair per row (DeepSeek-V3: R 512, G 128)
+        pair = KPR + slots * stride_kps + 2 * ((K * Q) // G)
+        scale = tl.load(pair, mask=int2, other=0.0).to(tl.float32)
+        zero = tl.load(pair + 1, mask=int2, other=0.0).to(tl.float32)
+        deq = scale[:, None] * (lv - zero[:, None])
+    else:
+        pair = KPR + slots[:, None] * stride_kps + 2 * ((K * Q + cols[None, :]) // G)
+        scale = tl.load(pair, mask=int2[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(pair + 1, mask=int2[:, None], other=0.0).to(tl.float32)
+        deq = scale * (lv - zero)
     hpv = tl.load(HC + rows[:, None] * stride_hcr + K * Q + cols[None, :], mask=hp[:, None], other=0.0)
     return tl.where(hp[:, None], hpv.to(tl.float32), tl.where(int2[:, None], deq, 0.0))
 
