@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for srv in servers.values():
             srv.stop(grace=30.0)
+    with open(os.path.join(args.out, "mla_check.json"), "w") as f:  # the raw answers, before any judging
+        json.dump(res, f, indent=1)
     verdict = {}
     sv = res["servers"]
     logs = {name: os.path.join(args.out, f"mla_{name}.log") for name in servers}

@@ -1,0 +1,60 @@
+"""The MLA device check's judging (``tests.e2e.mla_check``) on fake servers, and its tiny model's
+config: the fields SGLang 0.5.16's DeepSeek-V3 code reads are saved."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from . import mla_check
+
+
+class FakeServer:
+    """A healthy server whose log names the INT2 latent pool (or not, for BF16) and its token budget."""
+
+    def __init__(self, argv, port, log_path, log_header):
+        self.base_url = f"http://fake:{port}"
+        bf16 = "auto" in argv
+        with open(log_path, "w") as f:
+            f.write(("" if bf16 else "sglang-oscar: INT2 MLA latent pool: ...\n")
+                    + f"max_total_num_tokens={1000 if bf16 else 4100}\n")
+
+    def start(self):
+        pass
+
+    def poll_health(self, *args, **kwargs):
+        return "healthy"
+
+    def stop(self, **kwargs):
+        pass
+
+
+def _answers(shift_port: int | None, dlp: float):
+    def http_json(url, payload, timeout):
+        n = len(payload["input_ids"])
+        lp = -0.5 - (dlp if shift_port is not None and url.endswith(f":{shift_port}/generate") else 0.0)
+        return {"output_ids": [7] * mla_check.NEW_TOKENS,
+                "meta_info": {"output_token_logprobs": [[lp, 7]] * mla_check.NEW_TOKENS,
+                              "input_token_logprobs": [[None, 3]] + [[lp, 3]] * (n - 1), "cached_tokens": 400}}
+    return http_json
+
+
+@pytest.mark.parametrize("shifted,dlp,passes", [(None, 0.0, True), ("int2-chunk64", 0.05, False),
+                                                ("bf16", 0.05, True)])
+def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, passes):
+    """Equal answers pass; int2-chunk64 off int2 by 0.05 fails its item (tolerance 0.02); BF16 off
+    int2 by 0.05 passes (INT2 differs from BF16 by design: agreement is what is judged)."""
+    port = None if shifted is None else mla_check.BASE_PORT + list(mla_check.SERVERS).index(shifted)
+    monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
+    monkeypatch.setattr(mla_check, "http_json", _answers(port, dlp))
+    monkeypatch.setattr(mla_check, "build_model", lambda path: {"kv_lora_rank": 512})
+    rc = mla_check.main(["--out", str(tmp_path), "--budget", "5"])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert (rc == 0) == passes and all(res["verdict"].values()) == passes
+    assert res["capacity"] == {"bf16": 1000, "int2": 4100, "ratio": 4.1} and res["radix_cached_tokens"] == 400
+    if shifted == "int2-chunk64":
+        assert res["verdict"] == {"serves": True, "vs_bf16": True, "radix": True, "int2-chunk64": False,
+                                  "int2-eager": True}
+    assert os.path.exists(tmp_path / "mla_check.md")
