@@ -115,6 +115,19 @@ class OscarConfig:
         )
 
 
+# Latent group size when --kv-cache-quant-group-size is not given: 128 values per (scale, zero)
+# pair, the granularity of the MHA default (one pair per 128-wide head row) and the spec's MLA default.
+LATENT_DEFAULT_GROUP = 128
+
+
+def latent_group_size(config: OscarConfig, kv_lora_rank: int) -> int:
+    """The MLA latent's group size: ``config.group_size``, else :data:`LATENT_DEFAULT_GROUP` (the
+    whole rank when 128 does not divide it)."""
+    if config.group_size:
+        return config.group_size
+    return LATENT_DEFAULT_GROUP if kv_lora_rank % LATENT_DEFAULT_GROUP == 0 else kv_lora_rank
+
+
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 

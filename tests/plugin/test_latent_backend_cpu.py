@@ -26,32 +26,34 @@ from sglang_oscar.reference.latent import latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-H, R, P = 4, 64, 16
+H, R, P = 4, 64, 16  # q heads, kv_lora_rank, qk_rope_head_dim of the CPU cases
+DSV3 = (8, 512, 64)  # DeepSeek-V3's latent (8 of its 128 heads): SGLang's extend kernel splits 512 + 64
 SINK, RECENT = 4, 8
 CTX = 96
 SCALE = (32 + P) ** -0.5
 
 
-def _layer(layer_id=0):
-    return SimpleNamespace(layer_id=layer_id, tp_q_head_num=H, tp_k_head_num=1, qk_head_dim=R + P, v_head_dim=R,
+def _layer(h=H, r=R, p=P):
+    return SimpleNamespace(layer_id=0, tp_q_head_num=h, tp_k_head_num=1, qk_head_dim=r + p, v_head_dim=r,
                            scaling=SCALE, logit_cap=0.0)
 
 
 class Served:
     """One INT2 latent pool + backend (one layer), slots handed out in increasing order."""
 
-    def __init__(self, config, rot, hp_dtype, sink_rows=None, max_reqs=4, slots=512, device="cpu"):
+    def __init__(self, config, rot, hp_dtype, sink_rows=None, max_reqs=4, slots=512, device="cpu", shape=(H, R, P)):
         from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
         self.pool = OscarMLATokenToKVPool(
-            slots, page_size=1, dtype=torch.uint8, kv_lora_rank=R, qk_rope_head_dim=P, layer_num=1, device=device,
+            slots, page_size=1, dtype=torch.uint8, kv_lora_rank=shape[1], qk_rope_head_dim=shape[2], layer_num=1, device=device,
             enable_memory_saver=False, oscar_config=config, hp_dtype=hp_dtype, max_reqs=max_reqs,
             sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
         self.r2t = torch.zeros(max_reqs, CTX, dtype=torch.int32, device=device)
         self.device = device
         be = object.__new__(OscarTritonLatentBackend)
         be.extend_attention_fwd = extend_attention_fwd  # TritonAttnBackend.__init__ binds SGLang's kernel
-        be.setup_latent(self.pool, {0: rot.to(device)}, self.r2t, H, num_sms=4)
+        be.setup_latent(self.pool, {0: rot.to(device)}, self.r2t, shape[0], num_sms=4)
+        self.shape = shape
         self.be = be
         self.next_slot = 1
 
@@ -73,8 +75,9 @@ class Served:
         self.be._windows_in_forward(fb)
         self.be.plan_extend(fb, n)
         q, k = (x.to(self.device) for x in seq)
-        o = self.be.forward_extend(q[start:end].reshape(n, -1), k[start:end].reshape(n, 1, -1), None, _layer(), fb)
-        return o.float().cpu().reshape(n, H, R)
+        o = self.be.forward_extend(q[start:end].reshape(n, -1), k[start:end].reshape(n, 1, -1), None,
+                                   _layer(*self.shape), fb)
+        return o.float().cpu().reshape(n, self.shape[0], self.shape[1])
 
     def decode(self, req, seq, pos):
         slot = self._alloc(1)
@@ -86,25 +89,28 @@ class Served:
         self.be._windows_in_forward(fb)
         self.be.plan_decode(fb)
         q, k = (x.to(self.device) for x in seq)
-        o = self.be.forward_decode(q[pos:pos + 1].reshape(1, -1), k[pos:pos + 1].reshape(1, 1, -1), None, _layer(), fb)
-        return o.float().cpu().reshape(1, H, R)
+        o = self.be.forward_decode(q[pos:pos + 1].reshape(1, -1), k[pos:pos + 1].reshape(1, 1, -1), None,
+                                   _layer(*self.shape), fb)
+        return o.float().cpu().reshape(1, self.shape[0], self.shape[1])
 
 
-def _data(dtype, t=56, seed=5):
+def _data(dtype, t=56, seed=5, shape=(H, R, P)):
     """``(q [t, H, R + P], k [t, 1, R + P])`` as SGLang's absorbed path passes them, and a rotation."""
+    h, r, p = shape
     gen = torch.Generator().manual_seed(seed)
-    scale = torch.ones(R)
+    scale = torch.ones(r)
     scale[:4] = 6.0  # latent outlier channels
-    q = torch.randn(t, H, R + P, generator=gen)
-    k = torch.cat([torch.randn(t, R, generator=gen) * scale, torch.randn(t, P, generator=gen)], -1)
-    return (q.to(dtype), k.unsqueeze(1).to(dtype)), random_orthogonal(R, 1, generator=gen)[0]
+    q = torch.randn(t, h, r + p, generator=gen)
+    k = torch.cat([torch.randn(t, r, generator=gen) * scale, torch.randn(t, p, generator=gen)], -1)
+    return (q.to(dtype), k.unsqueeze(1).to(dtype)), random_orthogonal(r, 1, generator=gen)[0]
 
 
 def _oracle(seq, config, rot, start, end, mode, hp_dtype):
     q, k = seq
-    eye = torch.eye(R).expand(H, R, R)
-    return latent_attention(q[start:end, :, :R].float(), q[start:end, :, R:].float(), k[:end, 0, :R].float(),
-                            k[:end, 0, R:].float(), eye, eye, rot, config, softmax_scale=SCALE,
+    h, r = q.shape[1], rot.shape[0]
+    eye = torch.eye(r).expand(h, r, r)
+    return latent_attention(q[start:end, :, :r].float(), q[start:end, :, r:].float(), k[:end, 0, :r].float(),
+                            k[:end, 0, r:].float(), eye, eye, rot, config, softmax_scale=SCALE,
                             q_positions=torch.arange(start, end), window_mode=mode, hp_dtype=hp_dtype,
                             output="latent")
 
@@ -113,10 +119,10 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def _prefill_then_decode(dtype, tol, device):
-    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
-    seq, rot = _data(dtype)
-    sv = Served(config, rot, dtype, device=device)
+def _prefill_then_decode(dtype, tol, device, shape=(H, R, P), group=32):
+    config = OscarConfig(group_size=group, sink_tokens=SINK, recent_tokens=RECENT)
+    seq, rot = _data(dtype, shape=shape)
+    sv = Served(config, rot, dtype, device=device, shape=shape)
     o = sv.extend(1, seq, 0, 40)
     assert _rel(o, _oracle(seq, config, rot, 0, 40, "extend", dtype)) < tol
     for pos in range(40, 48):
@@ -129,10 +135,12 @@ def test_prefill_then_decode_match_the_oracle():
 
 
 @pytest.mark.gpu
-def test_prefill_then_decode_match_the_oracle_bf16_gpu():
-    """The same in BF16 on the GPU (the interpreter's tl.dot is wrong on BF16 operands): within the
-    model dtype's rounding of the query, the gathered rows and the output (2e-2 relative L2)."""
-    _prefill_then_decode(torch.bfloat16, 2e-2, "cuda")
+@pytest.mark.parametrize("shape,group", [((H, R, P), 32), (DSV3, None)])
+def test_prefill_then_decode_match_the_oracle_bf16_gpu(shape, group):
+    """The same in BF16 on the GPU (the interpreter's tl.dot is wrong on BF16 operands), also at
+    DeepSeek-V3's latent with the default group size: within the model dtype's rounding of the
+    query, the gathered rows, the BF16 decode dots and the output (2e-2 relative L2)."""
+    _prefill_then_decode(torch.bfloat16, 2e-2, "cuda", shape, group)
 
 
 def test_chunked_and_radix_reuse_equal_a_fresh_run():
@@ -173,6 +181,6 @@ def test_non_absorbed_layer_is_refused():
     seq, rot = _data(torch.float32)
     sv = Served(config, rot, torch.float32)
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=H, tp_k_head_num=H, qk_head_dim=48, v_head_dim=32,
-                            scaling=SCALE, logit_cap=0.0)
+                            scaling=SCALE, logit_cap=0.0)  # (SGLang's attn_mha: per-head K 48, V 32)
     with pytest.raises(NotImplementedError, match="absorbed MLA"):
         sv.be.forward_extend(torch.zeros(2, H * 48), torch.zeros(2, H * 48), torch.zeros(2, H * 32), layer, None)

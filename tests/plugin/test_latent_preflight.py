@@ -126,6 +126,12 @@ def test_latent_sizing_and_windows_follow_the_pool(hooked):
                                  layer_num=3, device="cpu", enable_memory_saver=False, oscar_config=config,
                                  hp_dtype=torch.bfloat16, max_reqs=2, sink_rows=16)
     assert latent_cell_size(config, 512, 64, 3, torch.bfloat16) == pool.int2_bytes_per_token() == 3 * 272
+    # no --kv-cache-quant-group-size: groups of 128 along the rank (not one pair per 512-wide latent)
+    default = OscarMLATokenToKVPool(32, page_size=1, dtype=torch.uint8, kv_lora_rank=512, qk_rope_head_dim=64,
+                                    layer_num=3, device="cpu", enable_memory_saver=False,
+                                    oscar_config=OscarConfig(sink_tokens=4, recent_tokens=8), hp_dtype=torch.bfloat16,
+                                    max_reqs=2, sink_rows=16)
+    assert default.layout.k.group_size == 128 and default.int2_bytes_per_token() == 3 * 272
     assert hp_row_bytes(*group[2:], group[1], torch.bfloat16) * pool.windows.num_rows == pool.hp_bytes()
 
 

@@ -197,7 +197,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             seq_lens=forward_batch.seq_lens, group_size=self.pool.layout.k.group_size,
             quantizer=self.config.quantizer, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
             sm_scale=layer.scaling, num_splits=plans["num_splits"], sink_lens=w.sink_lens,
-            precision="bf16" if q_abs.is_cuda else "ieee")
+            precision="bf16" if q_abs.is_cuda else "ieee", block_n=32)
         return self._output(o, layer, q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,

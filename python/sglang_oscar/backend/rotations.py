@@ -130,6 +130,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
             to change.
     """
     from ..kernels.latent import check_latent_width
+    from ..config import latent_group_size
     from ..rotation.latent import LatentRotationSet
 
     name = geometry.model_type
@@ -147,7 +148,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
             raise ValueError(f"{flag} applies to MHA/GQA models; {name!r} caches one MLA latent per token "
                              "(one rotation per layer, one decode kernel): drop the flag")
     try:
-        check_latent_width(int(geometry.kv_lora_rank), config.group_size or int(geometry.kv_lora_rank))
+        check_latent_width(int(geometry.kv_lora_rank), latent_group_size(config, int(geometry.kv_lora_rank)))
     except ValueError as exc:
         raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache: {exc}; pick "
                          "--kv-cache-quant-group-size 128 (or 64, 32)") from None

@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from ..config import OscarConfig
 from ..kernels import write_kv
 from ..kernels.layout import Int2Layout
+from ..config import latent_group_size
 from .sizing import hp_row_bytes, latent_cell_size
 from .windows import HPWindows
 
@@ -41,7 +42,8 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
     keyword-only OSCAR settings (``dtype`` must be ``torch.uint8``; DSA layers are not served).
 
     Args:
-        oscar_config: group size along the rank, K clip ratio, quantizer, scale dtype, windows.
+        oscar_config: group size along the rank (:func:`~sglang_oscar.config.latent_group_size`: 128 unless
+            given), K clip ratio, quantizer, scale dtype, windows.
         hp_dtype: dtype of ``k_pe`` and the windows (the model dtype; BF16 for FP8 checkpoints).
         max_reqs: request slots (``ReqToTokenPool.size``), for the recent ring.
         sink_rows: rows of the sink arena (:func:`~.sizing.plan_windows`).
@@ -61,7 +63,8 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
         r = given["kv_lora_rank"]
         self.oscar_config = oscar_config
         self.hp_dtype = hp_dtype
-        self.layout = Int2Layout.create(r, group_size=oscar_config.group_size, k_clip_ratio=oscar_config.k_clip_ratio,
+        self.layout = Int2Layout.create(r, group_size=latent_group_size(oscar_config, r),
+                                        k_clip_ratio=oscar_config.k_clip_ratio,
                                         quantizer=oscar_config.quantizer, scale_dtype=oscar_config.scale_dtype,
                                         attention=False)
         self.windows = HPWindows(given["size"] + 1, max_reqs, oscar_config.sink_tokens, oscar_config.recent_tokens,

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from ..config import OscarConfig
+from ..config import OscarConfig, latent_group_size
 from ..kernels.layout import Int2Layout
 from ..quant.bits import bytes_per_token_per_head
 
@@ -45,7 +45,8 @@ def int2_cell_size(config: OscarConfig, num_kv_heads: int, head_dim: int, v_head
 def latent_cell_size(config: OscarConfig, kv_lora_rank: int, rope_dim: int, num_layers: int,
                      hp_dtype: torch.dtype) -> int:
     """INT2 bytes per token of an MLA latent cache over ``num_layers`` layers: codes + (scale, zero)
-    pairs of the ``kv_lora_rank``-wide latent, plus ``k_pe`` (``rope_dim`` elements in ``hp_dtype``).
+    pairs of the ``kv_lora_rank``-wide latent (:func:`latent_group_size`), plus ``k_pe`` (``rope_dim``
+    elements in ``hp_dtype``).
 
     Equals what :class:`~.latent_pool.OscarMLATokenToKVPool` allocates per slot: R = 512, P = 64,
     G = 128, fp16 pairs: 128 + 16 + 128 = 272 bytes per layer (BF16 MLA: 1,152).
@@ -53,7 +54,8 @@ def latent_cell_size(config: OscarConfig, kv_lora_rank: int, rope_dim: int, num_
     Raises:
         ValueError: ``group_size`` does not divide the rank.
     """
-    layout = Int2Layout.create(kv_lora_rank, group_size=config.group_size, k_clip_ratio=config.k_clip_ratio,
+    layout = Int2Layout.create(kv_lora_rank, group_size=latent_group_size(config, kv_lora_rank),
+                               k_clip_ratio=config.k_clip_ratio,
                                quantizer=config.quantizer, scale_dtype=config.scale_dtype, attention=False)
     t = layout.k
     itemsize = torch.tensor([], dtype=hp_dtype).element_size()

@@ -61,7 +61,7 @@ import dataclasses
 
 import torch
 
-from ..config import OscarConfig
+from ..config import OscarConfig, latent_group_size
 from ..quant.int2 import QuantizedRows, dequantize_rows, quantize_rows
 from .attention import attend
 
@@ -121,7 +121,8 @@ def build_latent_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, rotation: torch.T
         c_kv: ``[T, R]`` latents after ``kv_a_layernorm``, any float dtype.
         k_pe: ``[T, P]`` post-RoPE key rope part.
         rotation: ``[R, R]`` orthogonal (``LatentRotationSet.matrix(layer_id)``) or ``None`` (identity).
-        config: group size (along the rank), K clip ratio, quantizer, scale dtype.
+        config: group size (along the rank; :func:`~sglang_oscar.config.latent_group_size`), K clip
+            ratio, quantizer, scale dtype.
         cache: ``"int2"`` or ``"bf16"`` (module docstring).
         hp_dtype: the window tier's dtype (``torch.float32`` for exactness tests).
 
@@ -139,7 +140,7 @@ def build_latent_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, rotation: torch.T
         raise ValueError(f"latent rotation {tuple(rot.shape)} does not match kv_lora_rank {r}")
     rotated = (c_kv.float() @ rot).to(hp_dtype)
     # one "kv head" per token: the same [slots, 1, ...] row layout as the MHA pool's
-    quant = quantize_rows(rotated.unsqueeze(1), **config.quant_kwargs("k"))
+    quant = quantize_rows(rotated.unsqueeze(1), **{**config.quant_kwargs("k"), "group_size": latent_group_size(config, r)})
     deq = dequantize_rows(quant)[:, 0]
     if cache == "int2":
         return LatentCache(cache, rotated, k_pe.to(hp_dtype), deq, quant, rot)
