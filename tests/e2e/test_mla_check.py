@@ -57,3 +57,36 @@ def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, faile
     assert res["verdict"] == {k: k != failed for k in ("serves", "window", "chunked", "radix")}
     assert res["capacity"]["ratio"] == 4608 / 1088 and res["radix_cached_tokens"] == 400
     assert os.path.exists(tmp_path / "mla_check.md")
+
+
+def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):
+    """The model-level MLA oracle (``tests.e2e.mla_oracle``): with window mode "none", or with a sink
+    window that covers the prompt (every key from the fp32 window tier; the rotation is exact), the
+    patched model's prompt log-probs equal the unpatched model's; with INT2 reads they move."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation.geometry import ModelGeometry
+    from sglang_oscar.rotation.latent import LatentRotationSet
+
+    from . import mla_oracle
+
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=64,
+                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
+                           initializer_range=0.08)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    ids = mla_check.prompt(48, 1)
+    ids = [i % 256 for i in ids]
+    base = mla_oracle.prompt_logprobs(model, ids)
+    rot = LatentRotationSet.data_free(ModelGeometry.from_hf_config(cfg.to_dict())).r
+    for mode, config in (("none", OscarConfig(sink_tokens=4, recent_tokens=8)),
+                         ("extend", OscarConfig(group_size=32, sink_tokens=64, recent_tokens=8))):
+        patched = DeepseekV3ForCausalLM(cfg).eval()
+        patched.load_state_dict(model.state_dict())
+        assert mla_oracle.install(patched, config, rot, window_mode=mode) == 2
+        assert torch.allclose(mla_oracle.prompt_logprobs(patched, ids), base, atol=1e-4), mode
+    mla_oracle.install(patched, OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8), rot)
+    assert (mla_oracle.prompt_logprobs(patched, ids) - base).abs().mean() > 1e-3

@@ -1,0 +1,76 @@
+"""The MLA oracle at model level: a ``transformers`` DeepSeek-V3 whose attention layers read the
+INT2 latent cache of :func:`sglang_oscar.reference.latent.latent_attention`.
+
+:func:`install` replaces ``DeepseekV3Attention.forward`` of every layer by the same projections,
+``kv_a_layernorm`` and RoPE as transformers computes them, followed by the oracle's absorbed
+attention over the rotated, quantized latents (``kv_b_proj`` split as SGLang splits it,
+``reference.latent.split_kv_b_proj``). Prefill only (one sequence, no KV cache object): the
+prompt log-probs of one forward are what a served prefill returns. ``window_mode="none"``
+reads every key from the window tier, i.e. the unquantized model: it must equal the unpatched
+model (the patch's own test).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_oscar.config import OscarConfig
+from sglang_oscar.reference.latent import latent_attention, split_kv_b_proj
+
+
+def install(model, config: OscarConfig, rotations: dict[int, torch.Tensor] | None, *, window_mode: str = "extend",
+            hp_dtype: torch.dtype = torch.float32) -> int:
+    """Patch every ``DeepseekV3Attention`` of ``model`` (returns how many).
+
+    Args:
+        config: windows and INT2 format of the latent cache.
+        rotations: ``{layer id: [R, R]}`` latent rotations (``LatentRotationSet.r``), ``None`` = identity.
+        window_mode: the oracle's tier rule (``"extend"``: a served prefill; ``"none"``: no quantization).
+        hp_dtype: dtype of the window tier.
+    """
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, hf.DeepseekV3Attention):
+            rot = None if rotations is None else rotations[module.layer_idx]
+            module.forward = _oracle_forward(module, hf, config, rot, window_mode, hp_dtype)
+            n += 1
+    return n
+
+
+def _oracle_forward(attn, hf, config, rot, window_mode, hp_dtype):
+    heads = attn.config.num_attention_heads
+    n_nope, rope, v_dim, rank = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+
+    def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        bsz, t = hidden_states.shape[:-1]
+        if bsz != 1:
+            raise ValueError("the MLA oracle forward takes one sequence")
+        if attn.q_lora_rank is None:
+            q = attn.q_proj(hidden_states)
+        else:
+            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
+        q = q.view(bsz, t, heads, n_nope + rope).transpose(1, 2)
+        q_nope, q_pe = torch.split(q, [n_nope, rope], dim=-1)
+        c_kv, k_pe = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+        c_kv = attn.kv_a_layernorm(c_kv)
+        k_pe = k_pe.view(bsz, 1, t, rope)
+        cos, sin = position_embeddings
+        rotary = hf.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else hf.apply_rotary_pos_emb
+        q_pe, k_pe = rotary(q_pe, k_pe, cos, sin)
+        w_kc, w_vc = split_kv_b_proj(attn.kv_b_proj.weight, heads, n_nope, v_dim)
+        o = latent_attention(q_nope[0].transpose(0, 1), q_pe[0].transpose(0, 1), c_kv[0], k_pe[0, 0], w_kc, w_vc, rot,
+                             config, softmax_scale=attn.scaling, window_mode=window_mode, hp_dtype=hp_dtype)
+        return attn.o_proj(o.to(hidden_states.dtype).reshape(bsz, t, heads * v_dim)), None
+
+    return forward
+
+
+@torch.no_grad()
+def prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """fp32 log-prob of each prompt token given the ones before it, ``[len(ids) - 1]`` (SGLang's
+    ``input_token_logprobs`` without the first position)."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    logits = model(x).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0]
