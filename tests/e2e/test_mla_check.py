@@ -24,6 +24,9 @@ class FakeServer:
     def start(self):
         pass
 
+    def alive(self):
+        return False  # mla_check's staggered start returns at once
+
     def poll_health(self, *args, **kwargs):
         return "healthy"
 
