@@ -72,13 +72,13 @@ def _rotate(t, h, hr, d, out_dtype, **kw):
     rotate_heads(x, r, out_dtype, **kw)
 
 
-def _latent(h, r, p, group, hp_dtype=torch.bfloat16):
+def _latent(h, r, p, group, hp_dtype=torch.bfloat16, **kw):
     from sglang_oscar.config import OscarConfig
 
     cfg = OscarConfig(group_size=group, sink_tokens=4, recent_tokens=8)
     _, pool = build_latent_pool([20, 30], r, p, cfg, random_orthogonal(r), hp_dtype)
     latent_decode_attention(torch.randn(2, h, r), torch.randn(2, h, p), **pool, group_size=group, quantizer="uniform",
-                            sink=4, recent=8, sm_scale=0.1, num_splits=8)
+                            sink=4, recent=8, sm_scale=0.1, num_splits=8, **kw)
     gather_latent(pool["codes"], pool["pairs"], pool["k_pe"], pool["req_to_token"][1, :20], group_size=group,
                   quantizer="uniform")
 
@@ -125,6 +125,11 @@ CASES = [
                                                                  hp_dtype=torch.float32, mma=torch.float32)),
     ("decode d128 sinks window", lambda: _attn("d", sliding_window=16, sinks=torch.zeros(32))),
     ("latent decode + gather R512 P64 g128 h16 (DeepSeek-V3 TP 8)", lambda: _latent(16, 512, 64, 128)),
+    ("latent decode bf16 block_n 32 R512 h128 (served)", lambda: _latent(128, 512, 64, 128, precision="bf16",
+                                                                         block_n=32)),
+    ("latent decode bf16 block_n 32, 8 warps", lambda: _latent(16, 512, 64, 128, precision="bf16", block_n=32,
+                                                               num_warps=8)),
+    ("latent decode tf32 R512 g64 (two pairs per quarter)", lambda: _latent(16, 512, 64, 64, precision="tf32")),
     ("extend d128", lambda: _attn("e")),
     ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
                                                   sliding_window=16, logit_cap=20.0)),

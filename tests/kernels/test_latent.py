@@ -88,6 +88,8 @@ def test_latent_decode_rejects_bad_shapes():
         latent_decode_attention(q, qp, **pool, **kw, precision="bf16")
     with pytest.raises(ValueError, match="precision must be one of"):
         latent_decode_attention(q, qp, **pool, **kw, precision="fp8")
+    with pytest.raises(ValueError, match="num_warps must be 4 or 8"):
+        latent_decode_attention(q, qp, **pool, **kw, num_warps=2)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

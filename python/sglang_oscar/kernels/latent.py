@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..quant.int2 import codebook
 from .codes import LOG2E, level_of, round_to
+from .compile_check import active as compiling
 from .compile_check import launch as _launch
 from .decode.merge import decode_merge
 from .layout import next_pow2
@@ -272,6 +273,7 @@ def latent_decode_attention(
     sink_lens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     precision: str = "ieee",
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Absorbed-MQA decode over the packed latent cache of one MLA layer (module docstring).
 
@@ -295,6 +297,8 @@ def latent_decode_attention(
         precision: the dot products' operands (:data:`PRECISIONS`): ``"ieee"`` fp32 (the oracle's
             arithmetic), ``"tf32"`` or ``"bf16"`` tensor cores (q, the dequantized latents and the
             probabilities rounded to BF16, as SGLang's BF16 MLA decode multiplies them; GPU only).
+        num_warps: warps per program, 4 or 8 (ptxas for sm_90a, BF16, block_n 32: 255 registers
+            and spills with 4, none with 8; which is faster is the GPU's to say).
 
     Returns:
         ``o' [B, H, R]`` (``out`` or fp32): the latent output in the rotated frame.
@@ -303,7 +307,7 @@ def latent_decode_attention(
         ValueError: shapes, dtypes or devices that do not fit (``R/4`` must be a power of two >= 16,
             ``R`` a multiple of ``group_size``; ``q_abs`` / ``q_pe`` with equal ``[B, H]`` and a
             contiguous last dim), ``block_n`` / ``block_h`` not powers of two >= 16, ``num_splits < 1``,
-            an unknown ``precision`` or ``"bf16"`` off the GPU.
+            an unknown ``precision`` or ``"bf16"`` off the GPU, ``num_warps`` not 4 or 8.
     """
     check_tensor(q_abs, "q_abs", ndim=3, last_contiguous=True)
     bsz, h, r = q_abs.shape
@@ -317,7 +321,9 @@ def latent_decode_attention(
     _check_pow2(block_h, "block_h", 16)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if precision not in PRECISIONS or (precision == "bf16" and dev.type != "cuda"):
+    if num_warps not in (4, 8):
+        raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
+    if precision not in PRECISIONS or (precision == "bf16" and dev.type != "cuda" and not compiling()):
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)} ('bf16' on a GPU only: the Triton "
                          f"interpreter's BF16 dot is wrong), got {precision!r} on {dev.type}")
     s_slots = codes.shape[0]
@@ -344,7 +350,7 @@ def latent_decode_attention(
             o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
             sm_scale * LOG2E, sink, recent, num_splits, *lv,
             H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n,
-            HAS_SINKL=sink_lens is not None, DOT=PRECISIONS[precision])
+            HAS_SINKL=sink_lens is not None, DOT=PRECISIONS[precision], num_warps=num_warps)
     out = torch.empty(bsz, h, r, dtype=torch.float32, device=dev) if out is None else out
     decode_merge(o_part, lse, out, num_splits)
     return out
