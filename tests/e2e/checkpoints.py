@@ -70,7 +70,9 @@ def sharpen(model, logit_std: float, score_std: float, seed: int) -> dict[str, f
         gain = max(score_std / max(s0, 1e-6), 1e-3)
         for name, mod in model.named_modules():
             if name.endswith("self_attn"):
-                if getattr(mod, "q_norm", None) is not None:  # Qwen3, Gemma: per-head RMSNorm weights scale q and k
+                if hasattr(mod, "kv_a_proj_with_mqa"):  # MLA: the query alone carries the gain (k is the latent)
+                    (mod.q_b_proj if getattr(mod, "q_b_proj", None) is not None else mod.q_proj).weight.mul_(gain)
+                elif getattr(mod, "q_norm", None) is not None:  # Qwen3, Gemma: per-head RMSNorm weights scale q and k
                     _scale_norm(mod.q_norm, math.sqrt(gain))
                     _scale_norm(mod.k_norm, math.sqrt(gain))
                 else:

@@ -40,6 +40,7 @@ import time
 
 from sglang_oscar.serving_launcher import ServerProcess
 
+from .checkpoints import sharpen
 from .client import generate_payload, http_json, parse_generation
 
 BASE_PORT = 31200
@@ -54,10 +55,13 @@ REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what ea
 PROMPT_LENS = (400, 900, 1500)
 NEW_TOKENS = 24
 VOCAB = 2048
+LOGIT_STD, SCORE_STD = 0.5, 1.5  # checkpoints.sharpen, as the main harness's checkpoints
 
 
 def build_model(path: str) -> dict:
-    """Save a seeded random bf16 DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry to ``path``."""
+    """Save a seeded random bf16 DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry to ``path``,
+    sharpened as the harness's checkpoints (:func:`.checkpoints.sharpen`: logit std 0.5, attention
+    score std 1.5), so the INT2 effect on log-probs is of the size the MHA families show."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -74,9 +78,11 @@ def build_model(path: str) -> dict:
                        ("moe_layer_freq", 1), ("num_nextn_predict_layers", 0)):
         setattr(cfg, key, value)
     torch.manual_seed(0)
-    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    return {k: getattr(cfg, k) for k in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                                         "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    stats = sharpen(model, LOGIT_STD, SCORE_STD, seed=0)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return {**{k: getattr(cfg, k) for k in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                                            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}, "sharpen": stats}
 
 
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
