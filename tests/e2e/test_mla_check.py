@@ -45,21 +45,32 @@ def _answers(shift_port: int | None, dlp: float):
 
 
 @pytest.mark.parametrize("shifted,dlp,failed", [(None, 0.0, None), ("int2-chunk64", 0.05, "chunked"),
-                                                ("bf16", 0.05, None), ("int2-window", 0.2, "window")])
+                                                ("bf16", 0.03, None), ("int2-window", 0.2, "window")])
 def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, failed):
-    """Equal answers pass; int2-chunk64 off int2 by 0.05 fails "chunked" (tolerance 0.02); BF16 off
-    by 0.05 passes (int2 vs BF16 is reported, int2-window vs BF16 allows 0.1); int2-window off BF16 by
-    0.2 fails "window"."""
+    """Equal answers pass; int2-chunk64 off int2 by 0.05 fails "chunked" (tolerance 0.01); BF16 off
+    by 0.03 passes (int2 vs BF16 is reported, int2-window vs BF16 allows 0.05); int2-window off BF16
+    by 0.2 fails "window". The oracle verdict: a stand-in report within, and one outside, its bound."""
     port = None if shifted is None else mla_check.BASE_PORT + list(mla_check.SERVERS).index(shifted)
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
     monkeypatch.setattr(mla_check, "http_json", _answers(port, dlp))
     monkeypatch.setattr(mla_check, "build_model", lambda path: {"kv_lora_rank": 512})
-    rc = mla_check.main(["--out", str(tmp_path), "--budget", "5"])
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.15, "oracle_fp32_vs_bf16": 0.1})
+    rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "no-model")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert (rc == 0) == (failed is None)
-    assert res["verdict"] == {k: k != failed for k in ("serves", "window", "chunked", "radix")}
+    assert res["verdict"] == {k: k != failed for k in ("serves", "window", "chunked", "radix", "oracle")}
     assert res["capacity"]["ratio"] == 4608 / 1088 and res["radix_cached_tokens"] == 400
     assert os.path.exists(tmp_path / "mla_check.md")
+
+
+def test_mla_check_oracle_verdict_fails_outside_its_bound(tmp_path, monkeypatch):
+    """served vs the BF16-model oracle 0.25 with the oracle's own move 0.1: over 2 x 0.1, "oracle" fails."""
+    monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    monkeypatch.setattr(mla_check, "build_model", lambda path: {"kv_lora_rank": 512})
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.25, "oracle_fp32_vs_bf16": 0.1})
+    assert mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")]) == 1
+    assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["oracle"] is False
 
 
 def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):

@@ -184,3 +184,7 @@ def test_non_absorbed_layer_is_refused():
                             scaling=SCALE, logit_cap=0.0)  # (SGLang's attn_mha: per-head K 48, V 32)
     with pytest.raises(NotImplementedError, match="absorbed MLA"):
         sv.be.forward_extend(torch.zeros(2, H * 48), torch.zeros(2, H * 48), torch.zeros(2, H * 32), layer, None)
+    # the split-rope calling convention of SGLang's FlashInfer / FA3 MLA backends is not taken
+    with pytest.raises(NotImplementedError, match=r"not \['k_rope', 'q_rope'\]"):
+        sv.be.forward_decode(torch.zeros(1, H * R), torch.zeros(1, 1, R), None, _layer(), None,
+                             q_rope=torch.zeros(1, H, P), k_rope=torch.zeros(1, 1, P))

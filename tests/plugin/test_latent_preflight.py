@@ -71,6 +71,8 @@ def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
     ("skip", r"--oscar-skip-layers applies to MHA/GQA models.*drop the flag"),
     ("fold", r"--oscar-fold-rotations on applies to MHA/GQA models"),
     ("gluon", r"--oscar-decode-engine gluon applies to MHA/GQA models"),
+    ("rotate_engine", r"--oscar-rotate-engine torch applies to MHA/GQA models"),
+    ("v_clip", r"--oscar-v-clip-ratio applies to MHA/GQA models.*K's clip ratio"),
 ])
 def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypatch, case, match):
     model = _deepseek_dir(tmp_path, "m")
@@ -96,8 +98,12 @@ def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monke
         cfg["skip_layers"] = "0"
     elif case == "fold":
         cfg["fold_rotations"] = True
-    else:
+    elif case == "gluon":
         cfg["decode_engine"] = "gluon"
+    elif case == "rotate_engine":
+        cfg["rotate_engine"] = "torch"
+    else:
+        cfg["v_clip_ratio"] = 0.8
     with pytest.raises(ValueError, match=match):
         _server_args(model, monkeypatch, **cfg)
 
@@ -108,6 +114,37 @@ def test_dsa_sparse_attention_is_refused_from_the_config(hooked, tmp_path):
     model = _deepseek_dir(tmp_path, "dsa", index_topk=64, index_head_dim=32, index_n_heads=2)
     with pytest.raises(ValueError, match=r"does not serve .*sparse attention \(DSA.*--kv-cache-dtype auto"):
         hooked.preflight(SimpleNamespace(model_path=model, _oscar_config=OscarConfig()))
+
+
+@pytest.mark.parametrize("arch", ["LongcatFlashForCausalLM", "BailingMoeV2_5ForCausalLM", "KimiK25ForConditionalGeneration"])
+def test_mla_architectures_outside_the_served_family_are_refused(hooked, tmp_path, arch):
+    """LongCat-Flash (two attention layers per decoder layer), Ring / Ling hybrids (linear layers the
+    geometry does not see), Kimi-K2.5's wrapper: refused before weights load, naming the served ones."""
+    model = _deepseek_dir(tmp_path, "m", architectures=[arch])
+    with pytest.raises(ValueError, match=rf"serves the MLA latent cache of DeepseekV2ForCausalLM, "
+                                         rf"DeepseekV3ForCausalLM; {arch} .*--kv-cache-dtype auto"):
+        hooked.preflight(SimpleNamespace(model_path=model, _oscar_config=OscarConfig()))
+
+
+def test_mla_linear_hybrid_and_latent_file_on_mha_model_are_refused(hooked, tmp_path, monkeypatch):
+    """An MLA model with linear-attention layers (Kimi-Linear) is refused; an MHA model given a latent
+    rotation file is told it is an MLA file."""
+    import dataclasses
+
+    from sglang_oscar.backend.rotations import served_latent_rotations
+
+    geo = ModelGeometry.from_hf_config(_deepseek_dir(tmp_path, "m"))
+    with pytest.raises(ValueError, match=r"MLA \+ linear-attention hybrid \(1 linear-attention layers\)"):
+        served_latent_rotations(OscarConfig(), dataclasses.replace(geo, linear_layer_ids=(1,)), log=False)
+    from transformers import Qwen3Config
+
+    q = tmp_path / "qwen3"
+    Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=128, architectures=["Qwen3ForCausalLM"]).save_pretrained(q)
+    rot = str(tmp_path / "latent.safetensors")
+    LatentRotationSet.data_free(geo).save(rot)
+    with pytest.raises(ValueError, match=r"is an MLA latent rotation file, but 'qwen3' is an MHA/GQA model"):
+        _server_args(str(q), monkeypatch, rotation_path=rot)
 
 
 def test_latent_sizing_and_windows_follow_the_pool(hooked):
@@ -125,7 +162,10 @@ def test_latent_sizing_and_windows_follow_the_pool(hooked):
     pool = OscarMLATokenToKVPool(32, page_size=1, dtype=torch.uint8, kv_lora_rank=512, qk_rope_head_dim=64,
                                  layer_num=3, device="cpu", enable_memory_saver=False, oscar_config=config,
                                  hp_dtype=torch.bfloat16, max_reqs=2, sink_rows=16)
-    assert latent_cell_size(config, 512, 64, 3, torch.bfloat16) == pool.int2_bytes_per_token() == 3 * 272
+    # the sizing hook's bytes per token = what the pool allocates per slot (planes minus windows and
+    # the spare k_pe row of each layer, over size + 1 slots)
+    per_slot = (pool.get_kv_size_bytes() - pool.hp_bytes() - 3 * 64 * 2) / (32 + 1)
+    assert latent_cell_size(config, 512, 64, 3, torch.bfloat16) == per_slot == 3 * 272
     # no --kv-cache-quant-group-size: groups of 128 along the rank (not one pair per 512-wide latent)
     default = OscarMLATokenToKVPool(32, page_size=1, dtype=torch.uint8, kv_lora_rank=512, qk_rope_head_dim=64,
                                     layer_num=3, device="cpu", enable_memory_saver=False,
@@ -141,13 +181,17 @@ def test_dispatch_hook_takes_the_absorbed_path_only_for_int2(hooked):
     from sglang_oscar.plugin import serving
 
     def handler(self, fb):
+        self.current_attention_backend = "triton"  # what SGLang's dispatch sets before choosing
         return AttnForwardMethod.MHA
 
     old = serving._ACTIVE["recent"]
     try:
+        attn = SimpleNamespace(current_attention_backend=None)
         serving._ACTIVE["recent"] = None
-        assert serving.around_mla_dispatch(handler, None, None) == AttnForwardMethod.MHA
+        assert serving.around_mla_dispatch(handler, attn, None) == AttnForwardMethod.MHA
         serving._ACTIVE["recent"] = 8
-        assert serving.around_mla_dispatch(handler, None, None) == AttnForwardMethod.MLA
+        attn.current_attention_backend = None
+        assert serving.around_mla_dispatch(handler, attn, None) == AttnForwardMethod.MLA
+        assert attn.current_attention_backend == "triton"  # SGLang's own dispatch still ran
     finally:
         serving._ACTIVE["recent"] = old

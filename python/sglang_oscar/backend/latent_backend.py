@@ -15,8 +15,8 @@ Per layer, with its orthogonal latent rotation ``Rot`` (:class:`~sglang_oscar.ro
 * decode: :func:`~sglang_oscar.kernels.latent.latent_decode_attention` with ``q_abs' = q_abs Rot``
   (fp32) reads ``[BF16 sink | INT2 middle | BF16 recent]`` and returns ``o'``; the output is
   ``o' Rot^T`` (``Rot Rot^T = I``: ``reference.latent`` module docstring). On the GPU its dot
-  products take BF16 operands, as SGLang's BF16 MLA decode does (fp32 under the interpreter,
-  whose BF16 dot is wrong);
+  products take BF16 operands for a BF16 model, as SGLang's BF16 MLA decode does (exact fp32 for
+  an fp32 model, TF32 for fp16, fp32 under the interpreter, whose BF16 dot is wrong);
 * extend: the batch's prefix and chunk rows are dequantized once per layer
   (:func:`~sglang_oscar.kernels.latent.gather_latent`, model dtype), sink positions replaced by their
   BF16 rows (window mode ``"extend"``: the chunk reads INT2 latents of itself too, as the MHA pool's
@@ -37,20 +37,21 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from ..kernels.latent import gather_latent, latent_decode_attention, latent_num_splits
 from ..pool.latent_pool import OscarMLATokenToKVPool
 from .rotations import model_geometry, served_latent_rotations
-from .triton_backend import OscarTritonAttnBackend
+from .triton_backend import OscarTritonAttnBackend, _attention_layers
 
 
 class LatentExtendPlan(NamedTuple):
     """Rows an extend batch reads, built once per forward.
 
-    ``slots`` int64 ``[n_prefix + n_new]``: the requests' prefix slots (request-major, position order)
-    then the chunk's ``out_cache_loc``; ``hp_mask`` bool and ``hp_rows`` int64 of the same length: rows
-    read from the BF16 sink arena instead; ``kv_indptr`` int32 ``[B + 1]`` / ``kv_indices`` int64
-    ``[n_prefix]`` address the prefix part for SGLang's extend kernel."""
+    ``slots`` int64 ``[n_prefix + n_new + 1]``: the requests' prefix slots (request-major, position
+    order), the chunk's ``out_cache_loc``, then slot 0 for a spare row; ``sink_dest`` / ``sink_rows``
+    int64 ``[B * sink]``: the row of each request's sink positions and the BF16 sink row it is read
+    from instead (positions without one point at the spare row); ``kv_indptr`` int32 ``[B + 1]`` /
+    ``kv_indices`` int64 ``[n_prefix]`` address the prefix part for SGLang's extend kernel."""
 
     slots: torch.Tensor
-    hp_mask: torch.Tensor
-    hp_rows: torch.Tensor
+    sink_dest: torch.Tensor
+    sink_rows: torch.Tensor
     n_prefix: int
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -75,10 +76,19 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         from sglang.srt.runtime_context import get_parallel
 
         config = pool.oscar_config
-        geometry = model_geometry(model_runner.model_config.hf_config)
-        rs = served_latent_rotations(config, geometry, log=get_parallel().attn_tp_rank == 0)
+        hf_config = model_runner.model_config.hf_config
+        geometry = model_geometry(hf_config)
+        rs = served_latent_rotations(config, geometry, log=get_parallel().attn_tp_rank == 0,
+                                     architectures=getattr(hf_config, "architectures", None))
         rotations = {lid: rs.matrix(lid).to(model_runner.device) for lid in rs.layer_ids
                      if pool.start_layer <= lid <= pool.end_layer}
+        missing = sorted({layer.layer_id for layer in _attention_layers(getattr(model_runner, "model", None))}
+                         - set(rotations))
+        if missing:
+            raise RuntimeError(f"--kv-cache-dtype int2: attention layers {missing[:8]} of {type(model_runner.model).__name__} "
+                               f"have no latent rotation (the config describes layers {rs.layer_ids[:4]}...): this "
+                               "model's layer numbering is not the one the INT2 latent pool serves; use "
+                               "--kv-cache-dtype auto")
         heads = max(1, model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size)
         self.setup_latent(pool, rotations, model_runner.req_to_token_pool.req_to_token, heads,
                           getattr(self, "device_core_count", None) or 132)
@@ -105,6 +115,11 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         self._decode_plans = self._extend_plans = None
         self._graph_plans = {}
         self._heads = num_heads
+        # decode dot operands: BF16 for a BF16 model (as SGLang's BF16 MLA decode), exact fp32 for an fp32
+        # one (accuracy runs), TF32 for fp16; fp32 everywhere under the interpreter (its BF16 dot is wrong)
+        on_gpu = torch.device(pool.device).type == "cuda"
+        self._precision = ({torch.bfloat16: "bf16", torch.float16: "tf32"}.get(pool.hp_dtype, "ieee")
+                           if on_gpu else "ieee")
 
     # ------------------------------------------------------------------ plans
     def set_geometry(self, layers) -> None:  # one latent geometry: nothing to group
@@ -131,22 +146,25 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         pos_pre = (torch.arange(n_prefix, device=dev)
                    - torch.repeat_interleave(kv_indptr[:-1].long(), prefix, output_size=n_prefix))
         slots_pre = self._int2_req_to_token[req_pre, pos_pre].long()
-        req_new = torch.repeat_interleave(fb.req_pool_indices.long(), fb.extend_seq_lens.long(), output_size=num_tokens)
-        req, pos = torch.cat([req_pre, req_new]), torch.cat([pos_pre, fb.positions.long()])
-        # window mode "extend": the first sink positions come from their BF16 rows (as many as have
-        # rows: sink_lens), everything else, the chunk included, through INT2
-        sink = self.config.sink_tokens
-        sink_r = torch.clamp(self.windows.sink_lens[req].long(), max=sink)
-        hp_mask = pos < sink_r
-        hp_rows = torch.where(hp_mask, self.windows.hp_index[req, pos.clamp(max=max(sink - 1, 0))].long(), 0)
-        hp_mask &= hp_rows >= 0
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
         qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+        n_rows = n_prefix + num_tokens
+        # window mode "extend": each request's first sink positions come from their BF16 rows (as many as
+        # have rows: sink_lens), everything else, the chunk included, through INT2
+        sink = self.config.sink_tokens
+        reqs = fb.req_pool_indices.long()
+        p = torch.arange(sink, device=dev)[None, :]
+        sink_r = torch.clamp(self.windows.sink_lens[reqs].long(), max=sink)[:, None]
+        hp = self.windows.hp_index[reqs][:, :sink].long()
+        valid = (p < sink_r) & (p < fb.seq_lens.long()[:, None]) & (hp >= 0)
+        pre = prefix[:, None]
+        row = torch.where(p < pre, kv_indptr[:-1, None].long() + p, n_prefix + qo_indptr[:-1, None].long() + p - pre)
         max_extend_len = getattr(getattr(self, "forward_metadata", None), "max_extend_len", None)
         if max_extend_len is None:
             max_extend_len = int(fb.extend_seq_lens.max())
         self._extend_plans = LatentExtendPlan(
-            torch.cat([slots_pre, fb.out_cache_loc.long()]), hp_mask, torch.where(hp_mask, hp_rows, 0), n_prefix,
+            torch.cat([slots_pre, fb.out_cache_loc.long(), slots_pre.new_zeros(1)]),
+            torch.where(valid, row, n_rows).reshape(-1), torch.where(valid, hp, 0).reshape(-1), n_prefix,
             qo_indptr, kv_indptr, torch.arange(n_prefix, dtype=torch.int64, device=dev), max_extend_len)
         return self._extend_plans
 
@@ -157,9 +175,13 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         return plans
 
     # ------------------------------------------------------------------ forward paths
-    def _check_latent_layer(self, layer, sinks, score_mod) -> None:
+    def _check_latent_layer(self, layer, sinks, score_mod, kwargs) -> None:
         if sinks is not None or score_mod is not None or (layer.logit_cap and layer.logit_cap > 0):
             raise NotImplementedError("--kv-cache-dtype int2 MLA layers take no attention sinks, score_mod or logit cap")
+        given = sorted(k for k in ("q_rope", "k_rope", "topk_indices", "cos_sin_cache") if kwargs.get(k) is not None)
+        if given:
+            raise NotImplementedError(f"layer {layer.layer_id}: the INT2 latent backend takes the absorbed query and "
+                                      f"key whole ([q_abs | q_pe], [c_kv | k_pe]), not {given}")
         r, p = self.pool.kv_lora_rank, self.pool.qk_rope_head_dim
         if layer.tp_k_head_num != 1 or layer.qk_head_dim != r + p or layer.v_head_dim != r:
             raise NotImplementedError(
@@ -187,7 +209,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None, **kwargs):
-        self._check_latent_layer(layer, sinks, score_mod)
+        self._check_latent_layer(layer, sinks, score_mod, kwargs)
         q_abs, q_pe = self._prepare_latent(q, k, layer, forward_batch, save_kv_cache)
         plans = self._decode_plans or self._plan_late(layer, forward_batch)
         w = self.windows
@@ -197,25 +219,27 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             seq_lens=forward_batch.seq_lens, group_size=self.pool.layout.k.group_size,
             quantizer=self.config.quantizer, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
             sm_scale=layer.scaling, num_splits=plans["num_splits"], sink_lens=w.sink_lens,
-            precision="bf16" if q_abs.is_cuda else "ieee", block_n=32)
+            precision=self._precision, block_n=32)
         return self._output(o, layer, q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None, **kwargs):
-        self._check_latent_layer(layer, sinks, score_mod)
+        self._check_latent_layer(layer, sinks, score_mod, kwargs)
         q_abs, q_pe = self._prepare_latent(q, k, layer, forward_batch, save_kv_cache)
         plan = self._extend_plans
-        if not isinstance(plan, LatentExtendPlan) or plan.slots.numel() != plan.n_prefix + q_abs.shape[0]:
-            plan = self.plan_extend(forward_batch, q_abs.shape[0])
+        n_new = q_abs.shape[0]
+        if not isinstance(plan, LatentExtendPlan) or plan.slots.numel() != plan.n_prefix + n_new + 1:
+            plan = self.plan_extend(forward_batch, n_new)
         buf = self.pool.latent_buffers(layer.layer_id)
         # gather_latent writes fp32 or BF16: an fp16 model's rows join in fp32 (never narrower than BF16)
         dtype = torch.bfloat16 if self.pool.hp_dtype == torch.bfloat16 else torch.float32
+        # transient, per layer: (prefix + chunk) x (R + P) rows, as SGLang's BF16 extend reads from its pool
         rows = gather_latent(buf["codes"], buf["pairs"], buf["k_pe"], plan.slots,
                              group_size=self.pool.layout.k.group_size, quantizer=self.config.quantizer, out_dtype=dtype)
-        hp = torch.cat([buf["hp_latent"][plan.hp_rows], buf["hp_pe"][plan.hp_rows]], dim=-1).to(dtype)
-        rows = torch.where(plan.hp_mask[:, None], hp, rows).unsqueeze(1)  # [n, 1, R + P]
+        rows[plan.sink_dest] = torch.cat([buf["hp_latent"][plan.sink_rows], buf["hp_pe"][plan.sink_rows]], -1).to(dtype)
+        rows = rows.unsqueeze(1)  # [n + 1, 1, R + P]; the last is the spare row
         r = self.pool.kv_lora_rank
-        k_pre, k_new = rows[: plan.n_prefix], rows[plan.n_prefix:]
+        k_pre, k_new = rows[: plan.n_prefix], rows[plan.n_prefix: plan.n_prefix + n_new]
         qx = torch.cat([q_abs, q_pe.float()], dim=-1).to(dtype)
         o = torch.empty(qx.shape[0], qx.shape[1], r, dtype=dtype, device=qx.device)
         self.extend_attention_fwd(qx, k_new, k_new[..., :r], o, k_pre, k_pre[..., :r], plan.qo_indptr,

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..config import OscarConfig
+from ..config import DEFAULT_V_CLIP, OscarConfig
 from ..rotation import RotationSet
 from ..rotation.rotation_set import RotationError
 from ..rotation.geometry import ModelGeometry, attention_logit_softcap
@@ -93,6 +93,12 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
                          f"existing rotation file or directory, or drop the flag / unset the variable to use the "
                          f"data-free Hadamard rotation") from None
     except RotationError as exc:  # unreadable / truncated / not a rotation file, a directory without one
+        from ..rotation.latent import is_latent_rotation_file
+
+        if is_latent_rotation_file(config.rotation_path):
+            raise ValueError(f"--oscar-rotation {config.rotation_path} is an MLA latent rotation file, but "
+                             f"{geometry.model_type!r} is an MHA/GQA model: pass a K/V rotation file fitted for it "
+                             "(`sglang-oscar fit`), or drop the flag to use the data-free Hadamard rotation") from None
         raise ValueError(f"--oscar-rotation {config.rotation_path}: {exc}; pass a rotation file written by "
                          f"`sglang-oscar fit` / `hadamard` / `convert` (check it with `sglang-oscar validate`), "
                          f"or drop the flag to use the data-free Hadamard rotation") from None
@@ -117,23 +123,38 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     return rs
 
 
-def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True
-                            ) -> LatentRotationSet:
+# Architectures whose MLA layers SGLang 0.5.16 runs through DeepseekV2AttentionMLA with one attention
+# layer per decoder layer: what the dispatch hook and the latent backend are written and tested for.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
+                            architectures=None) -> LatentRotationSet:
     """The validated latent rotations of an MLA model (``--oscar-rotation`` file, else the data-free
     block Hadamard, :meth:`LatentRotationSet.data_free`), after the checks of what the latent pool serves.
 
+    Args:
+        architectures: the config's ``architectures`` (when known): MLA models outside
+            :data:`MLA_ARCHITECTURES` are refused.
+
     Raises:
-        ValueError: a DSA (sparse-attention) or linear-attention hybrid MLA model, ``--oscar-rotation-v``,
-            ``--oscar-skip-layers``, ``--oscar-fold-rotations on`` or ``--oscar-decode-engine gluon`` (MHA
-            features), a group size that does not fit ``kv_lora_rank``, a missing or unreadable file, an
-            MHA rotation file, or a file fitted for another model (layers, rank). Every message says what
-            to change.
+        ValueError: an MLA architecture outside :data:`MLA_ARCHITECTURES` (LongCat-Flash, Ring / Ling
+            hybrids, Kimi-K2.5's multimodal wrapper, ...), a DSA (sparse-attention) or linear-attention
+            hybrid MLA model, an MHA-only flag (``--oscar-rotation-v``, ``--oscar-skip-layers``,
+            ``--oscar-fold-rotations on``, ``--oscar-decode-engine gluon``, ``--oscar-rotate-engine
+            torch``, a V clip ratio), a group size that does not fit ``kv_lora_rank``, a missing or
+            unreadable file, an MHA rotation file, or a file fitted for another model (layers, rank).
+            Every message says what to change.
     """
     from ..kernels.latent import check_latent_width
     from ..config import latent_group_size
     from ..rotation.latent import LatentRotationSet
 
     name = geometry.model_type
+    other = [a for a in (architectures or ()) if a not in MLA_ARCHITECTURES]
+    if other:
+        raise ValueError(f"--kv-cache-dtype int2 serves the MLA latent cache of {', '.join(MLA_ARCHITECTURES)}; "
+                         f"{other[0]} ({name!r}) is not among them yet; serve it with --kv-cache-dtype auto")
     if geometry.index_topk:
         raise ValueError(f"--kv-cache-dtype int2 does not serve {name!r}'s sparse attention (DSA: the lightning "
                          "indexer's top-k selection over the latent cache) yet; serve it with --kv-cache-dtype auto")
@@ -143,10 +164,12 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
                          "--kv-cache-dtype auto")
     for given, flag in ((config.rotation_v_path, "--oscar-rotation-v"), (config.skip_layers not in (None, "none"),
                         "--oscar-skip-layers"), (config.fold_rotations, "--oscar-fold-rotations on"),
-                        (config.decode_engine == "gluon", "--oscar-decode-engine gluon")):
+                        (config.decode_engine == "gluon", "--oscar-decode-engine gluon"),
+                        (config.rotate_engine != "triton", f"--oscar-rotate-engine {config.rotate_engine}"),
+                        (config.v_clip_ratio != DEFAULT_V_CLIP, "--oscar-v-clip-ratio")):
         if given:
             raise ValueError(f"{flag} applies to MHA/GQA models; {name!r} caches one MLA latent per token "
-                             "(one rotation per layer, one decode kernel): drop the flag")
+                             "(one rotation per layer, one decode kernel, K's clip ratio): drop the flag")
     try:
         check_latent_width(int(geometry.kv_lora_rank), latent_group_size(config, int(geometry.kv_lora_rank)))
     except ValueError as exc:

@@ -159,7 +159,10 @@ def preflight(server_args) -> None:
             return
         geometry = model_geometry(hf_config)
     if geometry.attention_kind == "mla":
-        served_latent_rotations(config, geometry, log=False)
+        from ..rotation.geometry import _as_dict
+
+        served_latent_rotations(config, geometry, log=False,
+                                architectures=_as_dict(hf_config).get("architectures") if hf_config is not None else None)
         return
     served_rotation_set(config, geometry, log=False, hf_config=hf_config)
     skip_kind(config, geometry, hf_config)

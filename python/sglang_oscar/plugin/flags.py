@@ -58,7 +58,8 @@ _ENV_PARSERS = {"SGLANG_LLOYD_MAX": _lloyd_max_env, "SGLANG_MIXED_KV_SCALE_DTYPE
 
 FLAGS = (
     Flag("kv_cache_quant_group_size", "--kv-cache-quant-group-size", "group_size", int,
-         "INT2 KV cache: elements per (scale, zero) group along head_dim (default: one group per head row)."),
+         "INT2 KV cache: elements per (scale, zero) group along head_dim (default: one group per head row; "
+         "MLA latents: 128)."),
     Flag("oscar_rotation", "--oscar-rotation", "rotation_path", str,
          "INT2 KV cache: OSCAR rotation file or directory (from `sglang-oscar fit`). Without it the "
          "data-free Hadamard rotation for the model's geometry is used.", env="SGLANG_OSCAR_K_ROTATION_PATH"),

@@ -354,8 +354,9 @@ def around_mla_dispatch(original_fn, self, forward_batch, *args, **kwargs):
     """``DeepseekV2AttentionMLA.dispatch_attn_forward_method``: absorbed MLA for every forward of an
     int2 server (SGLang's Triton handler runs a prefill without prefix as non-absorbed MHA, which
     writes BF16 latent rows the INT2 pool refuses and never reads the cache)."""
+    method = original_fn(self, forward_batch, *args, **kwargs)  # also sets current_attention_backend
     if _ACTIVE["recent"] is None:
-        return original_fn(self, forward_batch, *args, **kwargs)
+        return method
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
     return AttnForwardMethod.MLA
