@@ -1,4 +1,4 @@
-"""SGLang's server-argument parser as the OSCAR plugin extends it."""
+"""SGLang's server-argument parser and ``ServerArgs`` as the OSCAR plugin extends them."""
 
 from __future__ import annotations
 
@@ -19,3 +19,16 @@ def oscar_server_parser(*, allow_abbrev: bool = True) -> argparse.ArgumentParser
     parser = argparse.ArgumentParser(allow_abbrev=allow_abbrev)
     ServerArgs.add_cli_args(parser)
     return parser
+
+
+def int2_server_args(model_dir, monkeypatch, **cfg):
+    """``ServerArgs(model_path=model_dir, kv_cache_dtype="int2")`` with the OSCAR settings ``cfg``
+    (:class:`~sglang_oscar.config.OscarConfig` fields, passed as the plugin's config environment):
+    the plugin's ``__post_init__`` hooks run its launch checks."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.plugin import flags
+
+    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig(**cfg)))
+    return ServerArgs(model_path=model_dir, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda")

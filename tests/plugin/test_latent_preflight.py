@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _support.server_args import int2_server_args
 from sglang_oscar.config import OscarConfig
-from sglang_oscar.plugin import flags
 from sglang_oscar.rotation import RotationSet
 from sglang_oscar.rotation.geometry import ModelGeometry
 from sglang_oscar.rotation.latent import LatentRotationSet
@@ -35,31 +35,12 @@ def _deepseek_dir(tmp_path, name, layers=2, rank=128, **extra):
     return str(d)
 
 
-@pytest.fixture(scope="module")
-def hooked():
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    import sglang_oscar.plugin as plugin
-
-    plugin.register()
-    HookRegistry.apply_hooks()
-    assert plugin.missing_hooks() == []
-    return plugin
-
-
-def _server_args(model_dir, monkeypatch, **cfg):
-    from sglang.srt.server_args import ServerArgs
-
-    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig(**cfg)))
-    return ServerArgs(model_path=model_dir, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda")
-
-
 def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
     model = _deepseek_dir(tmp_path, "m")
-    assert _server_args(model, monkeypatch).attention_backend == "triton"
+    assert int2_server_args(model, monkeypatch).attention_backend == "triton"
     rot = str(tmp_path / "latent.safetensors")
     LatentRotationSet.data_free(ModelGeometry.from_hf_config(model)).save(rot)
-    assert _server_args(model, monkeypatch, rotation_path=rot, group_size=64).kv_cache_dtype == "int2"
+    assert int2_server_args(model, monkeypatch, rotation_path=rot, group_size=64).kv_cache_dtype == "int2"
 
 
 @pytest.mark.parametrize("case,match", [
@@ -105,7 +86,7 @@ def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monke
     else:
         cfg["v_clip_ratio"] = 0.8
     with pytest.raises(ValueError, match=match):
-        _server_args(model, monkeypatch, **cfg)
+        int2_server_args(model, monkeypatch, **cfg)
 
 
 def test_dsa_sparse_attention_is_refused_from_the_config(hooked, tmp_path):
@@ -144,7 +125,7 @@ def test_mla_linear_hybrid_and_latent_file_on_mha_model_are_refused(hooked, tmp_
     rot = str(tmp_path / "latent.safetensors")
     LatentRotationSet.data_free(geo).save(rot)
     with pytest.raises(ValueError, match=r"is an MLA latent rotation file, but 'qwen3' is an MHA/GQA model"):
-        _server_args(str(q), monkeypatch, rotation_path=rot)
+        int2_server_args(str(q), monkeypatch, rotation_path=rot)
 
 
 def test_latent_sizing_and_windows_follow_the_pool(hooked):

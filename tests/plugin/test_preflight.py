@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _support.server_args import int2_server_args
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.plugin import flags
 from sglang_oscar.pool.sizing import (
@@ -30,30 +31,11 @@ def _qwen3_dir(tmp_path, name, layers=2, kv=2, head_dim=128):
     return str(d)
 
 
-@pytest.fixture(scope="module")
-def hooked():
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    import sglang_oscar.plugin as plugin
-
-    plugin.register()
-    HookRegistry.apply_hooks()
-    assert plugin.missing_hooks() == []
-    return plugin
-
-
-def _server_args(model_dir, monkeypatch, **cfg):
-    from sglang.srt.server_args import ServerArgs
-
-    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig(**cfg)))
-    return ServerArgs(model_path=model_dir, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda")
-
-
 def test_good_launch_passes_and_defaults_to_triton(hooked, tmp_path, monkeypatch):
     model = _qwen3_dir(tmp_path, "m")
     rot = str(tmp_path / "rot.safetensors")
     RotationSet.data_free(ModelGeometry.from_hf_config(model)).save(rot)
-    sa = _server_args(model, monkeypatch, rotation_path=rot)
+    sa = int2_server_args(model, monkeypatch, rotation_path=rot)
     assert sa.attention_backend == "triton"
 
 
@@ -94,7 +76,7 @@ def test_bad_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypat
     else:
         cfg["group_size"] = 48
     with pytest.raises(ValueError, match=match):
-        _server_args(model, monkeypatch, **cfg)
+        int2_server_args(model, monkeypatch, **cfg)
 
 
 def test_unsupported_flags_are_refused(hooked, tmp_path, monkeypatch):
@@ -166,11 +148,11 @@ def test_gluon_engine_outside_its_scope_is_refused_at_launch(hooked, tmp_path, m
     for cfg, why in ((dict(quantizer="lloyd-max"), "Lloyd-Max levels"),
                      (dict(group_size=32), "more than one \\(scale, zero\\) group per row")):
         with pytest.raises(ValueError, match=f"--oscar-decode-engine gluon cannot decode .*{why}.*auto"):
-            _server_args(model, monkeypatch, decode_engine="gluon", **cfg)
+            int2_server_args(model, monkeypatch, decode_engine="gluon", **cfg)
     with pytest.raises(ValueError, match="head_dim 64/64"):
-        _server_args(_qwen3_dir(tmp_path, "m64", head_dim=64), monkeypatch, decode_engine="gluon")
-    _server_args(model, monkeypatch, decode_engine="gluon")
-    _server_args(model, monkeypatch, quantizer="lloyd-max")
+        int2_server_args(_qwen3_dir(tmp_path, "m64", head_dim=64), monkeypatch, decode_engine="gluon")
+    int2_server_args(model, monkeypatch, decode_engine="gluon")
+    int2_server_args(model, monkeypatch, quantizer="lloyd-max")
 
 
 def test_cli_flags_reach_the_preflight(hooked, tmp_path, monkeypatch):
@@ -222,7 +204,7 @@ def test_models_the_int2_server_cannot_serve_are_refused_from_the_config(hooked,
     Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, sliding_window=64,
                      architectures=["Gemma3ForCausalLM"]).save_pretrained(gemma)
-    assert _server_args(str(gemma), monkeypatch).kv_cache_dtype == "int2"
+    assert int2_server_args(str(gemma), monkeypatch).kv_cache_dtype == "int2"
     # linear-attention hybrids (Qwen3-Next / Qwen3.5) are served: their attention layers in INT2
     from transformers import Qwen3NextConfig
 
@@ -241,14 +223,14 @@ def test_models_the_int2_server_cannot_serve_are_refused_from_the_config(hooked,
     GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, sliding_window=32, num_local_experts=4,
                  architectures=["GptOssForCausalLM"]).save_pretrained(oss)
-    assert _server_args(str(oss), monkeypatch).kv_cache_dtype == "int2"
+    assert int2_server_args(str(oss), monkeypatch).kv_cache_dtype == "int2"
     rs = RotationSet.data_free(ModelGeometry.from_hf_config(str(oss)))
     rs.k_mean = {i: torch.zeros(2, 64) for i in (0, 1)}
     rs.v_mean = {i: torch.zeros(2, 64) for i in (0, 1)}
     centred = str(tmp_path / "centred.safetensors")
     rs.save(centred)
     with pytest.raises(ValueError, match=r"layers \[0, 1\] have attention-sink logits.*refit the rotation without --center"):
-        _server_args(str(oss), monkeypatch, rotation_path=centred)
+        int2_server_args(str(oss), monkeypatch, rotation_path=centred)
     # KV-shared layers (Gemma-3n / small Gemma-4: k is None in the last layers) are refused too
     shared = tmp_path / "kv_shared"
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
@@ -257,12 +239,12 @@ def test_models_the_int2_server_cannot_serve_are_refused_from_the_config(hooked,
     cfg.num_kv_shared_layers = 2
     cfg.save_pretrained(shared)
     with pytest.raises(ValueError, match="KV-shared layers yet .*the last 2 layers"):
-        _server_args(str(shared), monkeypatch)
+        int2_server_args(str(shared), monkeypatch)
     small = tmp_path / "hd32"
     Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, architectures=["Qwen3ForCausalLM"]).save_pretrained(small)
     with pytest.raises(ValueError, match="head_dim=32 is not supported by the INT2 kernels"):
-        _server_args(str(small), monkeypatch)
+        int2_server_args(str(small), monkeypatch)
 
 
 def test_rotation_env_aliases_are_consistent():
@@ -295,16 +277,16 @@ def test_key_means_on_a_soft_capped_model_are_refused_at_launch(hooked, tmp_path
     means = {i: torch.randn(2, 128) for i in base.layer_ids}
     rot = str(tmp_path / "rot.safetensors")
     RotationSet(base.k, base.v, dict(base.metadata), k_mean=means, v_mean=means).save(rot)
-    assert _server_args(model, monkeypatch, rotation_path=rot).attention_backend == "triton"
+    assert int2_server_args(model, monkeypatch, rotation_path=rot).attention_backend == "triton"
     cfg_path = tmp_path / "m" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["attn_logit_softcapping"] = 50.0
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"centres the keys .*attn_logit_softcapping 50.*without --center"):
-        _server_args(model, monkeypatch, rotation_path=rot)
+        int2_server_args(model, monkeypatch, rotation_path=rot)
     # value means alone commute with the cap
     RotationSet(base.k, base.v, dict(base.metadata), v_mean=means).save(rot)
-    assert _server_args(model, monkeypatch, rotation_path=rot).attention_backend == "triton"
+    assert int2_server_args(model, monkeypatch, rotation_path=rot).attention_backend == "triton"
 
 
 def _minimax_m2_dir(tmp_path, fp8=True):

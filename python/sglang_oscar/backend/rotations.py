@@ -41,6 +41,12 @@ def _kv_shared_layers(hf_config) -> int:
     return int(cfg.get("num_kv_shared_layers") or 0)
 
 
+def _log_data_free(log: bool, kind: str) -> None:
+    if log:
+        logger.info("sglang-oscar: no --oscar-rotation given; using the data-free %s rotation (fit one with "
+                    "recipes/<model>/compute_rotation.sh for better accuracy)", kind)
+
+
 def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
                         hf_config=None) -> RotationSet:
     """The validated rotation set for ``config`` (file) or the data-free Hadamard set.
@@ -82,9 +88,7 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
             raise ValueError(f"--kv-cache-dtype int2 cannot serve this model: {exc}; use --kv-cache-dtype auto") from None
     if config.rotation_path is None:
         rs = RotationSet.data_free(geometry)
-        if log:
-            logger.info("sglang-oscar: no --oscar-rotation given; using the data-free Hadamard rotation "
-                        "(fit one with recipes/<model>/compute_rotation.sh for better accuracy)")
+        _log_data_free(log, "Hadamard")
         return rs
     try:
         rs = RotationSet.from_paths(config.rotation_path, config.rotation_v_path)
@@ -177,9 +181,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
                          "--kv-cache-quant-group-size 128 (or 64, 32)") from None
     if config.rotation_path is None:
         rs = LatentRotationSet.data_free(geometry)
-        if log:
-            logger.info("sglang-oscar: no --oscar-rotation given; using the data-free block-Hadamard latent rotation "
-                        "(fit one with recipes/<model>/compute_rotation.sh for better accuracy)")
+        _log_data_free(log, "block-Hadamard latent")
         return rs
     try:
         rs = LatentRotationSet.load(config.rotation_path)
