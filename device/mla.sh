@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# MLA (DeepSeek-V3 latent cache) device run in one call: GPU tests of the latent path, the served
+# check on a tiny DeepSeek-V3 and the latent decode benchmark (repository root, after the staging call).
+#   bash device/mla.sh [tests] [check] [bench]        (default: all three, ~8-9 min with a warm Triton cache)
+# Results in $OUT (at most 8 files come back): kernels.log, mla_check.md / .json, latent.md, logs.tgz
+# (server logs, pytest logs, the benchmark's stdout). MLA_BUDGET (default 300) bounds the check's
+# startup + requests; BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32) the benchmark's columns.
+set -u
+cd "$(dirname "$0")/.."
+R="${OUT:-/tmp/out}"; mkdir -p "$R"
+# shellcheck disable=SC1091
+export OUT="$R"; source device/env.sh > "$R/env.log" 2>&1 || { tail -20 "$R/env.log"; exit 1; }
+L=/tmp/mla_logs; mkdir -p "$L"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests check bench)
+rc=0
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests)
+      OUT=/tmp/mla_k TESTS_TIMEOUT=150 FILES="test_latent.py tests/plugin/test_latent_backend_cpu.py" \
+        bash device/kernels.sh tests > "$R/kernels.log" 2>&1 || rc=1
+      cp /tmp/mla_k/*.log "$L/" 2>/dev/null ;;
+    check)
+      timeout $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --out /tmp/mla --budget "${MLA_BUDGET:-300}" \
+        > "$L/mla_check.log" 2>&1 || rc=1
+      cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null ;;
+    bench)
+      timeout 200 python3 -m benchmarks.bench_latent --variants "${BENCH_VARIANTS:-bf16:32,bf16:32:8,bf16:16:8:32}" \
+        --out "$R/latent.md" > "$L/bench_latent.log" 2>&1 || rc=1 ;;
+    *) echo "unknown step $step (tests, check, bench)"; exit 2 ;;
+  esac
+done
+tar czf "$R/logs.tgz" -C "$L" .
+tail -3 "$R/kernels.log" 2>/dev/null; cat "$R/mla_check.md" 2>/dev/null; cat "$R/latent.md" 2>/dev/null
+exit $rc
