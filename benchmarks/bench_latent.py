@@ -14,7 +14,7 @@ Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean so
 one run.
 
     python -m benchmarks.bench_latent [--heads 16,128] [--contexts 4096,32768,131072] [--batches 1,8,32]
-        [--variants bf16:32,bf16:32:8,bf16:16:8:32]
+        [--variants bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes]
         [--out latent.md]
     TRITON_INTERPRET=1 python -m benchmarks.bench_latent --smoke     # CPU: tiny shapes, every piece once
 """
@@ -62,7 +62,8 @@ class LatentCase:
         self.q_pe = torch.randn(batch, heads, p, generator=gen).to(device)
         self.scale = (128 + p) ** -0.5  # DeepSeek-V3: (qk_nope_head_dim + rope)^-0.5
 
-    def int2(self, splits: int, precision: str = "ieee", block_n: int = 16, num_warps: int = 4, block_h: int = 16):
+    def int2(self, splits: int, precision: str = "ieee", block_n: int = 16, num_warps: int = 4, block_h: int = 16,
+             engine: str = "dequant"):
         out = torch.empty(self.batch, self.heads, self.r, dtype=torch.bfloat16, device=self.q_abs.device)
 
         def run():
@@ -70,7 +71,8 @@ class LatentCase:
                                     self.hp_pe, self.hp_index, self.req_to_token, self.req_pool_indices,
                                     self.seq_lens, group_size=self.g, quantizer="uniform", sink=self.sink,
                                     recent=self.recent, sm_scale=self.scale, num_splits=splits, out=out,
-                                    precision=precision, block_n=block_n, num_warps=num_warps, block_h=block_h)
+                                    precision=precision, block_n=block_n, num_warps=num_warps, block_h=block_h,
+                                    engine=engine)
         return run
 
     def bf16(self, smoke: bool) -> dict:
@@ -125,9 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", type=int, default=0,
                     help="INT2 kernel splits per request (0: the served policy, kernels.latent.latent_num_splits)")
     ap.add_argument("--variants", default="bf16:32",
-                    help="INT2 kernel variants to time, comma-separated precision:block_n[:num_warps[:block_h]] "
-                         "(precision ieee, tf32 or bf16; 4 warps, block_h 16 unless given); the first is the table's "
-                         "INT2 column, each other one a column of its own")
+                    help="INT2 kernel variants to time, comma-separated precision:block_n[:num_warps[:block_h[:engine]]] "
+                         "(precision ieee, tf32 or bf16; 4 warps, block_h 16, engine dequant unless given; engine "
+                         "codes: kernels.latent_codes); the first is the table's INT2 column, each other one a column")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     a = ap.parse_args(argv)
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
     heads = [int(x) for x in a.heads.split(",")] if not a.smoke else [4]
     contexts = [int(x) for x in a.contexts.split(",")] if not a.smoke else [48]
     batches = [int(x) for x in a.batches.split(",")] if not a.smoke else [2]
-    variants = [(f[0], int(f[1]) if len(f) > 1 else 16, int(f[2]) if len(f) > 2 else 4, int(f[3]) if len(f) > 3 else 16)
+    variants = [(f[0], int(f[1]) if len(f) > 1 else 16, int(f[2]) if len(f) > 2 else 4, int(f[3]) if len(f) > 3 else 16,
+                 f[4] if len(f) > 4 else "dequant")
                 for f in (v.split(":") for v in ("ieee:16" if a.smoke else a.variants).split(","))]
     rows = [f"| q heads | batch x context | INT2 latent ({':'.join(map(str, variants[0]))}) | fastest BF16 | "
             "INT2 / BF16 time | BF16 kernels |" + "".join(f" INT2 {':'.join(map(str, v))} |" for v in variants[1:]),
@@ -145,8 +148,8 @@ def main(argv=None) -> int:
             for ctx in contexts:
                 kw = dict(r=256, p=32, g=64, sink=4, recent=8) if a.smoke else {}  # Lk 288: SGLang MLA shapes
                 case = LatentCase(h, b, ctx, dev, **kw)
-                times = [bd.bench(case.int2(2 if a.smoke else a.splits or latent_num_splits(b, h, block_h=bh), x, n, w, bh),
-                                  a.smoke) for x, n, w, bh in variants]
+                times = [bd.bench(case.int2(2 if a.smoke else a.splits or latent_num_splits(b, h, block_h=bh), x, n, w, bh,
+                                            e), a.smoke) for x, n, w, bh, e in variants]
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16(a.smoke).items()}
                 rows.append(f"| {h} | {b} x {ctx} | {step_row_cells(times[0], bf)} |"
                             + "".join(f" {fmt_ms(t)} |" for t in times[1:]))

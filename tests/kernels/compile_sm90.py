@@ -127,6 +127,8 @@ CASES = [
     ("latent decode + gather R512 P64 g128 h16 (DeepSeek-V3 TP 8)", lambda: _latent(16, 512, 64, 128)),
     ("latent decode bf16 block_n 32 R512 h128 (served)", lambda: _latent(128, 512, 64, 128, precision="bf16",
                                                                          block_n=32)),
+    ("latent decode codes engine bf16 block_n 32", lambda: _latent(16, 512, 64, 128, precision="bf16", block_n=32,
+                                                                   engine="codes")),
     ("latent decode bf16 block_h 32, 8 warps (128 heads)", lambda: _latent(128, 512, 64, 128, precision="bf16",
                                                                            block_h=32, num_warps=8)),
     ("latent decode tf32 R512 g64 (two pairs per quarter)", lambda: _latent(16, 512, 64, 64, precision="tf32")),

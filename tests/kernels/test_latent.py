@@ -38,16 +38,20 @@ def test_latent_decode_matches_the_oracle(device, lens, h, r, p, group, quantize
                                         window_mode="decode", hp_dtype=hp, output="latent_rotated")[0]
                        for i, (c, kpe) in enumerate(seqs)])
     q_abs = (q_nope @ rot).to(device)
-    for splits in (1, 3):
-        out = latent_decode_attention(q_abs, q_pe.to(device), **pool, group_size=group, quantizer=quantizer, sink=sink,
-                                      recent=recent, sm_scale=scale, num_splits=splits)
-        assert out.shape == (len(lens), h, r) and torch.isfinite(out).all()
-        assert rel_l2(out.cpu(), ref) < 1e-4, splits  # the same stored rows on both sides, fp32 math
+    # the "codes" engine where it applies (uniform levels, a quarter of the rank in one group)
+    engines = ("dequant", "codes") if quantizer == "uniform" and group % (r // 4) == 0 else ("dequant",)
+    for engine in engines:
+        for splits in (1, 3):
+            out = latent_decode_attention(q_abs, q_pe.to(device), **pool, group_size=group, quantizer=quantizer,
+                                          sink=sink, recent=recent, sm_scale=scale, num_splits=splits, engine=engine)
+            assert out.shape == (len(lens), h, r) and torch.isfinite(out).all()
+            assert rel_l2(out.cpu(), ref) < 1e-4, (engine, splits)  # the same stored rows on both sides, fp32 math
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["dequant", "codes"])
 @pytest.mark.parametrize("precision,tol", [("tf32", 3e-3), ("bf16", 1.5e-2)])
-def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol):
+def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol, engine):
     """The serving engines on DeepSeek-V3's latent (R 512, P 64, G 128, BF16 windows): TF32 / BF16
     operands move the output by their rounding only (relative L2 under ``tol``)."""
     fresh_seed()
@@ -62,9 +66,9 @@ def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol):
                                         window_mode="decode", hp_dtype=torch.bfloat16, output="latent_rotated")[0]
                        for i, (c, kpe) in enumerate(seqs)])
     out = latent_decode_attention((q_nope @ rot).cuda(), q_pe.cuda(), **pool, group_size=128, quantizer="uniform",
-                                  sink=16, recent=32, sm_scale=scale, num_splits=8, precision=precision)
+                                  sink=16, recent=32, sm_scale=scale, num_splits=8, precision=precision, engine=engine)
     err = rel_l2(out.cpu(), ref)
-    assert err < tol, (precision, err)
+    assert err < tol, (precision, engine, err)
 
 
 def test_latent_decode_rejects_bad_shapes():
@@ -90,6 +94,8 @@ def test_latent_decode_rejects_bad_shapes():
         latent_decode_attention(q, qp, **pool, **kw, precision="fp8")
     with pytest.raises(ValueError, match="num_warps must be 4 or 8"):
         latent_decode_attention(q, qp, **pool, **kw, num_warps=2)
+    with pytest.raises(ValueError, match="engine 'codes' needs evenly spaced levels"):
+        latent_decode_attention(q, qp, **pool, **{**kw, "quantizer": "lloyd-max"}, engine="codes")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -155,6 +161,8 @@ def test_latent_decode_sink_lens_read_later_sink_positions_through_int2(device):
                        for i, (c, kpe) in enumerate(seqs)])
     sink_lens = torch.full((pool["hp_index"].shape[0],), 2, dtype=torch.int32, device=device)
     kw = dict(group_size=32, quantizer="uniform", sink=4, recent=8, sm_scale=0.2, num_splits=2)
-    out = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, sink_lens=sink_lens, **kw)
-    full = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, **kw)
-    assert rel_l2(out.cpu(), ref) < 1e-4 and rel_l2(full.cpu(), ref) > 1e-3
+    for engine in ("dequant", "codes"):
+        out = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, sink_lens=sink_lens, **kw,
+                                      engine=engine)
+        full = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, **kw, engine=engine)
+        assert rel_l2(out.cpu(), ref) < 1e-4 and rel_l2(full.cpu(), ref) > 1e-3, engine

@@ -274,6 +274,7 @@ def latent_decode_attention(
     out: torch.Tensor | None = None,
     precision: str = "ieee",
     num_warps: int = 4,
+    engine: str = "dequant",
 ) -> torch.Tensor:
     """Absorbed-MQA decode over the packed latent cache of one MLA layer (module docstring).
 
@@ -297,6 +298,9 @@ def latent_decode_attention(
         precision: the dot products' operands (:data:`PRECISIONS`): ``"ieee"`` fp32 (the oracle's
             arithmetic), ``"tf32"`` or ``"bf16"`` tensor cores (q, the dequantized latents and the
             probabilities rounded to BF16, as SGLang's BF16 MLA decode multiplies them; GPU only).
+        engine: ``"dequant"`` (dequantize each tile, any group size and quantizer) or ``"codes"``
+            (multiply the codes and apply scale, zero and levels to the products:
+            :mod:`.latent_codes`; uniform quantizer, ``group_size`` a multiple of ``R/4``).
         num_warps: warps per program, 4 or 8 (ptxas for sm_90a, BF16, block_n 32: 255 registers
             and spills with 4, none with 8; which is faster is the GPU's to say).
 
@@ -307,7 +311,8 @@ def latent_decode_attention(
         ValueError: shapes, dtypes or devices that do not fit (``R/4`` must be a power of two >= 16,
             ``R`` a multiple of ``group_size``; ``q_abs`` / ``q_pe`` with equal ``[B, H]`` and a
             contiguous last dim), ``block_n`` / ``block_h`` not powers of two >= 16, ``num_splits < 1``,
-            an unknown ``precision`` or ``"bf16"`` off the GPU, ``num_warps`` not 4 or 8.
+            an unknown ``precision`` or ``"bf16"`` off the GPU, ``num_warps`` not 4 or 8, an unknown
+            ``engine`` or ``"codes"`` with non-uniform levels or groups that split a quarter.
     """
     check_tensor(q_abs, "q_abs", ndim=3, last_contiguous=True)
     bsz, h, r = q_abs.shape
@@ -321,6 +326,13 @@ def latent_decode_attention(
     _check_pow2(block_h, "block_h", 16)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    lv = codebook(quantizer).levels
+    if engine not in ("dequant", "codes"):
+        raise ValueError(f"engine must be 'dequant' or 'codes', got {engine!r}")
+    step = lv[1] - lv[0]
+    if engine == "codes" and (group_size % (r // 4) or any(abs(b - a - step) > 1e-6 for a, b in zip(lv[1:], lv[2:]))):
+        raise ValueError(f"engine 'codes' needs evenly spaced levels (quantizer uniform, got {quantizer!r}) and a "
+                         f"group_size that is a multiple of R/4 = {r // 4} (got {group_size}); use engine 'dequant'")
     if num_warps not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if precision not in PRECISIONS or (precision == "bf16" and dev.type != "cuda" and not compiling()):
@@ -338,17 +350,22 @@ def latent_decode_attention(
         check_tensor(t, name, ndim=nd, dtypes=INDEX_DTYPES, device=dev)
     if hp_index.shape[1] < sink + recent:
         raise ValueError(f"hp_index has {hp_index.shape[1]} columns, fewer than sink + recent = {sink + recent}")
-    lv = codebook(quantizer).levels
     o_part = torch.empty(bsz, h, num_splits, r, dtype=torch.float32, device=dev)
     lse = torch.empty(bsz, h, num_splits, dtype=torch.float32, device=dev)
     grid = (bsz, triton.cdiv(h, block_h), num_splits)
-    _launch(_latent_decode_stage1, grid,
+    if engine == "codes":
+        from .latent_codes import _latent_decode_stage1_codes as kernel
+
+        levels = (lv[0], step)
+    else:
+        kernel, levels = _latent_decode_stage1, lv
+    _launch(kernel, grid,
             q_abs, q_abs.stride(0), q_abs.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
             codes, codes.stride(0), pairs, pairs.stride(0), k_pe, k_pe.stride(0), hp_latent, hp_latent.stride(0),
             hp_pe, hp_pe.stride(0), hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0),
             req_pool_indices, seq_lens, seq_lens if sink_lens is None else sink_lens,
             o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
-            sm_scale * LOG2E, sink, recent, num_splits, *lv,
+            sm_scale * LOG2E, sink, recent, num_splits, *levels,
             H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n,
             HAS_SINKL=sink_lens is not None, DOT=PRECISIONS[precision], num_warps=num_warps)
     out = torch.empty(bsz, h, r, dtype=torch.float32, device=dev) if out is None else out
