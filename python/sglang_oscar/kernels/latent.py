@@ -75,6 +75,70 @@ def _mma(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _program(RPI, SEQ, SINKL, sink, recent, num_splits, H: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr):
+    """What a stage-1 program covers: ``(b, heads, hmask, sp, req, lo, hi, ring, sink_r, rec_start)``.
+    Split ``sp`` of request ``b`` takes positions ``[lo, hi)`` (a multiple of ``BLOCK_N`` long but
+    the last); the MHA decode's tiers (``tiles.hp_split_range`` / ``int2_split_range``): sink rows
+    for ``p < sink_r``, the ring for ``p >= rec_start = max(sink, L - recent)``, INT2 between (sink
+    positions without a row included)."""
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    sp = tl.program_id(2)
+    req = tl.load(RPI + b).to(tl.int64)
+    L = tl.load(SEQ + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
+    lo = sp * chunk
+    sink_r = request_sink_len(SINKL, req, sink, L, HAS_SINKL)
+    return (b, heads, heads < H, sp, req, lo, tl.minimum(lo + chunk, L), tl.maximum(recent, 1), sink_r,
+            tl.maximum(sink, L - recent))
+
+
+@triton.jit
+def _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads, hmask, qscale,
+                Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
+    """The program's query quarters and rope part, fp32 and pre-scaled by ``qscale``:
+    ``(q0, q1, q2, q3 [BLOCK_H, Q], qp [BLOCK_H, PP], pcols, pmask)``."""
+    qa = QA + b.to(tl.int64) * stride_qab + heads[:, None].to(tl.int64) * stride_qah
+    cols = tl.arange(0, Q)
+    q0 = tl.load(qa + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    q1 = tl.load(qa + Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    q2 = tl.load(qa + 2 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    q3 = tl.load(qa + 3 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
+    pcols = tl.arange(0, PP)
+    pmask = pcols < P
+    qp = tl.load(QP + b.to(tl.int64) * stride_qpb + heads[:, None].to(tl.int64) * stride_qph + pcols[None, :],
+                 mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * qscale
+    return q0, q1, q2, q3, qp, pcols, pmask
+
+
+@triton.jit
+def _softmax_step(s, valid, m, l):
+    """Online-softmax update of one block of base-2 scores ``s [BLOCK_H, BLOCK_N]``: ``(p, alpha, m, l)``."""
+    s = tl.where(valid[None, :], s, NEG_INF)
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.where(m_new > NEG_INF, tl.exp2(m - m_new), 1.0)
+    p = tl.where(valid[None, :], tl.exp2(s - tl.where(m_new > NEG_INF, m_new, 0.0)[:, None]), 0.0)
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _store_partial(OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh, b, heads, hmask, sp,
+                   m, l, acc0, acc1, acc2, acc3, Q: tl.constexpr):
+    """The program's normalised partial latent output and base-2 log-sum-exp (``-inf`` when empty)."""
+    has = l > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l, 1.0), 0.0)
+    cols = tl.arange(0, Q)
+    o = OPART + b.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh + sp.to(tl.int64) * stride_os
+    tl.store(o + cols[None, :], acc0 * inv[:, None], mask=hmask[:, None])
+    tl.store(o + Q + cols[None, :], acc1 * inv[:, None], mask=hmask[:, None])
+    tl.store(o + 2 * Q + cols[None, :], acc2 * inv[:, None], mask=hmask[:, None])
+    tl.store(o + 3 * Q + cols[None, :], acc3 * inv[:, None], mask=hmask[:, None])
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), NEG_INF)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh + sp, lse, mask=hmask)
+
+
+@triton.jit
 def _latent_decode_stage1(
     QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph,
     KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, HC, stride_hcr, HPE, stride_hper,
@@ -87,31 +151,10 @@ def _latent_decode_stage1(
     """Grid ``(batch, head blocks, splits)``: split ``sp`` of request ``b`` covers positions
     ``[sp * chunk, (sp + 1) * chunk)`` of ``[0, L)`` (``chunk`` a multiple of ``BLOCK_N``) and
     writes its normalised partial latent output and base-2 log-sum-exp (``-inf`` when empty)."""
-    b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    sp = tl.program_id(2)
-    req = tl.load(RPI + b).to(tl.int64)
-    L = tl.load(SEQ + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, L)
-    ring = tl.maximum(recent, 1)
-    # the MHA decode's tiers (tiles.hp_split_range / int2_split_range): sink rows for p < sink_r, the
-    # ring for p >= max(sink, L - recent), INT2 between (sink positions without a row included)
-    sink_r = request_sink_len(SINKL, req, sink, L, HAS_SINKL)
-    rec_start = tl.maximum(sink, L - recent)
-
-    qa = QA + b.to(tl.int64) * stride_qab + heads[:, None].to(tl.int64) * stride_qah
-    cols = tl.arange(0, Q)
-    q0 = tl.load(qa + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    q1 = tl.load(qa + Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    q2 = tl.load(qa + 2 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    q3 = tl.load(qa + 3 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    pcols = tl.arange(0, PP)
-    pmask = pcols < P
-    qp = tl.load(QP + b.to(tl.int64) * stride_qpb + heads[:, None].to(tl.int64) * stride_qph + pcols[None, :],
-                 mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * qscale
+    b, heads, hmask, sp, req, lo, hi, ring, sink_r, rec_start = _program(
+        RPI, SEQ, SINKL, sink, recent, num_splits, H, BLOCK_H, BLOCK_N, HAS_SINKL)
+    q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads,
+                                                   hmask, qscale, Q, P, PP)
 
     m = tl.full([BLOCK_H], NEG_INF, tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -144,26 +187,14 @@ def _latent_decode_stage1(
         s = _mma(q2, tl.trans(c2), s, DOT)
         s = _mma(q3, tl.trans(c3), s, DOT)
         s = _mma(qp, tl.trans(kpe), s, DOT)
-        s = tl.where(valid[None, :], s, NEG_INF)
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.where(m_new > NEG_INF, tl.exp2(m - m_new), 1.0)
-        p = tl.where(valid[None, :], tl.exp2(s - tl.where(m_new > NEG_INF, m_new, 0.0)[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, axis=1)
+        p, alpha, m, l = _softmax_step(s, valid, m, l)
         acc0 = _mma(p, c0, acc0 * alpha[:, None], DOT)
         acc1 = _mma(p, c1, acc1 * alpha[:, None], DOT)
         acc2 = _mma(p, c2, acc2 * alpha[:, None], DOT)
         acc3 = _mma(p, c3, acc3 * alpha[:, None], DOT)
-        m = m_new
 
-    has = l > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, l, 1.0), 0.0)
-    o = OPART + b.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh + sp.to(tl.int64) * stride_os
-    tl.store(o + cols[None, :], acc0 * inv[:, None], mask=hmask[:, None])
-    tl.store(o + Q + cols[None, :], acc1 * inv[:, None], mask=hmask[:, None])
-    tl.store(o + 2 * Q + cols[None, :], acc2 * inv[:, None], mask=hmask[:, None])
-    tl.store(o + 3 * Q + cols[None, :], acc3 * inv[:, None], mask=hmask[:, None])
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), NEG_INF)
-    tl.store(LSE + b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh + sp, lse, mask=hmask)
+    _store_partial(OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh, b, heads, hmask, sp,
+                   m, l, acc0, acc1, acc2, acc3, Q)
 
 
 @triton.jit

@@ -23,28 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import NEG_INF, request_sink_len
-
-
-@triton.jit
-def _dot(a, b, acc, DOT: tl.constexpr):
-    """``acc + a @ b`` with engine ``DOT`` (0 fp32, 1 TF32, 2 BF16 operands, cast here)."""
-    if DOT == 2:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    elif DOT == 1:
-        return tl.dot(a, b, acc, input_precision="tf32")
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
-def _softmax_step(s, valid, m, l):
-    """Online-softmax update of one block of base-2 scores ``s [BLOCK_H, BLOCK_N]``: ``(p, alpha, m, l)``."""
-    s = tl.where(valid[None, :], s, NEG_INF)
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.where(m_new > NEG_INF, tl.exp2(m - m_new), 1.0)
-    p = tl.where(valid[None, :], tl.exp2(s - tl.where(m_new > NEG_INF, m_new, 0.0)[:, None]), 0.0)
-    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+from .latent import _load_query, _mma, _program, _softmax_step, _store_partial
+from .tiles import NEG_INF
 
 
 @triton.jit
@@ -64,16 +44,16 @@ def _hp_block(pos, valid, req, sink, ring, sink_r, HPI, stride_hpi, HC, stride_h
     c3 = tl.load(base + 3 * Q, mask=ok[:, None], other=0.0).to(tl.float32)
     kpe = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=ok[:, None] & pmask[None, :],
                   other=0.0).to(tl.float32)
-    s = _dot(qp, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
-    s = _dot(q0, tl.trans(c0), s, DOT)
-    s = _dot(q1, tl.trans(c1), s, DOT)
-    s = _dot(q2, tl.trans(c2), s, DOT)
-    s = _dot(q3, tl.trans(c3), s, DOT)
+    s = _mma(qp, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
+    s = _mma(q0, tl.trans(c0), s, DOT)
+    s = _mma(q1, tl.trans(c1), s, DOT)
+    s = _mma(q2, tl.trans(c2), s, DOT)
+    s = _mma(q3, tl.trans(c3), s, DOT)
     p, alpha, m, l = _softmax_step(s, valid, m, l)
-    acc0 = _dot(p, c0, acc0 * alpha[:, None], DOT)
-    acc1 = _dot(p, c1, acc1 * alpha[:, None], DOT)
-    acc2 = _dot(p, c2, acc2 * alpha[:, None], DOT)
-    acc3 = _dot(p, c3, acc3 * alpha[:, None], DOT)
+    acc0 = _mma(p, c0, acc0 * alpha[:, None], DOT)
+    acc1 = _mma(p, c1, acc1 * alpha[:, None], DOT)
+    acc2 = _mma(p, c2, acc2 * alpha[:, None], DOT)
+    acc3 = _mma(p, c3, acc3 * alpha[:, None], DOT)
     return m, l, acc0, acc1, acc2, acc3
 
 
@@ -96,32 +76,15 @@ def _latent_decode_stage1_codes(
 ):
     """The grid and outputs of :func:`~sglang_oscar.kernels.latent._latent_decode_stage1`; levels
     ``l0 + dl c`` (uniform quantizer) and ``G`` a multiple of ``Q`` (module docstring)."""
-    b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    sp = tl.program_id(2)
-    req = tl.load(RPI + b).to(tl.int64)
-    L = tl.load(SEQ + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, L)
-    ring = tl.maximum(recent, 1)
-    sink_r = request_sink_len(SINKL, req, sink, L, HAS_SINKL)
-    rec_start = tl.maximum(sink, L - recent)
+    b, heads, hmask, sp, req, lo, hi, ring, sink_r, rec_start = _program(
+        RPI, SEQ, SINKL, sink, recent, num_splits, H, BLOCK_H, BLOCK_N, HAS_SINKL)
     # this program's INT2 interval; sink and recent positions on either side of it
     i_lo = tl.minimum(tl.maximum(lo, sink_r), hi)
     i_hi = tl.maximum(tl.minimum(hi, rec_start), i_lo)
 
-    qa = QA + b.to(tl.int64) * stride_qab + heads[:, None].to(tl.int64) * stride_qah
+    q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads,
+                                                   hmask, qscale, Q, P, PP)
     cols = tl.arange(0, Q)
-    q0 = tl.load(qa + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    q1 = tl.load(qa + Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    q2 = tl.load(qa + 2 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    q3 = tl.load(qa + 3 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
-    pcols = tl.arange(0, PP)
-    pmask = pcols < P
-    qp = tl.load(QP + b.to(tl.int64) * stride_qpb + heads[:, None].to(tl.int64) * stride_qph + pcols[None, :],
-                 mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * qscale
     if DOT == 2:  # the query as the MMA sees it, so the affine sums below match its products
         q0 = q0.to(tl.bfloat16).to(tl.float32)
         q1 = q1.to(tl.bfloat16).to(tl.float32)
@@ -160,17 +123,17 @@ def _latent_decode_stage1_codes(
         s3, z3 = _quarter_pair(KPR, slots, stride_kps, ok, 3, Q, G)
         kpe = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=ok[:, None] & pmask[None, :],
                       other=0.0).to(tl.float32)
-        s = _dot(qp, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
+        s = _mma(qp, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
         zero_n = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        s += (dl * s0)[None, :] * _dot(q0, tl.trans(c0), zero_n, DOT) + ((l0 - z0) * s0)[None, :] * qs0[:, None]
-        s += (dl * s1)[None, :] * _dot(q1, tl.trans(c1), zero_n, DOT) + ((l0 - z1) * s1)[None, :] * qs1[:, None]
-        s += (dl * s2)[None, :] * _dot(q2, tl.trans(c2), zero_n, DOT) + ((l0 - z2) * s2)[None, :] * qs2[:, None]
-        s += (dl * s3)[None, :] * _dot(q3, tl.trans(c3), zero_n, DOT) + ((l0 - z3) * s3)[None, :] * qs3[:, None]
+        s += (dl * s0)[None, :] * _mma(q0, tl.trans(c0), zero_n, DOT) + ((l0 - z0) * s0)[None, :] * qs0[:, None]
+        s += (dl * s1)[None, :] * _mma(q1, tl.trans(c1), zero_n, DOT) + ((l0 - z1) * s1)[None, :] * qs1[:, None]
+        s += (dl * s2)[None, :] * _mma(q2, tl.trans(c2), zero_n, DOT) + ((l0 - z2) * s2)[None, :] * qs2[:, None]
+        s += (dl * s3)[None, :] * _mma(q3, tl.trans(c3), zero_n, DOT) + ((l0 - z3) * s3)[None, :] * qs3[:, None]
         p, alpha, m, l = _softmax_step(s, valid, m, l)
-        acc0 = _dot(p * (dl * s0)[None, :], c0, acc0 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z0) * s0)[None, :], 1)[:, None]
-        acc1 = _dot(p * (dl * s1)[None, :], c1, acc1 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z1) * s1)[None, :], 1)[:, None]
-        acc2 = _dot(p * (dl * s2)[None, :], c2, acc2 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z2) * s2)[None, :], 1)[:, None]
-        acc3 = _dot(p * (dl * s3)[None, :], c3, acc3 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z3) * s3)[None, :], 1)[:, None]
+        acc0 = _mma(p * (dl * s0)[None, :], c0, acc0 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z0) * s0)[None, :], 1)[:, None]
+        acc1 = _mma(p * (dl * s1)[None, :], c1, acc1 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z1) * s1)[None, :], 1)[:, None]
+        acc2 = _mma(p * (dl * s2)[None, :], c2, acc2 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z2) * s2)[None, :], 1)[:, None]
+        acc3 = _mma(p * (dl * s3)[None, :], c3, acc3 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z3) * s3)[None, :], 1)[:, None]
     r_lo = tl.maximum(i_hi, lo)
     for n0 in range(r_lo, hi, BLOCK_N):  # recent positions after the INT2 interval
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -178,12 +141,5 @@ def _latent_decode_stage1_codes(
                                                  stride_hcr, HPE, stride_hper, q0, q1, q2, q3, qp, m, l, acc0, acc1,
                                                  acc2, acc3, pcols, pmask, Q, BLOCK_H, BLOCK_N, DOT)
 
-    has = l > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, l, 1.0), 0.0)
-    o = OPART + b.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh + sp.to(tl.int64) * stride_os
-    tl.store(o + cols[None, :], acc0 * inv[:, None], mask=hmask[:, None])
-    tl.store(o + Q + cols[None, :], acc1 * inv[:, None], mask=hmask[:, None])
-    tl.store(o + 2 * Q + cols[None, :], acc2 * inv[:, None], mask=hmask[:, None])
-    tl.store(o + 3 * Q + cols[None, :], acc3 * inv[:, None], mask=hmask[:, None])
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), NEG_INF)
-    tl.store(LSE + b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh + sp, lse, mask=hmask)
+    _store_partial(OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh, b, heads, hmask, sp,
+                   m, l, acc0, acc1, acc2, acc3, Q)
