@@ -123,6 +123,24 @@ def _softmax_step(s, valid, m, l):
 
 
 @triton.jit
+def _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid, m, l, acc0, acc1, acc2, acc3,
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """One block of latent rows (quarters ``c0..c3 [BLOCK_N, Q]`` and ``kpe``, fp32) as K and V:
+    scores, online softmax, value sums; returns ``(m, l, acc0, acc1, acc2, acc3)``."""
+    s = _mma(q0, tl.trans(c0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
+    s = _mma(q1, tl.trans(c1), s, DOT)
+    s = _mma(q2, tl.trans(c2), s, DOT)
+    s = _mma(q3, tl.trans(c3), s, DOT)
+    s = _mma(qp, tl.trans(kpe), s, DOT)
+    p, alpha, m, l = _softmax_step(s, valid, m, l)
+    acc0 = _mma(p, c0, acc0 * alpha[:, None], DOT)
+    acc1 = _mma(p, c1, acc1 * alpha[:, None], DOT)
+    acc2 = _mma(p, c2, acc2 * alpha[:, None], DOT)
+    acc3 = _mma(p, c3, acc3 * alpha[:, None], DOT)
+    return m, l, acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _store_partial(OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh, b, heads, hmask, sp,
                    m, l, acc0, acc1, acc2, acc3, Q: tl.constexpr):
     """The program's normalised partial latent output and base-2 log-sum-exp (``-inf`` when empty)."""
@@ -182,16 +200,8 @@ def _latent_decode_stage1(
         kpe_i = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=int2[:, None] & pmask[None, :], other=0.0)
         kpe_h = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=hp[:, None] & pmask[None, :], other=0.0)
         kpe = tl.where(hp[:, None], kpe_h.to(tl.float32), kpe_i.to(tl.float32))
-        s = _mma(q0, tl.trans(c0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
-        s = _mma(q1, tl.trans(c1), s, DOT)
-        s = _mma(q2, tl.trans(c2), s, DOT)
-        s = _mma(q3, tl.trans(c3), s, DOT)
-        s = _mma(qp, tl.trans(kpe), s, DOT)
-        p, alpha, m, l = _softmax_step(s, valid, m, l)
-        acc0 = _mma(p, c0, acc0 * alpha[:, None], DOT)
-        acc1 = _mma(p, c1, acc1 * alpha[:, None], DOT)
-        acc2 = _mma(p, c2, acc2 * alpha[:, None], DOT)
-        acc3 = _mma(p, c3, acc3 * alpha[:, None], DOT)
+        m, l, acc0, acc1, acc2, acc3 = _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid, m, l,
+                                                    acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, DOT)
 
     _store_partial(OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh, b, heads, hmask, sp,
                    m, l, acc0, acc1, acc2, acc3, Q)

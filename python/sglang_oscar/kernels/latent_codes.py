@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .latent import _load_query, _mma, _program, _softmax_step, _store_partial
+from .latent import _attend_tile, _load_query, _mma, _program, _softmax_step, _store_partial
 from .tiles import NEG_INF
 
 
@@ -44,17 +44,8 @@ def _hp_block(pos, valid, req, sink, ring, sink_r, HPI, stride_hpi, HC, stride_h
     c3 = tl.load(base + 3 * Q, mask=ok[:, None], other=0.0).to(tl.float32)
     kpe = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=ok[:, None] & pmask[None, :],
                   other=0.0).to(tl.float32)
-    s = _mma(qp, tl.trans(kpe), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
-    s = _mma(q0, tl.trans(c0), s, DOT)
-    s = _mma(q1, tl.trans(c1), s, DOT)
-    s = _mma(q2, tl.trans(c2), s, DOT)
-    s = _mma(q3, tl.trans(c3), s, DOT)
-    p, alpha, m, l = _softmax_step(s, valid, m, l)
-    acc0 = _mma(p, c0, acc0 * alpha[:, None], DOT)
-    acc1 = _mma(p, c1, acc1 * alpha[:, None], DOT)
-    acc2 = _mma(p, c2, acc2 * alpha[:, None], DOT)
-    acc3 = _mma(p, c3, acc3 * alpha[:, None], DOT)
-    return m, l, acc0, acc1, acc2, acc3
+    return _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid, m, l, acc0, acc1, acc2, acc3,
+                        BLOCK_H, BLOCK_N, DOT)
 
 
 @triton.jit
