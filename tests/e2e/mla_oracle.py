@@ -34,35 +34,66 @@ def install(model, config: OscarConfig, rotations: dict[int, torch.Tensor] | Non
     for module in model.modules():
         if isinstance(module, hf.DeepseekV3Attention):
             rot = None if rotations is None else rotations[module.layer_idx]
-            module.forward = _oracle_forward(module, hf, config, rot, window_mode, hp_dtype)
+            module.forward = _oracle_forward(module, config, rot, window_mode, hp_dtype)
             n += 1
     return n
 
 
-def _oracle_forward(attn, hf, config, rot, window_mode, hp_dtype):
+def latent_inputs(attn, hidden_states, position_embeddings) -> dict:
+    """What SGLang's absorbed path feeds the cache and the attention for one sequence, from a
+    transformers ``DeepseekV3Attention`` (its projections, ``kv_a_layernorm`` and RoPE):
+    ``q_nope [T, H, N]``, ``q_pe [T, H, P]`` (post-RoPE), ``c_kv [T, R]``, ``k_pe [T, P]``,
+    ``w_kc [H, N, R]``, ``w_vc [H, R, V]`` (:func:`split_kv_b_proj`)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
     heads = attn.config.num_attention_heads
     n_nope, rope, v_dim, rank = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    bsz, t = hidden_states.shape[:-1]
+    if bsz != 1:
+        raise ValueError("the MLA oracle takes one sequence")
+    if attn.q_lora_rank is None:
+        q = attn.q_proj(hidden_states)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
+    q = q.view(bsz, t, heads, n_nope + rope).transpose(1, 2)
+    q_nope, q_pe = torch.split(q, [n_nope, rope], dim=-1)
+    c_kv, k_pe = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    c_kv = attn.kv_a_layernorm(c_kv)
+    k_pe = k_pe.view(bsz, 1, t, rope)
+    cos, sin = position_embeddings
+    rotary = hf.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else hf.apply_rotary_pos_emb
+    q_pe, k_pe = rotary(q_pe, k_pe, cos, sin)
+    w_kc, w_vc = split_kv_b_proj(attn.kv_b_proj.weight, heads, n_nope, v_dim)
+    return dict(q_nope=q_nope[0].transpose(0, 1), q_pe=q_pe[0].transpose(0, 1), c_kv=c_kv[0], k_pe=k_pe[0, 0],
+                w_kc=w_kc, w_vc=w_vc)
+
+
+@torch.no_grad()
+def capture_latent_inputs(model, ids: list[int], layer: int = 0) -> dict:
+    """:func:`latent_inputs` of decoder layer ``layer`` of a transformers DeepSeek-V3 on prompt ``ids``
+    (fp32 of the model's dtype; the model's own forward runs once to reach the layer's input)."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen.update(hidden=kwargs.get("hidden_states", args[0] if args else None),
+                    rope=kwargs.get("position_embeddings"))
+
+    handle = model.model.layers[layer].self_attn.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(torch.tensor([ids], device=next(model.parameters()).device))
+    finally:
+        handle.remove()
+    return latent_inputs(model.model.layers[layer].self_attn, seen["hidden"], seen["rope"])
+
+
+def _oracle_forward(attn, config, rot, window_mode, hp_dtype):
+    heads, v_dim = attn.config.num_attention_heads, attn.v_head_dim
 
     def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
-        bsz, t = hidden_states.shape[:-1]
-        if bsz != 1:
-            raise ValueError("the MLA oracle forward takes one sequence")
-        if attn.q_lora_rank is None:
-            q = attn.q_proj(hidden_states)
-        else:
-            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
-        q = q.view(bsz, t, heads, n_nope + rope).transpose(1, 2)
-        q_nope, q_pe = torch.split(q, [n_nope, rope], dim=-1)
-        c_kv, k_pe = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
-        c_kv = attn.kv_a_layernorm(c_kv)
-        k_pe = k_pe.view(bsz, 1, t, rope)
-        cos, sin = position_embeddings
-        rotary = hf.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else hf.apply_rotary_pos_emb
-        q_pe, k_pe = rotary(q_pe, k_pe, cos, sin)
-        w_kc, w_vc = split_kv_b_proj(attn.kv_b_proj.weight, heads, n_nope, v_dim)
-        o = latent_attention(q_nope[0].transpose(0, 1), q_pe[0].transpose(0, 1), c_kv[0], k_pe[0, 0], w_kc, w_vc, rot,
-                             config, softmax_scale=attn.scaling, window_mode=window_mode, hp_dtype=hp_dtype)
-        return attn.o_proj(o.to(hidden_states.dtype).reshape(bsz, t, heads * v_dim)), None
+        x = latent_inputs(attn, hidden_states, position_embeddings)
+        o = latent_attention(x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_kc"], x["w_vc"], rot, config,
+                             softmax_scale=attn.scaling, window_mode=window_mode, hp_dtype=hp_dtype)
+        return attn.o_proj(o.to(hidden_states.dtype).reshape(1, -1, heads * v_dim)), None
 
     return forward
 

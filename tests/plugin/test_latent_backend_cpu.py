@@ -188,3 +188,41 @@ def test_non_absorbed_layer_is_refused():
     with pytest.raises(NotImplementedError, match=r"not \['k_rope', 'q_rope'\]"):
         sv.be.forward_decode(torch.zeros(1, H * R), torch.zeros(1, 1, R), None, _layer(), None,
                              q_rope=torch.zeros(1, H, P), k_rope=torch.zeros(1, 1, P))
+
+
+def test_seeded_model_latents_match_the_oracle():
+    """Latents of a seeded transformers DeepSeek-V3 (layer 1's ``c_kv`` after ``kv_a_layernorm``,
+    post-RoPE ``k_pe``, the absorbed ``q_nope W_UK``), served through prefill and decode with the
+    block-Hadamard latent rotation, equal the oracle in fp32 (relative L2 < 1e-5)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from e2e.mla_oracle import capture_latent_inputs
+    from sglang_oscar.rotation.latent import latent_hadamard
+
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=H, num_key_value_heads=H, kv_lora_rank=R, q_lora_rank=64,
+                           qk_rope_head_dim=P, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
+                           initializer_range=0.08)
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(4)).tolist()
+    x = capture_latent_inputs(model, ids, layer=1)
+    q_abs = torch.einsum("thn,hnr->thr", x["q_nope"], x["w_kc"])
+    seq = (torch.cat([q_abs, x["q_pe"]], -1), torch.cat([x["c_kv"], x["k_pe"]], -1).unsqueeze(1))
+    rot = latent_hadamard(R, 32).float()
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    sv = Served(config, rot, torch.float32)
+    got = torch.cat([sv.extend(1, seq, 0, 40)] + [sv.decode(1, seq, pos) for pos in range(40, 48)])
+    eye = torch.eye(R).expand(H, R, R)
+
+    def oracle(c, rotation, mode):
+        return torch.cat([latent_attention(seq[0][:40, :, :R], seq[0][:40, :, R:], seq[1][:40, 0, :R], seq[1][:40, 0, R:],
+                                           eye, eye, rotation, c, softmax_scale=SCALE, q_positions=torch.arange(40),
+                                           window_mode="extend" if mode == "int2" else "none", hp_dtype=torch.float32,
+                                           output="latent")]
+                         + [latent_attention(seq[0][p:p + 1, :, :R], seq[0][p:p + 1, :, R:], seq[1][:p + 1, 0, :R],
+                                             seq[1][:p + 1, 0, R:], eye, eye, rotation, c, softmax_scale=SCALE,
+                                             window_mode="decode" if mode == "int2" else "none",
+                                             hp_dtype=torch.float32, output="latent") for p in range(40, 48)])
+    assert _rel(got, oracle(config, rot, "int2")) < 1e-5
+    assert _rel(got, oracle(config, rot, "none")) > 1e-2  # the INT2 tier was read (not only the windows)
