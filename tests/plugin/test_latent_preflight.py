@@ -176,3 +176,30 @@ def test_dispatch_hook_takes_the_absorbed_path_only_for_int2(hooked):
         assert attn.current_attention_backend == "triton"  # SGLang's own dispatch still ran
     finally:
         serving._ACTIVE["recent"] = old
+
+
+def test_backend_factory_picks_the_latent_backend_for_the_latent_pool(hooked, monkeypatch):
+    """ATTENTION_BACKENDS["triton"] for an int2 runner: the latent backend over the INT2 latent pool,
+    the MHA backend over any other pool; SGLang's own backend without int2."""
+    from sglang.srt.layers.attention import attention_registry
+
+    from sglang_oscar.backend import latent_backend, triton_backend
+    from sglang_oscar.pool.latent_pool import OscarMLATokenToKVPool
+
+    monkeypatch.setattr(latent_backend, "OscarTritonLatentBackend", lambda runner: ("latent", runner))
+    monkeypatch.setattr(triton_backend, "OscarTritonAttnBackend", lambda runner: ("mha", runner))
+    factory = attention_registry.ATTENTION_BACKENDS["triton"]
+    pool = OscarMLATokenToKVPool(8, page_size=1, dtype=torch.uint8, kv_lora_rank=128, qk_rope_head_dim=16,
+                                 layer_num=1, device="cpu", enable_memory_saver=False,
+                                 oscar_config=OscarConfig(sink_tokens=2, recent_tokens=4), hp_dtype=torch.bfloat16,
+                                 max_reqs=2, sink_rows=4)
+    int2 = SimpleNamespace(kv_cache_dtype="int2")
+    assert factory(SimpleNamespace(server_args=int2, token_to_kv_pool=pool))[0] == "latent"
+    assert factory(SimpleNamespace(server_args=int2, token_to_kv_pool=object()))[0] == "mha"
+    assert getattr(factory, "_oscar", False)  # the plugin's entry; "auto" servers get SGLang's (below)
+    monkeypatch.setattr(attention_registry, "ATTENTION_BACKENDS", {"triton": lambda runner: ("sglang", runner)})
+    from sglang_oscar.plugin import serving
+
+    serving.install_backend_factory()
+    wrapped = attention_registry.ATTENTION_BACKENDS["triton"]
+    assert wrapped(SimpleNamespace(server_args=SimpleNamespace(kv_cache_dtype="auto")))[0] == "sglang"
