@@ -36,6 +36,14 @@ from .validate import INDEX_DTYPES, check_tensor
 
 
 @triton.jit
+def _quarter_pair(KPR, slots, stride_kps, ok, K: tl.constexpr, Q: tl.constexpr, G: tl.constexpr):
+    """``(scale, zero)`` fp32 ``[BLOCK_N]`` of quarter ``K`` of each row, when a quarter lies in one
+    group (``G`` a multiple of ``Q``); 0 where ``ok`` is false."""
+    pair = KPR + slots * stride_kps + 2 * ((K * Q) // G)
+    return tl.load(pair, mask=ok, other=0.0).to(tl.float32), tl.load(pair + 1, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp,
                     l0, l1, l2, l3, K: tl.constexpr, Q: tl.constexpr, G: tl.constexpr):
     """Quarter ``K`` (elements ``[K*Q, (K+1)*Q)``) of the latent rows of one block, fp32
@@ -45,9 +53,7 @@ def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows
     code = (byte >> (2 * K)) & 3
     lv = level_of(code, l0, l1, l2, l3)
     if G % Q == 0:  # the quarter lies in one group: one pair per row (DeepSeek-V3: R 512, G 128)
-        pair = KPR + slots * stride_kps + 2 * ((K * Q) // G)
-        scale = tl.load(pair, mask=int2, other=0.0).to(tl.float32)
-        zero = tl.load(pair + 1, mask=int2, other=0.0).to(tl.float32)
+        scale, zero = _quarter_pair(KPR, slots, stride_kps, int2, K, Q, G)
         deq = scale[:, None] * (lv - zero[:, None])
     else:
         pair = KPR + slots[:, None] * stride_kps + 2 * ((K * Q + cols[None, :]) // G)
@@ -113,6 +119,13 @@ def _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads
 
 
 @triton.jit
+def _empty_state(BLOCK_H: tl.constexpr, Q: tl.constexpr):
+    """Online-softmax state before the first block: ``(m = -inf, l = 0, acc0..acc3 = 0 [BLOCK_H, Q])``."""
+    acc = tl.zeros([BLOCK_H, Q], tl.float32)
+    return tl.full([BLOCK_H], NEG_INF, tl.float32), tl.zeros([BLOCK_H], tl.float32), acc, acc, acc, acc
+
+
+@triton.jit
 def _softmax_step(s, valid, m, l):
     """Online-softmax update of one block of base-2 scores ``s [BLOCK_H, BLOCK_N]``: ``(p, alpha, m, l)``."""
     s = tl.where(valid[None, :], s, NEG_INF)
@@ -174,12 +187,7 @@ def _latent_decode_stage1(
     q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads,
                                                    hmask, qscale, Q, P, PP)
 
-    m = tl.full([BLOCK_H], NEG_INF, tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, Q], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, Q], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, Q], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, Q], tl.float32)
+    m, l, acc0, acc1, acc2, acc3 = _empty_state(BLOCK_H, Q)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi

@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .latent import _attend_tile, _load_query, _mma, _program, _softmax_step, _store_partial
-from .tiles import NEG_INF
+from .latent import (_attend_tile, _empty_state, _load_query, _mma, _program, _quarter_pair, _softmax_step,
+                     _store_partial)
 
 
 @triton.jit
@@ -46,13 +46,6 @@ def _hp_block(pos, valid, req, sink, ring, sink_r, HPI, stride_hpi, HC, stride_h
                   other=0.0).to(tl.float32)
     return _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid, m, l, acc0, acc1, acc2, acc3,
                         BLOCK_H, BLOCK_N, DOT)
-
-
-@triton.jit
-def _quarter_pair(KPR, slots, stride_kps, ok, K: tl.constexpr, Q: tl.constexpr, G: tl.constexpr):
-    """``(scale, zero)`` fp32 ``[BLOCK_N]`` of quarter ``K`` of each row (one group per quarter)."""
-    pair = KPR + slots * stride_kps + 2 * ((K * Q) // G)
-    return tl.load(pair, mask=ok, other=0.0).to(tl.float32), tl.load(pair + 1, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -86,12 +79,7 @@ def _latent_decode_stage1_codes(
     qs2 = tl.sum(q2, axis=1)
     qs3 = tl.sum(q3, axis=1)
 
-    m = tl.full([BLOCK_H], NEG_INF, tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, Q], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, Q], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, Q], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, Q], tl.float32)
+    m, l, acc0, acc1, acc2, acc3 = _empty_state(BLOCK_H, Q)
     for n0 in range(lo, i_lo, BLOCK_N):  # sink positions before the INT2 interval
         pos = n0 + tl.arange(0, BLOCK_N)
         m, l, acc0, acc1, acc2, acc3 = _hp_block(pos, pos < i_lo, req, sink, ring, sink_r, HPI, stride_hpi, HC,
@@ -125,8 +113,7 @@ def _latent_decode_stage1_codes(
         acc1 = _mma(p * (dl * s1)[None, :], c1, acc1 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z1) * s1)[None, :], 1)[:, None]
         acc2 = _mma(p * (dl * s2)[None, :], c2, acc2 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z2) * s2)[None, :], 1)[:, None]
         acc3 = _mma(p * (dl * s3)[None, :], c3, acc3 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z3) * s3)[None, :], 1)[:, None]
-    r_lo = tl.maximum(i_hi, lo)
-    for n0 in range(r_lo, hi, BLOCK_N):  # recent positions after the INT2 interval
+    for n0 in range(i_hi, hi, BLOCK_N):  # recent positions after the INT2 interval (i_hi >= lo, or empty)
         pos = n0 + tl.arange(0, BLOCK_N)
         m, l, acc0, acc1, acc2, acc3 = _hp_block(pos, pos < hi, req, sink, ring, sink_r, HPI, stride_hpi, HC,
                                                  stride_hcr, HPE, stride_hper, q0, q1, q2, q3, qp, m, l, acc0, acc1,
