@@ -105,12 +105,10 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         """
         self.pool, self.windows, self.config = pool, pool.windows, pool.oscar_config
         self.rotations = rotations
-        self.means = {lid: (None, None) for lid in rotations}
-        self.folded = frozenset()
         self._hp_rows = None
         self._missed_seen = 0
         self._int2_req_to_token = req_to_token
-        self._swa_table = self._swa_loc = None
+        self._swa_table = None  # the MHA backend's window bookkeeping reads it: no sliding pool here
         self._num_sms = num_sms
         self._decode_plans = self._extend_plans = None
         self._graph_plans = {}
@@ -122,9 +120,6 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
                            if on_gpu else "ieee")
 
     # ------------------------------------------------------------------ plans
-    def set_geometry(self, layers) -> None:  # one latent geometry: nothing to group
-        self._decode_plans = self._extend_plans = None
-
     def plan_decode(self, forward_batch) -> dict:
         """The decode split count of ``forward_batch`` (static per batch size: CUDA graphs replay it)."""
         self._decode_plans = {"num_splits": latent_num_splits(forward_batch.batch_size, self._heads,

@@ -287,7 +287,7 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
 def _build_latent_pool(self, size: int, config, max_reqs: int):
     """The INT2 latent pool of an MLA model (``KVCacheConfigurator._build_mla_kv_pool``'s arguments)."""
     from ..pool.latent_pool import OscarMLATokenToKVPool
-    from ..pool.sizing import sink_rows_for
+    from ..pool.sizing import hp_row_bytes, sink_rows_for
 
     mc = self.model_config
     pool = OscarMLATokenToKVPool(
@@ -299,7 +299,7 @@ def _build_latent_pool(self, size: int, config, max_reqs: int):
     logger.info("sglang-oscar: INT2 MLA latent pool: %d slots x %d layers, %d B/token (c_kv %d INT2 + k_pe %d "
                 "BF16; BF16 MLA: %d); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size, pool.layer_num,
                 pool.int2_bytes_per_token(), mc.kv_lora_rank, mc.qk_rope_head_dim,
-                pool.layer_num * (mc.kv_lora_rank + mc.qk_rope_head_dim) * pool.hp_dtype.itemsize,
+                hp_row_bytes(1, mc.kv_lora_rank, mc.qk_rope_head_dim, pool.layer_num, pool.hp_dtype),
                 pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
     return pool
 

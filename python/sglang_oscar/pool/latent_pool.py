@@ -31,9 +31,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 from ..config import OscarConfig
 from ..kernels import write_kv
-from ..kernels.layout import Int2Layout
-from ..config import latent_group_size
-from .sizing import hp_row_bytes, latent_cell_size
+from .sizing import hp_row_bytes, latent_cell_size, latent_layout
 from .windows import HPWindows
 
 
@@ -63,10 +61,7 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
         r = given["kv_lora_rank"]
         self.oscar_config = oscar_config
         self.hp_dtype = hp_dtype
-        self.layout = Int2Layout.create(r, group_size=latent_group_size(oscar_config, r),
-                                        k_clip_ratio=oscar_config.k_clip_ratio,
-                                        quantizer=oscar_config.quantizer, scale_dtype=oscar_config.scale_dtype,
-                                        attention=False)
+        self.layout = latent_layout(oscar_config, r)
         self.windows = HPWindows(given["size"] + 1, max_reqs, oscar_config.sink_tokens, oscar_config.recent_tokens,
                                  sink_rows, kwargs.get("device", "cuda"))
         self.owns_windows = True

@@ -16,7 +16,7 @@ import torch
 
 from ..config import OscarConfig, latent_group_size
 from ..kernels.layout import Int2Layout
-from ..quant.bits import bytes_per_token_per_head
+from ..quant.bits import bytes_per_token_per_head, mla_latent_bytes_per_token
 
 # Sink-arena rows per request slot, in units of ``sink``: room for the running requests' sinks
 # plus prefixes kept by the radix cache (each distinct cached sequence start holds ``sink`` rows).
@@ -42,11 +42,23 @@ def int2_cell_size(config: OscarConfig, num_kv_heads: int, head_dim: int, v_head
                                                                 config.scale_dtype)
 
 
+def latent_layout(config: OscarConfig, kv_lora_rank: int) -> Int2Layout:
+    """The INT2 layout of an MLA latent row: one "kv head" of width ``kv_lora_rank`` with K's clip
+    ratio, groups of :func:`~sglang_oscar.config.latent_group_size` along the rank.
+
+    Raises:
+        ValueError: a group size that does not divide the rank, or a rank the kernels do not take.
+    """
+    return Int2Layout.create(kv_lora_rank, group_size=latent_group_size(config, kv_lora_rank),
+                             k_clip_ratio=config.k_clip_ratio, quantizer=config.quantizer,
+                             scale_dtype=config.scale_dtype, attention=False)
+
+
 def latent_cell_size(config: OscarConfig, kv_lora_rank: int, rope_dim: int, num_layers: int,
                      hp_dtype: torch.dtype) -> int:
     """INT2 bytes per token of an MLA latent cache over ``num_layers`` layers: codes + (scale, zero)
-    pairs of the ``kv_lora_rank``-wide latent (:func:`latent_group_size`), plus ``k_pe`` (``rope_dim``
-    elements in ``hp_dtype``).
+    pairs of the ``kv_lora_rank``-wide latent (:func:`latent_layout`), plus ``k_pe`` (``rope_dim``
+    elements in ``hp_dtype``): :func:`~sglang_oscar.quant.bits.mla_latent_bytes_per_token` per layer.
 
     Equals what :class:`~.latent_pool.OscarMLATokenToKVPool` allocates per slot: R = 512, P = 64,
     G = 128, fp16 pairs: 128 + 16 + 128 = 272 bytes per layer (BF16 MLA: 1,152).
@@ -54,12 +66,9 @@ def latent_cell_size(config: OscarConfig, kv_lora_rank: int, rope_dim: int, num_
     Raises:
         ValueError: ``group_size`` does not divide the rank.
     """
-    layout = Int2Layout.create(kv_lora_rank, group_size=latent_group_size(config, kv_lora_rank),
-                               k_clip_ratio=config.k_clip_ratio,
-                               quantizer=config.quantizer, scale_dtype=config.scale_dtype, attention=False)
-    t = layout.k
-    itemsize = torch.tensor([], dtype=hp_dtype).element_size()
-    return num_layers * (t.head_dim // 4 + 2 * t.num_groups * layout.scale_dtype.itemsize + rope_dim * itemsize)
+    layout = latent_layout(config, kv_lora_rank)  # the kernels must support the geometry
+    return num_layers * mla_latent_bytes_per_token(kv_lora_rank, rope_dim, layout.k.group_size, config.scale_dtype,
+                                                   str(hp_dtype).removeprefix("torch."))
 
 
 def hp_row_bytes(num_kv_heads: int, head_dim: int, v_head_dim: int, num_layers: int, hp_dtype: torch.dtype) -> int:
