@@ -41,8 +41,9 @@ import time
 
 from sglang_oscar.serving_launcher import ServerProcess
 
-from .checkpoints import sharpen
+from .checkpoints import random_prompt, sharpen
 from .client import generate_payload, http_json, parse_generation
+from .smoke import agreement
 
 BASE_PORT = 31200
 WINDOWS = ["--oscar-sink-tokens", "16", "--oscar-recent-tokens", "32"]
@@ -93,13 +94,6 @@ def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
             "--skip-tokenizer-init", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
             "--disable-prefill-cuda-graph", "--max-running-requests", "8", *extra]
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
 def _log_value(path: str, pattern: str):
@@ -178,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         a = server_argv(args.model, BASE_PORT + i, extra)
         servers[name] = ServerProcess(a, port=BASE_PORT + i, log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
-    prompts = [prompt(n, seed) for seed, n in enumerate(PROMPT_LENS)]
+    prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
     res: dict = {"geometry": geometry, "servers": {}}
     try:
         for name, srv in servers.items():
@@ -220,16 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(got, list) or not isinstance(ref, list):
             continue
         n = len(prompts)
-        agree = sum(a == b for g, r in zip(got[:n], ref[:n]) for a, b in zip(g["tokens"], r["tokens"]))
-        total = sum(len(r["tokens"]) for r in ref[:n])
+        agree = agreement([g["tokens"] for g in got[:n]], [r["tokens"] for r in ref[:n]])
         p_mean, p_max = _diff([x for g in got[:n] for x in g["input_logprobs"]], [x for r in ref[:n] for x in r["input_logprobs"]])
         o_mean, o_max = _diff([x for g in got[:n] for x in g["logprobs"]], [x for r in ref[:n] for x in r["logprobs"]])
-        rows.append({"server": name, "vs": ref_name, "agreement": agree / max(total, 1), "prompt_dlp_mean": p_mean,
+        rows.append({"server": name, "vs": ref_name, "agreement": agree, "prompt_dlp_mean": p_mean,
                      "prompt_dlp_max": p_max, "out_dlp_mean": o_mean, "out_dlp_max": o_max})
         if name == "int2-window":
-            verdict["window"] = agree / max(total, 1) >= 0.9 and p_mean <= WINDOW_TOL
+            verdict["window"] = agree >= 0.9 and p_mean <= WINDOW_TOL
         elif name == "int2-chunk64":
-            verdict["chunked"] = agree / max(total, 1) >= 0.9 and p_mean <= CHUNK_TOL
+            verdict["chunked"] = agree >= 0.9 and p_mean <= CHUNK_TOL
         else:
             radix = got[-1]
             verdict["radix"] = bool(radix.get("cached_tokens")) and radix["tokens"] == got[0]["tokens"]

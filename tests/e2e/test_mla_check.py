@@ -85,6 +85,7 @@ def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):
     from sglang_oscar.rotation.latent import LatentRotationSet
 
     from . import mla_oracle
+    from .checkpoints import random_prompt
 
     cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=64,
@@ -92,8 +93,7 @@ def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):
                            initializer_range=0.08)
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg).eval()
-    ids = mla_check.prompt(48, 1)
-    ids = [i % 256 for i in ids]
+    ids = random_prompt(48, 1, 256)
     base = mla_oracle.prompt_logprobs(model, ids)
     rot = LatentRotationSet.data_free(ModelGeometry.from_hf_config(cfg.to_dict())).r
     for mode, config in (("none", OscarConfig(sink_tokens=4, recent_tokens=8)),
