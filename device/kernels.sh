@@ -10,6 +10,10 @@
 #              FILES="test_write.py test_extend.py" bash device/kernels.sh tests bench   # call 2
 #            TESTS_K is the -k filter (default "not every_triton_config": that test is the configs step; TESTS_K=""
 #            runs everything); TESTS_TIMEOUT (default 300) bounds each file.
+#   suite    every GPU test of tests/kernels and tests/plugin in one pytest call spread over GPU_WORKERS
+#            (default 6) pytest-xdist workers sharing the GPU: the Triton compiles, not the GPU, bound the
+#            suite's time (log $OUT/gpu_suite.log; SUITE_TIMEOUT, default 480 s). pytest-xdist comes from
+#            .device-bundle/wheels/*.whl when the machine lacks it.
 #   bench    python -m benchmarks.bench_decode --no-sweep --pool-layout served ($OUT/bench_decode.md, .json)
 #   configs  the every-Triton-config decode test (-k every_triton_config, ~90-100 s per parameter set)
 #   matrix   decode correctness per head_dim x config vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
@@ -62,6 +66,15 @@ for s in "${steps[@]}"; do
         echo "$f: rc=$frc: $(tail -1 "$log")"
         grep -E "^(FAILED|ERROR) " "$log" | head -20
       done;;
+    suite)
+      if ! python -c "import xdist" 2>/dev/null; then
+        python -m pip install -q --no-deps --no-index --target /tmp/xdist .device-bundle/wheels/*.whl > "$OUT/xdist.log" 2>&1
+        export PYTHONPATH="$PYTHONPATH:/tmp/xdist"
+      fi
+      timeout "${SUITE_TIMEOUT:-480}" python -m pytest -q -rf --tb=short -m gpu tests/kernels tests/plugin \
+        -n "${GPU_WORKERS:-6}" -k "${TESTS_K-not every_triton_config}" -p no:cacheprovider > "$OUT/gpu_suite.log" 2>&1
+      src=$?; [ "$src" -eq 0 ] || rc=1
+      echo "suite rc=$src: $(tail -1 "$OUT/gpu_suite.log")"; grep -E "^(FAILED|ERROR) " "$OUT/gpu_suite.log" | head -30;;
     bench)
       python -m benchmarks.bench_decode --no-sweep --pool-layout served --out "$OUT/bench_decode.md" \
         --json "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1; brc=$?
@@ -102,7 +115,7 @@ for s in "${steps[@]}"; do
       if [ "${NCU_SASS:-0}" = 1 ]; then
         ncu -i "/tmp/$tag.ncu-rep" --page source --print-source sass --csv > "$OUT/${tag}_sass.csv" 2>&1
       fi;;
-    *) echo "unknown step '$s' (tests, bench, configs, matrix, sweep, step, profile, ncu)"; rc=2;;
+    *) echo "unknown step '$s' (tests, suite, bench, configs, matrix, sweep, step, profile, ncu)"; rc=2;;
   esac
 done
 exit $rc
