@@ -3,7 +3,7 @@
 
 One layer's decode attention of an MLA model (absorbed MQA over ``[c_kv | k_pe]``; DeepSeek-V3 /
 GLM-5 / Kimi: kv_lora_rank 512, rope 64) at TP 8 (16 q heads) and TP 1 (128): INT2 --
-:func:`sglang_oscar.kernels.latent.latent_decode_attention` over a pool with random codes, fp16
+:func:`sglang_oscar.kernels.latent_plan.latent_decode_attention` over a pool with random codes, fp16
 pairs at G 128, BF16 ``k_pe`` and BF16 sink 64 + recent 256 windows; BF16 -- SGLang's Triton MLA
 decode (``decode_attention_fwd(..., has_mla=True)``, the ``triton`` backend's kernel) and, where
 it runs, FlashInfer's MLA decode (``BatchMLAPagedAttentionWrapper``, page size 1): the fastest BF16
@@ -33,7 +33,7 @@ except ImportError:
     import bench_decode as bd
     from bench_decode_report import fmt_ms, step_row_cells, write_table
 
-from sglang_oscar.kernels.latent import latent_decode_attention, latent_num_splits
+from sglang_oscar.kernels.latent_plan import latent_decode_attention, latent_num_splits
 
 R, P, G, SINK, RECENT = 512, 64, 128, 64, 256
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--splits", type=int, default=0,
-                    help="INT2 kernel splits per request (0: the served policy, kernels.latent.latent_num_splits)")
+                    help="INT2 kernel splits per request (0: the served policy, kernels.latent_plan.latent_num_splits)")
     ap.add_argument("--variants", default="bf16:32",
                     help="INT2 kernel variants to time, comma-separated precision:block_n[:num_warps[:block_h[:engine]]] "
                          "(precision ieee, tf32 or bf16; 4 warps, block_h 16, engine dequant unless given; engine "

@@ -14,12 +14,17 @@ log-probs) go to every server. Reported (``mla_check.json`` and ``.md``
 in ``--out``) and judged:
 
 * **serves**: every server healthy, the int2 logs name the INT2 latent pool, finite log-probs;
-* **window**: int2-window vs BF16 greedy agreement >= 0.9 and mean |prompt log-prob difference|
-  <= 0.05 (the absorbed path with a rotated latent vs SGLang's BF16 prefill, which runs the
-  non-absorbed MHA form: rounding only);
+* **window**: int2-window vs BF16: the same greedy tokens (below) and mean |prompt log-prob
+  difference| <= 0.05 (the absorbed path with a rotated latent vs SGLang's BF16 prefill, which runs
+  the non-absorbed MHA form: rounding only);
 * **int2 vs BF16**: agreement and log-prob differences reported (INT2 differs by design);
-* **chunked**: int2-chunk64 tracks int2 (agreement >= 0.9, mean |prompt log-prob difference|
-  <= 0.01: every chunk reads INT2 latents of itself and its prefix, as one prefill does);
+* **chunked**: int2-chunk64 tracks int2 (the same greedy tokens, mean |prompt log-prob difference|
+  <= 0.02, the main harness's check d tolerance: every chunk reads INT2 latents of itself and its
+  prefix, as one prefill does);
+* "the same greedy tokens": per prompt, identical up to the first position where the reference's
+  top-1 / top-2 margin is within twice the largest prompt log-prob difference measured between the
+  two servers (a near-tie their rounding can flip; this tiny model's sharpened logits tie at BF16
+  resolution, margin 0, at some positions); the agreement fraction is reported;
 * **radix**: the int2 server answers a repeated prompt from its cache (``cached_tokens`` > 0) with
   the same greedy tokens;
 * **oracle**: the int2 server's prompt log-probs vs the model-level oracle in a BF16 copy of the
@@ -59,7 +64,20 @@ NEW_TOKENS = 24
 VOCAB = 2048
 LOGIT_STD, SCORE_STD = 0.5, 1.5  # checkpoints.sharpen, as the main harness's checkpoints
 WINDOW_TOL = 0.05  # int2-window vs BF16, mean |d prompt log-prob| (CPU: BF16 vs fp32 model 0.008)
-CHUNK_TOL = 0.01  # int2-chunk64 vs int2, the same
+CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol)
+
+
+def same_greedy(got: list[dict], ref: list[dict], noise: float) -> tuple[bool, list]:
+    """Whether each generation of ``got`` equals ``ref``'s up to the first position where ``ref``'s
+    top-2 margin (``margins``) is at most ``2 * noise``; also ``[(first_diff, ref_margin_there)]``
+    per prompt (``(None, None)`` when the tokens are equal)."""
+    ok, where = True, []
+    for g, r in zip(got, ref):
+        first = next((i for i, (a, b) in enumerate(zip(g["tokens"], r["tokens"])) if a != b), None)
+        margin = None if first is None else (r["margins"][first] if first < len(r.get("margins") or []) else None)
+        ok &= first is None or (margin is not None and margin <= 2 * noise)
+        where.append((first, margin))
+    return ok, where
 
 
 def build_model(path: str) -> dict:
@@ -217,12 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         agree = agreement([g["tokens"] for g in got[:n]], [r["tokens"] for r in ref[:n]])
         p_mean, p_max = _diff([x for g in got[:n] for x in g["input_logprobs"]], [x for r in ref[:n] for x in r["input_logprobs"]])
         o_mean, o_max = _diff([x for g in got[:n] for x in g["logprobs"]], [x for r in ref[:n] for x in r["logprobs"]])
+        same, where = same_greedy(got[:n], ref[:n], p_max)
         rows.append({"server": name, "vs": ref_name, "agreement": agree, "prompt_dlp_mean": p_mean,
-                     "prompt_dlp_max": p_max, "out_dlp_mean": o_mean, "out_dlp_max": o_max})
+                     "prompt_dlp_max": p_max, "out_dlp_mean": o_mean, "out_dlp_max": o_max,
+                     "first_diff_and_ref_margin": where})
         if name == "int2-window":
-            verdict["window"] = agree >= 0.9 and p_mean <= WINDOW_TOL
+            verdict["window"] = same and p_mean <= WINDOW_TOL
         elif name == "int2-chunk64":
-            verdict["chunked"] = agree >= 0.9 and p_mean <= CHUNK_TOL
+            verdict["chunked"] = same and p_mean <= CHUNK_TOL
         else:
             radix = got[-1]
             verdict["radix"] = bool(radix.get("cached_tokens")) and radix["tokens"] == got[0]["tokens"]
@@ -242,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     res["wall_s"] = time.monotonic() - t0
     with open(os.path.join(args.out, "mla_check.json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = ["| server | vs | greedy agreement | prompt dlogprob mean / max | output dlogprob mean / max |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['server']} | {r['vs']} | {r['agreement']:.3f} | {r['prompt_dlp_mean']:.4f} / {r['prompt_dlp_max']:.4f} "
+    lines = ["| server | vs | greedy agreement | first diff (ref margin there) per prompt | prompt dlogprob mean / max "
+             "| output dlogprob mean / max |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['server']} | {r['vs']} | {r['agreement']:.3f} | "
+              + ", ".join("-" if i is None else f"{i} ({m if m is None else round(m, 4)})"
+                          for i, m in r["first_diff_and_ref_margin"])
+              + f" | {r['prompt_dlp_mean']:.4f} / {r['prompt_dlp_max']:.4f} "
               f"| {r['out_dlp_mean']:.4f} / {r['out_dlp_max']:.4f} |" for r in rows]
     lines += ["", f"verdict: {verdict}", f"capacity: {res.get('capacity')}", f"radix cached: {res.get('radix_cached_tokens')}",
               f"oracle (reported): {res.get('oracle')}"]

@@ -32,7 +32,8 @@ from sglang_oscar.kernels import (  # noqa: E402
 )
 from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_BITS  # noqa: E402
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
-from sglang_oscar.kernels.latent import gather_latent, latent_decode_attention  # noqa: E402
+from sglang_oscar.kernels.latent import gather_latent  # noqa: E402
+from sglang_oscar.kernels.latent_plan import latent_decode_attention  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
 
 

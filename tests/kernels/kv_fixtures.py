@@ -260,7 +260,7 @@ def build_latent_pool(lens, r, p, config, rotation, hp_dtype=torch.bfloat16, dev
     (``reference.latent.build_latent_cache`` with ``rotation``) in a paged latent pool: codes,
     pairs and ``k_pe`` at random slots, the sink / recent rows at random HP rows, the rest poisoned.
     Returns ``(seqs, tensors)``: ``seqs[i] = (c_kv, k_pe)``, ``tensors`` the keyword arguments of
-    ``kernels.latent.latent_decode_attention`` on ``device``."""
+    ``kernels.latent_plan.latent_decode_attention`` on ``device``."""
     from sglang_oscar.reference.latent import build_latent_cache
 
     g = config.group_size

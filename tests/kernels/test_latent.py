@@ -13,7 +13,8 @@ import torch
 from _support.orthogonal import random_orthogonal
 from kv_fixtures import build_latent_pool, fresh_seed, rel_l2
 from sglang_oscar.config import OscarConfig
-from sglang_oscar.kernels.latent import latent_decode_attention
+from sglang_oscar.kernels.decode.plan import DecodeWorkspace
+from sglang_oscar.kernels.latent_plan import PLANES, LatentDecodePlan, codes_engine_applies, latent_decode_attention
 from sglang_oscar.reference.latent import latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -69,6 +70,54 @@ def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol, engi
                                   sink=16, recent=32, sm_scale=scale, num_splits=8, precision=precision, engine=engine)
     err = rel_l2(out.cpu(), ref)
     assert err < tol, (precision, engine, err)
+
+
+def test_latent_plan_runs_every_layer_of_a_batch(device):
+    """One plan per batch, run per layer: two layers with their own latents and queries through one
+    :class:`LatentDecodePlan` (workspace from a shared :class:`DecodeWorkspace`) match the oracle of
+    each layer; the plan refuses queries and planes of another shape."""
+    fresh_seed()
+    cfg = OscarConfig(group_size=32, sink_tokens=2, recent_tokens=8)
+    lens, h, r, p = [37, 12], 6, 64, 16
+    scale = (r + p) ** -0.5
+    eye = torch.eye(r).expand(h, r, r)
+    layers = []
+    for _ in range(2):
+        rot = random_orthogonal(r)
+        torch.manual_seed(7)  # the same slots and HP rows for both layers (a batch's tables), other latent codes
+        seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.float32, device)
+        q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
+        ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg,
+                                            softmax_scale=scale, window_mode="decode", hp_dtype=torch.float32,
+                                            output="latent_rotated")[0] for i, (c, kpe) in enumerate(seqs)])
+        layers.append(((q_nope @ rot).to(device), q_pe.to(device), pool, ref))
+    tables = {k: layers[0][2][k] for k in ("hp_index", "req_to_token", "req_pool_indices", "seq_lens")}
+    assert all(torch.equal(layers[1][2][k], t) for k, t in tables.items())
+    assert not torch.equal(layers[1][2]["codes"], layers[0][2]["codes"])
+    plan = LatentDecodePlan({k: layers[0][2][k] for k in PLANES}, *tables.values(), num_heads=h, group_size=32,
+                            quantizer="uniform", sink=2, recent=8, num_splits=3, workspace=DecodeWorkspace(device))
+    assert plan.grid == (2, 1, 3) and plan.o_part.shape == (2, h, 3, r)
+    for q_abs, q_pe, pool, ref in layers:
+        out = plan.run(q_abs, q_pe, *(pool[k] for k in PLANES), sm_scale=scale)
+        assert rel_l2(out.cpu(), ref) < 1e-4
+    q_abs, q_pe, pool, _ = layers[0]
+    with pytest.raises(ValueError, match="this plan was built for"):
+        plan.run(q_abs[:1], q_pe[:1], *(pool[k] for k in PLANES), sm_scale=scale)
+    with pytest.raises(ValueError, match="this plan was built for"):
+        plan.run(q_abs, q_pe, *(pool[k][:-1] for k in PLANES), sm_scale=scale)
+    with pytest.raises(ValueError, match="hp_index"):  # checked once, when the plan is built
+        LatentDecodePlan({k: pool[k] for k in PLANES}, *tables.values(), num_heads=h, group_size=32,
+                         quantizer="uniform", sink=2, recent=64)
+
+
+@pytest.mark.parametrize("quantizer,group,rank,applies", [
+    ("uniform", 128, 512, True),  # DeepSeek-V3 at the served default: one pair per quarter row
+    ("uniform", 512, 512, True),
+    ("uniform", 64, 512, False),  # two groups in a quarter
+    ("lloyd-max", 128, 512, False),  # uneven levels
+])
+def test_codes_engine_applies(quantizer, group, rank, applies):
+    assert codes_engine_applies(quantizer, group, rank) is applies
 
 
 def test_latent_decode_rejects_bad_shapes():

@@ -9,7 +9,7 @@ import torch
 
 from _support.orthogonal import random_orthogonal
 from sglang_oscar.config import OscarConfig
-from sglang_oscar.kernels.latent import latent_decode_attention
+from sglang_oscar.kernels.latent_plan import latent_decode_attention
 from sglang_oscar.pool.latent_pool import OscarMLATokenToKVPool
 from sglang_oscar.reference.latent import latent_attention
 

@@ -12,10 +12,12 @@ Per layer, with its orthogonal latent rotation ``Rot`` (:class:`~sglang_oscar.ro
 * write: ``c' = round(c Rot)`` to the model dtype, quantized to INT2 at the slot SGLang allocated,
   ``k_pe`` as is, both copied to the BF16 sink/recent rows
   (:meth:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool.write_latent`);
-* decode: :func:`~sglang_oscar.kernels.latent.latent_decode_attention` with ``q_abs' = q_abs Rot``
+* decode: the batch's :class:`~sglang_oscar.kernels.latent_plan.LatentDecodePlan` run with ``q_abs' = q_abs Rot``
   (fp32) reads ``[BF16 sink | INT2 middle | BF16 recent]`` and returns ``o'``; the output is
-  ``o' Rot^T`` (``Rot Rot^T = I``: ``reference.latent`` module docstring). On the GPU its dot
-  products take BF16 operands for a BF16 model, as SGLang's BF16 MLA decode does (exact fp32 for
+  ``o' Rot^T`` (``Rot Rot^T = I``: ``reference.latent`` module docstring). The kernel multiplies
+  the 2-bit codes themselves where the format allows (uniform levels, groups of whole quarters: the
+  served default, :mod:`~sglang_oscar.kernels.latent_codes`), else dequantized tiles; on the GPU its
+  dot products take BF16 operands for a BF16 model, as SGLang's BF16 MLA decode does (exact fp32 for
   an fp32 model, TF32 for fp16, fp32 under the interpreter, whose BF16 dot is wrong);
 * extend: the batch's prefix and chunk rows are dequantized once per layer
   (:func:`~sglang_oscar.kernels.latent.gather_latent`, model dtype), sink positions replaced by their
@@ -23,21 +25,27 @@ Per layer, with its orthogonal latent rotation ``Rot`` (:class:`~sglang_oscar.ro
   extend), and SGLang's own Triton extend kernel attends over them.
 
 The window bookkeeping, CUDA-graph plumbing and slot release are the MHA backend's
-(:class:`~.triton_backend.OscarTritonAttnBackend`); the plans here are small: the split count of a
-decode batch, the gather indices of an extend batch.
+(:class:`~.triton_backend.OscarTritonAttnBackend`); a decode batch's plan is one
+:class:`~sglang_oscar.kernels.latent_plan.LatentDecodePlan` (every MLA layer has the same geometry), an
+extend batch's the gather indices (:class:`LatentExtendPlan`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-from ..kernels.latent import gather_latent, latent_decode_attention, latent_num_splits
+from ..kernels.decode.plan import DecodeWorkspace
+from ..kernels.latent import gather_latent
+from ..kernels.latent_plan import PLANES, LatentDecodePlan, codes_engine_applies
 from ..pool.latent_pool import OscarMLATokenToKVPool
 from .rotations import model_geometry, served_latent_rotations
 from .triton_backend import OscarTritonAttnBackend, _attention_layers
+
+logger = logging.getLogger("sglang_oscar")
 
 
 class LatentExtendPlan(NamedTuple):
@@ -92,6 +100,9 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         heads = max(1, model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size)
         self.setup_latent(pool, rotations, model_runner.req_to_token_pool.req_to_token, heads,
                           getattr(self, "device_core_count", None) or 132)
+        if get_parallel().attn_tp_rank == 0:
+            logger.info("sglang-oscar: MLA latent decode engine %s, %s dot operands, %d q heads per rank",
+                        self._engine, self._precision, heads)
 
     def setup_latent(self, pool: OscarMLATokenToKVPool, rotations: dict, req_to_token: torch.Tensor,
                      num_heads: int, num_sms: int) -> None:
@@ -112,18 +123,29 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         self._num_sms = num_sms
         self._decode_plans = self._extend_plans = None
         self._graph_plans = {}
+        self._workspace = DecodeWorkspace(pool.device)
         self._heads = num_heads
         # decode dot operands: BF16 for a BF16 model (as SGLang's BF16 MLA decode), exact fp32 for an fp32
         # one (accuracy runs), TF32 for fp16; fp32 everywhere under the interpreter (its BF16 dot is wrong)
         on_gpu = torch.device(pool.device).type == "cuda"
         self._precision = ({torch.bfloat16: "bf16", torch.float16: "tf32"}.get(pool.hp_dtype, "ieee")
                            if on_gpu else "ieee")
+        # MMAs over the 2-bit codes where the format allows (1.6-2.1x faster than dequantizing tiles on the
+        # H200: docs/benchmarks_mla.md); other quantizers / group sizes dequantize each tile
+        self._engine = ("codes" if codes_engine_applies(self.config.quantizer, pool.layout.k.group_size,
+                                                        pool.kv_lora_rank) else "dequant")
 
     # ------------------------------------------------------------------ plans
-    def plan_decode(self, forward_batch) -> dict:
-        """The decode split count of ``forward_batch`` (static per batch size: CUDA graphs replay it)."""
-        self._decode_plans = {"num_splits": latent_num_splits(forward_batch.batch_size, self._heads,
-                                                             num_sms=self._num_sms)}
+    def plan_decode(self, forward_batch) -> LatentDecodePlan:
+        """The :class:`~sglang_oscar.kernels.latent_plan.LatentDecodePlan` of ``forward_batch`` (its split
+        count is static per batch size: CUDA graphs replay it), made current."""
+        w = self.windows
+        self._decode_plans = LatentDecodePlan(
+            self.pool.latent_buffers(self.pool.start_layer), w.hp_index, self._int2_req_to_token,
+            forward_batch.req_pool_indices, forward_batch.seq_lens, num_heads=self._heads,
+            group_size=self.pool.layout.k.group_size, quantizer=self.config.quantizer, sink=self.config.sink_tokens,
+            recent=self.config.recent_tokens, sink_lens=w.sink_lens, num_sms=self._num_sms, block_n=32,
+            precision=self._precision, engine=self._engine, workspace=self._workspace)
         return self._decode_plans
 
     def plan_extend(self, forward_batch, num_tokens: int) -> LatentExtendPlan:
@@ -163,7 +185,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             qo_indptr, kv_indptr, torch.arange(n_prefix, dtype=torch.int64, device=dev), max_extend_len)
         return self._extend_plans
 
-    def _plan_late(self, layer, forward_batch) -> dict:
+    def _plan_late(self, layer, forward_batch) -> LatentDecodePlan:
         plans = self.plan_decode(forward_batch)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self._graph_plans.setdefault(forward_batch.batch_size, []).append(plans)
@@ -206,15 +228,9 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
                        aux_tensors=None, **kwargs):
         self._check_latent_layer(layer, sinks, score_mod, kwargs)
         q_abs, q_pe = self._prepare_latent(q, k, layer, forward_batch, save_kv_cache)
-        plans = self._decode_plans or self._plan_late(layer, forward_batch)
-        w = self.windows
-        o = latent_decode_attention(
-            q_abs, q_pe, **self.pool.latent_buffers(layer.layer_id), hp_index=w.hp_index,
-            req_to_token=self._int2_req_to_token, req_pool_indices=forward_batch.req_pool_indices,
-            seq_lens=forward_batch.seq_lens, group_size=self.pool.layout.k.group_size,
-            quantizer=self.config.quantizer, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
-            sm_scale=layer.scaling, num_splits=plans["num_splits"], sink_lens=w.sink_lens,
-            precision=self._precision, block_n=32)
+        plan = self._decode_plans or self._plan_late(layer, forward_batch)
+        buf = self.pool.latent_buffers(layer.layer_id)
+        o = plan.run(q_abs, q_pe, *(buf[k] for k in PLANES), sm_scale=layer.scaling)
         return self._output(o, layer, q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,

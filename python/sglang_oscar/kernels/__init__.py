@@ -2,7 +2,7 @@
 
 One module per op: :mod:`.write` (quantize + scatter rows), :mod:`.rotate` (per-head rotations),
 :mod:`.decode` (decode attention: plan, stage 1 in Triton or Gluon, merge), :mod:`.extend` (extend /
-prefill attention), :mod:`.latent` (decode of MLA layers over the packed INT2 latent). :class:`Int2Layout` describes one layer geometry; :class:`TritonConfig` and
+prefill attention), :mod:`.latent` + :mod:`.latent_plan` (decode of MLA layers over the packed INT2 latent). :class:`Int2Layout` describes one layer geometry; :class:`TritonConfig` and
 :class:`GluonConfig` are the attention launch configurations (the type is the decode engine).
 """
 
@@ -16,7 +16,8 @@ from .decode import (
     decode_num_hp_splits,
 )
 from .extend import ExtendPlan, extend_attention
-from .latent import gather_latent, latent_decode_attention
+from .latent import gather_latent
+from .latent_plan import LatentDecodePlan, latent_decode_attention
 from .layout import Int2Layout, TensorLayout
 from .rotate import rotate_rows_hp
 from .configs import GluonConfig, TritonConfig, default_triton_config
@@ -39,6 +40,7 @@ __all__ = [
     "extend_attention",
     "gather_latent",
     "interpreting",
+    "LatentDecodePlan",
     "latent_decode_attention",
     "plan_head_blocks",
     "rotate_rows_hp",

@@ -14,7 +14,8 @@ dequantized tile (V is the latent itself, so its codes are read once). The outpu
 ``W_UV`` (``reference.latent`` module docstring). Stage 2 is the MHA decode merge
 (:func:`.decode.merge.decode_merge`).
 
-The kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per element,
+The launches (checks, split count, workspace, one plan per decode batch) are
+:mod:`.latent_plan`'s. The kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per element,
 any group size) and multiplies with the engine ``precision`` names: fp32 (IEEE, what the
 interpreter and the oracle compute; the exactness tests), TF32 or BF16 tensor cores (serving).
 """
@@ -26,10 +27,8 @@ import triton
 import triton.language as tl
 
 from ..quant.int2 import codebook
-from .codes import LOG2E, level_of, round_to
-from .compile_check import active as compiling
+from .codes import level_of, round_to
 from .compile_check import launch as _launch
-from .decode.merge import decode_merge
 from .layout import next_pow2
 from .tiles import NEG_INF, request_sink_len
 from .validate import INDEX_DTYPES, check_tensor
@@ -249,16 +248,6 @@ def _check_pow2(value: int, name: str, low: int) -> None:
         raise ValueError(f"{name} must be a power of two >= {low}, got {value}")
 
 
-def latent_num_splits(batch: int, num_heads: int, *, block_h: int = 16, num_sms: int = 132,
-                      max_splits: int = 32) -> int:
-    """Splits of each request's positions for :func:`latent_decode_attention`: enough programs
-    (``batch x ceil(H / block_h) x splits``) for about two waves over ``num_sms`` SMs, at most
-    ``max_splits`` (empty splits cost one early exit). Depends on the batch shape only, so a CUDA
-    graph captured for a batch size replays the right count."""
-    programs = batch * -(-num_heads // block_h)
-    return max(1, min(max_splits, -(-2 * num_sms // max(programs, 1))))
-
-
 def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, *,
                   group_size: int, quantizer: str, out_dtype: torch.dtype = torch.bfloat16,
                   block_t: int = 16) -> torch.Tensor:
@@ -295,128 +284,4 @@ def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, 
         _launch(_gather_latent, (triton.cdiv(n, block_t),), codes, codes.stride(0), pairs, pairs.stride(0), k_pe,
                 k_pe.stride(0), slots, out, out.stride(0), n, *codebook(quantizer).levels,
                 Q=q, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_T=block_t)
-    return out
-
-
-def latent_decode_attention(
-    q_abs: torch.Tensor,
-    q_pe: torch.Tensor,
-    codes: torch.Tensor,
-    pairs: torch.Tensor,
-    k_pe: torch.Tensor,
-    hp_latent: torch.Tensor,
-    hp_pe: torch.Tensor,
-    hp_index: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    group_size: int,
-    quantizer: str,
-    sink: int,
-    recent: int,
-    sm_scale: float,
-    num_splits: int = 4,
-    block_n: int = 16,
-    block_h: int = 16,
-    sink_lens: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    precision: str = "ieee",
-    num_warps: int = 4,
-    engine: str = "dequant",
-) -> torch.Tensor:
-    """Absorbed-MQA decode over the packed latent cache of one MLA layer (module docstring).
-
-    Args:
-        q_abs: ``[B, H, R]`` rotated absorbed queries ``(q_nope W_UK) Rot`` (any float dtype).
-        q_pe: ``[B, H, P]`` post-RoPE query rope part.
-        codes: uint8 ``[S, R/4]`` quarter-packed codes of the rotated latents (pool slots).
-        pairs: ``[S, 2R/G]`` (scale, zero) per group, interleaved (``QuantizedRows.pairs``).
-        k_pe: ``[S, P]`` BF16 (or fp32) rope keys per slot.
-        hp_latent: ``[rows, R]`` HP latent rows (rotated frame); hp_pe: ``[rows, P]`` their ``k_pe``.
-        hp_index: int32 ``[max_reqs, sink + recent]`` (``pool.windows.HPWindows.hp_index``; -1 = no row).
-        req_to_token: int ``[max_reqs, ctx]`` slots; req_pool_indices: int ``[B]``; seq_lens: int ``[B]``
-            (the query sits at ``L - 1``).
-        group_size, quantizer: the latent's INT2 format (``G`` divides ``R``).
-        sink, recent: window sizes in tokens; sm_scale: the layer's softmax scale (natural units).
-        num_splits: splits of each request's positions; block_n / block_h: tile sizes (powers of 2).
-        sink_lens: optional int ``[max_reqs]`` (``HPWindows.sink_lens``): request ``r`` reads its
-            first ``min(sink_lens[r], sink)`` positions from sink rows and the rest of ``[0, sink)``
-            through INT2, as the MHA decode does when the sink arena ran out.
-        out: optional ``[B, H, R]`` output (any float dtype).
-        precision: the dot products' operands (:data:`PRECISIONS`): ``"ieee"`` fp32 (the oracle's
-            arithmetic), ``"tf32"`` or ``"bf16"`` tensor cores (q, the dequantized latents and the
-            probabilities rounded to BF16, as SGLang's BF16 MLA decode multiplies them; GPU only).
-        engine: ``"dequant"`` (dequantize each tile, any group size and quantizer) or ``"codes"``
-            (multiply the codes and apply scale, zero and levels to the products:
-            :mod:`.latent_codes`; uniform quantizer, ``group_size`` a multiple of ``R/4``).
-        num_warps: warps per program, 4 or 8 (ptxas for sm_90a, BF16, block_n 32: 255 registers
-            and spills with 4, none with 8; which is faster is the GPU's to say).
-
-    Returns:
-        ``o' [B, H, R]`` (``out`` or fp32): the latent output in the rotated frame.
-
-    Raises:
-        ValueError: shapes, dtypes or devices that do not fit (``R/4`` must be a power of two >= 16,
-            ``R`` a multiple of ``group_size``; ``q_abs`` / ``q_pe`` with equal ``[B, H]`` and a
-            contiguous last dim), ``block_n`` / ``block_h`` not powers of two >= 16, ``num_splits < 1``,
-            an unknown ``precision`` or ``"bf16"`` off the GPU, ``num_warps`` not 4 or 8, an unknown
-            ``engine`` or ``"codes"`` with non-uniform levels or groups that split a quarter.
-    """
-    check_tensor(q_abs, "q_abs", ndim=3, last_contiguous=True)
-    bsz, h, r = q_abs.shape
-    dev = q_abs.device
-    check_tensor(q_pe, "q_pe", ndim=3, device=dev, last_contiguous=True)
-    p = q_pe.shape[-1]
-    check_latent_width(r, group_size)
-    if tuple(q_pe.shape[:2]) != (bsz, h):
-        raise ValueError(f"q_abs {tuple(q_abs.shape)} and q_pe {tuple(q_pe.shape)} must share [B, H]")
-    _check_pow2(block_n, "block_n", 16)
-    _check_pow2(block_h, "block_h", 16)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    lv = codebook(quantizer).levels
-    if engine not in ("dequant", "codes"):
-        raise ValueError(f"engine must be 'dequant' or 'codes', got {engine!r}")
-    step = lv[1] - lv[0]
-    if engine == "codes" and (group_size % (r // 4) or any(abs(b - a - step) > 1e-6 for a, b in zip(lv[1:], lv[2:]))):
-        raise ValueError(f"engine 'codes' needs evenly spaced levels (quantizer uniform, got {quantizer!r}) and a "
-                         f"group_size that is a multiple of R/4 = {r // 4} (got {group_size}); use engine 'dequant'")
-    if num_warps not in (4, 8):
-        raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
-    if precision not in PRECISIONS or (precision == "bf16" and dev.type != "cuda" and not compiling()):
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)} ('bf16' on a GPU only: the Triton "
-                         f"interpreter's BF16 dot is wrong), got {precision!r} on {dev.type}")
-    s_slots = codes.shape[0]
-    check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), device=dev, shape=(s_slots, r // 4), last_contiguous=True)
-    check_tensor(pairs, "pairs", ndim=2, device=dev, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
-    check_tensor(k_pe, "k_pe", ndim=2, device=dev, shape=(s_slots, p), last_contiguous=True)
-    check_tensor(hp_latent, "hp_latent", ndim=2, device=dev, shape=(hp_latent.shape[0], r), last_contiguous=True)
-    check_tensor(hp_pe, "hp_pe", ndim=2, device=dev, shape=(hp_latent.shape[0], p), last_contiguous=True)
-    for t, name, nd in ((hp_index, "hp_index", 2), (req_to_token, "req_to_token", 2),
-                        (req_pool_indices, "req_pool_indices", 1), (seq_lens, "seq_lens", 1)) + (
-            () if sink_lens is None else ((sink_lens, "sink_lens", 1),)):
-        check_tensor(t, name, ndim=nd, dtypes=INDEX_DTYPES, device=dev)
-    if hp_index.shape[1] < sink + recent:
-        raise ValueError(f"hp_index has {hp_index.shape[1]} columns, fewer than sink + recent = {sink + recent}")
-    o_part = torch.empty(bsz, h, num_splits, r, dtype=torch.float32, device=dev)
-    lse = torch.empty(bsz, h, num_splits, dtype=torch.float32, device=dev)
-    grid = (bsz, triton.cdiv(h, block_h), num_splits)
-    if engine == "codes":
-        from .latent_codes import _latent_decode_stage1_codes as kernel
-
-        levels = (lv[0], step)
-    else:
-        kernel, levels = _latent_decode_stage1, lv
-    _launch(kernel, grid,
-            q_abs, q_abs.stride(0), q_abs.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-            codes, codes.stride(0), pairs, pairs.stride(0), k_pe, k_pe.stride(0), hp_latent, hp_latent.stride(0),
-            hp_pe, hp_pe.stride(0), hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0),
-            req_pool_indices, seq_lens, seq_lens if sink_lens is None else sink_lens,
-            o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse, lse.stride(0), lse.stride(1),
-            sm_scale * LOG2E, sink, recent, num_splits, *levels,
-            H=h, Q=r // 4, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h, BLOCK_N=block_n,
-            HAS_SINKL=sink_lens is not None, DOT=PRECISIONS[precision], num_warps=num_warps)
-    out = torch.empty(bsz, h, r, dtype=torch.float32, device=dev) if out is None else out
-    decode_merge(o_part, lse, out, num_splits)
     return out

@@ -1,5 +1,5 @@
 """Latent decode stage 1 that multiplies the 2-bit codes themselves (the ``"codes"`` engine of
-:func:`~sglang_oscar.kernels.latent.latent_decode_attention`).
+:func:`~sglang_oscar.kernels.latent_plan.latent_decode_attention`).
 
 With a uniform quantizer the level of code ``c`` is ``l0 + dl c``, and when a quarter of the rank
 (``Q = R/4`` elements) lies in one group, row ``j`` of quarter ``k`` dequantizes to

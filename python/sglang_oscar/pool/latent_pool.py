@@ -16,7 +16,7 @@ token and layer). Here, per layer (``S = size + page_size`` slots):
   row takes the writes of tokens that have no HP row).
 
 With G = 128 and fp16 pairs that is 128 + 16 + 128 = 272 bytes per token and layer, 4.2x fewer
-than BF16. Readers: :func:`sglang_oscar.kernels.latent.latent_decode_attention` (decode) and
+than BF16. Readers: :func:`sglang_oscar.kernels.latent_plan.latent_decode_attention` (decode) and
 :func:`~sglang_oscar.kernels.latent.gather_latent` (the ``[c_kv | k_pe]`` rows of an extend).
 SGLang's BF16 accessors (``set_kv_buffer``, ``set_mla_kv_buffer``, ``get_mla_kv_buffer``,
 slot moves, CPU copies, PD transfer) refuse, as in :mod:`.int2_pool`; the buffer getters return
@@ -103,7 +103,7 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
 
     # ------------------------------------------------------------------ packed access
     def latent_buffers(self, layer_id: int) -> dict:
-        """The planes of a global layer id as :func:`~sglang_oscar.kernels.latent.latent_decode_attention`
+        """The planes of a global layer id as :func:`~sglang_oscar.kernels.latent_plan.latent_decode_attention`
         takes them: ``codes [S, R/4]``, ``pairs [S, 2R/G]``, ``k_pe [S, P]``, ``hp_latent [rows, R]``,
         ``hp_pe [rows, P]``."""
         i = layer_id - self.start_layer
