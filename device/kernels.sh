@@ -4,7 +4,7 @@
 # Steps (default: tests):
 #   tests    python -m pytest -q -m gpu tests/kernels/<file>, one call per file (log $OUT/gpu_<file>.log);
 #            the files: the FILE.py arguments, else $FILES (a name is taken in tests/kernels/, a path from
-#            the repository root, e.g. tests/plugin/test_backend_cpu.py), else every tests/kernels/test_*.py. The whole
+#            the repository root, e.g. tests/plugin/test_backend.py), else every tests/kernels/test_*.py. The whole
 #            suite needs more than one 600 s device call: split it, e.g.
 #              bash device/kernels.sh tests test_decode.py test_decode_gpu.py     # call 1
 #              FILES="test_write.py test_extend.py" bash device/kernels.sh tests bench   # call 2

@@ -17,7 +17,7 @@ rc=0
 for step in "${steps[@]}"; do
   case "$step" in
     tests)
-      OUT=/tmp/mla_k TESTS_TIMEOUT=150 FILES="test_latent.py tests/plugin/test_latent_backend_cpu.py" \
+      OUT=/tmp/mla_k TESTS_TIMEOUT=150 FILES="test_latent.py tests/plugin/test_latent_backend.py" \
         bash device/kernels.sh tests > "$R/kernels.log" 2>&1 || rc=1
       cp /tmp/mla_k/*.log "$L/" 2>/dev/null ;;
     check)
