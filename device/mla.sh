@@ -4,8 +4,9 @@
 #   bash device/mla.sh tests check      (one call, ~7 min: the GPU tests and mla_check)
 #   bash device/mla.sh bench            (the next call, ~4-5 min; all three steps do not fit one 600 s call)
 # Results in $OUT (at most 8 files come back): kernels.log, mla_check.md / .json, latent.md, logs.tgz
-# (server logs, pytest logs, the benchmark's stdout). MLA_BUDGET (default 300) bounds the check's
-# startup + requests; BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes) the benchmark's columns.
+# (server logs, pytest logs, the benchmark's stdout). MLA_BUDGET (default 300; a fresh machine's first
+# int2 servers JIT-compile for ~3 min: 220 was too short) bounds the check's startup + requests;
+# MLA_FAMILY (default deepseek_v3; kimi_linear: the latent pool in a linear-attention hybrid) its model; BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes) the benchmark's columns.
 set -u
 cd "$(dirname "$0")/.."
 R="${OUT:-/tmp/out}"; mkdir -p "$R"
@@ -21,7 +22,8 @@ for step in "${steps[@]}"; do
         bash device/kernels.sh tests > "$R/kernels.log" 2>&1 || rc=1
       cp /tmp/mla_k/*.log "$L/" 2>/dev/null ;;
     check)
-      timeout $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --out /tmp/mla --budget "${MLA_BUDGET:-300}" \
+      timeout $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --family "${MLA_FAMILY:-deepseek_v3}" \
+        --out /tmp/mla --budget "${MLA_BUDGET:-300}" \
         > "$L/mla_check.log" 2>&1 || rc=1
       cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null ;;
     bench)

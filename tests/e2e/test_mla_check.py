@@ -74,6 +74,31 @@ def test_same_greedy_forgives_only_near_ties():
     assert mla_check.same_greedy([{"tokens": [8]}], [{"tokens": [1]}], 1.0) == (False, [(0, None)])
 
 
+def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp_path, monkeypatch):
+    """--family kimi_linear: its config has MLA layers 1 and 3 between KDA layers 0 and 2; every server
+    loads dummy weights; equal answers pass on the four items judged without an oracle."""
+    from sglang_oscar.rotation.geometry import ModelGeometry
+
+    info = mla_check.build_kimi_linear(str(tmp_path / "kimi"))
+    geo = ModelGeometry.from_hf_config(str(tmp_path / "kimi"))
+    assert geo.layer_ids == info["mla_layers"] == [1, 3] and list(geo.linear_layer_ids) == info["kda_layers"]
+    argvs = []
+
+    class Recording(FakeServer):
+        def __init__(self, argv, *a, **k):
+            argvs.append(argv)
+            super().__init__(argv, *a, **k)
+
+    monkeypatch.setattr(mla_check, "ServerProcess", Recording)
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: pytest.fail("no oracle for kimi_linear"))
+    rc = mla_check.main(["--family", "kimi_linear", "--out", str(tmp_path), "--budget", "5",
+                         "--model", str(tmp_path / "k2")])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert rc == 0 and res["family"] == "kimi_linear" and set(res["verdict"]) == {"serves", "window", "chunked", "radix"}
+    assert all("--load-format" in a and a[a.index("--load-format") + 1] == "dummy" for a in argvs) and len(argvs) == 4
+
+
 def test_mla_check_oracle_verdict_fails_outside_its_bound(tmp_path, monkeypatch):
     """served vs the BF16-model oracle 0.25 with the oracle's own move 0.1: over 2 x 0.1, "oracle" fails."""
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)

@@ -22,6 +22,7 @@ from _support.orthogonal import random_orthogonal
 from sglang_oscar.backend.latent_backend import OscarTritonLatentBackend
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.latent_pool import OscarMLATokenToKVPool
+from sglang_oscar.pool.linear_pool import OscarHybridLinearKVPool
 from sglang_oscar.reference.latent import latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -33,26 +34,36 @@ CTX = 96
 SCALE = (32 + P) ** -0.5
 
 
-def _layer(h=H, r=R, p=P):
-    return SimpleNamespace(layer_id=0, tp_q_head_num=h, tp_k_head_num=1, qk_head_dim=r + p, v_head_dim=r,
+def _layer(h=H, r=R, p=P, layer_id=0):
+    return SimpleNamespace(layer_id=layer_id, tp_q_head_num=h, tp_k_head_num=1, qk_head_dim=r + p, v_head_dim=r,
                            scaling=SCALE, logit_cap=0.0)
 
 
 class Served:
-    """One INT2 latent pool + backend (one layer), slots handed out in increasing order."""
+    """One INT2 latent pool + backend (one layer), slots handed out in increasing order. With
+    ``hybrid_layer`` the pool sits in an :class:`OscarHybridLinearKVPool` whose one MLA layer has that
+    global id (Kimi-Linear: the others are linear-attention layers)."""
 
-    def __init__(self, config, rot, hp_dtype, sink_rows=None, max_reqs=4, slots=512, device="cpu", shape=(H, R, P)):
+    def __init__(self, config, rot, hp_dtype, sink_rows=None, max_reqs=4, slots=512, device="cpu", shape=(H, R, P),
+                 hybrid_layer=None):
         from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
         self.pool = OscarMLATokenToKVPool(
             slots, page_size=1, dtype=torch.uint8, kv_lora_rank=shape[1], qk_rope_head_dim=shape[2], layer_num=1, device=device,
             enable_memory_saver=False, oscar_config=config, hp_dtype=hp_dtype, max_reqs=max_reqs,
             sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
+        self.layer_id = 0
+        if hybrid_layer is not None:
+            self.inner, self.layer_id = self.pool, hybrid_layer
+            self.pool = OscarHybridLinearKVPool(
+                full_kv_pool=self.inner, size=slots, dtype=torch.uint8, page_size=1, head_num=1,
+                head_dim=shape[1] + shape[2], full_attention_layer_ids=[hybrid_layer], device=device, mamba_pool=None,
+                use_mla=True, kv_lora_rank=shape[1], qk_rope_head_dim=shape[2])
         self.r2t = torch.zeros(max_reqs, CTX, dtype=torch.int32, device=device)
         self.device = device
         be = object.__new__(OscarTritonLatentBackend)
         be.extend_attention_fwd = extend_attention_fwd  # TritonAttnBackend.__init__ binds SGLang's kernel
-        be.setup_latent(self.pool, {0: rot.to(device)}, self.r2t, shape[0], num_sms=4)
+        be.setup_latent(self.pool, {self.layer_id: rot.to(device)}, self.r2t, shape[0], num_sms=4)
         self.shape = shape
         self.be = be
         self.next_slot = 1
@@ -76,7 +87,7 @@ class Served:
         self.be.plan_extend(fb, n)
         q, k = (x.to(self.device) for x in seq)
         o = self.be.forward_extend(q[start:end].reshape(n, -1), k[start:end].reshape(n, 1, -1), None,
-                                   _layer(*self.shape), fb)
+                                   _layer(*self.shape, layer_id=self.layer_id), fb)
         return o.float().cpu().reshape(n, self.shape[0], self.shape[1])
 
     def decode(self, req, seq, pos):
@@ -90,7 +101,7 @@ class Served:
         self.be.plan_decode(fb)
         q, k = (x.to(self.device) for x in seq)
         o = self.be.forward_decode(q[pos:pos + 1].reshape(1, -1), k[pos:pos + 1].reshape(1, 1, -1), None,
-                                   _layer(*self.shape), fb)
+                                   _layer(*self.shape, layer_id=self.layer_id), fb)
         return o.float().cpu().reshape(1, self.shape[0], self.shape[1])
 
 
@@ -127,6 +138,23 @@ def _prefill_then_decode(dtype, tol, device, shape=(H, R, P), group=32):
     assert _rel(o, _oracle(seq, config, rot, 0, 40, "extend", dtype)) < tol
     for pos in range(40, 48):
         assert _rel(sv.decode(1, seq, pos), _oracle(seq, config, rot, pos, pos + 1, "decode", dtype)) < tol
+
+
+def test_kimi_linear_hybrid_pool_serves_its_mla_layer_by_global_id():
+    """Kimi-Linear: the latent pool of the MLA layers inside SGLang's HybridLinearKVPool (global layer
+    2 at local index 0, the other layers linear attention); the backend writes and reads it by global
+    id, and prefill + decode equal the oracle in fp32 as the plain pool's do."""
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    seq, rot = _data(torch.float32)
+    sv = Served(config, rot, torch.float32, hybrid_layer=2)
+    assert [sv.pool.is_int2_layer(i) for i in range(4)] == [False, False, True, False]
+    assert sv.pool.latent_buffers(2)["codes"].data_ptr() == sv.inner.codes[0].data_ptr()
+    assert sv.pool.windows is sv.inner.windows and sv.pool.owns_windows
+    o = sv.extend(1, seq, 0, 40)
+    assert _rel(o, _oracle(seq, config, rot, 0, 40, "extend", torch.float32)) < 1e-5
+    for pos in range(40, 44):
+        assert _rel(sv.decode(1, seq, pos), _oracle(seq, config, rot, pos, pos + 1, "decode", torch.float32)) < 1e-5
+    assert sv.inner.codes[0].any()  # written through the global id
 
 
 def test_prefill_then_decode_match_the_oracle():

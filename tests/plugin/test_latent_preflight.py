@@ -103,20 +103,51 @@ def test_mla_architectures_outside_the_served_family_are_refused(hooked, tmp_pat
     geometry does not see), Kimi-K2.5's wrapper: refused before weights load, naming the served ones."""
     model = _deepseek_dir(tmp_path, "m", architectures=[arch])
     with pytest.raises(ValueError, match=rf"serves the MLA latent cache of DeepseekV2ForCausalLM, "
-                                         rf"DeepseekV3ForCausalLM; {arch} .*--kv-cache-dtype auto"):
+                                         rf"DeepseekV3ForCausalLM, KimiLinearForCausalLM; {arch} .*--kv-cache-dtype auto"):
         hooked.preflight(SimpleNamespace(model_path=model, _oscar_config=OscarConfig()))
 
 
-def test_mla_linear_hybrid_and_latent_file_on_mha_model_are_refused(hooked, tmp_path, monkeypatch):
-    """An MLA model with linear-attention layers (Kimi-Linear) is refused; an MHA model given a latent
-    rotation file is told it is an MLA file."""
-    import dataclasses
+# a tiny Kimi-Linear: layers 0, 1 and 3 KDA (linear attention), layer 2 MLA (1-based lists, SGLang's rule)
+KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 64,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
+    "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "mla_use_nope": True,
+    "linear_attn_config": {"full_attn_layers": [3], "kda_layers": [1, 2, 4], "num_heads": 4, "head_dim": 32},
+}
+
+
+def test_kimi_linear_serves_its_mla_layers_and_refuses_files_of_its_kda_layers(hooked, tmp_path):
+    """Kimi-Linear (MLA + KDA linear-attention layers): the latent rotations cover its MLA layer only,
+    from the data-free default or a fitting file; a file that also covers a KDA layer is refused,
+    naming it as a linear-attention layer, also by the plugin's launch check on a config directory of
+    SGLang's own KimiLinearConfig (transformers 5.12 has no Kimi-Linear class; SGLang's ServerArgs
+    needs a GPU for linear-attention hybrids, so the check runs on its own)."""
+    from sglang.srt.configs.kimi_linear import KimiLinearConfig
 
     from sglang_oscar.backend.rotations import served_latent_rotations
 
+    geo = ModelGeometry.from_hf_config(KIMI_LINEAR)
+    rs = served_latent_rotations(OscarConfig(), geo, log=False, architectures=KIMI_LINEAR["architectures"])
+    assert rs.layer_ids == [2] and tuple(rs.matrix(2).shape) == (128, 128)
+    good = str(tmp_path / "kimi.safetensors")
+    rs.save(good)
+    assert served_latent_rotations(OscarConfig(rotation_path=good), geo, log=False).layer_ids == [2]
+    every_layer = {**KIMI_LINEAR, "linear_attn_config": {"full_attn_layers": [1, 2, 3, 4]}}
+    bad = str(tmp_path / "all.safetensors")
+    LatentRotationSet.data_free(ModelGeometry.from_hf_config(every_layer)).save(bad)
+    with pytest.raises(ValueError, match=r"unexpected \[0, 1, 3\] \(layers \[0, 1, 3\] are linear-attention layers: "
+                                         r"they have no latent cache\)"):
+        served_latent_rotations(OscarConfig(rotation_path=bad), geo, log=False)
+    model = tmp_path / "kimi"
+    KimiLinearConfig(**{k: v for k, v in KIMI_LINEAR.items() if k != "model_type"}).save_pretrained(model)
+    assert hooked.preflight(SimpleNamespace(model_path=str(model), _oscar_config=OscarConfig(rotation_path=good))) is None
+    with pytest.raises(ValueError, match=r"layers \[0, 1, 3\] are linear-attention layers"):
+        hooked.preflight(SimpleNamespace(model_path=str(model), _oscar_config=OscarConfig(rotation_path=bad)))
+
+
+def test_latent_file_on_mha_model_is_refused(hooked, tmp_path, monkeypatch):
+    """An MHA model given a latent rotation file is told it is an MLA file."""
     geo = ModelGeometry.from_hf_config(_deepseek_dir(tmp_path, "m"))
-    with pytest.raises(ValueError, match=r"MLA \+ linear-attention hybrid \(1 linear-attention layers\)"):
-        served_latent_rotations(OscarConfig(), dataclasses.replace(geo, linear_layer_ids=(1,)), log=False)
     from transformers import Qwen3Config
 
     q = tmp_path / "qwen3"
@@ -135,10 +166,14 @@ def test_latent_sizing_and_windows_follow_the_pool(hooked):
     from sglang_oscar.pool.latent_pool import OscarMLATokenToKVPool
     from sglang_oscar.pool.sizing import hp_row_bytes, latent_cell_size
 
-    kvc = SimpleNamespace(use_mla_backend=True, layer_info=SimpleNamespace(num_effective_layers=3),
-                          model_config=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64))
+    kvc = SimpleNamespace(use_mla_backend=True, layer_info=SimpleNamespace(num_effective_layers=3, start_layer=0,
+                                                                           end_layer=3),
+                          model_config=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64), mambaish_config=None)
     (group,) = serving._kv_groups(kvc)
     assert group == ("latent", 3, 1, 512, 64)
+    # Kimi-Linear: only the MLA layers (SGLang's full_attention_layer_ids) hold a latent
+    hybrid = SimpleNamespace(**{**vars(kvc), "mambaish_config": SimpleNamespace(full_attention_layer_ids=[2])})
+    assert serving._kv_groups(hybrid) == [("latent", 1, 1, 512, 64)]
     config = OscarConfig(group_size=128, sink_tokens=4, recent_tokens=8)
     pool = OscarMLATokenToKVPool(32, page_size=1, dtype=torch.uint8, kv_lora_rank=512, qk_rope_head_dim=64,
                                  layer_num=3, device="cpu", enable_memory_saver=False, oscar_config=config,
@@ -203,3 +238,38 @@ def test_backend_factory_picks_the_latent_backend_for_the_latent_pool(hooked, mo
     serving.install_backend_factory()
     wrapped = attention_registry.ATTENTION_BACKENDS["triton"]
     assert wrapped(SimpleNamespace(server_args=SimpleNamespace(kv_cache_dtype="auto")))[0] == "sglang"
+
+
+def test_pool_hook_builds_the_latent_pool_of_a_kimi_linear_model_inside_sglangs_hybrid_pool(hooked, monkeypatch):
+    """``around_build_token_to_kv_pool`` for an MLA model with linear-attention layers: SGLang's own
+    ``HybridLinearKVPool`` (its state pool untouched) around an INT2 latent pool of the MLA layers only,
+    addressed by global id; the backend factory picks the latent backend for it."""
+    from sglang.srt.configs.kimi_linear import KimiLinearConfig
+    from sglang.srt.layers.attention import attention_registry
+
+    from sglang_oscar.backend import latent_backend
+
+    from sglang_oscar.plugin import serving
+    from sglang_oscar.pool.latent_pool import OscarMLATokenToKVPool
+    from sglang_oscar.pool.linear_pool import OscarHybridLinearKVPool
+
+    hf = KimiLinearConfig(**{k: v for k, v in KIMI_LINEAR.items() if k != "model_type"})
+    config = OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8)
+    server_args = SimpleNamespace(kv_cache_dtype="int2", page_size=1, enable_memory_saver=False, _oscar_config=config)
+    kvc = SimpleNamespace(
+        server_args=server_args, use_mla_backend=True, is_hybrid_swa=False, is_draft_worker=False, device="cpu",
+        model_dtype=torch.bfloat16, mambaish_config=SimpleNamespace(full_attention_layer_ids=[2]),
+        model_config=SimpleNamespace(hf_config=hf, kv_lora_rank=128, qk_rope_head_dim=16),
+        layer_info=SimpleNamespace(num_effective_layers=4, start_layer=0, end_layer=4))
+    mamba = object()
+    req_pool = SimpleNamespace(req_to_token=torch.zeros(2, 64, dtype=torch.int32), mamba_pool=mamba)
+    pool = serving.around_build_token_to_kv_pool(None, kvc, sizes=SimpleNamespace(max_total_num_tokens=48),
+                                                 req_to_token_pool=req_pool)
+    assert isinstance(pool, OscarHybridLinearKVPool) and isinstance(pool.full_kv_pool, OscarMLATokenToKVPool)
+    assert pool.mamba_pool is mamba and pool.full_attention_layer_id_mapping == {2: 0}
+    assert pool.full_kv_pool.layer_num == 1 and (pool.kv_lora_rank, pool.qk_rope_head_dim) == (128, 16)
+    assert pool.latent_buffers(2)["codes"].shape == (49, 32)  # 48 slots + slot 0, R/4 code bytes
+    assert pool.int2_bytes_per_token() == pool.full_kv_pool.int2_bytes_per_token()
+    monkeypatch.setattr(latent_backend, "OscarTritonLatentBackend", lambda runner: ("latent", runner))
+    factory = attention_registry.ATTENTION_BACKENDS["triton"]
+    assert factory(SimpleNamespace(server_args=server_args, token_to_kv_pool=pool))[0] == "latent"

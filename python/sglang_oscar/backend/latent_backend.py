@@ -77,7 +77,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
 
     def __init__(self, model_runner, *args, **kwargs):
         pool = model_runner.token_to_kv_pool
-        if not isinstance(pool, OscarMLATokenToKVPool):
+        if not isinstance(getattr(pool, "full_kv_pool", pool), OscarMLATokenToKVPool):
             raise RuntimeError(f"--kv-cache-dtype int2 on an MLA model: the token pool is {type(pool).__name__}, not "
                                "the INT2 latent pool; the sglang-oscar pool hook did not apply (check the log)")
         TritonAttnBackend.__init__(self, model_runner, *args, **kwargs)
@@ -104,18 +104,20 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             logger.info("sglang-oscar: MLA latent decode engine %s, %s dot operands, %d q heads per rank",
                         self._engine, self._precision, heads)
 
-    def setup_latent(self, pool: OscarMLATokenToKVPool, rotations: dict, req_to_token: torch.Tensor,
-                     num_heads: int, num_sms: int) -> None:
+    def setup_latent(self, pool, rotations: dict, req_to_token: torch.Tensor, num_heads: int, num_sms: int) -> None:
         """Attributes the forward paths read (also how CPU tests build the backend without a model runner).
 
         Args:
-            rotations: ``{global layer id: fp32 [R, R]}`` on the pool's device.
+            pool: the :class:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool`, or the
+                :class:`~sglang_oscar.pool.linear_pool.OscarHybridLinearKVPool` around one (Kimi-Linear).
+            rotations: ``{global layer id: fp32 [R, R]}`` on the pool's device, one per MLA layer.
             req_to_token: SGLang's ``ReqToTokenPool.req_to_token`` ``[max_reqs, ctx]``.
             num_heads: q heads of this rank (every MLA layer has the same).
             num_sms: streaming multiprocessors, for the decode split count.
         """
         self.pool, self.windows, self.config = pool, pool.windows, pool.oscar_config
         self.rotations = rotations
+        self._plan_layer = min(rotations)  # a layer whose planes stand for every layer's in the decode plans
         self._hp_rows = None
         self._missed_seen = 0
         self._int2_req_to_token = req_to_token
@@ -141,7 +143,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         count is static per batch size: CUDA graphs replay it), made current."""
         w = self.windows
         self._decode_plans = LatentDecodePlan(
-            self.pool.latent_buffers(self.pool.start_layer), w.hp_index, self._int2_req_to_token,
+            self.pool.latent_buffers(self._plan_layer), w.hp_index, self._int2_req_to_token,
             forward_batch.req_pool_indices, forward_batch.seq_lens, num_heads=self._heads,
             group_size=self.pool.layout.k.group_size, quantizer=self.config.quantizer, sink=self.config.sink_tokens,
             recent=self.config.recent_tokens, sink_lens=w.sink_lens, num_sms=self._num_sms, block_n=32,

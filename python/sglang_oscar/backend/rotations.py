@@ -128,8 +128,9 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
 
 
 # Architectures whose MLA layers SGLang 0.5.16 runs through DeepseekV2AttentionMLA with one attention
-# layer per decoder layer: what the dispatch hook and the latent backend are written and tested for.
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# layer per decoder layer: what the dispatch hook and the latent backend are written and tested for
+# (Kimi-Linear's MLA layers are that class, its KDA layers keep SGLang's state pool).
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiLinearForCausalLM")
 
 
 def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
@@ -143,11 +144,12 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
 
     Raises:
         ValueError: an MLA architecture outside :data:`MLA_ARCHITECTURES` (LongCat-Flash, Ring / Ling
-            hybrids, Kimi-K2.5's multimodal wrapper, ...), a DSA (sparse-attention) or linear-attention
-            hybrid MLA model, an MHA-only flag (``--oscar-rotation-v``, ``--oscar-skip-layers``,
+            hybrids, Kimi-K2.5's multimodal wrapper, ...), a DSA (sparse-attention) MLA model, an
+            MHA-only flag (``--oscar-rotation-v``, ``--oscar-skip-layers``,
             ``--oscar-fold-rotations on``, ``--oscar-decode-engine gluon``, ``--oscar-rotate-engine
             torch``, a V clip ratio), a group size that does not fit ``kv_lora_rank``, a missing or
-            unreadable file, an MHA rotation file, or a file fitted for another model (layers, rank).
+            unreadable file, an MHA rotation file, or a file fitted for another model (layers, rank; a
+            hybrid's file must cover its MLA layers only).
             Every message says what to change.
     """
     from ..kernels.latent import check_latent_width
@@ -162,10 +164,6 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
     if geometry.index_topk:
         raise ValueError(f"--kv-cache-dtype int2 does not serve {name!r}'s sparse attention (DSA: the lightning "
                          "indexer's top-k selection over the latent cache) yet; serve it with --kv-cache-dtype auto")
-    if geometry.linear_layer_ids:
-        raise ValueError(f"--kv-cache-dtype int2 does not serve {name!r}'s MLA + linear-attention hybrid "
-                         f"({len(geometry.linear_layer_ids)} linear-attention layers) yet; serve it with "
-                         "--kv-cache-dtype auto")
     for given, flag in ((config.rotation_v_path, "--oscar-rotation-v"), (config.skip_layers not in (None, "none"),
                         "--oscar-skip-layers"), (config.fold_rotations, "--oscar-fold-rotations on"),
                         (config.decode_engine == "gluon", "--oscar-decode-engine gluon"),

@@ -131,7 +131,7 @@ def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
     ``(1 head, kv_lora_rank, qk_rope_head_dim)`` for an MLA model (a window row is ``[c_kv | k_pe]``)."""
     if kvc.use_mla_backend:
         mc = kvc.model_config
-        return [("latent", kvc.layer_info.num_effective_layers, 1, mc.kv_lora_rank, mc.qk_rope_head_dim)]
+        return [("latent", len(_attention_layer_ids(kvc)), 1, mc.kv_lora_rank, mc.qk_rope_head_dim)]
     if not kvc.is_hybrid_swa:
         return [("all", len(_attention_layer_ids(kvc)), *_geometry(kvc))]
     mc = kvc.model_config
@@ -230,7 +230,6 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     arch = getattr(self.model_config.hf_config, "architectures", None)
     unsupported = [name for name, flag in (
         ("DSA sparse attention (its indexer's key pool)", self.use_mla_backend and is_deepseek_dsa(self.model_config.hf_config)),
-        ("MLA with linear-attention layers", self.use_mla_backend and self.mambaish_config is not None),
         ("only sliding-window layers in its hybrid pool",
          self.is_hybrid_swa and not self.model_config.full_attention_layer_ids),
         ("a draft model (speculative decoding)", self.is_draft_worker)) if flag]
@@ -241,7 +240,22 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     max_reqs = req_to_token_pool.req_to_token.shape[0]
     if self.use_mla_backend:
         _ACTIVE["recent"] = config.recent_tokens
-        return _build_latent_pool(self, sizes.max_total_num_tokens, config, max_reqs)
+        if self.mambaish_config is None:
+            li = self.layer_info
+            return _build_latent_pool(self, sizes.max_total_num_tokens, config, max_reqs, li.num_effective_layers,
+                                      li.start_layer, li.end_layer)
+        # Kimi-Linear: the MLA layers' latent pool inside SGLang's HybridLinearKVPool (local ids 0..n-1)
+        ids = _attention_layer_ids(self)
+        inner = _build_latent_pool(self, sizes.max_total_num_tokens, config, max_reqs, len(ids), 0, len(ids) - 1)
+        mc = self.model_config
+        pool = OscarHybridLinearKVPool(
+            full_kv_pool=inner, size=sizes.max_total_num_tokens, dtype=torch.uint8, page_size=self.server_args.page_size,
+            head_num=1, head_dim=mc.kv_lora_rank + mc.qk_rope_head_dim, full_attention_layer_ids=ids,
+            device=self.device, mamba_pool=req_to_token_pool.mamba_pool, start_layer=self.layer_info.start_layer,
+            use_mla=True, kv_lora_rank=mc.kv_lora_rank, qk_rope_head_dim=mc.qk_rope_head_dim)
+        logger.info("sglang-oscar: the INT2 latent pool holds the %d MLA layers; %d linear-attention layers keep "
+                    "SGLang's state pool", len(ids), self.layer_info.num_effective_layers - len(ids))
+        return pool
     heads, head_dim, v_head_dim = _geometry(self)
     common = dict(page_size=self.server_args.page_size, dtype=torch.uint8, head_num=heads, head_dim=head_dim,
                   v_head_dim=v_head_dim, device=self.device, oscar_config=config, hp_dtype=self.model_dtype,
@@ -284,17 +298,19 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     return pool
 
 
-def _build_latent_pool(self, size: int, config, max_reqs: int):
-    """The INT2 latent pool of an MLA model (``KVCacheConfigurator._build_mla_kv_pool``'s arguments)."""
+def _build_latent_pool(self, size: int, config, max_reqs: int, layer_num: int, start_layer: int, end_layer: int):
+    """The INT2 latent pool of an MLA model's ``layer_num`` MLA layers (``KVCacheConfigurator._build_mla_kv_pool``'s
+    arguments; ``start_layer`` / ``end_layer``: the global ids of its first / last layer, or 0 / n-1
+    inside a linear-attention hybrid's pool)."""
     from ..pool.latent_pool import OscarMLATokenToKVPool
     from ..pool.sizing import hp_row_bytes, sink_rows_for
 
     mc = self.model_config
     pool = OscarMLATokenToKVPool(
         size, page_size=self.server_args.page_size, dtype=torch.uint8, kv_lora_rank=mc.kv_lora_rank,
-        qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=self.layer_info.num_effective_layers, device=self.device,
-        enable_memory_saver=self.server_args.enable_memory_saver, start_layer=self.layer_info.start_layer,
-        end_layer=self.layer_info.end_layer, oscar_config=config, hp_dtype=self.model_dtype, max_reqs=max_reqs,
+        qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=layer_num, device=self.device,
+        enable_memory_saver=self.server_args.enable_memory_saver, start_layer=start_layer,
+        end_layer=end_layer, oscar_config=config, hp_dtype=self.model_dtype, max_reqs=max_reqs,
         sink_rows=sink_rows_for(config, max_reqs))
     logger.info("sglang-oscar: INT2 MLA latent pool: %d slots x %d layers, %d B/token (c_kv %d INT2 + k_pe %d "
                 "BF16; BF16 MLA: %d); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size, pool.layer_num,
@@ -396,7 +412,8 @@ def install_backend_factory() -> None:
             from ..backend.triton_backend import OscarTritonAttnBackend
             from ..pool.latent_pool import OscarMLATokenToKVPool
 
-            if isinstance(runner.token_to_kv_pool, OscarMLATokenToKVPool):
+            pool = runner.token_to_kv_pool
+            if isinstance(getattr(pool, "full_kv_pool", pool), OscarMLATokenToKVPool):
                 return OscarTritonLatentBackend(runner)
             return OscarTritonAttnBackend(runner)
         return original(runner)

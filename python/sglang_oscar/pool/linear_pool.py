@@ -1,12 +1,14 @@
 """``OscarHybridLinearKVPool``: SGLang's pool for linear-attention hybrids over an INT2 attention pool.
 
 Qwen3.5 / Qwen3-Next interleave full-attention layers with Gated-DeltaNet (linear-attention)
-layers. SGLang keeps the linear layers' recurrent state in its ``MambaPool`` (one fixed-size state
-per request, untouched here) and the attention layers' KV in ``HybridLinearKVPool.full_kv_pool``,
-addressed by the attention layers' *local* index (``full_attention_layer_id_mapping``). Here that
-inner pool is an :class:`~.int2_pool.OscarMHATokenToKVPool` over the attention layers only (its
+layers, Kimi-Linear MLA layers with KDA layers. SGLang keeps the linear layers' recurrent state in
+its ``MambaPool`` (one fixed-size state per request, untouched here) and the attention layers' KV in
+``HybridLinearKVPool.full_kv_pool``, addressed by the attention layers' *local* index
+(``full_attention_layer_id_mapping``). Here that inner pool is an
+:class:`~.int2_pool.OscarMHATokenToKVPool` (GQA attention layers) or an
+:class:`~.latent_pool.OscarMLATokenToKVPool` (MLA layers) over the attention layers only (its
 ``start_layer`` 0, its layers the local indices), handed to SGLang's own constructor as
-``full_kv_pool``; this class adds the INT2 backend's per-layer access by *global* layer id. SGLang's
+``full_kv_pool``; this class adds the INT2 backends' per-layer access by *global* layer id. SGLang's
 allocator, radix cache and linear-attention backends run unchanged.
 """
 
@@ -17,24 +19,29 @@ from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
 from ..kernels.layout import Int2Layout
 from .int2_pool import OscarMHATokenToKVPool
+from .latent_pool import OscarMLATokenToKVPool
 
 
 class OscarHybridLinearKVPool(HybridLinearKVPool):
     """``HybridLinearKVPool`` whose attention layers are cached in INT2 (module docstring).
 
     Args:
-        full_kv_pool: the :class:`~.int2_pool.OscarMHATokenToKVPool` of the attention layers
+        full_kv_pool: the :class:`~.int2_pool.OscarMHATokenToKVPool` or
+            :class:`~.latent_pool.OscarMLATokenToKVPool` of the attention layers
             (``layer_num = len(full_attention_layer_ids)``, ``start_layer`` 0).
         **kwargs: ``HybridLinearKVPool``'s arguments (``size``, ``dtype``, ``page_size``, ``head_num``,
-            ``head_dim``, ``full_attention_layer_ids``, ``device``, ``mamba_pool``, ``start_layer``, ...).
+            ``head_dim``, ``full_attention_layer_ids``, ``device``, ``mamba_pool``, ``start_layer``,
+            ``use_mla``, ``kv_lora_rank``, ``qk_rope_head_dim``, ...).
 
     Raises:
         ValueError: the inner pool is not INT2 or has another layer count than the attention layers.
     """
 
-    def __init__(self, *, full_kv_pool: OscarMHATokenToKVPool, **kwargs):
+    def __init__(self, *, full_kv_pool: OscarMHATokenToKVPool | OscarMLATokenToKVPool, **kwargs):
         ids = list(kwargs["full_attention_layer_ids"])
-        if not isinstance(full_kv_pool, OscarMHATokenToKVPool) or full_kv_pool.layer_num != len(ids):
+        latent = isinstance(full_kv_pool, OscarMLATokenToKVPool)
+        if (not isinstance(full_kv_pool, OscarMHATokenToKVPool) and not latent) or full_kv_pool.layer_num != len(ids) \
+                or latent != bool(kwargs.get("use_mla")):
             raise ValueError(f"OscarHybridLinearKVPool needs an INT2 pool of the {len(ids)} attention layers, got "
                              f"{type(full_kv_pool).__name__} with {getattr(full_kv_pool, 'layer_num', '?')} layers")
         super().__init__(full_kv_pool=full_kv_pool, **kwargs)
@@ -44,6 +51,9 @@ class OscarHybridLinearKVPool(HybridLinearKVPool):
         # SGLang's allocator over this pool frees the attention slots, the keys of the sink rows
         self.owns_windows = True
         self.end_layer = max(ids) if ids else self.start_layer
+        if latent:
+            self.kv_lora_rank, self.qk_rope_head_dim = full_kv_pool.kv_lora_rank, full_kv_pool.qk_rope_head_dim
+            self.layout = full_kv_pool.layout
 
     def _local(self, layer_id: int) -> int:
         return self._transfer_full_attention_id(layer_id)
@@ -68,6 +78,15 @@ class OscarHybridLinearKVPool(HybridLinearKVPool):
                       hp_rows: torch.Tensor | None) -> None:
         """:meth:`.OscarMHATokenToKVPool.write_rotated` of a global attention layer id."""
         self.full_kv_pool.write_rotated(self._local(layer_id), loc, k_rot, v_rot, hp_rows)
+
+    def latent_buffers(self, layer_id: int) -> dict:
+        """:meth:`.OscarMLATokenToKVPool.latent_buffers` of a global MLA layer id."""
+        return self.full_kv_pool.latent_buffers(self._local(layer_id))
+
+    def write_latent(self, layer_id: int, loc: torch.Tensor, c_rot: torch.Tensor, k_pe: torch.Tensor,
+                     hp_rows: torch.Tensor | None) -> None:
+        """:meth:`.OscarMLATokenToKVPool.write_latent` of a global MLA layer id."""
+        self.full_kv_pool.write_latent(self._local(layer_id), loc, c_rot, k_pe, hp_rows)
 
     def int2_bytes_per_token(self) -> int:
         """INT2 bytes of one token over the attention layers (K + V, all local kv heads)."""

@@ -153,11 +153,13 @@ class LatentRotationSet:
         have = set(self.r)
         if want != have:
             missing, extra = sorted(want - have), sorted(have - want)
+            linear = [i for i in extra if i in set(geometry.linear_layer_ids)]
             raise RotationError(
                 f"{self.source}: latent rotations cover {len(have)} layers but the model "
                 f"({geometry.model_type}) has {len(want)} MLA layers"
                 + (f"; missing {missing[:8]}" if missing else "")
                 + (f"; unexpected {extra[:8]}" if extra else "")
+                + (f" (layers {linear[:8]} are linear-attention layers: they have no latent cache)" if linear else "")
                 + ". The file was fitted for another model: refit it with `sglang-oscar fit`."
             )
         rank = geometry.kv_lora_rank
