@@ -133,6 +133,8 @@ CASES = [
     ("latent decode bf16 block_h 32, 8 warps (128 heads)", lambda: _latent(128, 512, 64, 128, precision="bf16",
                                                                            block_h=32, num_warps=8)),
     ("latent decode tf32 R512 g64 (two pairs per quarter)", lambda: _latent(16, 512, 64, 64, precision="tf32")),
+    ("latent decode over a DSA top-k, bf16 block_n 32", lambda: _latent(16, 512, 64, 128, precision="bf16", block_n=32,
+                                                                        topk=torch.full((2, 2048), -1, dtype=torch.int32))),
     ("extend d128", lambda: _attn("e")),
     ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
                                                   sliding_window=16, logit_cap=20.0)),

@@ -110,6 +110,41 @@ def test_latent_plan_runs_every_layer_of_a_batch(device):
                          quantizer="uniform", sink=2, recent=64)
 
 
+@pytest.mark.parametrize("k,splits", [(24, 1), (24, 3), (64, 2)])
+def test_latent_decode_over_a_dsa_selection_matches_the_oracle(device, k, splits):
+    """DSA (GLM-5): each request attends only to its top-k positions (distinct, ``-1``-padded, in any
+    order), each read from its own tier -- sink rows, the recent ring, INT2 -- as the oracle's
+    ``topk_indices``; k = 64 covers the whole of the shorter request plus padding."""
+    fresh_seed()
+    cfg = OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8)
+    lens, h, r, p = [90, 37], 4, 64, 16
+    rot = random_orthogonal(r)
+    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.float32, device)
+    scale = (r + p) ** -0.5 * 2.0
+    eye = torch.eye(r).expand(h, r, r)
+    q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
+    topk = torch.full((len(lens), k), -1, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        fixed = torch.tensor([0, 2, n - 1, n - 5])  # two sink and two recent positions, the rest at random
+        rest = torch.tensor([x for x in torch.randperm(n).tolist() if x not in fixed.tolist()])
+        chosen = torch.cat([fixed, rest])[:k]
+        topk[i, torch.randperm(k)[:chosen.numel()]] = chosen.to(torch.int32)
+    assert (topk[0] < 4).any() and (topk[0] >= 90 - 8).any()  # the selection reaches both windows
+    ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
+                                        window_mode="decode", hp_dtype=torch.float32, output="latent_rotated",
+                                        topk_indices=topk[i:i + 1])[0] for i, (c, kpe) in enumerate(seqs)])
+    dense = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=32,
+                                    quantizer="uniform", sink=4, recent=8, sm_scale=scale, num_splits=splits)
+    out = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=32,
+                                  quantizer="uniform", sink=4, recent=8, sm_scale=scale, num_splits=splits,
+                                  topk=topk.to(device))
+    assert rel_l2(out.cpu(), ref) < 1e-4
+    assert rel_l2(dense.cpu(), ref) > 1e-2  # the selection matters: attending everything is another answer
+    with pytest.raises(ValueError, match="engine 'dequant' only"):
+        latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=32, quantizer="uniform",
+                                sink=4, recent=8, sm_scale=scale, topk=topk.to(device), engine="codes")
+
+
 @pytest.mark.parametrize("quantizer,group,rank,applies", [
     ("uniform", 128, 512, True),  # DeepSeek-V3 at the served default: one pair per quarter row
     ("uniform", 512, 512, True),
@@ -118,6 +153,29 @@ def test_latent_plan_runs_every_layer_of_a_batch(device):
 ])
 def test_codes_engine_applies(quantizer, group, rank, applies):
     assert codes_engine_applies(quantizer, group, rank) is applies
+
+
+@pytest.mark.gpu
+def test_latent_decode_over_a_dsa_selection_at_glm5_shape():
+    """GLM-5's DSA decode shape: 2,048 selected positions of 3,000 / 9,000-token requests, R 512,
+    P 64, 16 heads, BF16 dots and block_n 32 as served: within BF16 rounding of the oracle."""
+    fresh_seed()
+    cfg = OscarConfig(group_size=128, sink_tokens=16, recent_tokens=32)
+    lens, h, r, p = [3000, 9000], 16, 512, 64
+    rot = random_orthogonal(r)
+    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.bfloat16, "cuda")
+    scale = (128 + p) ** -0.5
+    eye = torch.eye(r).expand(h, r, r)
+    q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
+    topk = torch.stack([torch.cat([torch.arange(8), torch.randperm(n - 40)[:2000] + 8, torch.arange(n - 40, n)])
+                        for n in lens]).to(torch.int32)
+    ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
+                                        window_mode="decode", hp_dtype=torch.bfloat16, output="latent_rotated",
+                                        topk_indices=topk[i:i + 1])[0] for i, (c, kpe) in enumerate(seqs)])
+    out = latent_decode_attention((q_nope @ rot).cuda(), q_pe.cuda(), **pool, group_size=128, quantizer="uniform",
+                                  sink=16, recent=32, sm_scale=scale, num_splits=8, precision="bf16", block_n=32,
+                                  topk=topk.cuda())
+    assert rel_l2(out.cpu(), ref) < 1.5e-2
 
 
 def test_latent_decode_rejects_bad_shapes():

@@ -174,22 +174,36 @@ def _latent_decode_stage1(
     KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, HC, stride_hcr, HPE, stride_hper,
     HPI, stride_hpi, R2T, stride_r2t, RPI, SEQ, SINKL,
     OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh,
-    qscale, sink, recent, num_splits, l0, l1, l2, l3,
+    qscale, sink, recent, num_splits, l0, l1, l2, l3, TOPK, stride_tk, n_topk,
     H: tl.constexpr, Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, G: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr, DOT: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     """Grid ``(batch, head blocks, splits)``: split ``sp`` of request ``b`` covers positions
     ``[sp * chunk, (sp + 1) * chunk)`` of ``[0, L)`` (``chunk`` a multiple of ``BLOCK_N``) and
-    writes its normalised partial latent output and base-2 log-sum-exp (``-inf`` when empty)."""
+    writes its normalised partial latent output and base-2 log-sum-exp (``-inf`` when empty).
+    ``SPARSE`` (DSA): the split covers entries ``[lo, hi)`` of the request's top-k list
+    ``TOPK[b, :n_topk]`` instead, each a position in ``[0, L)`` or ``-1`` (unused); every position
+    keeps its tier (sink row, ring row or INT2 slot)."""
     b, heads, hmask, sp, req, lo, hi, ring, sink_r, rec_start = _program(
         RPI, SEQ, SINKL, sink, recent, num_splits, H, BLOCK_H, BLOCK_N, HAS_SINKL)
+    if SPARSE:
+        L = tl.load(SEQ + b).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(n_topk, num_splits), BLOCK_N) * BLOCK_N
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, n_topk)
     q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads,
                                                    hmask, qscale, Q, P, PP)
 
     m, l, acc0, acc1, acc2, acc3 = _empty_state(BLOCK_H, Q)
     for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < hi
+        idx = n0 + tl.arange(0, BLOCK_N)
+        if SPARSE:
+            pos = tl.load(TOPK + b.to(tl.int64) * stride_tk + idx, mask=idx < hi, other=-1).to(tl.int32)
+            valid = (idx < hi) & (pos >= 0) & (pos < L)
+        else:
+            pos = idx
+            valid = pos < hi
         in_sink = pos < sink_r
         in_hp = in_sink | (pos >= rec_start)
         entry = tl.where(in_sink, pos, sink + pos % ring)

@@ -78,6 +78,10 @@ class LatentDecodePlan:
             (:mod:`.latent_codes`: uniform quantizer, ``group_size`` a multiple of ``R/4``).
         workspace: a :class:`~.decode.plan.DecodeWorkspace` to take the stage-1 views from (one
             buffer for many plans), or ``None`` (allocated here).
+        topk: optional int ``[B, k]`` DSA selection (GLM-5's lightning indexer): request ``b``
+            attends only to positions ``topk[b]`` (``-1`` = unused; distinct positions in
+            ``[0, L)``, as a top-k is), each from its tier; the split count then divides ``k``.
+            ``"dequant"`` engine only.
 
     Attributes:
         batch, num_heads, rank (``R``), rope_dim (``P``), num_splits, grid, o_part, lse.
@@ -87,14 +91,15 @@ class LatentDecodePlan:
             power of two >= 16, ``R`` a multiple of ``group_size``), ``hp_index`` narrower than
             ``sink + recent``, tile sizes not powers of two >= 16, ``num_splits < 1``, an unknown
             ``precision`` or ``"bf16"`` off the GPU, ``num_warps`` not 4 or 8, an unknown ``engine``
-            or ``"codes"`` with non-uniform levels or groups that split a quarter.
+            or ``"codes"`` with non-uniform levels, groups that split a quarter or a ``topk``.
     """
 
     def __init__(self, buffers: dict, hp_index: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, *, num_heads: int, group_size: int,
                  quantizer: str, sink: int, recent: int, sink_lens: torch.Tensor | None = None,
                  num_splits: int | None = None, num_sms: int = 132, block_n: int = 16, block_h: int = 16,
-                 precision: str = "ieee", num_warps: int = 4, engine: str = "dequant", workspace=None):
+                 precision: str = "ieee", num_warps: int = 4, engine: str = "dequant", workspace=None,
+                 topk: torch.Tensor | None = None):
         codes = buffers["codes"]
         check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), last_contiguous=True)
         dev = codes.device
@@ -128,6 +133,10 @@ class LatentDecodePlan:
         lv = codebook(quantizer).levels
         if engine not in ("dequant", "codes"):
             raise ValueError(f"engine must be 'dequant' or 'codes', got {engine!r}")
+        if topk is not None:
+            check_tensor(topk, "topk", ndim=2, dtypes=INDEX_DTYPES, device=dev, shape=(bsz, None), last_contiguous=True)
+            if engine != "dequant":
+                raise ValueError("a DSA top-k selection (topk) runs on engine 'dequant' only")
         if engine == "codes" and not codes_engine_applies(quantizer, group_size, r):
             raise ValueError(f"engine 'codes' needs evenly spaced levels (quantizer uniform, got {quantizer!r}) and a "
                              f"group_size that is a multiple of R/4 = {q} (got {group_size}); use engine 'dequant'")
@@ -150,8 +159,13 @@ class LatentDecodePlan:
             from .latent_codes import _latent_decode_stage1_codes as kernel
 
             self._kernel, levels = kernel, (lv[0], lv[1] - lv[0])
+            sparse = {}
         else:
             self._kernel, levels = _latent_decode_stage1, lv
+            # the dense kernel ignores the top-k arguments (SPARSE off): any int tensor stands in
+            tk = seq_lens if topk is None else topk
+            levels = (*lv, tk, tk.stride(0) if topk is not None else 0, 0 if topk is None else topk.shape[1])
+            sparse = dict(SPARSE=topk is not None)
         self._plane_shapes = tuple(tuple(buffers[k].shape) for k in PLANES)
         self._strides = tuple(buffers[k].stride(0) for k in PLANES)
         o, lse = self.o_part, self.lse
@@ -161,7 +175,7 @@ class LatentDecodePlan:
         self._window = (sink, recent, num_splits, *levels)
         self._constexprs = dict(H=num_heads, Q=q, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h,
                                 BLOCK_N=block_n, HAS_SINKL=sink_lens is not None, DOT=PRECISIONS[precision],
-                                num_warps=num_warps)
+                                num_warps=num_warps, **sparse)
         self._merge = merge_launch(bsz, num_heads, r, num_splits)
 
     def run(self, q_abs: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor,
