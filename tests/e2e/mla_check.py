@@ -23,20 +23,21 @@ in ``--out``) and judged:
   <= 0.02, the main harness's check d tolerance: every chunk reads INT2 latents of itself and its
   prefix, as one prefill does);
 * "the same greedy tokens": per prompt, identical up to the first position where the reference's
-  top-1 / top-2 margin is within twice the largest prompt log-prob difference measured between the
-  two servers (a near-tie their rounding can flip; this tiny model's sharpened logits tie at BF16
-  resolution, margin 0, at some positions); the agreement fraction is reported;
+  top-1 / top-2 margin is at most :data:`TIE_MARGIN` (a tie at BF16 logit resolution, which any
+  rounding difference may flip: this tiny model's flat logits tie, margin 0, at some positions);
+  the agreement fraction is reported;
 * **radix**: the int2 server answers a repeated prompt from its cache (``cached_tokens`` > 0) with
   the same greedy tokens;
 * **oracle**: the int2 server's prompt log-probs vs the model-level oracle in a BF16 copy of the
   model within twice the oracle's own BF16-vs-fp32 move (at least 0.05; :func:`oracle_report`);
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
-``--family kimi_linear`` checks the latent pool inside SGLang's linear-attention hybrid pool: a
-Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA linear attention, 1 and 3 MLA
-with DeepSeek-V3's latent geometry, dense MLPs) served with ``--load-format dummy`` (transformers
-has no Kimi-Linear class, so there are no weights to save and no oracle: SGLang's seeded dummy
-weights are the same in every server, and the oracle item is not judged).
+``--family kimi_linear`` checks that the latent pool inside SGLang's linear-attention hybrid pool
+serves: a Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA linear attention,
+1 and 3 MLA with DeepSeek-V3's latent geometry, dense MLPs) with ``--load-format dummy``
+(transformers has no Kimi-Linear class, so there are no weights to save and no oracle). SGLang's
+dummy weights are uniform in +-1e-3, norms included: the logits are ~1e-5 and attention has no
+visible effect on them, so only **serves** is judged for this family; the other rows are reported.
 
 Exit 1 when a judged item fails.
 """
@@ -71,18 +72,20 @@ NEW_TOKENS = 24
 VOCAB = 2048
 LOGIT_STD, SCORE_STD = 0.5, 1.5  # checkpoints.sharpen, as the main harness's checkpoints
 WINDOW_TOL = 0.05  # int2-window vs BF16, mean |d prompt log-prob| (CPU: BF16 vs fp32 model 0.008)
-CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol)
+CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol; unlike the MHA families'
+# chunk 64, which is bit-identical, the MLA path moved prompt log-probs by 0.015 on 4d8d6cb's model)
+TIE_MARGIN = 0.035  # a BF16 ulp of a logit in [4, 8): margins at or below it are ties
 
 
-def same_greedy(got: list[dict], ref: list[dict], noise: float) -> tuple[bool, list]:
+def same_greedy(got: list[dict], ref: list[dict], tie: float = TIE_MARGIN) -> tuple[bool, list]:
     """Whether each generation of ``got`` equals ``ref``'s up to the first position where ``ref``'s
-    top-2 margin (``margins``) is at most ``2 * noise``; also ``[(first_diff, ref_margin_there)]``
-    per prompt (``(None, None)`` when the tokens are equal)."""
+    top-2 margin (``margins``) is at most ``tie``; also ``[(first_diff, ref_margin_there)]`` per
+    prompt (``(None, None)`` when the tokens are equal)."""
     ok, where = True, []
     for g, r in zip(got, ref):
         first = next((i for i, (a, b) in enumerate(zip(g["tokens"], r["tokens"])) if a != b), None)
         margin = None if first is None else (r["margins"][first] if first < len(r.get("margins") or []) else None)
-        ok &= first is None or (margin is not None and margin <= 2 * noise)
+        ok &= first is None or (margin is not None and margin <= tie)
         where.append((first, margin))
     return ok, where
 
@@ -130,9 +133,9 @@ def build_kimi_linear(path: str) -> dict:
             "qk_rope_head_dim": 64, "weights": "dummy"}
 
 
-FAMILIES = {  # --family: (model builder's name, extra server flags, whether an oracle judges the int2 server)
-    "deepseek_v3": ("build_model", [], True),
-    "kimi_linear": ("build_kimi_linear", ["--load-format", "dummy", "--max-mamba-cache-size", "32"], False),
+FAMILIES = {  # --family: (model builder, extra server flags, judged items)
+    "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "oracle")),
+    "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"], ("serves",)),
 }
 
 
@@ -214,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
-    builder, family_flags, with_oracle = FAMILIES[args.family]
+    build, family_flags, judged = FAMILIES[args.family]
+    with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
-    geometry = globals()[builder](args.model)
+    geometry = build(args.model)
     servers = {}
     for i, (name, extra) in enumerate(SERVERS.items()):
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags])
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         agree = agreement([g["tokens"] for g in got[:n]], [r["tokens"] for r in ref[:n]])
         p_mean, p_max = _diff([x for g in got[:n] for x in g["input_logprobs"]], [x for r in ref[:n] for x in r["input_logprobs"]])
         o_mean, o_max = _diff([x for g in got[:n] for x in g["logprobs"]], [x for r in ref[:n] for x in r["logprobs"]])
-        same, where = same_greedy(got[:n], ref[:n], p_max)
+        same, where = same_greedy(got[:n], ref[:n])
         rows.append({"server": name, "vs": ref_name, "agreement": agree, "prompt_dlp_mean": p_mean,
                      "prompt_dlp_max": p_max, "out_dlp_mean": o_mean, "out_dlp_max": o_max,
                      "first_diff_and_ref_margin": where})
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if cell:
         res["capacity"] = {"int2_bytes_per_token": int(cell[0]), "bf16_bytes_per_token": int(cell[1]),
                            "ratio": int(cell[1]) / int(cell[0])}
-    res["rows"], res["verdict"] = rows, verdict
+    res["rows"], res["verdict"], res["judged"] = rows, verdict, list(judged)
     res["wall_s"] = time.monotonic() - t0
     with open(os.path.join(args.out, "mla_check.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -301,14 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                           for i, m in r["first_diff_and_ref_margin"])
               + f" | {r['prompt_dlp_mean']:.4f} / {r['prompt_dlp_max']:.4f} "
               f"| {r['out_dlp_mean']:.4f} / {r['out_dlp_max']:.4f} |" for r in rows]
-    lines += ["", f"verdict: {verdict}", f"capacity: {res.get('capacity')}", f"radix cached: {res.get('radix_cached_tokens')}",
+    lines += ["", f"verdict: {verdict} (judged: {', '.join(judged)})", f"capacity: {res.get('capacity')}", f"radix cached: {res.get('radix_cached_tokens')}",
               f"oracle (reported): {res.get('oracle')}"]
     lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]
     with open(os.path.join(args.out, "mla_check.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    judged = {"serves", "window", "chunked", "radix"} | ({"oracle"} if with_oracle else set())
-    return 0 if set(verdict) == judged and all(verdict.values()) else 1
+    return 0 if set(judged) <= set(verdict) and all(verdict[k] for k in judged) else 1
 
 
 if __name__ == "__main__":

@@ -44,6 +44,11 @@ def _answers(shift_port: int | None, dlp: float):
     return http_json
 
 
+def _fake_build(monkeypatch):
+    _, flags, judged = mla_check.FAMILIES["deepseek_v3"]
+    monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3", (lambda path: {"kv_lora_rank": 512}, flags, judged))
+
+
 @pytest.mark.parametrize("shifted,dlp,failed", [(None, 0.0, None), ("int2-chunk64", 0.05, "chunked"),
                                                 ("bf16", 0.03, None), ("int2-window", 0.2, "window")])
 def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, failed):
@@ -53,7 +58,7 @@ def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, faile
     port = None if shifted is None else mla_check.BASE_PORT + list(mla_check.SERVERS).index(shifted)
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
     monkeypatch.setattr(mla_check, "http_json", _answers(port, dlp))
-    monkeypatch.setattr(mla_check, "build_model", lambda path: {"kv_lora_rank": 512})
+    _fake_build(monkeypatch)
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.15, "oracle_fp32_vs_bf16": 0.1})
     rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "no-model")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
@@ -63,20 +68,21 @@ def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, faile
     assert os.path.exists(tmp_path / "mla_check.md")
 
 
-def test_same_greedy_forgives_only_near_ties():
-    """A divergence counts as rounding only where the reference's top-2 margin is within twice the
-    measured prompt log-prob noise; equal tokens always pass; no margins, no forgiveness."""
-    ref = [{"tokens": [1, 2, 3, 4], "margins": [0.9, 0.0, 0.5, 0.7]}]
-    assert mla_check.same_greedy([{"tokens": [1, 2, 3, 4]}], ref, 0.0) == (True, [(None, None)])
-    assert mla_check.same_greedy([{"tokens": [1, 5, 9, 9]}], ref, 0.02) == (True, [(1, 0.0)])  # a tie at BF16
-    assert mla_check.same_greedy([{"tokens": [1, 2, 6, 6]}], ref, 0.04) == (False, [(2, 0.5)])
-    assert mla_check.same_greedy([{"tokens": [1, 2, 6, 6]}], ref, 0.3) == (True, [(2, 0.5)])
-    assert mla_check.same_greedy([{"tokens": [8]}], [{"tokens": [1]}], 1.0) == (False, [(0, None)])
+def test_same_greedy_forgives_only_ties():
+    """A divergence counts as rounding only where the reference's top-2 margin is a BF16 tie (at
+    most TIE_MARGIN: the device run's divergences were at 0.0 and 0.0156); equal tokens always
+    pass; no margins, no forgiveness."""
+    ref = [{"tokens": [1, 2, 3, 4], "margins": [0.9, 0.0156, 0.05, 0.7]}]
+    assert mla_check.same_greedy([{"tokens": [1, 2, 3, 4]}], ref) == (True, [(None, None)])
+    assert mla_check.same_greedy([{"tokens": [1, 5, 9, 9]}], ref) == (True, [(1, 0.0156)])  # a tie at BF16
+    assert mla_check.same_greedy([{"tokens": [1, 2, 6, 6]}], ref) == (False, [(2, 0.05)])
+    assert mla_check.same_greedy([{"tokens": [1, 2, 6, 6]}], ref, tie=0.1) == (True, [(2, 0.05)])
+    assert mla_check.same_greedy([{"tokens": [8]}], [{"tokens": [1]}], tie=1.0) == (False, [(0, None)])
 
 
 def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp_path, monkeypatch):
     """--family kimi_linear: its config has MLA layers 1 and 3 between KDA layers 0 and 2; every server
-    loads dummy weights; equal answers pass on the four items judged without an oracle."""
+    loads dummy weights; only "serves" is judged (a chunked answer off by 0.5 is reported, not failed)."""
     from sglang_oscar.rotation.geometry import ModelGeometry
 
     info = mla_check.build_kimi_linear(str(tmp_path / "kimi"))
@@ -90,12 +96,14 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
             super().__init__(argv, *a, **k)
 
     monkeypatch.setattr(mla_check, "ServerProcess", Recording)
-    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    port = mla_check.BASE_PORT + list(mla_check.SERVERS).index("int2-chunk64")
+    monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.5))
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: pytest.fail("no oracle for kimi_linear"))
     rc = mla_check.main(["--family", "kimi_linear", "--out", str(tmp_path), "--budget", "5",
                          "--model", str(tmp_path / "k2")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 0 and res["family"] == "kimi_linear" and set(res["verdict"]) == {"serves", "window", "chunked", "radix"}
+    assert rc == 0 and res["family"] == "kimi_linear" and res["judged"] == ["serves"]
+    assert res["verdict"]["serves"] and res["verdict"]["chunked"] is False
     assert all("--load-format" in a and a[a.index("--load-format") + 1] == "dummy" for a in argvs) and len(argvs) == 4
 
 
@@ -103,7 +111,7 @@ def test_mla_check_oracle_verdict_fails_outside_its_bound(tmp_path, monkeypatch)
     """served vs the BF16-model oracle 0.25 with the oracle's own move 0.1: over 2 x 0.1, "oracle" fails."""
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
-    monkeypatch.setattr(mla_check, "build_model", lambda path: {"kv_lora_rank": 512})
+    _fake_build(monkeypatch)
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.25, "oracle_fp32_vs_bf16": 0.1})
     assert mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")]) == 1
     assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["oracle"] is False

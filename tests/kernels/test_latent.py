@@ -178,6 +178,42 @@ def test_latent_decode_over_a_dsa_selection_at_glm5_shape():
     assert rel_l2(out.cpu(), ref) < 1.5e-2
 
 
+@pytest.mark.gpu
+def test_latent_plan_replays_in_cuda_graphs():
+    """Plans built before capture, as the served backend builds them: two batch sizes captured from
+    one DecodeWorkspace, then new query values and shorter sequences written into the captured
+    tensors; each replay equals a one-shot call over the new values (codes engine, BF16 dots)."""
+    fresh_seed()
+    cfg = OscarConfig(group_size=128, sink_tokens=16, recent_tokens=32)
+    lens, h, r, p = [300, 500], 16, 512, 64
+    _, pool = build_latent_pool(lens, r, p, cfg, random_orthogonal(r), torch.bfloat16, "cuda")
+    planes = [pool[k] for k in PLANES]
+    kw = dict(num_heads=h, group_size=128, quantizer="uniform", sink=16, recent=32, precision="bf16", block_n=32,
+              engine="codes")
+    ws = DecodeWorkspace("cuda")
+    graphs = []
+    for b in (2, 1):  # largest first, as SGLang captures
+        rpi, seq = pool["req_pool_indices"][:b].clone(), pool["seq_lens"][:b].clone()
+        q_abs, q_pe = torch.randn(b, h, r, device="cuda"), torch.randn(b, h, p, device="cuda")
+        plan = LatentDecodePlan({k: pool[k] for k in PLANES}, pool["hp_index"], pool["req_to_token"], rpi, seq,
+                                workspace=ws, **kw)
+        out = torch.empty(b, h, r, device="cuda")
+        plan.run(q_abs, q_pe, *planes, sm_scale=0.05, out=out)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            plan.run(q_abs, q_pe, *planes, sm_scale=0.05, out=out)
+        graphs.append((g, plan, q_abs, q_pe, seq, out))
+    for g, plan, q_abs, q_pe, seq, out in graphs:
+        q_abs.copy_(torch.randn_like(q_abs))
+        seq.copy_(seq - torch.tensor([100, 60], device="cuda")[: seq.numel()])
+        g.replay()
+        want = latent_decode_attention(q_abs, q_pe, *planes, pool["hp_index"], pool["req_to_token"],
+                                       plan.req_pool_indices, seq, sm_scale=0.05, num_splits=plan.num_splits,
+                                       **{k: v for k, v in kw.items() if k != "num_heads"})
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 def test_latent_decode_rejects_bad_shapes():
     cfg = OscarConfig(group_size=32, sink_tokens=2, recent_tokens=4)
     _, pool = build_latent_pool([10], 64, 16, cfg, torch.eye(64), torch.float32, "cpu")

@@ -1,4 +1,5 @@
-"""The served MLA path on CPU: OscarMLATokenToKVPool + OscarTritonLatentBackend vs the oracle.
+"""The served MLA path: OscarMLATokenToKVPool (alone, or in a Kimi-Linear hybrid pool) +
+OscarTritonLatentBackend vs the oracle, on CPU (and in BF16 on the GPU).
 
 The backend is built without a model runner (:meth:`OscarTritonLatentBackend.setup_latent`) and
 driven with SGLang-shaped forward batches as SGLang's absorbed MLA attention calls it
@@ -40,33 +41,41 @@ def _layer(h=H, r=R, p=P, layer_id=0):
 
 
 class Served:
-    """One INT2 latent pool + backend (one layer), slots handed out in increasing order. With
-    ``hybrid_layer`` the pool sits in an :class:`OscarHybridLinearKVPool` whose one MLA layer has that
-    global id (Kimi-Linear: the others are linear-attention layers)."""
+    """One INT2 latent pool + backend, slots handed out in increasing order. One layer (id 0) with
+    rotation ``rot``; or, with ``hybrid_layers``, the MLA layers of those global ids (``rot`` a dict
+    by id) in an :class:`OscarHybridLinearKVPool` (Kimi-Linear: the others are linear attention), and
+    ``extend`` / ``decode`` take and return dicts by layer id."""
 
     def __init__(self, config, rot, hp_dtype, sink_rows=None, max_reqs=4, slots=512, device="cpu", shape=(H, R, P),
-                 hybrid_layer=None):
+                 hybrid_layers=None):
         from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
         self.pool = OscarMLATokenToKVPool(
-            slots, page_size=1, dtype=torch.uint8, kv_lora_rank=shape[1], qk_rope_head_dim=shape[2], layer_num=1, device=device,
-            enable_memory_saver=False, oscar_config=config, hp_dtype=hp_dtype, max_reqs=max_reqs,
-            sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
-        self.layer_id = 0
-        if hybrid_layer is not None:
-            self.inner, self.layer_id = self.pool, hybrid_layer
+            slots, page_size=1, dtype=torch.uint8, kv_lora_rank=shape[1], qk_rope_head_dim=shape[2],
+            layer_num=len(hybrid_layers or [0]), device=device, enable_memory_saver=False, oscar_config=config,
+            hp_dtype=hp_dtype, max_reqs=max_reqs, sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
+        self.layer_ids, rots = [0], {0: rot}
+        if hybrid_layers is not None:
+            self.inner, self.layer_ids, rots = self.pool, list(hybrid_layers), rot
             self.pool = OscarHybridLinearKVPool(
                 full_kv_pool=self.inner, size=slots, dtype=torch.uint8, page_size=1, head_num=1,
-                head_dim=shape[1] + shape[2], full_attention_layer_ids=[hybrid_layer], device=device, mamba_pool=None,
+                head_dim=shape[1] + shape[2], full_attention_layer_ids=self.layer_ids, device=device, mamba_pool=None,
                 use_mla=True, kv_lora_rank=shape[1], qk_rope_head_dim=shape[2])
+        self.hybrid = hybrid_layers is not None
         self.r2t = torch.zeros(max_reqs, CTX, dtype=torch.int32, device=device)
         self.device = device
         be = object.__new__(OscarTritonLatentBackend)
         be.extend_attention_fwd = extend_attention_fwd  # TritonAttnBackend.__init__ binds SGLang's kernel
-        be.setup_latent(self.pool, {self.layer_id: rot.to(device)}, self.r2t, shape[0], num_sms=4)
+        be.setup_latent(self.pool, {i: r.to(device) for i, r in rots.items()}, self.r2t, shape[0], num_sms=4)
         self.shape = shape
         self.be = be
         self.next_slot = 1
+
+    def _layers(self, seq, run):
+        """``run(layer id, q, k)`` per layer, in layer order (one forward): a dict by id, or the one output."""
+        seqs = seq if self.hybrid else {0: seq}
+        outs = {i: run(i, *(x.to(self.device) for x in seqs[i])) for i in self.layer_ids}
+        return outs if self.hybrid else outs[0]
 
     def _alloc(self, n):
         s = torch.arange(self.next_slot, self.next_slot + n, device=self.device)
@@ -85,10 +94,9 @@ class Served:
         self.be._windows_out_of_graph()
         self.be._windows_in_forward(fb)
         self.be.plan_extend(fb, n)
-        q, k = (x.to(self.device) for x in seq)
-        o = self.be.forward_extend(q[start:end].reshape(n, -1), k[start:end].reshape(n, 1, -1), None,
-                                   _layer(*self.shape, layer_id=self.layer_id), fb)
-        return o.float().cpu().reshape(n, self.shape[0], self.shape[1])
+        return self._layers(seq, lambda i, q, k: self.be.forward_extend(
+            q[start:end].reshape(n, -1), k[start:end].reshape(n, 1, -1), None, _layer(*self.shape, layer_id=i),
+            fb).float().cpu().reshape(n, self.shape[0], self.shape[1]))
 
     def decode(self, req, seq, pos):
         slot = self._alloc(1)
@@ -99,10 +107,9 @@ class Served:
         self.be._windows_out_of_graph()
         self.be._windows_in_forward(fb)
         self.be.plan_decode(fb)
-        q, k = (x.to(self.device) for x in seq)
-        o = self.be.forward_decode(q[pos:pos + 1].reshape(1, -1), k[pos:pos + 1].reshape(1, 1, -1), None,
-                                   _layer(*self.shape, layer_id=self.layer_id), fb)
-        return o.float().cpu().reshape(1, self.shape[0], self.shape[1])
+        return self._layers(seq, lambda i, q, k: self.be.forward_decode(
+            q[pos:pos + 1].reshape(1, -1), k[pos:pos + 1].reshape(1, 1, -1), None, _layer(*self.shape, layer_id=i),
+            fb).float().cpu().reshape(1, self.shape[0], self.shape[1]))
 
 
 def _data(dtype, t=56, seed=5, shape=(H, R, P)):
@@ -140,21 +147,36 @@ def _prefill_then_decode(dtype, tol, device, shape=(H, R, P), group=32):
         assert _rel(sv.decode(1, seq, pos), _oracle(seq, config, rot, pos, pos + 1, "decode", dtype)) < tol
 
 
-def test_kimi_linear_hybrid_pool_serves_its_mla_layer_by_global_id():
-    """Kimi-Linear: the latent pool of the MLA layers inside SGLang's HybridLinearKVPool (global layer
-    2 at local index 0, the other layers linear attention); the backend writes and reads it by global
-    id, and prefill + decode equal the oracle in fp32 as the plain pool's do."""
+def test_kimi_linear_hybrid_pool_serves_its_mla_layers_by_global_id():
+    """Kimi-Linear: the latent pool of the MLA layers inside SGLang's HybridLinearKVPool (global layers
+    1 and 3 at local indices 0 and 1, layers 0 and 2 linear attention), each with its own latents
+    and rotation; the backend writes and reads them by global id in one forward (one decode plan for
+    both), and prefill + decode of each equal its oracle in fp32 as the plain pool's do."""
     config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
-    seq, rot = _data(torch.float32)
-    sv = Served(config, rot, torch.float32, hybrid_layer=2)
-    assert [sv.pool.is_int2_layer(i) for i in range(4)] == [False, False, True, False]
-    assert sv.pool.latent_buffers(2)["codes"].data_ptr() == sv.inner.codes[0].data_ptr()
+    (seq1, rot1), (seq3, rot3) = _data(torch.float32, seed=5), _data(torch.float32, seed=6)
+    seqs, rots = {1: seq1, 3: seq3}, {1: rot1, 3: rot3}
+    sv = Served(config, rots, torch.float32, hybrid_layers=[1, 3])
+    assert [sv.pool.is_int2_layer(i) for i in range(4)] == [False, True, False, True]
+    assert sv.pool.latent_buffers(3)["codes"].data_ptr() == sv.inner.codes[1].data_ptr()
     assert sv.pool.windows is sv.inner.windows and sv.pool.owns_windows
-    o = sv.extend(1, seq, 0, 40)
-    assert _rel(o, _oracle(seq, config, rot, 0, 40, "extend", torch.float32)) < 1e-5
+    outs = sv.extend(1, seqs, 0, 40)
+    for i in (1, 3):
+        assert _rel(outs[i], _oracle(seqs[i], config, rots[i], 0, 40, "extend", torch.float32)) < 1e-5
     for pos in range(40, 44):
+        outs = sv.decode(1, seqs, pos)
+        for i in (1, 3):
+            assert _rel(outs[i], _oracle(seqs[i], config, rots[i], pos, pos + 1, "decode", torch.float32)) < 1e-5
+
+
+def test_served_decode_dequantizes_where_the_codes_engine_does_not_apply():
+    """Lloyd-Max levels are uneven: the served plan runs the dequantizing engine, equal to the oracle."""
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, quantizer="lloyd-max")
+    seq, rot = _data(torch.float32)
+    sv = Served(config, rot, torch.float32)
+    assert sv.be._engine == "dequant"
+    sv.extend(1, seq, 0, 40)
+    for pos in range(40, 43):
         assert _rel(sv.decode(1, seq, pos), _oracle(seq, config, rot, pos, pos + 1, "decode", torch.float32)) < 1e-5
-    assert sv.inner.codes[0].any()  # written through the global id
 
 
 def test_prefill_then_decode_match_the_oracle():
@@ -254,3 +276,46 @@ def test_seeded_model_latents_match_the_oracle():
                                              hp_dtype=torch.float32, output="latent") for p in range(40, 48)])
     assert _rel(got, oracle(config, rot, "int2")) < 1e-5
     assert _rel(got, oracle(config, rot, "none")) > 1e-2  # the INT2 tier was read (not only the windows)
+
+
+def test_backend_init_over_a_kimi_linear_hybrid_pool(monkeypatch):
+    """``OscarTritonLatentBackend.__init__`` (SGLang's own ``__init__`` stubbed) on a Kimi-Linear model:
+    (kv_lora_rank 128: the data-free block-Hadamard's block) the data-free latent rotations of its
+    MLA layers 1 and 3 only, found for the model's attention
+    layers, the decode plans over layer 1's planes; a model whose attention layers are others is
+    refused, naming them."""
+    from sglang.srt.configs.kimi_linear import KimiLinearConfig
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    import sglang.srt.runtime_context as rc
+
+    hf = KimiLinearConfig(vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=H, q_lora_rank=None,
+                          kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=P, v_head_dim=16,
+                          linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": H,
+                                              "head_dim": 16}, architectures=["KimiLinearForCausalLM"])
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    inner = OscarMLATokenToKVPool(64, page_size=1, dtype=torch.uint8, kv_lora_rank=128, qk_rope_head_dim=P, layer_num=2,
+                                  device="cpu", enable_memory_saver=False, oscar_config=config,
+                                  hp_dtype=torch.float32, max_reqs=4, sink_rows=16)
+    pool = OscarHybridLinearKVPool(full_kv_pool=inner, size=64, dtype=torch.uint8, page_size=1, head_num=1,
+                                   head_dim=128 + P, full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=None,
+                                   use_mla=True, kv_lora_rank=128, qk_rope_head_dim=P)
+    monkeypatch.setattr(TritonAttnBackend, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(rc, "get_parallel", lambda: SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
+
+    def runner(attention_layer_ids):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList()
+        for i in attention_layer_ids:
+            m = torch.nn.Module()
+            for name, value in vars(_layer(r=128, layer_id=i)).items():
+                setattr(m, name, value)
+            model.layers.append(m)
+        return SimpleNamespace(token_to_kv_pool=pool, model=model, device="cpu",
+                               model_config=SimpleNamespace(hf_config=hf, num_attention_heads=H),
+                               req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, CTX, dtype=torch.int32)))
+
+    be = OscarTritonLatentBackend(runner([1, 3]))
+    assert sorted(be.rotations) == [1, 3] and be._plan_layer == 1 and be._heads == H and be._engine == "codes"
+    with pytest.raises(RuntimeError, match=r"attention layers \[0, 2\] of Module have no latent rotation"):
+        OscarTritonLatentBackend(runner([0, 2]))

@@ -248,7 +248,6 @@ def test_pool_hook_builds_the_latent_pool_of_a_kimi_linear_model_inside_sglangs_
     from sglang.srt.layers.attention import attention_registry
 
     from sglang_oscar.backend import latent_backend
-
     from sglang_oscar.plugin import serving
     from sglang_oscar.pool.latent_pool import OscarMLATokenToKVPool
     from sglang_oscar.pool.linear_pool import OscarHybridLinearKVPool
@@ -269,7 +268,7 @@ def test_pool_hook_builds_the_latent_pool_of_a_kimi_linear_model_inside_sglangs_
     assert pool.mamba_pool is mamba and pool.full_attention_layer_id_mapping == {2: 0}
     assert pool.full_kv_pool.layer_num == 1 and (pool.kv_lora_rank, pool.qk_rope_head_dim) == (128, 16)
     assert pool.latent_buffers(2)["codes"].shape == (49, 32)  # 48 slots + slot 0, R/4 code bytes
-    assert pool.int2_bytes_per_token() == pool.full_kv_pool.int2_bytes_per_token()
+    assert pool.int2_bytes_per_token() == 32 + 2 * 4 * 2 + 16 * 2  # one layer: R/4 code bytes, 4 fp16 pairs, k_pe
     monkeypatch.setattr(latent_backend, "OscarTritonLatentBackend", lambda runner: ("latent", runner))
     factory = attention_registry.ATTENTION_BACKENDS["triton"]
     assert factory(SimpleNamespace(server_args=server_args, token_to_kv_pool=pool))[0] == "latent"

@@ -116,6 +116,8 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             num_sms: streaming multiprocessors, for the decode split count.
         """
         self.pool, self.windows, self.config = pool, pool.windows, pool.oscar_config
+        if not rotations:
+            raise RuntimeError("--kv-cache-dtype int2: this rank serves no MLA layer (no latent rotation to apply)")
         self.rotations = rotations
         self._plan_layer = min(rotations)  # a layer whose planes stand for every layer's in the decode plans
         self._hp_rows = None
@@ -132,7 +134,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         on_gpu = torch.device(pool.device).type == "cuda"
         self._precision = ({torch.bfloat16: "bf16", torch.float16: "tf32"}.get(pool.hp_dtype, "ieee")
                            if on_gpu else "ieee")
-        # MMAs over the 2-bit codes where the format allows (1.6-2.1x faster than dequantizing tiles on the
+        # MMAs over the 2-bit codes where the format allows (1.4-2.1x faster than dequantizing tiles on the
         # H200: docs/benchmarks_mla.md); other quantizers / group sizes dequantize each tile
         self._engine = ("codes" if codes_engine_applies(self.config.quantizer, pool.layout.k.group_size,
                                                         pool.kv_lora_rank) else "dequant")

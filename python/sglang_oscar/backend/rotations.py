@@ -127,8 +127,8 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     return rs
 
 
-# Architectures whose MLA layers SGLang 0.5.16 runs through DeepseekV2AttentionMLA with one attention
-# layer per decoder layer: what the dispatch hook and the latent backend are written and tested for
+# Architectures whose MLA layers SGLang 0.5.16 runs through DeepseekV2AttentionMLA, at most one per
+# decoder layer: what the dispatch hook and the latent backend are written and tested for
 # (Kimi-Linear's MLA layers are that class, its KDA layers keep SGLang's state pool).
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiLinearForCausalLM")
 

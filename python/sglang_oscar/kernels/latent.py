@@ -257,7 +257,8 @@ def check_latent_width(r: int, group_size: int) -> None:
                          f"R a multiple of group_size {group_size}")
 
 
-def _check_pow2(value: int, name: str, low: int) -> None:
+def check_pow2(value: int, name: str, low: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is a power of two ``>= low``."""
     if value < low or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= {low}, got {value}")
 
@@ -288,7 +289,7 @@ def gather_latent(codes: torch.Tensor, pairs: torch.Tensor, k_pe: torch.Tensor, 
     s_slots, q = codes.shape
     r, p = 4 * q, k_pe.shape[-1]
     check_latent_width(r, group_size)
-    _check_pow2(block_t, "block_t", 1)
+    check_pow2(block_t, "block_t", 1)
     check_tensor(pairs, "pairs", ndim=2, device=codes.device, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
     check_tensor(k_pe, "k_pe", ndim=2, device=codes.device, shape=(s_slots, p), last_contiguous=True)
     check_tensor(slots, "slots", ndim=1, dtypes=INDEX_DTYPES, device=codes.device)

@@ -20,7 +20,7 @@ from .compile_check import active as compiling
 from .compile_check import launch as _launch
 from .decode.merge import launch_merge, merge_launch
 from .decode.plan import DecodeWorkspace
-from .latent import PRECISIONS, _check_pow2, _latent_decode_stage1, check_latent_width
+from .latent import PRECISIONS, _latent_decode_stage1, check_latent_width, check_pow2
 from .layout import next_pow2
 from .validate import INDEX_DTYPES, check_tensor
 
@@ -40,10 +40,22 @@ def latent_num_splits(batch: int, num_heads: int, *, block_h: int = 16, num_sms:
 
 
 def codes_engine_applies(quantizer: str, group_size: int, rank: int) -> bool:
-    """Whether the ``"codes"`` engine (:mod:`.latent_codes`) takes this latent format: evenly spaced
-    levels (so ``level[c] = l0 + c * step`` folds into the products) and groups that hold whole
-    quarters of the rank (one (scale, zero) pair per quarter row)."""
+    """Whether the ``"codes"`` engine (:mod:`.latent_codes`) takes this latent format.
+
+    Args:
+        quantizer: the INT2 codebook's name (``"uniform"``, ``"lloyd-max"``, ...).
+        group_size: elements per (scale, zero) pair along the latent; rank: ``kv_lora_rank``.
+
+    Returns:
+        ``True`` for evenly spaced levels (so ``level[c] = l0 + c * step`` folds into the products)
+        and groups that hold whole quarters of the rank (one pair per quarter row), else ``False``.
+
+    Raises:
+        ValueError: an unknown quantizer (:func:`~sglang_oscar.quant.int2.codebook`).
+    """
     lv = codebook(quantizer).levels
+    if rank < 4 or rank % 4:
+        return False
     step = lv[1] - lv[0]
     return group_size % (rank // 4) == 0 and all(abs(b - a - step) <= 1e-6 for a, b in zip(lv[1:], lv[2:]))
 
@@ -84,7 +96,8 @@ class LatentDecodePlan:
             ``"dequant"`` engine only.
 
     Attributes:
-        batch, num_heads, rank (``R``), rope_dim (``P``), num_splits, grid, o_part, lse.
+        batch, num_heads, rank (``R``), rope_dim (``P``), num_splits, grid, o_part, lse, and the
+        tables it keeps (hp_index, req_to_token, sink_lens, req_pool_indices, seq_lens, topk).
 
     Raises:
         ValueError: planes or tables whose shapes, dtypes or devices do not fit (``R/4`` must be a
@@ -124,8 +137,8 @@ class LatentDecodePlan:
                              "must have the same length")
         if hp_index.shape[1] < sink + recent:
             raise ValueError(f"hp_index has {hp_index.shape[1]} columns, fewer than sink + recent = {sink + recent}")
-        _check_pow2(block_n, "block_n", 16)
-        _check_pow2(block_h, "block_h", 16)
+        check_pow2(block_n, "block_n", 16)
+        check_pow2(block_h, "block_h", 16)
         if num_splits is None:
             num_splits = latent_num_splits(bsz, num_heads, block_h=block_h, num_sms=num_sms)
         if num_splits < 1:
@@ -153,6 +166,8 @@ class LatentDecodePlan:
             raise ValueError(f"workspace must be a DecodeWorkspace or None, got {type(workspace).__name__}")
 
         self.device, self.batch, self.num_heads, self.rank, self.rope_dim = dev, bsz, num_heads, r, p
+        self.hp_index, self.req_to_token, self.sink_lens = hp_index, req_to_token, sink_lens
+        self.req_pool_indices, self.seq_lens, self.topk = req_pool_indices, seq_lens, topk
         self.num_splits = num_splits
         self.grid = (bsz, triton.cdiv(num_heads, block_h), num_splits)
         if engine == "codes":
@@ -228,8 +243,10 @@ def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, codes: torc
     Args:
         q_abs, q_pe, sm_scale, out: as :meth:`LatentDecodePlan.run` (``q_abs`` / ``q_pe`` share ``[B, H]``).
         codes, pairs, k_pe, hp_latent, hp_pe, hp_index, req_to_token, req_pool_indices, seq_lens,
-        group_size, num_splits, plan_kwargs: as :class:`LatentDecodePlan` (``quantizer``, ``sink``,
-            ``recent`` required; ``num_heads`` from ``q_abs``).
+        group_size, plan_kwargs: as :class:`LatentDecodePlan` (``quantizer``, ``sink``, ``recent``
+            required; ``num_heads`` from ``q_abs``).
+        num_splits: splits of each request's positions (default 4 here; ``None``: the plan's
+            :func:`latent_num_splits`).
 
     Returns:
         ``o' [B, H, R]`` (``out`` or fp32): the latent output in the rotated frame.

@@ -219,7 +219,6 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     if not _is_int2(self.server_args):
         return original_fn(self, *args, **kwargs)
     from ..pool.int2_pool import OscarMHATokenToKVPool
-    from ..pool.linear_pool import OscarHybridLinearKVPool
     from ..pool.sizing import sink_rows_for
     from ..pool.swa_pool import OscarSWAKVPool
 
@@ -248,11 +247,9 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
         ids = _attention_layer_ids(self)
         inner = _build_latent_pool(self, sizes.max_total_num_tokens, config, max_reqs, len(ids), 0, len(ids) - 1)
         mc = self.model_config
-        pool = OscarHybridLinearKVPool(
-            full_kv_pool=inner, size=sizes.max_total_num_tokens, dtype=torch.uint8, page_size=self.server_args.page_size,
-            head_num=1, head_dim=mc.kv_lora_rank + mc.qk_rope_head_dim, full_attention_layer_ids=ids,
-            device=self.device, mamba_pool=req_to_token_pool.mamba_pool, start_layer=self.layer_info.start_layer,
-            use_mla=True, kv_lora_rank=mc.kv_lora_rank, qk_rope_head_dim=mc.qk_rope_head_dim)
+        pool = _hybrid_linear_pool(self, inner, ids, sizes.max_total_num_tokens, req_to_token_pool, 1,
+                                   mc.kv_lora_rank + mc.qk_rope_head_dim, use_mla=True, kv_lora_rank=mc.kv_lora_rank,
+                                   qk_rope_head_dim=mc.qk_rope_head_dim)
         logger.info("sglang-oscar: the INT2 latent pool holds the %d MLA layers; %d linear-attention layers keep "
                     "SGLang's state pool", len(ids), self.layer_info.num_effective_layers - len(ids))
         return pool
@@ -278,10 +275,7 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
         inner = OscarMHATokenToKVPool(
             sizes.max_total_num_tokens, layer_num=len(ids), enable_memory_saver=self.server_args.enable_memory_saver,
             enable_alt_stream=not self.server_args.enable_pdmux, **common)
-        pool = OscarHybridLinearKVPool(
-            full_kv_pool=inner, size=sizes.max_total_num_tokens, dtype=torch.uint8, page_size=common["page_size"],
-            head_num=heads, head_dim=head_dim, full_attention_layer_ids=ids, device=self.device,
-            mamba_pool=req_to_token_pool.mamba_pool, start_layer=self.layer_info.start_layer)
+        pool = _hybrid_linear_pool(self, inner, ids, sizes.max_total_num_tokens, req_to_token_pool, heads, head_dim)
         logger.info("sglang-oscar: INT2 pool of the %d attention layers (%d linear-attention layers keep SGLang's "
                     "state pool): %d slots, %d B/token INT2; BF16 windows %.2f GiB", len(ids),
                     self.layer_info.num_effective_layers - len(ids), inner.size, inner.int2_bytes_per_token(),
@@ -298,10 +292,22 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     return pool
 
 
+def _hybrid_linear_pool(self, inner, ids: list[int], size: int, req_to_token_pool, head_num: int, head_dim: int,
+                        **mla):
+    """SGLang's ``HybridLinearKVPool`` (as :class:`~sglang_oscar.pool.linear_pool.OscarHybridLinearKVPool`)
+    around the INT2 pool ``inner`` of the attention layers ``ids``; its state pool is SGLang's."""
+    from ..pool.linear_pool import OscarHybridLinearKVPool
+
+    return OscarHybridLinearKVPool(
+        full_kv_pool=inner, size=size, dtype=torch.uint8, page_size=self.server_args.page_size, head_num=head_num,
+        head_dim=head_dim, full_attention_layer_ids=ids, device=self.device, mamba_pool=req_to_token_pool.mamba_pool,
+        start_layer=self.layer_info.start_layer, **mla)
+
+
 def _build_latent_pool(self, size: int, config, max_reqs: int, layer_num: int, start_layer: int, end_layer: int):
     """The INT2 latent pool of an MLA model's ``layer_num`` MLA layers (``KVCacheConfigurator._build_mla_kv_pool``'s
-    arguments; ``start_layer`` / ``end_layer``: the global ids of its first / last layer, or 0 / n-1
-    inside a linear-attention hybrid's pool)."""
+    arguments; ``start_layer`` / ``end_layer``: SGLang's ``layer_info`` bounds (end exclusive, as
+    SGLang passes them to its own pool), or 0 / n-1 inside a linear-attention hybrid's pool)."""
     from ..pool.latent_pool import OscarMLATokenToKVPool
     from ..pool.sizing import hp_row_bytes, sink_rows_for
 

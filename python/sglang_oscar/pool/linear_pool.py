@@ -34,14 +34,17 @@ class OscarHybridLinearKVPool(HybridLinearKVPool):
             ``use_mla``, ``kv_lora_rank``, ``qk_rope_head_dim``, ...).
 
     Raises:
-        ValueError: the inner pool is not INT2 or has another layer count than the attention layers.
+        ValueError: the inner pool is not INT2, has another layer count than the attention layers, or
+            is a latent pool without ``use_mla=True`` (or an MHA pool with it).
     """
 
     def __init__(self, *, full_kv_pool: OscarMHATokenToKVPool | OscarMLATokenToKVPool, **kwargs):
         ids = list(kwargs["full_attention_layer_ids"])
         latent = isinstance(full_kv_pool, OscarMLATokenToKVPool)
-        if (not isinstance(full_kv_pool, OscarMHATokenToKVPool) and not latent) or full_kv_pool.layer_num != len(ids) \
-                or latent != bool(kwargs.get("use_mla")):
+        if latent != bool(kwargs.get("use_mla")):
+            raise ValueError(f"OscarHybridLinearKVPool: use_mla={kwargs.get('use_mla')} but the inner pool is "
+                             f"{type(full_kv_pool).__name__}: an MLA model's latent pool needs use_mla=True, a GQA pool False")
+        if (not isinstance(full_kv_pool, OscarMHATokenToKVPool) and not latent) or full_kv_pool.layer_num != len(ids):
             raise ValueError(f"OscarHybridLinearKVPool needs an INT2 pool of the {len(ids)} attention layers, got "
                              f"{type(full_kv_pool).__name__} with {getattr(full_kv_pool, 'layer_num', '?')} layers")
         super().__init__(full_kv_pool=full_kv_pool, **kwargs)
@@ -89,7 +92,8 @@ class OscarHybridLinearKVPool(HybridLinearKVPool):
         self.full_kv_pool.write_latent(self._local(layer_id), loc, c_rot, k_pe, hp_rows)
 
     def int2_bytes_per_token(self) -> int:
-        """INT2 bytes of one token over the attention layers (K + V, all local kv heads)."""
+        """INT2 bytes of one token over the attention layers (K + V of all local kv heads; for a latent
+        pool its codes, pairs and ``k_pe``)."""
         return self.full_kv_pool.int2_bytes_per_token()
 
     def hp_bytes(self) -> int:
