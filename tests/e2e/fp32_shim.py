@@ -111,20 +111,22 @@ def fp32_shim_dir(work: str) -> str:
 def write_fp32_shim(path: str) -> str:
     """A minimal ``oscar_e2e_fp32-0.dist-info`` (METADATA + entry_points.txt) under ``path``, this
     file as ``path/oscar_e2e_fp32_shim.py`` and :mod:`.window_shim` as
-    ``path/oscar_e2e_window_shim.py``, which make :func:`fp32_shim_register` and
-    ``hf_window_register`` ``sglang.srt.plugins`` entry points of a process with ``path`` on its
-    PYTHONPATH; returns ``path``."""
-    from . import window_shim
+    ``path/oscar_e2e_window_shim.py`` and :mod:`.dummy_shim` as ``path/oscar_e2e_dummy_shim.py``,
+    which make :func:`fp32_shim_register`, ``hf_window_register`` and ``dummy_register``
+    ``sglang.srt.plugins`` entry points of a process with ``path`` on its PYTHONPATH; returns ``path``."""
+    from . import dummy_shim, window_shim
 
     info = os.path.join(path, f"{FP32_SHIM_ENTRY}-0.dist-info")
     os.makedirs(info, exist_ok=True)
     shutil.copyfile(os.path.abspath(__file__), os.path.join(path, f"{FP32_SHIM_MODULE}.py"))
     shutil.copyfile(os.path.abspath(window_shim.__file__), os.path.join(path, f"{window_shim.WINDOW_SHIM_MODULE}.py"))
+    shutil.copyfile(os.path.abspath(dummy_shim.__file__), os.path.join(path, f"{dummy_shim.DUMMY_SHIM_MODULE}.py"))
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write(f"Metadata-Version: 2.1\nName: {FP32_SHIM_ENTRY}\nVersion: 0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
         f.write(f"[sglang.srt.plugins]\n{FP32_SHIM_ENTRY} = {FP32_SHIM_VALUE}\n"
-                f"{window_shim.WINDOW_SHIM_ENTRY} = {window_shim.WINDOW_SHIM_MODULE}:hf_window_register\n")
+                f"{window_shim.WINDOW_SHIM_ENTRY} = {window_shim.WINDOW_SHIM_MODULE}:hf_window_register\n"
+                f"{dummy_shim.DUMMY_SHIM_ENTRY} = {dummy_shim.DUMMY_SHIM_MODULE}:dummy_register\n")
     return path
 
 

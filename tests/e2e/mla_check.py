@@ -35,9 +35,10 @@ in ``--out``) and judged:
 ``--family kimi_linear`` checks that the latent pool inside SGLang's linear-attention hybrid pool
 serves: a Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA linear attention,
 1 and 3 MLA with DeepSeek-V3's latent geometry, dense MLPs) with ``--load-format dummy``
-(transformers has no Kimi-Linear class, so there are no weights to save and no oracle). SGLang's
-dummy weights are uniform in +-1e-3, norms included: the logits are ~1e-5 and attention has no
-visible effect on them, so only **serves** is judged for this family; the other rows are reported.
+(transformers has no Kimi-Linear class, so there are no weights to save and no oracle). Every server
+loads :mod:`.dummy_shim`, which scales SGLang's dummy weights to N(0, 1/fan_in) with norm weights 1
+(SGLang's own +-1e-3 leave attention no visible effect on the logits): serving, window, chunking and
+radix reuse are judged as for DeepSeek-V3, the oracle is not.
 
 Exit 1 when a judged item fails.
 """
@@ -135,8 +136,22 @@ def build_kimi_linear(path: str) -> dict:
 
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "oracle")),
-    "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"], ("serves",)),
+    "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
+                    ("serves", "window", "chunked", "radix")),
 }
+
+
+def server_env(family: str, work: str) -> dict[str, str]:
+    """Environment of a family's servers: for a dummy-weight family the harness shims' folder first on
+    PYTHONPATH and :data:`.dummy_shim.DUMMY_ENV` (scaled dummy weights), else nothing extra."""
+    if "--load-format" not in FAMILIES[family][1]:
+        return {}
+    from .dummy_shim import DUMMY_ENV
+    from .fp32_shim import write_fp32_shim
+
+    shim = write_fp32_shim(os.path.join(work, "shims"))
+    return {"PYTHONPATH": os.pathsep.join([shim, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
+            DUMMY_ENV: "1"}
 
 
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
@@ -221,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
     geometry = build(args.model)
+    env = server_env(args.family, args.out)
     servers = {}
     for i, (name, extra) in enumerate(SERVERS.items()):
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags])
-        servers[name] = ServerProcess(a, port=BASE_PORT + i, log_path=os.path.join(args.out, f"mla_{name}.log"),
+        servers[name] = ServerProcess(a, port=BASE_PORT + i, env=env, log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
     prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
     res: dict = {"family": args.family, "geometry": geometry, "servers": {}}

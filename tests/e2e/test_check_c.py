@@ -10,7 +10,7 @@ import torch
 
 from types import SimpleNamespace
 
-from . import check_c, checkpoints, config, fp32_shim, oracle, results, window_shim
+from . import check_c, checkpoints, config, dummy_shim, fp32_shim, oracle, results, window_shim
 from .run import Run, precompute
 
 # ----------------------------------------------------------------------------- fp32 servers of check c
@@ -23,12 +23,15 @@ def test_fp32_shim_entry_point(tmp_path):
     assert shim == str(tmp_path / "fp32_shim")
     eps = [ep for d in distributions(path=[shim]) for ep in d.entry_points if ep.group == "sglang.srt.plugins"]
     win = f"{window_shim.WINDOW_SHIM_MODULE}:{window_shim.hf_window_register.__name__}"
+    dummy = f"{dummy_shim.DUMMY_SHIM_MODULE}:{dummy_shim.dummy_register.__name__}"
     assert [(ep.name, ep.value) for ep in eps] == [(fp32_shim.FP32_SHIM_ENTRY, fp32_shim.FP32_SHIM_VALUE),
-                                                   (window_shim.WINDOW_SHIM_ENTRY, win)]
+                                                   (window_shim.WINDOW_SHIM_ENTRY, win),
+                                                   (dummy_shim.DUMMY_SHIM_ENTRY, dummy)]
     mod, fn = fp32_shim.FP32_SHIM_VALUE.split(":")
     assert mod == fp32_shim.FP32_SHIM_MODULE and fn == fp32_shim.fp32_shim_register.__name__
     # the modules the entry points name sit next to the dist-info (first on the servers' PYTHONPATH)
-    for name, src in ((mod, fp32_shim.__file__), (window_shim.WINDOW_SHIM_MODULE, window_shim.__file__)):
+    for name, src in ((mod, fp32_shim.__file__), (window_shim.WINDOW_SHIM_MODULE, window_shim.__file__),
+                      (dummy_shim.DUMMY_SHIM_MODULE, dummy_shim.__file__)):
         with open(os.path.join(shim, name + ".py")) as copy, open(src) as original:
             assert copy.read() == original.read()
 

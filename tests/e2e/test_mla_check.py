@@ -14,7 +14,7 @@ from . import mla_check
 class FakeServer:
     """A healthy server whose log names the INT2 latent pool (or not, for BF16) and its token budget."""
 
-    def __init__(self, argv, port, log_path, log_header):
+    def __init__(self, argv, port, log_path, log_header, env=None):
         self.base_url = f"http://fake:{port}"
         bf16 = "auto" in argv
         with open(log_path, "w") as f:
@@ -82,7 +82,8 @@ def test_same_greedy_forgives_only_ties():
 
 def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp_path, monkeypatch):
     """--family kimi_linear: its config has MLA layers 1 and 3 between KDA layers 0 and 2; every server
-    loads dummy weights; only "serves" is judged (a chunked answer off by 0.5 is reported, not failed)."""
+    loads dummy weights scaled by the harness's dummy shim (its folder on PYTHONPATH, its switch set);
+    everything but the oracle is judged: a chunked answer off by 0.5 fails "chunked"."""
     from sglang_oscar.rotation.geometry import ModelGeometry
 
     info = mla_check.build_kimi_linear(str(tmp_path / "kimi"))
@@ -90,9 +91,12 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     assert geo.layer_ids == info["mla_layers"] == [1, 3] and list(geo.linear_layer_ids) == info["kda_layers"]
     argvs = []
 
+    envs = []
+
     class Recording(FakeServer):
-        def __init__(self, argv, *a, **k):
+        def __init__(self, argv, *a, env=None, **k):
             argvs.append(argv)
+            envs.append(env)
             super().__init__(argv, *a, **k)
 
     monkeypatch.setattr(mla_check, "ServerProcess", Recording)
@@ -102,8 +106,13 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     rc = mla_check.main(["--family", "kimi_linear", "--out", str(tmp_path), "--budget", "5",
                          "--model", str(tmp_path / "k2")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 0 and res["family"] == "kimi_linear" and res["judged"] == ["serves"]
-    assert res["verdict"]["serves"] and res["verdict"]["chunked"] is False
+    assert rc == 1 and res["family"] == "kimi_linear" and res["judged"] == ["serves", "window", "chunked", "radix"]
+    assert res["verdict"] == {"serves": True, "window": True, "chunked": False, "radix": True}
+    from .dummy_shim import DUMMY_ENV, DUMMY_SHIM_MODULE
+
+    assert all(e[DUMMY_ENV] == "1" for e in envs)
+    shim_dir = envs[0]["PYTHONPATH"].split(os.pathsep)[0]
+    assert os.path.exists(os.path.join(shim_dir, f"{DUMMY_SHIM_MODULE}.py"))
     assert all("--load-format" in a and a[a.index("--load-format") + 1] == "dummy" for a in argvs) and len(argvs) == 4
 
 

@@ -1,0 +1,52 @@
+"""The harness's scaled dummy weights (``tests.e2e.dummy_shim``), on CPU modules."""
+
+from __future__ import annotations
+
+import torch
+
+from .dummy_shim import DUMMY_ENV, DUMMY_SHIM_TARGET, dummy_register, scaled_dummy_weights
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.embed = torch.nn.Embedding(512, 256)
+    m.q_proj = torch.nn.Linear(256, 512, bias=True)
+    m.k_proj = torch.nn.Linear(256, 512, bias=False)
+    m.input_layernorm = torch.nn.Module()
+    m.input_layernorm.weight = torch.nn.Parameter(torch.zeros(256))
+    m.fp8 = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float8_e4m3fn), requires_grad=False)
+    return m
+
+
+def test_scaled_dummy_weights_keep_unit_scale_and_differ_by_name():
+    """Norm weights 1, matrices N(0, 1/fan_in) (a unit input keeps its scale), 1-D params small,
+    same-shape matrices of other names different, a second init the same, FP8 left alone."""
+    a, b = _model(), _model()
+    with torch.no_grad():
+        scaled_dummy_weights(a)
+        scaled_dummy_weights(b)
+    assert torch.equal(a.input_layernorm.weight, torch.ones(256))
+    for w in (a.q_proj.weight, a.k_proj.weight):
+        assert abs(float(w.std()) * 256 ** 0.5 - 1.0) < 0.02 and abs(float(w.mean())) < 0.01
+    assert 0 < float(a.q_proj.bias.abs().max()) <= 1e-3
+    assert not torch.equal(a.q_proj.weight, a.k_proj.weight)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not a.fp8.float().any()
+    y = a.q_proj(torch.randn(64, 256, generator=torch.Generator().manual_seed(1)))
+    assert 0.9 < float(y.std()) < 1.1
+
+
+def test_dummy_shim_registers_only_when_asked(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "_hooks", {})
+    monkeypatch.delenv(DUMMY_ENV, raising=False)
+    dummy_register()
+    assert DUMMY_SHIM_TARGET not in HookRegistry._hooks
+    monkeypatch.setenv(DUMMY_ENV, "1")
+    monkeypatch.setattr(HookRegistry, "register", lambda target, hook, kind: HookRegistry._hooks.setdefault(
+        target, []).append((target, hook, kind)))
+    dummy_register()
+    dummy_register()  # idempotent
+    assert len(HookRegistry._hooks[DUMMY_SHIM_TARGET]) == 1
