@@ -317,5 +317,9 @@ def test_backend_init_over_a_kimi_linear_hybrid_pool(monkeypatch):
 
     be = OscarTritonLatentBackend(runner([1, 3]))
     assert sorted(be.rotations) == [1, 3] and be._plan_layer == 1 and be._heads == H and be._engine == "codes"
+    # TP 2 (issue 29's check): each rank holds the whole latent and its rotation, half the q heads
+    monkeypatch.setattr(rc, "get_parallel", lambda: SimpleNamespace(attn_tp_rank=1, attn_tp_size=2))
+    be2 = OscarTritonLatentBackend(runner([1, 3]))
+    assert be2._heads == H // 2 and all(torch.equal(be2.rotations[i], be.rotations[i]) for i in (1, 3))
     with pytest.raises(RuntimeError, match=r"attention layers \[0, 2\] of Module have no latent rotation"):
         OscarTritonLatentBackend(runner([0, 2]))

@@ -196,6 +196,23 @@ def test_rank_rotations_follow_sglang_kv_head_sharding():
     assert rk.shape == (4, 8, 8) and bool((rk[:, 0, 0] == 3).all())
 
 
+def test_rank_rotations_of_a_two_geometry_model_at_tp2():
+    """Gemma-4-like at TP 2: a sliding layer's 8 kv heads (head_dim 16) are split 4 / 4, the full
+    layer's one kv head (head_dim 32) is replicated: both ranks get that same head whole."""
+    from sglang_oscar.backend.rotations import rank_rotations
+
+    k = {0: torch.stack([torch.eye(16) * (h + 1) for h in range(8)]), 1: torch.eye(32).unsqueeze(0) * 9}
+    rs = RotationSet(k, {i: -t for i, t in k.items()}, {"method": "test"})
+    geo = SimpleNamespace(layers=[SimpleNamespace(layer_id=0, num_kv_heads=8), SimpleNamespace(layer_id=1, num_kv_heads=1)])
+    ranks = [rank_rotations(rs, geo, r, 2, "cpu", [0, 1]) for r in (0, 1)]
+    for r, out in enumerate(ranks):
+        rk, rv = out[0]
+        assert rk.shape == (4, 16, 16) and [float(rk[j, 0, 0]) for j in range(4)] == [4 * r + j + 1 for j in range(4)]
+        assert torch.equal(rv, -rk)
+        assert out[1][0].shape == (1, 32, 32) and float(out[1][0][0, 0, 0]) == 9.0
+    assert torch.equal(ranks[0][1][0], ranks[1][1][0])
+
+
 def test_models_the_int2_server_cannot_serve_are_refused_from_the_config(hooked, tmp_path, monkeypatch):
     from transformers import Gemma3TextConfig, GptOssConfig, Qwen3Config
 
