@@ -317,6 +317,7 @@ def test_backend_init_over_a_kimi_linear_hybrid_pool(monkeypatch):
 
     be = OscarTritonLatentBackend(runner([1, 3]))
     assert sorted(be.rotations) == [1, 3] and be._plan_layer == 1 and be._heads == H and be._engine == "codes"
+    assert be.v_head_dim == 1  # SGLang's unused split-KV scratch shrunk (its size follows v_head_dim)
     # TP 2 (issue 29's check): each rank holds the whole latent and its rotation, half the q heads
     monkeypatch.setattr(rc, "get_parallel", lambda: SimpleNamespace(attn_tp_rank=1, attn_tp_size=2))
     be2 = OscarTritonLatentBackend(runner([1, 3]))

@@ -81,6 +81,10 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             raise RuntimeError(f"--kv-cache-dtype int2 on an MLA model: the token pool is {type(pool).__name__}, not "
                                "the INT2 latent pool; the sglang-oscar pool hook did not apply (check the log)")
         TritonAttnBackend.__init__(self, model_runner, *args, **kwargs)
+        # SGLang sizes its split-KV scratch (attn_logits [tokens, heads, max_kv_splits, v_head_dim] fp32,
+        # per eager decode step and for CUDA graphs) by this; the latent plans keep their own workspace,
+        # and at 128 heads x 256 tokens x R 512 the unused scratch would take 0.5 GB
+        self.v_head_dim = 1
         from sglang.srt.runtime_context import get_parallel
 
         config = pool.oscar_config
