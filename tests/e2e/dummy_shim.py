@@ -9,7 +9,8 @@ plugin (entry point ``oscar_e2e_dummy``, installed beside :mod:`.fp32_shim`'s by
 :func:`scaled_dummy_weights`: norm weights 1, other 1-D parameters as SGLang draws them, every
 other parameter N(0, 1 / fan_in) (``fan_in`` its last dim), so activations keep their scale through
 the layers, attention scores and logits have a standard deviation near 1, and a different seed
-per parameter name gives every server of a comparison the same weights.
+per parameter name gives every server of a comparison the same weights. FP8 weights keep SGLang's
+draw (their scales do not): use it with BF16 models.
 
 :func:`.fp32_shim.write_fp32_shim` copies this file next to the plugin folder's dist-info as the
 top-level module ``oscar_e2e_dummy_shim``; it imports nothing of the harness.
@@ -37,20 +38,25 @@ def scaled_dummy_weights(model, seed: int = 1234) -> None:
         gen = torch.Generator(device=param.device)
         gen.manual_seed(seed + zlib.crc32(name.encode()))
         if param.dim() <= 1:
-            if "norm" in name:
+            if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.uniform_(-1e-3, 1e-3, generator=gen)
         else:
+            # Kimi's KDA A_log [1, 1, H, 1] (fan_in 1) gets N(0, 1): decay rates e^N(0,1), near trained ones
             draw = torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
             param.copy_(draw * param.shape[-1] ** -0.5)
 
 
 def _around_dummy_init(original_fn, model, *args, **kwargs):
     """AROUND hook of ``initialize_dummy_weights``: SGLang's draw first (it also covers FP8
-    weights), then :func:`scaled_dummy_weights` over the rest."""
+    weights), then :func:`scaled_dummy_weights` over the rest. SGLang 0.5.16's Kimi-Linear derives
+    its MLA layers' ``w_kc`` / ``w_vc`` from ``kv_b_proj`` only at the end of ``load_weights``,
+    which dummy loading never calls: it runs here with no weights."""
     original_fn(model, *args, **kwargs)
     scaled_dummy_weights(model)
+    if type(model).__name__ == "KimiLinearForCausalLM":
+        model.load_weights([])
 
 
 def dummy_register() -> None:

@@ -50,3 +50,24 @@ def test_dummy_shim_registers_only_when_asked(monkeypatch):
     dummy_register()
     dummy_register()  # idempotent
     assert len(HookRegistry._hooks[DUMMY_SHIM_TARGET]) == 1
+
+
+def test_the_hook_completes_kimi_linear_after_the_draw():
+    """The AROUND hook draws SGLang's weights, rescales them, and runs Kimi-Linear's weight-free
+    ``load_weights([])`` (which derives w_kc / w_vc); a norm bias is not a norm weight."""
+    from .dummy_shim import _around_dummy_init
+
+    calls = []
+
+    class KimiLinearForCausalLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_norm = torch.nn.LayerNorm(8)
+
+        def load_weights(self, weights):
+            calls.append(list(weights))
+
+    model = KimiLinearForCausalLM()
+    _around_dummy_init(lambda m: calls.append("sglang"), model)
+    assert calls == ["sglang", []]
+    assert torch.equal(model.o_norm.weight, torch.ones(8)) and float(model.o_norm.bias.abs().max()) <= 1e-3

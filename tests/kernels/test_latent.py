@@ -110,11 +110,12 @@ def test_latent_plan_runs_every_layer_of_a_batch(device):
                          quantizer="uniform", sink=2, recent=64)
 
 
-@pytest.mark.parametrize("k,splits", [(24, 1), (24, 3), (64, 2)])
+@pytest.mark.parametrize("k,splits", [(24, 1), (48, 3), (64, 1), (64, 2)])
 def test_latent_decode_over_a_dsa_selection_matches_the_oracle(device, k, splits):
     """DSA (GLM-5): each request attends only to its top-k positions (distinct, ``-1``-padded, in any
     order), each read from its own tier -- sink rows, the recent ring, INT2 -- as the oracle's
-    ``topk_indices``; k = 64 covers the whole of the shorter request plus padding."""
+    ``topk_indices``; k = 64 covers the whole of the shorter request plus padding, and with one
+    split the split must span the list, not the (shorter) request."""
     fresh_seed()
     cfg = OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8)
     lens, h, r, p = [90, 37], 4, 64, 16
@@ -167,8 +168,9 @@ def test_latent_decode_over_a_dsa_selection_at_glm5_shape():
     scale = (128 + p) ** -0.5
     eye = torch.eye(r).expand(h, r, r)
     q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
-    topk = torch.stack([torch.cat([torch.arange(8), torch.randperm(n - 40)[:2000] + 8, torch.arange(n - 40, n)])
-                        for n in lens]).to(torch.int32)
+    # distinct positions (a top-k is): sink 0-7, 1,990 from [8, n - 40), the last 40, and 10 unused (-1)
+    topk = torch.stack([torch.cat([torch.arange(8), torch.randperm(n - 48)[:1990] + 8, torch.arange(n - 40, n),
+                                   torch.full((10,), -1)])[torch.randperm(2048)] for n in lens]).to(torch.int32)
     ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
                                         window_mode="decode", hp_dtype=torch.bfloat16, output="latent_rotated",
                                         topk_indices=topk[i:i + 1])[0] for i, (c, kpe) in enumerate(seqs)])

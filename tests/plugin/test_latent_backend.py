@@ -279,9 +279,9 @@ def test_seeded_model_latents_match_the_oracle():
 
 
 def test_backend_init_over_a_kimi_linear_hybrid_pool(monkeypatch):
-    """``OscarTritonLatentBackend.__init__`` (SGLang's own ``__init__`` stubbed) on a Kimi-Linear model:
-    (kv_lora_rank 128: the data-free block-Hadamard's block) the data-free latent rotations of its
-    MLA layers 1 and 3 only, found for the model's attention
+    """``OscarTritonLatentBackend.__init__`` (SGLang's own ``__init__`` stubbed) on a Kimi-Linear model
+    with kv_lora_rank 128 (a multiple of the data-free block-Hadamard's block): the data-free latent
+    rotations of its MLA layers 1 and 3 only, found for the model's attention
     layers, the decode plans over layer 1's planes; a model whose attention layers are others is
     refused, naming them."""
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
@@ -317,10 +317,32 @@ def test_backend_init_over_a_kimi_linear_hybrid_pool(monkeypatch):
 
     be = OscarTritonLatentBackend(runner([1, 3]))
     assert sorted(be.rotations) == [1, 3] and be._plan_layer == 1 and be._heads == H and be._engine == "codes"
-    assert be.v_head_dim == 1  # SGLang's unused split-KV scratch shrunk (its size follows v_head_dim)
     # TP 2 (issue 29's check): each rank holds the whole latent and its rotation, half the q heads
     monkeypatch.setattr(rc, "get_parallel", lambda: SimpleNamespace(attn_tp_rank=1, attn_tp_size=2))
     be2 = OscarTritonLatentBackend(runner([1, 3]))
     assert be2._heads == H // 2 and all(torch.equal(be2.rotations[i], be.rotations[i]) for i in (1, 3))
     with pytest.raises(RuntimeError, match=r"attention layers \[0, 2\] of Module have no latent rotation"):
         OscarTritonLatentBackend(runner([0, 2]))
+
+
+def test_hybrid_pool_and_backend_refuse_mismatched_setups():
+    """A latent pool handed over without ``use_mla=True`` (or a GQA pool with it), and a backend given
+    no MLA layer to serve, are refused with messages that say what is wrong."""
+    from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
+
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    latent = OscarMLATokenToKVPool(16, page_size=1, dtype=torch.uint8, kv_lora_rank=R, qk_rope_head_dim=P, layer_num=1,
+                                   device="cpu", enable_memory_saver=False, oscar_config=config,
+                                   hp_dtype=torch.float32, max_reqs=2, sink_rows=4)
+    common = dict(size=16, dtype=torch.uint8, page_size=1, head_num=1, head_dim=R + P, full_attention_layer_ids=[1],
+                  device="cpu", mamba_pool=None)
+    with pytest.raises(ValueError, match="use_mla=None but the inner pool is OscarMLATokenToKVPool"):
+        OscarHybridLinearKVPool(full_kv_pool=latent, **common)
+    mha = OscarMHATokenToKVPool(16, page_size=1, dtype=torch.uint8, head_num=1, head_dim=64, v_head_dim=64, layer_num=1,
+                                device="cpu", enable_memory_saver=False, enable_alt_stream=False, oscar_config=config,
+                                hp_dtype=torch.float32, max_reqs=2, sink_rows=4)
+    with pytest.raises(ValueError, match="use_mla=True but the inner pool is OscarMHATokenToKVPool"):
+        OscarHybridLinearKVPool(full_kv_pool=mha, use_mla=True, kv_lora_rank=R, qk_rope_head_dim=P, **common)
+    be = object.__new__(OscarTritonLatentBackend)
+    with pytest.raises(RuntimeError, match="this rank serves no MLA layer"):
+        be.setup_latent(latent, {}, torch.zeros(2, 8, dtype=torch.int32), H, num_sms=4)

@@ -83,7 +83,8 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         TritonAttnBackend.__init__(self, model_runner, *args, **kwargs)
         # SGLang sizes its split-KV scratch (attn_logits [tokens, heads, max_kv_splits, v_head_dim] fp32,
         # per eager decode step and for CUDA graphs) by this; the latent plans keep their own workspace,
-        # and at 128 heads x 256 tokens x R 512 the unused scratch would take 0.5 GB
+        # and with MLA's max_kv_splits of 256 on an H200 the unused scratch of 16 heads x 256 graph
+        # tokens would take 2.1 GB
         self.v_head_dim = 1
         from sglang.srt.runtime_context import get_parallel
 

@@ -15,7 +15,8 @@ dequantized tile (V is the latent itself, so its codes are read once). The outpu
 (:func:`.decode.merge.decode_merge`).
 
 The launches (checks, split count, workspace, one plan per decode batch) are
-:mod:`.latent_plan`'s. The kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per element,
+:mod:`.latent_plan`'s. With ``SPARSE`` (DSA) a program walks entries of each request's top-k list of
+positions instead of a range of them, each position still read from its tier. The kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per element,
 any group size) and multiplies with the engine ``precision`` names: fp32 (IEEE, what the
 interpreter and the oracle compute; the exactness tests), TF32 or BF16 tensor cores (serving).
 """

@@ -173,13 +173,13 @@ class LatentDecodePlan:
         if engine == "codes":
             from .latent_codes import _latent_decode_stage1_codes as kernel
 
-            self._kernel, levels = kernel, (lv[0], lv[1] - lv[0])
+            self._kernel, tail = kernel, (lv[0], lv[1] - lv[0])
             sparse = {}
         else:
-            self._kernel, levels = _latent_decode_stage1, lv
-            # the dense kernel ignores the top-k arguments (SPARSE off): any int tensor stands in
+            # the levels, then the top-k list (ignored with SPARSE off: any int tensor stands in)
             tk = seq_lens if topk is None else topk
-            levels = (*lv, tk, tk.stride(0) if topk is not None else 0, 0 if topk is None else topk.shape[1])
+            self._kernel = _latent_decode_stage1
+            tail = (*lv, tk, tk.stride(0) if topk is not None else 0, 0 if topk is None else topk.shape[1])
             sparse = dict(SPARSE=topk is not None)
         self._plane_shapes = tuple(tuple(buffers[k].shape) for k in PLANES)
         self._strides = tuple(buffers[k].stride(0) for k in PLANES)
@@ -187,7 +187,7 @@ class LatentDecodePlan:
         self._tables = (hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices,
                         seq_lens, seq_lens if sink_lens is None else sink_lens,
                         o, o.stride(0), o.stride(1), o.stride(2), lse, lse.stride(0), lse.stride(1))
-        self._window = (sink, recent, num_splits, *levels)
+        self._window = (sink, recent, num_splits, *tail)
         self._constexprs = dict(H=num_heads, Q=q, P=p, PP=max(16, next_pow2(p)), G=group_size, BLOCK_H=block_h,
                                 BLOCK_N=block_n, HAS_SINKL=sink_lens is not None, DOT=PRECISIONS[precision],
                                 num_warps=num_warps, **sparse)

@@ -295,7 +295,16 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
 def _hybrid_linear_pool(self, inner, ids: list[int], size: int, req_to_token_pool, head_num: int, head_dim: int,
                         **mla):
     """SGLang's ``HybridLinearKVPool`` (as :class:`~sglang_oscar.pool.linear_pool.OscarHybridLinearKVPool`)
-    around the INT2 pool ``inner`` of the attention layers ``ids``; its state pool is SGLang's."""
+    around the INT2 pool ``inner`` of the attention layers ``ids``; its state pool is SGLang's.
+
+    Args:
+        self: SGLang's ``KVCacheConfigurator`` (the pool hook's ``self``: server args, device, layers).
+        inner: the INT2 MHA or latent pool of the ``len(ids)`` attention layers (local ids 0..n-1).
+        ids: global ids of the attention layers; size: token slots; req_to_token_pool: SGLang's
+            (its ``mamba_pool`` holds the linear layers' state).
+        head_num, head_dim: what SGLang's pool reports (1 and ``R + P`` for a latent pool).
+        **mla: ``use_mla``, ``kv_lora_rank``, ``qk_rope_head_dim`` for a latent pool.
+    """
     from ..pool.linear_pool import OscarHybridLinearKVPool
 
     return OscarHybridLinearKVPool(

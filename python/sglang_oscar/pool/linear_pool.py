@@ -41,12 +41,12 @@ class OscarHybridLinearKVPool(HybridLinearKVPool):
     def __init__(self, *, full_kv_pool: OscarMHATokenToKVPool | OscarMLATokenToKVPool, **kwargs):
         ids = list(kwargs["full_attention_layer_ids"])
         latent = isinstance(full_kv_pool, OscarMLATokenToKVPool)
-        if latent != bool(kwargs.get("use_mla")):
-            raise ValueError(f"OscarHybridLinearKVPool: use_mla={kwargs.get('use_mla')} but the inner pool is "
-                             f"{type(full_kv_pool).__name__}: an MLA model's latent pool needs use_mla=True, a GQA pool False")
         if (not isinstance(full_kv_pool, OscarMHATokenToKVPool) and not latent) or full_kv_pool.layer_num != len(ids):
             raise ValueError(f"OscarHybridLinearKVPool needs an INT2 pool of the {len(ids)} attention layers, got "
                              f"{type(full_kv_pool).__name__} with {getattr(full_kv_pool, 'layer_num', '?')} layers")
+        if latent != bool(kwargs.get("use_mla")):
+            raise ValueError(f"OscarHybridLinearKVPool: use_mla={kwargs.get('use_mla')} but the inner pool is "
+                             f"{type(full_kv_pool).__name__}: an MLA model's latent pool needs use_mla=True, a GQA pool False")
         super().__init__(full_kv_pool=full_kv_pool, **kwargs)
         self.oscar_config = full_kv_pool.oscar_config
         self.hp_dtype = full_kv_pool.hp_dtype
