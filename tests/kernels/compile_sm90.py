@@ -33,6 +33,7 @@ from sglang_oscar.kernels import (  # noqa: E402
 from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_BITS  # noqa: E402
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
 from sglang_oscar.kernels.latent import gather_latent  # noqa: E402
+from sglang_oscar.kernels.latent_extend import latent_extend_attention  # noqa: E402
 from sglang_oscar.kernels.latent_plan import latent_decode_attention  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
 
@@ -84,6 +85,19 @@ def _latent(h, r, p, group, hp_dtype=torch.bfloat16, **kw):
                   quantizer="uniform")
 
 
+def _latent_extend(h, block_t, block_h, **kw):
+    from sglang_oscar.config import OscarConfig
+
+    cfg = OscarConfig(group_size=128, sink_tokens=4, recent_tokens=8)
+    _, pool = build_latent_pool([20, 30], 512, 64, cfg, random_orthogonal(512), torch.bfloat16)
+    planes = {k: pool[k] for k in ("codes", "pairs", "k_pe", "hp_latent", "hp_pe", "hp_index", "req_to_token",
+                                   "req_pool_indices")}
+    latent_extend_attention(torch.randn(50, h, 512), torch.randn(50, h, 64), **planes,
+                            qo_indptr=torch.tensor([0, 20, 50], dtype=torch.int32),
+                            prefix_lens=torch.zeros(2, dtype=torch.int32), group_size=128, quantizer="uniform", sink=4,
+                            sm_scale=0.1, max_extend_len=30, block_t=block_t, block_h=block_h, **kw)
+
+
 CASES = [
     ("rotate q d128 gqa4 (16-row programs)", lambda: _rotate(32, 32, 8, 128, torch.float32)),
     ("rotate k d128 centred (64-row programs)", lambda: _rotate(4096, 8, 8, 128, torch.bfloat16,
@@ -133,6 +147,9 @@ CASES = [
     ("latent decode bf16 block_h 32, 8 warps (128 heads)", lambda: _latent(128, 512, 64, 128, precision="bf16",
                                                                            block_h=32, num_warps=8)),
     ("latent decode tf32 R512 g64 (two pairs per quarter)", lambda: _latent(16, 512, 64, 64, precision="tf32")),
+    ("latent extend bf16 R512, 1 token x 16 heads", lambda: _latent_extend(16, 1, 16, precision="bf16")),
+    ("latent extend bf16 R512, 4 tokens x 16 heads, 8 warps", lambda: _latent_extend(128, 4, 16, precision="bf16",
+                                                                                     num_warps=8)),
     ("latent decode over a DSA top-k, bf16 block_n 32", lambda: _latent(16, 512, 64, 128, precision="bf16", block_n=32,
                                                                         topk=torch.full((2, 2048), -1, dtype=torch.int32))),
     ("extend d128", lambda: _attn("e")),

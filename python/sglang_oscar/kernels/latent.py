@@ -126,26 +126,28 @@ def _empty_state(BLOCK_H: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, valid, m, l):
-    """Online-softmax update of one block of base-2 scores ``s [BLOCK_H, BLOCK_N]``: ``(p, alpha, m, l)``."""
-    s = tl.where(valid[None, :], s, NEG_INF)
+def _softmax_step(s, mask, m, l):
+    """Online-softmax update of one block of base-2 scores ``s [rows, BLOCK_N]`` (``mask``: which
+    scores count, ``[1, BLOCK_N]`` or ``[rows, BLOCK_N]``): ``(p, alpha, m, l)``."""
+    s = tl.where(mask, s, NEG_INF)
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.where(m_new > NEG_INF, tl.exp2(m - m_new), 1.0)
-    p = tl.where(valid[None, :], tl.exp2(s - tl.where(m_new > NEG_INF, m_new, 0.0)[:, None]), 0.0)
+    p = tl.where(mask, tl.exp2(s - tl.where(m_new > NEG_INF, m_new, 0.0)[:, None]), 0.0)
     return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
-def _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid, m, l, acc0, acc1, acc2, acc3,
+def _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, mask, m, l, acc0, acc1, acc2, acc3,
                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
-    """One block of latent rows (quarters ``c0..c3 [BLOCK_N, Q]`` and ``kpe``, fp32) as K and V:
-    scores, online softmax, value sums; returns ``(m, l, acc0, acc1, acc2, acc3)``."""
+    """One block of latent rows (quarters ``c0..c3 [BLOCK_N, Q]`` and ``kpe``, fp32) as K and V for
+    ``BLOCK_H`` query rows (``mask`` as :func:`_softmax_step`'s): scores, online softmax, value sums;
+    returns ``(m, l, acc0, acc1, acc2, acc3)``."""
     s = _mma(q0, tl.trans(c0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT)
     s = _mma(q1, tl.trans(c1), s, DOT)
     s = _mma(q2, tl.trans(c2), s, DOT)
     s = _mma(q3, tl.trans(c3), s, DOT)
     s = _mma(qp, tl.trans(kpe), s, DOT)
-    p, alpha, m, l = _softmax_step(s, valid, m, l)
+    p, alpha, m, l = _softmax_step(s, mask, m, l)
     acc0 = _mma(p, c0, acc0 * alpha[:, None], DOT)
     acc1 = _mma(p, c1, acc1 * alpha[:, None], DOT)
     acc2 = _mma(p, c2, acc2 * alpha[:, None], DOT)
@@ -222,7 +224,7 @@ def _latent_decode_stage1(
         kpe_i = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=int2[:, None] & pmask[None, :], other=0.0)
         kpe_h = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=hp[:, None] & pmask[None, :], other=0.0)
         kpe = tl.where(hp[:, None], kpe_h.to(tl.float32), kpe_i.to(tl.float32))
-        m, l, acc0, acc1, acc2, acc3 = _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid, m, l,
+        m, l, acc0, acc1, acc2, acc3 = _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid[None, :], m, l,
                                                     acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, DOT)
 
     _store_partial(OPART, stride_ob, stride_oh, stride_os, LSE, stride_lb, stride_lh, b, heads, hmask, sp,

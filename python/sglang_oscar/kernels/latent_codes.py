@@ -44,7 +44,7 @@ def _hp_block(pos, valid, req, sink, ring, sink_r, HPI, stride_hpi, HC, stride_h
     c3 = tl.load(base + 3 * Q, mask=ok[:, None], other=0.0).to(tl.float32)
     kpe = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=ok[:, None] & pmask[None, :],
                   other=0.0).to(tl.float32)
-    return _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid, m, l, acc0, acc1, acc2, acc3,
+    return _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid[None, :], m, l, acc0, acc1, acc2, acc3,
                         BLOCK_H, BLOCK_N, DOT)
 
 
@@ -108,7 +108,7 @@ def _latent_decode_stage1_codes(
         s += (dl * s1)[None, :] * _mma(q1, tl.trans(c1), zero_n, DOT) + ((l0 - z1) * s1)[None, :] * qs1[:, None]
         s += (dl * s2)[None, :] * _mma(q2, tl.trans(c2), zero_n, DOT) + ((l0 - z2) * s2)[None, :] * qs2[:, None]
         s += (dl * s3)[None, :] * _mma(q3, tl.trans(c3), zero_n, DOT) + ((l0 - z3) * s3)[None, :] * qs3[:, None]
-        p, alpha, m, l = _softmax_step(s, valid, m, l)
+        p, alpha, m, l = _softmax_step(s, valid[None, :], m, l)
         acc0 = _mma(p * (dl * s0)[None, :], c0, acc0 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z0) * s0)[None, :], 1)[:, None]
         acc1 = _mma(p * (dl * s1)[None, :], c1, acc1 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z1) * s1)[None, :], 1)[:, None]
         acc2 = _mma(p * (dl * s2)[None, :], c2, acc2 * alpha[:, None], DOT) + tl.sum(p * ((l0 - z2) * s2)[None, :], 1)[:, None]
