@@ -3,6 +3,7 @@
 # check on a tiny DeepSeek-V3 and the latent decode benchmark (repository root, after the staging call).
 #   bash device/mla.sh tests check      (one call, ~7 min: the GPU tests and mla_check)
 #   bash device/mla.sh bench            (the next call, ~4-5 min; all three steps do not fit one 600 s call)
+#   bash device/mla.sh extend           (the served gather extend vs the direct INT2 extend kernel vs BF16)
 # Results in $OUT (at most 8 files come back): kernels.log, mla_check.md / .json, latent.md, logs.tgz
 # (server logs, pytest logs, the benchmark's stdout). MLA_BUDGET (default 300; a fresh machine's first
 # int2 servers JIT-compile for ~3 min: 220 was too short) bounds the check's startup + requests;
@@ -26,12 +27,15 @@ for step in "${steps[@]}"; do
         --out /tmp/mla --budget "${MLA_BUDGET:-300}" \
         > "$L/mla_check.log" 2>&1 || rc=1
       cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null ;;
+    extend)
+      timeout 240 python3 -m benchmarks.bench_latent_extend --out "$R/latent_extend.md" > "$L/bench_latent_extend.log" 2>&1 \
+        || rc=1 ;;
     bench)
       timeout 300 python3 -m benchmarks.bench_latent --variants "${BENCH_VARIANTS:-bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes}" \
         --out "$R/latent.md" > "$L/bench_latent.log" 2>&1 || rc=1 ;;
-    *) echo "unknown step $step (tests, check, bench)"; exit 2 ;;
+    *) echo "unknown step $step (tests, check, bench, extend)"; exit 2 ;;
   esac
 done
 tar czf "$R/logs.tgz" -C "$L" .
-tail -3 "$R/kernels.log" 2>/dev/null; cat "$R/mla_check.md" 2>/dev/null; cat "$R/latent.md" 2>/dev/null
+tail -3 "$R/kernels.log" 2>/dev/null; cat "$R/mla_check.md" "$R/latent.md" "$R/latent_extend.md" 2>/dev/null
 exit $rc

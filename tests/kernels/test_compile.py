@@ -96,6 +96,15 @@ def test_bench_latent_smoke(tmp_path):
     assert len(rows) == 1 and "sglang-triton-mla" in rows[0] and rows[0].split("|")[5].strip().endswith("x"), rows
 
 
+def test_bench_latent_extend_smoke(tmp_path):
+    """benchmarks/bench_latent_extend.py --smoke runs the served gather path, the direct INT2 extend
+    kernel and SGLang's BF16 extend once each and writes their row with both ratios."""
+    out = tmp_path / "latent_extend.md"
+    _smoke("bench_latent_extend", out)
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 4 | 20 + 12 |")]
+    assert len(rows) == 1 and [c.strip()[-1] for c in rows[0].split("|")[6:8]] == ["x", "x"], rows
+
+
 def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
     """bench_decode.apply_pool_layout re-lays a case without changing what any slot holds: the
     served pool's head-major code / pair planes with the same (random) slot ids give the decode

@@ -3,8 +3,9 @@
 One module per op: :mod:`.write` (quantize + scatter rows), :mod:`.rotate` (per-head rotations),
 :mod:`.decode` (decode attention: plan, stage 1 in Triton or Gluon, merge), :mod:`.extend` (extend /
 prefill attention), :mod:`.latent` + :mod:`.latent_plan` (decode of MLA layers over the packed INT2
-latent), :mod:`.latent_extend` (their extend). :class:`Int2Layout` describes one layer geometry; :class:`TritonConfig` and
-:class:`GluonConfig` are the attention launch configurations (the type is the decode engine).
+latent), :mod:`.latent_extend` (their extend). :class:`Int2Layout` describes one layer geometry;
+:class:`TritonConfig` and :class:`GluonConfig` are the attention launch configurations (the type is
+the decode engine).
 """
 
 from .compile_check import interpreting
