@@ -13,7 +13,9 @@
 #   suite    every GPU test of tests/kernels and tests/plugin in one pytest call spread over GPU_WORKERS
 #            (default 6) pytest-xdist workers sharing the GPU: the Triton compiles, not the GPU, bound the
 #            suite's time (log $OUT/gpu_suite.log; SUITE_TIMEOUT, default 480 s). pytest-xdist comes from
-#            .device-bundle/wheels/*.whl when the machine lacks it.
+#            .device-bundle/wheels/*.whl when the machine lacks it (carry that folder; fill it here with
+#            pip download --no-deps --only-binary=:all: --python-version 3.12 -d .device-bundle/wheels
+#            pytest-xdist execnet). 101 tests took 120 s over 8 workers on one H200.
 #   bench    python -m benchmarks.bench_decode --no-sweep --pool-layout served ($OUT/bench_decode.md, .json)
 #   configs  the every-Triton-config decode test (-k every_triton_config, ~90-100 s per parameter set)
 #   matrix   decode correctness per head_dim x config vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
