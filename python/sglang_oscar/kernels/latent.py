@@ -64,6 +64,21 @@ def _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows
     return tl.where(hp[:, None], hpv.to(tl.float32), tl.where(int2[:, None], deq, 0.0))
 
 
+@triton.jit
+def _latent_tile(KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, HC, stride_hcr, HPE, stride_hper,
+                 slots, rows, int2, hp, pcols, pmask, l0, l1, l2, l3, Q: tl.constexpr, G: tl.constexpr):
+    """One block of latent rows as the attention kernels read it, fp32: the quarters ``c0..c3
+    [BLOCK_N, Q]`` (:func:`_latent_quarter`) and ``k_pe [BLOCK_N, PP]``, each row from its HP row
+    where ``hp``, its INT2 slot where ``int2``, else 0."""
+    c0 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 0, Q, G)
+    c1 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 1, Q, G)
+    c2 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 2, Q, G)
+    c3 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 3, Q, G)
+    kpe_i = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=int2[:, None] & pmask[None, :], other=0.0)
+    kpe_h = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=hp[:, None] & pmask[None, :], other=0.0)
+    return c0, c1, c2, c3, tl.where(hp[:, None], kpe_h.to(tl.float32), kpe_i.to(tl.float32))
+
+
 # dot-product engines of the decode kernel: exact fp32 (the oracle's arithmetic), TF32 or BF16
 # tensor cores (BF16: the operands SGLang's BF16 MLA kernels multiply; not under the interpreter)
 PRECISIONS = {"ieee": 0, "tf32": 1, "bf16": 2}
@@ -217,13 +232,8 @@ def _latent_decode_stage1(
         slots = tl.load(R2T + req * stride_r2t + pos, mask=int2, other=0).to(tl.int64)
         int2 = int2 & (slots >= 0)  # a -1 slot (SGLang's padding) is never read
         slots = tl.where(int2, slots, 0)
-        c0 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 0, Q, G)
-        c1 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 1, Q, G)
-        c2 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 2, Q, G)
-        c3 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 3, Q, G)
-        kpe_i = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=int2[:, None] & pmask[None, :], other=0.0)
-        kpe_h = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=hp[:, None] & pmask[None, :], other=0.0)
-        kpe = tl.where(hp[:, None], kpe_h.to(tl.float32), kpe_i.to(tl.float32))
+        c0, c1, c2, c3, kpe = _latent_tile(KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, HC, stride_hcr, HPE,
+                                           stride_hper, slots, rows, int2, hp, pcols, pmask, l0, l1, l2, l3, Q, G)
         m, l, acc0, acc1, acc2, acc3 = _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, valid[None, :], m, l,
                                                     acc0, acc1, acc2, acc3, BLOCK_H, BLOCK_N, DOT)
 

@@ -24,7 +24,7 @@ from ..quant.int2 import codebook
 from .codes import LOG2E
 from .compile_check import active as compiling
 from .compile_check import launch as _launch
-from .latent import PRECISIONS, _attend_tile, _latent_quarter, check_latent_width, check_pow2
+from .latent import PRECISIONS, _attend_tile, _latent_tile, check_latent_width, check_pow2
 from .layout import next_pow2
 from .tiles import NEG_INF, request_sink_len
 from .validate import INDEX_DTYPES, check_tensor
@@ -83,13 +83,8 @@ def _latent_extend(
         slots = tl.load(R2T + req * stride_r2t + pos, mask=int2, other=0).to(tl.int64)
         int2 = int2 & (slots >= 0)
         slots = tl.where(int2, slots, 0)
-        c0 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 0, Q, G)
-        c1 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 1, Q, G)
-        c2 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 2, Q, G)
-        c3 = _latent_quarter(KC, stride_kcs, KPR, stride_kps, HC, stride_hcr, slots, rows, int2, hp, l0, l1, l2, l3, 3, Q, G)
-        kpe_i = tl.load(KPE + slots[:, None] * stride_kpe + pcols[None, :], mask=int2[:, None] & pmask[None, :], other=0.0)
-        kpe_h = tl.load(HPE + rows[:, None] * stride_hper + pcols[None, :], mask=hp[:, None] & pmask[None, :], other=0.0)
-        kpe = tl.where(hp[:, None], kpe_h.to(tl.float32), kpe_i.to(tl.float32))
+        c0, c1, c2, c3, kpe = _latent_tile(KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, HC, stride_hcr, HPE,
+                                           stride_hper, slots, rows, int2, hp, pcols, pmask, l0, l1, l2, l3, Q, G)
         causal = valid[None, :] & (pos[None, :] <= pos_q[:, None])
         m, l, acc0, acc1, acc2, acc3 = _attend_tile(q0, q1, q2, q3, qp, c0, c1, c2, c3, kpe, causal, m, l,
                                                     acc0, acc1, acc2, acc3, M, BLOCK_N, DOT)
