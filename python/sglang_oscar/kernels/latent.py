@@ -16,8 +16,9 @@ dequantized tile (V is the latent itself, so its codes are read once). The outpu
 
 The launches (checks, split count, workspace, one plan per decode batch) are
 :mod:`.latent_plan`'s. With ``SPARSE`` (DSA) a program walks entries of each request's top-k list of
-positions instead of a range of them, each position still read from its tier. The kernel dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per element,
-any group size) and multiplies with the engine ``precision`` names: fp32 (IEEE, what the
+positions instead of a range of them, each position still read from its tier. The kernel
+dequantizes elementwise (``scale * (level[code] - zero)``, one pair load per element, any group
+size) and multiplies with the engine ``precision`` names: fp32 (IEEE, what the
 interpreter and the oracle compute; the exactness tests), TF32 or BF16 tensor cores (serving).
 """
 
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from ..quant.int2 import codebook
 from .codes import level_of, round_to
+from .compile_check import active as compiling
 from .compile_check import launch as _launch
 from .layout import next_pow2
 from .tiles import NEG_INF, request_sink_len
@@ -116,11 +118,11 @@ def _program(RPI, SEQ, SINKL, sink, recent, num_splits, H: tl.constexpr, BLOCK_H
 
 
 @triton.jit
-def _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads, hmask, qscale,
-                Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
-    """The program's query quarters and rope part, fp32 and pre-scaled by ``qscale``:
-    ``(q0, q1, q2, q3 [BLOCK_H, Q], qp [BLOCK_H, PP], pcols, pmask)``."""
-    qa = QA + b.to(tl.int64) * stride_qab + heads[:, None].to(tl.int64) * stride_qah
+def _load_query(QA, QP, qa_rows, qp_rows, hmask, qscale, Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
+    """The program's query rows (element offsets ``qa_rows`` / ``qp_rows`` int64 ``[rows]`` into
+    ``QA`` / ``QP``; ``hmask`` the live ones): quarters and rope part, fp32 and pre-scaled by
+    ``qscale``: ``(q0, q1, q2, q3 [rows, Q], qp [rows, PP], pcols, pmask)``."""
+    qa = QA + qa_rows[:, None]
     cols = tl.arange(0, Q)
     q0 = tl.load(qa + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
     q1 = tl.load(qa + Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
@@ -128,8 +130,8 @@ def _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads
     q3 = tl.load(qa + 3 * Q + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * qscale
     pcols = tl.arange(0, PP)
     pmask = pcols < P
-    qp = tl.load(QP + b.to(tl.int64) * stride_qpb + heads[:, None].to(tl.int64) * stride_qph + pcols[None, :],
-                 mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * qscale
+    qp = tl.load(QP + qp_rows[:, None] + pcols[None, :], mask=hmask[:, None] & pmask[None, :],
+                 other=0.0).to(tl.float32) * qscale
     return q0, q1, q2, q3, qp, pcols, pmask
 
 
@@ -210,8 +212,10 @@ def _latent_decode_stage1(
         chunk = tl.cdiv(tl.cdiv(n_topk, num_splits), BLOCK_N) * BLOCK_N
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, n_topk)
-    q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads,
-                                                   hmask, qscale, Q, P, PP)
+    hrow = heads.to(tl.int64)
+    q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, QP, b.to(tl.int64) * stride_qab + hrow * stride_qah,
+                                                   b.to(tl.int64) * stride_qpb + hrow * stride_qph, hmask, qscale,
+                                                   Q, P, PP)
 
     m, l, acc0, acc1, acc2, acc3 = _empty_state(BLOCK_H, Q)
     for n0 in range(lo, hi, BLOCK_N):
@@ -268,6 +272,41 @@ def check_latent_width(r: int, group_size: int) -> None:
     if r <= 0 or r % 64 or r % group_size or (r // 4) & (r // 4 - 1):
         raise ValueError(f"latent width {r}: R/4 must be a power of two >= 16 (R = 64, 128, 256, 512, ...) and "
                          f"R a multiple of group_size {group_size}")
+
+
+def check_latent_planes(codes, pairs, k_pe, hp_latent, hp_pe, group_size: int, device=None,
+                        rank: int | None = None) -> tuple[int, int]:
+    """Check one layer's latent planes (``codes`` uint8 ``[S, R/4]``, ``pairs`` ``[S, 2R/G]``, ``k_pe``
+    ``[S, P]``, ``hp_latent`` ``[rows, R]``, ``hp_pe`` ``[rows, P]``, last dims contiguous, on
+    ``device`` when given, ``R`` = ``rank`` when given) and return ``(R, P)``.
+
+    Raises:
+        ValueError: a plane of another shape, dtype or device; a width the kernels cannot take
+            (:func:`check_latent_width`).
+    """
+    check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), device=device,
+                 shape=(None, None if rank is None else rank // 4), last_contiguous=True)
+    s_slots, r = codes.shape[0], 4 * codes.shape[1]
+    check_latent_width(r, group_size)
+    dev = codes.device
+    p = k_pe.shape[-1] if k_pe.dim() == 2 else -1
+    check_tensor(pairs, "pairs", ndim=2, device=dev, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
+    check_tensor(k_pe, "k_pe", ndim=2, device=dev, shape=(s_slots, p), last_contiguous=True)
+    check_tensor(hp_latent, "hp_latent", ndim=2, device=dev, shape=(hp_latent.shape[0], r), last_contiguous=True)
+    check_tensor(hp_pe, "hp_pe", ndim=2, device=dev, shape=(hp_latent.shape[0], p), last_contiguous=True)
+    return r, p
+
+
+def check_dot_options(precision: str, num_warps: int, device) -> None:
+    """Raise ``ValueError`` unless the attention kernels take ``precision`` (:data:`PRECISIONS`;
+    ``"bf16"`` on a GPU or in an offline compile only: the interpreter's BF16 dot is wrong) and
+    ``num_warps`` (4 or 8) on ``device``."""
+    if num_warps not in (4, 8):
+        raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
+    dev = torch.device(device).type
+    if precision not in PRECISIONS or (precision == "bf16" and dev != "cuda" and not compiling()):
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)} ('bf16' on a GPU only: the Triton "
+                         f"interpreter's BF16 dot is wrong), got {precision!r} on {dev}")
 
 
 def check_pow2(value: int, name: str, low: int) -> None:

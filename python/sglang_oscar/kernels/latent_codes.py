@@ -66,8 +66,10 @@ def _latent_decode_stage1_codes(
     i_lo = tl.minimum(tl.maximum(lo, sink_r), hi)
     i_hi = tl.maximum(tl.minimum(hi, rec_start), i_lo)
 
-    q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, stride_qab, stride_qah, QP, stride_qpb, stride_qph, b, heads,
-                                                   hmask, qscale, Q, P, PP)
+    hrow = heads.to(tl.int64)
+    q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, QP, b.to(tl.int64) * stride_qab + hrow * stride_qah,
+                                                   b.to(tl.int64) * stride_qpb + hrow * stride_qph, hmask, qscale,
+                                                   Q, P, PP)
     cols = tl.arange(0, Q)
     if DOT == 2:  # the query as the MMA sees it, so the affine sums below match its products
         q0 = q0.to(tl.bfloat16).to(tl.float32)

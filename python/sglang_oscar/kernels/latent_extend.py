@@ -22,11 +22,11 @@ import triton.language as tl
 
 from ..quant.int2 import codebook
 from .codes import LOG2E
-from .compile_check import active as compiling
 from .compile_check import launch as _launch
-from .latent import PRECISIONS, _attend_tile, _latent_tile, check_latent_width, check_pow2
+from .latent import (PRECISIONS, _attend_tile, _empty_state, _latent_tile, _load_query, check_dot_options,
+                     check_latent_planes, check_latent_width, check_pow2)
 from .layout import next_pow2
-from .tiles import NEG_INF, request_sink_len
+from .tiles import request_sink_len
 from .validate import INDEX_DTYPES, check_tensor
 
 
@@ -56,23 +56,13 @@ def _latent_extend(
     h = tl.program_id(2) * BLOCK_H + r % BLOCK_H
     rmask = (t < n_new) & (h < H)
     pos_q = prefix + t
-    qa = QA + (qo + t.to(tl.int64))[:, None] * stride_qat + h[:, None].to(tl.int64) * stride_qah
-    cols = tl.arange(0, Q)
-    q0 = tl.load(qa + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    q1 = tl.load(qa + Q + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    q2 = tl.load(qa + 2 * Q + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    q3 = tl.load(qa + 3 * Q + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    pcols = tl.arange(0, PP)
-    pmask = pcols < P
-    qp = tl.load(QP + (qo + t.to(tl.int64))[:, None] * stride_qpt + h[:, None].to(tl.int64) * stride_qph
-                 + pcols[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * qscale
+    tok, hrow = qo + t.to(tl.int64), h.to(tl.int64)
+    q0, q1, q2, q3, qp, pcols, pmask = _load_query(QA, QP, tok * stride_qat + hrow * stride_qah,
+                                                   tok * stride_qpt + hrow * stride_qph, rmask, qscale, Q, P, PP)
     sink_r = request_sink_len(SINKL, req, sink, prefix, HAS_SINKL)
     hi = prefix + tl.minimum(t0 + BLOCK_T, n_new)  # one past the block's last query position
 
-    acc = tl.zeros([M, Q], tl.float32)
-    acc0, acc1, acc2, acc3 = acc, acc, acc, acc
-    m = tl.full([M], NEG_INF, tl.float32)
-    l = tl.zeros([M], tl.float32)
+    m, l, acc0, acc1, acc2, acc3 = _empty_state(M, Q)
     for n0 in range(0, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
@@ -90,7 +80,8 @@ def _latent_extend(
                                                     acc0, acc1, acc2, acc3, M, BLOCK_N, DOT)
 
     inv = tl.where(l > 0.0, 1.0 / tl.where(l > 0.0, l, 1.0), 0.0)
-    o = OUT + (qo + t.to(tl.int64))[:, None] * stride_ot + h[:, None].to(tl.int64) * stride_oh + cols[None, :]
+    cols = tl.arange(0, Q)
+    o = OUT + (tok * stride_ot + hrow * stride_oh)[:, None] + cols[None, :]
     ty = OUT.dtype.element_ty
     tl.store(o, (acc0 * inv[:, None]).to(ty), mask=rmask[:, None])
     tl.store(o + Q, (acc1 * inv[:, None]).to(ty), mask=rmask[:, None])
@@ -150,16 +141,9 @@ def latent_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, codes: torc
         raise ValueError(f"block_t * block_h must be >= 16 (an MMA's rows), got {block_t} x {block_h}")
     if max_extend_len < 1:
         raise ValueError(f"max_extend_len must be >= 1, got {max_extend_len}")
-    if num_warps not in (4, 8):
-        raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
-    if precision not in PRECISIONS or (precision == "bf16" and dev.type != "cuda" and not compiling()):
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)} ('bf16' on a GPU only), got {precision!r}")
-    s_slots = codes.shape[0]
-    check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), device=dev, shape=(s_slots, r // 4), last_contiguous=True)
-    check_tensor(pairs, "pairs", ndim=2, device=dev, shape=(s_slots, 2 * r // group_size), last_contiguous=True)
-    check_tensor(k_pe, "k_pe", ndim=2, device=dev, shape=(s_slots, p), last_contiguous=True)
-    check_tensor(hp_latent, "hp_latent", ndim=2, device=dev, shape=(hp_latent.shape[0], r), last_contiguous=True)
-    check_tensor(hp_pe, "hp_pe", ndim=2, device=dev, shape=(hp_latent.shape[0], p), last_contiguous=True)
+    check_dot_options(precision, num_warps, dev)
+    if check_latent_planes(codes, pairs, k_pe, hp_latent, hp_pe, group_size, dev, rank=r)[1] != p:
+        raise ValueError(f"q_pe {tuple(q_pe.shape)} and k_pe {tuple(k_pe.shape)} differ in the rope width")
     for tt, name, nd in ((hp_index, "hp_index", 2), (req_to_token, "req_to_token", 2),
                          (req_pool_indices, "req_pool_indices", 1), (qo_indptr, "qo_indptr", 1),
                          (prefix_lens, "prefix_lens", 1)) + (() if sink_lens is None else ((sink_lens, "sink_lens", 1),)):

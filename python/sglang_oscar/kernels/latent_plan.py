@@ -16,11 +16,11 @@ import triton
 
 from ..quant.int2 import codebook
 from .codes import LOG2E
-from .compile_check import active as compiling
 from .compile_check import launch as _launch
 from .decode.merge import launch_merge, merge_launch
 from .decode.plan import DecodeWorkspace
-from .latent import PRECISIONS, _latent_decode_stage1, check_latent_width, check_pow2
+from .latent import (PRECISIONS, _latent_decode_stage1, check_dot_options, check_latent_planes, check_latent_width,
+                     check_pow2)
 from .layout import next_pow2
 from .validate import INDEX_DTYPES, check_tensor
 
@@ -113,20 +113,8 @@ class LatentDecodePlan:
                  num_splits: int | None = None, num_sms: int = 132, block_n: int = 16, block_h: int = 16,
                  precision: str = "ieee", num_warps: int = 4, engine: str = "dequant", workspace=None,
                  topk: torch.Tensor | None = None):
-        codes = buffers["codes"]
-        check_tensor(codes, "codes", ndim=2, dtypes=(torch.uint8,), last_contiguous=True)
-        dev = codes.device
-        s_slots, q = codes.shape
-        r = 4 * q
-        check_latent_width(r, group_size)
-        p = buffers["k_pe"].shape[-1] if buffers["k_pe"].dim() == 2 else -1
-        check_tensor(buffers["pairs"], "pairs", ndim=2, device=dev, shape=(s_slots, 2 * r // group_size),
-                     last_contiguous=True)
-        check_tensor(buffers["k_pe"], "k_pe", ndim=2, device=dev, shape=(s_slots, p), last_contiguous=True)
-        hp_latent = buffers["hp_latent"]
-        check_tensor(hp_latent, "hp_latent", ndim=2, device=dev, shape=(hp_latent.shape[0], r), last_contiguous=True)
-        check_tensor(buffers["hp_pe"], "hp_pe", ndim=2, device=dev, shape=(hp_latent.shape[0], p),
-                     last_contiguous=True)
+        r, p = check_latent_planes(*(buffers[k] for k in PLANES), group_size)
+        dev, q = buffers["codes"].device, r // 4
         for t, name, nd in ((hp_index, "hp_index", 2), (req_to_token, "req_to_token", 2),
                             (req_pool_indices, "req_pool_indices", 1), (seq_lens, "seq_lens", 1)) + (
                 () if sink_lens is None else ((sink_lens, "sink_lens", 1),)):
@@ -153,11 +141,7 @@ class LatentDecodePlan:
         if engine == "codes" and not codes_engine_applies(quantizer, group_size, r):
             raise ValueError(f"engine 'codes' needs evenly spaced levels (quantizer uniform, got {quantizer!r}) and a "
                              f"group_size that is a multiple of R/4 = {q} (got {group_size}); use engine 'dequant'")
-        if num_warps not in (4, 8):
-            raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
-        if precision not in PRECISIONS or (precision == "bf16" and dev.type != "cuda" and not compiling()):
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)} ('bf16' on a GPU only: the Triton "
-                             f"interpreter's BF16 dot is wrong), got {precision!r} on {dev.type}")
+        check_dot_options(precision, num_warps, dev)
         if isinstance(workspace, DecodeWorkspace):
             self.o_part, self.lse = workspace.views(bsz, num_heads, r, num_splits)
         elif workspace is None:
