@@ -15,7 +15,7 @@ Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean so
 one run.
 
     python -m benchmarks.bench_layer_step [--layers gemma4-sliding,gemma4-full] [--contexts 32768]
-        [--batches 1,16] [--out layer_step.md]
+        [--batches 1,16] [--out layer_step.md] [--profile]
     TRITON_INTERPRET=1 python -m benchmarks.bench_layer_step --smoke     # CPU: tiny shapes, every piece once
 """
 
@@ -113,6 +113,8 @@ class LayerCase:
         plan = DecodePlan(self.layout, s.num_q_heads, self.buffers(), self.hp_index, self.req_to_token,
                           self.req_pool_indices, self.seq_lens, sink=s.sink, recent=s.recent, q_dtype=torch.float32,
                           sliding_window=s.window or None, out_dtype=torch.float32, max_seq_len=self.ctx)
+        self.plan_summary = (f"engine {plan.engine}, splits {plan.num_hp_splits} BF16 + {plan.num_kv_splits} INT2, "
+                             f"grid {plan.grid}")
         scale = 1.0 / math.sqrt(s.head_dim)
 
         def step():
@@ -180,6 +182,27 @@ class LayerCase:
         return out
 
 
+def profile_kernels(fn, reps: int = 20) -> str:
+    """Mean device time per kernel name of one ``fn()`` call (torch.profiler, cold L2 between calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    times: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time_total
+    flush_name = max(times, key=times.get)  # the 256 MB zeroing is the longest kernel
+    times.pop(flush_name, None)
+    return "; ".join(f"{n[:48]} {t / reps:.1f} us" for n, t in sorted(times.items(), key=lambda x: -x[1]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="gemma4-sliding,gemma4-full", help=f"comma list of {sorted(LAYERS)}")
@@ -187,6 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
+    ap.add_argument("--profile", action="store_true", help="also print the INT2 step's device time per kernel")
     a = ap.parse_args(argv)
     dev = torch.device("cpu" if a.smoke else "cuda")
     table = LAYERS if not a.smoke else SMOKE
@@ -205,6 +229,9 @@ def main(argv=None) -> int:
                             f"{f', window {shape.window}' if shape.window else ''}) | {b} x {ctx} | "
                             f"{step_row_cells(int2, bf)} |")
                 print(rows[-1], flush=True)
+                print(f"    INT2 plan: {case.plan_summary}", flush=True)
+                if a.profile and dev.type == "cuda":
+                    print(f"    INT2 kernels: {profile_kernels(case.int2_step())}", flush=True)
                 del case
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
