@@ -183,24 +183,29 @@ class LayerCase:
 
 
 def profile_kernels(fn, reps: int = 20) -> str:
-    """Mean device time per kernel name of one ``fn()`` call (torch.profiler, cold L2 between calls)."""
+    """Mean device time per kernel name of one ``fn()`` call (torch.profiler, cold L2 between calls):
+    the same loop profiled without ``fn`` (the L2 flush alone) is subtracted name by name."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.zero_()
-            fn()
+
+    def kernel_times(call) -> dict:
+        call()
         torch.cuda.synchronize()
-    times: dict = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and e.device_time_total > 0:
-            times[e.name] = times.get(e.name, 0.0) + e.device_time_total
-    flush_name = max(times, key=times.get)  # the 256 MB zeroing is the longest kernel
-    times.pop(flush_name, None)
-    return "; ".join(f"{n[:48]} {t / reps:.1f} us" for n, t in sorted(times.items(), key=lambda x: -x[1]))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush.zero_()
+                call()
+            torch.cuda.synchronize()
+        out: dict = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA" and e.device_time_total > 0:
+                out[e.name] = out.get(e.name, 0.0) + e.device_time_total / reps
+        return out
+
+    base, times = kernel_times(lambda: None), kernel_times(fn)
+    times = {n: t - base.get(n, 0.0) for n, t in times.items()}
+    return "; ".join(f"{n[:48]} {t:.1f} us" for n, t in sorted(times.items(), key=lambda x: -x[1]) if t > 0.05)
 
 
 def main(argv=None) -> int:

@@ -25,8 +25,9 @@ Servers run **one at a time**, every format with the same ``--mem-fraction-stati
 so capacities compare like for like: three servers of one model cannot share the GPU at a useful
 fraction (three Qwen3-32B servers need 3 x 65.5 GB of weights alone, and at 0.28 each a Qwen3-8B
 BF16 pool holds one 128K request), and timings must not overlap. All use ``--attention-backend
-triton`` (int2 needs it; BF16/FP8 on triton too, like for like; ``--with-flashinfer`` adds a BF16
-FlashInfer server), ``--disable-radix-cache``, decode CUDA graphs up to the largest batch (the
+triton`` (int2 needs it; BF16/FP8 on triton too, like for like: ``FORMATS`` says why the ``-t64``
+formats exist; ``--with-flashinfer`` adds a BF16 FlashInfer server where FlashInfer builds),
+``--disable-radix-cache``, decode CUDA graphs up to the largest batch (the
 prefill graph is off: it only costs startup time), ``--chunked-prefill-size 8192`` (SGLang's H200
 default, pinned so all formats prefill alike) and ``--max-running-requests`` = the largest batch
 (int2's BF16 sink/recent windows are reserved per running request).
@@ -72,9 +73,16 @@ from typing import Any, Sequence
 HERE = Path(__file__).resolve().parent
 CONFIG_DIR = HERE / "configs"
 MODELS = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")
-# format -> (--kv-cache-dtype, --attention-backend, bits per stored K/V element in the pool)
-FORMATS = {"bf16": ("auto", "triton", 16.0), "fp8": ("fp8_e4m3", "triton", 8.0),
-           "int2": ("int2", "triton", 2.25), "bf16-fi": ("auto", "flashinfer", 16.0)}
+# format -> (--kv-cache-dtype, --attention-backend, bits per stored K/V element in the pool, extra flags).
+# SGLang's Triton decode defaults to 8 KV splits (--triton-attention-num-kv-splits), which leaves a
+# batch-1 long-context decode on few SMs: the -t64 formats are the same kernels with 64 splits (128K x 1:
+# 76 vs 17 tok/s on Qwen3-8B). FlashInfer's sm90 prefill and FA3 do not build or import in the device
+# bundle (cutlass headers / sgl_kernel.flash_ops missing), so the Triton formats are the BF16 baselines.
+FORMATS = {"bf16": ("auto", "triton", 16.0, ()), "fp8": ("fp8_e4m3", "triton", 8.0, ()),
+           "int2": ("int2", "triton", 2.25, ()),
+           "bf16-t64": ("auto", "triton", 16.0, ("--triton-attention-num-kv-splits", "64")),
+           "fp8-t64": ("fp8_e4m3", "triton", 8.0, ("--triton-attention-num-kv-splits", "64")),
+           "bf16-fi": ("auto", "flashinfer", 16.0, ()), "bf16-fa3": ("auto", "fa3", 16.0, ())}
 # int2: 2-bit codes + one fp16 (scale, zero) pair per 128-element group = 2.25 bits; the BF16 sink
 # (64) + recent (256) windows are separate per-request arenas (docs/design.md).
 INT2_WINDOW_TOKENS = 64 + 256
@@ -82,7 +90,9 @@ GIB = 1 << 30
 # Estimates only (planning; the run measures): server start (imports, dummy init, graph capture),
 # first int2 server's Triton JIT (~85 s measured, docs/serving.md), FlashInfer JIT (~180 s),
 # memory outside the pool besides (1 - fraction), per-step scheduler overhead, warm-up + stop.
-STARTUP_S, INT2_JIT_S, FI_JIT_S, RESERVE_GIB, STEP_OVERHEAD_S, SERVER_OVERHEAD_S = 45, 90, 180, 2.0, 3e-3, 15
+# startups measured on the H200 (Qwen3-8B, dummy weights, CUDA graphs to batch 32): the machine's first
+# server 161 s, later BF16 / FP8 110 s, int2 93 s with its Triton JIT (2026-12-02)
+STARTUP_S, INT2_JIT_S, FI_JIT_S, RESERVE_GIB, STEP_OVERHEAD_S, SERVER_OVERHEAD_S = 115, 0, 180, 2.0, 3e-3, 15
 TOKEN_LO, TOKEN_HI = 1000, 150000  # random prompt ids: clear of the special tokens
 
 
@@ -135,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--int2-args", default="", help="extra flags for the int2 servers")
     p.add_argument("--startup-timeout", type=float, default=420.0)
     p.add_argument("--dry-run", action="store_true", help="print the commands and the plan, start nothing")
+    p.add_argument("--merge", type=csv, default=None,
+                   help="comma list of results.json files (runs split over device calls): write one table "
+                        "and the plots of all their servers to --out, start nothing")
     return p
 
 
@@ -233,7 +246,7 @@ class ServerPlan:
 
 
 def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int) -> list[str]:
-    kv, backend, _ = FORMATS[fmt]
+    kv, backend, _, extra = FORMATS[fmt]
     top = max(a.batches)
     argv = [a.python, "-m", "sglang.launch_server", "--model-path", model_dir, "--load-format", "dummy",
             "--dtype", "bfloat16", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
@@ -242,7 +255,7 @@ def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int) -> l
             "--chunked-prefill-size", str(a.chunked_prefill_size), "--max-running-requests", str(top),
             "--cuda-graph-max-bs-decode", str(top), "--disable-prefill-cuda-graph", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info"]
-    return argv + shlex.split(a.server_args) + (shlex.split(a.int2_args) if fmt == "int2" else [])
+    return argv + list(extra) + shlex.split(a.server_args) + (shlex.split(a.int2_args) if fmt == "int2" else [])
 
 
 def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
@@ -473,9 +486,19 @@ def _fmt(v: float | None, nd: int = 1) -> str:
     return "-" if v is None else f"{v:,.{nd}f}"
 
 
+def best(table: dict[str, dict], kind: str, key: str) -> float | None:
+    """The best value of ``key`` among the formats named ``kind``, ``kind-*`` or ``kind#n`` (merged
+    repeats): the shortest TTFT (keys ``t*``), else the largest (pool, concurrent requests, tokens/s);
+    None when none has it."""
+    vals = [v[key] for f, v in table.items() if re.match(rf"{kind}(-|#|$)", f) and v.get(key)]
+    return (min if key.startswith("t") else max)(vals) if vals else None
+
+
 def render_table(results: dict[str, Any]) -> str:
     """One markdown table per model: format rows; capacity, TTFT and decode tokens/s columns; the
-    int2 row's cells carry (int2/BF16, int2/FP8) ratios (for TTFT lower is better)."""
+    int2 row's cells carry (int2/BF16, int2/FP8) ratios against the best BF16 (formats ``bf16*``) and
+    the best FP8 (``fp8*``) server measured at that cell: the largest pool / tokens/s, the shortest
+    TTFT (for TTFT the ratio is int2 over it, lower is better)."""
     lines = []
     by_model: dict[str, dict[str, dict]] = {}
     for s in results["servers"]:
@@ -507,14 +530,14 @@ def render_table(results: dict[str, Any]) -> str:
                 x = v.get(k)
                 cell = _fmt(x, 3 if k.startswith("t") else 0 if k in ("pool", "cap") else 1)
                 if f == "int2" and x:
-                    rs = [f"{x / table[o][k]:.2f}x" if table.get(o, {}).get(k) else "-" for o in ("bf16", "fp8")]
+                    rs = [f"{x / b:.2f}x" if (b := best(table, kind, k)) else "-" for kind in ("bf16", "fp8")]
                     cell += f" ({rs[0]} / {rs[1]})"
                 cells.append(cell)
             status = servers[f].get("status", "")
             lines.append(f"| {f}{'' if status == 'ok' else ' (' + status + ')'} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines.append("int2 cells: (int2/BF16, int2/FP8). Decode tok/s: all requests together while all decode. "
-                 "Skipped points and reasons: results.json.")
+    lines.append("int2 cells: (int2 / best BF16, int2 / best FP8) of the servers above. Decode tok/s: all requests "
+                 "together while all decode. Skipped points and reasons: results.json.")
     return "\n".join(lines)
 
 
@@ -580,8 +603,38 @@ def write_outputs(results: dict[str, Any], a: argparse.Namespace, logs: Path) ->
     print("\n" + table + f"\n\nwrote {out}/results.json, results.md, plots, logs.tgz")
 
 
+def merge(paths: Sequence[str], a: argparse.Namespace) -> dict[str, Any]:
+    """One results dict from several runs' ``results.json`` (servers concatenated, in order, those a
+    run skipped left out; a format measured twice for one model keeps both rows, the later suffixed
+    ``#2``), written to ``--out``."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    servers, seen = [], set()
+    for r in runs:
+        for s in r["servers"]:
+            if str(s.get("status", "")).startswith("skip"):
+                continue
+            key = (s["model"], s["format"])
+            if key in seen:
+                s = {**s, "format": s["format"] + "#2"}
+            seen.add(key)
+            servers.append(s)
+    meta = {"date": runs[0]["meta"].get("date"), "commit": ", ".join(dict.fromkeys(r["meta"].get("commit", "?")
+                                                                                    for r in runs)),
+            "argv": ["bench_served.py", "--merge", ",".join(paths)], "merged": [r["meta"] for r in runs]}
+    results = {"meta": meta, "servers": servers}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    write_outputs(results, a, Path(a.out) / "no-logs")
+    with (Path(a.out) / "results.md").open("a") as f:
+        f.write("\nRuns merged:\n\n" + "".join(f"* {m.get('date')}, {m.get('gpu', '?')}, commit {m.get('commit')}: "
+                                                 f"`{shlex.join(m['argv'])}`\n" for m in meta["merged"]))
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.merge:
+        merge(a.merge, a)
+        return 0
     plans = make_plan(a)
     if a.dry_run:
         print_plan(plans, a)

@@ -187,6 +187,35 @@ def test_table_ratios_and_outputs(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "out" / "logs.tgz").stat().st_size > 0
 
 
+def test_ratios_take_the_best_baseline_of_each_kind_and_runs_merge(tmp_path, capsys, monkeypatch):
+    """int2's ratios use the fastest bf16* / fp8* server of each cell (shortest TTFT); --merge joins runs
+    of several device calls, leaving out servers a run skipped and suffixing a repeated format."""
+    res = fake_results()
+    fast = fake_results()["servers"][0]
+    fast.update(format="bf16-t64", name="m-bf16-t64")
+    fast["runs"][0].update(decode_tok_s=160.0, ttft_s=[0.4])  # faster decode and TTFT than bf16
+    fast["capacity"] = {"max_total_num_tokens": 600000, "concurrent": {"128K": 4}}  # smaller pool
+    run2 = {"meta": {"date": "d2", "commit": "c2", "argv": ["bench_served.py", "--formats", "bf16-t64,int2"]},
+            "servers": [fast, {"name": "m-int2", "model": "m", "format": "int2", "status": "skip: budget", "runs": []}]}
+    paths = []
+    for k, r in enumerate((res, run2, fake_results())):
+        paths.append(str(tmp_path / f"r{k}.json"))
+        Path(paths[-1]).write_text(json.dumps(r))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bs.main(["--merge", ",".join(paths), "--out", str(tmp_path / "out")]) == 0
+    merged = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [s["format"] for s in merged["servers"]] == ["bf16", "fp8", "int2", "bf16-t64", "bf16#2", "fp8#2",
+                                                         "int2#2"]
+    table = (tmp_path / "out" / "results.md").read_text()
+    int2 = next(line for line in table.splitlines() if line.startswith("| int2 |"))
+    # decode 200 / best BF16 160, TTFT 0.6 / best 0.4, pool 4.9M / best 700K (bf16's, not the t64 one)
+    assert "200.0 (1.25x / 1.50x)" in int2 and "0.600 (1.50x / 1.20x)" in int2 and "(7.00x / 3.50x)" in int2
+    assert "commit c2: `bench_served.py --formats bf16-t64,int2`" in table
+    cmds, _ = dry(capsys, "--models", "qwen3-8b", "--formats", "bf16-t64,fp8-t64")
+    assert all(flag(c, "--triton-attention-num-kv-splits") == "64" and flag(c, "--attention-backend") == "triton"
+               for c in cmds)
+
+
 class _Stream(http.server.BaseHTTPRequestHandler):
     """Answers /generate like a --skip-tokenizer-init server: one SSE chunk per token."""
 

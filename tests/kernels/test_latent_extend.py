@@ -59,15 +59,22 @@ def test_latent_extend_matches_the_oracle(device, quantizer, prefixes, tiles):
         assert o.shape == ref.shape and rel_l2(o, ref) < 1e-4
 
 
-def test_chunked_prefill_and_tiling_give_the_bits_of_one_prefill(device):
-    """Each row sums the same key tiles in the same order: a request prefilled as prefix + chunk, or
-    with other token / head tiles, gives exactly the rows of one prefill."""
+def test_chunked_prefill_gives_the_bits_of_one_prefill(device):
+    """Each row sums the same key tiles in the same order: a request prefilled as prefix + chunk gives
+    exactly the rows of one prefill with the same tiles. Other token / head tiles change the dot
+    products' shape (on the GPU another MMA instruction and K order): bit-identical on the
+    interpreter, equal to fp32 rounding on the GPU."""
     cfg, rot, _, pool, q_nope, q_pe = _setup(device)
     whole = _run(pool, q_nope, q_pe, rot, [0, 0, 0], device, cfg, block_t=1, block_h=16)
-    for prefixes, tiles in (([16, 33, 4], dict(block_t=1, block_h=16)), ([16, 33, 4], dict(block_t=4, block_h=8))):
-        part = _run(pool, q_nope, q_pe, rot, prefixes, device, cfg, **tiles)
-        for w, pt, p in zip(whole, part, prefixes):
-            assert torch.equal(pt, w[p:]), (prefixes, tiles)
+    part = _run(pool, q_nope, q_pe, rot, [16, 33, 4], device, cfg, block_t=1, block_h=16)
+    for w, pt, p in zip(whole, part, [16, 33, 4]):
+        assert torch.equal(pt, w[p:])
+    tiled = _run(pool, q_nope, q_pe, rot, [16, 33, 4], device, cfg, block_t=4, block_h=8)
+    for w, pt, p in zip(whole, tiled, [16, 33, 4]):
+        if device == "cpu":
+            assert torch.equal(pt, w[p:])
+        else:
+            assert rel_l2(pt, w[p:]) < 1e-6
 
 
 def test_latent_extend_rejects_bad_input():

@@ -8,7 +8,8 @@ through INT2. One program takes ``BLOCK_T`` consecutive query tokens x ``BLOCK_H
 request (all of them share each latent tile: MQA) and walks the keys from position 0 in
 ``BLOCK_N`` tiles up to its last query, with a causal mask per row. A row's sum therefore runs over
 the same tiles in the same order however the prompt was chunked or which tokens share its program,
-so a chunked prefill or a radix hit gives the bits of one prefill (SGLang's extend kernel, used by
+so a chunked prefill or a radix hit gives the bits of one prefill with the same tile setting (another
+``block_t x block_h`` changes the MMA shape, and on the GPU the sums' rounding; SGLang's extend kernel, used by
 the gather path of :mod:`sglang_oscar.backend.latent_backend`, splits prefix and chunk into two
 loops whose boundary moves with the chunk). It also reads the codes in place, with no gathered copy
 of the prefix.
