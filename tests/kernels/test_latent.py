@@ -14,7 +14,9 @@ from _support.orthogonal import random_orthogonal
 from kv_fixtures import build_latent_pool, fresh_seed, rel_l2
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.kernels.decode.plan import DecodeWorkspace
-from sglang_oscar.kernels.latent_plan import PLANES, LatentDecodePlan, codes_engine_applies, latent_decode_attention
+from sglang_oscar.kernels.latent_extend import latent_extend_attention
+from sglang_oscar.kernels.latent_plan import (PLANES, LatentDecodePlan, codes_engine_applies, latent_decode_attention,
+                                              latent_sparse_extend_attention)
 from sglang_oscar.reference.latent import latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -144,6 +146,63 @@ def test_latent_decode_over_a_dsa_selection_matches_the_oracle(device, k, splits
     with pytest.raises(ValueError, match="engine 'dequant' only"):
         latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=32, quantizer="uniform",
                                 sink=4, recent=8, sm_scale=scale, topk=topk.to(device), engine="codes")
+
+
+def test_latent_sparse_extend_matches_the_oracle_and_the_dense_extend(device):
+    """DSA extend (GLM-5 prefill): chunk tokens after a prefix, each attending to its own top-k of
+    the positions up to itself (sink rows from BF16, everything else -- the chunk included --
+    through INT2), as the oracle's window mode "extend" with ``topk_indices``; a selection that
+    covers every position gives the dense extend kernel's answer."""
+    fresh_seed()
+    cfg = OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8)
+    lens, prefixes, h, r, p, k = [60, 33], [40, 25], 4, 64, 16, 16
+    rot = random_orthogonal(r)
+    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.float32, device)
+    scale = (r + p) ** -0.5 * 2.0
+    eye = torch.eye(r).expand(h, r, r)
+    planes = {name: pool[name] for name in PLANES}
+    reqs = pool["req_pool_indices"].cpu()
+    q_nope = [torch.randn(n - pre, h, r) for n, pre in zip(lens, prefixes)]
+    q_pe = [torch.randn(n - pre, h, p) for n, pre in zip(lens, prefixes)]
+    token_req = torch.cat([reqs[i].repeat(n - pre) for i, (n, pre) in enumerate(zip(lens, prefixes))])
+    positions = torch.cat([torch.arange(pre, n) for n, pre in zip(lens, prefixes)])
+    topk = torch.full((positions.numel(), k), -1, dtype=torch.int32)
+    for t, pos in enumerate(positions.tolist()):  # a sink position, the token itself, the rest at random
+        rest = [x for x in torch.randperm(pos + 1).tolist() if x not in (1, pos)]
+        chosen = torch.tensor([1, pos] + rest)[:k]
+        topk[t, torch.randperm(k)[:chosen.numel()]] = chosen.to(torch.int32)
+    refs = []
+    for i, ((c, kpe), pre) in enumerate(zip(seqs, prefixes)):
+        rows = slice(sum(n - q for n, q in zip(lens[:i], prefixes[:i])), None)
+        refs.append(latent_attention(q_nope[i], q_pe[i], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
+                                     q_positions=torch.arange(pre, lens[i]), window_mode="extend",
+                                     hp_dtype=torch.float32, output="latent_rotated",
+                                     topk_indices=topk[rows][: lens[i] - pre]))
+    q_abs = torch.cat([q @ rot for q in q_nope]).to(device)
+    qp = torch.cat(q_pe).to(device)
+    tables = dict(hp_index=pool["hp_index"], req_to_token=pool["req_to_token"])
+    out = latent_sparse_extend_attention(q_abs, qp, planes, **tables, token_req=token_req.to(device),
+                                         positions=positions.to(device), topk=topk.to(device), group_size=32,
+                                         quantizer="uniform", sink=4, sm_scale=scale)
+    assert rel_l2(out.cpu(), torch.cat(refs)) < 1e-4
+    # every position selected (in shuffled order, -1 padded): the dense extend kernel's rows
+    full = torch.full((positions.numel(), max(lens) + 3), -1, dtype=torch.int32)
+    for t, pos in enumerate(positions.tolist()):
+        full[t, torch.randperm(full.shape[1])[: pos + 1]] = torch.arange(pos + 1, dtype=torch.int32)
+    sparse_all = latent_sparse_extend_attention(q_abs, qp, planes, **tables, token_req=token_req.to(device),
+                                                positions=positions.to(device), topk=full.to(device),
+                                                group_size=32, quantizer="uniform", sink=4, sm_scale=scale)
+    qo = torch.tensor([0] + [n - pre for n, pre in zip(lens, prefixes)]).cumsum(0).to(torch.int32)
+    dense = latent_extend_attention(q_abs, qp, **planes, **tables, req_pool_indices=pool["req_pool_indices"],
+                                    qo_indptr=qo.to(device), prefix_lens=torch.tensor(prefixes).to(device),
+                                    group_size=32, quantizer="uniform", sink=4, sm_scale=scale,
+                                    max_extend_len=max(n - pre for n, pre in zip(lens, prefixes)))
+    assert rel_l2(sparse_all.cpu(), dense.cpu()) < 1e-5
+    assert rel_l2(out.cpu(), dense.cpu()) > 1e-2  # the selection matters
+    with pytest.raises(ValueError, match="one entry per query token"):
+        latent_sparse_extend_attention(q_abs, qp, planes, **tables, token_req=token_req[:-1].to(device),
+                                       positions=positions.to(device), topk=topk.to(device), group_size=32,
+                                       quantizer="uniform", sink=4, sm_scale=scale)
 
 
 @pytest.mark.parametrize("quantizer,group,rank,applies", [

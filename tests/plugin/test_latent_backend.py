@@ -47,7 +47,7 @@ class Served:
     ``extend`` / ``decode`` take and return dicts by layer id."""
 
     def __init__(self, config, rot, hp_dtype, sink_rows=None, max_reqs=4, slots=512, device="cpu", shape=(H, R, P),
-                 hybrid_layers=None):
+                 hybrid_layers=None, dsa_topk=0):
         from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
         self.pool = OscarMLATokenToKVPool(
@@ -66,7 +66,8 @@ class Served:
         self.device = device
         be = object.__new__(OscarTritonLatentBackend)
         be.extend_attention_fwd = extend_attention_fwd  # TritonAttnBackend.__init__ binds SGLang's kernel
-        be.setup_latent(self.pool, {i: r.to(device) for i, r in rots.items()}, self.r2t, shape[0], num_sms=4)
+        be.setup_latent(self.pool, {i: r.to(device) for i, r in rots.items()}, self.r2t, shape[0], num_sms=4,
+                        dsa_topk=dsa_topk)
         self.shape = shape
         self.be = be
         self.next_slot = 1
@@ -208,6 +209,74 @@ def test_chunked_and_radix_reuse_equal_a_fresh_run():
     reused = chunked.extend(2, seq, 32, 48)
     assert torch.allclose(reused, want[32:], atol=1e-5, rtol=1e-5)
     assert torch.allclose(chunked.decode(2, seq, 48), fresh.decode(1, seq, 48), atol=1e-5, rtol=1e-5)
+
+
+def _selection(positions, k, gen):
+    """A DSA top-k per query position: the token itself, sink position 1 (once visible), the rest at
+    random among ``[0, pos]``, in shuffled slots, ``-1``-padded to ``k``."""
+    out = torch.full((len(positions), k), -1, dtype=torch.int32)
+    for t, pos in enumerate(positions):
+        first = list(dict.fromkeys([pos, min(1, pos)]))
+        rest = [x for x in torch.randperm(pos + 1, generator=gen).tolist() if x not in first]
+        chosen = torch.tensor(first + rest)[:k]
+        out[t, torch.randperm(k, generator=gen)[:chosen.numel()]] = chosen.to(torch.int32)
+    return out
+
+
+def test_dsa_layers_attend_to_their_selection():
+    """GLM-5's DSA calling convention (``q`` = ``q_abs``, ``k`` = ``c_kv``, ``q_rope`` / ``k_rope`` beside
+    them, each layer's ``topk_indices`` as positions): prefill in two chunks and decodes each attend
+    to their own selection, as the oracle's ``topk_indices`` (window modes "extend" / "decode"); the
+    selection matters, and a selection of the wrong width is refused naming the layer."""
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    (q, k), rot = _data(torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    topk = _selection(range(56), 20, gen)
+    sv = Served(config, rot, torch.float32, dsa_topk=20)
+    fb_calls = []
+
+    def split(start, end):  # the DSA layer's arguments for positions [start, end)
+        return dict(q=q[start:end, :, :R], k=k[start:end, :, :R], q_rope=q[start:end, :, R:],
+                    k_rope=k[start:end, :, R:], topk_indices=topk[start:end])
+
+    def run(mode, start, end):
+        a = split(start, end)
+        n = end - start
+        slots = sv._alloc(n)
+        sv.r2t[1, start:end] = slots.to(torch.int32)
+        t = torch.tensor
+        fb = SimpleNamespace(forward_mode=Mode(mode), batch_size=1, out_cache_loc=slots, positions=torch.arange(start, end),
+                             req_pool_indices=t([1]), seq_lens=t([end]), extend_seq_lens=t([n]),
+                             extend_prefix_lens=t([start]), extend_prefix_lens_cpu=[start])
+        fb_calls.append(fb)
+        sv.be._windows_out_of_graph()
+        sv.be._windows_in_forward(fb)
+        if mode == "decode":
+            sv.be.plan_decode(fb)
+            fwd = sv.be.forward_decode
+        else:
+            sv.be.plan_extend(fb, n)
+            fwd = sv.be.forward_extend
+        out = fwd(a["q"].reshape(n, -1), a["k"], None, _layer(), fb, q_rope=a["q_rope"], k_rope=a["k_rope"],
+                  topk_indices=a["topk_indices"])
+        return out.float().reshape(n, H, R)
+
+    def oracle(start, end, mode):
+        eye = torch.eye(R).expand(H, R, R)
+        return latent_attention(q[start:end, :, :R], q[start:end, :, R:], k[:end, 0, :R], k[:end, 0, R:], eye, eye,
+                                rot, config, softmax_scale=SCALE, q_positions=torch.arange(start, end),
+                                window_mode=mode, hp_dtype=torch.float32, output="latent", topk_indices=topk[start:end])
+
+    for start, end in ((0, 24), (24, 40)):
+        o = run("extend", start, end)
+        assert _rel(o, oracle(start, end, "extend")) < 1e-5
+        assert _rel(o, _oracle((q, k), config, rot, start, end, "extend", torch.float32)) > 1e-2  # selection matters
+    for pos in range(40, 44):
+        assert _rel(run("decode", pos, pos + 1), oracle(pos, pos + 1, "decode")) < 1e-5
+    with pytest.raises(ValueError, match=r"layer 0: topk_indices \(1, 8\), expected \[tokens, 20\]"):
+        sv.be.forward_decode(q[44:45, :, :R].reshape(1, -1), k[44:45, :, :R], None, _layer(), fb_calls[-1],
+                             q_rope=q[44:45, :, R:], k_rope=k[44:45, :, R:], topk_indices=topk[44:45, :8].contiguous(),
+                             save_kv_cache=False)
 
 
 def test_exhausted_sink_arena_reads_like_a_shorter_sink():

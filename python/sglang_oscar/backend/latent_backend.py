@@ -24,6 +24,13 @@ Per layer, with its orthogonal latent rotation ``Rot`` (:class:`~sglang_oscar.ro
   BF16 rows (window mode ``"extend"``: the chunk reads INT2 latents of itself too, as the MHA pool's
   extend), and SGLang's own Triton extend kernel attends over them.
 
+DSA layers (GLM-5: :class:`~.dsa_backend.OscarDSALatentBackend` delegates to this backend, set up with
+``dsa_topk`` = the indexer's top-k width) arrive split (``q_rope`` / ``k_rope``) with each layer's
+``topk_indices`` (positions, ``-1``-padded): decode copies them into the batch's top-k plan's static
+selection and runs it (every selected position from its tier); extend runs
+:func:`~sglang_oscar.kernels.latent_plan.latent_sparse_extend_attention`, one selection per chunk token
+(window mode ``"extend"``).
+
 The window bookkeeping, CUDA-graph plumbing and slot release are the MHA backend's
 (:class:`~.triton_backend.OscarTritonAttnBackend`); a decode batch's plan is one
 :class:`~sglang_oscar.kernels.latent_plan.LatentDecodePlan` (every MLA layer has the same geometry), an
@@ -40,7 +47,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels.decode.plan import DecodeWorkspace
 from ..kernels.latent import gather_latent
-from ..kernels.latent_plan import PLANES, LatentDecodePlan, codes_engine_applies
+from ..kernels.latent_plan import PLANES, LatentDecodePlan, codes_engine_applies, latent_sparse_extend_attention
 from ..pool.latent_pool import OscarMLATokenToKVPool
 from .rotations import model_geometry, served_latent_rotations
 from .triton_backend import OscarTritonAttnBackend, _attention_layers
@@ -75,7 +82,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         ValueError: rotation file / model problems (:func:`.rotations.served_latent_rotations`).
     """
 
-    def __init__(self, model_runner, *args, **kwargs):
+    def __init__(self, model_runner, *args, dsa_topk: int = 0, **kwargs):
         pool = model_runner.token_to_kv_pool
         if not isinstance(getattr(pool, "full_kv_pool", pool), OscarMLATokenToKVPool):
             raise RuntimeError(f"--kv-cache-dtype int2 on an MLA model: the token pool is {type(pool).__name__}, not "
@@ -104,12 +111,13 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
                                "--kv-cache-dtype auto")
         heads = max(1, model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size)
         self.setup_latent(pool, rotations, model_runner.req_to_token_pool.req_to_token, heads,
-                          getattr(self, "device_core_count", None) or 132)
+                          getattr(self, "device_core_count", None) or 132, dsa_topk=dsa_topk)
         if get_parallel().attn_tp_rank == 0:
             logger.info("sglang-oscar: MLA latent decode engine %s, %s dot operands, %d q heads per rank",
                         self._engine, self._precision, heads)
 
-    def setup_latent(self, pool, rotations: dict, req_to_token: torch.Tensor, num_heads: int, num_sms: int) -> None:
+    def setup_latent(self, pool, rotations: dict, req_to_token: torch.Tensor, num_heads: int, num_sms: int,
+                     dsa_topk: int = 0) -> None:
         """Attributes the forward paths read (also how CPU tests build the backend without a model runner).
 
         Args:
@@ -119,6 +127,9 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             req_to_token: SGLang's ``ReqToTokenPool.req_to_token`` ``[max_reqs, ctx]``.
             num_heads: q heads of this rank (every MLA layer has the same).
             num_sms: streaming multiprocessors, for the decode split count.
+            dsa_topk: the DSA indexer's top-k width (GLM-5: ``index_topk``, 2048), 0 for dense MLA: decode
+                batches also get a top-k plan whose ``[B, dsa_topk]`` selection each layer's
+                ``topk_indices`` are copied into (a static buffer: CUDA graphs replay the copies).
         """
         self.pool, self.windows, self.config = pool, pool.windows, pool.oscar_config
         if not rotations:
@@ -143,18 +154,27 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         # H200: docs/benchmarks_mla.md); other quantizers / group sizes dequantize each tile
         self._engine = ("codes" if codes_engine_applies(self.config.quantizer, pool.layout.k.group_size,
                                                         pool.kv_lora_rank) else "dequant")
+        self._dsa_topk = int(dsa_topk)
+        self._topk = (torch.full((req_to_token.shape[0], self._dsa_topk), -1, dtype=torch.int32, device=pool.device)
+                      if self._dsa_topk else None)
+        self._dsa_plan = None
 
     # ------------------------------------------------------------------ plans
     def plan_decode(self, forward_batch) -> LatentDecodePlan:
         """The :class:`~sglang_oscar.kernels.latent_plan.LatentDecodePlan` of ``forward_batch`` (its split
-        count is static per batch size: CUDA graphs replay it), made current."""
+        count is static per batch size: CUDA graphs replay it), made current; with ``dsa_topk`` also
+        the batch's top-k plan (``_dsa_plan``, dequant engine) over the first ``B`` rows of the
+        static selection."""
         w = self.windows
-        self._decode_plans = LatentDecodePlan(
-            self.pool.latent_buffers(self._plan_layer), w.hp_index, self._int2_req_to_token,
-            forward_batch.req_pool_indices, forward_batch.seq_lens, num_heads=self._heads,
-            group_size=self.pool.layout.k.group_size, quantizer=self.config.quantizer, sink=self.config.sink_tokens,
-            recent=self.config.recent_tokens, sink_lens=w.sink_lens, num_sms=self._num_sms, block_n=32,
-            precision=self._precision, engine=self._engine, workspace=self._workspace)
+        common = dict(num_heads=self._heads, group_size=self.pool.layout.k.group_size, quantizer=self.config.quantizer,
+                      sink=self.config.sink_tokens, recent=self.config.recent_tokens, sink_lens=w.sink_lens,
+                      num_sms=self._num_sms, block_n=32, precision=self._precision, workspace=self._workspace)
+        tables = (self.pool.latent_buffers(self._plan_layer), w.hp_index, self._int2_req_to_token,
+                  forward_batch.req_pool_indices, forward_batch.seq_lens)
+        self._decode_plans = LatentDecodePlan(*tables, engine=self._engine, **common)
+        if self._dsa_topk:
+            self._dsa_plan = LatentDecodePlan(*tables, engine="dequant", topk=self._topk[: forward_batch.batch_size],
+                                              **common)
         return self._decode_plans
 
     def plan_extend(self, forward_batch, num_tokens: int) -> LatentExtendPlan:
@@ -197,23 +217,50 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
     def _plan_late(self, layer, forward_batch) -> LatentDecodePlan:
         plans = self.plan_decode(forward_batch)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            self._graph_plans.setdefault(forward_batch.batch_size, []).append(plans)
+            self._graph_plans.setdefault(forward_batch.batch_size, []).extend([plans, self._dsa_plan])
         return plans
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        if in_capture and forward_batch.forward_mode.is_decode():
+            # the graph replays the top-k plan's launches too: its workspace views must stay alive with it
+            self._graph_plans[forward_batch.batch_size].append(self._dsa_plan)
 
     # ------------------------------------------------------------------ forward paths
     def _check_latent_layer(self, layer, sinks, score_mod, kwargs) -> None:
         if sinks is not None or score_mod is not None or (layer.logit_cap and layer.logit_cap > 0):
             raise NotImplementedError("--kv-cache-dtype int2 MLA layers take no attention sinks, score_mod or logit cap")
-        given = sorted(k for k in ("q_rope", "k_rope", "topk_indices", "cos_sin_cache") if kwargs.get(k) is not None)
+        dsa = ("q_rope", "k_rope", "topk_indices") if self._dsa_topk else ()
+        given = sorted(k for k in ("q_rope", "k_rope", "topk_indices", "cos_sin_cache")
+                       if kwargs.get(k) is not None and k not in dsa)
         if given:
             raise NotImplementedError(f"layer {layer.layer_id}: the INT2 latent backend takes the absorbed query and "
-                                      f"key whole ([q_abs | q_pe], [c_kv | k_pe]), not {given}")
+                                      f"key whole ([q_abs | q_pe], [c_kv | k_pe]){' or split with a DSA top-k' if dsa else ''}"
+                                      f", not {given}")
         r, p = self.pool.kv_lora_rank, self.pool.qk_rope_head_dim
         if layer.tp_k_head_num != 1 or layer.qk_head_dim != r + p or layer.v_head_dim != r:
             raise NotImplementedError(
                 f"layer {layer.layer_id}: the INT2 latent pool serves SGLang's absorbed MLA attention (1 kv head, "
                 f"head_dim {r + p}, v_head_dim {r}), got {layer.tp_k_head_num} kv heads, {layer.qk_head_dim}/"
                 f"{layer.v_head_dim}: a non-absorbed (MHA) forward reached the backend")
+
+    def _whole(self, q, k, layer, kwargs):
+        """``(q [T, H, R + P], k [T, 1, R + P] or None)``: a DSA layer's split parts joined (``q`` =
+        ``q_abs``, ``k`` = ``c_kv`` with ``q_rope`` / ``k_rope`` beside them), else as given."""
+        q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
+        if q_rope is None:
+            return q, k
+        h, r = layer.tp_q_head_num, self.pool.kv_lora_rank
+        q = torch.cat([q.reshape(-1, h, r), q_rope.reshape(-1, h, self.pool.qk_rope_head_dim).to(q.dtype)], -1)
+        if k is not None and k_rope is not None:
+            k = torch.cat([k.reshape(-1, 1, r), k_rope.reshape(-1, 1, self.pool.qk_rope_head_dim).to(k.dtype)], -1)
+        return q, k
+
+    def _selection(self, topk: torch.Tensor, layer) -> torch.Tensor:
+        if topk.dim() != 2 or topk.shape[1] != self._dsa_topk:
+            raise ValueError(f"layer {layer.layer_id}: topk_indices {tuple(topk.shape)}, expected [tokens, "
+                             f"{self._dsa_topk}] (the DSA indexer's index_topk)")
+        return topk
 
     def _prepare_latent(self, q, k, layer, fb, save_kv_cache):
         """Rotated absorbed query ``q_abs'`` fp32 ``[T, H, R]`` and ``q_pe`` ``[T, H, P]``; writes the
@@ -236,8 +283,13 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None, **kwargs):
         self._check_latent_layer(layer, sinks, score_mod, kwargs)
+        q, k = self._whole(q, k, layer, kwargs)
         q_abs, q_pe = self._prepare_latent(q, k, layer, forward_batch, save_kv_cache)
         plan = self._decode_plans or self._plan_late(layer, forward_batch)
+        topk = kwargs.get("topk_indices")
+        if topk is not None:
+            plan = self._dsa_plan
+            plan.topk.copy_(self._selection(topk, layer)[: plan.batch])
         buf = self.pool.latent_buffers(layer.layer_id)
         o = plan.run(q_abs, q_pe, *(buf[k] for k in PLANES), sm_scale=layer.scaling)
         return self._output(o, layer, q.dtype)
@@ -245,12 +297,24 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None, **kwargs):
         self._check_latent_layer(layer, sinks, score_mod, kwargs)
+        q, k = self._whole(q, k, layer, kwargs)
         q_abs, q_pe = self._prepare_latent(q, k, layer, forward_batch, save_kv_cache)
+        buf = self.pool.latent_buffers(layer.layer_id)
+        topk = kwargs.get("topk_indices")
+        if topk is not None:
+            # each chunk token attends to its own selection (window mode "extend", sink rows from BF16)
+            pos, req, _ = self._token_tables(forward_batch)
+            o = latent_sparse_extend_attention(
+                q_abs, q_pe, buf, self.windows.hp_index, self._int2_req_to_token, req, pos,
+                self._selection(topk, layer)[: q_abs.shape[0]], group_size=self.pool.layout.k.group_size,
+                quantizer=self.config.quantizer, sink=self.config.sink_tokens, sm_scale=layer.scaling,
+                sink_lens=self.windows.sink_lens, num_sms=self._num_sms, block_n=32, precision=self._precision,
+                workspace=self._workspace)
+            return self._output(o, layer, q.dtype)
         plan = self._extend_plans
         n_new = q_abs.shape[0]
         if not isinstance(plan, LatentExtendPlan) or plan.slots.numel() != plan.n_prefix + n_new + 1:
             plan = self.plan_extend(forward_batch, n_new)
-        buf = self.pool.latent_buffers(layer.layer_id)
         # gather_latent writes fp32 or BF16: an fp16 model's rows join in fp32 (never narrower than BF16)
         dtype = torch.bfloat16 if self.pool.hp_dtype == torch.bfloat16 else torch.float32
         # transient, per layer: (prefix + chunk) x (R + P) rows, as SGLang's BF16 extend reads from its pool
@@ -266,4 +330,3 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
                                   plan.kv_indptr, plan.kv_indices, None, True, None, plan.max_extend_len, 1.0, 1.0,
                                   layer.scaling)
         return self._output(o, layer, q.dtype)
-

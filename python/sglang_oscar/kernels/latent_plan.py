@@ -249,3 +249,47 @@ def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, codes: torc
     plan = LatentDecodePlan(planes, hp_index, req_to_token, req_pool_indices, seq_lens, num_heads=q_abs.shape[1],
                             group_size=group_size, num_splits=num_splits, **plan_kwargs)
     return plan.run(q_abs, q_pe, *planes.values(), sm_scale=sm_scale, out=out)
+
+
+def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buffers: dict, hp_index: torch.Tensor,
+                                   req_to_token: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
+                                   topk: torch.Tensor, *, group_size: int, quantizer: str, sink: int,
+                                   sm_scale: float, sink_lens: torch.Tensor | None = None, num_splits: int | None = None,
+                                   out: torch.Tensor | None = None, **plan_kwargs) -> torch.Tensor:
+    """DSA extend (GLM-5 prefill) over the packed latent: each query token attends to its own top-k.
+
+    One :class:`LatentDecodePlan` row per query token: token ``t`` is a length-``positions[t] + 1``
+    request of request slot ``token_req[t]`` with selection ``topk[t]``, read in window mode
+    ``"extend"`` (``reference.latent.latent_attention``): positions below ``sink`` from their BF16
+    sink rows, every other one -- the chunk's own tokens included, written before the call -- through
+    INT2, so ``recent = 0`` (the recent ring holds the request's last positions, not those before
+    each chunk token). Where the selection covers every position, this is the dense extend
+    (:func:`~.latent_extend.latent_extend_attention`).
+
+    Args:
+        q_abs: ``[T, H, R]`` rotated absorbed queries of the chunk's tokens; q_pe: ``[T, H, P]``.
+        buffers: one layer's planes ``{name: tensor}`` for :data:`PLANES`.
+        hp_index, req_to_token, sink_lens: the pool's tables (as :class:`LatentDecodePlan`).
+        token_req: int ``[T]`` request slot of each token; positions: int ``[T]`` its position.
+        topk: int ``[T, k]`` selected positions per token (``-1`` = unused; distinct, ``<= positions[t]``),
+            as the unfused DSA indexer returns them.
+        group_size, quantizer, sink: the latent's format and sink window.
+        sm_scale: softmax scale (natural units); num_splits: splits of each token's list (default
+            :func:`latent_num_splits` for ``T`` rows); out: optional ``[T, H, R]``.
+        plan_kwargs: tile / precision options of :class:`LatentDecodePlan` (engine is ``"dequant"``).
+
+    Returns:
+        ``o' [T, H, R]`` (``out`` or fp32): the latent output in the rotated frame.
+
+    Raises:
+        ValueError: as :func:`latent_decode_attention`, and ``token_req`` / ``positions`` / ``topk``
+            whose first dimensions differ from ``T``.
+    """
+    t = q_abs.shape[0]
+    for name, x in (("token_req", token_req), ("positions", positions), ("topk", topk)):
+        if x.dim() < 1 or x.shape[0] != t:
+            raise ValueError(f"{name} {tuple(x.shape)}: one entry per query token ({t}) expected")
+    return latent_decode_attention(q_abs, q_pe, *(buffers[k] for k in PLANES), hp_index, req_to_token, token_req,
+                                   positions + 1, group_size=group_size, sm_scale=sm_scale, out=out,
+                                   num_splits=num_splits, quantizer=quantizer, sink=sink, recent=0,
+                                   sink_lens=sink_lens, topk=topk, **plan_kwargs)
