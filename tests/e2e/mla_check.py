@@ -1,6 +1,6 @@
 """Device check of the served INT2 MLA latent cache on a tiny seeded DeepSeek-V3.
 
-    python -m tests.e2e.mla_check [--family deepseek_v3|kimi_linear] [--out DIR] [--budget SECONDS]
+    python -m tests.e2e.mla_check [--family deepseek_v3|glm5|kimi_linear] [--out DIR] [--budget SECONDS]
     (GPU machine, after ``source device/env.sh``)
 
 Builds a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry (kv_lora_rank 512,
@@ -39,6 +39,12 @@ serves: a Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA 
 loads :mod:`.dummy_shim`, which scales SGLang's dummy weights to N(0, 1/fan_in) with norm weights 1
 (SGLang's own +-1e-3 leave attention no visible effect on the logits): serving, window, chunking and
 radix reuse are judged as for DeepSeek-V3, the oracle is not.
+
+``--family glm5`` serves a tiny seeded GLM-5 (``GlmMoeDsaForCausalLM``: DSA, every MLA layer reading
+only its lightning indexer's top-k of 256 positions, below every prompt's length) under SGLang's
+``dsa`` backend: the int2 servers run :class:`~sglang_oscar.backend.dsa_backend.OscarDSALatentBackend`
+(the indexer as SGLang runs it, the selected positions read from the INT2 latent), the BF16 server
+SGLang's own DSA kernels. Judged as DeepSeek-V3 without the oracle (it attends densely).
 
 Exit 1 when a judged item fails.
 """
@@ -135,8 +141,41 @@ def build_kimi_linear(path: str) -> dict:
             "qk_rope_head_dim": 64, "weights": "dummy"}
 
 
+GLM5_TOPK = 256  # the indexer's top-k of the glm5 family: every prompt is longer, so the selection bites
+
+
+def build_glm5(path: str) -> dict:
+    """Save a seeded random bf16 GlmMoeDsaForCausalLM (GLM-5: DSA sparse attention) with DeepSeek-V3's
+    latent geometry and a lightning indexer (``index_head_dim`` 128, 32 heads, ``index_topk`` 256,
+    served with SGLang's torch top-k, the one that takes a top-k other than 2048) to ``path``, sharpened
+    as :func:`build_model`."""
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    cfg = GlmMoeDsaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512,
+                          q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                          first_k_dense_replace=4, max_position_embeddings=8192, tie_word_embeddings=False,
+                          index_topk=GLM5_TOPK, index_head_dim=128, index_n_heads=32,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          architectures=["GlmMoeDsaForCausalLM"], bos_token_id=1, eos_token_id=2)
+    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1),
+                       ("num_nextn_predict_layers", 0)):
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(cfg).eval()
+    stats = sharpen(model, LOGIT_STD, SCORE_STD, seed=0)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return {**{k: getattr(cfg, k) for k in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                                            "qk_rope_head_dim", "index_topk", "index_head_dim")}, "sharpen": stats}
+
+
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "oracle")),
+    # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
+    "glm5": (build_glm5, ["--attention-backend", "dsa", "--dsa-topk-backend", "torch"],
+             ("serves", "window", "chunked", "radix")),
     "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
                     ("serves", "window", "chunked", "radix")),
 }

@@ -2,8 +2,8 @@
 
 A tiny ``DeepseekV3Config`` directory goes through SGLang's ``ServerArgs`` with the plugin's hooks:
 a fitting latent rotation file (or none: the data-free block Hadamard) passes; an MHA rotation file,
-a latent file of another model, a group size that does not divide the rank, MHA-only flags and DSA
-sparse attention stop the launch with a message naming the fix. The pool hook's sizing of the
+a latent file of another model, a group size that does not divide the rank and MHA-only flags stop
+the launch with a message naming the fix (DSA models: ``test_dsa_serving.py``). The pool hook's sizing of the
 latent cache and the dispatch hook's absorbed path are checked on stand-ins of SGLang's objects.
 """
 
@@ -89,21 +89,13 @@ def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monke
         int2_server_args(model, monkeypatch, **cfg)
 
 
-def test_dsa_sparse_attention_is_refused_from_the_config(hooked, tmp_path):
-    """GLM-5 / DeepSeek-V3.2 (``index_topk``): the plugin's preflight refuses it (SGLang's own
-    ``ServerArgs`` needs a GPU for DSA configs, so the preflight is called as the hook calls it)."""
-    model = _deepseek_dir(tmp_path, "dsa", index_topk=64, index_head_dim=32, index_n_heads=2)
-    with pytest.raises(ValueError, match=r"does not serve .*sparse attention \(DSA.*--kv-cache-dtype auto"):
-        hooked.preflight(SimpleNamespace(model_path=model, _oscar_config=OscarConfig()))
-
-
 @pytest.mark.parametrize("arch", ["LongcatFlashForCausalLM", "BailingMoeV2_5ForCausalLM", "KimiK25ForConditionalGeneration"])
 def test_mla_architectures_outside_the_served_family_are_refused(hooked, tmp_path, arch):
     """LongCat-Flash (two attention layers per decoder layer), Ring / Ling hybrids (linear layers the
     geometry does not see), Kimi-K2.5's wrapper: refused before weights load, naming the served ones."""
     model = _deepseek_dir(tmp_path, "m", architectures=[arch])
     with pytest.raises(ValueError, match=rf"serves the MLA latent cache of DeepseekV2ForCausalLM, "
-                                         rf"DeepseekV3ForCausalLM, KimiLinearForCausalLM; {arch} .*--kv-cache-dtype auto"):
+                                         rf"DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM, KimiLinearForCausalLM; {arch} .*--kv-cache-dtype auto"):
         hooked.preflight(SimpleNamespace(model_path=model, _oscar_config=OscarConfig()))
 
 

@@ -228,8 +228,10 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
 
     # ------------------------------------------------------------------ forward paths
     def _check_latent_layer(self, layer, sinks, score_mod, kwargs) -> None:
-        if sinks is not None or score_mod is not None or (layer.logit_cap and layer.logit_cap > 0):
-            raise NotImplementedError("--kv-cache-dtype int2 MLA layers take no attention sinks, score_mod or logit cap")
+        if (sinks is not None or score_mod is not None or (layer.logit_cap and layer.logit_cap > 0)
+                or kwargs.get("llama_4_scaling") is not None):
+            raise NotImplementedError("--kv-cache-dtype int2 MLA layers take no attention sinks, score_mod, logit cap "
+                                      "or Llama-4 query scaling")
         dsa = ("q_rope", "k_rope", "topk_indices") if self._dsa_topk else ()
         given = sorted(k for k in ("q_rope", "k_rope", "topk_indices", "cos_sin_cache")
                        if kwargs.get(k) is not None and k not in dsa)

@@ -130,7 +130,7 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
 # Architectures whose MLA layers SGLang 0.5.16 runs through DeepseekV2AttentionMLA, at most one per
 # decoder layer: what the dispatch hook and the latent backend are written and tested for
 # (Kimi-Linear's MLA layers are that class, its KDA layers keep SGLang's state pool).
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiLinearForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM")
 
 
 def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
@@ -144,8 +144,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
 
     Raises:
         ValueError: an MLA architecture outside :data:`MLA_ARCHITECTURES` (LongCat-Flash, Ring / Ling
-            hybrids, Kimi-K2.5's multimodal wrapper, ...), a DSA (sparse-attention) MLA model, an
-            MHA-only flag (``--oscar-rotation-v``, ``--oscar-skip-layers``,
+            hybrids, Kimi-K2.5's multimodal wrapper, ...), an MHA-only flag (``--oscar-rotation-v``, ``--oscar-skip-layers``,
             ``--oscar-fold-rotations on``, ``--oscar-decode-engine gluon``, ``--oscar-rotate-engine
             torch``, a V clip ratio), a group size that does not fit ``kv_lora_rank``, a missing or
             unreadable file, an MHA rotation file, or a file fitted for another model (layers, rank; a
@@ -161,9 +160,6 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
     if other:
         raise ValueError(f"--kv-cache-dtype int2 serves the MLA latent cache of {', '.join(MLA_ARCHITECTURES)}; "
                          f"{other[0]} ({name!r}) is not among them yet; serve it with --kv-cache-dtype auto")
-    if geometry.index_topk:
-        raise ValueError(f"--kv-cache-dtype int2 does not serve {name!r}'s sparse attention (DSA: the lightning "
-                         "indexer's top-k selection over the latent cache) yet; serve it with --kv-cache-dtype auto")
     for given, flag in ((config.rotation_v_path, "--oscar-rotation-v"), (config.skip_layers not in (None, "none"),
                         "--oscar-skip-layers"), (config.fold_rotations, "--oscar-fold-rotations on"),
                         (config.decode_engine == "gluon", "--oscar-decode-engine gluon"),

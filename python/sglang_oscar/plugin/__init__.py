@@ -25,7 +25,7 @@ import os
 from types import SimpleNamespace
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
-from .refusals import REFUSALS, refusal_messages
+from .refusals import REFUSALS, is_dsa_model, refusal_messages
 from .serving import SERVING_HOOK_TARGETS
 
 logger = logging.getLogger("sglang_oscar")
@@ -65,6 +65,9 @@ def register() -> None:
         (SERVING_HOOK_TARGETS[9], sv.after_hybrid_swa_configurator_init, HookType.AFTER),
         (SERVING_HOOK_TARGETS[10], sv.around_mla_dispatch, HookType.AROUND),
         *((target, sv.around_weight_update, HookType.AROUND) for target in sv.WEIGHT_UPDATE_HOOK_TARGETS),
+        (sv.DSA_HOOK_TARGETS[0], sv.around_allocator_free, HookType.AROUND),
+        (sv.DSA_HOOK_TARGETS[1], sv.after_allocator_clear, HookType.AFTER),
+        (sv.DSA_HOOK_TARGETS[2], sv.around_dsa_kv_cache_dtype_default, HookType.AROUND),
     ):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, kind)
@@ -100,7 +103,8 @@ def _around_from_cli_args(original_fn, cls, args, *rest, **kwargs):
 
 def _before_post_init(server_args, *args, **kwargs):
     if getattr(server_args, "kv_cache_dtype", None) == INT2 and getattr(server_args, "attention_backend", None) is None:
-        server_args.attention_backend = "triton"
+        # a DSA model's indexer runs only under SGLang's "dsa" backend (the OSCAR subclass for int2)
+        server_args.attention_backend = "dsa" if is_dsa_model(server_args) else "triton"
     return None
 
 
@@ -131,8 +135,9 @@ def missing_hooks() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     missing = [t for t in HOOK_TARGETS if t not in HookRegistry._patched]
-    if not getattr(attention_registry.ATTENTION_BACKENDS.get("triton"), "_oscar", False):
-        missing.append('ATTENTION_BACKENDS["triton"]')
+    for name in ("triton", "dsa"):
+        if not getattr(attention_registry.ATTENTION_BACKENDS.get(name), "_oscar", False):
+            missing.append(f'ATTENTION_BACKENDS["{name}"]')
     return missing
 
 

@@ -65,6 +65,31 @@ REFUSALS = (
 )
 
 
+# DSA models (GLM-5, DeepSeek-V3.2): SGLang sets page size 64 and the "dsa" backend for them (its
+# indexer kernels need both); the INT2 latent pool takes that page size and the OSCAR "dsa" backend.
+DSA_REFUSALS = (
+    Refusal("page_size", "--page-size", lambda v: v not in (None, 64),
+            "a DSA model runs with SGLang's DSA page size 64; drop --page-size"),
+    Refusal("attention_backend", "--attention-backend", lambda v: v not in (None, "dsa"),
+            "a DSA model's indexer runs only under the dsa backend; use --attention-backend dsa (or leave it unset)"),
+    Refusal("prefill_attention_backend", "--prefill-attention-backend", lambda v: v not in (None, "dsa"),
+            "use dsa (or leave it unset)"),
+    Refusal("decode_attention_backend", "--decode-attention-backend", lambda v: v not in (None, "dsa"),
+            "use dsa (or leave it unset)"),
+)
+
+
+def is_dsa_model(server_args) -> bool:
+    """Whether the launch's model (a local directory's ``config.json``) uses DSA sparse attention:
+    SGLang's test (``is_deepseek_dsa``), an architecture of its DSA list with ``index_topk`` set."""
+    cfg = _local_config(getattr(server_args, "model_path", None))
+    if cfg is None:
+        return False
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    return bool(is_deepseek_dsa(cfg))
+
+
 def refusal_messages(server_args) -> list[str]:
     """Messages for every unsupported setting of an int2 launch (empty list if none).
 
@@ -72,7 +97,10 @@ def refusal_messages(server_args) -> list[str]:
         server_args: a ``ServerArgs`` (or any object with its field names).
     """
     out = []
+    dsa = is_dsa_model(server_args)
+    by_field = {r.field: r for r in DSA_REFUSALS} if dsa else {}
     for r in REFUSALS:
+        r = by_field.get(r.field, r)
         value = getattr(server_args, r.field, None)
         if r.unsupported(value):
             out.append(f"--kv-cache-dtype int2 does not support {r.flag} {value!r}: {r.advice}")

@@ -13,16 +13,21 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
 * ``KVCacheConfigurator._build_token_to_kv_pool`` (AROUND): build
   :class:`~sglang_oscar.pool.int2_pool.OscarMHATokenToKVPool` for MHA/GQA models,
   :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool` for hybrid sliding-window ones,
-  :class:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool` for MLA ones, refuse the rest (DSA);
+  :class:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool` for MLA ones
+  (:class:`~sglang_oscar.pool.dsa_pool.OscarDSALatentPool` for DSA ones: GLM-5);
 * ``DeepseekV2AttentionMLA.dispatch_attn_forward_method`` (AROUND): absorbed MLA for every forward;
-* ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER): freed slots return their sink rows;
+* ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER), and the paged allocator's of DSA
+  models: freed slots (whole pages) return their sink rows;
+* ``overrides._dsa_kv_cache_dtype_default`` (AROUND): keeps ``int2`` (SGLang's DSA defaults assert
+  BF16 / FP8);
 * ``Req._compute_max_prefix_len`` (AROUND): radix matches stop ``recent`` tokens before the end of
   the prompt, so a reused prefix never covers positions a fresh run reads from its BF16 ring;
 * ``Scheduler.get_next_batch_to_run`` (BEFORE): evict radix leaves when the sink arena runs low;
 * ``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group`` (AROUND): refused with
   ``(False, reason)`` when ``--oscar-fold-rotations on`` folded value rotations into the weights;
-* ``ATTENTION_BACKENDS["triton"]`` (registry entry): :class:`OscarTritonAttnBackend` for int2
-  (:class:`OscarTritonLatentBackend` over the latent pool).
+* ``ATTENTION_BACKENDS["triton"]`` / ``["dsa"]`` (registry entries): :class:`OscarTritonAttnBackend`
+  for int2 (:class:`OscarTritonLatentBackend` over the latent pool, :class:`OscarDSALatentBackend`
+  for DSA models).
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ WEIGHT_UPDATE_METHODS = ("init_weights_update_group", "update_weights_from_disk"
                          "update_weights_from_distributed", "update_weights_from_ipc")
 WEIGHT_UPDATE_HOOK_TARGETS = tuple(f"{_WU}.{m}" for m in WEIGHT_UPDATE_METHODS)
 SERVING_HOOK_TARGETS = SERVING_HOOK_TARGETS + WEIGHT_UPDATE_HOOK_TARGETS
+# DSA models (GLM-5): SGLang runs them with page size 64 (a paged allocator) and asserts a BF16 / FP8
+# KV dtype in its DSA defaults pass (called through the module attribute at its legacy slot).
+DSA_HOOK_TARGETS = (f"{_MP}.allocator.paged.PagedTokenToKVPoolAllocator.free",
+                    f"{_MP}.allocator.paged.PagedTokenToKVPoolAllocator.clear",
+                    "sglang.srt.arg_groups.overrides._dsa_kv_cache_dtype_default")
+SERVING_HOOK_TARGETS = SERVING_HOOK_TARGETS + DSA_HOOK_TARGETS
 
 # Set in the scheduler process when the INT2 pool is built: the recent window that radix
 # matches must leave to be recomputed (None = not serving int2 in this process).
@@ -146,10 +157,26 @@ def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs
 
     if kvc.use_mla_backend:
         mc = kvc.model_config
-        return latent_cell_size(_config(kvc.server_args), mc.kv_lora_rank, mc.qk_rope_head_dim, num_layers,
-                                kvc.model_dtype)
+        return (latent_cell_size(_config(kvc.server_args), mc.kv_lora_rank, mc.qk_rope_head_dim, num_layers,
+                                 kvc.model_dtype) + _dsa_index_bytes(kvc, num_layers))
     heads, d, dv = _geometry(kvc)
     return int2_cell_size(_config(kvc.server_args), heads, d, dv, num_layers)
+
+
+def _dsa_index_head_dim(kvc) -> int:
+    """The DSA indexer's key width of a DSA model (GLM-5: 128), else 0."""
+    from sglang.srt.configs.model_config import get_dsa_index_head_dim, is_deepseek_dsa
+
+    hf = kvc.model_config.hf_config
+    return get_dsa_index_head_dim(hf) if kvc.use_mla_backend and is_deepseek_dsa(hf) else 0
+
+
+def _dsa_index_bytes(kvc, num_layers: int) -> int:
+    """Bytes per token of a DSA model's indexer keys over ``num_layers`` layers (0 without DSA)."""
+    from ..pool.dsa_pool import dsa_index_bytes
+
+    dim = _dsa_index_head_dim(kvc)
+    return dsa_index_bytes(dim, num_layers) if dim else 0
 
 
 def after_hybrid_swa_configurator_init(result, self, kvc, *args, **kwargs):
@@ -201,12 +228,14 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
     for kind, n, h, d, dv in groups:
         tokens = (pool_config.swa_max_total_num_tokens if kind == "sliding" else
                   pool_config.full_max_total_num_tokens if kind == "full" else pool_config.max_total_num_tokens)
-        bf16 = hp_row_bytes(h, d, dv, n, self.model_dtype)
-        cell = (bf16 if kind == skip else latent_cell_size(config, d, dv, n, self.model_dtype) if kind == "latent"
-                else int2_cell_size(config, h, d, dv, n))
+        index = _dsa_index_bytes(self, n) if kind == "latent" else 0  # the DSA indexer's keys stay as SGLang keeps them
+        bf16 = hp_row_bytes(h, d, dv, n, self.model_dtype) + index
+        cell = (bf16 if kind == skip else latent_cell_size(config, d, dv, n, self.model_dtype) + index
+                if kind == "latent" else int2_cell_size(config, h, d, dv, n))
         logger.info("sglang-oscar: %s KV cache%s: %d bytes/token (BF16: %d, %.2fx fewer); tokens: %d (%.2f GiB)",
                     "BF16 (--oscar-skip-layers)" if kind == skip else "INT2",
-                    "" if kind == "all" else f", MLA latent ({n} layers x c_kv {d} + k_pe {dv})" if kind == "latent"
+                    "" if kind == "all" else f", MLA latent ({n} layers x c_kv {d} + k_pe {dv}"
+                    f"{' + DSA index key' if index else ''})" if kind == "latent"
                     else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
                     cell, bf16, bf16 / max(cell, 1), tokens or 0, (tokens or 0) * cell / 2**30)
     logger.info("sglang-oscar: BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",
@@ -222,13 +251,10 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     from ..pool.sizing import sink_rows_for
     from ..pool.swa_pool import OscarSWAKVPool
 
-    from sglang.srt.configs.model_config import is_deepseek_dsa
-
     sizes = kwargs["sizes"]
     req_to_token_pool = kwargs["req_to_token_pool"]
     arch = getattr(self.model_config.hf_config, "architectures", None)
     unsupported = [name for name, flag in (
-        ("DSA sparse attention (its indexer's key pool)", self.use_mla_backend and is_deepseek_dsa(self.model_config.hf_config)),
         ("only sliding-window layers in its hybrid pool",
          self.is_hybrid_swa and not self.model_config.full_attention_layer_ids),
         ("a draft model (speculative decoding)", self.is_draft_worker)) if flag]
@@ -317,20 +343,25 @@ def _build_latent_pool(self, size: int, config, max_reqs: int, layer_num: int, s
     """The INT2 latent pool of an MLA model's ``layer_num`` MLA layers (``KVCacheConfigurator._build_mla_kv_pool``'s
     arguments; ``start_layer`` / ``end_layer``: SGLang's ``layer_info`` bounds (end exclusive, as
     SGLang passes them to its own pool), or 0 / n-1 inside a linear-attention hybrid's pool)."""
+    from ..pool.dsa_pool import OscarDSALatentPool
     from ..pool.latent_pool import OscarMLATokenToKVPool
     from ..pool.sizing import hp_row_bytes, sink_rows_for
 
     mc = self.model_config
-    pool = OscarMLATokenToKVPool(
+    index = _dsa_index_head_dim(self)
+    cls, extra = (OscarDSALatentPool, dict(index_head_dim=index)) if index else (OscarMLATokenToKVPool, {})
+    pool = cls(
         size, page_size=self.server_args.page_size, dtype=torch.uint8, kv_lora_rank=mc.kv_lora_rank,
         qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=layer_num, device=self.device,
         enable_memory_saver=self.server_args.enable_memory_saver, start_layer=start_layer,
         end_layer=end_layer, oscar_config=config, hp_dtype=self.model_dtype, max_reqs=max_reqs,
-        sink_rows=sink_rows_for(config, max_reqs))
+        sink_rows=sink_rows_for(config, max_reqs), **extra)
     logger.info("sglang-oscar: INT2 MLA latent pool: %d slots x %d layers, %d B/token (c_kv %d INT2 + k_pe %d "
-                "BF16; BF16 MLA: %d); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size, pool.layer_num,
+                "BF16%s; BF16 MLA: %d); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size, pool.layer_num,
                 pool.int2_bytes_per_token(), mc.kv_lora_rank, mc.qk_rope_head_dim,
-                hp_row_bytes(1, mc.kv_lora_rank, mc.qk_rope_head_dim, pool.layer_num, pool.hp_dtype),
+                f" + DSA index key {index} FP8" if index else "",
+                hp_row_bytes(1, mc.kv_lora_rank, mc.qk_rope_head_dim, pool.layer_num, pool.hp_dtype)
+                + _dsa_index_bytes(self, pool.layer_num),
                 pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
     return pool
 
@@ -347,7 +378,13 @@ def around_allocator_free(original_fn, self, free_index, *args, **kwargs):
     if windows is not None and self.is_not_in_free_group and free_index is not None and free_index.numel():
         # SGLang usually passes a view of req_to_token and rewrites it right after the free
         # (cache_unfinished_req): copy now, on the current stream, before that happens.
-        windows.release(free_index.clone())
+        page = getattr(self, "page_size", 1)
+        if page > 1:  # a paged allocator frees the whole page of every index it is given
+            pages = torch.unique(free_index // page)
+            free_slots = (pages[:, None] * page + torch.arange(page, device=pages.device)).reshape(-1)
+        else:
+            free_slots = free_index.clone()
+        windows.release(free_slots)
     return original_fn(self, free_index, *args, **kwargs)
 
 
@@ -356,6 +393,14 @@ def after_allocator_clear(result, self, *args, **kwargs):
     if windows is not None:
         windows.reset()
     return result
+
+
+def around_dsa_kv_cache_dtype_default(original_fn, view, *args, **kwargs):
+    """SGLang's DSA defaults pass (``arg_groups/overrides.py``) asserts a BF16 / FP8 KV dtype: an int2
+    server keeps ``int2`` (its latent pool is the INT2 one; the indexer's key buffer stays FP8)."""
+    if getattr(view, "kv_cache_dtype", None) == INT2:
+        return {}
+    return original_fn(view, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------- radix cap
@@ -413,25 +458,35 @@ def around_weight_update(original_fn, self, *args, **kwargs):
 
 # ---------------------------------------------------------------------------------- backend
 def install_backend_factory() -> None:
-    """Replace ``ATTENTION_BACKENDS["triton"]`` by a factory that builds the OSCAR backend for int2
-    servers and the original backend otherwise (idempotent)."""
+    """Replace ``ATTENTION_BACKENDS["triton"]`` and ``["dsa"]`` by factories that build the OSCAR backends
+    for int2 servers and the original backends otherwise (idempotent)."""
     from sglang.srt.layers.attention import attention_registry
 
-    original = attention_registry.ATTENTION_BACKENDS["triton"]
-    if getattr(original, "_oscar", False):
-        return
+    backends = attention_registry.ATTENTION_BACKENDS
+    original = backends["triton"]
+    if not getattr(original, "_oscar", False):
+        def create_triton_backend(runner):
+            if _is_int2(runner.server_args):
+                from ..backend.latent_backend import OscarTritonLatentBackend
+                from ..backend.triton_backend import OscarTritonAttnBackend
+                from ..pool.latent_pool import OscarMLATokenToKVPool
 
-    def create_triton_backend(runner):
-        if _is_int2(runner.server_args):
-            from ..backend.latent_backend import OscarTritonLatentBackend
-            from ..backend.triton_backend import OscarTritonAttnBackend
-            from ..pool.latent_pool import OscarMLATokenToKVPool
+                pool = runner.token_to_kv_pool
+                if isinstance(getattr(pool, "full_kv_pool", pool), OscarMLATokenToKVPool):
+                    return OscarTritonLatentBackend(runner)
+                return OscarTritonAttnBackend(runner)
+            return original(runner)
 
-            pool = runner.token_to_kv_pool
-            if isinstance(getattr(pool, "full_kv_pool", pool), OscarMLATokenToKVPool):
-                return OscarTritonLatentBackend(runner)
-            return OscarTritonAttnBackend(runner)
-        return original(runner)
+        create_triton_backend._oscar = True
+        backends["triton"] = create_triton_backend
+    original_dsa = backends.get("dsa")
+    if original_dsa is not None and not getattr(original_dsa, "_oscar", False):
+        def create_dsa_backend(runner):
+            if _is_int2(runner.server_args):
+                from ..backend.dsa_backend import OscarDSALatentBackend
 
-    create_triton_backend._oscar = True
-    attention_registry.ATTENTION_BACKENDS["triton"] = create_triton_backend
+                return OscarDSALatentBackend(runner)
+            return original_dsa(runner)
+
+        create_dsa_backend._oscar = True
+        backends["dsa"] = create_dsa_backend

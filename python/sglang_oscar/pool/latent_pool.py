@@ -47,22 +47,26 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
         sink_rows: rows of the sink arena (:func:`~.sizing.plan_windows`).
 
     Raises:
-        ValueError: page size other than 1, ``use_dsa``, or a group size that does not divide ``R``.
+        ValueError: page size other than 1, ``use_dsa`` (both the DSA subclass's,
+            :class:`~.dsa_pool.OscarDSALatentPool`), or a group size that does not divide ``R``.
     """
+
+    #: whether the pool keeps a DSA indexer's key buffer (and takes SGLang's DSA page size)
+    serves_dsa = False
 
     def __init__(self, *args, oscar_config: OscarConfig, hp_dtype: torch.dtype, max_reqs: int,
                  sink_rows: int, **kwargs):
         names = ("size", "page_size", "dtype", "kv_lora_rank", "qk_rope_head_dim")
         given = {**dict(zip(names, args)), **kwargs}
-        if given.get("page_size", 1) != 1:
+        if given.get("page_size", 1) != 1 and not self.serves_dsa:
             raise ValueError(f"--kv-cache-dtype int2 needs --page-size 1 (got {given['page_size']})")
-        if given.get("use_dsa"):
-            raise ValueError("--kv-cache-dtype int2 does not serve DSA (sparse-attention) MLA layers yet")
+        if given.get("use_dsa") and not self.serves_dsa:
+            raise ValueError("the INT2 latent pool of a DSA (sparse-attention) model is OscarDSALatentPool")
         r = given["kv_lora_rank"]
         self.oscar_config = oscar_config
         self.hp_dtype = hp_dtype
         self.layout = latent_layout(oscar_config, r)
-        self.windows = HPWindows(given["size"] + 1, max_reqs, oscar_config.sink_tokens, oscar_config.recent_tokens,
+        self.windows = HPWindows(given["size"] + given.get("page_size", 1), max_reqs, oscar_config.sink_tokens, oscar_config.recent_tokens,
                                  sink_rows, kwargs.get("device", "cuda"))
         self.owns_windows = True
         super().__init__(*args, **kwargs)
