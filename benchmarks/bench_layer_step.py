@@ -31,9 +31,11 @@ import torch
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
     from .bench_decode_report import step_row_cells, write_table
+    from .profile_decode import kernel_times
 except ImportError:
     import bench_decode as bd
     from bench_decode_report import step_row_cells, write_table
+    from profile_decode import kernel_times
 
 from sglang_oscar.kernels import DecodePlan, write_kv
 from sglang_oscar.kernels.layout import Int2Layout
@@ -183,29 +185,10 @@ class LayerCase:
 
 
 def profile_kernels(fn, reps: int = 20) -> str:
-    """Mean device time per kernel name of one ``fn()`` call (torch.profiler, cold L2 between calls):
-    the same loop profiled without ``fn`` (the L2 flush alone) is subtracted name by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-
-    def kernel_times(call) -> dict:
-        call()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                flush.zero_()
-                call()
-            torch.cuda.synchronize()
-        out: dict = {}
-        for e in prof.events():
-            if e.device_type.name == "CUDA" and e.device_time_total > 0:
-                out[e.name] = out.get(e.name, 0.0) + e.device_time_total / reps
-        return out
-
-    base, times = kernel_times(lambda: None), kernel_times(fn)
-    times = {n: t - base.get(n, 0.0) for n, t in times.items()}
-    return "; ".join(f"{n[:48]} {t:.1f} us" for n, t in sorted(times.items(), key=lambda x: -x[1]) if t > 0.05)
+    """Mean device time per kernel name of one ``fn()`` call (``profile_decode.kernel_times``: cold L2,
+    the flush left out)."""
+    times = kernel_times(fn, reps)
+    return "; ".join(f"{n[:48]} {sum(t) / reps:.1f} us" for n, t in sorted(times.items(), key=lambda x: -sum(x[1])))
 
 
 def main(argv=None) -> int:

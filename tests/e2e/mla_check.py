@@ -101,7 +101,6 @@ def build_model(path: str) -> dict:
     """Save a seeded random bf16 DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry to ``path``,
     sharpened as the harness's checkpoints (:func:`.checkpoints.sharpen`: logit std 0.5, attention
     score std 1.5), so the INT2 effect on log-probs is of the size the MHA families show."""
-    import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
@@ -111,17 +110,24 @@ def build_model(path: str) -> dict:
                            first_k_dense_replace=4, max_position_embeddings=8192, tie_word_embeddings=False,
                            initializer_range=0.08, rope_scaling=None, architectures=["DeepseekV3ForCausalLM"],
                            bos_token_id=1, eos_token_id=2)
-    # fields SGLang 0.5.16's deepseek_v2.py reads that transformers' config does not keep (saved to
-    # config.json, as released DeepSeek-V3 checkpoints carry them)
+    return _save_sharpened(DeepseekV3ForCausalLM, cfg, path, ("qk_nope_head_dim", "v_head_dim"))
+
+
+def _save_sharpened(model_cls, cfg, path: str, keys: tuple) -> dict:
+    """Seed, build, sharpen and save a model of ``cfg`` in bf16; its geometry (and ``keys``) for the report.
+    Sets the fields SGLang 0.5.16's deepseek_v2.py reads that transformers' configs do not keep
+    (saved to config.json, as released DeepSeek-V3 / GLM-5 checkpoints carry them)."""
+    import torch
+
     for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("rope_theta", 10000.0),
                        ("moe_layer_freq", 1), ("num_nextn_predict_layers", 0)):
         setattr(cfg, key, value)
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     stats = sharpen(model, LOGIT_STD, SCORE_STD, seed=0)
     model.to(torch.bfloat16).save_pretrained(path)
     return {**{k: getattr(cfg, k) for k in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                                            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}, "sharpen": stats}
+                                            "qk_rope_head_dim", *keys)}, "sharpen": stats}
 
 
 def build_kimi_linear(path: str) -> dict:
@@ -149,7 +155,6 @@ def build_glm5(path: str) -> dict:
     latent geometry and a lightning indexer (``index_head_dim`` 128, 32 heads, ``index_topk`` 256,
     served with SGLang's torch top-k, the one that takes a top-k other than 2048) to ``path``, sharpened
     as :func:`build_model`."""
-    import torch
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     cfg = GlmMoeDsaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
@@ -160,15 +165,7 @@ def build_glm5(path: str) -> dict:
                           index_topk=GLM5_TOPK, index_head_dim=128, index_n_heads=32,
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                           architectures=["GlmMoeDsaForCausalLM"], bos_token_id=1, eos_token_id=2)
-    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1),
-                       ("num_nextn_predict_layers", 0)):
-        setattr(cfg, key, value)
-    torch.manual_seed(0)
-    model = GlmMoeDsaForCausalLM(cfg).eval()
-    stats = sharpen(model, LOGIT_STD, SCORE_STD, seed=0)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return {**{k: getattr(cfg, k) for k in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                                            "qk_rope_head_dim", "index_topk", "index_head_dim")}, "sharpen": stats}
+    return _save_sharpened(GlmMoeDsaForCausalLM, cfg, path, ("index_topk", "index_head_dim"))
 
 
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
