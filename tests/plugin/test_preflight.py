@@ -125,8 +125,9 @@ def test_cell_size_hook_and_radix_cap(hooked):
     assert got == 10 * 4 * 2 * (32 + 2 * 2 * 2)
     # MLA (DeepSeek-V3 latent 512 + k_pe 64): codes 128 + 8 fp16 pairs 32 + BF16 k_pe 128 per layer
     mla = SimpleNamespace(server_args=kvc.server_args, use_mla_backend=True, model_dtype=torch.bfloat16,
-                          model_config=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64))
-    assert serving.around_compute_cell_size(lambda *a: -1, None, mla, 10) == 10 * (128 + 32 + 128)
+                          model_config=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64,
+                                                       hf_config={"architectures": ["DeepseekV3ForCausalLM"]}))
+    assert serving.around_compute_cell_size(lambda *a: -1, None, mla, 10) == 10 * (128 + 32 + 128)  # no DSA indexer
     kvc.server_args.kv_cache_dtype = "auto"
     assert serving.around_compute_cell_size(lambda *a: -1, None, kvc, 10) == -1
     # radix cap: only while an INT2 pool is active in this process
