@@ -180,7 +180,11 @@ FAMILIES = {  # --family: (model builder, extra server flags, judged items)
 
 def server_env(family: str, work: str) -> dict[str, str]:
     """Environment of a family's servers: for a dummy-weight family the harness shims' folder first on
-    PYTHONPATH and :data:`.dummy_shim.DUMMY_ENV` (scaled dummy weights), else nothing extra."""
+    PYTHONPATH and :data:`.dummy_shim.DUMMY_ENV` (scaled dummy weights); for glm5 SGLang's unfused DSA
+    top-k (its torch top-k backend needs ``SGLANG_DSA_FUSE_TOPK=0``; the int2 servers use the unfused
+    path anyway); else nothing extra."""
+    if family == "glm5":
+        return {"SGLANG_DSA_FUSE_TOPK": "0"}
     if "--load-format" not in FAMILIES[family][1]:
         return {}
     from .dummy_shim import DUMMY_ENV

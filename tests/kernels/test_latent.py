@@ -185,6 +185,11 @@ def test_latent_sparse_extend_matches_the_oracle_and_the_dense_extend(device):
                                          positions=positions.to(device), topk=topk.to(device), group_size=32,
                                          quantizer="uniform", sink=4, sm_scale=scale)
     assert rel_l2(out.cpu(), torch.cat(refs)) < 1e-4
+    whole, sliced = (latent_sparse_extend_attention(q_abs, qp, planes, **tables, token_req=token_req.to(device),
+                                                    positions=positions.to(device), topk=topk.to(device),
+                                                    group_size=32, quantizer="uniform", sink=4, sm_scale=scale,
+                                                    num_splits=2, max_rows=rows) for rows in (2048, 7))
+    assert torch.equal(sliced, whole)  # slices of 7 tokens, same split count: the same rows, bit for bit
     # every position selected (in shuffled order, -1 padded): the dense extend kernel's rows
     full = torch.full((positions.numel(), max(lens) + 3), -1, dtype=torch.int32)
     for t, pos in enumerate(positions.tolist()):

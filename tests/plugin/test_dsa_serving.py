@@ -69,6 +69,11 @@ def test_glm5_launch_takes_sglangs_dsa_page_size_and_backend(hooked, tmp_path):
     assert len(msgs) == 2
     assert "--page-size 1" in msgs[0] and "DSA page size 64; drop --page-size" in msgs[0]
     assert "--attention-backend 'triton'" in msgs[1] and "indexer runs only under the dsa backend" in msgs[1]
+    # a Hub id: no local config.json, the config SGLang loaded in its __post_init__ decides
+    hub = SimpleNamespace(model_path="zai-org/GLM-5", model_config=SimpleNamespace(hf_config=_glm5_config()),
+                          page_size=64, attention_backend="triton")
+    assert is_dsa_model(hub) and "pass --attention-backend dsa" in refusal_messages(hub)[0]
+    assert not is_dsa_model(SimpleNamespace(model_path="zai-org/GLM-5"))  # before SGLang loaded it
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps(_dense_dict()))
@@ -181,3 +186,44 @@ def test_backend_factory_builds_the_dsa_backend_for_int2(hooked, monkeypatch):
     serving.install_backend_factory()
     wrapped = attention_registry.ATTENTION_BACKENDS["dsa"]
     assert wrapped(SimpleNamespace(server_args=SimpleNamespace(kv_cache_dtype="auto")))[0] == "sglang-dsa"
+
+
+def test_dsa_backend_runs_sglangs_metadata_then_the_latent_backends(monkeypatch):
+    """OscarDSALatentBackend: every metadata hook runs SGLang's DSA metadata (the indexer reads it), then
+    the inner latent backend's; attention goes to the inner backend with the DSA arguments as given;
+    SGLang's dense MHA prefill stays off; a pool that is not the INT2 DSA pool is refused first."""
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+
+    from sglang_oscar.backend.dsa_backend import OscarDSALatentBackend
+
+    calls = []
+    hooks = ("init_forward_metadata", "init_cuda_graph_state", "init_forward_metadata_out_graph",
+             "init_forward_metadata_in_graph", "set_dsa_prefill_impl")
+    for name in hooks:
+        monkeypatch.setattr(DeepseekSparseAttnBackend, name,
+                            lambda self, *a, _n=name: calls.append(("sglang", _n, a)))
+
+    class Inner:  # the latent backend, recording
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append(("latent", name, a, k)) or f"{name} out"
+
+    be = object.__new__(OscarDSALatentBackend)
+    be.latent, be.use_mha = Inner(), True
+    fb = object()
+    be.init_forward_metadata(fb)
+    be.init_cuda_graph_state(8, 64)
+    be.init_forward_metadata_out_graph(fb, True)
+    be.init_forward_metadata_in_graph(fb)
+    assert [c[:2] for c in calls] == [(who, n) for n in hooks[:4] for who in ("sglang", "latent")]
+    assert calls[5][2:] == ((fb, True), {})  # in_capture reaches the latent backend (its graph plans)
+    be.set_dsa_prefill_impl(fb)
+    assert be.use_mha is False
+    calls.clear()
+    assert be.forward_decode("q", "k", "v", "layer", fb, q_rope="qr", k_rope="kr", topk_indices="t") == "forward_decode out"
+    assert be.forward_extend("q", "k", "v", "layer", fb, False, q_rope="qr", k_rope="kr", topk_indices="t",
+                             cos_sin_cache=None) == "forward_extend out"
+    dsa = {"q_rope": "qr", "k_rope": "kr", "topk_indices": "t"}
+    assert calls == [("latent", "forward_decode", ("q", "k", "v", "layer", fb, True), dsa),
+                     ("latent", "forward_extend", ("q", "k", "v", "layer", fb, False), {**dsa, "cos_sin_cache": None})]
+    with pytest.raises(RuntimeError, match="not the INT2 DSA latent pool"):
+        OscarDSALatentBackend(SimpleNamespace(token_to_kv_pool=object()))

@@ -1,6 +1,7 @@
 """``OscarDSALatentBackend``: SGLang's DSA backend with its sparse MLA kernels over the INT2 latent.
 
-GLM-5 (``glm_moe_dsa``) and DeepSeek-V3.2 run every MLA layer as DSA: a lightning indexer scores the
+GLM-5 (``glm_moe_dsa``; DeepSeek-V3.2's ``DeepseekV32ForCausalLM`` is not among the served
+architectures yet) runs every MLA layer as DSA: a lightning indexer scores the
 cached tokens with its own FP8 keys and selects each query's top-k (``index_topk``, 2048) positions,
 and the attention reads only those. In SGLang 0.5.16 both halves live in the ``"dsa"`` attention
 backend (``srt/layers/attention/dsa_backend.py``): it owns the indexer's metadata (page tables,
@@ -42,9 +43,6 @@ class OscarDSALatentBackend(DeepseekSparseAttnBackend):
     Raises:
         RuntimeError: the pool is not the INT2 DSA latent pool (a hook did not apply).
     """
-
-    # SGLang's DSA backend opts out of the host copy of seq_lens; the inner backend's extend plans read it
-    needs_cpu_seq_lens = True
 
     def __init__(self, model_runner, *args, **kwargs):
         pool = model_runner.token_to_kv_pool

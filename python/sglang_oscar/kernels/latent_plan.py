@@ -255,7 +255,8 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
                                    req_to_token: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
                                    topk: torch.Tensor, *, group_size: int, quantizer: str, sink: int,
                                    sm_scale: float, sink_lens: torch.Tensor | None = None, num_splits: int | None = None,
-                                   out: torch.Tensor | None = None, **plan_kwargs) -> torch.Tensor:
+                                   out: torch.Tensor | None = None, max_rows: int = 2048,
+                                   **plan_kwargs) -> torch.Tensor:
     """DSA extend (GLM-5 prefill) over the packed latent: each query token attends to its own top-k.
 
     One :class:`LatentDecodePlan` row per query token: token ``t`` is a length-``positions[t] + 1``
@@ -275,7 +276,9 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
             as the unfused DSA indexer returns them.
         group_size, quantizer, sink: the latent's format and sink window.
         sm_scale: softmax scale (natural units); num_splits: splits of each token's list (default
-            :func:`latent_num_splits` for ``T`` rows); out: optional ``[T, H, R]``.
+            :func:`latent_num_splits` for ``max_rows`` rows); out: optional ``[T, H, R]``.
+        max_rows: query tokens per plan: a chunk runs in slices of this many, which bounds the stage-1
+            workspace (``rows x H x splits x (R + 1)`` fp32) whatever the chunk size.
         plan_kwargs: tile / precision options of :class:`LatentDecodePlan` (engine is ``"dequant"``).
 
     Returns:
@@ -289,7 +292,15 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
     for name, x in (("token_req", token_req), ("positions", positions), ("topk", topk)):
         if x.dim() < 1 or x.shape[0] != t:
             raise ValueError(f"{name} {tuple(x.shape)}: one entry per query token ({t}) expected")
-    return latent_decode_attention(q_abs, q_pe, *(buffers[k] for k in PLANES), hp_index, req_to_token, token_req,
-                                   positions + 1, group_size=group_size, sm_scale=sm_scale, out=out,
-                                   num_splits=num_splits, quantizer=quantizer, sink=sink, recent=0,
-                                   sink_lens=sink_lens, topk=topk, **plan_kwargs)
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if out is None:
+        out = torch.empty(q_abs.shape, dtype=torch.float32, device=q_abs.device)
+    planes = [buffers[k] for k in PLANES]
+    for a in range(0, t, max_rows):
+        b = min(t, a + max_rows)
+        latent_decode_attention(q_abs[a:b], q_pe[a:b], *planes, hp_index, req_to_token, token_req[a:b],
+                                positions[a:b] + 1, group_size=group_size, sm_scale=sm_scale, out=out[a:b],
+                                num_splits=num_splits, quantizer=quantizer, sink=sink, recent=0, sink_lens=sink_lens,
+                                topk=topk[a:b], **plan_kwargs)
+    return out

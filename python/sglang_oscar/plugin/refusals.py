@@ -71,7 +71,8 @@ DSA_REFUSALS = (
     Refusal("page_size", "--page-size", lambda v: v not in (None, 64),
             "a DSA model runs with SGLang's DSA page size 64; drop --page-size"),
     Refusal("attention_backend", "--attention-backend", lambda v: v not in (None, "dsa"),
-            "a DSA model's indexer runs only under the dsa backend; use --attention-backend dsa (or leave it unset)"),
+            "a DSA model's indexer runs only under the dsa backend; pass --attention-backend dsa (int2 picks it "
+            "itself only when --model-path is a local directory)"),
     Refusal("prefill_attention_backend", "--prefill-attention-backend", lambda v: v not in (None, "dsa"),
             "use dsa (or leave it unset)"),
     Refusal("decode_attention_backend", "--decode-attention-backend", lambda v: v not in (None, "dsa"),
@@ -80,11 +81,15 @@ DSA_REFUSALS = (
 
 
 def is_dsa_model(server_args) -> bool:
-    """Whether the launch's model (a local directory's ``config.json``) uses DSA sparse attention:
-    SGLang's test (``is_deepseek_dsa``), an architecture of its DSA list with ``index_topk`` set."""
+    """Whether the launch's model uses DSA sparse attention: SGLang's test (``is_deepseek_dsa``, an
+    architecture of its DSA list with ``index_topk`` set) on a local directory's ``config.json``, or
+    on the config SGLang loaded (``server_args.model_config``, once its ``__post_init__`` built it:
+    a Hub id); ``False`` when neither is known."""
     cfg = _local_config(getattr(server_args, "model_path", None))
     if cfg is None:
-        return False
+        cfg = getattr(getattr(server_args, "__dict__", {}).get("model_config"), "hf_config", None)
+        if cfg is None:
+            return False
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
     return bool(is_deepseek_dsa(cfg))

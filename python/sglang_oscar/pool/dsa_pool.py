@@ -1,4 +1,4 @@
-"""``OscarDSALatentPool``: the INT2 latent pool of a DSA model (GLM-5, DeepSeek-V3.2) with SGLang's indexer keys.
+"""``OscarDSALatentPool``: the INT2 latent pool of a DSA model (GLM-5) with SGLang's indexer keys.
 
 A DSA model's lightning indexer keeps one FP8 key (``index_head_dim`` 128) and one fp32 scale per
 token and layer in SGLang's ``DSATokenToKVPool.index_k_with_scale_buffer`` (page-major uint8
@@ -67,6 +67,9 @@ class OscarDSALatentPool(OscarMLATokenToKVPool):
         self.index_head_dim = index_head_dim
         self.index_buf_size = self.size if index_buf_size is None else index_buf_size
         self._create_index_buffers()
+        # MLATokenToKVPool leaves the "KV Cache is allocated" log (and the scheduler's memory stats) to a
+        # DSA pool, after its index buffers
+        self._finalize_allocation_log(self.size)
 
     def _clear_buffers(self):
         super()._clear_buffers()
