@@ -105,6 +105,16 @@ def test_bench_latent_extend_smoke(tmp_path):
     assert len(rows) == 1 and [c.strip()[-1] for c in rows[0].split("|")[6:8]] == ["x", "x"], rows
 
 
+def test_bench_extend_step_smoke(tmp_path):
+    """benchmarks/bench_extend_step.py --smoke runs the served INT2 prefill step and each of its pieces
+    (rotations, write, extend attention) and SGLang's BF16 extend, without and with a prefix, and
+    writes their rows with the ratio."""
+    out = tmp_path / "extend_step.md"
+    _smoke("bench_extend_step", out)
+    rows = [ln.split("|") for ln in out.read_text().splitlines() if ln.startswith(("| 0 + 16 |", "| 8 + 16 |"))]
+    assert len(rows) == 2 and all(len(r) == 9 and r[7].strip().endswith("x") for r in rows), rows
+
+
 def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
     """bench_decode.apply_pool_layout re-lays a case without changing what any slot holds: the
     served pool's head-major code / pair planes with the same (random) slot ids give the decode
