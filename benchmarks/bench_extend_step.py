@@ -14,12 +14,15 @@ time to first token is 1.35x BF16's on Qwen3-8B, docs/benchmarks_served.md).
 Times: CUDA graphs with a cold L2 (``bench_decode.bench``); ratios mean something only within one run.
 
     python -m benchmarks.bench_extend_step [--chunks 8192] [--prefixes 0,24576] [--out extend_step.md]
+        [--configs '[{"block_m": 128, "num_warps": 8}, {"block_n": 32}]']   # extend kernel variants
     TRITON_INTERPRET=1 python -m benchmarks.bench_extend_step --smoke      # CPU: tiny shapes, every piece once
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import sys
 
@@ -32,7 +35,7 @@ except ImportError:
     import bench_decode as bd
     from bench_decode_report import fmt_ms, write_table
 
-from sglang_oscar.kernels import ExtendPlan, write_kv
+from sglang_oscar.kernels import ExtendPlan, default_triton_config, write_kv
 from sglang_oscar.kernels.layout import Int2Layout
 from sglang_oscar.kernels.rotate import rotate_heads, rotate_qkv
 
@@ -84,11 +87,23 @@ class ExtendCase:
     def buffers(self):
         return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
 
+    def plan(self, config=None) -> ExtendPlan:
+        """The served extend plan (``config``: a :class:`~sglang_oscar.kernels.TritonConfig`, default the
+        kernels' own)."""
+        return ExtendPlan(self.layout, self.hq, self.chunk, self.buffers(), self.hp_index, self.req_to_token,
+                          self.req_pool_indices, self.qo_indptr, self.prefix_lens, self.chunk_lens, sink=self.sink,
+                          q_dtype=torch.float32, max_extend_len=self.chunk, out_dtype=torch.float32, config=config)
+
+    def attention_variant(self, config):
+        """The extend attention alone with ``config``."""
+        plan = self.plan(config)
+        q_rot = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)[0]
+        scale = 1.0 / math.sqrt(self.d)
+        return lambda: plan.run(q_rot, *self.buffers(), sm_scale=scale)
+
     def int2_pieces(self) -> dict:
         """Closures of the INT2 step and its pieces (the plan built once, as once per forward)."""
-        plan = ExtendPlan(self.layout, self.hq, self.chunk, self.buffers(), self.hp_index, self.req_to_token,
-                          self.req_pool_indices, self.qo_indptr, self.prefix_lens, self.chunk_lens, sink=self.sink,
-                          q_dtype=torch.float32, max_extend_len=self.chunk, out_dtype=torch.float32)
+        plan = self.plan()
         scale = 1.0 / math.sqrt(self.d)
         q_rot, k_rot, v_rot = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)
         o = plan.run(q_rot, *self.buffers(), sm_scale=scale)
@@ -137,13 +152,19 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="8192")
     ap.add_argument("--prefixes", default="0,24576")
     ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--configs", default="[]",
+                    help="JSON list of TritonConfig fields to change from the served extend config: one attention "
+                         "column each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     a = ap.parse_args(argv)
     dev = torch.device("cpu" if a.smoke else "cuda")
     chunks = [16] if a.smoke else [int(x) for x in a.chunks.split(",")]
     prefixes = [0, 8] if a.smoke else [int(x) for x in a.prefixes.split(",")]
-    rows = ["| prefix + chunk | INT2 step | rotations | write | attention | SGLang Triton BF16 step | INT2 / BF16 |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    variants = json.loads(a.configs)
+    names = [", ".join(f"{k} {v}" for k, v in kw.items()) for kw in variants]
+    rows = ["| prefix + chunk | INT2 step | rotations | write | attention | SGLang Triton BF16 step | INT2 / BF16 |"
+            + "".join(f" attention ({n}) |" for n in names),
+            "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
     for chunk in chunks:
         for prefix in prefixes:
             case = ExtendCase(prefix, chunk, dev, **({k.lower(): v for k, v in SMOKE.items()} if a.smoke else {}))
@@ -151,9 +172,11 @@ def main(argv=None) -> int:
             bf = case.bf16_step()
             tb = bd.bench(bf, a.smoke) if bf is not None else None
             ratio = f"{t['step'] / tb:.2f}x" if tb else "-"
+            served = default_triton_config(case.layout, extend=True)
+            tv = [bd.bench(case.attention_variant(dataclasses.replace(served, **kw)), a.smoke) for kw in variants]
             rows.append(f"| {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in ("step", "rotations", "write",
                                                                                       "attention"))
-                        + f" | {fmt_ms(tb) if tb else '-'} | {ratio} |")
+                        + f" | {fmt_ms(tb) if tb else '-'} | {ratio} |" + "".join(f" {fmt_ms(x)} |" for x in tv))
             print(rows[-1], flush=True)
             del case
             if dev.type == "cuda":

@@ -21,7 +21,8 @@
 #   matrix   decode correctness per head_dim x config vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
 #   sweep    configs x split counts (benchmarks.sweep_decode; SWEEP_CONTEXTS, SWEEP_BATCHES, SWEEP_WAVES, SWEEP_GRID)
 #   step     one layer's served decode step (benchmarks.bench_step; STEP_CONTEXTS, STEP_BATCHES, STEP_BLOCK_N)
-#   extend   one layer's served prefill step, INT2 pieces vs SGLang's BF16 extend (benchmarks.bench_extend_step)
+#   extend   one layer's served prefill step, INT2 pieces vs SGLang's BF16 extend (benchmarks.bench_extend_step;
+#            EXTEND_CONFIGS: JSON list of extend-kernel config changes, one attention column each)
 #   layer    Gemma-4 sliding / full layer decode steps with per-kernel times (benchmarks.bench_layer_step --profile)
 #   profile  device time per kernel of a decode call (benchmarks.profile_decode, ~40 s)
 #   ncu      issue-stall metrics of the decode kernel (NCU_CONFIG JSON, NCU_TAG file name, NCU_SASS=1
@@ -102,7 +103,8 @@ for s in "${steps[@]}"; do
         > "$OUT/step.log" 2>&1 || rc=1
       cat "$OUT/step.md" 2>/dev/null || tail -20 "$OUT/step.log";;
     extend)
-      timeout 240 python -m benchmarks.bench_extend_step --out "$OUT/extend_step.md" > "$OUT/extend_step.log" 2>&1 || rc=1
+      timeout 300 python -m benchmarks.bench_extend_step --configs "${EXTEND_CONFIGS:-[]}" --out "$OUT/extend_step.md" \
+        > "$OUT/extend_step.log" 2>&1 || rc=1
       cat "$OUT/extend_step.md" 2>/dev/null || tail -20 "$OUT/extend_step.log";;
     layer)
       timeout 240 python -m benchmarks.bench_layer_step --profile --out "$OUT/layer_step.md" > "$OUT/layer_step.log" 2>&1 \

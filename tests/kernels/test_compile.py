@@ -110,9 +110,11 @@ def test_bench_extend_step_smoke(tmp_path):
     (rotations, write, extend attention) and SGLang's BF16 extend, without and with a prefix, and
     writes their rows with the ratio."""
     out = tmp_path / "extend_step.md"
-    _smoke("bench_extend_step", out)
-    rows = [ln.split("|") for ln in out.read_text().splitlines() if ln.startswith(("| 0 + 16 |", "| 8 + 16 |"))]
-    assert len(rows) == 2 and all(len(r) == 9 and r[7].strip().endswith("x") for r in rows), rows
+    _smoke("bench_extend_step", out, "--configs", '[{"block_m": 32, "block_n": 32}]')
+    text = out.read_text()
+    rows = [ln.split("|") for ln in text.splitlines() if ln.startswith(("| 0 + 16 |", "| 8 + 16 |"))]
+    assert len(rows) == 2 and all(len(r) == 10 and r[7].strip().endswith("x") for r in rows), rows
+    assert "attention (block_m 32, block_n 32)" in text
 
 
 def test_bench_pool_layouts_read_the_same_rows(monkeypatch):
