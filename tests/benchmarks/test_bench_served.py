@@ -17,16 +17,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_script():
-    """benchmarks/bench_served.py by path: ``benchmarks`` may also name this test folder on sys.path."""
-    spec = importlib.util.spec_from_file_location("bench_served", REPO / "benchmarks" / "bench_served.py")
+def _load_script(name: str):
+    """benchmarks/<name>.py by path (``benchmarks`` may also name this test folder on sys.path), as the
+    script imports its report module when run as a file."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
+    sys.modules[spec.name] = mod  # dataclasses look their module up; bench_served imports the report
     spec.loader.exec_module(mod)
     return mod
 
 
-bs = _load_script()
+report = _load_script("bench_served_report")
+bs = _load_script("bench_served")
 
 PUBLISHED = {  # Hugging Face config.json values of the three models
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -169,7 +171,7 @@ def fake_results():
 
 def test_table_ratios_and_outputs(tmp_path, capsys, monkeypatch):
     res = fake_results()
-    table = bs.render_table(res)
+    table = report.render_table(res)
     assert "| format | KV tokens | 128K reqs | TTFT 8K (s) | 8K x 1 (tok/s) | 128K x 8 (tok/s) |" in table
     int2 = next(line for line in table.splitlines() if line.startswith("| int2"))
     assert "200.0 (2.00x / 1.50x)" in int2 and "4,900,000 (7.00x / 3.50x)" in int2
@@ -179,7 +181,7 @@ def test_table_ratios_and_outputs(tmp_path, capsys, monkeypatch):
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "m-int2.log").write_text("x")
-    bs.write_outputs(res, a, logs)
+    report.write_outputs(res, a, logs)
     out = capsys.readouterr().out
     assert "plots skipped: matplotlib is not installed" in out
     assert json.loads((tmp_path / "out" / "results.json").read_text())["servers"][2]["format"] == "int2"
@@ -337,7 +339,7 @@ def test_plots_with_a_stub_matplotlib(tmp_path, monkeypatch):
     res = fake_results()
     res["servers"][2]["runs"].append({"kind": "decode", "context": 32768, "batch": 8, "status": "ok",
                                       "decode_tok_s": 900.0, "ttft_s": [1.0]})
-    assert bs.plot(res, tmp_path) == ["decode.png", "capacity.png"]
+    assert report.plot(res, tmp_path) == ["decode.png", "capacity.png"]
     int2_line = [c for c in axes[0][0].plot.call_args_list if c.kwargs["label"] == "int2"][0]
     assert int2_line.args == ([8192], [200.0])
     assert axes[0][1].plot.call_args.args == ([32768], [900.0])  # batch 8: only int2 measured
