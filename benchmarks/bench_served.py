@@ -48,7 +48,9 @@ Qwen3-30B-A3B, except ``max_position_embeddings`` 135168 (published: 40960, 128K
 the speed). Output (``--out``): ``results.json`` (every measured value, commands, plan),
 ``results.md`` (the table printed at the end), ``decode.png`` and ``capacity.png`` (matplotlib,
 skipped with a message when missing) and ``logs.tgz`` (one log per server); five files, the device
-tool returns at most eight.
+tool returns at most eight. A model's formats rarely fit one 600 s device call (a server takes
+110-160 s to start): run them in two calls and join the ``results.json`` files with ``--merge``
+(:mod:`bench_served_report`: one table, ratios against the best BF16 / FP8 server of each cell).
 """
 
 from __future__ import annotations
