@@ -1,9 +1,10 @@
 """DSA models (GLM-5 ``glm_moe_dsa``) with ``--kv-cache-dtype int2``: the launch checks, the pool with
 SGLang's indexer key buffer, its sizing, the paged allocator's frees and the backend entry, on CPU.
 
-SGLang's ``ServerArgs`` needs a GPU for DSA configs, so the launch hooks are called as
-``ServerArgs.__post_init__`` calls them; the attention over the INT2 latent with a DSA selection is
-tested in ``test_latent_backend.py`` (backend) and ``tests/kernels/test_latent.py`` (kernels).
+SGLang's ``ServerArgs`` reads the device capability for DSA configs: one test stands an H200's in
+and builds it; the others call the launch hooks as ``ServerArgs.__post_init__`` does. The attention
+over the INT2 latent with a DSA selection is tested in ``test_latent_backend.py`` (backend) and
+``tests/kernels/test_latent.py`` (kernels).
 """
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ def test_glm5_launch_takes_sglangs_dsa_page_size_and_backend(hooked, tmp_path):
     assert not is_dsa_model(SimpleNamespace(model_path=str(dense)))
     msgs = refusal_messages(SimpleNamespace(model_path=str(dense), page_size=64, attention_backend="dsa"))
     assert "token-granular; use --page-size 1" in msgs[0] and "use --attention-backend triton" in msgs[1]
+
+
+def test_glm5_int2_server_args_resolve_through_sglangs_dsa_defaults(hooked, tmp_path, monkeypatch):
+    """SGLang's own ``ServerArgs`` for a GLM-5 directory with ``--kv-cache-dtype int2`` (the device
+    capability of an H200 stood in: SGLang's DSA defaults read it): its DSA branch sets page size 64,
+    the plugin's hooks keep int2 through the DSA dtype pass and pick the dsa backend; an explicit
+    ``--attention-backend triton`` is refused naming the fix."""
+    from sglang.srt.server_args import ServerArgs
+
+    from _support.server_args import int2_server_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    model = _glm5_dir(tmp_path)
+    args = int2_server_args(model, monkeypatch)
+    assert (args.kv_cache_dtype, args.attention_backend, args.page_size) == ("int2", "dsa", 64)
+    with pytest.raises(ValueError, match="indexer runs only under the dsa backend; pass --attention-backend dsa"):
+        ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda",
+                   attention_backend="triton")
 
 
 def test_dsa_defaults_pass_keeps_int2(hooked):
