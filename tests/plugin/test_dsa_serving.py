@@ -246,3 +246,24 @@ def test_dsa_backend_runs_sglangs_metadata_then_the_latent_backends(monkeypatch)
                      ("latent", "forward_extend", ("q", "k", "v", "layer", fb, False), {**dsa, "cos_sin_cache": None})]
     with pytest.raises(RuntimeError, match="not the INT2 DSA latent pool"):
         OscarDSALatentBackend(SimpleNamespace(token_to_kv_pool=object()))
+
+
+def test_pool_hook_builds_the_dsa_pool_for_glm5(hooked):
+    """``around_build_token_to_kv_pool`` for a GLM-5 config: the INT2 DSA latent pool at SGLang's page
+    size, one index buffer page per 64 slots, and the sizing hook's bytes per token equal to its own."""
+    from sglang_oscar.plugin import serving
+    from sglang_oscar.pool.dsa_pool import OscarDSALatentPool
+
+    config = OscarConfig(sink_tokens=4, recent_tokens=8)
+    server_args = SimpleNamespace(kv_cache_dtype="int2", page_size=64, enable_memory_saver=False, _oscar_config=config)
+    kvc = SimpleNamespace(
+        server_args=server_args, use_mla_backend=True, is_hybrid_swa=False, is_draft_worker=False, device="cpu",
+        model_dtype=torch.bfloat16, mambaish_config=None,
+        model_config=SimpleNamespace(hf_config=_glm5_config(), kv_lora_rank=512, qk_rope_head_dim=64),
+        layer_info=SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2))
+    req_pool = SimpleNamespace(req_to_token=torch.zeros(2, 256, dtype=torch.int32))
+    pool = serving.around_build_token_to_kv_pool(None, kvc, sizes=SimpleNamespace(max_total_num_tokens=256),
+                                                 req_to_token_pool=req_pool)
+    assert isinstance(pool, OscarDSALatentPool) and pool.page_size == 64 and pool.index_head_dim == 128
+    assert pool.latent_buffers(1)["codes"].shape == (256 + 64, 128)
+    assert pool.int2_bytes_per_token() == serving.around_compute_cell_size(None, None, kvc, 2) == 2 * (272 + 132)
