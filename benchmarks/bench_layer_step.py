@@ -8,7 +8,9 @@ rotated back (``rotate_heads``); BF16 -- the new row copied into the cache and S
 kernel (the attention backend the server runs) over the keys the layer sees (the last ``window``
 positions of a sliding layer), and torch SDPA on dense K/V of the same span where it supports the
 head_dim. Geometries (``--layers``): Gemma-4-12B-it's sliding layer (16 q / 8 kv heads x 256, window
-1024) and full layer (16 q / 1 kv head x 512), and Qwen3-8B's (32 / 8 x 128) for reference; INT2 as
+1024) and full layer (16 q / 1 kv head x 512), Qwen3-8B's (32 / 8 x 128) for reference, and
+``dsv3-expanded``: DeepSeek-V3 at TP 8 stored as expanded MHA (16 heads, K 192 / V 128, group 64;
+compare ``bench_latent`` at 16 heads for the latent cache); INT2 as
 the recipe serves it (group 128, fp32 pairs for Gemma-4; sink 64 + recent 512 / 256).
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within
@@ -51,16 +53,21 @@ class LayerShape(NamedTuple):
     scale_dtype: str
     sink: int
     recent: int
+    v_head_dim: int = 0  # 0 = head_dim
 
 
 LAYERS = {
     "gemma4-sliding": LayerShape(16, 8, 256, 1024, 128, "float32", 64, 512),
     "gemma4-full": LayerShape(16, 1, 512, 0, 128, "float32", 64, 512),
     "qwen3-8b": LayerShape(32, 8, 128, 0, 128, "float16", 64, 256),
+    # DeepSeek-V3 at TP 8 stored as expanded MHA (K = [k_nope | k_pe] 192, V 128 per head; group 64, the
+    # largest dividing both): the alternative to the latent cache (benchmarks/bench_latent.py, 16 heads)
+    "dsv3-expanded": LayerShape(16, 16, 192, 0, 64, "float16", 64, 256, 128),
 }
 SMOKE = {"gemma4-sliding": LayerShape(4, 2, 64, 24, 32, "float32", 4, 8),
          "gemma4-full": LayerShape(4, 1, 128, 0, 32, "float32", 4, 8),
-         "qwen3-8b": LayerShape(4, 2, 64, 0, 64, "float16", 4, 8)}
+         "qwen3-8b": LayerShape(4, 2, 64, 0, 64, "float16", 4, 8),
+         "dsv3-expanded": LayerShape(4, 4, 96, 0, 32, "float16", 4, 8, 64)}
 
 
 class LayerCase:
@@ -72,37 +79,41 @@ class LayerCase:
         g.manual_seed(batch * 7919 + ctx)
         self.shape, self.batch, self.ctx = s, batch, ctx
         d, h, hq = s.head_dim, s.num_kv_heads, s.num_q_heads
-        self.layout = Int2Layout.create(d, d, group_size=s.group_size, scale_dtype=s.scale_dtype,
+        dv = s.v_head_dim or d
+        self.layout = Int2Layout.create(d, dv, group_size=s.group_size, scale_dtype=s.scale_dtype,
                                         k_clip_ratio=0.96, v_clip_ratio=0.92)
         slots = batch * ctx + 64
-        ng = 2 * (d // s.group_size)
         sdt = self.layout.scale_dtype
         self.k_codes = torch.randint(0, 256, (slots, h, d // 4), dtype=torch.uint8, device=device, generator=g)
-        self.v_codes = torch.randint(0, 256, (slots, h, d // 4), dtype=torch.uint8, device=device, generator=g)
-        pairs = torch.empty(slots, h, ng, device=device)
-        pairs[..., 0::2].uniform_(0.02, 0.08, generator=g)
-        pairs[..., 1::2].uniform_(0.5, 2.5, generator=g)
-        self.k_pairs, self.v_pairs = pairs.to(sdt), pairs.flip(0).to(sdt)
+        self.v_codes = torch.randint(0, 256, (slots, h, dv // 4), dtype=torch.uint8, device=device, generator=g)
+
+        def pair_plane(width):
+            pairs = torch.empty(slots, h, 2 * (width // s.group_size), device=device)
+            pairs[..., 0::2].uniform_(0.02, 0.08, generator=g)
+            pairs[..., 1::2].uniform_(0.5, 2.5, generator=g)
+            return pairs.to(sdt)
+
+        self.k_pairs, self.v_pairs = pair_plane(d), pair_plane(dv).flip(0)
         perm = torch.randperm(slots - 1, device=device, generator=g)[: batch * ctx].to(torch.int32) + 1
         self.req_to_token = perm.view(batch, ctx).contiguous()
         self.req_pool_indices = torch.arange(batch, device=device, dtype=torch.int64)
         self.seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int64)
         n_hp = s.sink + s.recent
         self.hp_k = torch.randn(batch * n_hp + 8, h, d, device=device, generator=g).to(torch.bfloat16)
-        self.hp_v = torch.randn(batch * n_hp + 8, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.hp_v = torch.randn(batch * n_hp + 8, h, dv, device=device, generator=g).to(torch.bfloat16)
         self.hp_index = torch.arange(batch * n_hp, device=device, dtype=torch.int32).view(batch, n_hp).contiguous()
         self.q = torch.randn(batch, hq, d, device=device, generator=g).to(torch.bfloat16)
         self.k_new = torch.randn(batch, h, d, device=device, generator=g).to(torch.bfloat16)
-        self.v_new = torch.randn(batch, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.v_new = torch.randn(batch, h, dv, device=device, generator=g).to(torch.bfloat16)
         self.rk = torch.linalg.qr(torch.randn(h, d, d, device=device, generator=g))[0].contiguous()
-        self.rv = torch.linalg.qr(torch.randn(h, d, d, device=device, generator=g))[0].contiguous()
+        self.rv = torch.linalg.qr(torch.randn(h, dv, dv, device=device, generator=g))[0].contiguous()
         self.loc = self.req_to_token[:, -1].long()
         self.hp_rows = self.hp_index[:, s.sink].contiguous()
         # BF16 side: the pool rows of the keys the layer sees (the window of a sliding layer)
         span = min(ctx, s.window) if s.window else ctx
         self.span = span
         self.k_buf = torch.randn(slots, h, d, device=device, generator=g).to(torch.bfloat16)
-        self.v_buf = torch.randn(slots, h, d, device=device, generator=g).to(torch.bfloat16)
+        self.v_buf = torch.randn(slots, h, dv, device=device, generator=g).to(torch.bfloat16)
         self.kv_indptr = torch.arange(0, (batch + 1) * span, span, device=device, dtype=torch.int32)
         self.kv_indices = self.req_to_token[:, ctx - span:].reshape(-1).to(torch.int64)
 
@@ -145,10 +156,12 @@ class LayerCase:
                 from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
             except ImportError:
                 decode_attention_fwd = None
-        if decode_attention_fwd is not None:
+        # (SGLang's kernel splits an unequal K as 128 + rope dims; its BF16 path does not run under the interpreter)
+        if decode_attention_fwd is not None and not (smoke and s.v_head_dim):
             splits = 8 if self.batch < 16 else 4
-            o = torch.empty(self.batch, s.num_q_heads, s.head_dim, dtype=torch.bfloat16, device=self.q.device)
-            logits = torch.empty(self.batch, s.num_q_heads, splits, s.head_dim, dtype=torch.float32,
+            dv = s.v_head_dim or s.head_dim
+            o = torch.empty(self.batch, s.num_q_heads, dv, dtype=torch.bfloat16, device=self.q.device)
+            logits = torch.empty(self.batch, s.num_q_heads, splits, dv, dtype=torch.float32,
                                  device=self.q.device)
             lse = torch.empty(self.batch, s.num_q_heads, splits, dtype=torch.float32, device=self.q.device)
             nsplit = torch.full((self.batch,), splits, dtype=torch.int32, device=self.q.device)
@@ -164,7 +177,8 @@ class LayerCase:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             kd = self.k_buf[self.kv_indices].view(self.batch, self.span, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            vd = self.v_buf[self.kv_indices].view(self.batch, self.span, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            vd = self.v_buf[self.kv_indices].view(self.batch, self.span, s.num_kv_heads,
+                                                  s.v_head_dim or s.head_dim).transpose(1, 2)
             q = self.q.view(self.batch, s.num_q_heads, 1, s.head_dim)
             for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
                 try:
@@ -213,7 +227,8 @@ def main(argv=None) -> int:
                 case = LayerCase(shape, b, ctx, dev)
                 int2 = bd.bench(case.int2_step(), a.smoke)
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16_steps(a.smoke).items()}
-                rows.append(f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {shape.head_dim}"
+                dims = f"{shape.head_dim}/{shape.v_head_dim}" if shape.v_head_dim else f"{shape.head_dim}"
+                rows.append(f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {dims}"
                             f"{f', window {shape.window}' if shape.window else ''}) | {b} x {ctx} | "
                             f"{step_row_cells(int2, bf)} |")
                 print(rows[-1], flush=True)
