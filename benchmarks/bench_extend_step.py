@@ -85,6 +85,7 @@ class ExtendCase:
         self.kv_indices = self.req_to_token[0, :prefix].to(torch.int64)
 
     def buffers(self):
+        """The layer's planes in :class:`~sglang_oscar.kernels.ExtendPlan`'s order."""
         return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
 
     def plan(self, config=None) -> ExtendPlan:
@@ -148,6 +149,7 @@ class ExtendCase:
 
 
 def main(argv=None) -> int:
+    """Time every (chunk, prefix) point and write the table (``--out``); exit status 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", default="8192")
     ap.add_argument("--prefixes", default="0,24576")

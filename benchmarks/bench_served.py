@@ -49,7 +49,7 @@ the speed). Output (``--out``): ``results.json`` (every measured value, commands
 ``results.md`` (the table printed at the end), ``decode.png`` and ``capacity.png`` (matplotlib,
 skipped with a message when missing) and ``logs.tgz`` (one log per server); five files, the device
 tool returns at most eight. A model's formats rarely fit one 600 s device call (a server takes
-110-160 s to start): run them in two calls and join the ``results.json`` files with ``--merge``
+93-161 s to start): run them in two calls and join the ``results.json`` files with ``--merge``
 (:mod:`bench_served_report`: one table, ratios against the best BF16 / FP8 server of each cell).
 """
 
@@ -94,7 +94,7 @@ FORMATS = {"bf16": ("auto", "triton", 16.0, ()), "fp8": ("fp8_e4m3", "triton", 8
 INT2_WINDOW_TOKENS = 64 + 256
 GIB = 1 << 30
 # Estimates only (planning; the run measures): server start (imports, dummy init, graph capture),
-# first int2 server's Triton JIT (~85 s measured, docs/serving.md), FlashInfer JIT (~180 s),
+# the first int2 server's extra (its Triton JIT fits in its measured startup below), FlashInfer JIT (~180 s),
 # memory outside the pool besides (1 - fraction), per-step scheduler overhead, warm-up + stop.
 # startups measured on the H200 (Qwen3-8B, dummy weights, CUDA graphs to batch 32): the machine's first
 # server 161 s, later BF16 / FP8 110 s, int2 93 s with its Triton JIT (2026-12-02)

@@ -122,8 +122,11 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     return ["decode.png", "capacity.png"]
 
 
-def write_outputs(results: dict[str, Any], a: argparse.Namespace, logs: Path) -> None:
+def write_outputs(results: dict[str, Any], a: argparse.Namespace, logs: Path | None) -> None:
+    """Write ``results.json``, ``results.md`` (the table of :func:`render_table`), the plots and, when
+    ``logs`` is a folder, ``logs.tgz`` to ``a.out`` (which must exist); print the table."""
     out = Path(a.out)
+    has_logs = logs is not None and logs.is_dir()
     table = render_table(results)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "results.md").write_text(f"# bench_served ({results['meta'].get('date')}, commit "
@@ -133,33 +136,33 @@ def write_outputs(results: dict[str, Any], a: argparse.Namespace, logs: Path) ->
         plot(results, out)
     except Exception as exc:  # noqa: BLE001  plots must not lose the table
         print(f"plots failed: {type(exc).__name__}: {exc}")
-    if logs.is_dir():
+    if has_logs:
         with tarfile.open(out / "logs.tgz", "w:gz") as tar:
             tar.add(logs, arcname="logs")
-    print("\n" + table + f"\n\nwrote {out}/results.json, results.md, plots{', logs.tgz' if logs.is_dir() else ''}")
+    print("\n" + table + f"\n\nwrote {out}/results.json, results.md, plots{', logs.tgz' if has_logs else ''}")
 
 
 def merge(paths: Sequence[str], a: argparse.Namespace) -> dict[str, Any]:
     """One results dict from several runs' ``results.json`` (servers concatenated, in order, those a
-    run skipped left out; a format measured twice for one model keeps both rows, the later suffixed
-    ``#2``), written to ``--out``."""
+    run skipped left out; a format measured again for one model keeps every row, the repeats suffixed
+    ``#2``, ``#3``, ...), written to ``--out``."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    servers, seen = [], set()
+    servers, seen = [], {}
     for r in runs:
         for s in r["servers"]:
             if str(s.get("status", "")).startswith("skip"):
                 continue
             key = (s["model"], s["format"])
-            if key in seen:
-                s = {**s, "format": s["format"] + "#2"}
-            seen.add(key)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > 1:
+                s = {**s, "format": f"{s['format']}#{seen[key]}"}
             servers.append(s)
-    meta = {"date": runs[0]["meta"].get("date"), "commit": ", ".join(dict.fromkeys(r["meta"].get("commit", "?")
+    meta = {"date": runs[0]["meta"].get("date"), "commit": ", ".join(dict.fromkeys(r["meta"].get("commit") or "?"
                                                                                     for r in runs)),
             "argv": ["bench_served.py", "--merge", ",".join(paths)], "merged": [r["meta"] for r in runs]}
     results = {"meta": meta, "servers": servers}
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    write_outputs(results, a, Path(a.out) / "no-logs")
+    write_outputs(results, a, None)
     with (Path(a.out) / "results.md").open("a") as f:
         f.write("\nRuns merged:\n\n" + "".join(f"* {m.get('date')}, {m.get('gpu', '?')}, commit {m.get('commit')}: "
                                                  f"`{shlex.join(m['argv'])}`\n" for m in meta["merged"]))

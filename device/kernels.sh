@@ -15,7 +15,7 @@
 #            suite's time (log $OUT/gpu_suite.log; SUITE_TIMEOUT, default 480 s). pytest-xdist comes from
 #            .device-bundle/wheels/*.whl when the machine lacks it (carry that folder; fill it here with
 #            pip download --no-deps --only-binary=:all: --python-version 3.12 -d .device-bundle/wheels
-#            pytest-xdist execnet). 112 tests took 141 s over 8 workers on one H200.
+#            pytest-xdist execnet). 112 tests took 141 s over 8 workers on one H200 (0da0f9c: 111 passed).
 #   bench    python -m benchmarks.bench_decode --no-sweep --pool-layout served ($OUT/bench_decode.md, .json)
 #   configs  the every-Triton-config decode test (-k every_triton_config, ~90-100 s per parameter set)
 #   matrix   decode correctness per head_dim x config vs the oracle (tests/kernels/decode_matrix.py, ~3 min)

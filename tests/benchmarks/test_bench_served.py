@@ -200,14 +200,18 @@ def test_ratios_take_the_best_baseline_of_each_kind_and_runs_merge(tmp_path, cap
     run2 = {"meta": {"date": "d2", "commit": "c2", "argv": ["bench_served.py", "--formats", "bf16-t64,int2"]},
             "servers": [fast, {"name": "m-int2", "model": "m", "format": "int2", "status": "skip: budget", "runs": []}]}
     paths = []
-    for k, r in enumerate((res, run2, fake_results())):
+    no_git = fake_results()
+    no_git["meta"]["commit"] = None  # collect_meta's value when git fails
+    no_git["servers"] = no_git["servers"][:1]
+    for k, r in enumerate((res, run2, fake_results(), no_git)):
         paths.append(str(tmp_path / f"r{k}.json"))
         Path(paths[-1]).write_text(json.dumps(r))
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert bs.main(["--merge", ",".join(paths), "--out", str(tmp_path / "out")]) == 0
     merged = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [s["format"] for s in merged["servers"]] == ["bf16", "fp8", "int2", "bf16-t64", "bf16#2", "fp8#2",
-                                                         "int2#2"]
+                                                         "int2#2", "bf16#3"]
+    assert merged["meta"]["commit"] == "c, c2, ?"
     table = (tmp_path / "out" / "results.md").read_text()
     int2 = next(line for line in table.splitlines() if line.startswith("| int2 |"))
     # decode 200 / best BF16 160, TTFT 0.6 / best 0.4, pool 4.9M / best 700K (bf16's, not the t64 one)

@@ -296,6 +296,9 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     if out is None:
         out = torch.empty(q_abs.shape, dtype=torch.float32, device=q_abs.device)
+    if num_splits is None:  # one count for every slice, so a short last slice splits as the others
+        num_splits = latent_num_splits(min(t, max_rows), q_abs.shape[1], block_h=plan_kwargs.get("block_h", 16),
+                                       num_sms=plan_kwargs.get("num_sms", 132))
     planes = [buffers[k] for k in PLANES]
     for a in range(0, t, max_rows):
         b = min(t, a + max_rows)
