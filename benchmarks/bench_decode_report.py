@@ -101,6 +101,17 @@ def step_row_cells(int2, bf: dict) -> str:
     return f"{fmt_ms(int2)} | {fmt_ms(bf[best]) if best else '-'} ({best}) | {ratio} | {kernels}"
 
 
+def emit_row(rows: list, row: str, device) -> None:
+    """Append ``row`` to ``rows`` and print it; on a GPU give the cached memory back (call it after
+    dropping the point's tensors, so the next, larger point finds room)."""
+    import torch
+
+    rows.append(row)
+    print(row, flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def write_table(rows: list, out: str | None) -> str:
     """``rows`` joined as one markdown table (written to ``out`` when given); returns the text."""
     text = "\n".join(rows) + "\n"

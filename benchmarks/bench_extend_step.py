@@ -30,10 +30,10 @@ import torch
 
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
-    from .bench_decode_report import fmt_ms, write_table
+    from .bench_decode_report import emit_row, fmt_ms, write_table
 except ImportError:
     import bench_decode as bd
-    from bench_decode_report import fmt_ms, write_table
+    from bench_decode_report import emit_row, fmt_ms, write_table
 
 from sglang_oscar.kernels import ExtendPlan, default_triton_config, write_kv
 from sglang_oscar.kernels.layout import Int2Layout
@@ -176,13 +176,11 @@ def main(argv=None) -> int:
             ratio = f"{t['step'] / tb:.2f}x" if tb else "-"
             served = default_triton_config(case.layout, extend=True)
             tv = [bd.bench(case.attention_variant(dataclasses.replace(served, **kw)), a.smoke) for kw in variants]
-            rows.append(f"| {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in ("step", "rotations", "write",
-                                                                                      "attention"))
-                        + f" | {fmt_ms(tb) if tb else '-'} | {ratio} |" + "".join(f" {fmt_ms(x)} |" for x in tv))
-            print(rows[-1], flush=True)
+            row = (f"| {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in ("step", "rotations", "write",
+                                                                                  "attention"))
+                   + f" | {fmt_ms(tb) if tb else '-'} | {ratio} |" + "".join(f" {fmt_ms(x)} |" for x in tv))
             del case
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            emit_row(rows, row, dev)
     write_table(rows, a.out)
     return 0
 

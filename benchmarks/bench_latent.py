@@ -28,10 +28,10 @@ import torch
 
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
-    from .bench_decode_report import fmt_ms, step_row_cells, write_table
+    from .bench_decode_report import emit_row, fmt_ms, step_row_cells, write_table
 except ImportError:
     import bench_decode as bd
-    from bench_decode_report import fmt_ms, step_row_cells, write_table
+    from bench_decode_report import emit_row, fmt_ms, step_row_cells, write_table
 
 from sglang_oscar.kernels.latent_plan import latent_decode_attention, latent_num_splits
 
@@ -151,12 +151,9 @@ def main(argv=None) -> int:
                 times = [bd.bench(case.int2(2 if a.smoke else a.splits or latent_num_splits(b, h, block_h=bh), x, n, w, bh,
                                             e), a.smoke) for x, n, w, bh, e in variants]
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16(a.smoke).items()}
-                rows.append(f"| {h} | {b} x {ctx} | {step_row_cells(times[0], bf)} |"
-                            + "".join(f" {fmt_ms(t)} |" for t in times[1:]))
-                print(rows[-1], flush=True)
                 del case
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+                emit_row(rows, f"| {h} | {b} x {ctx} | {step_row_cells(times[0], bf)} |"
+                         + "".join(f" {fmt_ms(t)} |" for t in times[1:]), dev)
     write_table(rows, a.out)
     return 0
 

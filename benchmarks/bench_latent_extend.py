@@ -27,10 +27,10 @@ import torch
 
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
-    from .bench_decode_report import fmt_ms, write_table
+    from .bench_decode_report import emit_row, fmt_ms, write_table
 except ImportError:
     import bench_decode as bd
-    from bench_decode_report import fmt_ms, write_table
+    from bench_decode_report import emit_row, fmt_ms, write_table
 
 from sglang_oscar.kernels.latent import gather_latent
 from sglang_oscar.kernels.latent_extend import latent_extend_attention
@@ -113,11 +113,8 @@ def main(argv=None) -> int:
                 kw = dict(r=256, p=32, g=64, sink=4, precision="ieee") if a.smoke else {}
                 t = {k: bd.bench(fn, a.smoke) for k, fn in paths(h, prefix, chunk, tiles, dev, **kw).items()}
                 best = min(v for k, v in t.items() if k.startswith("direct"))
-                rows.append(f"| {h} | {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in names)
-                            + f" | {best / t['gather']:.2f}x | {best / t['bf16']:.2f}x |")
-                print(rows[-1], flush=True)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+                emit_row(rows, f"| {h} | {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in names)
+                         + f" | {best / t['gather']:.2f}x | {best / t['bf16']:.2f}x |", dev)
     write_table(rows, a.out)
     return 0
 

@@ -32,11 +32,11 @@ import torch
 
 try:  # python -m benchmarks.<name> (a package), or python benchmarks/<name>.py (its folder on the path)
     from . import bench_decode as bd
-    from .bench_decode_report import step_row_cells, write_table
+    from .bench_decode_report import emit_row, step_row_cells, write_table
     from .profile_decode import kernel_times
 except ImportError:
     import bench_decode as bd
-    from bench_decode_report import step_row_cells, write_table
+    from bench_decode_report import emit_row, step_row_cells, write_table
     from profile_decode import kernel_times
 
 from sglang_oscar.kernels import DecodePlan, write_kv
@@ -229,16 +229,15 @@ def main(argv=None) -> int:
                 int2 = bd.bench(case.int2_step(), a.smoke)
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16_steps(a.smoke).items()}
                 dims = f"{shape.head_dim}/{shape.v_head_dim}" if shape.v_head_dim else f"{shape.head_dim}"
-                rows.append(f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {dims}"
-                            f"{f', window {shape.window}' if shape.window else ''}) | {b} x {ctx} | "
-                            f"{step_row_cells(int2, bf)} |")
-                print(rows[-1], flush=True)
-                print(f"    INT2 plan: {case.plan_summary}", flush=True)
+                row = (f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {dims}"
+                       f"{f', window {shape.window}' if shape.window else ''}) | {b} x {ctx} | "
+                       f"{step_row_cells(int2, bf)} |")
+                summary = f"    INT2 plan: {case.plan_summary}"
                 if a.profile and dev.type == "cuda":
-                    print(f"    INT2 kernels: {profile_kernels(case.int2_step())}", flush=True)
+                    summary += f"\n    INT2 kernels: {profile_kernels(case.int2_step())}"
                 del case
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+                emit_row(rows, row, dev)
+                print(summary, flush=True)
     write_table(rows, a.out)
     return 0
 
