@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="c: also serve the two int2 servers of c with --dtype float32 (plus a --dtype float32 "
                         "--kv-cache-dtype auto noise-floor server) and compare them with the oracle on the model "
                         "loaded in fp32, HP tier fp32; that comparison becomes c's pass criterion (--c-tol), the "
-                        "BF16 one is still measured and reported")
+                        "BF16 one is still measured and reported; d judges its radix hit on the fp32 layer server "
+                        "(started for d too)")
     p.add_argument("--load-requests", type=int, default=64)
     p.add_argument("--load-min-len", type=int, default=100)
     p.add_argument("--load-max-len", type=int, default=8192)

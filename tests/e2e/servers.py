@@ -133,13 +133,17 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
         add(ServerSpec(f"{q}-int2-layer", q, i2r + [rot[f"{q}:layer"]] + c_win, "cd"))
     if "c" in ch or ("h" in ch and q == "qwen3"):
         add(ServerSpec(f"{q}-int2-head", q, i2r + [rot[f"{q}:head"]] + c_win, "ch" if q == "qwen3" else "c"))
-    if "c" in ch and getattr(args, "c_fp32", False):  # c only: d and h keep the BF16 servers above
+    if ("c" in ch or "d" in ch) and getattr(args, "c_fp32", False):
+        # c's fp32 servers; d judges its radix hit on the layer one (check_d's docstring); h keeps BF16
         f32, env32 = ["--dtype", "float32"], fp32_server_env(args.work)
         pairs = ["--oscar-scale-dtype", C_FP32_SCALE_DTYPE]
         for kind in C_FP32_SERVERS:
-            add(ServerSpec(fp32_name(q, kind), q, i2r + [rot[f"{q}:{kind}"]] + c_win + f32 + pairs, "c",
-                           env=dict(env32)))
-        add(ServerSpec(fp32_name(q), q, list(f32), "c", env=dict(env32)))
+            uses = ("c" if "c" in ch else "") + ("d" if "d" in ch and kind == "layer" else "")
+            if uses:
+                add(ServerSpec(fp32_name(q, kind), q, i2r + [rot[f"{q}:{kind}"]] + c_win + f32 + pairs, uses,
+                               env=dict(env32)))
+        if "c" in ch:
+            add(ServerSpec(fp32_name(q), q, list(f32), "c", env=dict(env32)))
     if "d" in ch:
         add(ServerSpec(f"{q}-int2-layer-chunk64", q, i2r + [rot[f"{q}:layer"]] + c_win + ["--chunked-prefill-size", "64"],
                        "d"))

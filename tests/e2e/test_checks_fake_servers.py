@@ -16,10 +16,10 @@ class _Server:
     """Answers /generate deterministically from the prompt (``shift`` changes the tokens, ``dlp``
     the log-probs); a repeated prompt reports it as cached (radix hit)."""
 
-    def __init__(self, name, shift=0, dlp=0.0, env=None):
+    def __init__(self, name, shift=0, dlp=0.0, env=None, radix_dlp=0.0):
         self.spec = SimpleNamespace(name=name, env=env or {})
         self.t_ready, self.error, self.log_path = 1.0, None, "-"
-        self.shift, self.dlp, self.seen = shift, dlp, set()
+        self.shift, self.dlp, self.seen, self.radix_dlp = shift, dlp, set(), radix_dlp
 
     def alive(self):
         return True
@@ -31,9 +31,11 @@ class _Server:
         ids = payload["input_ids"]
         n = payload["sampling_params"]["max_new_tokens"]
         toks = [(sum(ids) + 7 * i + (self.shift if i == n - 1 else 0)) % 97 + 3 for i in range(n)]
-        meta = {"output_token_logprobs": [[-0.1 * (i + 1) - self.dlp, t, None] for i, t in enumerate(toks)],
+        hit = tuple(ids) in self.seen
+        dlp = self.dlp + (self.radix_dlp if hit else 0.0)  # a radix hit's rounding, when asked for
+        meta = {"output_token_logprobs": [[-0.1 * (i + 1) - dlp, t, None] for i, t in enumerate(toks)],
                 "output_top_logprobs": [[[-0.1, t, None], [-2.0, 0, None]] for t in toks],
-                "cached_tokens": len(ids) - 1 if tuple(ids) in self.seen else 0, "completion_tokens": n}
+                "cached_tokens": len(ids) - 1 if hit else 0, "completion_tokens": n}
         if payload.get("logprob_start_len") == 0:
             meta["input_token_logprobs"] = [[None, ids[0], None]] + [[-1.0 - self.dlp, t, None] for t in ids[1:]]
         self.seen.add(tuple(ids))
@@ -85,6 +87,24 @@ def test_check_d_radix_chunk_and_eager(tmp_path):
     res = check_d.check_d(_run(tmp_path, [_Server(names[0]), _Server(names[1], dlp=0.05), _Server(names[2])],
                                greedy_layer=_prompts(12)))
     assert res.status == config.FAIL and "chunk 64: 1/1 same" in res.measured  # same tokens, log-probs off
+
+
+def test_check_d_judges_the_radix_hit_on_the_fp32_server_when_there_is_one(tmp_path):
+    """A BF16 radix hit 0.05 off (over --d-tol 0.02) fails d without an fp32 server and passes with a
+    clean one (reported beside it); an fp32 hit off fails too."""
+    names = ("gemma4-int2-layer", "gemma4-int2-layer-chunk64", "gemma4-int2-layer-eager")
+
+    def run_d(*fp32):
+        servers = [_Server(names[0], radix_dlp=0.05), _Server(names[1]), _Server(names[2]), *fp32]
+        run = _run(tmp_path, servers, "--families", "gemma4")
+        run.fdata("gemma4")["greedy_layer"] = _prompts(12, 30)
+        return check_d.check_d(run)
+
+    assert run_d().status == config.FAIL
+    res = run_d(_Server("gemma4-int2-layer-fp32"))
+    assert res.status == config.PASS, res.measured
+    assert "judged on the fp32 server: 2/2 same (2 bit-identical" in res.measured and "radix hit" in res.measured
+    assert run_d(_Server("gemma4-int2-layer-fp32", radix_dlp=0.05)).status == config.FAIL
 
 
 def test_check_i_reads_exit_code_time_and_message(tmp_path):

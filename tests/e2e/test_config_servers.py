@@ -104,11 +104,16 @@ def test_c_fp32_server_specs(tmp_path):
         assert (by[name].args, by[name].checks, by[name].env, by[name].phase) == (
             plain[name].args, plain[name].checks, plain[name].env, plain[name].phase)
     assert by["qwen3-int2-layer"].checks == "cd" and by["qwen3-int2-head"].checks == "ch"
+    only_d = {s.name for s in servers.server_specs(config.parse_args(["--only", "d", "--c-fp32", "--out", str(tmp_path)]),
+                                                      rot)}
+    assert "qwen3-int2-layer-fp32" in only_d and "qwen3-int2-head-fp32" not in only_d and "qwen3-fp32" not in only_d
     shim = fp32_shim.fp32_shim_dir(args.work)
     for name in fp32:
         s = by[name]
         cmd = servers.launch_command(s, "/m", "py")
-        assert s.checks == "c" and s.phase == 1 and cmd[cmd.index("--dtype") + 1] == "float32"
+        # d judges its radix hit on the fp32 layer server
+        assert s.checks == ("cd" if name.endswith("-int2-layer-fp32") else "c") and s.phase == 1
+        assert cmd[cmd.index("--dtype") + 1] == "float32"
         path = s.env["PYTHONPATH"].split(os.pathsep)
         assert path[0] == shim and s.env["TRITON_F32_DEFAULT"] == "ieee"
         assert "--enable-fp32-lm-head" in s.args
@@ -122,8 +127,8 @@ def test_c_fp32_server_specs(tmp_path):
         base = by[f"qwen3-int2-{kind}"].args
         assert [x for x in a if x not in ("--dtype", "float32", "--oscar-scale-dtype")] == base
     assert "--kv-cache-dtype" not in by[fp32_shim.C_FP32_FLOOR].args
-    # c not selected: no fp32 servers even with --c-fp32
-    assert not set(fp32) & {s.name for s in servers.server_specs(config.parse_args(["--only", "d", "--c-fp32"]), rot)}
+    # c not selected: no fp32 servers of c's even with --c-fp32, d's fp32 layer server only with d
+    assert not set(fp32) & {s.name for s in servers.server_specs(config.parse_args(["--only", "a,b", "--c-fp32"]), rot)}
 
 
 def test_dry_run_prints_every_server(capsys):
