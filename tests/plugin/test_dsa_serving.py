@@ -43,13 +43,13 @@ def _glm5_dir(tmp_path):
     return str(d)
 
 
-def _dsa_pool(size=256, page_size=64, layers=2, device="cpu", **kw):
+def _dsa_pool(size=256, page_size=64, layers=2, device="cpu", max_reqs=2, **kw):
     from sglang_oscar.pool.dsa_pool import OscarDSALatentPool
 
     return OscarDSALatentPool(size, page_size=page_size, dtype=torch.uint8, kv_lora_rank=512, qk_rope_head_dim=64,
                               layer_num=layers, device=device, enable_memory_saver=False,
                               oscar_config=OscarConfig(sink_tokens=4, recent_tokens=8), hp_dtype=torch.bfloat16,
-                              max_reqs=2, sink_rows=16, **{"index_head_dim": 128, **kw})
+                              max_reqs=max_reqs, sink_rows=16, **{"index_head_dim": 128, **kw})
 
 
 def test_glm5_launch_takes_sglangs_dsa_page_size_and_backend(hooked, tmp_path):
@@ -267,3 +267,43 @@ def test_pool_hook_builds_the_dsa_pool_for_glm5(hooked):
     assert isinstance(pool, OscarDSALatentPool) and pool.page_size == 64 and pool.index_head_dim == 128
     assert pool.latent_buffers(1)["codes"].shape == (256 + 64, 128)
     assert pool.int2_bytes_per_token() == serving.around_compute_cell_size(None, None, kvc, 2) == 2 * (272 + 132)
+
+
+def test_dsa_backend_builds_over_the_dsa_pool(monkeypatch):
+    """``OscarDSALatentBackend.__init__`` with SGLang's own DSA ``__init__`` (an H200's capability stood
+    in; the inner backend's Triton ``__init__`` stubbed) on a GLM-5 runner: positions from the indexer
+    (unfused top-k), an inner latent backend with the model's top-k width and a ``[requests, 2048]``
+    selection buffer, rotations of both MLA layers."""
+    import sglang.srt.runtime_context as rc
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from sglang_oscar.backend.dsa_backend import OscarDSALatentBackend
+
+    monkeypatch.setattr(TritonAttnBackend, "__init__", lambda self, *a, **k: None)
+    import sglang.srt.layers.attention.dsa_backend as sglang_dsa
+
+    one_rank = lambda: SimpleNamespace(attn_tp_rank=0, attn_tp_size=1)  # noqa: E731
+    monkeypatch.setattr(rc, "get_parallel", one_rank)
+    monkeypatch.setattr(sglang_dsa, "get_parallel", one_rank)  # bound when SGLang's module was imported
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for i in range(2):  # the absorbed MLA attention of each layer, as RadixAttention describes it
+        m = torch.nn.Module()
+        for k, v in dict(layer_id=i, tp_q_head_num=4, tp_k_head_num=1, qk_head_dim=576, v_head_dim=512,
+                         scaling=0.1, logit_cap=0.0).items():
+            setattr(m, k, v)
+        model.layers.append(m)
+    server_args = SimpleNamespace(enable_deterministic_inference=False, dsa_prefill_backend="flashmla_sparse",
+                                  dsa_decode_backend="fa3", dsa_topk_backend="torch", speculative_eagle_topk=None,
+                                  speculative_num_draft_tokens=None, kv_cache_dtype="int2", disaggregation_mode="null")
+    runner = SimpleNamespace(
+        device="cpu", page_size=64, server_args=server_args, token_to_kv_pool=_dsa_pool(max_reqs=4), model=model,
+        model_config=SimpleNamespace(hf_config=_glm5_config(), context_len=4096, num_attention_heads=4,
+                                     qk_nope_head_dim=64, kv_lora_rank=512, qk_rope_head_dim=64),
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 4096, dtype=torch.int32), size=4),
+        hisparse_coordinator=None, kv_cache_dtype=torch.uint8)
+    be = OscarDSALatentBackend(runner)
+    assert be.use_fused_topk is False and be.dsa_index_topk == 2048 and be.use_mha is False
+    assert be.latent._dsa_topk == 2048 and tuple(be.latent._topk.shape) == (4, 2048)
+    assert sorted(be.latent.rotations) == [0, 1] and be.latent._heads == 4
