@@ -197,6 +197,20 @@ def _randn_bf16(shape, device, g):
     return t.mul_(0.5)
 
 
+def random_int2_planes(slots: int, heads: int, layout: Int2Layout, device, g) -> tuple:
+    """``(k_codes, k_pairs, v_codes, v_pairs)`` of ``slots`` slots x ``heads`` kv heads in ``layout``'s
+    shapes, for timing: uniform code bytes, (scale, zero) pairs of realistic size (scale 0.02-0.08,
+    zero 0.5-2.5) in the layout's scale dtype, K and V drawn apart."""
+    def plane(side):
+        codes = torch.randint(0, 256, (slots, heads, side.head_dim // 4), dtype=torch.uint8, device=device, generator=g)
+        pairs = torch.empty(slots, heads, 2 * side.num_groups, device=device)
+        pairs[..., 0::2].uniform_(0.02, 0.08, generator=g)
+        pairs[..., 1::2].uniform_(0.5, 2.5, generator=g)
+        return codes, pairs.to(layout.scale_dtype)
+
+    return (*plane(layout.k), *plane(layout.v))
+
+
 class Case:
     """Buffers of one (batch, context) point: INT2 pool + HP window, BF16 paged pool, dense K/V."""
 

@@ -54,13 +54,8 @@ class ExtendCase:
                                         v_clip_ratio=0.92)
         n = prefix + chunk
         slots = n + 8
-        ng = 2 * (d // self.layout.k.group_size)
-        self.k_codes = torch.randint(0, 256, (slots, hkv, d // 4), dtype=torch.uint8, device=device, generator=g)
-        self.v_codes = torch.randint(0, 256, (slots, hkv, d // 4), dtype=torch.uint8, device=device, generator=g)
-        pairs = torch.empty(slots, hkv, ng, device=device)
-        pairs[..., 0::2].uniform_(0.02, 0.08, generator=g)
-        pairs[..., 1::2].uniform_(0.5, 2.5, generator=g)
-        self.k_pairs, self.v_pairs = pairs.to(torch.float16), pairs.flip(0).to(torch.float16)
+        self.k_codes, self.k_pairs, self.v_codes, self.v_pairs = bd.random_int2_planes(slots, hkv, self.layout,
+                                                                                       device, g)
         self.hp_k = torch.randn(sink + 8, hkv, d, device=device, generator=g).to(torch.bfloat16)
         self.hp_v = torch.randn(sink + 8, hkv, d, device=device, generator=g).to(torch.bfloat16)
         self.hp_index = torch.arange(sink, device=device, dtype=torch.int32)[None].contiguous()

@@ -83,17 +83,7 @@ class LayerCase:
         self.layout = Int2Layout.create(d, dv, group_size=s.group_size, scale_dtype=s.scale_dtype,
                                         k_clip_ratio=0.96, v_clip_ratio=0.92)
         slots = batch * ctx + 64
-        sdt = self.layout.scale_dtype
-        self.k_codes = torch.randint(0, 256, (slots, h, d // 4), dtype=torch.uint8, device=device, generator=g)
-        self.v_codes = torch.randint(0, 256, (slots, h, dv // 4), dtype=torch.uint8, device=device, generator=g)
-
-        def pair_plane(width):
-            pairs = torch.empty(slots, h, 2 * (width // s.group_size), device=device)
-            pairs[..., 0::2].uniform_(0.02, 0.08, generator=g)
-            pairs[..., 1::2].uniform_(0.5, 2.5, generator=g)
-            return pairs.to(sdt)
-
-        self.k_pairs, self.v_pairs = pair_plane(d), pair_plane(dv).flip(0)
+        self.k_codes, self.k_pairs, self.v_codes, self.v_pairs = bd.random_int2_planes(slots, h, self.layout, device, g)
         perm = torch.randperm(slots - 1, device=device, generator=g)[: batch * ctx].to(torch.int32) + 1
         self.req_to_token = perm.view(batch, ctx).contiguous()
         self.req_pool_indices = torch.arange(batch, device=device, dtype=torch.int64)
