@@ -217,12 +217,13 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
     def _plan_late(self, layer, forward_batch) -> LatentDecodePlan:
         plans = self.plan_decode(forward_batch)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            self._graph_plans.setdefault(forward_batch.batch_size, []).extend([plans, self._dsa_plan])
+            self._graph_plans.setdefault(forward_batch.batch_size, []).extend(
+                p for p in (plans, self._dsa_plan) if p is not None)
         return plans
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
-        if in_capture and forward_batch.forward_mode.is_decode():
+        if in_capture and forward_batch.forward_mode.is_decode() and self._dsa_plan is not None:
             # the graph replays the top-k plan's launches too: its workspace views must stay alive with it
             self._graph_plans[forward_batch.batch_size].append(self._dsa_plan)
 

@@ -276,7 +276,8 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
             as the unfused DSA indexer returns them.
         group_size, quantizer, sink: the latent's format and sink window.
         sm_scale: softmax scale (natural units); num_splits: splits of each token's list (default
-            :func:`latent_num_splits` for ``max_rows`` rows); out: optional ``[T, H, R]``.
+            :func:`latent_num_splits` for ``min(T, max_rows)`` rows, one count for every slice); out:
+            optional ``[T, H, R]``.
         max_rows: query tokens per plan: a chunk runs in slices of this many, which bounds the stage-1
             workspace (``rows x H x splits x (R + 1)`` fp32) whatever the chunk size.
         plan_kwargs: tile / precision options of :class:`LatentDecodePlan` (engine is ``"dequant"``).
@@ -297,8 +298,8 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
     if out is None:
         out = torch.empty(q_abs.shape, dtype=torch.float32, device=q_abs.device)
     if num_splits is None:  # one count for every slice, so a short last slice splits as the others
-        num_splits = latent_num_splits(min(t, max_rows), q_abs.shape[1], block_h=plan_kwargs.get("block_h", 16),
-                                       num_sms=plan_kwargs.get("num_sms", 132))
+        num_splits = latent_num_splits(min(t, max_rows), q_abs.shape[1],
+                                       **{k: plan_kwargs[k] for k in ("block_h", "num_sms") if k in plan_kwargs})
     planes = [buffers[k] for k in PLANES]
     for a in range(0, t, max_rows):
         b = min(t, a + max_rows)

@@ -66,8 +66,8 @@ class OscarMLATokenToKVPool(MLATokenToKVPool):
         self.oscar_config = oscar_config
         self.hp_dtype = hp_dtype
         self.layout = latent_layout(oscar_config, r)
-        self.windows = HPWindows(given["size"] + given.get("page_size", 1), max_reqs, oscar_config.sink_tokens, oscar_config.recent_tokens,
-                                 sink_rows, kwargs.get("device", "cuda"))
+        self.windows = HPWindows(given["size"] + given.get("page_size", 1), max_reqs, oscar_config.sink_tokens,
+                                 oscar_config.recent_tokens, sink_rows, kwargs.get("device", "cuda"))
         self.owns_windows = True
         super().__init__(*args, **kwargs)
 
