@@ -50,6 +50,11 @@ def test_choose_num_splits_gluon_policy(monkeypatch):
     assert splits.default_num_kv_splits(GluonConfig(), 1, 32, 8, max_seq_len=4096) == 32  # 4096 / 128
     assert splits.default_num_kv_splits(GluonConfig(min_split_keys=0), 4, 32, 8,
                                         max_seq_len=4096) == 64  # 4096 / 64
+    # a sliding layer's window bounds its keys as the context does (Gemma-4: window 1024, 32K context)
+    assert splits.default_num_kv_splits(GluonConfig(), 1, 16, 8, max_seq_len=32768) == 182
+    assert splits.default_num_kv_splits(GluonConfig(), 1, 16, 8, max_seq_len=32768, sliding_window=1024) == 8
+    assert splits.default_num_kv_splits(GluonConfig(), 1, 16, 8, sliding_window=1024) == 8  # 1024 / 128
+    assert splits.default_num_kv_splits(TritonConfig(), 1, 16, 8, max_seq_len=512, sliding_window=1024) == 8
 
 
 def test_default_min_split_keys():

@@ -51,6 +51,24 @@ def test_plan_runs_equal_one_shot_calls_and_the_oracle():
             assert rel_l2(o, reference_decode(pool, q, hp_dtype=torch.float32)) < 1e-4
 
 
+def test_sliding_plan_splits_its_window_not_its_context():
+    """A sliding layer's plan sizes its INT2 splits by the window (its keys), not by the context
+    bound, and still matches the oracle with sinks wholly below the window (left out of the HP
+    splits) and cut by it (masked)."""
+    fresh_seed()
+    pool = build_pool([40, 9, 51], 2, 64, 64, make_config(sink=SINK, recent=RECENT), hp_dtype=torch.float32)
+    window = 16  # request 0 and 2: sink wholly below the window; request 1 (9 tokens): all visible
+    full = _plan(pool, 8, max_seq_len=4096)
+    plan = _plan(pool, 8, max_seq_len=4096, sliding_window=window)
+    assert plan.num_kv_splits == 1 < full.num_kv_splits  # ceil(16 / 64): one split of the floor
+    q = torch.randn(3, 8, 64)
+    o = plan.run(rotate_q(pool, q), *_bufs(pool))
+    assert rel_l2(o, reference_decode(pool, q, sliding_window=window, hp_dtype=torch.float32)) < 1e-4
+    # a window cutting request 0's sink (L - W = 2 < SINK) masks the sink positions below it
+    o = _plan(pool, 8, sliding_window=38).run(rotate_q(pool, q), *_bufs(pool))
+    assert rel_l2(o, reference_decode(pool, q, sliding_window=38, hp_dtype=torch.float32)) < 1e-4
+
+
 def test_plans_slice_one_workspace():
     """Plans of several batch sizes take views of one DecodeWorkspace buffer: reserved once for the
     largest, no plan allocates its own."""

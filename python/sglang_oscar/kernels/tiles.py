@@ -59,12 +59,16 @@ SUB_SHIFT = tl.constexpr(8)
 
 
 @triton.jit
-def hp_split_range(sink_r, L, sink, recent, split, num_splits, BLOCK: tl.constexpr):
+def hp_split_range(sink_r, win_lo, L, sink, recent, split, num_splits, BLOCK: tl.constexpr):
     """HP split ``split`` of ``num_splits`` (decode): the HP positions are sink ``[0, n_sink)`` then
     recent ``[rec_start, L)``, one virtual range ``[0, n_hp)`` cut into equal ``BLOCK``-aligned
     chunks. Returns ``(n_sink, rec_start, lo, hi)`` (virtual indices; ``lo >= hi`` = empty).
-    Shared by the Triton and the Gluon stage 1, so both cut the splits the same way."""
+    A sink wholly below the sliding window's start ``win_lo`` (0 without a window) is left out
+    (``n_sink = 0``): past the window the splits then cover only keys the query sees; a sink the
+    window cuts stays whole and the caller masks ``pos < win_lo``. Shared by the Triton and the
+    Gluon stage 1, so both cut the splits the same way."""
     n_sink = tl.minimum(sink_r, L)
+    n_sink = tl.where(win_lo >= n_sink, 0, n_sink)
     rec_start = tl.maximum(sink, L - recent)
     n_hp = n_sink + tl.maximum(L - rec_start, 0)
     chunk = tl.cdiv(tl.cdiv(n_hp, num_splits), BLOCK) * BLOCK

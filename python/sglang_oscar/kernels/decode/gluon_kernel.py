@@ -337,7 +337,7 @@ if HAVE_GLUON:
         fp16, as in the Triton kernel); values from the V rows as stored (bf16 / fp16) and P as a
         rounded part plus the rounded remainder (two MMAs); P goes through ``movmatrix``, V^T
         through a shared-memory layout change (this tier is at most ``sink + recent`` keys)."""
-        n_sink, rec_start, lo, hi = hp_split_range(sink_r, L, sink, recent, sp, NS_HP, HP_BLOCK)
+        n_sink, rec_start, lo, hi = hp_split_range(sink_r, win_lo, L, sink, recent, sp, NS_HP, HP_BLOCK)
         if hi <= lo:
             gl.store(lse_ptr, gl.full([8], NEG_INF_C, gl.float32, gl.SliceLayout(0, MMA)), mask=hmask_o)
         else:

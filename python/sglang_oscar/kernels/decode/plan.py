@@ -97,7 +97,8 @@ class DecodePlan:
         mma_dtype: operand dtype of the MMAs (default fp16, fp32 when the HP dtype is fp32).
         num_kv_splits / num_hp_splits: INT2 / HP splits (default: :func:`.splits.choose_num_splits`
             through :func:`.splits.default_num_kv_splits`, :func:`.splits.decode_num_hp_splits`).
-        max_seq_len: a static bound on the context (the server's), used by the default split count.
+        max_seq_len: a static bound on the context (the server's), used by the default split count
+            (with ``sliding_window``, the smaller of the two).
         workspace: ``(o_part, lse)`` with at least ``B`` rows and ``num_hp_splits + num_kv_splits``
             splits, or a :class:`DecodeWorkspace` to take views of, or ``None`` (allocated here).
         config: ``None`` (auto: the Gluon engine where it applies, else Triton), the type
@@ -149,7 +150,7 @@ class DecodePlan:
             num_hp_splits = decode_num_hp_splits(sink, recent)
         if num_kv_splits is None:
             num_kv_splits = default_num_kv_splits(cfg, bsz, hq, hkv, device=dev, max_seq_len=max_seq_len,
-                                                  blocks_per_kv=bpk)
+                                                  blocks_per_kv=bpk, sliding_window=sliding_window)
         if num_hp_splits < 1 or num_kv_splits < 1:
             raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
         ns = num_hp_splits + num_kv_splits

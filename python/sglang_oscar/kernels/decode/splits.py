@@ -101,14 +101,19 @@ def choose_num_splits(batch: int, head_programs: int, *, device=None, max_seq_le
 
 
 def default_num_kv_splits(config, bsz: int, num_q_heads: int, num_kv_heads: int, *, device=None,
-                          max_seq_len: int | None = None, blocks_per_kv: int | None = None) -> int:
+                          max_seq_len: int | None = None, blocks_per_kv: int | None = None,
+                          sliding_window: int | None = None) -> int:
     """The INT2 split count a :class:`.plan.DecodePlan` uses when ``num_kv_splits`` is ``None``:
     :func:`choose_num_splits` over ``kv heads x head blocks`` programs per request, head blocks as
     ``config``'s engine forms them (a :class:`~..configs.TritonConfig`: :func:`plan_head_blocks`; a
     :class:`~..configs.GluonConfig`: blocks of 8 q heads). ``blocks_per_kv``: the Triton plan's
     blocks when the caller has them. Callers sizing a workspace ahead of the call (benchmarks,
-    CUDA-graph buffers) use this to match the plan's own choice (``plan.config`` is the config)."""
+    CUDA-graph buffers) use this to match the plan's own choice (``plan.config`` is the config).
+    ``sliding_window``: a sliding layer's INT2 keys lie inside its window, so the window bounds the
+    keys as ``max_seq_len`` does (splits sized for the context would be empty programs plus merge work)."""
     programs = _head_programs(config, num_q_heads, num_kv_heads, blocks_per_kv)
+    if sliding_window:
+        max_seq_len = min(max_seq_len or sliding_window, sliding_window)
     # with a static bound, no more splits than the split floor can ever fill
     return choose_num_splits(bsz, programs, device=device, max_seq_len=max_seq_len, block_n=config.block_n,
                              engine=config.engine, min_split_tokens=max(64, _split_keys(config, bsz * programs)))

@@ -99,7 +99,7 @@ def _decode_stage1(
 
     if sp < NS_HP:
         # ---------------- HP tier: sink [0, n_sink) then recent [rec_start, L), one virtual range
-        n_sink, rec_start, lo, hi = hp_split_range(sink_r, L, sink, recent, sp, NS_HP, BLOCK_N)
+        n_sink, rec_start, lo, hi = hp_split_range(sink_r, win_lo, L, sink, recent, sp, NS_HP, BLOCK_N)
         ring = tl.maximum(recent, 1)
         q0, qb0, sq0 = load_q_quarter(Q, qoff, rmask, qscale, RB, 0, QK, QKP, OP, LM)
         q1, qb1, sq1 = load_q_quarter(Q, qoff, rmask, qscale, RB, 1, QK, QKP, OP, LM)
