@@ -13,11 +13,17 @@ head_dim. Geometries (``--layers``): Gemma-4-12B-it's sliding layer (16 q / 8 kv
 compare ``bench_latent`` at 16 heads for the latent cache); INT2 as
 the recipe serves it (group 128, fp32 pairs for Gemma-4; sink 64 + recent 512 / 256).
 
+Step variants (``--variants``, one row each): ``served`` (the step above), ``fold-out`` (the output
+rotation folded into ``o_proj``: ``--oscar-fold-rotations on`` for Gemma-4's layers, whose V keeps its
+run-time rotation), ``fold`` (V folded too: q and K rotated in one launch, V written as projected;
+Gemma-3, GPT-OSS, Qwen3), ``bk16`` (the served step with the rotations' input steps 16 dims wide, as
+before ``rotate.auto_block_k``).
+
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within
 one run.
 
     python -m benchmarks.bench_layer_step [--layers gemma4-sliding,gemma4-full] [--contexts 32768]
-        [--batches 1,16] [--out layer_step.md] [--profile]
+        [--batches 1,16] [--variants served,fold-out] [--out layer_step.md] [--profile]
     TRITON_INTERPRET=1 python -m benchmarks.bench_layer_step --smoke     # CPU: tiny shapes, every piece once
 """
 
@@ -64,6 +70,7 @@ LAYERS = {
     # largest dividing both): the alternative to the latent cache (benchmarks/bench_latent.py, 16 heads)
     "dsv3-expanded": LayerShape(16, 16, 192, 0, 64, "float16", 64, 256, 128),
 }
+VARIANTS = ("served", "fold-out", "fold", "bk16")
 SMOKE = {"gemma4-sliding": LayerShape(4, 2, 64, 24, 32, "float32", 4, 8),
          "gemma4-full": LayerShape(4, 1, 128, 0, 32, "float32", 4, 8),
          "qwen3-8b": LayerShape(4, 2, 64, 0, 64, "float16", 4, 8),
@@ -110,8 +117,9 @@ class LayerCase:
     def buffers(self):
         return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
 
-    def int2_step(self):
-        """The served INT2 step's closure (the plan is built once, as once per batch in the server)."""
+    def int2_step(self, variant: str = "served"):
+        """The INT2 step's closure for a ``--variants`` entry (the plan is built once, as once per batch
+        in the server)."""
         s = self.shape
         plan = DecodePlan(self.layout, s.num_q_heads, self.buffers(), self.hp_index, self.req_to_token,
                           self.req_pool_indices, self.seq_lens, sink=s.sink, recent=s.recent, q_dtype=torch.float32,
@@ -120,12 +128,23 @@ class LayerCase:
                              f"grid {plan.grid}")
         scale = 1.0 / math.sqrt(s.head_dim)
 
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown step variant {variant!r}; choose from {sorted(VARIANTS)}")
+        bk = 16 if variant == "bk16" else "auto"
+        fold_v, fold_out = variant == "fold", variant in ("fold", "fold-out")
+
         def step():
-            qr, kr, vr = rotate_qkv(self.q, self.k_new, self.v_new, self.rk, self.rv, torch.bfloat16)
+            if fold_v:  # V comes out of the folded projection rotated: cast only
+                qr, kr, _ = rotate_qkv(self.q, self.k_new, None, self.rk, None, torch.bfloat16, block_k=bk)
+                vr = self.v_new
+            else:
+                qr, kr, vr = rotate_qkv(self.q, self.k_new, self.v_new, self.rk, self.rv, torch.bfloat16, block_k=bk)
             write_kv(kr, vr, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
                      hp_rows=self.hp_rows, hp_k=self.hp_k, hp_v=self.hp_v, validate=False)
             o = plan.run(qr, *self.buffers(), sm_scale=scale)
-            return rotate_heads(o, self.rv, torch.bfloat16, transpose=True)
+            if fold_out:  # o_proj reads the rotated frame
+                return o.to(torch.bfloat16)
+            return rotate_heads(o, self.rv, torch.bfloat16, transpose=True, block_k=bk)
 
         return step
 
@@ -204,6 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     ap.add_argument("--profile", action="store_true", help="also print the INT2 step's device time per kernel")
+    ap.add_argument("--variants", default="served", help=f"comma list of INT2 steps, one row each: {VARIANTS}")
     a = ap.parse_args(argv)
     dev = torch.device("cpu" if a.smoke else "cuda")
     table = LAYERS if not a.smoke else SMOKE
@@ -216,18 +236,20 @@ def main(argv=None) -> int:
         for b in batches:
             for ctx in contexts:
                 case = LayerCase(shape, b, ctx, dev)
-                int2 = bd.bench(case.int2_step(), a.smoke)
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16_steps(a.smoke).items()}
                 dims = f"{shape.head_dim}/{shape.v_head_dim}" if shape.v_head_dim else f"{shape.head_dim}"
-                row = (f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {dims}"
-                       f"{f', window {shape.window}' if shape.window else ''}) | {b} x {ctx} | "
-                       f"{step_row_cells(int2, bf)} |")
-                summary = f"    INT2 plan: {case.plan_summary}"
-                if a.profile and dev.type == "cuda":
-                    summary += f"\n    INT2 kernels: {profile_kernels(case.int2_step())}"
+                for variant in a.variants.split(","):
+                    int2 = bd.bench(case.int2_step(variant), a.smoke)
+                    label = "" if variant == "served" else f", {variant}"
+                    row = (f"| {name} ({shape.num_q_heads}/{shape.num_kv_heads} x {dims}"
+                           f"{f', window {shape.window}' if shape.window else ''}{label}) | {b} x {ctx} | "
+                           f"{step_row_cells(int2, bf)} |")
+                    summary = f"    INT2 plan: {case.plan_summary}"
+                    if a.profile and dev.type == "cuda":
+                        summary += f"\n    INT2 kernels: {profile_kernels(case.int2_step(variant))}"
+                    emit_row(rows, row, dev)
+                    print(summary, flush=True)
                 del case
-                emit_row(rows, row, dev)
-                print(summary, flush=True)
     write_table(rows, a.out)
     return 0
 

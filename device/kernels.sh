@@ -24,7 +24,8 @@
 #   extend   one layer's served prefill step, INT2 pieces vs SGLang's BF16 extend (benchmarks.bench_extend_step;
 #            EXTEND_CONFIGS: JSON list of extend-kernel config changes, one attention column each)
 #   layer    one layer's decode step with per-kernel times (benchmarks.bench_layer_step --profile; LAYERS, default
-#            gemma4-sliding,gemma4-full; dsv3-expanded = DeepSeek-V3 stored as expanded MHA, K 192 / V 128)
+#            gemma4-sliding,gemma4-full; dsv3-expanded = DeepSeek-V3 stored as expanded MHA, K 192 / V 128;
+#            LAYER_VARIANTS, default served: also fold-out, fold, bk16, one row each)
 #   profile  device time per kernel of a decode call (benchmarks.profile_decode, ~40 s)
 #   ncu      issue-stall metrics of the decode kernel (NCU_CONFIG JSON, NCU_TAG file name, NCU_SASS=1
 #            per-instruction csv, NCU_WAVES / NCU_CONTEXT / NCU_BATCH / NCU_POOL)
@@ -109,8 +110,9 @@ for s in "${steps[@]}"; do
       cat "$OUT/extend_step.md" 2>/dev/null || tail -20 "$OUT/extend_step.log";;
     layer)
       timeout 240 python -m benchmarks.bench_layer_step --profile --layers "${LAYERS:-gemma4-sliding,gemma4-full}" \
+        --variants "${LAYER_VARIANTS:-served}" \
         --out "$OUT/layer_step.md" > "$OUT/layer_step.log" 2>&1 || rc=1
-      grep -E "^\||INT2" "$OUT/layer_step.log" | tail -16;;
+      grep -E "^\||INT2" "$OUT/layer_step.log" | tail -40;;
     profile)
       timeout 120 python -m benchmarks.profile_decode --contexts 4096,32768,131072 --batches 1,8,32 \
         --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1 || rc=1

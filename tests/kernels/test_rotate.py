@@ -6,7 +6,8 @@ import pytest
 import torch
 from _support.orthogonal import random_orthogonal
 from kv_fixtures import fresh_seed, poison_
-from sglang_oscar.kernels.rotate import MIN_PROGRAMS, auto_block_n, rotate_heads, rotate_heads_reference, rotate_qkv
+from sglang_oscar.kernels.rotate import (MIN_PROGRAMS, auto_block_k, auto_block_n, rotate_heads, rotate_heads_reference,
+                                        rotate_qkv)
 from gpu_sizes import DEV, scaled
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -23,7 +24,7 @@ CASES = [
 ]
 
 
-def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", block_n=None):
+def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", block_n=None, block_k="auto"):
     fresh_seed()
     x = (torch.randn(t, h, d, device=device) * 3).to(in_dtype)
     r = random_orthogonal(d, hr).to(device)
@@ -31,7 +32,8 @@ def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", blo
     mo = torch.randn(hr, d, device=device) if add else None
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         out = poison_(torch.empty(t, h, d, dtype=out_dtype, device=device))
-        got = rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo, out=out, block_n=block_n)
+        got = rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo, out=out, block_n=block_n,
+                           block_k=block_k)
         assert got is out
         exp = rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo)
         assert_same_rotation(got, exp)
@@ -73,6 +75,27 @@ def test_rotate_heads_output_slices(case, block_n):
     check_rotation(*case, block_n=block_n)
 
 
+@pytest.mark.parametrize("case,block_n,block_k", [
+    (CASES[5], 16, "auto"),  # head_dim 256 in 16-wide slices: the whole input row in one step
+    (CASES[5], 16, 64),  # four steps
+    (CASES[3], 64, "auto"),  # head_dim 512: 64-wide steps
+    (CASES[2], 32, "auto"),  # head_dim 192: one 256-wide step, a quarter masked
+    (CASES[0], None, 128),  # whole rows with a wide step
+])
+def test_rotate_heads_input_steps(case, block_n, block_k):
+    """block_k sets the input dims per loop step: the same values as the einsum for every step width."""
+    check_rotation(*case, block_n=block_n, block_k=block_k)
+
+
+def test_auto_block_k_known_answers():
+    """Sliced programs take 4096 / block_n input dims per step (up to the padded head_dim); whole
+    rows keep the narrow steps the register budget allows."""
+    assert auto_block_k(256, 16) == 256 and auto_block_k(256, 32) == 128 and auto_block_k(256, 64) == 64
+    assert auto_block_k(128, 16) == 128 and auto_block_k(128, 64) == 64
+    assert auto_block_k(512, 64) == 64 and auto_block_k(192, 32) == 128
+    assert auto_block_k(256, 256) == 16 and auto_block_k(128, 128) == 32  # whole rows
+
+
 QKV_CASES = [
     # tokens, q heads, kv heads, D_k, D_v, input dtype, K mean, V mean, block_n
     (3, 8, 2, 128, 128, torch.bfloat16, True, True, None),  # a decode step, GQA 4, centred
@@ -82,6 +105,7 @@ QKV_CASES = [
     (4, 8, 4, 192, 128, torch.float32, True, True, 64),  # ... split: K 4 slices (one masked), V 2
     (2, 12, 2, 512, 512, torch.bfloat16, False, False, 64),
     (1, 8, 2, 128, 128, torch.bfloat16, True, True, "auto"),  # the backend's call at batch 1
+    (1, 4, 2, 256, 256, torch.bfloat16, True, True, "auto"),  # Gemma-4 sliding at batch 1: one 256-wide step
 ]
 
 
@@ -126,7 +150,7 @@ def test_auto_block_n_known_answers():
     assert auto_block_n(2, 1, 64) == 16
 
 
-def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, device="cpu"):
+def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, device="cpu", block_k="auto"):
     fresh_seed()
     q = (torch.randn(t, hq, dk, device=device) * 3).to(in_dtype)
     k = (torch.randn(t, hkv, dk, device=device) * 3).to(in_dtype)
@@ -137,7 +161,8 @@ def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, devi
     for kv_dtype in (torch.bfloat16, torch.float16):
         out = (poison_(torch.empty(t, hq, dk, device=device)), poison_(torch.empty(t, hkv, dk, dtype=kv_dtype, device=device)),
                poison_(torch.empty(t, hkv, dv, dtype=kv_dtype, device=device)))
-        qr, kr, vr = rotate_qkv(q, k, v, rk, rv, kv_dtype, mean_k=mk, mean_v=mv, block_n=block_n, out=out)
+        qr, kr, vr = rotate_qkv(q, k, v, rk, rv, kv_dtype, mean_k=mk, mean_v=mv, block_n=block_n, out=out,
+                                block_k=block_k)
         assert qr is out[0] and kr is out[1] and vr is out[2]
         assert_same_rotation(qr, rotate_heads_reference(q, rk, torch.float32))
         assert_same_rotation(kr, rotate_heads_reference(k, rk, kv_dtype, sub_mean=mk))
@@ -259,6 +284,11 @@ def test_rotate_heads_bad_input():
     for bad in (8, 24, 0, True, 32.0, "Auto", "64"):
         with pytest.raises(ValueError, match="block_n"):
             rotate_heads(x, r, torch.float32, block_n=bad)
+    for bad in (8, 48, None, True, "64"):
+        with pytest.raises(ValueError, match="block_k"):
+            rotate_heads(x, r, torch.float32, block_k=bad)
+        with pytest.raises(ValueError, match="block_k"):
+            rotate_qkv(x, x[:, :2], x[:, :2], r, r, torch.bfloat16, block_k=bad)
     with pytest.raises(ValueError, match="out"):
         rotate_heads(x, r, torch.float32, out=torch.empty(3, 4, 64, dtype=torch.bfloat16))
 

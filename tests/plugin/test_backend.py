@@ -44,7 +44,7 @@ class Served:
     """One INT2 pool + backend (one layer) and a slot allocator handing out increasing slots."""
 
     def __init__(self, config, rk, rv, sink_rows=None, max_reqs=4, slots=512, mk=None, mv=None,
-                 folded=frozenset(), hp_dtype=torch.bfloat16):
+                 folded=frozenset(), hp_dtype=torch.bfloat16, output_folded=None):
         self.pool = OscarMHATokenToKVPool(
             slots, page_size=1, dtype=torch.uint8, head_num=HKV, head_dim=D, v_head_dim=D, layer_num=1,
             device="cpu", enable_memory_saver=False, enable_alt_stream=False, oscar_config=config,
@@ -54,7 +54,9 @@ class Served:
         be.pool, be.windows, be.config = self.pool, self.pool.windows, config
         be.rotations = {0: (rk, rv)}
         be.means = {0: (mk, mv)}
-        be.folded = frozenset(folded)  # __init__: fold_model(...) (empty unless --oscar-fold-rotations on)
+        # __init__: fold_model(...) (empty unless --oscar-fold-rotations on); output_folded >= folded
+        be.folded = frozenset(folded)
+        be.output_folded = be.folded if output_folded is None else frozenset(output_folded)
         be._hp_rows = None
         be._missed_seen = 0
         be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
@@ -397,11 +399,12 @@ def _fold_case(per_head, centered, dtype, seed=21):
     return x, rk, rv, mk, mv
 
 
-def _serve_layer(model, x, config, rk, rv, mk, mv, folded, hp_dtype, seq=None, prefill=40, end=FOLD_T):
+def _serve_layer(model, x, config, rk, rv, mk, mv, folded, hp_dtype, seq=None, prefill=40, end=FOLD_T,
+                 output_folded=None):
     """Prefill 0..``prefill`` then decode ``prefill``..``end`` of one request through the backend
     (``seq``: the backend's q / k / v inputs, default the model's projections); the layer outputs
     after o_proj."""
-    sv = Served(config, rk, rv, mk=mk, mv=mv, folded=folded, hp_dtype=hp_dtype)
+    sv = Served(config, rk, rv, mk=mk, mv=mv, folded=folded, hp_dtype=hp_dtype, output_folded=output_folded)
     seq = model.qkv(x) if seq is None else seq
     outs = [sv.extend(1, seq, 0, prefill)] + [sv.decode(1, seq, p) for p in range(prefill, end)]
     return model.out(torch.cat(outs)), sv
@@ -463,10 +466,11 @@ def test_folded_layer_matches_the_runtime_rotation(per_head, centered, rotate_en
     x, rk, rv, mk, mv = _fold_case(per_head, centered, torch.bfloat16)
     par = SimpleNamespace(attn_tp_rank=0, attn_tp_size=1)
     ref, m = Qwen3Attention(torch.bfloat16), Qwen3Attention(torch.bfloat16)
-    assert fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)}, par) == frozenset()  # off: nothing folded
+    assert fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)}, par) == (frozenset(), frozenset())  # off: nothing
     assert torch.equal(m.o_proj.weight, ref.o_proj.weight)
-    folded = fold_model(dataclasses.replace(config, fold_rotations=True), m, {0: (rk, rv)}, {0: (mk, mv)}, par)
-    assert folded == frozenset({0})
+    folded, out_folded = fold_model(dataclasses.replace(config, fold_rotations=True), m, {0: (rk, rv)}, {0: (mk, mv)},
+                                    par)
+    assert folded == out_folded == frozenset({0})
     # same cache: V rotated as the torch engine's run-time path does it, one forward's rows at a time
     q, k, v = ref.qkv(x)
     v_rt = torch.cat([rotate_heads_reference(v[a:b], rv, torch.bfloat16, sub_mean=mv)
@@ -503,12 +507,42 @@ def test_folded_layer_in_fp32_is_exact(per_head, centered):
                          fold_rotations=True)
     x, rk, rv, mk, mv = _fold_case(per_head, centered, torch.float32)
     ref, m = Qwen3Attention(torch.float32), Qwen3Attention(torch.float32)
-    folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)}, SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
-    assert folded == frozenset({0})
+    folded, out_folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)},
+                                    SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
+    assert folded == out_folded == frozenset({0})
     unfolded = dataclasses.replace(config, fold_rotations=False)
     want, _ = _serve_layer(ref, x, unfolded, rk, rv, mk, mv, frozenset(), torch.float32, **SHORT)
     got, _ = _serve_layer(m, x, config, rk, rv, mk, mv, folded, torch.float32, **SHORT)
     assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+class Gemma4Attention(Qwen3Attention):
+    """Named like SGLang's ``Gemma4Attention`` (``fold.OUTPUT_FOLDABLE_ATTENTION``: a v_norm between
+    ``qkv_proj`` and the cache, so only ``o_proj`` folds)."""
+
+
+@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centred"])
+def test_output_only_fold_in_fp32_is_exact(centered):
+    """Gemma-4's layers fold the output side only: qkv_proj untouched, V rotated at run time and
+    written as the unfolded path writes it, no output counter-rotation; in fp32 the layer output
+    equals the unfolded layer's to 1e-5."""
+    from sglang_oscar.backend.step import fold_model
+
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, rotate_engine="torch",
+                         fold_rotations=True)
+    x, rk, rv, mk, mv = _fold_case(True, centered, torch.float32)
+    ref, m = Gemma4Attention(torch.float32), Gemma4Attention(torch.float32)
+    folded, out_folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)},
+                                    SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
+    assert folded == frozenset() and out_folded == frozenset({0})
+    assert torch.equal(m.qkv_proj.weight, ref.qkv_proj.weight) and not torch.equal(m.o_proj.weight, ref.o_proj.weight)
+    assert (m.o_proj.bias is not None) == centered  # the mean term
+    unfolded = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, rotate_engine="torch")
+    want, sw = _serve_layer(ref, x, unfolded, rk, rv, mk, mv, frozenset(), torch.float32, **SHORT)
+    got, sg = _serve_layer(m, x, config, rk, rv, mk, mv, folded, torch.float32, output_folded=out_folded, **SHORT)
+    assert _rel(got, want) < 1e-5, _rel(got, want)
+    for a, b in zip(sw.pool.int2_buffers(0), sg.pool.int2_buffers(0)):  # the same cache: V rotated at run time
+        assert torch.equal(a, b)
 
 
 def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
@@ -549,8 +583,9 @@ def test_layer_kept_by_the_fold_uses_the_runtime_path(caplog):
     m.qkv_proj.quant_method = Fp8LinearMethod()
     m.qkv_proj.weight = torch.nn.Parameter(m.qkv_proj.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
     with caplog.at_level("INFO", logger="sglang_oscar"):
-        folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)}, SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
-    assert folded == frozenset()
+        folded, out_folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)},
+                                        SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
+    assert folded == out_folded == frozenset()
     assert "layer 0: qkv_proj weights are float8_e4m3fn (Fp8LinearMethod): value rotation stays at run time" in caplog.text
     assert "folded into the weights of 0 layers, kept at run time in 1" in caplog.text
     assert torch.equal(m.o_proj.weight, ref.o_proj.weight) and m.o_proj.bias is None

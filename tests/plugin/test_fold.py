@@ -367,12 +367,27 @@ def test_other_refusals():
     rs = _rotation_set(False, True)
     rots, means = _local(rs)
 
-    class Gemma4Attention(Qwen3Attention):
+    class Qwen3NextAttention(Qwen3Attention):  # an output gate between the attention and o_proj
         pass
 
-    g = Gemma4Attention()
+    rep = fold_value_rotations(Model(Qwen3NextAttention()), rots, means)
+    assert "Qwen3NextAttention" in rep.kept[LID] and not rep.output_only
+
+    class Gemma4Attention(Qwen3Attention):  # a v_norm between qkv_proj and the cache: o_proj only
+        pass
+
+    g, g_ref = Gemma4Attention(), _random_layer(bias=False)
+    g.load_state_dict(g_ref.state_dict())
     rep = fold_value_rotations(Model(g), rots, means)
-    assert "Gemma4Attention" in rep.kept[LID]
+    assert rep.output_only == [LID] and not rep.folded and rep.folded_layers == frozenset()
+    assert rep.output_folded_layers == frozenset({LID}) and rep.created_bias == ["layers.0.self_attn.o_proj"]
+    assert torch.equal(g.qkv_proj.weight, g_ref.qkv_proj.weight)
+    w_o, term = fold_o_projection(g_ref.o_proj.weight, rots[LID][1], means[LID][1], HQ)
+    assert torch.equal(g.o_proj.weight, w_o) and torch.allclose(g.o_proj.bias, term)
+    assert fold_value_rotations(Model(g), rots, means).output_only == [LID]  # a second backend: not refolded
+    assert torch.equal(g.o_proj.weight, w_o)
+    with pytest.raises(ValueError, match="folded into the weights already"):
+        fold_value_rotations(Model(g), *_local(_rotation_set(False, True, seed=4)))
     m = _random_layer(bias=False)
     m.o_proj.skip_bias_add = True  # a created bias would be returned to a caller that drops it
     rep = fold_value_rotations(Model(m), rots, means)

@@ -50,7 +50,7 @@ def _backend(pool, config, layers, rotations, max_reqs):
     be.pool, be.windows, be.config = pool, pool.windows, config
     be.rotations = rotations
     be.means = {lay.layer_id: (None, None) for lay in layers}
-    be.folded = frozenset()
+    be.folded = be.output_folded = frozenset()
     be._hp_rows = None
     be._missed_seen = 0
     be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)

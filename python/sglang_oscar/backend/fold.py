@@ -42,8 +42,10 @@ plain bf16/fp16/fp32 tensors, CPU AMX-packed weights), modules that are not exac
 ``QKVParallelLinear`` / ``RowParallelLinear`` (LoRA wrappers, other fused layouts), attention
 classes whose V path has not been checked to be linear from the projection to the cache and from
 the attention output to ``o_proj`` (:data:`FOLDABLE_ATTENTION`; e.g. a ``v_norm`` or an output
-gate breaks the fold), a centred file where a bias is needed but the layer returns its bias to the
-caller (``skip_bias_add``), and a centred file under tensor parallelism without ``all_reduce``.
+gate breaks the fold; classes in :data:`OUTPUT_FOLDABLE_ATTENTION`, whose output alone reaches
+``o_proj`` unchanged, fold only the output side and keep V's run-time rotation), a centred file
+where a bias is needed but the layer returns its bias to the caller (``skip_bias_add``), and a
+centred file under tensor parallelism without ``all_reduce``.
 A layer folded already (a second backend over the same model, a second call) is reported folded
 again without being touched when the rotation and mean are the same, and is an error otherwise.
 Weights reloaded after the fold (SGLang's ``update_weights_from_*``) would be unfolded again while the
@@ -65,7 +67,13 @@ logger = logging.getLogger("sglang_oscar")
 # attn(q, k, v) -> o_proj`` with V untouched between the split and the attention and the
 # attention output fed straight to o_proj (checked in sglang/srt/models/{llama,qwen2,qwen3,
 # qwen3_moe}.py).
-FOLDABLE_ATTENTION = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention"})
+FOLDABLE_ATTENTION = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention",
+                                "Gemma3Attention", "GptOssAttention"})
+# Attention modules whose output feeds o_proj as is but whose V is not linear from qkv_proj to the cache
+# (sglang/srt/models/gemma4_causal.py: an RMS v_norm after the projection, and on the full layers V taken
+# from k_proj's rows): only the output side folds (o_proj absorbs R_v and the mean term), V keeps its
+# run-time rotation.
+OUTPUT_FOLDABLE_ATTENTION = frozenset({"Gemma4Attention"})
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FOLDED_MARK = "_oscar_value_rotation_folded"
 
@@ -77,6 +85,9 @@ class FoldReport:
     Attributes:
         folded: global layer ids whose value rotation (and mean) now live in the weights: the
             backend writes their projected V rows as they come and skips the output counter-rotation.
+        output_only: layers of :data:`OUTPUT_FOLDABLE_ATTENTION` classes whose ``o_proj`` holds
+            ``R_v`` and the mean term: the backend rotates V at run time and skips the output
+            counter-rotation.
         kept: ``{layer id: reason}`` of layers that keep the run-time rotation.
         created_bias: module names that were given a bias (bias-less layers of a centred file).
     """
@@ -84,15 +95,24 @@ class FoldReport:
     folded: list[int] = dataclasses.field(default_factory=list)
     kept: dict[int, str] = dataclasses.field(default_factory=dict)
     created_bias: list[str] = dataclasses.field(default_factory=list)
+    output_only: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def folded_layers(self) -> frozenset[int]:
+        """Layers whose V comes out of ``qkv_proj`` rotated."""
         return frozenset(self.folded)
+
+    @property
+    def output_folded_layers(self) -> frozenset[int]:
+        """Layers whose ``o_proj`` reads the rotated frame (``folded`` and ``output_only``)."""
+        return frozenset(self.folded) | frozenset(self.output_only)
 
     def messages(self) -> list[str]:
         """One log line per kept layer, then a summary."""
         lines = [f"layer {lid}: {why}: value rotation stays at run time" for lid, why in sorted(self.kept.items())]
         summary = f"sglang-oscar: value rotation folded into the weights of {len(self.folded)} layers"
+        if self.output_only:
+            summary += f", into o_proj only (V rotated at run time) in {len(self.output_only)}"
         if self.kept:
             summary += f", kept at run time in {len(self.kept)}"
         if self.created_bias:
@@ -237,7 +257,8 @@ def _v_rotation(entry) -> torch.Tensor:
 def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[int, object] | None = None,
                          tp_rank: int = 0, tp_size: int = 1, *,
                          all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                         attention_classes: Iterable[str] = FOLDABLE_ATTENTION) -> FoldReport:
+                         attention_classes: Iterable[str] = FOLDABLE_ATTENTION,
+                         output_classes: Iterable[str] = OUTPUT_FOLDABLE_ATTENTION) -> FoldReport:
     """Fold each layer's value rotation and value mean into a loaded SGLang model's weights.
 
     Call once after the weights are loaded (and processed), before CUDA-graph capture, on every
@@ -257,12 +278,14 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
             rank, with an fp32 ``[layers with a mean, hidden + 1]`` tensor (the last column counts the
             ranks that folded the layer: all or none must).
         attention_classes: attention module class names whose V path is linear (checked).
+        output_classes: class names whose output alone feeds ``o_proj`` unchanged (checked): their
+            ``o_proj`` is folded, V keeps its run-time rotation (``report.output_only``).
 
     Returns:
         :class:`FoldReport`; log it (``report.log()``).
     """
     report = FoldReport()
-    allowed = frozenset(attention_classes)
+    allowed, output_allowed = frozenset(attention_classes), frozenset(output_classes) - frozenset(attention_classes)
     # o_proj mean terms, one slot per layer with a value mean in module order (the same list on every rank, so
     # the one all-reduce lines up even if a rank kept a layer): (layer id, o_proj or None if kept, fp32 term)
     slots: list[tuple[int, object, torch.Tensor | None, int]] = []
@@ -273,20 +296,34 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
         r = _v_rotation(rotations[lid])
         mean = None if means is None or means.get(lid) is None else _v_rotation(means[lid])
         out_size = int(getattr(mod.o_proj, "output_size", 0) or 0)  # full (unsharded) hidden: rank-invariant
+        output_only = type(mod).__name__ in output_allowed
         done = getattr(mod, FOLDED_MARK, None)
         if done is not None:  # a second backend of the same model (or a second call): same fold or an error
-            if not _same_fold(done, r, mean):
+            if not _same_fold(done, r, mean, output_only):
                 raise ValueError(f"layer {lid}: the value rotation is folded into the weights already, with another "
                                  "rotation or mean; a loaded model can be folded once (reload the weights to refold)")
-            report.folded.append(lid)
+            (report.output_only if output_only else report.folded).append(lid)
             if mean is not None:
                 slots.append((lid, None, None, out_size))
             continue
-        why = _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed)
+        why = (_why_not_output(mod, r, mean, tp_rank, tp_size, all_reduce) if output_only
+               else _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed))
         if why is not None:
             report.kept[lid] = why
             if mean is not None:
                 slots.append((lid, None, None, out_size))
+            continue
+        if output_only:
+            o_proj = mod.o_proj
+            with torch.no_grad():
+                w_o, term = fold_o_projection(o_proj.weight, r, mean, o_proj.weight.shape[1] // r.shape[-1])
+                o_proj.weight.copy_(w_o.to(o_proj.weight.dtype))
+            if term is not None:
+                slots.append((lid, o_proj, term, out_size))
+                if o_proj.bias is None:
+                    report.created_bias.append(f"{name}.o_proj")
+            setattr(mod, FOLDED_MARK, _mark(r, mean, True))
+            report.output_only.append(lid)
             continue
         qkv, o_proj = mod.qkv_proj, mod.o_proj
         hq, hkv, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_size
@@ -308,12 +345,17 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
             slots.append((lid, o_proj, term, out_size))
             if o_proj.bias is None:
                 report.created_bias.append(f"{name}.o_proj")
-        setattr(mod, FOLDED_MARK, (r.detach().float().cpu().clone(),
-                                   None if mean is None else mean.detach().float().cpu().clone()))
+        setattr(mod, FOLDED_MARK, _mark(r, mean, False))
         report.folded.append(lid)
     _add_mean_terms(slots, tp_size, all_reduce)
     report.folded.sort()
+    report.output_only.sort()
     return report
+
+
+def _mark(r, mean, output_only: bool) -> tuple:
+    return (r.detach().float().cpu().clone(), None if mean is None else mean.detach().float().cpu().clone(),
+            output_only)
 
 
 def _add_mean_terms(slots, tp_size: int, all_reduce) -> None:
@@ -353,12 +395,53 @@ def _add_mean_terms(slots, tp_size: int, all_reduce) -> None:
             o_proj.bias.copy_((o_proj.bias.float() + term.to(o_proj.bias.device)).to(o_proj.bias.dtype))
 
 
-def _same_fold(done, r, mean) -> bool:
-    r0, m0 = done
+def _same_fold(done, r, mean, output_only: bool) -> bool:
+    r0, m0, o0 = done
     r = r.detach().float().cpu()
-    if r.shape != r0.shape or not torch.equal(r, r0) or (mean is None) != (m0 is None):
+    if o0 != output_only or r.shape != r0.shape or not torch.equal(r, r0) or (mean is None) != (m0 is None):
         return False
     return mean is None or torch.equal(mean.detach().float().cpu(), m0)
+
+
+def _o_proj_problem(o_proj, tp_rank, tp_size) -> str | None:
+    if type(o_proj).__name__ != "RowParallelLinear":
+        return f"o_proj is a {type(o_proj).__name__}, not a plain RowParallelLinear (fused, wrapped or LoRA layout)"
+    problem = _weight_problem(o_proj, "o_proj")
+    if problem:
+        return problem
+    if (getattr(o_proj, "tp_rank", tp_rank), getattr(o_proj, "tp_size", tp_size)) != (tp_rank, tp_size):
+        return (f"o_proj is sharded as rank {o_proj.tp_rank} of {o_proj.tp_size}, the fold was asked for rank "
+                f"{tp_rank} of {tp_size}")
+    return None
+
+
+def _mean_problem(mods, mean, tp_size, all_reduce) -> str | None:
+    for m, what in mods:
+        if m.bias is None and getattr(m, "skip_bias_add", False):
+            return (f"the value mean needs a bias on {what}, which has none and returns its bias to the caller "
+                    "(skip_bias_add)")
+    if tp_size > 1 and all_reduce is None:
+        return ("the value mean's output term sums o_proj columns of every tensor-parallel rank and no "
+                "all_reduce was given")
+    return None
+
+
+def _why_not_output(mod, r, mean, tp_rank, tp_size, all_reduce) -> str | None:
+    """The reason an output-only layer keeps its run-time output rotation, or ``None``."""
+    o_proj = mod.o_proj
+    problem = _o_proj_problem(o_proj, tp_rank, tp_size)
+    if problem:
+        return problem
+    dv = r.shape[-1]
+    hkv = r.shape[0] if r.dim() == 3 else 1
+    cols = o_proj.weight.shape[1]
+    if r.dim() not in (2, 3) or r.shape[-2] != dv or cols % dv or (cols // dv) % hkv:
+        return f"value rotation {tuple(r.shape)} does not fit o_proj's {cols} input columns"
+    if mean is not None:
+        if mean.dim() != 2 or mean.shape[-1] != dv or (cols // dv) % mean.shape[0]:
+            return f"value mean {tuple(mean.shape)} does not fit o_proj's {cols} input columns"
+        return _mean_problem(((o_proj, "o_proj"),), mean, tp_size, all_reduce)
+    return None
 
 
 def _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed) -> str | None:
@@ -367,15 +450,17 @@ def _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed) -> str | None:
     if cls not in allowed:
         return f"attention module {cls} is not one whose V path is known to be linear ({', '.join(sorted(allowed))})"
     qkv, o_proj = mod.qkv_proj, mod.o_proj
-    for m, what, kind in ((qkv, "qkv_proj", "QKVParallelLinear"), (o_proj, "o_proj", "RowParallelLinear")):
-        if type(m).__name__ != kind:
-            return f"{what} is a {type(m).__name__}, not a plain {kind} (fused, wrapped or LoRA layout)"
-        problem = _weight_problem(m, what)
-        if problem:
-            return problem
-        if (getattr(m, "tp_rank", tp_rank), getattr(m, "tp_size", tp_size)) != (tp_rank, tp_size):
-            return (f"{what} is sharded as rank {m.tp_rank} of {m.tp_size}, the fold was asked for rank {tp_rank} "
-                    f"of {tp_size}")
+    if type(qkv).__name__ != "QKVParallelLinear":
+        return f"qkv_proj is a {type(qkv).__name__}, not a plain QKVParallelLinear (fused, wrapped or LoRA layout)"
+    problem = _weight_problem(qkv, "qkv_proj")
+    if problem:
+        return problem
+    if (getattr(qkv, "tp_rank", tp_rank), getattr(qkv, "tp_size", tp_size)) != (tp_rank, tp_size):
+        return (f"qkv_proj is sharded as rank {qkv.tp_rank} of {qkv.tp_size}, the fold was asked for rank {tp_rank} "
+                f"of {tp_size}")
+    problem = _o_proj_problem(o_proj, tp_rank, tp_size)
+    if problem:
+        return problem
     hq, hkv, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_size
     dv = getattr(qkv, "v_head_size", d)
     rows = (hq + hkv) * d + hkv * dv
@@ -390,11 +475,5 @@ def _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed) -> str | None:
     if mean is not None:
         if tuple(mean.shape) != (hkv, dv):
             return f"value mean {tuple(mean.shape)} does not fit {hkv} kv heads of {dv}"
-        for m, what in ((qkv, "qkv_proj"), (o_proj, "o_proj")):
-            if m.bias is None and getattr(m, "skip_bias_add", False):
-                return (f"the value mean needs a bias on {what}, which has none and returns its bias to the caller "
-                        "(skip_bias_add)")
-        if tp_size > 1 and all_reduce is None:
-            return ("the value mean's output term sums o_proj columns of every tensor-parallel rank and no "
-                    "all_reduce was given")
+        return _mean_problem(((qkv, "qkv_proj"), (o_proj, "o_proj")), mean, tp_size, all_reduce)
     return None

@@ -5,7 +5,8 @@
   (``--oscar-fold-rotations on``, :mod:`.fold`) V comes out of ``qkv_proj`` rotated and centred
   already, so only q and K are rotated and V is written as it comes (cast to the HP dtype).
 * :func:`rotate_output`: ``o R_v^T + mu_v`` back to the model's frame; for a folded layer ``o``
-  only cast (``o_proj`` holds ``R_v`` and its bias the mean term).
+  only cast (``o_proj`` holds ``R_v`` and its bias the mean term). Gemma-4's layers fold only this
+  output side (``fold.OUTPUT_FOLDABLE_ATTENTION``): V is rotated at run time, the output only cast.
 * :func:`fold_model`: the fold, once per backend, on this rank's rotations and means.
 
 ``engine`` is ``--oscar-rotate-engine``: ``"triton"`` (``kernels.rotate``: q, K and V in one
@@ -69,7 +70,7 @@ def rotate_output(o: torch.Tensor, rv: torch.Tensor, mean_v, out_dtype: torch.dt
     return _rotate(o, rv, out_dtype, transpose=True, add_mean=mean_v, engine=engine)
 
 
-def fold_model(config, model, rotations, means, par) -> frozenset[int]:
+def fold_model(config, model, rotations, means, par) -> tuple[frozenset[int], frozenset[int]]:
     """Fold the value rotations into ``model`` when ``config.fold_rotations`` (``--oscar-fold-rotations``).
 
     Args:
@@ -80,10 +81,12 @@ def fold_model(config, model, rotations, means, par) -> frozenset[int]:
             ``attn_tp_size``, ``attn_tp_group.cpu_group`` (the gloo group the mean terms are summed on).
 
     Returns:
-        The global ids of the folded layers (empty when off); the report is logged on rank 0.
+        ``(value_folded, output_folded)``: global ids of the layers whose V comes out of
+        ``qkv_proj`` rotated, and of those whose ``o_proj`` reads the rotated frame (a superset:
+        the output-only layers too); both empty when off. The report is logged on rank 0.
     """
     if not config.fold_rotations or model is None:
-        return frozenset()
+        return frozenset(), frozenset()
     from .fold import cpu_all_reduce, fold_value_rotations
 
     rank, size = par.attn_tp_rank, par.attn_tp_size
@@ -91,4 +94,4 @@ def fold_model(config, model, rotations, means, par) -> frozenset[int]:
     report = fold_value_rotations(model, rotations, means, rank, size, all_reduce=all_reduce)
     if rank == 0:
         report.log(logger)
-    return report.folded_layers
+    return report.folded_layers, report.output_folded_layers

@@ -112,7 +112,9 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                                         layer_ids)
         self.means = rank_means(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device, layer_ids)
         # --oscar-fold-rotations on: layers whose V rotation and mean now live in qkv_proj / o_proj
-        self.folded = fold_model(self.config, getattr(model_runner, "model", None), self.rotations, self.means, par)
+        # (output_folded: also the layers whose o_proj alone took R_v, V rotated at run time)
+        self.folded, self.output_folded = fold_model(self.config, getattr(model_runner, "model", None),
+                                                     self.rotations, self.means, par)
         self._hp_rows = None
         self._missed_seen = 0
         self._int2_req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -302,7 +304,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         """``o`` back in the model's frame (or as is for a folded layer), ``[T, H_q * D_v]`` in ``dtype``."""
         lid = layer.layer_id
         return rotate_output(o, self.rotations[lid][1], self._mean(lid)[1], dtype, self.config.rotate_engine,
-                             lid in self.folded).reshape(o.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+                             lid in self.output_folded).reshape(o.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):

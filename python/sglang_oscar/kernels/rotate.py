@@ -152,6 +152,30 @@ def _block_k(d: int) -> int:
     return 32 if (d % 32 == 0 and _np(d) <= 128) else 16
 
 
+#: fp32 elements of one ``R`` slice ``[BLOCK_K, BLOCK_N]`` that :func:`auto_block_k` allows (16 KiB)
+SLICE_ELEMENTS = 4096
+
+
+def auto_block_k(d: int, block_n: int) -> int:
+    """The ``block_k`` (input dims per loop step) that ``block_k="auto"`` picks for ``block_n``-wide
+    output slices: whole-row programs keep :func:`_block_k`'s narrow steps (register limits above),
+    sliced programs take ``SLICE_ELEMENTS / block_n`` input dims per step, up to the padded head_dim.
+    A sliced program is a decode step's: a few rows, one dependent ``R`` load per step, so fewer
+    steps mean fewer memory latencies in a row (head_dim 256 at batch 1: 16 steps of 16 -> 1 of 256)."""
+    np_ = _np(d)
+    if block_n >= np_:
+        return _block_k(d)
+    return min(np_, max(_block_k(d), SLICE_ELEMENTS // block_n))
+
+
+def _resolve_block_k(block_k, d: int, block_n: int, who: str) -> int:
+    if block_k == "auto":
+        return auto_block_k(d, block_n)
+    if isinstance(block_k, bool) or not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"{who}: block_k={block_k!r} must be \"auto\" or a power of two >= 16")
+    return min(block_k, _np(d))
+
+
 def _warps(np_: int) -> int:
     return 4 if np_ <= 128 else 8
 
@@ -210,6 +234,7 @@ def rotate_heads(
     add_mean: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int | str | None = "auto",
+    block_k: int | str = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
     """``(x - sub_mean) R`` (or ``x R^T + add_mean``) per kv head, in fp32, cast to ``out_dtype``.
@@ -227,6 +252,8 @@ def rotate_heads(
             two >= 16, or ``None`` (all of them, one program per row block and matrix). Smaller
             slices put more programs on a short input (a decode step's 4-32 rows per kv head: 8
             programs at batch 1 with ``None``), each streaming ``block_n / D`` of its matrix.
+        block_k: input dims per loop step: ``"auto"`` (default, :func:`auto_block_k`) or a power of
+            two >= 16 (capped at the padded head_dim).
         validate: shape / dtype / device checks (``False`` on hot paths validated once).
 
     Returns:
@@ -236,9 +263,11 @@ def rotate_heads(
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not
-            ``"auto"``, ``None`` or a power of two >= 16 (always checked).
+            ``"auto"``, ``None`` or a power of two >= 16, ``block_k`` not ``"auto"`` or a power of
+            two >= 16 (always checked).
     """
     _check_block_n(block_n, "rotate_heads")
+    _resolve_block_k(block_k, 16, 16, "rotate_heads")
     if validate:
         check_tensor(x, "x", ndim=3, last_contiguous=True)
         check_float(x, "x")
@@ -269,11 +298,12 @@ def rotate_heads(
         return out
     rows = t * g
     np_ = _np(d)
-    block_m, block_k = _block_m(rows, np_), _block_k(d)
+    block_m = _block_m(rows, np_)
     srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
     mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
     mu_out = add_mean.contiguous() if add_mean is not None else rotation
     bn = _block_n(block_n, np_, auto_block_n(rows, hr, d) if block_n == "auto" else None)
+    block_k = _resolve_block_k(block_k, d, bn, "rotate_heads")
     _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr, triton.cdiv(d, bn)),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
@@ -295,6 +325,7 @@ def rotate_qkv(
     mean_v: torch.Tensor | None = None,
     q_dtype: torch.dtype = torch.float32,
     block_n: int | str | None = "auto",
+    block_k: int | str = "auto",
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -315,6 +346,7 @@ def rotate_qkv(
         q_dtype: dtype of the rotated queries (the backend's fp32).
         block_n: output dims per program, as :func:`rotate_heads` (``"auto"``: :func:`auto_block_n`
             with ``products=3``; ``None``: all).
+        block_k: input dims per loop step, as :func:`rotate_heads` (per product's head_dim).
         out: optional ``(q_out, k_out, v_out)`` of the result's shapes and dtypes, last dims contiguous.
         validate: shape / dtype / device checks.
 
@@ -324,9 +356,10 @@ def rotate_qkv(
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not
-            ``"auto"``, ``None`` or a power of two >= 16 (always checked).
+            ``"auto"``, ``None`` or a power of two >= 16, ``block_k`` as :func:`rotate_heads` (always checked).
     """
     _check_block_n(block_n, "rotate_qkv")
+    _resolve_block_k(block_k, 16, 16, "rotate_qkv")
     has_v = v is not None
     if not has_v:  # q and K only: the V product is left out of the grid; its arguments alias K's (never read)
         v, rotation_v, mean_v = k, rotation_k, None
@@ -387,7 +420,8 @@ def rotate_qkv(
             rotation_v, rotation_v.stride(0), rotation_v.stride(1), rotation_v.stride(2), mu_k, mu_v,
             q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
             v_out, v_out.stride(0), v_out.stride(1), t,
-            G=g, DK=dk, DV=dv, BN_K=bn_k, BN_V=bn_v, NS=ns, BLOCK_M=block_m, BK_K=_block_k(dk), BK_V=_block_k(dv),
+            G=g, DK=dk, DV=dv, BN_K=bn_k, BN_V=bn_v, NS=ns, BLOCK_M=block_m,
+            BK_K=_resolve_block_k(block_k, dk, bn_k, "rotate_qkv"), BK_V=_resolve_block_k(block_k, dv, bn_v, "rotate_qkv"),
             HAS_MU_K=mean_k is not None, HAS_MU_V=mean_v is not None, Q_DT=TORCH_TO_TL[q_dtype],
             KV_DT=TORCH_TO_TL[kv_dtype], PRECISION="ieee", num_warps=_warps(max(np_k, np_v)))
     return q_out, k_out, (v_out if has_v else None)
