@@ -17,7 +17,8 @@ Step variants (``--variants``, one row each): ``served`` (the step above), ``fol
 rotation folded into ``o_proj``: ``--oscar-fold-rotations on`` for Gemma-4's layers, whose V keeps its
 run-time rotation), ``fold`` (V folded too: q and K rotated in one launch, V written as projected;
 Gemma-3, GPT-OSS, Qwen3), ``bk16`` (the served step with the rotations' input steps 16 dims wide, as
-before ``rotate.auto_block_k``).
+before ``rotate.auto_block_k``); a ``+hpN`` / ``+kvN`` suffix sets the plan's HP / INT2 split counts
+(e.g. ``fold-out+hp2``).
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within
 one run.
@@ -121,9 +122,14 @@ class LayerCase:
         """The INT2 step's closure for a ``--variants`` entry (the plan is built once, as once per batch
         in the server)."""
         s = self.shape
+        variant, *mods = variant.split("+")
+        splits = {m[:2]: int(m[2:]) for m in mods if m[:2] in ("hp", "kv") and m[2:].isdigit()}
+        if len(splits) != len(mods):
+            raise ValueError(f"unknown step modifier in {mods}: use +hpN / +kvN")
         plan = DecodePlan(self.layout, s.num_q_heads, self.buffers(), self.hp_index, self.req_to_token,
                           self.req_pool_indices, self.seq_lens, sink=s.sink, recent=s.recent, q_dtype=torch.float32,
-                          sliding_window=s.window or None, out_dtype=torch.float32, max_seq_len=self.ctx)
+                          sliding_window=s.window or None, out_dtype=torch.float32, max_seq_len=self.ctx,
+                          num_hp_splits=splits.get("hp"), num_kv_splits=splits.get("kv"))
         self.plan_summary = (f"engine {plan.engine}, splits {plan.num_hp_splits} BF16 + {plan.num_kv_splits} INT2, "
                              f"grid {plan.grid}")
         scale = 1.0 / math.sqrt(s.head_dim)
