@@ -7,13 +7,22 @@
 # Results in $OUT (at most 8 files come back): kernels.log, mla_check.md / .json, latent.md, logs.tgz
 # (server logs, pytest logs, the benchmark's stdout). MLA_BUDGET (default 300; a fresh machine's first
 # int2 servers JIT-compile for ~3 min: 220 was too short) bounds the check's startup + requests;
-# MLA_FAMILY (default deepseek_v3; glm5: DSA sparse attention under SGLang's dsa backend; kimi_linear: the latent pool in a linear-attention hybrid) its model; BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes) the benchmark's columns.
+# MLA_FAMILY (default deepseek_v3; glm5: DSA sparse attention under SGLang's dsa backend, needs deep_gemm
+# from .device-bundle/wheels, below; kimi_linear: the latent pool in a linear-attention hybrid) its model;
+# BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes) the benchmark's columns.
 set -u
 cd "$(dirname "$0")/.."
 R="${OUT:-/tmp/out}"; mkdir -p "$R"
 # shellcheck disable=SC1091
 export OUT="$R"; source device/env.sh > "$R/env.log" 2>&1 || { tail -20 "$R/env.log"; exit 1; }
 L=/tmp/mla_logs; mkdir -p "$L"
+# SGLang's DSA indexer (GLM-5) calls deep_gemm at model build; the bundle lacks it: carry
+# .device-bundle/wheels with sgl_deep_gemm (pip download --no-deps --only-binary=:all: --python-version 3.12
+# -d .device-bundle/wheels sgl-deep-gemm==0.1.4.post1, the version sglang 0.5.16 installs)
+if ! python3 -c "import deep_gemm" 2>/dev/null && ls .device-bundle/wheels/sgl_deep_gemm*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/deep_gemm .device-bundle/wheels/sgl_deep_gemm*.whl \
+    > "$R/deep_gemm.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/deep_gemm"
+fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests check bench)
 rc=0
 for step in "${steps[@]}"; do

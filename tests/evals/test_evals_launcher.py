@@ -44,6 +44,7 @@ sink_tokens = 128
 recent_tokens = 2048
 quantizer = "lloyd-max"
 scale_dtype = "float16"
+fold_rotations = true
 
 [serve]
 tp = 2
@@ -121,7 +122,7 @@ def test_int2_argv_exact(tmp_path):
         "--oscar-rotation", rot,
         "--oscar-k-clip-ratio", "0.96", "--oscar-v-clip-ratio", "0.92",
         "--oscar-sink-tokens", "128", "--oscar-recent-tokens", "2048",
-        "--oscar-quantizer", "lloyd-max", "--oscar-scale-dtype", "float16",
+        "--oscar-quantizer", "lloyd-max", "--oscar-scale-dtype", "float16", "--oscar-fold-rotations", "on",
         "--attention-backend", "triton",
         "--context-length", "131072", "--mem-fraction-static", "0.8",
         "--max-running-requests", "32",
@@ -143,7 +144,7 @@ def test_bf16_arm_is_the_same_launch_without_int2_flags(tmp_path):
     # everything else identical and in the same order
     strip = {"--kv-cache-quant-group-size", "--oscar-rotation", "--oscar-k-clip-ratio",
              "--oscar-v-clip-ratio", "--oscar-sink-tokens", "--oscar-recent-tokens",
-             "--oscar-quantizer", "--oscar-scale-dtype"}
+             "--oscar-quantizer", "--oscar-scale-dtype", "--oscar-fold-rotations"}
     rest = []
     skip = False
     for a in int2:
@@ -161,7 +162,7 @@ def test_unset_optional_flags_are_omitted(tmp_path):
     p = make_recipe(tmp_path, HADAMARD_NO_PATH, rotation=False)
     argv = launcher.build_server_command(load_recipe(p), "int2").argv
     for flag in ("--oscar-rotation", "--kv-cache-quant-group-size", "--oscar-quantizer",
-                 "--oscar-scale-dtype", "--context-length", "--mem-fraction-static",
+                 "--oscar-scale-dtype", "--oscar-fold-rotations", "--context-length", "--mem-fraction-static",
                  "--json-model-override-args", "--nnodes", "--dist-timeout"):
         assert flag not in argv
     assert argv[argv.index("--oscar-sink-tokens") + 1] == "64"
@@ -341,7 +342,7 @@ def test_recipe_env_aliases_match_plugin_flags():
     plugin_opts = {f.option for f in flags.FLAGS}
     emitted = {"--oscar-rotation", "--oscar-k-clip-ratio", "--oscar-v-clip-ratio",
                "--oscar-sink-tokens", "--oscar-recent-tokens", "--oscar-quantizer",
-               "--oscar-scale-dtype", "--kv-cache-quant-group-size"}
+               "--oscar-scale-dtype", "--oscar-fold-rotations", "--kv-cache-quant-group-size"}
     assert emitted <= plugin_opts
 
 

@@ -16,7 +16,7 @@ from sglang_oscar.config import OscarConfig
 from sglang_oscar.kernels.decode.plan import DecodeWorkspace
 from sglang_oscar.kernels.latent_extend import latent_extend_attention
 from sglang_oscar.kernels.latent_plan import (PLANES, LatentDecodePlan, codes_engine_applies, latent_decode_attention,
-                                              latent_sparse_extend_attention)
+                                              latent_sparse_extend_attention, sparse_extend_num_splits)
 from sglang_oscar.reference.latent import latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -203,6 +203,19 @@ def test_latent_sparse_extend_matches_the_oracle_and_the_dense_extend(device):
                                     group_size=32, quantizer="uniform", sink=4, sm_scale=scale,
                                     max_extend_len=max(n - pre for n, pre in zip(lens, prefixes)))
     assert rel_l2(sparse_all.cpu(), dense.cpu()) < 1e-5
+    # chunk invariance with the default split count: the last 4 tokens alone (a later chunk of the
+    # same prompt, its rows written before) give the bits they get inside the whole call, also with
+    # a selection wider than one split (1,040 positions, -1 padded: 2 splits)
+    wide = torch.cat([full, torch.full((full.shape[0], 1040 - full.shape[1]), -1, dtype=torch.int32)], 1)
+    for sel in (full, wide):
+        kw = dict(group_size=32, quantizer="uniform", sink=4, sm_scale=scale)
+        whole = latent_sparse_extend_attention(q_abs, qp, planes, **tables, token_req=token_req.to(device),
+                                               positions=positions.to(device), topk=sel.to(device), **kw)
+        tail = latent_sparse_extend_attention(q_abs[-4:], qp[-4:], planes, **tables,
+                                              token_req=token_req[-4:].to(device),
+                                              positions=positions[-4:].to(device), topk=sel[-4:].to(device), **kw)
+        assert torch.equal(tail, whole[-4:])
+    assert [sparse_extend_num_splits(k) for k in (16, 256, 512, 1040, 2048, 1 << 16)] == [1, 1, 1, 2, 4, 8]
     assert rel_l2(out.cpu(), dense.cpu()) > 1e-2  # the selection matters
     with pytest.raises(ValueError, match="one entry per query token"):
         latent_sparse_extend_attention(q_abs, qp, planes, **tables, token_req=token_req[:-1].to(device),

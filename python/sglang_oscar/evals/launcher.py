@@ -210,6 +210,8 @@ def build_server_command(
             argv += ["--oscar-quantizer", q.quantizer]
         if q.scale_dtype is not None:
             argv += ["--oscar-scale-dtype", q.scale_dtype]
+        if q.fold_rotations:
+            argv += ["--oscar-fold-rotations", "on"]
     else:
         argv += ["--kv-cache-dtype", "auto"]
     # Same attention backend in both arms (the paired control must differ only in the KV).

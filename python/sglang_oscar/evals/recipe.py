@@ -57,6 +57,7 @@ Schema (all sections except ``[model]`` are optional; defaults in parentheses)::
     recent_tokens = 256              # int (256): BF16 recent window
     quantizer = "uniform"            # uniform | lloyd-max, optional: flag passed only if set
     scale_dtype = "float32"          # float32 | float16 | bfloat16, optional: passed only if set
+    fold_rotations = true            # bool (false): --oscar-fold-rotations on
 
     [serve]
     tp = 1                           # int (1): --tp-size
@@ -186,6 +187,7 @@ class QuantSection:
     recent_tokens: int = 256
     quantizer: str | None = None
     scale_dtype: str | None = None
+    fold_rotations: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,7 @@ _QUANT_KEYS: dict[str, tuple[Checker, bool]] = {
     "recent_tokens": (nonneg_int, False),
     "quantizer": (choice(*QUANTIZERS), False),
     "scale_dtype": (choice(*SCALE_DTYPES), False),
+    "fold_rotations": (boolean, False),
 }
 
 

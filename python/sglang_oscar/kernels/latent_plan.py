@@ -251,6 +251,19 @@ def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, codes: torc
     return plan.run(q_abs, q_pe, *planes.values(), sm_scale=sm_scale, out=out)
 
 
+#: selected positions per split of a DSA extend token (:func:`sparse_extend_num_splits`)
+SPARSE_EXTEND_SPLIT_KEYS = 512
+
+
+def sparse_extend_num_splits(topk_width: int) -> int:
+    """Splits of each DSA extend token's selection: one per :data:`SPARSE_EXTEND_SPLIT_KEYS` (512)
+    selected positions, 1..8 (GLM-5's 2,048: 4). A function of the model's top-k width only: the
+    split count sets the order in which a token's partial softmaxes are summed, so one that followed
+    the chunk's token count would make a prompt's log-probs depend on its chunking (and an INT2
+    code written from a later layer's input can flip on that last-bit difference)."""
+    return max(1, min(8, int(topk_width) // SPARSE_EXTEND_SPLIT_KEYS))
+
+
 def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buffers: dict, hp_index: torch.Tensor,
                                    req_to_token: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
                                    topk: torch.Tensor, *, group_size: int, quantizer: str, sink: int,
@@ -276,7 +289,8 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
             as the unfused DSA indexer returns them.
         group_size, quantizer, sink: the latent's format and sink window.
         sm_scale: softmax scale (natural units); num_splits: splits of each token's list (default
-            :func:`latent_num_splits` for ``min(T, max_rows)`` rows, one count for every slice); out:
+            :func:`sparse_extend_num_splits` of the top-k width: a count that does not depend on
+            ``T``, so a token's result does not depend on the chunk it is prefilled in); out:
             optional ``[T, H, R]``.
         max_rows: query tokens per plan: a chunk runs in slices of this many, which bounds the stage-1
             workspace (``rows x H x splits x (R + 1)`` fp32) whatever the chunk size.
@@ -297,9 +311,8 @@ def latent_sparse_extend_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, buff
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     if out is None:
         out = torch.empty(q_abs.shape, dtype=torch.float32, device=q_abs.device)
-    if num_splits is None:  # one count for every slice, so a short last slice splits as the others
-        num_splits = latent_num_splits(min(t, max_rows), q_abs.shape[1],
-                                       **{k: plan_kwargs[k] for k in ("block_h", "num_sms") if k in plan_kwargs})
+    if num_splits is None:
+        num_splits = sparse_extend_num_splits(topk.shape[-1])
     planes = [buffers[k] for k in PLANES]
     for a in range(0, t, max_rows):
         b = min(t, a + max_rows)
