@@ -51,10 +51,10 @@ def test_plan_runs_equal_one_shot_calls_and_the_oracle():
             assert rel_l2(o, reference_decode(pool, q, hp_dtype=torch.float32)) < 1e-4
 
 
-def test_sliding_plan_splits_its_window_not_its_context():
+def test_sliding_plan_splits_its_window_not_its_context(monkeypatch):
     """A sliding layer's plan sizes its INT2 splits by the window (its keys), not by the context
-    bound, and still matches the oracle with sinks wholly below the window (left out of the HP
-    splits) and cut by it (masked)."""
+    bound, caps them above 16 head programs, and still matches the oracle with sinks wholly below
+    the window (left out of the HP splits) and cut by it (masked)."""
     fresh_seed()
     pool = build_pool([40, 9, 51], 2, 64, 64, make_config(sink=SINK, recent=RECENT), hp_dtype=torch.float32)
     window = 16  # request 0 and 2: sink wholly below the window; request 1 (9 tokens): all visible
@@ -67,6 +67,18 @@ def test_sliding_plan_splits_its_window_not_its_context():
     # a window cutting request 0's sink (L - W = 2 < SINK) masks the sink positions below it
     o = _plan(pool, 8, sliding_window=38).run(rotate_q(pool, q), *_bufs(pool))
     assert rel_l2(o, reference_decode(pool, q, sliding_window=38, hp_dtype=torch.float32)) < 1e-4
+    # above 16 head programs (9 requests x 2 kv heads) a sliding plan caps its splits at 2 HP + 8 INT2
+    wide = build_pool([40, 9, 51, 30, 22, 60, 17, 45, 33], 2, 64, 64, make_config(sink=SINK, recent=RECENT),
+                      hp_dtype=torch.float32)
+    plan = _plan(wide, 8, sliding_window=window, num_hp_splits=None)
+    assert (plan.num_hp_splits, _plan(wide, 8).num_hp_splits) == (1, 1)  # SINK + RECENT = 12: one HP split anyway
+    from sglang_oscar.kernels.decode import splits
+    monkeypatch.setattr(splits, "_sm_count", lambda device: 132)  # an H200's split counts (CPU: 4 SMs)
+    capped = _plan(wide, 8, max_seq_len=1 << 16, sliding_window=1 << 12)
+    assert capped.num_kv_splits == 8 < _plan(wide, 8, max_seq_len=1 << 16).num_kv_splits
+    q = torch.randn(9, 8, 64)
+    o = capped.run(rotate_q(wide, q), *_bufs(wide))
+    assert rel_l2(o, reference_decode(wide, q, sliding_window=1 << 12, hp_dtype=torch.float32)) < 1e-4
 
 
 def test_plans_slice_one_workspace():

@@ -122,6 +122,22 @@ def default_num_kv_splits(config, bsz: int, num_q_heads: int, num_kv_heads: int,
 #: HP positions per default HP split (:func:`decode_num_hp_splits`)
 HP_SPLIT_POSITIONS = 48
 
+#: (HP, INT2) split caps of a sliding layer's plan above 16 head programs per step
+#: (:func:`sliding_split_caps`)
+SLIDING_WIDE_SPLITS = (2, 8)
+
+
+def sliding_split_caps(programs: int) -> tuple[int, int] | None:
+    """Caps on a sliding layer's (HP, INT2) default split counts, or ``None`` (no cap).
+
+    A sliding window bounds every request's keys (Gemma-4: 1,024, of which 576 BF16), so each split
+    program is a single block; above 16 head programs per step (``batch x head programs``: batch >= 4
+    of an 8-kv-head model) the default 8 HP + 16 INT2 splits make thousands of such programs, each a
+    chain of dependent loads, and fewer, longer ones are faster: Gemma-4's sliding layer at batch 16,
+    32K (docs/benchmarks.md#hybrid-sliding-window-layers-gemma-4-shapes): 2 + 8 splits 77.3 us
+    against 86.7 us. Up to 16 programs the defaults stay (batch 1: 33.5 us against 36.7 us capped)."""
+    return SLIDING_WIDE_SPLITS if programs > 16 else None
+
 
 def decode_num_hp_splits(sink: int, recent: int) -> int:
     """Default HP splits: one per :data:`HP_SPLIT_POSITIONS` (48) HP positions, 1..8 (a BF16 position
