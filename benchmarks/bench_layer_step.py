@@ -16,8 +16,8 @@ the recipe serves it (group 128, fp32 pairs for Gemma-4; sink 64 + recent 512 / 
 Step variants (``--variants``, one row each): ``served`` (the step above), ``fold-out`` (the output
 rotation folded into ``o_proj``: ``--oscar-fold-rotations on`` for Gemma-4's layers, whose V keeps its
 run-time rotation), ``fold`` (V folded too: q and K rotated in one launch, V written as projected;
-Gemma-3, GPT-OSS, Qwen3), ``bk16`` (the served step with the rotations' input steps 16 dims wide, as
-before ``rotate.auto_block_k``); a ``+hpN`` / ``+kvN`` suffix sets the plan's HP / INT2 split counts
+Gemma-3, GPT-OSS, Qwen3), ``bk16`` (the served step with the rotations' input steps 16 dims wide: the
+step before ``rotate.auto_block_k`` at head_dim >= 256, which took 32 below); a ``+hpN`` / ``+kvN`` suffix sets the plan's HP / INT2 split counts
 (e.g. ``fold-out+hp2``).
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within

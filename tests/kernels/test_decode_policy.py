@@ -56,7 +56,8 @@ def test_choose_num_splits_gluon_policy(monkeypatch):
     assert splits.default_num_kv_splits(GluonConfig(), 1, 16, 8, sliding_window=1024) == 8  # 1024 / 128
     assert splits.default_num_kv_splits(TritonConfig(), 1, 16, 8, max_seq_len=512, sliding_window=1024) == 8
     # ... and above 16 head programs its plan caps the splits at 2 HP + 8 INT2 (measured at batch 16)
-    assert splits.sliding_split_caps(16) is None and splits.sliding_split_caps(17) == (2, 8)
+    assert splits.sliding_split_caps(16, 1024) is None and splits.sliding_split_caps(17, 1024) == (2, 8)
+    assert splits.sliding_split_caps(17, 4096) is None  # wider windows than measured keep the defaults
 
 
 def test_default_min_split_keys():

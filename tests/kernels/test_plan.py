@@ -70,15 +70,19 @@ def test_sliding_plan_splits_its_window_not_its_context(monkeypatch):
     # above 16 head programs (9 requests x 2 kv heads) a sliding plan caps its splits at 2 HP + 8 INT2
     wide = build_pool([40, 9, 51, 30, 22, 60, 17, 45, 33], 2, 64, 64, make_config(sink=SINK, recent=RECENT),
                       hp_dtype=torch.float32)
-    plan = _plan(wide, 8, sliding_window=window, num_hp_splits=None)
-    assert (plan.num_hp_splits, _plan(wide, 8).num_hp_splits) == (1, 1)  # SINK + RECENT = 12: one HP split anyway
     from sglang_oscar.kernels.decode import splits
     monkeypatch.setattr(splits, "_sm_count", lambda device: 132)  # an H200's split counts (CPU: 4 SMs)
-    capped = _plan(wide, 8, max_seq_len=1 << 16, sliding_window=1 << 12)
+    capped = _plan(wide, 8, max_seq_len=1 << 16, sliding_window=1024)
     assert capped.num_kv_splits == 8 < _plan(wide, 8, max_seq_len=1 << 16).num_kv_splits
+    assert _plan(wide, 8, max_seq_len=1 << 16, sliding_window=4096).num_kv_splits > 8  # wider windows: not capped
+    hpp = build_pool([40, 9, 51, 30, 22, 60, 17, 45, 33], 2, 64, 64, make_config(sink=SINK, recent=96),
+                     hp_dtype=torch.float32)
+    hp = DecodePlan(hpp.layout, 8, _bufs(hpp), hpp.hp_index, hpp.req_to_token, hpp.req_pool_indices,
+                    hpp.seq_lens, sink=SINK, recent=96, q_dtype=torch.float32, sliding_window=1024)
+    assert hp.num_hp_splits == 2  # 100 HP positions: 3 splits uncapped
     q = torch.randn(9, 8, 64)
     o = capped.run(rotate_q(wide, q), *_bufs(wide))
-    assert rel_l2(o, reference_decode(wide, q, sliding_window=1 << 12, hp_dtype=torch.float32)) < 1e-4
+    assert rel_l2(o, reference_decode(wide, q, sliding_window=1024, hp_dtype=torch.float32)) < 1e-4
 
 
 def test_plans_slice_one_workspace():

@@ -76,10 +76,10 @@ def test_rotate_heads_output_slices(case, block_n):
 
 
 @pytest.mark.parametrize("case,block_n,block_k", [
-    (CASES[5], 16, "auto"),  # head_dim 256 in 16-wide slices: the whole input row in one step
-    (CASES[5], 16, 64),  # four steps
+    (CASES[6], 16, "auto"),  # head_dim 256 in 16-wide slices: the whole input row in one step
+    (CASES[6], 16, 64),  # four steps
     (CASES[3], 64, "auto"),  # head_dim 512: 64-wide steps
-    (CASES[2], 32, "auto"),  # head_dim 192: one 256-wide step, a quarter masked
+    (CASES[2], 32, "auto"),  # head_dim 192: two 128-wide steps, the second half masked
     (CASES[0], None, 128),  # whole rows with a wide step
 ])
 def test_rotate_heads_input_steps(case, block_n, block_k):
@@ -346,6 +346,28 @@ def test_gpu_rotate_heads_output_slices(block_n):
     check_rotation(scaled(8), 32, 8, 128, torch.bfloat16, False, False, False, device=DEV, block_n=block_n)
     check_rotation(scaled(8), 32, 8, 128, torch.float32, True, False, True, device=DEV, block_n=block_n)
     check_rotation(scaled(2048), 8, 8, 256, torch.bfloat16, False, True, False, device=DEV, block_n=block_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256, 512])
+def test_gpu_rotation_bits_do_not_depend_on_the_launch_shape(d):
+    """On the GPU an IEEE fp32 ``tl.dot`` accumulates in input order, so the output slices and input
+    steps a launch picks (``auto_block_n`` / ``auto_block_k`` follow the row count, i.e. the batch or
+    the prefill chunk) give the same bits: a row is rotated alike in a 64-token chunk and in a whole
+    prompt, which chunked prefill and radix reuse rely on (the interpreter sums in other orders)."""
+    fresh_seed()
+    x = torch.randn(24, 8, d, device=DEV).to(torch.bfloat16)
+    r = random_orthogonal(d, 4).to(DEV)
+    mu = torch.randn(4, d, device=DEV)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        ref = rotate_heads(x, r, out_dtype, sub_mean=mu, block_n=None, block_k=16)
+        for bn, bk in [(None, "auto"), (16, "auto"), (32, "auto"), (64, 64), (16, 256)]:
+            assert torch.equal(rotate_heads(x, r, out_dtype, sub_mean=mu, block_n=bn, block_k=bk), ref), (bn, bk)
+    k, v = x[:, :4].contiguous(), x[:, 4:].contiguous()
+    ref = rotate_qkv(x, k, v, r, r, torch.bfloat16, block_n=None, block_k=16)
+    for bn in (16, 64, "auto"):
+        got = rotate_qkv(x, k, v, r, r, torch.bfloat16, block_n=bn)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), bn
 
 
 @pytest.mark.gpu

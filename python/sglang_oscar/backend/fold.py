@@ -66,7 +66,7 @@ logger = logging.getLogger("sglang_oscar")
 # SGLang 0.5.16 attention modules whose forward is ``qkv_proj -> split -> (q, k norm/RoPE) ->
 # attn(q, k, v) -> o_proj`` with V untouched between the split and the attention and the
 # attention output fed straight to o_proj (checked in sglang/srt/models/{llama,qwen2,qwen3,
-# qwen3_moe}.py).
+# qwen3_moe,gemma3_causal,gpt_oss}.py).
 FOLDABLE_ATTENTION = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention",
                                 "Gemma3Attention", "GptOssAttention"})
 # Attention modules whose output feeds o_proj as is but whose V is not linear from qkv_proj to the cache

@@ -13,7 +13,9 @@ the two forward paths:
   mode ``"extend"``), so a prompt's logits do not depend on chunking or on radix reuse;
 * with ``--oscar-fold-rotations on`` the value rotation and mean of the layers in ``self.folded``
   live in ``qkv_proj`` / ``o_proj`` (:mod:`.fold`, folded once in ``__init__``): their V rows are
-  written as they come and their output is returned in the rotated frame (:mod:`.step`).
+  written as they come and their output is returned in the rotated frame (:mod:`.step`); the layers
+  of ``self.output_folded`` that are not in ``self.folded`` (Gemma-4's) fold ``o_proj`` only: V is
+  rotated at run time, the output returned in the rotated frame.
 
 The window bookkeeping of a forward (sink rows for new sink tokens, ring rows, ``hp_index`` and
 ``sink_lens`` of the batch's requests) runs once per forward: in ``init_forward_metadata``

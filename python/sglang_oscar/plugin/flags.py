@@ -89,7 +89,8 @@ FLAGS = (
          choices=("triton", "torch")),
     Flag("oscar_fold_rotations", "--oscar-fold-rotations", "fold_rotations", str,
          "INT2 KV cache: on folds each layer's value rotation and value mean into qkv_proj / o_proj at "
-         "load, so the served step skips the V rotation and the output counter-rotation; layers that "
+         "load, so the served step skips the V rotation and the output counter-rotation (Gemma-4, whose "
+         "v_norm sits between them, folds o_proj only and skips the output counter-rotation); layers that "
          "cannot be folded exactly (quantized or fused weights, other attention classes) keep the run-time "
          "rotation and the log says why. Folded weights cannot be updated in place: with it on, "
          "update_weights_from_disk / _tensor / _distributed / _ipc (and init_weights_update_group) are "

@@ -147,7 +147,7 @@ class DecodePlan:
         bpk = None
         if engine == "triton":
             group, hpb, bpk, block_h = plan_head_blocks(hq, hkv, cfg.min_block_h, cfg.max_block_h)
-        caps = sliding_split_caps(bsz * _head_programs(cfg, hq, hkv, bpk)) if sliding_window else None
+        caps = sliding_split_caps(bsz * _head_programs(cfg, hq, hkv, bpk), sliding_window) if sliding_window else None
         if num_hp_splits is None:
             num_hp_splits = decode_num_hp_splits(sink, recent)
             if caps:

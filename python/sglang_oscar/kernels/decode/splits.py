@@ -108,7 +108,8 @@ def default_num_kv_splits(config, bsz: int, num_q_heads: int, num_kv_heads: int,
     ``config``'s engine forms them (a :class:`~..configs.TritonConfig`: :func:`plan_head_blocks`; a
     :class:`~..configs.GluonConfig`: blocks of 8 q heads). ``blocks_per_kv``: the Triton plan's
     blocks when the caller has them. Callers sizing a workspace ahead of the call (benchmarks,
-    CUDA-graph buffers) use this to match the plan's own choice (``plan.config`` is the config).
+    CUDA-graph buffers) use this as a bound of the plan's own choice (``plan.config`` is the config;
+    a sliding plan may cap it further, :func:`sliding_split_caps`).
     ``sliding_window``: a sliding layer's INT2 keys lie inside its window, so the window bounds the
     keys as ``max_seq_len`` does (splits sized for the context would be empty programs plus merge work)."""
     programs = _head_programs(config, num_q_heads, num_kv_heads, blocks_per_kv)
@@ -127,16 +128,21 @@ HP_SPLIT_POSITIONS = 48
 SLIDING_WIDE_SPLITS = (2, 8)
 
 
-def sliding_split_caps(programs: int) -> tuple[int, int] | None:
+#: widest sliding window the caps apply to (the one measured: Gemma-3/4's 1,024)
+SLIDING_CAP_MAX_WINDOW = 1024
+
+
+def sliding_split_caps(programs: int, window: int) -> tuple[int, int] | None:
     """Caps on a sliding layer's (HP, INT2) default split counts, or ``None`` (no cap).
 
-    A sliding window bounds every request's keys (Gemma-4: 1,024, of which 576 BF16), so each split
-    program is a single block; above 16 head programs per step (``batch x head programs``: batch >= 4
-    of an 8-kv-head model) the default 8 HP + 16 INT2 splits make thousands of such programs, each a
-    chain of dependent loads, and fewer, longer ones are faster: Gemma-4's sliding layer at batch 16,
-    32K (docs/benchmarks.md#hybrid-sliding-window-layers-gemma-4-shapes): 2 + 8 splits 77.3 us
-    against 86.7 us. Up to 16 programs the defaults stay (batch 1: 33.5 us against 36.7 us capped)."""
-    return SLIDING_WIDE_SPLITS if programs > 16 else None
+    A window of at most :data:`SLIDING_CAP_MAX_WINDOW` keys (Gemma-4: 1,024, of which 576 BF16)
+    leaves each default split program a single block; above 16 head programs per step (``batch x
+    head programs``: batch >= 3 of an 8-kv-head model) the default 8 HP + 16 INT2 splits make
+    thousands of such programs, each a chain of dependent loads, and fewer, longer ones are faster:
+    Gemma-4's sliding layer at batch 16, 32K (docs/benchmarks.md#hybrid-sliding-window-layers-gemma-4-shapes):
+    2 + 8 splits 77.3 us against 86.7 us. Up to 16 programs the defaults stay (batch 1: 33.5 us
+    against 36.7 us capped); wider windows keep them (not measured)."""
+    return SLIDING_WIDE_SPLITS if programs > 16 and 0 < window <= SLIDING_CAP_MAX_WINDOW else None
 
 
 def decode_num_hp_splits(sink: int, recent: int) -> int:
