@@ -494,11 +494,20 @@ def test_folded_layer_matches_the_runtime_rotation(per_head, centered, rotate_en
     assert torch.equal(vc[slots], quantize_rows(m.qkv(x)[2], **config.quant_kwargs("v")).codes)
 
 
-@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centred"])
-@pytest.mark.parametrize("per_head", [False, True], ids=["per-layer", "per-head"])
-def test_folded_layer_in_fp32_is_exact(per_head, centered):
+class Gemma4Attention(Qwen3Attention):
+    """Named like SGLang's ``Gemma4Attention`` (``fold.OUTPUT_FOLDABLE_ATTENTION``: a v_norm between
+    ``qkv_proj`` and the cache, so only ``o_proj`` folds)."""
+
+
+@pytest.mark.parametrize("cls,per_head,centered", [
+    (Qwen3Attention, False, False), (Qwen3Attention, False, True), (Qwen3Attention, True, False),
+    (Qwen3Attention, True, True), (Gemma4Attention, True, False), (Gemma4Attention, True, True)],
+    ids=["per-layer", "per-layer-centred", "per-head", "per-head-centred", "output-only", "output-only-centred"])
+def test_folded_layer_in_fp32_is_exact(cls, per_head, centered):
     """In fp32 (model and HP windows fp32, --oscar-rotate-engine torch) the folded and unfolded layers
-    agree to 1e-5: the fold is exact, only fp32 summation orders differ."""
+    agree to 1e-5: the fold is exact, only fp32 summation orders differ. Gemma-4's layers fold the
+    output side only: qkv_proj untouched, V rotated at run time and written as the unfolded path
+    writes it (the same cache, bit for bit), no output counter-rotation."""
     import dataclasses
 
     from sglang_oscar.backend.step import fold_model
@@ -506,43 +515,19 @@ def test_folded_layer_in_fp32_is_exact(per_head, centered):
     config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, rotate_engine="torch",
                          fold_rotations=True)
     x, rk, rv, mk, mv = _fold_case(per_head, centered, torch.float32)
-    ref, m = Qwen3Attention(torch.float32), Qwen3Attention(torch.float32)
+    ref, m = cls(torch.float32), cls(torch.float32)
     folded, out_folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)},
                                     SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
-    assert folded == out_folded == frozenset({0})
-    unfolded = dataclasses.replace(config, fold_rotations=False)
-    want, _ = _serve_layer(ref, x, unfolded, rk, rv, mk, mv, frozenset(), torch.float32, **SHORT)
-    got, _ = _serve_layer(m, x, config, rk, rv, mk, mv, folded, torch.float32, **SHORT)
-    assert _rel(got, want) < 1e-5, _rel(got, want)
-
-
-class Gemma4Attention(Qwen3Attention):
-    """Named like SGLang's ``Gemma4Attention`` (``fold.OUTPUT_FOLDABLE_ATTENTION``: a v_norm between
-    ``qkv_proj`` and the cache, so only ``o_proj`` folds)."""
-
-
-@pytest.mark.parametrize("centered", [False, True], ids=["plain", "centred"])
-def test_output_only_fold_in_fp32_is_exact(centered):
-    """Gemma-4's layers fold the output side only: qkv_proj untouched, V rotated at run time and
-    written as the unfolded path writes it, no output counter-rotation; in fp32 the layer output
-    equals the unfolded layer's to 1e-5."""
-    from sglang_oscar.backend.step import fold_model
-
-    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, rotate_engine="torch",
-                         fold_rotations=True)
-    x, rk, rv, mk, mv = _fold_case(True, centered, torch.float32)
-    ref, m = Gemma4Attention(torch.float32), Gemma4Attention(torch.float32)
-    folded, out_folded = fold_model(config, m, {0: (rk, rv)}, {0: (mk, mv)},
-                                    SimpleNamespace(attn_tp_rank=0, attn_tp_size=1))
-    assert folded == frozenset() and out_folded == frozenset({0})
-    assert torch.equal(m.qkv_proj.weight, ref.qkv_proj.weight) and not torch.equal(m.o_proj.weight, ref.o_proj.weight)
+    output_only = cls is Gemma4Attention
+    assert (folded, out_folded) == ((frozenset(), frozenset({0})) if output_only else (frozenset({0}),) * 2)
+    assert torch.equal(m.qkv_proj.weight, ref.qkv_proj.weight) == output_only
     assert (m.o_proj.bias is not None) == centered  # the mean term
-    unfolded = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT, rotate_engine="torch")
+    unfolded = dataclasses.replace(config, fold_rotations=False)
     want, sw = _serve_layer(ref, x, unfolded, rk, rv, mk, mv, frozenset(), torch.float32, **SHORT)
     got, sg = _serve_layer(m, x, config, rk, rv, mk, mv, folded, torch.float32, output_folded=out_folded, **SHORT)
     assert _rel(got, want) < 1e-5, _rel(got, want)
-    for a, b in zip(sw.pool.int2_buffers(0), sg.pool.int2_buffers(0)):  # the same cache: V rotated at run time
-        assert torch.equal(a, b)
+    if output_only:
+        assert all(torch.equal(a, b) for a, b in zip(sw.pool.int2_buffers(0), sg.pool.int2_buffers(0)))
 
 
 def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):

@@ -313,40 +313,30 @@ def fold_value_rotations(model, rotations: Mapping[int, object], means: Mapping[
             if mean is not None:
                 slots.append((lid, None, None, out_size))
             continue
-        if output_only:
-            o_proj = mod.o_proj
-            with torch.no_grad():
-                w_o, term = fold_o_projection(o_proj.weight, r, mean, o_proj.weight.shape[1] // r.shape[-1])
-                o_proj.weight.copy_(w_o.to(o_proj.weight.dtype))
-            if term is not None:
-                slots.append((lid, o_proj, term, out_size))
-                if o_proj.bias is None:
-                    report.created_bias.append(f"{name}.o_proj")
-            setattr(mod, FOLDED_MARK, _mark(r, mean, True))
-            report.output_only.append(lid)
-            continue
-        qkv, o_proj = mod.qkv_proj, mod.o_proj
-        hq, hkv, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_size
-        dv = getattr(qkv, "v_head_size", d)
-        v0 = (hq + hkv) * d
+        o_proj = mod.o_proj
         with torch.no_grad():
-            v_rows = slice(v0, v0 + hkv * dv)
-            w_v, b_v = fold_v_projection(qkv.weight[v_rows], None if qkv.bias is None else qkv.bias[v_rows], r, mean)
-            w_o, term = fold_o_projection(o_proj.weight, r, mean, hq)
-            qkv.weight[v_rows].copy_(w_v.to(qkv.weight.dtype))
+            if not output_only:  # V's rows of qkv_proj: (v - mean) R comes out of the projection
+                qkv = mod.qkv_proj
+                hq, hkv, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_size
+                v0 = (hq + hkv) * d
+                v_rows = slice(v0, v0 + hkv * getattr(qkv, "v_head_size", d))
+                w_v, b_v = fold_v_projection(qkv.weight[v_rows], None if qkv.bias is None else qkv.bias[v_rows], r,
+                                             mean)
+                qkv.weight[v_rows].copy_(w_v.to(qkv.weight.dtype))
+                if b_v is not None:
+                    if qkv.bias is None:
+                        qkv.bias = torch.nn.Parameter(torch.zeros(qkv.weight.shape[0], dtype=qkv.weight.dtype,
+                                                                  device=qkv.weight.device), requires_grad=False)
+                        report.created_bias.append(f"{name}.qkv_proj")
+                    qkv.bias[v_rows].copy_(b_v.to(qkv.bias.dtype))
+            w_o, term = fold_o_projection(o_proj.weight, r, mean, o_proj.weight.shape[1] // r.shape[-1])
             o_proj.weight.copy_(w_o.to(o_proj.weight.dtype))
-            if b_v is not None:
-                if qkv.bias is None:
-                    qkv.bias = torch.nn.Parameter(torch.zeros(qkv.weight.shape[0], dtype=qkv.weight.dtype,
-                                                              device=qkv.weight.device), requires_grad=False)
-                    report.created_bias.append(f"{name}.qkv_proj")
-                qkv.bias[v_rows].copy_(b_v.to(qkv.bias.dtype))
         if term is not None:
             slots.append((lid, o_proj, term, out_size))
             if o_proj.bias is None:
                 report.created_bias.append(f"{name}.o_proj")
-        setattr(mod, FOLDED_MARK, _mark(r, mean, False))
-        report.folded.append(lid)
+        setattr(mod, FOLDED_MARK, _mark(r, mean, output_only))
+        (report.output_only if output_only else report.folded).append(lid)
     _add_mean_terms(slots, tp_size, all_reduce)
     report.folded.sort()
     report.output_only.sort()
@@ -403,15 +393,15 @@ def _same_fold(done, r, mean, output_only: bool) -> bool:
     return mean is None or torch.equal(mean.detach().float().cpu(), m0)
 
 
-def _o_proj_problem(o_proj, tp_rank, tp_size) -> str | None:
-    if type(o_proj).__name__ != "RowParallelLinear":
-        return f"o_proj is a {type(o_proj).__name__}, not a plain RowParallelLinear (fused, wrapped or LoRA layout)"
-    problem = _weight_problem(o_proj, "o_proj")
+def _linear_problem(m, what: str, kind: str, tp_rank: int, tp_size: int) -> str | None:
+    """Why the projection ``m`` (named ``what``, expected of SGLang class ``kind``) cannot be folded, or ``None``."""
+    if type(m).__name__ != kind:
+        return f"{what} is a {type(m).__name__}, not a plain {kind} (fused, wrapped or LoRA layout)"
+    problem = _weight_problem(m, what)
     if problem:
         return problem
-    if (getattr(o_proj, "tp_rank", tp_rank), getattr(o_proj, "tp_size", tp_size)) != (tp_rank, tp_size):
-        return (f"o_proj is sharded as rank {o_proj.tp_rank} of {o_proj.tp_size}, the fold was asked for rank "
-                f"{tp_rank} of {tp_size}")
+    if (getattr(m, "tp_rank", tp_rank), getattr(m, "tp_size", tp_size)) != (tp_rank, tp_size):
+        return f"{what} is sharded as rank {m.tp_rank} of {m.tp_size}, the fold was asked for rank {tp_rank} of {tp_size}"
     return None
 
 
@@ -429,7 +419,7 @@ def _mean_problem(mods, mean, tp_size, all_reduce) -> str | None:
 def _why_not_output(mod, r, mean, tp_rank, tp_size, all_reduce) -> str | None:
     """The reason an output-only layer keeps its run-time output rotation, or ``None``."""
     o_proj = mod.o_proj
-    problem = _o_proj_problem(o_proj, tp_rank, tp_size)
+    problem = _linear_problem(o_proj, "o_proj", "RowParallelLinear", tp_rank, tp_size)
     if problem:
         return problem
     dv = r.shape[-1]
@@ -450,17 +440,10 @@ def _why_not(mod, r, mean, tp_rank, tp_size, all_reduce, allowed) -> str | None:
     if cls not in allowed:
         return f"attention module {cls} is not one whose V path is known to be linear ({', '.join(sorted(allowed))})"
     qkv, o_proj = mod.qkv_proj, mod.o_proj
-    if type(qkv).__name__ != "QKVParallelLinear":
-        return f"qkv_proj is a {type(qkv).__name__}, not a plain QKVParallelLinear (fused, wrapped or LoRA layout)"
-    problem = _weight_problem(qkv, "qkv_proj")
-    if problem:
-        return problem
-    if (getattr(qkv, "tp_rank", tp_rank), getattr(qkv, "tp_size", tp_size)) != (tp_rank, tp_size):
-        return (f"qkv_proj is sharded as rank {qkv.tp_rank} of {qkv.tp_size}, the fold was asked for rank {tp_rank} "
-                f"of {tp_size}")
-    problem = _o_proj_problem(o_proj, tp_rank, tp_size)
-    if problem:
-        return problem
+    for m, what, kind in ((qkv, "qkv_proj", "QKVParallelLinear"), (o_proj, "o_proj", "RowParallelLinear")):
+        problem = _linear_problem(m, what, kind, tp_rank, tp_size)
+        if problem:
+            return problem
     hq, hkv, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_size
     dv = getattr(qkv, "v_head_size", d)
     rows = (hq + hkv) * d + hkv * dv
