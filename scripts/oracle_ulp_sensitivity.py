@@ -12,6 +12,8 @@ amplification of the same perturbation.
 Run from the repository root (CPU, ~5 min for the figures in docs/serving.md):
   PYTHONPATH=python:. TRITON_INTERPRET=1 python scripts/oracle_ulp_sensitivity.py \
       --families qwen3,gemma3,gemma4 --lens 256,1024,1800 --noise-seeds 5 --control --scale32
+With ``--decode N`` also check c's decode positions: the oracle's own greedy continuation of N
+tokens (fp32 pairs), teacher-forced with decode windows, base against perturbed, per seed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sglang_oscar.quant.packing import unpack_quarter
 from sglang_oscar.rotation import RotationSet
 from tests.e2e.checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from tests.e2e.config import C_RECENT, C_SINK, SWA_FAMILIES, c_prompt_lens, parse_args
-from tests.e2e.oracle import teacher_forced_logprobs
+from tests.e2e.oracle import greedy_paths, teacher_forced_logprobs
 
 _ORIG_BUILD = refattn.build_cache
 
@@ -63,10 +65,11 @@ PERT = Perturb()
 refattn.build_cache = PERT
 
 
-def run_oracle(model, seq, rs, cfg, eps, seed, record):
+def run_oracle(model, seq, rs, cfg, eps, seed, record, prompt_len=None):
     PERT.eps, PERT.seed, PERT.calls = eps, seed, 0
     PERT.record = [] if record else None
-    lp = teacher_forced_logprobs(model, [seq], rotation=rs, config=cfg, hp_dtype=torch.float32)[0]
+    lp = teacher_forced_logprobs(model, [seq], rotation=rs, config=cfg, hp_dtype=torch.float32,
+                                 prompt_lens=None if prompt_len is None else [prompt_len])[0]
     rec, PERT.record = PERT.record, None
     return torch.tensor(lp, dtype=torch.float64), rec
 
@@ -106,6 +109,9 @@ def main():
     p.add_argument("--control", action="store_true", help="also the all-HP control (no INT2 read)")
     p.add_argument("--scale32", action="store_true",
                    help="also a diagnostic with scale_dtype float32 (no fp16 rounding of scale/zero)")
+    p.add_argument("--decode", type=int, default=0,
+                   help="also the decode positions of check c: the oracle's own greedy continuation of N tokens "
+                        "(fp32 pairs, as check c's fp32 criterion), teacher-forced with decode windows, per seed")
     p.add_argument("--work", default="/tmp/oracle_ulp/work")
     p.add_argument("--out", default="/tmp/oracle_ulp/results.json")
     a = p.parse_args()
@@ -180,6 +186,21 @@ def main():
                     r[f"control_allhp_eps={eps:g}"] = stats(cp, cb)
                     print(f"[{key}] control all-HP eps {eps:g}: mean {r[f'control_allhp_eps={eps:g}']['mean']:.3g} "
                           f"max {r[f'control_allhp_eps={eps:g}']['max']:.3g}", flush=True)
+            if a.decode:
+                c32 = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT, scale_dtype="float32")
+                with torch.no_grad():
+                    path = greedy_paths(q32, [seq], a.decode, rotation=rs, config=c32)[0]
+                seqd = list(seq) + path["tokens"]
+                bd, _ = run_oracle(q32, seqd, rs, c32, 0.0, 0, False, prompt_len=L)
+                for eps in epss:
+                    for s in range(a.noise_seeds):
+                        pd, _ = run_oracle(q32, seqd, rs, c32, eps, 1 + s, False, prompt_len=L)
+                        e = {"prefill": stats(pd[:L - 1], bd[:L - 1]), "decode": stats(pd[L - 1:], bd[L - 1:])}
+                        r[f"decode{a.decode}_scale32_eps={eps:g}:seed={1 + s}"] = e
+                        print(f"[{key}] decode {a.decode}, fp32 pairs, eps {eps:g} seed {1 + s}: prefill mean "
+                              f"{e['prefill']['mean']:.3g} | decode mean {e['decode']['mean']:.3g} max "
+                              f"{e['decode']['max']:.3g}", flush=True)
+                json.dump(results, open(a.out, "w"), indent=1)
             if a.scale32:
                 c32 = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT, scale_dtype="float32")
                 b32, r32 = run_oracle(q32, seq, rs, c32, 0.0, 0, True)
