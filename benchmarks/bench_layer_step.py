@@ -17,8 +17,8 @@ Step variants (``--variants``, one row each): ``served`` (the step above), ``fol
 rotation folded into ``o_proj``: ``--oscar-fold-rotations on`` for Gemma-4's layers, whose V keeps its
 run-time rotation), ``fold`` (V folded too: q and K rotated in one launch, V written as projected;
 Gemma-3, GPT-OSS, Qwen3), ``bk16`` (the served step with the rotations' input steps 16 dims wide: the
-step before ``rotate.auto_block_k`` at head_dim >= 256, which took 32 below); a ``+hpN`` / ``+kvN`` suffix sets the plan's HP / INT2 split counts
-(e.g. ``fold-out+hp2``).
+step before ``rotate.auto_block_k`` at head_dim >= 256, which took 32 below); a ``+hpN`` / ``+kvN``
+suffix sets the plan's HP / INT2 split counts (e.g. ``fold-out+hp2``).
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within
 one run.
@@ -123,6 +123,8 @@ class LayerCase:
         in the server)."""
         s = self.shape
         variant, *mods = variant.split("+")
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown step variant {variant!r}; choose from {sorted(VARIANTS)}")
         splits = {m[:2]: int(m[2:]) for m in mods if m[:2] in ("hp", "kv") and m[2:].isdigit()}
         if len(splits) != len(mods):
             raise ValueError(f"unknown step modifier in {mods}: use +hpN / +kvN")
@@ -133,9 +135,6 @@ class LayerCase:
         self.plan_summary = (f"engine {plan.engine}, splits {plan.num_hp_splits} BF16 + {plan.num_kv_splits} INT2, "
                              f"grid {plan.grid}")
         scale = 1.0 / math.sqrt(s.head_dim)
-
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown step variant {variant!r}; choose from {sorted(VARIANTS)}")
         bk = 16 if variant == "bk16" else "auto"
         fold_v, fold_out = variant == "fold", variant in ("fold", "fold-out")
 

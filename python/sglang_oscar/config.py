@@ -56,8 +56,8 @@ class OscarConfig:
         fold_rotations: fold each layer's value rotation and value mean into the ``qkv_proj`` /
             ``o_proj`` weights at load (``--oscar-fold-rotations on|off``,
             :func:`sglang_oscar.backend.fold.fold_value_rotations`; Gemma-4's layers fold ``o_proj``
-            only); layers that cannot be folded exactly keep the run-time rotation and the log says why. ``False`` keeps the unfolded
-            path (for checking). Booleans or ``"on"/"off"/"true"/"false"/"1"/"0"`` strings.
+            only); layers that cannot be folded exactly keep the run-time rotation and the log says
+            why. ``False`` keeps the unfolded path (for checking). Booleans or ``"on"/"off"/"true"/"false"/"1"/"0"`` strings.
     """
 
     group_size: int | None = None

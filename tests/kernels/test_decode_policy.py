@@ -58,6 +58,15 @@ def test_choose_num_splits_gluon_policy(monkeypatch):
     # ... and above 16 head programs its plan caps the splits at 2 HP + 8 INT2 (measured at batch 16)
     assert splits.sliding_split_caps(16, 1024) is None and splits.sliding_split_caps(17, 1024) == (2, 8)
     assert splits.sliding_split_caps(17, 4096) is None  # wider windows than measured keep the defaults
+    # the default counts themselves carry the caps, so callers sizing a workspace match the plan
+    kv_splits = functools.partial(splits.default_num_kv_splits, TritonConfig(), 16, 16, 8, max_seq_len=32768)
+    assert kv_splits(sliding_window=1024) == 8  # 16 (1024 / 64) uncapped
+    monkeypatch.setattr(splits, "sliding_split_caps", lambda programs, window: None)
+    assert kv_splits(sliding_window=1024) == 16
+    monkeypatch.undo()
+    monkeypatch.setattr(splits, "_sm_count", lambda device: 132)
+    assert splits.decode_num_hp_splits(64, 512, programs=128, sliding_window=1024) == 2
+    assert splits.decode_num_hp_splits(64, 512, programs=8, sliding_window=1024) == 8
 
 
 def test_default_min_split_keys():

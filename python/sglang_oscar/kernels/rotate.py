@@ -168,12 +168,8 @@ def auto_block_k(d: int, block_n: int) -> int:
     return min(np_, max(_block_k(d), SLICE_ELEMENTS // block_n))
 
 
-def _resolve_block_k(block_k, d: int, block_n: int, who: str) -> int:
-    if block_k == "auto":
-        return auto_block_k(d, block_n)
-    if isinstance(block_k, bool) or not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"{who}: block_k={block_k!r} must be \"auto\" or a power of two >= 16")
-    return min(block_k, _np(d))
+def _block_k_for(block_k: int | str, d: int, block_n: int) -> int:
+    return auto_block_k(d, block_n) if block_k == "auto" else min(block_k, _np(d))
 
 
 def _warps(np_: int) -> int:
@@ -216,6 +212,12 @@ def _block_n(block_n: int | str | None, np_: int, auto: int | None) -> int:
     if block_n == "auto":
         block_n = auto
     return np_ if block_n is None else min(block_n, np_)
+
+
+def _check_block_k(block_k, who: str) -> None:
+    if block_k != "auto" and (
+            isinstance(block_k, bool) or not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1)):
+        raise ValueError(f"{who}: block_k={block_k!r} must be \"auto\" or a power of two >= 16")
 
 
 def _check_block_n(block_n, who: str) -> None:
@@ -267,7 +269,7 @@ def rotate_heads(
             two >= 16 (always checked).
     """
     _check_block_n(block_n, "rotate_heads")
-    _resolve_block_k(block_k, 16, 16, "rotate_heads")
+    _check_block_k(block_k, "rotate_heads")
     if validate:
         check_tensor(x, "x", ndim=3, last_contiguous=True)
         check_float(x, "x")
@@ -303,7 +305,7 @@ def rotate_heads(
     mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
     mu_out = add_mean.contiguous() if add_mean is not None else rotation
     bn = _block_n(block_n, np_, auto_block_n(rows, hr, d) if block_n == "auto" else None)
-    block_k = _resolve_block_k(block_k, d, bn, "rotate_heads")
+    block_k = _block_k_for(block_k, d, bn)
     _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr, triton.cdiv(d, bn)),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
@@ -359,7 +361,7 @@ def rotate_qkv(
             ``"auto"``, ``None`` or a power of two >= 16, ``block_k`` as :func:`rotate_heads` (always checked).
     """
     _check_block_n(block_n, "rotate_qkv")
-    _resolve_block_k(block_k, 16, 16, "rotate_qkv")
+    _check_block_k(block_k, "rotate_qkv")
     has_v = v is not None
     if not has_v:  # q and K only: the V product is left out of the grid; its arguments alias K's (never read)
         v, rotation_v, mean_v = k, rotation_k, None
@@ -421,7 +423,7 @@ def rotate_qkv(
             q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
             v_out, v_out.stride(0), v_out.stride(1), t,
             G=g, DK=dk, DV=dv, BN_K=bn_k, BN_V=bn_v, NS=ns, BLOCK_M=block_m,
-            BK_K=_resolve_block_k(block_k, dk, bn_k, "rotate_qkv"), BK_V=_resolve_block_k(block_k, dv, bn_v, "rotate_qkv"),
+            BK_K=_block_k_for(block_k, dk, bn_k), BK_V=_block_k_for(block_k, dv, bn_v),
             HAS_MU_K=mean_k is not None, HAS_MU_V=mean_v is not None, Q_DT=TORCH_TO_TL[q_dtype],
             KV_DT=TORCH_TO_TL[kv_dtype], PRECISION="ieee", num_warps=_warps(max(np_k, np_v)))
     return q_out, k_out, (v_out if has_v else None)

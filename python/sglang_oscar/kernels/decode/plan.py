@@ -32,7 +32,7 @@ from ..validate import INDEX_DTYPES, check_sinks, check_tensor, debug_enabled, n
 from .engine import decode_config
 from .gluon_stage1 import gluon_decode_supported, launch_gluon_decode
 from .merge import launch_merge, merge_launch
-from .splits import _head_programs, _split_keys, decode_num_hp_splits, default_num_kv_splits, sliding_split_caps
+from .splits import _head_programs, _split_keys, decode_num_hp_splits, default_num_kv_splits
 from .triton_stage1 import _decode_stage1
 
 
@@ -96,8 +96,8 @@ class DecodePlan:
         out_dtype: dtype of the output (default ``q_dtype``).
         mma_dtype: operand dtype of the MMAs (default fp16, fp32 when the HP dtype is fp32).
         num_kv_splits / num_hp_splits: INT2 / HP splits (default: :func:`.splits.choose_num_splits`
-            through :func:`.splits.default_num_kv_splits`, :func:`.splits.decode_num_hp_splits`; a
-            sliding layer's capped by :func:`.splits.sliding_split_caps`).
+            through :func:`.splits.default_num_kv_splits`, :func:`.splits.decode_num_hp_splits`, both
+            capped for a sliding layer by :func:`.splits.sliding_split_caps`).
         max_seq_len: a static bound on the context (the server's), used by the default split count
             (with ``sliding_window``, the smaller of the two).
         workspace: ``(o_part, lse)`` with at least ``B`` rows and ``num_hp_splits + num_kv_splits``
@@ -147,16 +147,12 @@ class DecodePlan:
         bpk = None
         if engine == "triton":
             group, hpb, bpk, block_h = plan_head_blocks(hq, hkv, cfg.min_block_h, cfg.max_block_h)
-        caps = sliding_split_caps(bsz * _head_programs(cfg, hq, hkv, bpk), sliding_window) if sliding_window else None
         if num_hp_splits is None:
-            num_hp_splits = decode_num_hp_splits(sink, recent)
-            if caps:
-                num_hp_splits = min(num_hp_splits, caps[0])
+            num_hp_splits = decode_num_hp_splits(sink, recent, programs=bsz * _head_programs(cfg, hq, hkv, bpk),
+                                                 sliding_window=sliding_window)
         if num_kv_splits is None:
             num_kv_splits = default_num_kv_splits(cfg, bsz, hq, hkv, device=dev, max_seq_len=max_seq_len,
                                                   blocks_per_kv=bpk, sliding_window=sliding_window)
-            if caps:
-                num_kv_splits = min(num_kv_splits, caps[1])
         if num_hp_splits < 1 or num_kv_splits < 1:
             raise ValueError("num_hp_splits and num_kv_splits must be >= 1")
         ns = num_hp_splits + num_kv_splits

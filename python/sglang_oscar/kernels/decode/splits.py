@@ -108,16 +108,18 @@ def default_num_kv_splits(config, bsz: int, num_q_heads: int, num_kv_heads: int,
     ``config``'s engine forms them (a :class:`~..configs.TritonConfig`: :func:`plan_head_blocks`; a
     :class:`~..configs.GluonConfig`: blocks of 8 q heads). ``blocks_per_kv``: the Triton plan's
     blocks when the caller has them. Callers sizing a workspace ahead of the call (benchmarks,
-    CUDA-graph buffers) use this as a bound of the plan's own choice (``plan.config`` is the config;
-    a sliding plan may cap it further, :func:`sliding_split_caps`).
+    CUDA-graph buffers) use this to match the plan's own choice (``plan.config`` is the config).
     ``sliding_window``: a sliding layer's INT2 keys lie inside its window, so the window bounds the
-    keys as ``max_seq_len`` does (splits sized for the context would be empty programs plus merge work)."""
+    keys as ``max_seq_len`` does (splits sized for the context would be empty programs plus merge
+    work), and :func:`sliding_split_caps` may cap the count."""
     programs = _head_programs(config, num_q_heads, num_kv_heads, blocks_per_kv)
     if sliding_window:
         max_seq_len = min(max_seq_len or sliding_window, sliding_window)
     # with a static bound, no more splits than the split floor can ever fill
-    return choose_num_splits(bsz, programs, device=device, max_seq_len=max_seq_len, block_n=config.block_n,
-                             engine=config.engine, min_split_tokens=max(64, _split_keys(config, bsz * programs)))
+    ns = choose_num_splits(bsz, programs, device=device, max_seq_len=max_seq_len, block_n=config.block_n,
+                           engine=config.engine, min_split_tokens=max(64, _split_keys(config, bsz * programs)))
+    caps = sliding_split_caps(bsz * programs, sliding_window or 0)
+    return min(ns, caps[1]) if caps else ns
 
 
 #: HP positions per default HP split (:func:`decode_num_hp_splits`)
@@ -145,9 +147,12 @@ def sliding_split_caps(programs: int, window: int) -> tuple[int, int] | None:
     return SLIDING_WIDE_SPLITS if programs > 16 and 0 < window <= SLIDING_CAP_MAX_WINDOW else None
 
 
-def decode_num_hp_splits(sink: int, recent: int) -> int:
+def decode_num_hp_splits(sink: int, recent: int, *, programs: int = 0, sliding_window: int | None = None) -> int:
     """Default HP splits: one per :data:`HP_SPLIT_POSITIONS` (48) HP positions, 1..8 (a BF16 position
     costs several INT2 ones, so HP splits are kept short to not be the long pole at short contexts:
     7 splits for the default 64 + 256; the Gluon engine's HP loop is also slower per key than its
-    INT2 loop)."""
-    return int(max(1, min(8, math.ceil((sink + recent) / HP_SPLIT_POSITIONS))))
+    INT2 loop). ``programs`` (head programs per step) and ``sliding_window``: a sliding layer's count
+    is capped by :func:`sliding_split_caps`."""
+    ns = int(max(1, min(8, math.ceil((sink + recent) / HP_SPLIT_POSITIONS))))
+    caps = sliding_split_caps(programs, sliding_window or 0)
+    return min(ns, caps[0]) if caps else ns
