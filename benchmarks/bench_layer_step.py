@@ -17,8 +17,10 @@ Step variants (``--variants``, one row each): ``served`` (the step above), ``fol
 rotation folded into ``o_proj``: ``--oscar-fold-rotations on`` for Gemma-4's layers, whose V keeps its
 run-time rotation), ``fold`` (V folded too: q and K rotated in one launch, V written as projected;
 Gemma-3, GPT-OSS, Qwen3), ``bk16`` (the served step with the rotations' input steps 16 dims wide: the
-step before ``rotate.auto_block_k`` at head_dim >= 256, which took 32 below); a ``+hpN`` / ``+kvN``
-suffix sets the plan's HP / INT2 split counts (e.g. ``fold-out+hp2``).
+step before ``rotate.auto_block_k`` at head_dim >= 256, which took 32 below). Suffixes: ``+hpN`` /
+``+kvN`` set the plan's HP / INT2 split counts, ``+bnN`` / ``+wN`` / ``+sN`` its Triton stage 1's
+``block_n`` / ``num_warps`` / ``num_stages`` (over :func:`default_triton_config`), ``+perhead`` one
+rotation per kv head instead of the recipes' one per layer (e.g. ``fold-out+hp2+bn32+w4``).
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean something only within
 one run.
@@ -31,6 +33,7 @@ one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from typing import NamedTuple
@@ -46,7 +49,7 @@ except ImportError:
     from bench_decode_report import emit_row, step_row_cells, write_table
     from profile_decode import kernel_times
 
-from sglang_oscar.kernels import DecodePlan, write_kv
+from sglang_oscar.kernels import DecodePlan, default_triton_config, write_kv
 from sglang_oscar.kernels.layout import Int2Layout
 from sglang_oscar.kernels.rotate import rotate_heads, rotate_qkv
 
@@ -72,6 +75,8 @@ LAYERS = {
     "dsv3-expanded": LayerShape(16, 16, 192, 0, 64, "float16", 64, 256, 128),
 }
 VARIANTS = ("served", "fold-out", "fold", "bk16")
+#: ``+<key>N`` step modifiers -> the field they set (splits: DecodePlan; the others: TritonConfig)
+MODIFIERS = {"hp": "num_hp_splits", "kv": "num_kv_splits", "bn": "block_n", "w": "num_warps", "s": "num_stages"}
 SMOKE = {"gemma4-sliding": LayerShape(4, 2, 64, 24, 32, "float32", 4, 8),
          "gemma4-full": LayerShape(4, 1, 128, 0, 32, "float32", 4, 8),
          "qwen3-8b": LayerShape(4, 2, 64, 0, 64, "float16", 4, 8),
@@ -103,8 +108,11 @@ class LayerCase:
         self.q = torch.randn(batch, hq, d, device=device, generator=g).to(torch.bfloat16)
         self.k_new = torch.randn(batch, h, d, device=device, generator=g).to(torch.bfloat16)
         self.v_new = torch.randn(batch, h, dv, device=device, generator=g).to(torch.bfloat16)
-        self.rk = torch.linalg.qr(torch.randn(h, d, d, device=device, generator=g))[0].contiguous()
-        self.rv = torch.linalg.qr(torch.randn(h, dv, dv, device=device, generator=g))[0].contiguous()
+        # per-head rotations ([H_kv, D, D]); the recipes' per-layer one is a broadcast, as the server
+        # holds it (backend.rotations: expand, stride 0), so its other heads read R from L2
+        self.rk_head = torch.linalg.qr(torch.randn(h, d, d, device=device, generator=g))[0].contiguous()
+        self.rv_head = torch.linalg.qr(torch.randn(h, dv, dv, device=device, generator=g))[0].contiguous()
+        self.rk_layer, self.rv_layer = self.rk_head[:1].expand(h, d, d), self.rv_head[:1].expand(h, dv, dv)
         self.loc = self.req_to_token[:, -1].long()
         self.hp_rows = self.hp_index[:, s.sink].contiguous()
         # BF16 side: the pool rows of the keys the layer sees (the window of a sliding layer)
@@ -125,31 +133,47 @@ class LayerCase:
         variant, *mods = variant.split("+")
         if variant not in VARIANTS:
             raise ValueError(f"unknown step variant {variant!r}; choose from {sorted(VARIANTS)}")
-        splits = {m[:2]: int(m[2:]) for m in mods if m[:2] in ("hp", "kv") and m[2:].isdigit()}
-        if len(splits) != len(mods):
-            raise ValueError(f"unknown step modifier in {mods}: use +hpN / +kvN")
+        opts = {}
+        for m in mods:
+            key = m.rstrip("0123456789")
+            if m == "perhead":
+                opts[m] = True
+            elif key in MODIFIERS and m[len(key):].isdigit():
+                opts[key] = int(m[len(key):])
+            else:
+                raise ValueError(f"unknown step modifier {m!r}: use +hpN, +kvN, +bnN, +wN, +sN or +perhead")
+        cfg = None
+        if any(k in opts for k in ("bn", "w", "s")):
+            pairs = self.batch * s.num_kv_heads
+            cfg = dataclasses.replace(default_triton_config(self.layout, pairs=pairs),
+                                      **{MODIFIERS[k]: opts[k] for k in ("bn", "w", "s") if k in opts})
+        fold_v, fold_out = variant == "fold", variant in ("fold", "fold-out")
+        # a folded output leaves the merge in the model dtype, as the backend plans it
         plan = DecodePlan(self.layout, s.num_q_heads, self.buffers(), self.hp_index, self.req_to_token,
                           self.req_pool_indices, self.seq_lens, sink=s.sink, recent=s.recent, q_dtype=torch.float32,
-                          sliding_window=s.window or None, out_dtype=torch.float32, max_seq_len=self.ctx,
-                          num_hp_splits=splits.get("hp"), num_kv_splits=splits.get("kv"))
+                          sliding_window=s.window or None, out_dtype=torch.bfloat16 if fold_out else torch.float32,
+                          max_seq_len=self.ctx, num_hp_splits=opts.get("hp"), num_kv_splits=opts.get("kv"),
+                          config=cfg)
+        cfg = plan.config
         self.plan_summary = (f"engine {plan.engine}, splits {plan.num_hp_splits} BF16 + {plan.num_kv_splits} INT2, "
-                             f"grid {plan.grid}")
+                             f"grid {plan.grid}" + (f", block_n {cfg.block_n}, {cfg.num_warps} warps, "
+                                                    f"{cfg.num_stages} stages" if plan.engine == "triton" else ""))
         scale = 1.0 / math.sqrt(s.head_dim)
         bk = 16 if variant == "bk16" else "auto"
-        fold_v, fold_out = variant == "fold", variant in ("fold", "fold-out")
+        rk, rv = (self.rk_head, self.rv_head) if opts.get("perhead") else (self.rk_layer, self.rv_layer)
 
         def step():
             if fold_v:  # V comes out of the folded projection rotated: cast only
-                qr, kr, _ = rotate_qkv(self.q, self.k_new, None, self.rk, None, torch.bfloat16, block_k=bk)
+                qr, kr, _ = rotate_qkv(self.q, self.k_new, None, rk, None, torch.bfloat16, block_k=bk)
                 vr = self.v_new
             else:
-                qr, kr, vr = rotate_qkv(self.q, self.k_new, self.v_new, self.rk, self.rv, torch.bfloat16, block_k=bk)
+                qr, kr, vr = rotate_qkv(self.q, self.k_new, self.v_new, rk, rv, torch.bfloat16, block_k=bk)
             write_kv(kr, vr, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
                      hp_rows=self.hp_rows, hp_k=self.hp_k, hp_v=self.hp_v, validate=False)
             o = plan.run(qr, *self.buffers(), sm_scale=scale)
-            if fold_out:  # o_proj reads the rotated frame
-                return o.to(torch.bfloat16)
-            return rotate_heads(o, self.rv, torch.bfloat16, transpose=True, block_k=bk)
+            if fold_out:  # o_proj reads the rotated frame: the merge wrote the model dtype
+                return o
+            return rotate_heads(o, rv, torch.bfloat16, transpose=True, block_k=bk)
 
         return step
 

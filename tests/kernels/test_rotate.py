@@ -238,6 +238,24 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
                                                          torch.empty(6, 2, 64, dtype=torch.bfloat16)))
 
 
+def test_rotations_read_through_strides():
+    """A per-layer rotation broadcast over the kv heads (stride 0, as ``backend.rotations`` holds it)
+    and a transposed view give the bits of the materialized matrices: the kernels read R through its
+    strides, so the validated calls take them as the served ones do."""
+    fresh_seed()
+    q, k, v = (torch.randn(3, 8, 64) * 3).bfloat16(), (torch.randn(3, 2, 64) * 3).bfloat16(), torch.randn(3, 2, 64)
+    one = random_orthogonal(64, 1)
+    rk, rv = one.expand(2, 64, 64), one.transpose(1, 2).expand(2, 64, 64)
+    assert rk.stride(0) == 0 and not rv.is_contiguous()
+    got = rotate_qkv(q, k, v, rk, rv, torch.bfloat16, block_n=32)
+    exp = rotate_qkv(q, k, v, rk.contiguous(), rv.contiguous(), torch.bfloat16, block_n=32)
+    assert all(torch.equal(a, b) for a, b in zip(got, exp))
+    assert_same_rotation(got[2], rotate_heads_reference(v, rv.contiguous(), torch.bfloat16))
+    o = torch.randn(3, 8, 64)
+    assert torch.equal(rotate_heads(o, rv, torch.bfloat16, transpose=True, block_n=32),
+                       rotate_heads(o, rv.contiguous(), torch.bfloat16, transpose=True, block_n=32))
+
+
 def test_rotate_heads_strided_rows_and_empty():
     """Rows that are views into a wider tensor (SGLang's fused QKV output: q with GQA 4, k) and zero tokens."""
     fresh_seed()

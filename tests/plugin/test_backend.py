@@ -530,6 +530,33 @@ def test_folded_layer_in_fp32_is_exact(cls, per_head, centered):
         assert all(torch.equal(a, b) for a, b in zip(sw.pool.int2_buffers(0), sg.pool.int2_buffers(0)))
 
 
+def test_folded_output_plans_write_the_model_dtype(monkeypatch):
+    """A layer whose o_proj took R_v gets plans that write the model (HP) dtype: prefill and decode
+    outputs carry the bits of fp32 plans cast afterwards (the merge and the extend kernel round as
+    the cast does), without the cast's launch; an unfolded layer's plans stay fp32."""
+    from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend
+
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    x, rk, rv, mk, mv = _fold_case(True, False, torch.bfloat16)
+    m = Qwen3Attention(torch.bfloat16)
+    seq = m.qkv(x)
+
+    def serve(output_folded):
+        sv = Served(config, rk, rv, output_folded=output_folded)
+        outs = [sv.extend(1, seq, 0, 20)] + [sv.decode(1, seq, p) for p in range(20, 23)]
+        return outs, sv
+
+    got, sv = serve({0})
+    assert {p.out_dtype for p in sv.be._decode_plans.values()} == {torch.bfloat16}
+    assert {p.out_dtype for p in sv.be._extend_plans.values()} == {torch.bfloat16}
+    monkeypatch.setattr(OscarTritonAttnBackend, "_out_dtype", lambda self, geo: torch.float32)
+    want, _ = serve({0})
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    monkeypatch.undo()
+    _, plain = serve(set())
+    assert {p.out_dtype for p in plain.be._decode_plans.values()} == {torch.float32}
+
+
 def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
     """With --oscar-rotate-engine triton a folded layer rotates q and K in one rotate_qkv launch of two
     products (v=None) and launches nothing for the output."""

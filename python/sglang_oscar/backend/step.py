@@ -63,8 +63,9 @@ def rotate_inputs(q3, k3, v3, rotations, means, hp_dtype, engine: str, folded: b
 
 def rotate_output(o: torch.Tensor, rv: torch.Tensor, mean_v, out_dtype: torch.dtype, engine: str,
                   folded: bool) -> torch.Tensor:
-    """The attention output ``o [T, H_q, D_v]`` (fp32, rotated frame) for ``o_proj``: ``o R_v^T + mu_v``
-    in ``out_dtype``, or for a folded layer ``o`` cast (``o_proj`` reads the rotated frame)."""
+    """The attention output ``o [T, H_q, D_v]`` (rotated frame) for ``o_proj``: ``o R_v^T + mu_v`` in
+    ``out_dtype`` from fp32, or for a folded layer ``o`` as is (``o_proj`` reads the rotated frame; the
+    backend's plans write it in the model dtype already, so the cast is a no-op)."""
     if folded:
         return o.to(out_dtype)
     return _rotate(o, rv, out_dtype, transpose=True, add_mean=mean_v, engine=engine)

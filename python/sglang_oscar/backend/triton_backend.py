@@ -54,7 +54,9 @@ class Geometry(NamedTuple):
 
     ``sliding_window``: keys a query sees, its own included (HF's ``sliding_window``; SGLang's
     ``RadixAttention.sliding_window_size`` + 1), 0 for full attention. ``swa``: the layer's rows live
-    in the sliding pool of an :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool`.
+    in the sliding pool of an :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool`. ``output_folded``:
+    ``o_proj`` holds ``R_v`` (``--oscar-fold-rotations``), so the plans write the output in the
+    model dtype (the pool's HP dtype) instead of fp32 for a rotation, saving the cast's launch.
     """
 
     num_q_heads: int
@@ -64,15 +66,17 @@ class Geometry(NamedTuple):
     logit_cap: bool
     sliding_window: int = 0
     swa: bool = False
+    output_folded: bool = False
 
 
-def layer_geometry(layer, pool=None) -> Geometry:
+def layer_geometry(layer, pool=None, output_folded: frozenset[int] = frozenset()) -> Geometry:
     """The :class:`Geometry` of an attention layer (SGLang's ``RadixAttention`` attributes; ``pool``
-    says whether its rows live in a sliding pool)."""
+    says whether its rows live in a sliding pool, ``output_folded`` holds the ids of the layers whose
+    ``o_proj`` took ``R_v``)."""
     sw = getattr(layer, "sliding_window_size", None)
     return Geometry(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim,
                     bool(layer.logit_cap and layer.logit_cap > 0), sw + 1 if sw is not None and sw > -1 else 0,
-                    bool(pool is not None and pool.is_swa_layer(layer.layer_id)))
+                    bool(pool is not None and pool.is_swa_layer(layer.layer_id)), layer.layer_id in output_folded)
 
 
 def decode_config(config):
@@ -132,7 +136,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
     def set_geometry(self, layers) -> None:
         """Group ``layers`` (objects with ``RadixAttention``'s head / dim / logit-cap attributes) by
         :class:`Geometry`: one decode plan per group and batch. Also resets the plans."""
-        self._layer_geometry = {layer.layer_id: layer_geometry(layer, self.pool) for layer in layers}
+        self._layer_geometry = {layer.layer_id: self._geometry(layer) for layer in layers}
         self._group_layer = {}
         for layer_id, geo in sorted(self._layer_geometry.items()):
             self._group_layer.setdefault(geo, layer_id)  # a layer whose buffers stand for the group's
@@ -143,6 +147,13 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self._extend_plans = None
         self._graph_plans = {}
 
+    def _geometry(self, layer) -> Geometry:
+        return layer_geometry(layer, self.pool, self.output_folded)
+
+    def _out_dtype(self, geo: Geometry) -> torch.dtype:
+        """fp32 for the output rotation, or the model dtype (= the HP dtype) for a folded ``o_proj``."""
+        return self.pool.hp_dtype if geo.output_folded else torch.float32
+
     def plan_decode(self, forward_batch) -> dict:
         """Build the decode plans of ``forward_batch`` (one per geometry group) and make them current."""
         plans = {}
@@ -152,7 +163,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                 self.windows.hp_index, self._req_to_token_of(geo), forward_batch.req_pool_indices,
                 forward_batch.seq_lens, sink=self.config.sink_tokens, recent=self.config.recent_tokens,
                 q_dtype=torch.float32, sink_lens=self.windows.sink_lens, sliding_window=geo.sliding_window or None,
-                logit_cap=geo.logit_cap or None, out_dtype=torch.float32,
+                logit_cap=geo.logit_cap or None, out_dtype=self._out_dtype(geo),
                 max_seq_len=self.max_context_len, workspace=self._workspace, config=self._decode_config)
         self._decode_plans = plans
         return plans
@@ -170,7 +181,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                 md.qo_indptr[: bs + 1], forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
                 sink=self.config.sink_tokens, q_dtype=torch.float32, max_extend_len=md.max_extend_len,
                 sink_lens=self.windows.sink_lens, sliding_window=geo.sliding_window or None,
-                logit_cap=geo.logit_cap or None, out_dtype=torch.float32)
+                logit_cap=geo.logit_cap or None, out_dtype=self._out_dtype(geo))
         self._extend_plans = plans
         return plans
 
@@ -184,7 +195,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         or a layer the model scan missed): adds the layer's group and plans the batch now. During a
         CUDA-graph capture the new plans are kept beside the batch size's first ones: the graph
         replays the launches of both, so both plans' workspace views must stay alive with it."""
-        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer, self.pool))
+        geo = self._layer_geometry.setdefault(layer.layer_id, self._geometry(layer))
         self._group_layer.setdefault(geo, layer.layer_id)
         plans = self.plan_decode(forward_batch)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -329,7 +340,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors)
         self._check_layer(layer, sinks, score_mod)
         q_rot = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        geo = self._layer_geometry.setdefault(layer.layer_id, layer_geometry(layer, self.pool))
+        geo = self._layer_geometry.setdefault(layer.layer_id, self._geometry(layer))
         plans = self._extend_plans
         if plans is None or geo not in plans or plans[geo].q_shape[0] != q_rot.shape[0]:
             # not planned ahead (no init_forward_metadata for this batch, or a layer the model scan missed)

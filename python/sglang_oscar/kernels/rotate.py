@@ -244,7 +244,8 @@ def rotate_heads(
     Args:
         x: ``[T, H, D]`` rows (fp32 / fp16 / bf16; last dim contiguous), ``H = H_r * G``; head ``h``
             uses matrix ``h // G`` (GQA queries and outputs; ``G = 1`` for keys and values).
-        rotation: fp32 ``[H_r, D, D]`` contiguous (the backend's ``rank_rotations``).
+        rotation: fp32 ``[H_r, D, D]``, any strides (read through them: the backend's per-layer
+            rotations are one matrix broadcast over the heads, stride 0).
         out_dtype: fp32 / fp16 / bf16.
         transpose: multiply by ``R^T`` (the output's counter-rotation).
         sub_mean / add_mean: fp32 ``[H_r, D]`` subtracted from ``x`` before / added after the
@@ -275,8 +276,6 @@ def rotate_heads(
         check_float(x, "x")
         dev = x.device
         check_tensor(rotation, "rotation", ndim=3, dtypes=torch.float32, device=dev)
-        if not rotation.is_contiguous():
-            raise ValueError("rotation must be contiguous")
         hr, di, do = rotation.shape
         if hr == 0:
             raise ValueError("rotation holds no matrices (shape [0, D, D]); pass one [D, D] matrix per kv head")
@@ -342,7 +341,8 @@ def rotate_qkv(
             ``None``: only q and K are rotated (the layers whose value rotation is folded into the
             weights, ``backend/fold.py``), in a launch of two products instead of three;
             ``rotation_v``, ``mean_v`` and ``out[2]`` are then ignored and the third result is ``None``.
-        rotation_k / rotation_v: fp32 ``[H_kv, D_k, D_k]`` / ``[H_kv, D_v, D_v]``, contiguous.
+        rotation_k / rotation_v: fp32 ``[H_kv, D_k, D_k]`` / ``[H_kv, D_v, D_v]``, any strides (as
+            :func:`rotate_heads`).
         kv_dtype: dtype of the rotated keys and values (the cache's HP dtype).
         mean_k / mean_v: fp32 ``[H_kv, D_k]`` / ``[H_kv, D_v]`` or ``None`` (centering, docs/format.md).
         q_dtype: dtype of the rotated queries (the backend's fp32).
@@ -381,8 +381,6 @@ def rotate_qkv(
         for name, r, x in (("rotation_k", rotation_k, k), ("rotation_v", rotation_v, v)):
             check_tensor(r, name, ndim=3, dtypes=torch.float32, device=q.device,
                          shape=(x.shape[1], x.shape[2], x.shape[2]))
-            if not r.is_contiguous():
-                raise ValueError(f"rotate_qkv: {name} must be contiguous")
         for name, m, x in (("mean_k", mean_k, k), ("mean_v", mean_v, v)):
             if m is not None:
                 check_tensor(m, name, ndim=2, dtypes=torch.float32, device=q.device, shape=(x.shape[1], x.shape[2]))
