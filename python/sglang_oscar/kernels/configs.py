@@ -179,8 +179,9 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     one warp, 32 keys per iteration, ``CONVERT_SUBNORMAL``, pairs one block ahead, q heads padded to
     8 -- with ``num_stages`` 1 and no deferred sums from :data:`STAGES1_MIN_PAIRS` ``pairs``. Larger
     heads: ``CONVERT_ASM_PERM``, no pair prefetch, 32 keys over 4 warps up to head_dim 256, above it
-    64 keys over ``head_dim / 64`` warps (timed at 256 and 512, GPU-tested at 192-512). K or V head_dim <= 64 (no permuting conversion, :func:`permuting_ok`) and extend:
-    ``CONVERT_ASM`` without the prefetch; extend takes 64 x 64 tiles and 4 warps. The interpreter runs
+    64 keys over ``head_dim / 64`` warps (timed at 256 and 512, GPU-tested at 192-512). K or V
+    head_dim <= 64 (no permuting conversion, :func:`permuting_ok`) and extend: ``CONVERT_ASM``
+    without the prefetch; extend takes 64 x 64 tiles and 4 warps. The interpreter runs
     the same conversions and prefetch / deferred-sum choices (so CPU tests exercise the GPU's
     bookkeeping) with 16-key tiles, 4 warps and no head padding. fp32 MMA operands (``--dtype
     float32`` servers, the exact tests) above head_dim 256 decode with one pipeline stage: two stages
