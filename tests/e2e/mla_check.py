@@ -44,7 +44,9 @@ radix reuse are judged as for DeepSeek-V3, the oracle is not.
 only its lightning indexer's top-k of 256 positions, below every prompt's length) under SGLang's
 ``dsa`` backend: the int2 servers run :class:`~sglang_oscar.backend.dsa_backend.OscarDSALatentBackend`
 (the indexer as SGLang runs it, the selected positions read from the INT2 latent), the BF16 server
-SGLang's own DSA kernels. Judged as DeepSeek-V3 without the oracle (it attends densely).
+SGLang's own DSA kernels. Judged as DeepSeek-V3 without the oracle (it attends densely); one more
+server, ``int2-window-chunk64`` (chunked, every key from the BF16 rows), is reported against
+``int2-window``: how far SGLang's DSA path itself moves with chunking.
 
 Exit 1 when a judged item fails.
 """
@@ -74,6 +76,11 @@ SERVERS = {
     "int2-chunk64": ["--kv-cache-dtype", "int2", *WINDOWS, "--chunked-prefill-size", "64"],
 }
 REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what each int2 server is compared with
+# Reported servers of one family: glm5's chunked prefill with every key from the BF16 rows, against its
+# one-prefill twin, separates SGLang's own chunk dependence (the indexer's discrete FP8 keys and top-k
+# over GEMMs of another row count) from the INT2 codes' (int2-chunk64 vs int2)
+FAMILY_SERVERS = {"glm5": {"int2-window-chunk64": [*SERVERS["int2-window"], "--chunked-prefill-size", "64"]}}
+FAMILY_REF = {"glm5": {"int2-window-chunk64": "int2-window"}}
 PROMPT_LENS = (400, 900, 1500)
 NEW_TOKENS = 24
 VOCAB = 2048
@@ -279,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     geometry = build(args.model)
     env = server_env(args.family, args.out)
     servers = {}
-    for i, (name, extra) in enumerate(SERVERS.items()):
+    for i, (name, extra) in enumerate({**SERVERS, **FAMILY_SERVERS.get(args.family, {})}.items()):
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags])
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env=env, log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
@@ -320,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
     verdict["serves"] = ok_serve
     rows = []
-    for name, ref_name in REF.items():
+    for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {})}.items():
         got, ref = sv.get(name), sv.get(ref_name)
         if not isinstance(got, list) or not isinstance(ref, list):
             continue
@@ -336,10 +343,10 @@ def main(argv: list[str] | None = None) -> int:
             verdict["window"] = same and p_mean <= WINDOW_TOL
         elif name == "int2-chunk64":
             verdict["chunked"] = same and p_mean <= CHUNK_TOL
-        else:
-            radix = got[-1]
-            verdict["radix"] = bool(radix.get("cached_tokens")) and radix["tokens"] == got[0]["tokens"]
-            res["radix_cached_tokens"] = radix.get("cached_tokens")
+    if isinstance(sv.get("int2"), list):  # radix: the int2 server against itself, whatever BF16 did
+        radix = sv["int2"][-1]
+        verdict["radix"] = bool(radix.get("cached_tokens")) and radix["tokens"] == sv["int2"][0]["tokens"]
+        res["radix_cached_tokens"] = radix.get("cached_tokens")
     if with_oracle and isinstance(sv.get("int2"), list):
         try:
             res["oracle"] = orc = oracle_report(args.model, prompts, sv["int2"])

@@ -116,6 +116,33 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     assert all("--load-format" in a and a[a.index("--load-format") + 1] == "dummy" for a in argvs) and len(argvs) == 4
 
 
+def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_bf16(tmp_path, monkeypatch):
+    """--family glm5: a fifth server, int2-window chunked, is compared with int2-window (reported, not
+    judged); a BF16 server that never gets healthy fails "serves" and leaves "window" unjudged, while
+    radix is still judged on the int2 server alone."""
+    class NoBF16(FakeServer):
+        def __init__(self, argv, *a, **k):
+            self.bf16 = "auto" in argv
+            super().__init__(argv, *a, **k)
+
+        def poll_health(self, *args, **kwargs):
+            return "unhealthy" if self.bf16 else "healthy"
+
+    argvs = []
+    monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or NoBF16(argv, *a, **k))
+    port = mla_check.BASE_PORT + len(mla_check.SERVERS)  # int2-window-chunk64, after the four
+    monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.03))
+    _, flags, judged = mla_check.FAMILIES["glm5"]
+    monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: {"index_topk": 256}, flags, judged))
+    rc = mla_check.main(["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "g")])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 5
+    assert "--chunked-prefill-size" in argvs[-1] and "2048" in argvs[-1]
+    assert res["verdict"] == {"serves": False, "chunked": True, "radix": True}
+    row = next(r for r in res["rows"] if r["server"] == "int2-window-chunk64")
+    assert row["vs"] == "int2-window" and abs(row["prompt_dlp_mean"] - 0.03) < 1e-9
+
+
 def test_mla_check_oracle_verdict_fails_outside_its_bound(tmp_path, monkeypatch):
     """served vs the BF16-model oracle 0.25 with the oracle's own move 0.1: over 2 x 0.1, "oracle" fails."""
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
