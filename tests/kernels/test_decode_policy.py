@@ -100,6 +100,8 @@ def test_default_triton_config(monkeypatch):
     assert _fields(t, "convert", "pairs_ahead", "block_n", "num_warps", "defer_sums") == (3, False, 32, 4, False)
     assert _fields(default_triton_config(lay(192, 128)), "block_n", "num_warps") == (32, 4)
     assert _fields(default_triton_config(lay(512)), "block_n", "num_warps") == (64, 8)
+    assert _fields(default_triton_config(lay(384)), "block_n", "num_warps") == (64, 8)  # a power of two
+    assert _fields(default_triton_config(lay(320, 256)), "block_n", "num_warps") == (64, 8)
     t = default_triton_config(lay(128), extend=True)
     assert _fields(t, "convert", "pairs_ahead", "defer_sums", "block_m", "block_n", "num_warps") == (
         2, False, False, 64, 64, 4)

@@ -179,13 +179,14 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     one warp, 32 keys per iteration, ``CONVERT_SUBNORMAL``, pairs one block ahead, q heads padded to
     8 -- with ``num_stages`` 1 and no deferred sums from :data:`STAGES1_MIN_PAIRS` ``pairs``. Larger
     heads: ``CONVERT_ASM_PERM``, no pair prefetch, 32 keys over 4 warps up to head_dim 256, above it
-    64 keys over ``head_dim / 64`` warps (timed at 256 and 512, GPU-tested at 192-512). K or V
-    head_dim <= 64 (no permuting conversion, :func:`permuting_ok`) and extend: ``CONVERT_ASM``
-    without the prefetch; extend takes 64 x 64 tiles and 4 warps. The interpreter runs
-    the same conversions and prefetch / deferred-sum choices (so CPU tests exercise the GPU's
-    bookkeeping) with 16-key tiles, 4 warps and no head padding. fp32 MMA operands (``--dtype
-    float32`` servers, the exact tests) above head_dim 256 decode with one pipeline stage: two stages
-    of 64-key fp32 tiles at head_dim 512 need 281 KB of shared memory, more than an H200 SM has.
+    64 keys over ``head_dim / 64`` warps rounded up to a power of two, at most 8 (timed at 256 and
+    512, GPU-tested at 192-512). K or V head_dim <= 64 (no permuting conversion,
+    :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch; extend takes 64 x 64
+    tiles and 4 warps. The interpreter runs the same conversions and prefetch / deferred-sum choices
+    (so CPU tests exercise the GPU's bookkeeping) with 16-key tiles, 4 warps and no head padding.
+    fp32 MMA operands (``--dtype float32`` servers, the exact tests) above head_dim 256 decode with
+    one pipeline stage: two stages of 64-key fp32 tiles at head_dim 512 need 281 KB of shared
+    memory, more than an H200 SM has.
 
     Args:
         layout: the call's :class:`Int2Layout`; extend: the extend kernel's config;
@@ -215,10 +216,10 @@ def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp
         return TritonConfig(block_n=64, block_m=64, num_warps=4, num_stages=2, min_block_h=16, convert=convert,
                             pairs_ahead=False, defer_sums=False)
     one_stage = many or (fp32 and hi > 256)  # two fp32 stages at head_dim 512 need 281 KB of shared memory
-    # head_dim 129-256: 32-key tiles over 4 warps; above, 64 keys over head_dim / 64 warps (Gemma-4's
+    # head_dim 129-256: 32-key tiles over 4 warps; above, 64 keys over ~head_dim / 64 warps (Gemma-4's
     # layers, 32K: the sliding 256 step -18% / -20% at batch 1 / 16 against 64 keys over 2 warps, whose
     # two-stage tiles leave one program per SM; the full 512 step -20% / -18% against 4 warps)
-    block_n, warps = (32, 1) if hi <= 128 else (32, 4) if hi <= 256 else (64, hi // 64)
+    block_n, warps = (32, 1) if hi <= 128 else (32, 4) if hi <= 256 else (64, min(8, next_pow2(-(-hi // 64))))
     return TritonConfig(block_n=block_n, num_warps=warps,
                         num_stages=1 if one_stage else 2, min_block_h=8, convert=convert, pairs_ahead=fast,
                         defer_sums=defer)
