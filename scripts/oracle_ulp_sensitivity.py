@@ -3,7 +3,7 @@
 For each family: build the tiny checkpoint as tests/e2e/run.py prepare() does (seed 0, harness
 defaults logit_std 0.5 / score_std 1.5), fit the rotation files (make_rotation_files on the bf16
 model with fp32 head, defaults), load the checkpoint in fp32, and compute teacher-forced prompt
-log-probs with the oracle (rotation 'layer', OscarConfig(sink 16, recent 32), hp_dtype fp32: pure
+log-probs with the oracle (rotation ``--rotation``, default 'layer', OscarConfig(sink 16, recent 32), hp_dtype fp32: pure
 prefill = extend windows, exactly as check c's c_oracle_fp32_layer). Then repeat with the K and V
 rows entering build_cache multiplied by (1 + eps * N(0,1)) and report |d logprob| and the INT2
 code flips. A control with every key in HP (sink_tokens >= T, no INT2 read) gives the continuous
@@ -46,6 +46,7 @@ class Perturb:
         self.seed = 0
         self.record: list | None = None
         self.calls = 0
+        self.raw: list | None = None
 
     def __call__(self, k, v, rk, rv, config, hp_dtype=torch.bfloat16, k_mean=None, v_mean=None, **kw):
         if self.eps:
@@ -54,6 +55,8 @@ class Perturb:
             if v is not None:
                 v = v * (1 + self.eps * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
         self.calls += 1
+        if self.raw is not None:
+            self.raw.append((k.double(), None if v is None else v.double()))
         kv = _ORIG_BUILD(k, v, rk, rv, config, hp_dtype, k_mean=k_mean, v_mean=v_mean, **kw)
         if self.record is not None:
             self.record.append((unpack_quarter(kv.k_quant.codes), unpack_quarter(kv.v_quant.codes),
@@ -112,6 +115,11 @@ def main():
     p.add_argument("--decode", type=int, default=0,
                    help="also the decode positions of check c: the oracle's own greedy continuation of N tokens "
                         "(fp32 pairs, as check c's fp32 criterion), teacher-forced with decode windows, per seed")
+    p.add_argument("--rotation", default="layer", choices=("layer", "head"),
+                   help="check c's per-layer or per-kv-head fitted rotation file")
+    p.add_argument("--fp64", action="store_true",
+                   help="with --decode: also the checkpoint loaded in fp64 (HP tier and pairs fp32) against fp32, "
+                        "the oracle's move under fp32 arithmetic alone, and the K/V relative difference per layer")
     p.add_argument("--work", default="/tmp/oracle_ulp/work")
     p.add_argument("--out", default="/tmp/oracle_ulp/results.json")
     a = p.parse_args()
@@ -134,7 +142,7 @@ def main():
                 mb = load_hf(path, "cpu", fp32_head=hargs.fp32_lm_head)  # bf16, as prepare()
                 make_rotation_files(mb, path, rotdir)
                 del mb
-            rs = RotationSet.load(rot_layer)
+            rs = RotationSet.load(os.path.join(rotdir, f"rot_{a.rotation}.safetensors"))
             q32 = load_hf(path, "cpu", dtype=torch.float32, fp32_head=hargs.fp32_lm_head)
             print(f"[{fam}] checkpoint+rotations {time.time() - t0:.0f}s sharpen={info.get('sharpen')}", flush=True)
         except Exception as exc:  # noqa: BLE001
@@ -149,7 +157,7 @@ def main():
             idx = harness_lens.index(L) if L in harness_lens else 0
             pseed = hargs.seed * 31 + 44 + idx
             seq = random_prompt(L, pseed, q32.config.vocab_size)
-            key = f"{fam}:{L}"
+            key = f"{fam}:{L}" + ("" if a.rotation == "layer" else f":{a.rotation}")
             r = results.setdefault(key, {"prompt_seed": pseed, "in_check_c": L in harness_lens})
             t1 = time.time()
             base, rec0 = run_oracle(q32, seq, rs, cfg, 0.0, 0, True)
@@ -189,8 +197,8 @@ def main():
             if a.decode:
                 c32 = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT, scale_dtype="float32")
                 with torch.no_grad():
-                    path = greedy_paths(q32, [seq], a.decode, rotation=rs, config=c32)[0]
-                seqd = list(seq) + path["tokens"]
+                    greedy = greedy_paths(q32, [seq], a.decode, rotation=rs, config=c32)[0]
+                seqd = list(seq) + greedy["tokens"]
                 bd, _ = run_oracle(q32, seqd, rs, c32, 0.0, 0, False, prompt_len=L)
                 for eps in epss:
                     for s in range(a.noise_seeds):
@@ -200,6 +208,22 @@ def main():
                         print(f"[{key}] decode {a.decode}, fp32 pairs, eps {eps:g} seed {1 + s}: prefill mean "
                               f"{e['prefill']['mean']:.3g} | decode mean {e['decode']['mean']:.3g} max "
                               f"{e['decode']['max']:.3g}", flush=True)
+                if a.fp64:
+                    q64 = load_hf(path, "cpu", dtype=torch.float64, fp32_head=hargs.fp32_lm_head)
+                    PERT.raw = []
+                    run_oracle(q32, seqd, rs, c32, 0.0, 0, False, prompt_len=L)
+                    raw32, PERT.raw = PERT.raw, []
+                    p64, _ = run_oracle(q64, seqd, rs, c32, 0.0, 0, False, prompt_len=L)
+                    raw64, PERT.raw = PERT.raw, None
+                    rel = [[float((x[j] - y[j]).norm() / y[j].norm()) for j in (0, 1) if y[j] is not None]
+                           for x, y in zip(raw32, raw64)]
+                    e = {"prefill": stats(bd[:L - 1], p64[:L - 1]), "decode": stats(bd[L - 1:], p64[L - 1:]),
+                         "kv_rel_l2_fp32_vs_fp64_per_layer": rel}
+                    r[f"decode{a.decode}_scale32_fp32_vs_fp64_model"] = e
+                    print(f"[{key}] decode {a.decode}, fp32 pairs, fp32 vs fp64 model: prefill mean "
+                          f"{e['prefill']['mean']:.3g} | decode mean {e['decode']['mean']:.3g} max "
+                          f"{e['decode']['max']:.3g} | K/V rel. L2 per layer {rel}", flush=True)
+                    del q64
                 json.dump(results, open(a.out, "w"), indent=1)
             if a.scale32:
                 c32 = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT, scale_dtype="float32")

@@ -10,7 +10,9 @@ Float"). These servers therefore load a second, harness-only SGLang plugin (entr
 PYTHONPATH) that routes fp32 inputs of RMSNorm, SiluAndMul and RoPE to their PyTorch
 ``forward_native``, skips the JIT fused QK-norm (``static_assert`` fp16/bf16) for fp32, and
 builds GPT-OSS's attention and router weights in fp32 (SGLang takes their dtype from the
-checkpoint's config). The same folder carries :mod:`.window_shim`, check b's BF16 baseline plugin.
+checkpoint's config) and keeps its Triton MoE products in fp32 (the fp32 GPT-OSS servers take
+SGLang's Triton MoE runner, :data:`FP32_FAMILY_ARGS`). With ``$OSCAR_E2E_DUMP_KV`` the int2
+servers also save the K/V rows of their first prompts (``_dump_extend_kv``). The same folder carries :mod:`.window_shim`, check b's BF16 baseline plugin.
 
 :func:`write_fp32_shim` copies this file next to the dist-info as the top-level module
 ``oscar_e2e_fp32_shim`` that the server processes import, so it imports nothing of the harness.
@@ -80,6 +82,53 @@ def _gpt_oss_weights_in_default_dtype(original_fn, self, config, *args, **kwargs
     return original_fn(self, config, *args, **kwargs)
 
 
+def _fp32_moe_compute(original_fn, A, *args, **kwargs):
+    """AROUND hook of the Triton fused-MoE kernel launcher: SGLang picks ``compute_type`` bf16 for
+    bf16 activations and fp16 for anything else, which would round fp32 experts' products to fp16;
+    fp32 activations keep fp32 (with ``TRITON_F32_DEFAULT=ieee`` its ``tl.dot`` is IEEE fp32)."""
+    import torch
+    import triton.language as tl
+
+    if A.dtype == torch.float32 and "compute_type" in kwargs:
+        kwargs["compute_type"] = tl.float32
+    return original_fn(A, *args, **kwargs)
+
+
+# Extra flags of a family's --dtype float32 servers: GPT-OSS's default MoE runner (triton_kernels)
+# asserts bf16 activations, SGLang's Triton runner takes fp32 with _fp32_moe_compute.
+FP32_FAMILY_ARGS = {"gpt_oss": ["--moe-runner-backend", "triton"]}
+
+DUMP_ENV = "OSCAR_E2E_DUMP_KV"
+_DUMPED: dict = {}
+
+
+def _dump_extend_kv(original_fn, self, q, k, v, layer, forward_batch, *args, **kwargs):
+    """AROUND hook of ``OscarTritonAttnBackend.forward_extend`` (only with ``$OSCAR_E2E_DUMP_KV``
+    set to a folder): the q / K / V rows an int2 server's first whole-prompt extend of each prompt
+    length hands to the backend (post-norm, post-RoPE, before any rotation), saved as fp32 to
+    ``<folder>/kv_<port>_<len>.pt`` with the token ids, for comparison with the oracle's rows
+    (``scripts/served_kv_diff.py``)."""
+    import sys
+
+    import torch
+
+    folder = os.environ.get(DUMP_ENV)
+    fb = forward_batch
+    if folder and k is not None and fb.batch_size == 1 and int(fb.extend_prefix_lens_cpu[0]) == 0:
+        n = int(fb.extend_seq_lens_cpu[0])
+        port = sys.argv[sys.argv.index("--port") + 1] if "--port" in sys.argv else str(os.getpid())
+        rec = _DUMPED.setdefault(n, {"layers": {}, "input_ids": fb.input_ids.detach().cpu()})
+        if layer.layer_id not in rec["layers"]:  # a repeated layer id is a later extend of this length
+            rec["layers"][layer.layer_id] = {"q": q.detach().float().cpu(), "k": k.detach().float().cpu(),
+                                             "v": v.detach().float().cpu()}
+            os.makedirs(folder, exist_ok=True)
+            torch.save({"input_ids": rec["input_ids"], "layers": rec["layers"], "argv": list(sys.argv)},
+                       os.path.join(folder, f"kv_{port}_{n}.pt"))
+    return original_fn(self, q, k, v, layer, forward_batch, *args, **kwargs)
+
+
+DUMP_TARGET = ("sglang_oscar.backend.triton_backend.OscarTritonAttnBackend.forward_extend", _dump_extend_kv)
+
 FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", _fp32_native),
     ("sglang.srt.layers.activation.SiluAndMul.forward_cuda", _fp32_native),
@@ -91,6 +140,7 @@ FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_cuda", _fp32_native_rope),
     ("sglang.jit_kernel.norm.can_use_fused_inplace_qknorm", _no_fp32_jit_qknorm),
     ("sglang.srt.models.gpt_oss.GptOssForCausalLM.__init__", _gpt_oss_weights_in_default_dtype),
+    ("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", _fp32_moe_compute),
 )
 
 
@@ -99,7 +149,10 @@ def fp32_shim_register() -> None:
     AROUND hooks :data:`FP32_SHIM_HOOKS`. Idempotent; changes nothing for fp16/bf16 tensors."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook in FP32_SHIM_HOOKS:
+    hooks = FP32_SHIM_HOOKS
+    if os.environ.get(DUMP_ENV):
+        hooks += (DUMP_TARGET,)
+    for target, hook in hooks:
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, HookType.AROUND)
 

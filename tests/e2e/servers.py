@@ -19,7 +19,7 @@ from .client import http_json, last_error
 from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS, OWN_BACKEND_ASSERT,
                      ROOT, SIZED_FAMILIES, SWA_FAMILIES, main_families)
 from .families import sglang_override_args, sizing_group_size
-from .fp32_shim import C_FP32_SERVERS, fp32_name, fp32_server_env, hf_window_server_env
+from .fp32_shim import C_FP32_SERVERS, FP32_FAMILY_ARGS, fp32_name, fp32_server_env, hf_window_server_env
 
 
 @dataclasses.dataclass
@@ -135,7 +135,7 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
         add(ServerSpec(f"{q}-int2-head", q, i2r + [rot[f"{q}:head"]] + c_win, "ch" if q == "qwen3" else "c"))
     if ("c" in ch or "d" in ch) and getattr(args, "c_fp32", False):
         # c's fp32 servers; d judges its radix hit on the layer one (check_d's docstring); h keeps BF16
-        f32, env32 = ["--dtype", "float32"], fp32_server_env(args.work)
+        f32, env32 = ["--dtype", "float32", *FP32_FAMILY_ARGS.get(q, [])], fp32_server_env(args.work)
         pairs = ["--oscar-scale-dtype", C_FP32_SCALE_DTYPE]
         for kind in C_FP32_SERVERS:
             uses = ("c" if "c" in ch else "") + ("d" if "d" in ch and kind == "layer" else "")

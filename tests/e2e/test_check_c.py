@@ -88,13 +88,45 @@ def test_fp32_shim_hooks_route_only_fp32():
     assert fp32_shim._fp32_native_rope(orig, op, pos, x32, x32, None, object())[0] == "cuda"
     assert fp32_shim._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.float32) is False
     assert fp32_shim._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.bfloat16) == "probe"
-    for target, hook in fp32_shim.FP32_SHIM_HOOKS:  # every target exists in the installed SGLang
+    import triton.language as tl
+
+    seen = []
+    launch = lambda A, *a, **k: seen.append(k["compute_type"])  # noqa: E731
+    fp32_shim._fp32_moe_compute(launch, x32, compute_type=tl.float16)
+    fp32_shim._fp32_moe_compute(launch, x16, compute_type=tl.bfloat16)
+    assert seen == [tl.float32, tl.bfloat16]
+    assert fp32_shim.FP32_FAMILY_ARGS["gpt_oss"] == ["--moe-runner-backend", "triton"]
+    for target, hook in fp32_shim.FP32_SHIM_HOOKS + (fp32_shim.DUMP_TARGET,):  # every target exists
         import pkgutil
 
         obj_path, attr = target.rsplit(".", 1)
         assert callable(getattr(pkgutil.resolve_name(obj_path), attr)), target
     obj_path, attr = window_shim.WINDOW_SHIM_TARGET.rsplit(".", 1)
     assert callable(getattr(pkgutil.resolve_name(obj_path), attr))
+
+
+def test_dump_hook_saves_the_first_whole_prompt_extend(tmp_path, monkeypatch):
+    """$OSCAR_E2E_DUMP_KV: the rows of each layer of the first prefix-free extend of a length are
+    saved once (a later extend of that length, a cached prefix or a batch of two is left alone)."""
+    monkeypatch.setenv(fp32_shim.DUMP_ENV, str(tmp_path))
+    monkeypatch.setattr(fp32_shim, "_DUMPED", {})
+    monkeypatch.setattr("sys.argv", ["launch_server", "--port", "31000"])
+    calls = []
+    orig = lambda self, q, k, v, layer, fb, *a, **kw: calls.append(layer.layer_id) or "out"  # noqa: E731
+
+    def fb(n, prefix=0, bs=1):
+        return SimpleNamespace(batch_size=bs, extend_prefix_lens_cpu=[prefix] * bs, extend_seq_lens_cpu=[n] * bs,
+                               input_ids=torch.arange(n * bs))
+
+    rows = {lid: [torch.randn(5, 8), torch.randn(5, 4), torch.randn(5, 4)] for lid in (0, 1)}
+    for lid in (0, 1):
+        assert fp32_shim._dump_extend_kv(orig, None, *rows[lid], SimpleNamespace(layer_id=lid), fb(5)) == "out"
+    for later in (fb(5), fb(5, prefix=2), fb(5, bs=2)):  # none of these may overwrite the first rows
+        fp32_shim._dump_extend_kv(orig, None, *(r + 1 for r in rows[0]), SimpleNamespace(layer_id=0), later)
+    d = torch.load(tmp_path / "kv_31000_5.pt")
+    assert calls == [0, 1, 0, 0, 0] and torch.equal(d["input_ids"], torch.arange(5))
+    for lid in (0, 1):
+        assert [torch.equal(d["layers"][lid][n], r) for n, r in zip("qkv", rows[lid])] == [True] * 3
 
 
 def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
