@@ -120,6 +120,9 @@ def main():
     p.add_argument("--fp64", action="store_true",
                    help="with --decode: also the checkpoint loaded in fp64 (HP tier and pairs fp32) against fp32, "
                         "the oracle's move under fp32 arithmetic alone, and the K/V relative difference per layer")
+    p.add_argument("--checkpoint", help="use this tiny checkpoint folder (e.g. the one a device run served) and the "
+                   "rotation files of --rotdir instead of building both (needs --families with one family)")
+    p.add_argument("--rotdir", help="folder with rot_layer / rot_head.safetensors for --checkpoint")
     p.add_argument("--work", default="/tmp/oracle_ulp/work")
     p.add_argument("--out", default="/tmp/oracle_ulp/results.json")
     a = p.parse_args()
@@ -133,10 +136,13 @@ def main():
     for fam in a.families.split(","):
         t0 = time.time()
         try:
-            path = os.path.join(a.work, f"tiny-{fam}")
-            info = build_checkpoint(fam, path, seed=hargs.seed, args=hargs, logit_std=hargs.logit_std,
-                                    score_std=hargs.score_std, device="cpu")
-            rotdir = os.path.join(a.work, f"rot-{fam}")
+            if a.checkpoint:
+                path, rotdir, info = a.checkpoint, a.rotdir, {"sharpen": "from --checkpoint"}
+            else:
+                path = os.path.join(a.work, f"tiny-{fam}")
+                info = build_checkpoint(fam, path, seed=hargs.seed, args=hargs, logit_std=hargs.logit_std,
+                                        score_std=hargs.score_std, device="cpu")
+                rotdir = os.path.join(a.work, f"rot-{fam}")
             rot_layer = os.path.join(rotdir, "rot_layer.safetensors")
             if not os.path.exists(rot_layer):
                 mb = load_hf(path, "cpu", fp32_head=hargs.fp32_lm_head)  # bf16, as prepare()

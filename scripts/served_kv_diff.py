@@ -8,7 +8,11 @@ loaded in fp32 and in fp64, records the rows the oracle quantizes, and prints pe
 
 * rel. L2 of K and V: served vs oracle fp32, and oracle fp32 vs fp64 (fp32 arithmetic's own error);
 * INT2 codes (with the dump's rotation, fp32 pairs, c's windows) that differ between the served
-  rows and the oracle's fp32 rows, and between the oracle's fp32 and fp64 rows.
+  rows and the oracle's fp32 rows, and between the oracle's fp32 and fp64 rows;
+* replay: the oracle's attention (extend windows, fp32 HP tier and pairs) on the served layer's
+  own q / K / V against the output the served backend returned, rel. L2. This isolates the INT2
+  path (rotations, quantizing write, windows, kernels) from the model code around it: it is
+  ~1e-6 when the served attention computes what the oracle computes on the same inputs.
 
 Served rows as far from the oracle as fp32 arithmetic is from fp64 mean the served model computes
 the same K/V as transformers up to rounding; a layer far beyond that points at a served op.
@@ -59,6 +63,21 @@ def codes(k, v, rk, rv, km, vm, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     return unpack_quarter(kv.k_quant.codes), unpack_quarter(kv.v_quant.codes)
 
 
+def replay(layer: dict, rk, rv, km, vm, cfg) -> torch.Tensor:
+    """The oracle's output ``[T, H_q * D_v]`` (model frame) for a dumped extend layer: its own
+    q / K / V, extend windows, fp32 HP tier; SGLang's ``sliding_window_size`` is ``W - 1``."""
+    from sglang_oscar.reference.attention import build_cache, oscar_attention
+
+    hq, hkv, dk, dv = (layer[n] for n in ("tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim"))
+    q, k, v = layer["q"].reshape(-1, hq, dk), layer["k"].reshape(-1, hkv, dk), layer["v"].reshape(-1, hkv, dv)
+    sw = layer["sliding_window"]
+    window = sw + 1 if sw is not None and sw >= 0 else None
+    kv = build_cache(k, v, rk, rv, cfg, torch.float32, k_mean=km, v_mean=vm)
+    o = oscar_attention(q, k, v, rk, rv, cfg, q_positions=torch.arange(q.shape[0]), sm_scale=layer["scaling"],
+                        sliding_window=window, window_mode="extend", cache=kv, k_mean=km, v_mean=vm)
+    return o.reshape(q.shape[0], hq * dv)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -94,12 +113,16 @@ def main() -> None:
                 row.update(v_rel_served_vs_oracle32=rel(vs, v32), v_rel_oracle32_vs_64=rel(v32, r64[1]),
                            v_codes_served_vs_oracle32=int((c_s[1] != c_32[1]).sum()),
                            v_codes_oracle32_vs_64=int((c_32[1] != c_64[1]).sum()))
+            if "o" in served:
+                row["replay_o_rel"] = rel(served["o"].reshape(-1, served["o"].shape[-1]),
+                                          replay(served, rk, rv, km, vm, cfg).reshape(-1, served["o"].shape[-1]))
             rows.append(row)
             print(f"{path} layer {lid}: K rel served/oracle32 {row['k_rel_served_vs_oracle32']:.2e} "
                   f"oracle32/64 {row['k_rel_oracle32_vs_64']:.2e} | K codes differing served {row['k_codes_served_vs_oracle32']} "
                   f"fp32-vs-fp64 {row['k_codes_oracle32_vs_64']} of {row['codes']}"
                   + (f" | V rel {row['v_rel_served_vs_oracle32']:.2e} / {row['v_rel_oracle32_vs_64']:.2e}, codes "
-                     f"{row['v_codes_served_vs_oracle32']} / {row['v_codes_oracle32_vs_64']}" if v32 is not None else ""),
+                     f"{row['v_codes_served_vs_oracle32']} / {row['v_codes_oracle32_vs_64']}" if v32 is not None else "")
+                  + (f" | replay o rel {row['replay_o_rel']:.2e}" if "replay_o_rel" in row else ""),
                   flush=True)
         report[path] = rows
     if a.out:

@@ -16,7 +16,7 @@ from typing import Any
 from sglang_oscar.serving_launcher import LaunchError, ServerProcess
 
 from .client import http_json, last_error
-from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS, OWN_BACKEND_ASSERT,
+from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS, OWN_BACKEND_ASSERT, ROUTED_FAMILIES,
                      ROOT, SIZED_FAMILIES, SWA_FAMILIES, main_families)
 from .families import sglang_override_args, sizing_group_size
 from .fp32_shim import C_FP32_SERVERS, FP32_FAMILY_ARGS, fp32_name, fp32_server_env, hf_window_server_env
@@ -144,6 +144,9 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
                                env=dict(env32)))
         if "c" in ch:
             add(ServerSpec(fp32_name(q), q, list(f32), "c", env=dict(env32)))
+        if "d" in ch and q in ROUTED_FAMILIES:
+            add(ServerSpec(fp32_name(q, "layer-chunk64"), q, i2r + [rot[f"{q}:layer"]] + c_win + f32 + pairs
+                           + ["--chunked-prefill-size", "64"], "d", env=dict(env32)))
     if "d" in ch:
         add(ServerSpec(f"{q}-int2-layer-chunk64", q, i2r + [rot[f"{q}:layer"]] + c_win + ["--chunked-prefill-size", "64"],
                        "d"))

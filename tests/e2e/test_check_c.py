@@ -112,21 +112,28 @@ def test_dump_hook_saves_the_first_whole_prompt_extend(tmp_path, monkeypatch):
     monkeypatch.setattr(fp32_shim, "_DUMPED", {})
     monkeypatch.setattr("sys.argv", ["launch_server", "--port", "31000"])
     calls = []
-    orig = lambda self, q, k, v, layer, fb, *a, **kw: calls.append(layer.layer_id) or "out"  # noqa: E731
+    orig = lambda self, q, k, v, layer, fb, *a, **kw: calls.append(layer.layer_id) or q * 2  # noqa: E731
 
     def fb(n, prefix=0, bs=1):
         return SimpleNamespace(batch_size=bs, extend_prefix_lens_cpu=[prefix] * bs, extend_seq_lens_cpu=[n] * bs,
                                input_ids=torch.arange(n * bs))
 
     rows = {lid: [torch.randn(5, 8), torch.randn(5, 4), torch.randn(5, 4)] for lid in (0, 1)}
+    def layer(lid):
+        return SimpleNamespace(layer_id=lid, scaling=0.5, sliding_window_size=63 if lid == 0 else None,
+                               tp_q_head_num=2, tp_k_head_num=1, qk_head_dim=4, v_head_dim=4)
+
     for lid in (0, 1):
-        assert fp32_shim._dump_extend_kv(orig, None, *rows[lid], SimpleNamespace(layer_id=lid), fb(5)) == "out"
+        out = fp32_shim._dump_extend_kv(orig, None, *rows[lid], layer(lid), fb(5))
+        assert torch.equal(out, rows[lid][0] * 2)
     for later in (fb(5), fb(5, prefix=2), fb(5, bs=2)):  # none of these may overwrite the first rows
-        fp32_shim._dump_extend_kv(orig, None, *(r + 1 for r in rows[0]), SimpleNamespace(layer_id=0), later)
+        fp32_shim._dump_extend_kv(orig, None, *(r + 1 for r in rows[0]), layer(0), later)
     d = torch.load(tmp_path / "kv_31000_5.pt")
     assert calls == [0, 1, 0, 0, 0] and torch.equal(d["input_ids"], torch.arange(5))
     for lid in (0, 1):
-        assert [torch.equal(d["layers"][lid][n], r) for n, r in zip("qkv", rows[lid])] == [True] * 3
+        got = d["layers"][lid]
+        assert [torch.equal(got[n], r) for n, r in zip("qkv", rows[lid])] == [True] * 3
+        assert torch.equal(got["o"], rows[lid][0] * 2) and got["sliding_window"] == (63 if lid == 0 else None)
 
 
 def test_fp32_shim_loads_as_sglang_plugin(tmp_path):

@@ -107,6 +107,26 @@ def test_check_d_judges_the_radix_hit_on_the_fp32_server_when_there_is_one(tmp_p
     assert run_d(_Server("gemma4-int2-layer-fp32", radix_dlp=0.05)).status == config.FAIL
 
 
+def test_check_d_judges_a_routed_familys_chunking_on_fp32_servers(tmp_path):
+    """gpt_oss (MoE): a BF16 chunk-64 server 0.05 off is reported, the fp32 chunk-64 twin decides;
+    without the twin (no --c-fp32 servers) the BF16 pair decides."""
+    names = ("gpt_oss-int2-layer", "gpt_oss-int2-layer-chunk64", "gpt_oss-int2-layer-eager")
+
+    def run_d(*fp32):
+        servers = [_Server(names[0]), _Server(names[1], dlp=0.05), _Server(names[2]), *fp32]
+        run = _run(tmp_path, servers, "--families", "gpt_oss")
+        run.fdata("gpt_oss")["greedy_layer"] = _prompts(12, 30)
+        return check_d.check_d(run)
+
+    assert run_d().status == config.FAIL
+    res = run_d(_Server("gpt_oss-int2-layer-fp32"), _Server("gpt_oss-int2-layer-chunk64-fp32"))
+    assert res.status == config.PASS, res.measured
+    assert "chunk 64 judged on fp32 servers: 2/2 same (2 bit-identical" in res.measured
+    assert res.detail["chunked_prompt_logprobs_bf16"]["mean"] == pytest.approx(0.05)
+    bad = run_d(_Server("gpt_oss-int2-layer-fp32"), _Server("gpt_oss-int2-layer-chunk64-fp32", dlp=0.05))
+    assert bad.status == config.FAIL
+
+
 def test_check_i_reads_exit_code_time_and_message(tmp_path):
     class _Exited:
         def __init__(self, name, rc, msg, loaded=False):
