@@ -17,8 +17,10 @@ loaded in fp32 and in fp64, records the rows the oracle quantizes, and prints pe
 Served rows as far from the oracle as fp32 arithmetic is from fp64 mean the served model computes
 the same K/V as transformers up to rounding; a layer far beyond that points at a served op.
 
-  PYTHONPATH=python:. python scripts/served_kv_diff.py --dump kv_30000_256.pt --model tiny-gemma4 \\
-      --rotation rot-gemma4/rot_layer.safetensors
+  PYTHONPATH=python:. python scripts/served_kv_diff.py --dump kv_30000_256.pt [--model tiny-gemma4 \\
+      --rotation rot-gemma4/rot_layer.safetensors]     (default: the server's own, from its argv)
+
+device/c_dump.sh runs it on the GPU machine after check c.
 """
 
 from __future__ import annotations
@@ -85,14 +87,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dump", nargs="+", required=True, help="kv_<port>_<len>.pt files of one server")
-    p.add_argument("--model", required=True, help="the harness's tiny checkpoint the server loaded")
-    p.add_argument("--rotation", required=True, help="the server's --oscar-rotation file")
+    p.add_argument("--model", help="the tiny checkpoint the server loaded (default: its --model-path)")
+    p.add_argument("--rotation", help="the server's --oscar-rotation file (default: from its argv)")
     p.add_argument("--out", help="write the table as JSON here")
     a = p.parse_args()
     torch.set_num_threads(2)
-    rs = RotationSet.load(a.rotation)
+    argv = torch.load(a.dump[0], map_location="cpu")["argv"]
+    model_path = a.model or argv[argv.index("--model-path") + 1]
+    rs = RotationSet.load(a.rotation or argv[argv.index("--oscar-rotation") + 1])
     cfg = OscarConfig(sink_tokens=C_SINK, recent_tokens=C_RECENT, scale_dtype="float32")
-    models = {dt: load_hf(a.model, "cpu", dtype=dt) for dt in (torch.float32, torch.float64)}
+    models = {dt: load_hf(model_path, "cpu", dtype=dt) for dt in (torch.float32, torch.float64)}
     report = {}
     for path in a.dump:
         d = torch.load(path, map_location="cpu")

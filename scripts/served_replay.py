@@ -80,8 +80,8 @@ def build(layers, rotations, cfg: OscarConfig, ctx: int):
     else:
         lay = layers[0]
         pool = OscarMHATokenToKVPool(ctx + 8, page_size=1, head_num=lay.tp_k_head_num, head_dim=lay.qk_head_dim,
-                                     v_head_dim=lay.v_head_dim, layer_num=len(layers), enable_memory_saver=False,
-                                     enable_alt_stream=False, **kw)
+                                     v_head_dim=lay.v_head_dim, layer_num=max(x.layer_id for x in layers) + 1,
+                                     enable_memory_saver=False, enable_alt_stream=False, **kw)
         alloc = None
     be = object.__new__(OscarTritonAttnBackend)
     be.pool, be.windows, be.config = pool, pool.windows, cfg
@@ -106,6 +106,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--prompt-seed", type=int, default=44, help="check c: seed * 31 + 44 + index of the length")
     p.add_argument("--decode", type=int, default=16)
+    p.add_argument("--layers", help="comma-separated layer ids to replay (default: all)")
     p.add_argument("--out")
     a = p.parse_args()
     torch.set_num_threads(2)
@@ -117,7 +118,8 @@ def main() -> None:
         gen = greedy_paths(model, [prompt], a.decode, rotation=rs, config=cfg)[0]["tokens"] if a.decode else []
     seq, n = list(prompt) + list(gen), a.prompt_len
     rec = record(model, seq, rs, cfg, n)
-    layers = [layer_ns(lid, rec[lid]) for lid in sorted(rec)]
+    keep = sorted(rec) if not a.layers else [int(x) for x in a.layers.split(",")]
+    layers = [layer_ns(lid, rec[lid]) for lid in keep]
     rot = {lay.layer_id: tuple(m.float().expand(lay.tp_k_head_num, -1, -1).contiguous() if m.dim() == 2 else m.float()
                                for m in (rs.matrices(lay.layer_id, w, lay.tp_k_head_num if rs.per_head else None) for w in "kv"))
            for lay in layers}
@@ -154,7 +156,8 @@ def main() -> None:
         row = {"layer": lay.layer_id, "window": lay.sliding_window_size + 1 if lay.sliding_window_size >= 0 else None,
                "prefill_rel_l2": float((got[:n] - ref[:n]).norm() / ref[:n].norm()),
                "decode_rel_l2": float((got[n:] - ref[n:]).norm() / ref[n:].norm()) if len(seq) > n else None,
-               "worst_position": int(err.argmax()), "worst_rel": float(err.max())}
+               "worst_position": int(err.argmax()), "worst_rel": float(err.max()),
+               "positions_over_1e-4": [(int(i), float(err[i])) for i in torch.nonzero(err > 1e-4).flatten()[:16]]}
         report.append(row)
         print(json.dumps(row), flush=True)
     if a.out:

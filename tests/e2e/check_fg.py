@@ -2,7 +2,9 @@
 KV pool (``max_total_num_tokens``) of int2 vs BF16 at the same ``--mem-fraction-static``; g, decode
 tok/s at 32K context, batch 1, int2 vs BF16. With sliding-window and hybrid families
 (``--families``, :data:`~.config.SIZED_FAMILIES`), f also measures a ``<family>-sizing-bf16`` /
-``-int2`` pair per family, per pool: SGLang's hybrid SWA memory (Gemma-4, GPT-OSS) logs
+``-int2`` pair per family, per pool (and, for SGLang's hybrid SWA families, a third int2 server with
+``--oscar-skip-layers sliding``, whose sliding layers must cost BF16's bytes per token while the
+full ones stay INT2): SGLang's hybrid SWA memory (Gemma-4, GPT-OSS) logs
 ``full_layer_tokens=F, swa_layer_tokens=S`` (``sglang/srt/model_executor/pool_configurator.py``
 ``_solve_pool_sizes``; ``/server_info``'s ``max_total_num_tokens`` is F), and each pool's ratio
 must reach the target. A linear-attention hybrid (Qwen3-Next) has one KV pool (its full-attention
@@ -15,8 +17,8 @@ import contextlib
 from typing import Any
 
 from .checkpoints import random_prompt
-from .client import (http_json, mamba_pool_from_log, max_total_tokens_from_log, stream_decode_rate,
-                     swa_pool_tokens_from_log)
+from .client import (http_json, kind_bytes_from_log, mamba_pool_from_log, max_total_tokens_from_log,
+                     stream_decode_rate, swa_pool_tokens_from_log)
 from .config import FAIL, LINEAR_FAMILIES, PASS
 from .results import CheckError, CheckResult, unevaluated_status
 from .run import Run
@@ -40,6 +42,9 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
         out["max_total_num_tokens_source"] = "server_info" if tok is not None else "log"
         pools = swa_pool_tokens_from_log(srv.log_text())
         out["pools"] = pools or {"kv" if spec.model in LINEAR_FAMILIES else "all": out["max_total_num_tokens"]}
+        kinds = kind_bytes_from_log(srv.log_text())
+        if kinds:
+            out["kinds"] = kinds
         mamba = mamba_pool_from_log(srv.log_text())
         if mamba:
             out["mamba_pool"] = mamba
@@ -69,6 +74,24 @@ def _pool_ratios(run: Run, res: dict[str, Any], model: str) -> tuple[bool, str] 
     return all(r >= run.args.memory_target for r in ratios.values()), f"{model}: {text}"
 
 
+def _skip_sliding(res: dict[str, Any], model: str) -> tuple[bool, str] | None:
+    """f for ``--oscar-skip-layers sliding`` (hybrid SWA families): the sliding layers' bytes per
+    token are BF16's (SGLang's own pool) while the full layers stay INT2; each pool's tokens beside
+    the BF16 server's (reported). None when the server was not measured."""
+    sk, bf = res.get(f"{model}-sizing-int2-skip-sliding"), res.get(f"{model}-sizing-bf16", {})
+    kinds = (sk or {}).get("kinds", {})
+    if not sk or set(kinds) != {"full", "sliding"}:
+        return None
+    sl, fu = kinds["sliding"], kinds["full"]
+    ok = sl["format"] == "bf16" and sl["bytes"] == sl["bf16_bytes"] and fu["format"] == "int2"
+    pools, bf_pools = sk.get("pools") or {}, bf.get("pools") or {}
+    text = (f"{model} --oscar-skip-layers sliding: sliding layers {sl['format'].upper()} {sl['bytes']} B/token "
+            f"(BF16 {sl['bf16_bytes']}), full layers {fu['format'].upper()} {fu['bytes']} B/token; pools full "
+            f"{pools.get('full')} / swa {pools.get('swa')} tokens (BF16 server: {bf_pools.get('full')} / "
+            f"{bf_pools.get('swa')})")
+    return ok, text
+
+
 def check_fg(run: Run) -> None:
     """Measure ``long-bf16`` and ``long-int2`` (and each sliding-window family's sizing pair) one
     after the other and record f and/or g (targets ``--memory-target``, ``--speedup-target``); a
@@ -89,6 +112,8 @@ def check_fg(run: Run) -> None:
     run.data["long"] = res
     if "f" in ch and swa:
         parts = {m: _pool_ratios(run, res, m) for m in swa}
+        parts.update({f"{m} skip-sliding": _skip_sliding(res, m) for m in swa
+                      if f"{m}-sizing-int2-skip-sliding" in names})
         if "long-bf16" in names:
             bf, i2 = (res.get(n, {}).get("max_total_num_tokens") for n in ("long-bf16", "long-int2"))
             parts["long"] = (i2 / bf >= run.args.memory_target, f"long: int2 {i2} / BF16 {bf} = {i2 / bf:.2f}x") \

@@ -102,6 +102,19 @@ def swa_pool_tokens_from_log(log: str) -> dict[str, int] | None:
     return {"full": int(found[-1][0]), "swa": int(found[-1][1])} if found else None
 
 
+def kind_bytes_from_log(log: str) -> dict[str, dict[str, Any]]:
+    """Per layer kind (``full`` / ``sliding``) of a hybrid model, the plugin's startup line
+    ``sglang-oscar: INT2|BF16 (--oscar-skip-layers) KV cache, <kind> layers (...): N bytes/token
+    (BF16: M, ...); tokens: T`` (the last one per kind): ``{"format", "bytes", "bf16_bytes", "tokens"}``."""
+    out: dict[str, dict[str, Any]] = {}
+    pat = (r"sglang-oscar: (INT2|BF16 \(--oscar-skip-layers\)) KV cache, (\w+) layers \([^)]*\): (\d+) bytes/token "
+           r"\(BF16: (\d+), [\d.]+x fewer\); tokens: (\d+)")
+    for fmt, kind, n, bf, tok in re.findall(pat, log):
+        out[kind] = {"format": "bf16" if fmt.startswith("BF16") else "int2", "bytes": int(n), "bf16_bytes": int(bf),
+                     "tokens": int(tok)}
+    return out
+
+
 def mamba_pool_from_log(log: str) -> dict[str, float] | None:
     """The mamba state pool of a linear-attention hybrid (Qwen3-Next), separate from the KV pool:
     ``{"slots": N, "conv_gb": C, "ssm_gb": S}`` of SGLang's startup line ``Mamba Cache is allocated.

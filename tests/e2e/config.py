@@ -38,6 +38,7 @@ MODEL_FAMILIES = {"qwen3": "qwen3", "moe": "qwen3_moe", "llama": "llama", "long"
 DEFAULT_FAMILIES = "qwen3,moe,llama"  # --families
 GEMMA_FAMILIES = ("gemma3", "gemma4")
 SWA_FAMILIES = GEMMA_FAMILIES + ("gpt_oss",)  # sliding-window families (tests/e2e/families.py)
+HYBRID_SWA_FAMILIES = ("gemma4", "gpt_oss")  # SGLang's hybrid SWA memory: a full and a sliding pool
 SINK_FAMILIES = ("gpt_oss",)  # learned attention-sink logits (GPT-OSS ``sinks``)
 LINEAR_FAMILIES = ("qwen3_next",)  # linear-attention hybrids (Gated-DeltaNet + full attention layers)
 MOE_MHA_FAMILIES = ("minimax_m2",)  # one MHA pool; partial RoPE and cross-head q/k norms before the cache write

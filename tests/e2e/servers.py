@@ -16,8 +16,9 @@ from typing import Any
 from sglang_oscar.serving_launcher import LaunchError, ServerProcess
 
 from .client import http_json, last_error
-from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS, OWN_BACKEND_ASSERT, ROUTED_FAMILIES,
-                     ROOT, SIZED_FAMILIES, SWA_FAMILIES, main_families)
+from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS,
+                     HYBRID_SWA_FAMILIES, OWN_BACKEND_ASSERT, ROOT, ROUTED_FAMILIES, SIZED_FAMILIES, SWA_FAMILIES,
+                     main_families)
 from .families import sglang_override_args, sizing_group_size
 from .fp32_shim import C_FP32_SERVERS, FP32_FAMILY_ARGS, fp32_name, fp32_server_env, hf_window_server_env
 
@@ -109,7 +110,10 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
     sizing += [(q, f"{q}-sizing-bf16", f"{q}-sizing-int2") for q in main if "f" in ch and q in SIZED_FAMILIES]
     for model, bf_name, i2_name in sizing:
         group = ["--kv-cache-quant-group-size", str(sizing_group_size(model))]
-        for name, extra in ((bf_name, []), (i2_name, i2 + group)):
+        pairs = [(bf_name, []), (i2_name, i2 + group)]
+        if model in HYBRID_SWA_FAMILIES:  # f: --oscar-skip-layers sliding keeps that pool BF16
+            pairs.append((f"{i2_name}-skip-sliding", i2 + group + ["--oscar-skip-layers", "sliding"]))
+        for name, extra in pairs:
             add(ServerSpec(name, model, extra, "".join(c for c in "fg" if c in ch and (c == "f" or model == "long")),
                            phase=2, mem_fraction=args.sizing_mem_fraction, pool_tokens=None, max_running=8))
     extra = (["--enable-fp32-lm-head"] if args.fp32_lm_head else []) + shlex.split(args.server_args or "")

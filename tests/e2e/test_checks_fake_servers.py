@@ -227,6 +227,28 @@ def test_check_f_per_pool_ratios(tmp_path):
     assert check_fg._pool_ratios(run, {"gemma4-sizing-bf16": res["gemma4-sizing-bf16"]}, "gemma4") is None
 
 
+def test_check_f_skip_sliding(tmp_path):
+    """--oscar-skip-layers sliding: the plugin's per-kind startup lines (format of a Gemma-4 sizing
+    server, 2026-12-03) parsed, and f's judgement: sliding layers at BF16's bytes, full layers INT2."""
+    line = ("[2026-12-03 07:07:18] sglang-oscar: {fmt} KV cache, {kind} layers ({n} x {h} kv heads x {d}/{d}): "
+            "{b} bytes/token (BF16: {bf}, {r}x fewer); tokens: {t} (1.00 GiB)")
+    log = "\n".join([line.format(fmt="INT2", kind="full", n=2, h=1, d=256, b=288, bf=2048, r="7.11", t=5000),
+                     line.format(fmt="BF16 (--oscar-skip-layers)", kind="sliding", n=4, h=2, d=128, b=4096, bf=4096,
+                                 r="1.00", t=4000)])
+    kinds = client.kind_bytes_from_log(log)
+    assert kinds == {"full": {"format": "int2", "bytes": 288, "bf16_bytes": 2048, "tokens": 5000},
+                     "sliding": {"format": "bf16", "bytes": 4096, "bf16_bytes": 4096, "tokens": 4000}}
+    res = {"gemma4-sizing-bf16": {"pools": {"full": 1200, "swa": 960}},
+           "gemma4-sizing-int2-skip-sliding": {"pools": {"full": 5000, "swa": 4000}, "kinds": kinds}}
+    ok, text = check_fg._skip_sliding(res, "gemma4")
+    assert ok and "sliding layers BF16 4096 B/token (BF16 4096), full layers INT2 288 B/token" in text
+    assert "pools full 5000 / swa 4000 tokens (BF16 server: 1200 / 960)" in text
+    int2_sliding = dict(kinds, sliding=dict(kinds["sliding"], format="int2", bytes=576))  # the flag not applied
+    res["gemma4-sizing-int2-skip-sliding"]["kinds"] = int2_sliding
+    assert check_fg._skip_sliding(res, "gemma4")[0] is False
+    assert check_fg._skip_sliding({}, "gemma4") is None
+
+
 def test_check_f_hybrid_families(tmp_path):
     """f on gpt_oss (hybrid SWA: both pools) and qwen3_next (one KV pool, pool ``kv``; SGLang's
     mamba state pool reported from its log line, not judged)."""

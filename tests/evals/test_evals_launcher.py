@@ -135,6 +135,20 @@ def test_int2_argv_exact(tmp_path):
     assert cmd.base_url == "http://127.0.0.1:30000"
 
 
+@pytest.mark.parametrize("value, flag", [('"sliding"', "sliding"), ('"5, 0"', "0,5"), ("[11, 5]", "5,11"),
+                                         ('"none"', None)])
+def test_skip_layers_key_becomes_the_flag(tmp_path, value, flag):
+    text = RECIPE.replace("fold_rotations = true", f"fold_rotations = true\nskip_layers = {value}")
+    r = load_recipe(make_recipe(tmp_path, text))
+    argv = launcher.build_server_command(r, "int2").argv
+    if flag is None:
+        assert "--oscar-skip-layers" not in argv
+    else:
+        assert argv[argv.index("--oscar-skip-layers") + 1] == flag
+        assert argv.index("--oscar-skip-layers") == argv.index("--oscar-fold-rotations") + 2
+    assert "--oscar-skip-layers" not in launcher.build_server_command(r, "bf16").argv
+
+
 def test_bf16_arm_is_the_same_launch_without_int2_flags(tmp_path):
     r = load_recipe(make_recipe(tmp_path))
     int2 = launcher.build_server_command(r, "int2").argv

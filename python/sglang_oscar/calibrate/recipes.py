@@ -42,7 +42,7 @@ def load(path: str | os.PathLike):
 
 def oscar_config(recipe) -> OscarConfig:
     """The recipe's ``[quant]`` section as the served :class:`OscarConfig` (group size, clip
-    ratios, windows, quantizer, scale dtype)."""
+    ratios, windows, quantizer, scale dtype, skipped layers)."""
     from ..config import OscarConfig
 
     q = recipe.quant
@@ -52,6 +52,8 @@ def oscar_config(recipe) -> OscarConfig:
         kw["quantizer"] = q.quantizer
     if q.scale_dtype:
         kw["scale_dtype"] = q.scale_dtype
+    if q.skip_layers != "none":
+        kw["skip_layers"] = q.skip_layers
     return OscarConfig(**kw)
 
 

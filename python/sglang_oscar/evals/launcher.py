@@ -212,6 +212,8 @@ def build_server_command(
             argv += ["--oscar-scale-dtype", q.scale_dtype]
         if q.fold_rotations:
             argv += ["--oscar-fold-rotations", "on"]
+        if q.skip_layers != "none":
+            argv += ["--oscar-skip-layers", q.skip_layers]
     else:
         argv += ["--kv-cache-dtype", "auto"]
     # Same attention backend in both arms (the paired control must differ only in the KV).

@@ -14,8 +14,8 @@ Schema (all sections except ``[model]`` are optional; defaults in parentheses)::
 
     [model]
     hf_id = "Qwen/Qwen3-8B"          # str, required: exact checkpoint id (or local path)
-    family = "qwen3"                 # str, required: qwen3 | qwen3_moe | llama | gemma4 |
-                                     #   glm_mla | kimi_k3 | minimax_m2 | minimax_m3
+    family = "qwen3"                 # str, required: qwen3 | qwen3_moe | llama | gemma3 | gemma4 | gpt_oss |
+                                     #   glm_mla | kimi_k3 | minimax_m2 | minimax_m3 | qwen3_5
     served = true                    # bool, required: is the int2 serving path for this
                                      #   family built? false => `serve --kv int2` refuses
     notes = "..."                    # str, optional
@@ -58,6 +58,7 @@ Schema (all sections except ``[model]`` are optional; defaults in parentheses)::
     quantizer = "uniform"            # uniform | lloyd-max, optional: flag passed only if set
     scale_dtype = "float32"          # float32 | float16 | bfloat16, optional: passed only if set
     fold_rotations = true            # bool (false): --oscar-fold-rotations on
+    skip_layers = "sliding"          # none | sliding | full | "0,5,11" ("none"): --oscar-skip-layers
 
     [serve]
     tp = 1                           # int (1): --tp-size
@@ -100,14 +101,16 @@ from typing import Any
 from sglang_oscar.evals.recipe_checks import (DEAD_ENV_PREFIXES, FLAG_ENV_ALIASES, Checker,  # noqa: F401
                                               RecipeError, argv_item, boolean, check_table, choice, env_table,
                                               integer, list_of, mem_fraction, nonempty_str, nonneg_float,
-                                              nonneg_int, port, pos_int, ratio, string, table, top_p)
+                                              nonneg_int, port, pos_int, ratio, skip_layers, string, table, top_p)
 from sglang_oscar.evals.tasks import TASKS
 
 FAMILIES = (
     "qwen3",
     "qwen3_moe",
     "llama",
+    "gemma3",  # Gemma-3: sliding + full layers of one KV geometry
     "gemma4",
+    "gpt_oss",  # GPT-OSS: sliding + full layers, attention sinks
     "glm_mla",
     "kimi_k3",
     "minimax_m2",
@@ -188,6 +191,7 @@ class QuantSection:
     quantizer: str | None = None
     scale_dtype: str | None = None
     fold_rotations: bool = False
+    skip_layers: str = "none"
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,7 @@ _QUANT_KEYS: dict[str, tuple[Checker, bool]] = {
     "quantizer": (choice(*QUANTIZERS), False),
     "scale_dtype": (choice(*SCALE_DTYPES), False),
     "fold_rotations": (boolean, False),
+    "skip_layers": (skip_layers, False),
 }
 
 

@@ -124,6 +124,21 @@ def choice(*allowed: str) -> Checker:
     return check
 
 
+def skip_layers(v: Any, where: str) -> str:
+    """``[quant].skip_layers``: ``none`` / ``sliding`` / ``full`` or comma-separated global layer
+    ids (a TOML list of ints too), normalised as ``--oscar-skip-layers`` is
+    (:func:`sglang_oscar.config.parse_skip_layers`)."""
+    from sglang_oscar.config import parse_skip_layers
+
+    if isinstance(v, bool) or not isinstance(v, (str, list)):
+        raise RecipeError(f"{where} must be a string (none, sliding, full or layer ids like \"0,5\") or a list of "
+                          f"layer ids, got {v!r}")
+    try:
+        return parse_skip_layers(v)
+    except ValueError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+
+
 def list_of(item: Checker, nonempty: bool = False) -> Checker:
     """A checker of a list whose elements pass ``item`` (and that is not empty, with ``nonempty``)."""
     def check(v: Any, where: str) -> list:
