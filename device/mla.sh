@@ -7,8 +7,9 @@
 # Results in $OUT (at most 8 files come back): kernels.log, mla_check.md / .json, latent.md, logs.tgz
 # (server logs, pytest logs, the benchmark's stdout). MLA_BUDGET (default 300; a fresh machine's first
 # int2 servers JIT-compile for ~3 min: 220 was too short) bounds the check's startup + requests;
-# MLA_FAMILY (default deepseek_v3; glm5: DSA sparse attention under SGLang's dsa backend, needs deep_gemm
-# from .device-bundle/wheels, below; kimi_linear: the latent pool in a linear-attention hybrid) its model;
+# MLA_FAMILY (default deepseek_v3; glm5 / glm5_dense: DSA sparse attention, top-k 256 / 2048, under
+# SGLang's dsa backend, needs deep_gemm from .device-bundle/wheels, below; kimi_linear: the latent
+# pool in a linear-attention hybrid) its model;
 # BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes) the benchmark's columns.
 set -u
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """Device check of the served INT2 MLA latent cache on a tiny seeded DeepSeek-V3.
 
-    python -m tests.e2e.mla_check [--family deepseek_v3|glm5|kimi_linear] [--out DIR] [--budget SECONDS]
+    python -m tests.e2e.mla_check [--family deepseek_v3|glm5|glm5_dense|kimi_linear] [--out DIR] [--budget SECONDS]
     (GPU machine, after ``source device/env.sh``)
 
 Builds a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry (kv_lora_rank 512,
@@ -46,7 +46,10 @@ only its lightning indexer's top-k of 256 positions, below every prompt's length
 (the indexer as SGLang runs it, the selected positions read from the INT2 latent), the BF16 server
 SGLang's own DSA kernels. Judged as DeepSeek-V3 without the oracle (it attends densely); one more
 server, ``int2-window-chunk64`` (chunked, every key from the BF16 rows), is reported against
-``int2-window``: how far SGLang's DSA path itself moves with chunking.
+``int2-window``: how far SGLang's DSA path itself moves with chunking. ``--family glm5_dense`` is the
+same model with GLM-5's own top-k of 2048, above every prompt: the indexer keeps every position, so
+chunking and radix reuse are judged where only the INT2 latent path could move them (and SGLang's
+BF16 DSA decode, which asserts a top-k of 2048, gets its own top-k).
 
 Exit 1 when a judged item fails.
 """
@@ -79,8 +82,9 @@ REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what ea
 # Reported servers of one family: glm5's chunked prefill with every key from the BF16 rows, against its
 # one-prefill twin, separates SGLang's own chunk dependence (the indexer's discrete FP8 keys and top-k
 # over GEMMs of another row count) from the INT2 codes' (int2-chunk64 vs int2)
-FAMILY_SERVERS = {"glm5": {"int2-window-chunk64": [*SERVERS["int2-window"], "--chunked-prefill-size", "64"]}}
-FAMILY_REF = {"glm5": {"int2-window-chunk64": "int2-window"}}
+FAMILY_SERVERS = {f: {"int2-window-chunk64": [*SERVERS["int2-window"], "--chunked-prefill-size", "64"]}
+                  for f in ("glm5", "glm5_dense")}
+FAMILY_REF = {f: {"int2-window-chunk64": "int2-window"} for f in ("glm5", "glm5_dense")}
 PROMPT_LENS = (400, 900, 1500)
 NEW_TOKENS = 24
 VOCAB = 2048
@@ -155,11 +159,14 @@ def build_kimi_linear(path: str) -> dict:
 
 
 GLM5_TOPK = 256  # the indexer's top-k of the glm5 family: every prompt is longer, so the selection bites
+# glm5_dense: GLM-5's own top-k, above every prompt, so the indexer keeps every position and a chunk
+# boundary cannot change the selection (SGLang's sparse path moves with chunking on glm5 by itself)
+GLM5_DENSE_TOPK = 2048
 
 
-def build_glm5(path: str) -> dict:
+def build_glm5(path: str, topk: int = GLM5_TOPK) -> dict:
     """Save a seeded random bf16 GlmMoeDsaForCausalLM (GLM-5: DSA sparse attention) with DeepSeek-V3's
-    latent geometry and a lightning indexer (``index_head_dim`` 128, 32 heads, ``index_topk`` 256,
+    latent geometry and a lightning indexer (``index_head_dim`` 128, 32 heads, ``index_topk`` ``topk``,
     served with SGLang's torch top-k, the one that takes a top-k other than 2048) to ``path``, sharpened
     as :func:`build_model`."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -169,7 +176,7 @@ def build_glm5(path: str) -> dict:
                           q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                           first_k_dense_replace=4, max_position_embeddings=8192, tie_word_embeddings=False,
-                          index_topk=GLM5_TOPK, index_head_dim=128, index_n_heads=32,
+                          index_topk=topk, index_head_dim=128, index_n_heads=32,
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                           architectures=["GlmMoeDsaForCausalLM"], bos_token_id=1, eos_token_id=2)
     return _save_sharpened(GlmMoeDsaForCausalLM, cfg, path, ("index_topk", "index_head_dim"))
@@ -180,6 +187,11 @@ FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
     "glm5": (build_glm5, ["--attention-backend", "dsa", "--dsa-topk-backend", "torch"],
              ("serves", "window", "chunked", "radix")),
+    # the same model with top-k 2048 (> every prompt): chunking and radix reuse judged where the
+    # selection is every position, so only the INT2 latent path can move them
+    "glm5_dense": (lambda path: build_glm5(path, GLM5_DENSE_TOPK), ["--attention-backend", "dsa",
+                                                                     "--dsa-topk-backend", "torch"],
+                   ("serves", "window", "chunked", "radix")),
     "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
                     ("serves", "window", "chunked", "radix")),
 }
@@ -190,7 +202,7 @@ def server_env(family: str, work: str) -> dict[str, str]:
     PYTHONPATH and :data:`.dummy_shim.DUMMY_ENV` (scaled dummy weights); for glm5 SGLang's unfused DSA
     top-k (its torch top-k backend needs ``SGLANG_DSA_FUSE_TOPK=0``; the int2 servers use the unfused
     path anyway); else nothing extra."""
-    if family == "glm5":
+    if family.startswith("glm5"):
         return {"SGLANG_DSA_FUSE_TOPK": "0"}
     if "--load-format" not in FAMILIES[family][1]:
         return {}

@@ -143,6 +143,19 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
     assert row["vs"] == "int2-window" and abs(row["prompt_dlp_mean"] - 0.03) < 1e-9
 
 
+def test_glm5_dense_keeps_every_position_of_every_prompt(tmp_path):
+    """--family glm5_dense: the glm5 model with GLM-5's own top-k 2048, above every prompt (the
+    indexer then selects every position), served with glm5's flags, environment and servers."""
+    build, flags, judged = mla_check.FAMILIES["glm5_dense"]
+    info = build(str(tmp_path / "g"))
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert info["index_topk"] == cfg["index_topk"] == mla_check.GLM5_DENSE_TOPK > max(mla_check.PROMPT_LENS)
+    assert cfg["architectures"] == ["GlmMoeDsaForCausalLM"] and mla_check.GLM5_TOPK < min(mla_check.PROMPT_LENS)
+    assert (flags, judged) == mla_check.FAMILIES["glm5"][1:]
+    assert mla_check.server_env("glm5_dense", str(tmp_path)) == {"SGLANG_DSA_FUSE_TOPK": "0"}
+    assert mla_check.FAMILY_REF["glm5_dense"] == {"int2-window-chunk64": "int2-window"}
+
+
 def test_mla_check_oracle_verdict_fails_outside_its_bound(tmp_path, monkeypatch):
     """served vs the BF16-model oracle 0.25 with the oracle's own move 0.1: over 2 x 0.1, "oracle" fails."""
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
