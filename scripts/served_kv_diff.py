@@ -65,18 +65,40 @@ def codes(k, v, rk, rv, km, vm, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     return unpack_quarter(kv.k_quant.codes), unpack_quarter(kv.v_quant.codes)
 
 
+def per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
+    """A ``[D, D]`` (per-layer) or ``[H_kv, D, D]`` rotation as ``[H_kv, D, D]``."""
+    return r.float().expand(heads, *r.shape[-2:]) if r.dim() == 2 else r.float()
+
+
+def model_frame_v(layer: dict, rv, vm) -> torch.Tensor:
+    """The dumped V ``[T, H_kv, D_v]`` in the model's frame: a value-folded layer's ``v_proj`` emits
+    ``(v - mean) R_v`` (docs/design.md, the fold), so ``v R_v^T + mean`` undoes it."""
+    hkv, dv = layer["tp_k_head_num"], layer["v_head_dim"]
+    v = layer["v"].reshape(-1, hkv, dv)
+    if layer.get("value_folded"):
+        v = torch.einsum("thd,hed->the", v, per_head(rv, hkv))
+        if vm is not None:
+            v = v + vm.float()
+    return v
+
+
 def replay(layer: dict, rk, rv, km, vm, cfg) -> torch.Tensor:
-    """The oracle's output ``[T, H_q * D_v]`` (model frame) for a dumped extend layer: its own
-    q / K / V, extend windows, fp32 HP tier; SGLang's ``sliding_window_size`` is ``W - 1``."""
+    """The oracle's output ``[T, H_q * D_v]`` for a dumped extend layer: its own q / K / V (V in the
+    model frame), its sinks, extend windows, fp32 HP tier; SGLang's ``sliding_window_size`` is
+    ``W - 1``. In the model frame, or for an output-folded layer in the rotated frame without the
+    mean (``o_proj`` holds ``R_v^T`` and the mean), as that layer's backend returns it."""
     from sglang_oscar.reference.attention import build_cache, oscar_attention
 
     hq, hkv, dk, dv = (layer[n] for n in ("tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim"))
-    q, k, v = layer["q"].reshape(-1, hq, dk), layer["k"].reshape(-1, hkv, dk), layer["v"].reshape(-1, hkv, dv)
+    q, k, v = layer["q"].reshape(-1, hq, dk), layer["k"].reshape(-1, hkv, dk), model_frame_v(layer, rv, vm)
     sw = layer["sliding_window"]
     window = sw + 1 if sw is not None and sw >= 0 else None
     kv = build_cache(k, v, rk, rv, cfg, torch.float32, k_mean=km, v_mean=vm)
     o = oscar_attention(q, k, v, rk, rv, cfg, q_positions=torch.arange(q.shape[0]), sm_scale=layer["scaling"],
-                        sliding_window=window, window_mode="extend", cache=kv, k_mean=km, v_mean=vm)
+                        sliding_window=window, window_mode="extend", cache=kv, k_mean=km, v_mean=vm,
+                        sinks=layer.get("sinks"), counter_rotate=not layer.get("output_folded"))
+    if layer.get("output_folded") and vm is not None:  # the folded o_proj's bias carries the mean
+        o = o - torch.einsum("hd,hde->he", vm.float(), per_head(rv, hkv)).repeat_interleave(hq // hkv, dim=0)
     return o.reshape(q.shape[0], hq * dv)
 
 
@@ -90,8 +112,10 @@ def main() -> None:
     p.add_argument("--model", help="the tiny checkpoint the server loaded (default: its --model-path)")
     p.add_argument("--rotation", help="the server's --oscar-rotation file (default: from its argv)")
     p.add_argument("--out", help="write the table as JSON here")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
     a = p.parse_args()
-    torch.set_num_threads(2)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     argv = torch.load(a.dump[0], map_location="cpu")["argv"]
     model_path = a.model or argv[argv.index("--model-path") + 1]
     rs = RotationSet.load(a.rotation or argv[argv.index("--oscar-rotation") + 1])
@@ -107,7 +131,7 @@ def main() -> None:
             k32, v32, rk, rv, km, vm = r32
             served = d["layers"][lid]
             ks = served["k"].reshape(k32.shape)
-            vs = served["v"].reshape(v32.shape) if v32 is not None else None
+            vs = model_frame_v(served, rv, vm).reshape(v32.shape) if v32 is not None else None
             c_s, c_32, c_64 = (codes(k, v, rk, rv, km, vm, cfg) for k, v in ((ks, vs), (k32, v32), (r64[0], r64[1])))
             row = {"layer": lid, "tokens": k32.shape[0],
                    "k_rel_served_vs_oracle32": rel(ks, k32), "k_rel_oracle32_vs_64": rel(k32, r64[0]),

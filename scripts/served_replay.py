@@ -3,10 +3,11 @@
 The oracle (``tests.e2e.oracle``) runs a prompt and its greedy continuation through the
 checkpoint loaded in fp32 (HP tier and (scale, zero) pairs fp32, c's windows) and records every
 layer's q / K / V rows and its attention output. The same rows then go through the served
-pieces -- SGLang's hybrid sliding-window pool with one ``OscarSWAKVPool`` INT2 pool per layer
-kind (or one ``OscarMHATokenToKVPool``), SGLang's ``SWATokenToKVPoolAllocator`` with sliding
-eviction, ``OscarTritonAttnBackend.forward_extend`` for the prompt and ``forward_decode`` per
-generated token, kernels under the Triton interpreter -- and each layer's output is compared
+pieces -- ``OscarSWAKVPool`` (one INT2 pool per layer kind) in SGLang's hybrid sliding-window
+memory with its ``SWATokenToKVPoolAllocator`` and sliding eviction where SGLang builds one
+(``is_hybrid_swa_model``), else one ``OscarMHATokenToKVPool``; ``forward_extend`` for the prompt
+and ``forward_decode`` per generated token with the layer's attention-sink logits; kernels under
+the Triton interpreter -- and each layer's output is compared
 with the oracle's. Identical inputs, so what is left is the INT2 path's own arithmetic: rel. L2
 ~1e-6 per layer, unless a row or window is read differently (then ~1e-3 and more).
 
@@ -43,8 +44,9 @@ def record(model, seq: list[int], rs: RotationSet, cfg: OscarConfig, prompt_len:
     def handler(call):
         out = inner(call)
         q, k, v = call.rows(0)
+        sinks = call.sinks if call.sinks is not None else getattr(call.module, "sinks", None)
         rec[call.layer_id] = dict(q=q.float(), k=k.float(), v=v.float(), o=out[0].float(), scaling=call.scaling,
-                                  window=call.sliding_window)
+                                  window=call.sliding_window, sinks=None if sinks is None else sinks.float())
         return out
 
     with torch.no_grad(), attention_override(model, handler):
@@ -60,17 +62,18 @@ def layer_ns(lid: int, r: dict):
                            logit_capping_method="tanh", is_cross_attention=False)
 
 
-def build(layers, rotations, cfg: OscarConfig, ctx: int):
+def build(layers, rotations, cfg: OscarConfig, ctx: int, hybrid: bool):
     """Pool, allocator and backend objects as the plugin builds them (``__init__`` needs a GPU
-    model runner, so the attributes it sets are set here, as tests/plugin does)."""
+    model runner, so the attributes it sets are set here, as tests/plugin does): SGLang's hybrid
+    sliding-window pool when ``hybrid`` (its ``is_hybrid_swa_model``: Gemma-4, GPT-OSS), else one
+    pool (Gemma-3, Qwen3)."""
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
     full = [lay for lay in layers if lay.sliding_window_size < 0]
     slid = [lay for lay in layers if lay.sliding_window_size >= 0]
-    geo = {(lay.tp_k_head_num, lay.qk_head_dim) for lay in layers}
     kw = dict(dtype=torch.uint8, device="cpu", oscar_config=cfg, hp_dtype=torch.float32, max_reqs=2,
               sink_rows=cfg.sink_tokens * 8)
-    if slid and len(geo) > 1:
+    if hybrid and slid and full:
         pool = OscarSWAKVPool(size=ctx + 8, size_swa=ctx + 8, page_size=1, head_num=full[0].tp_k_head_num,
                               head_dim=full[0].qk_head_dim, v_head_dim=full[0].v_head_dim,
                               swa_head_num=slid[0].tp_k_head_num, swa_head_dim=slid[0].qk_head_dim,
@@ -123,7 +126,13 @@ def main() -> None:
     rot = {lay.layer_id: tuple(m.float().expand(lay.tp_k_head_num, -1, -1).contiguous() if m.dim() == 2 else m.float()
                                for m in (rs.matrices(lay.layer_id, w, lay.tp_k_head_num if rs.per_head else None) for w in "kv"))
            for lay in layers}
-    be, alloc = build(layers, rot, cfg, len(seq) + 8)
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.configs.model_config import is_hybrid_swa_model
+
+    text = model.config.to_dict()
+    hybrid = bool(is_hybrid_swa_model(text.get("architectures") or [], NS(**text)))
+    be, alloc = build(layers, rot, cfg, len(seq) + 8, hybrid)
     r2t = be._int2_req_to_token
     window = max((lay.sliding_window_size + 1 for lay in layers), default=0)
     outs = {lay.layer_id: [] for lay in layers}
@@ -145,7 +154,7 @@ def main() -> None:
         for lay in layers:
             r = rec[lay.layer_id]
             fwd = be.forward_extend if mode == "extend" else be.forward_decode
-            o = fwd(*(r[x][start:end].reshape(end - start, -1) for x in "qkv"), lay, fb)
+            o = fwd(*(r[x][start:end].reshape(end - start, -1) for x in "qkv"), lay, fb, sinks=r["sinks"])
             outs[lay.layer_id].append(o.float().reshape(end - start, lay.tp_q_head_num, lay.v_head_dim))
         if alloc is not None and window and end - window > 0:  # SGLang's sliding eviction
             alloc.free_swa(r2t[1, : end - window].long())

@@ -3,8 +3,8 @@ KV pool (``max_total_num_tokens``) of int2 vs BF16 at the same ``--mem-fraction-
 tok/s at 32K context, batch 1, int2 vs BF16. With sliding-window and hybrid families
 (``--families``, :data:`~.config.SIZED_FAMILIES`), f also measures a ``<family>-sizing-bf16`` /
 ``-int2`` pair per family, per pool (and, for SGLang's hybrid SWA families, a third int2 server with
-``--oscar-skip-layers sliding``, whose sliding layers must cost BF16's bytes per token while the
-full ones stay INT2): SGLang's hybrid SWA memory (Gemma-4, GPT-OSS) logs
+``--oscar-skip-layers sliding``, whose sliding pool SGLang must allocate in BF16 at the BF16
+server's bytes per token while the full pool stays INT2): SGLang's hybrid SWA memory (Gemma-4, GPT-OSS) logs
 ``full_layer_tokens=F, swa_layer_tokens=S`` (``sglang/srt/model_executor/pool_configurator.py``
 ``_solve_pool_sizes``; ``/server_info``'s ``max_total_num_tokens`` is F), and each pool's ratio
 must reach the target. A linear-attention hybrid (Qwen3-Next) has one KV pool (its full-attention
@@ -17,8 +17,8 @@ import contextlib
 from typing import Any
 
 from .checkpoints import random_prompt
-from .client import (http_json, kind_bytes_from_log, mamba_pool_from_log, max_total_tokens_from_log,
-                     stream_decode_rate, swa_pool_tokens_from_log)
+from .client import (http_json, kind_bytes_from_log, kv_allocations_from_log, mamba_pool_from_log,
+                     max_total_tokens_from_log, stream_decode_rate, swa_pool_tokens_from_log)
 from .config import FAIL, LINEAR_FAMILIES, PASS
 from .results import CheckError, CheckResult, unevaluated_status
 from .run import Run
@@ -42,9 +42,11 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
         out["max_total_num_tokens_source"] = "server_info" if tok is not None else "log"
         pools = swa_pool_tokens_from_log(srv.log_text())
         out["pools"] = pools or {"kv" if spec.model in LINEAR_FAMILIES else "all": out["max_total_num_tokens"]}
-        kinds = kind_bytes_from_log(srv.log_text())
+        kinds, allocs = kind_bytes_from_log(srv.log_text()), kv_allocations_from_log(srv.log_text())
         if kinds:
             out["kinds"] = kinds
+        if allocs:
+            out["allocations"] = allocs
         mamba = mamba_pool_from_log(srv.log_text())
         if mamba:
             out["mamba_pool"] = mamba
@@ -74,21 +76,36 @@ def _pool_ratios(run: Run, res: dict[str, Any], model: str) -> tuple[bool, str] 
     return all(r >= run.args.memory_target for r in ratios.values()), f"{model}: {text}"
 
 
+def _sub_pools(measured: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The full / sliding KV pools SGLang allocated for a hybrid SWA server (its own ``KV Cache is
+    allocated`` lines matched to ``full_layer_tokens`` / ``swa_layer_tokens`` by token count), each
+    with its bytes per token."""
+    pools, out = measured.get("pools") or {}, {}
+    for a in measured.get("allocations") or []:
+        kind = "sliding" if a["tokens"] == pools.get("swa") else "full" if a["tokens"] == pools.get("full") else None
+        if kind and a["tokens"]:
+            out[kind] = dict(a, bytes_per_token=(a["k_gb"] + a["v_gb"]) * 2**30 / a["tokens"])  # its "GB" are GiB
+    return out
+
+
 def _skip_sliding(res: dict[str, Any], model: str) -> tuple[bool, str] | None:
-    """f for ``--oscar-skip-layers sliding`` (hybrid SWA families): the sliding layers' bytes per
-    token are BF16's (SGLang's own pool) while the full layers stay INT2; each pool's tokens beside
-    the BF16 server's (reported). None when the server was not measured."""
-    sk, bf = res.get(f"{model}-sizing-int2-skip-sliding"), res.get(f"{model}-sizing-bf16", {})
-    kinds = (sk or {}).get("kinds", {})
-    if not sk or set(kinds) != {"full", "sliding"}:
+    """f for ``--oscar-skip-layers sliding`` (hybrid SWA families), from SGLang's own allocation
+    lines: the sliding pool is BF16 at the BF16 server's bytes per token (within 1 %, its GB are
+    rounded), the full pool INT2 (uint8 codes); the plugin's per-kind line and each pool's tokens
+    beside the BF16 server's are reported. None when the server was not measured."""
+    sk, bf = res.get(f"{model}-sizing-int2-skip-sliding"), res.get(f"{model}-sizing-bf16") or {}
+    got, ref = _sub_pools(sk or {}), _sub_pools(bf)
+    if set(got) != {"full", "sliding"} or "sliding" not in ref:
         return None
-    sl, fu = kinds["sliding"], kinds["full"]
-    ok = sl["format"] == "bf16" and sl["bytes"] == sl["bf16_bytes"] and fu["format"] == "int2"
-    pools, bf_pools = sk.get("pools") or {}, bf.get("pools") or {}
-    text = (f"{model} --oscar-skip-layers sliding: sliding layers {sl['format'].upper()} {sl['bytes']} B/token "
-            f"(BF16 {sl['bf16_bytes']}), full layers {fu['format'].upper()} {fu['bytes']} B/token; pools full "
-            f"{pools.get('full')} / swa {pools.get('swa')} tokens (BF16 server: {bf_pools.get('full')} / "
-            f"{bf_pools.get('swa')})")
+    sl, fu, bsl = got["sliding"], got["full"], ref["sliding"]
+    ok = (sl["dtype"] == bsl["dtype"] == "torch.bfloat16" and fu["dtype"] == "torch.uint8"
+          and abs(sl["bytes_per_token"] / bsl["bytes_per_token"] - 1) < 0.01)
+    kinds = sk.get("kinds", {})
+    plugin = "; ".join(f"plugin: {k} {v['format'].upper()} {v['bytes']} B/token" for k, v in sorted(kinds.items()))
+    text = (f"{model} --oscar-skip-layers sliding: sliding pool {sl['dtype']} {sl['bytes_per_token']:.0f} B/token "
+            f"(BF16 server {bsl['dtype']} {bsl['bytes_per_token']:.0f}), {sl['tokens']} tokens (BF16 server "
+            f"{bsl['tokens']}); full pool {fu['dtype']} {fu['bytes_per_token']:.0f} B/token, {fu['tokens']} tokens"
+            + (f" ({plugin})" if plugin else ""))
     return ok, text
 
 

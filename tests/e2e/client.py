@@ -115,6 +115,14 @@ def kind_bytes_from_log(log: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def kv_allocations_from_log(log: str) -> list[dict[str, Any]]:
+    """SGLang's own line per allocated KV pool, ``KV Cache is allocated. dtype: D, #tokens: N, K size:
+    A GB, V size: B GB`` (0.5.16 ``MHATokenToKVPool``, sizes in GiB; a hybrid SWA model logs one per
+    sub-pool), in log order: ``{"dtype", "tokens", "k_gb", "v_gb"}``."""
+    pat = r"KV Cache is allocated\. dtype: ([\w.]+), #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB"
+    return [{"dtype": d, "tokens": int(n), "k_gb": float(k), "v_gb": float(v)} for d, n, k, v in re.findall(pat, log)]
+
+
 def mamba_pool_from_log(log: str) -> dict[str, float] | None:
     """The mamba state pool of a linear-attention hybrid (Qwen3-Next), separate from the KV pool:
     ``{"slots": N, "conv_gb": C, "ssm_gb": S}`` of SGLang's startup line ``Mamba Cache is allocated.

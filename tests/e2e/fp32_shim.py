@@ -106,9 +106,10 @@ def _dump_extend_kv(original_fn, self, q, k, v, layer, forward_batch, *args, **k
     """AROUND hook of ``OscarTritonAttnBackend.forward_extend`` (only with ``$OSCAR_E2E_DUMP_KV``
     set to a folder): an int2 server's first whole-prompt extend of each prompt length saves, per
     layer, the q / K / V rows its backend receives (post-norm, post-RoPE, before any rotation),
-    the attention output it returns and the layer's scaling / sliding window, as fp32 to
-    ``<folder>/kv_<port>_<len>.pt`` with the token ids (``scripts/served_kv_diff.py`` replays them
-    through the oracle)."""
+    the attention output it returns, the layer's scaling / sliding window / sinks and whether the
+    fold moved its value or output rotation into the weights (then V arrives rotated and the output
+    leaves rotated), as fp32 to ``<folder>/kv_<port>_<len>.pt`` with the token ids
+    (``scripts/served_kv_diff.py`` replays them through the oracle)."""
     import sys
 
     import torch
@@ -121,11 +122,16 @@ def _dump_extend_kv(original_fn, self, q, k, v, layer, forward_batch, *args, **k
         port = sys.argv[sys.argv.index("--port") + 1] if "--port" in sys.argv else str(os.getpid())
         rec = _DUMPED.setdefault(n, {"layers": {}, "input_ids": fb.input_ids.detach().cpu()})
         if layer.layer_id not in rec["layers"]:  # a repeated layer id is a later extend of this length
-            rec["layers"][layer.layer_id] = {
+            sinks = kwargs.get("sinks", args[1] if len(args) > 1 else None)
+            lid = layer.layer_id
+            rec["layers"][lid] = {
                 "q": q.detach().float().cpu(), "k": k.detach().float().cpu(), "v": v.detach().float().cpu(),
                 "o": out.detach().float().cpu(), "scaling": float(layer.scaling),
                 "sliding_window": getattr(layer, "sliding_window_size", None), "tp_q_head_num": layer.tp_q_head_num,
-                "tp_k_head_num": layer.tp_k_head_num, "qk_head_dim": layer.qk_head_dim, "v_head_dim": layer.v_head_dim}
+                "tp_k_head_num": layer.tp_k_head_num, "qk_head_dim": layer.qk_head_dim, "v_head_dim": layer.v_head_dim,
+                "sinks": None if sinks is None else sinks.detach().float().cpu(),
+                "value_folded": lid in getattr(self, "folded", ()),
+                "output_folded": lid in getattr(self, "output_folded", ())}
             os.makedirs(folder, exist_ok=True)
             torch.save({"input_ids": rec["input_ids"], "layers": rec["layers"], "argv": list(sys.argv)},
                        os.path.join(folder, f"kv_{port}_{n}.pt"))

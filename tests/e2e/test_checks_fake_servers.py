@@ -228,8 +228,9 @@ def test_check_f_per_pool_ratios(tmp_path):
 
 
 def test_check_f_skip_sliding(tmp_path):
-    """--oscar-skip-layers sliding: the plugin's per-kind startup lines (format of a Gemma-4 sizing
-    server, 2026-12-03) parsed, and f's judgement: sliding layers at BF16's bytes, full layers INT2."""
+    """--oscar-skip-layers sliding, judged on SGLang's own allocation lines (format of the Gemma-4
+    sizing servers, 2026-12-03): the sliding pool BF16 at the BF16 server's bytes per token, the full
+    pool uint8; the plugin's per-kind line is parsed and reported."""
     line = ("[2026-12-03 07:07:18] sglang-oscar: {fmt} KV cache, {kind} layers ({n} x {h} kv heads x {d}/{d}): "
             "{b} bytes/token (BF16: {bf}, {r}x fewer); tokens: {t} (1.00 GiB)")
     log = "\n".join([line.format(fmt="INT2", kind="full", n=2, h=1, d=256, b=288, bf=2048, r="7.11", t=5000),
@@ -238,13 +239,22 @@ def test_check_f_skip_sliding(tmp_path):
     kinds = client.kind_bytes_from_log(log)
     assert kinds == {"full": {"format": "int2", "bytes": 288, "bf16_bytes": 2048, "tokens": 5000},
                      "sliding": {"format": "bf16", "bytes": 4096, "bf16_bytes": 4096, "tokens": 4000}}
-    res = {"gemma4-sizing-bf16": {"pools": {"full": 1200, "swa": 960}},
-           "gemma4-sizing-int2-skip-sliding": {"pools": {"full": 5000, "swa": 4000}, "kinds": kinds}}
+    alloc = "[2026-12-03 07:04:23] KV Cache is allocated. dtype: {dt}, #tokens: {n}, K size: {k} GB, V size: {k} GB"
+    bf16_log = "\n".join([alloc.format(dt="torch.bfloat16", n=1_000_000, k="1.91"),
+                          alloc.format(dt="torch.bfloat16", n=1_250_000, k="1.19")])
+    assert client.kv_allocations_from_log(bf16_log)[0] == {"dtype": "torch.bfloat16", "tokens": 1_000_000,
+                                                           "k_gb": 1.91, "v_gb": 1.91}
+    skip_log = "\n".join([alloc.format(dt="torch.bfloat16", n=4_000_000, k="7.63"),
+                          alloc.format(dt="torch.uint8", n=5_000_000, k="0.67")])
+    res = {"gemma4-sizing-bf16": {"pools": {"full": 1_250_000, "swa": 1_000_000},
+                                  "allocations": client.kv_allocations_from_log(bf16_log)},
+           "gemma4-sizing-int2-skip-sliding": {"pools": {"full": 5_000_000, "swa": 4_000_000}, "kinds": kinds,
+                                               "allocations": client.kv_allocations_from_log(skip_log)}}
     ok, text = check_fg._skip_sliding(res, "gemma4")
-    assert ok and "sliding layers BF16 4096 B/token (BF16 4096), full layers INT2 288 B/token" in text
-    assert "pools full 5000 / swa 4000 tokens (BF16 server: 1200 / 960)" in text
-    int2_sliding = dict(kinds, sliding=dict(kinds["sliding"], format="int2", bytes=576))  # the flag not applied
-    res["gemma4-sizing-int2-skip-sliding"]["kinds"] = int2_sliding
+    assert ok, text
+    assert "sliding pool torch.bfloat16 4096 B/token (BF16 server torch.bfloat16 4102)" in text  # GiB, 2 decimals
+    assert "full pool torch.uint8 288 B/token, 5000000 tokens" in text and "plugin: sliding BF16 4096" in text
+    res["gemma4-sizing-int2-skip-sliding"]["allocations"][0]["dtype"] = "torch.uint8"  # the flag not applied
     assert check_fg._skip_sliding(res, "gemma4")[0] is False
     assert check_fg._skip_sliding({}, "gemma4") is None
 

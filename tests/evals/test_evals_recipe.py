@@ -205,6 +205,7 @@ def test_unknown_section(tmp_path):
         ("\n[quant]\nscale_dtype = \"fp8\"\n", r"not one of: float32, float16, bfloat16"),
         ("\n[quant]\nskip_layers = \"sliding,3\"\n", r"skip_layers: --oscar-skip-layers must be one of none"),
         ("\n[quant]\nskip_layers = true\n", r"skip_layers must be a string"),
+        ("\n[quant]\nskip_layers = []\n", r"skip_layers must be a string"),
         ("\n[quant]\nskip_layers = [1, -2]\n", r"skip_layers: --oscar-skip-layers must be one of"),
         ("\n[rotation]\nmethod = \"quarot\"\n", r"not one of: oscar, oscar-perhead"),
         ("\n[eval]\ntasks = [\"mmlu\"]\n", r"'mmlu' is not one of: gpqa, aime25, math500, humaneval"),

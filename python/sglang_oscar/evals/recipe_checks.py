@@ -130,9 +130,9 @@ def skip_layers(v: Any, where: str) -> str:
     (:func:`sglang_oscar.config.parse_skip_layers`)."""
     from sglang_oscar.config import parse_skip_layers
 
-    if isinstance(v, bool) or not isinstance(v, (str, list)):
-        raise RecipeError(f"{where} must be a string (none, sliding, full or layer ids like \"0,5\") or a list of "
-                          f"layer ids, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (str, list)) or v == []:
+        raise RecipeError(f"{where} must be a string (none, sliding, full or layer ids like \"0,5\") or a non-empty "
+                          f"list of layer ids, got {v!r}")
     try:
         return parse_skip_layers(v)
     except ValueError as exc:
