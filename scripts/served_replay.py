@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from _support.forward import Mode
-from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
+from _support.served import cpu_backend
 from sglang_oscar.calibrate.capture import attention_override
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
@@ -86,19 +86,7 @@ def build(layers, rotations, cfg: OscarConfig, ctx: int, hybrid: bool):
                                      v_head_dim=lay.v_head_dim, layer_num=max(x.layer_id for x in layers) + 1,
                                      enable_memory_saver=False, enable_alt_stream=False, **kw)
         alloc = None
-    be = object.__new__(OscarTritonAttnBackend)
-    be.pool, be.windows, be.config = pool, pool.windows, cfg
-    be.rotations = rotations
-    be.means = {lay.layer_id: (None, None) for lay in layers}
-    be.folded = be.output_folded = frozenset()
-    be._hp_rows = None
-    be._missed_seen = 0
-    be._int2_req_to_token = torch.zeros(2, ctx, dtype=torch.int32)
-    be._swa_table = pool.new_swa_table(be._int2_req_to_token) if isinstance(pool, OscarSWAKVPool) else None
-    be._swa_loc = None
-    be._decode_config = decode_config(cfg)
-    be.max_context_len = ctx
-    be.set_geometry(layers)
+    be = cpu_backend(pool, cfg, layers, rotations, max_reqs=2, ctx=ctx)
     return be, alloc
 
 

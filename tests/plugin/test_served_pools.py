@@ -27,7 +27,8 @@ import torch
 
 from _support.forward import Mode as _Mode
 from _support.orthogonal import random_orthogonal
-from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
+from _support.served import cpu_backend
+from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
 from sglang_oscar.pool.linear_pool import OscarHybridLinearKVPool
@@ -46,20 +47,7 @@ def _layer(layer_id, hkv, d, window):
 
 
 def _backend(pool, config, layers, rotations, max_reqs):
-    be = object.__new__(OscarTritonAttnBackend)
-    be.pool, be.windows, be.config = pool, pool.windows, config
-    be.rotations = rotations
-    be.means = {lay.layer_id: (None, None) for lay in layers}
-    be.folded = be.output_folded = frozenset()
-    be._hp_rows = None
-    be._missed_seen = 0
-    be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
-    be._swa_table = pool.new_swa_table(be._int2_req_to_token) if isinstance(pool, OscarSWAKVPool) else None
-    be._swa_loc = None
-    be._decode_config = decode_config(config)
-    be.max_context_len = CTX
-    be.set_geometry(layers)
-    return be
+    return cpu_backend(pool, config, layers, rotations, max_reqs=max_reqs, ctx=CTX)
 
 
 class Served:
