@@ -77,6 +77,12 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
                 add(ServerSpec(b_baseline(m), m, [], "b"))
             add(ServerSpec(f"{m}-int2-full", m, i2 + ["--oscar-rotation", rot[f"{m}:identity"]] + b_win, "b",
                            max_running=8))
+            if getattr(args, "c_fp32", False) and m in ROUTED_FAMILIES:  # check_b's docstring: fp32 twins
+                f32, env32 = ["--dtype", "float32", *FP32_FAMILY_ARGS.get(m, [])], fp32_server_env(args.work)
+                base_env = {**env32, **hf_window_server_env(args.work)} if m in SWA_FAMILIES else env32
+                add(ServerSpec(b_baseline(m, fp32=True), m, list(f32), "b", env=dict(base_env)))
+                add(ServerSpec(fp32_name(m, "full"), m, i2 + ["--oscar-rotation", rot[f"{m}:identity"]] + b_win + f32,
+                               "b", env=dict(env32), max_running=8))
     for q in main:
         _quantizing_specs(args, add, q, rot, i2 + ["--oscar-rotation"], c_win)
     if "i" in ch:
@@ -163,9 +169,12 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
                            env=dict(strict)))
 
 
-def b_baseline(family: str) -> str:
+def b_baseline(family: str, fp32: bool = False) -> str:
     """Check b's BF16 server of ``family``: ``<family>-bf16``, or for a sliding-window family
-    ``<family>-bf16-hf-window`` (SGLang's BF16 path with :mod:`.window_shim`)."""
+    ``<family>-bf16-hf-window`` (SGLang's BF16 path with :mod:`.window_shim`); with ``fp32`` its
+    ``--dtype float32`` twin (``<family>-fp32``, c's noise-floor server, or ``<family>-fp32-hf-window``)."""
+    if fp32:
+        return f"{family}-fp32-hf-window" if family in SWA_FAMILIES else fp32_name(family)
     return f"{family}-bf16-hf-window" if family in SWA_FAMILIES else f"{family}-bf16"
 
 

@@ -78,6 +78,21 @@ def test_check_b_needs_every_family_identical(tmp_path):
     assert res.detail["models"]["llama"][0]["first_diff"] == 3
 
 
+def test_check_b_judges_a_routed_family_on_fp32_twins(tmp_path):
+    """gpt_oss (MoE): a BF16 int2-full server whose last token flips fails b alone; with fp32 twins of
+    both servers present, they decide and the BF16 pair is reported."""
+    data = {"greedy_bf16": {"gpt_oss": _prompts(8, 16)}}
+    bf16 = [_Server("gpt_oss-bf16-hf-window"), _Server("gpt_oss-int2-full", shift=1)]
+    res = check_b.check_b(_run(tmp_path, bf16, "--families", "gpt_oss", **data))
+    assert res.status == config.FAIL and "gpt_oss 0/2" in res.measured
+    twins = [_Server("gpt_oss-fp32-hf-window"), _Server("gpt_oss-int2-full-fp32")]
+    res = check_b.check_b(_run(tmp_path, bf16 + twins, "--families", "gpt_oss", **data))
+    assert res.status == config.PASS, res.measured
+    assert "gpt_oss judged on fp32 servers 2/2 (max |dlogprob| 0) (BF16, reported: 0/2" in res.measured
+    bad = [twins[0], _Server("gpt_oss-int2-full-fp32", shift=1)]
+    assert check_b.check_b(_run(tmp_path, bf16 + bad, "--families", "gpt_oss", **data)).status == config.FAIL
+
+
 def test_check_d_radix_chunk_and_eager(tmp_path):
     names = ("qwen3-int2-layer", "qwen3-int2-layer-chunk64", "qwen3-int2-layer-eager")
     res = check_d.check_d(_run(tmp_path, [_Server(n) for n in names], greedy_layer=_prompts(12, 30)))

@@ -341,3 +341,28 @@ def test_minimax_m2_family_servers():
     a = by["minimax_m2-sizing-int2"].args
     assert a[a.index("--kv-cache-quant-group-size") + 1] == "128" and by["minimax_m2-sizing-int2"].phase == 2
 
+
+
+def test_routed_family_fp32_twins_and_skip_sliding_sizing(tmp_path):
+    """--c-fp32 on gpt_oss (MoE, hybrid SWA): b's fp32 pair (baseline with the window shim's and the
+    fp32 shim's environment; fp32 MoE runner), d's fp32 chunk-64 twin, and f's skip-sliding sizing
+    server; none of them for gemma3 (no MoE, one pool)."""
+    from .fp32_shim import FP32_FAMILY_ARGS
+    from .window_shim import WINDOW_ENV
+
+    rot = {f"{m}:{k}": f"/r/{m}_{k}" for m in ("gpt_oss", "gemma3") for k in ("layer", "head", "identity", "mismatch")}
+    args = config.parse_args(["--only", "b,c,d,f", "--families", "gpt_oss,gemma3", "--c-fp32", "--out", str(tmp_path)])
+    by = {s.name: s for s in servers.server_specs(args, rot)}
+    base, full = by["gpt_oss-fp32-hf-window"], by["gpt_oss-int2-full-fp32"]
+    for s in (base, full):
+        assert s.checks == "b" and s.args[s.args.index("--dtype") + 1] == "float32"
+        assert s.args[s.args.index("--moe-runner-backend") + 1] == FP32_FAMILY_ARGS["gpt_oss"][1]
+        assert s.env["TRITON_F32_DEFAULT"] == "ieee"
+    assert base.env[WINDOW_ENV] == "1" and WINDOW_ENV not in full.env
+    assert full.args[full.args.index("--oscar-rotation") + 1] == rot["gpt_oss:identity"]
+    chunk = by["gpt_oss-int2-layer-chunk64-fp32"]
+    assert chunk.checks == "d" and chunk.args[chunk.args.index("--chunked-prefill-size") + 1] == "64"
+    skip = by["gpt_oss-sizing-int2-skip-sliding"]
+    assert skip.phase == 2 and skip.args[skip.args.index("--oscar-skip-layers") + 1] == "sliding"
+    assert not {n for n in by if n.startswith("gemma3-") and ("fp32-hf-window" in n or "full-fp32" in n
+                                                               or "chunk64-fp32" in n or "skip-sliding" in n)}
