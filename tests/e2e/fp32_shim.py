@@ -117,10 +117,13 @@ def _dump_extend_kv(original_fn, self, q, k, v, layer, forward_batch, *args, **k
     out = original_fn(self, q, k, v, layer, forward_batch, *args, **kwargs)
     folder = os.environ.get(DUMP_ENV)
     fb = forward_batch
-    if folder and k is not None and fb.batch_size == 1 and int(fb.extend_prefix_lens_cpu[0]) == 0:
-        n = int(fb.extend_seq_lens_cpu[0])
+    # SGLang's batches carry host copies of the lengths; tensors where they do not (CPU tests)
+    prefix = getattr(fb, "extend_prefix_lens_cpu", None) or fb.extend_prefix_lens
+    if folder and k is not None and fb.batch_size == 1 and int(prefix[0]) == 0:
+        n = int((getattr(fb, "extend_seq_lens_cpu", None) or fb.extend_seq_lens)[0])
         port = sys.argv[sys.argv.index("--port") + 1] if "--port" in sys.argv else str(os.getpid())
-        rec = _DUMPED.setdefault(n, {"layers": {}, "input_ids": fb.input_ids.detach().cpu()})
+        ids = getattr(fb, "input_ids", None)
+        rec = _DUMPED.setdefault(n, {"layers": {}, "input_ids": None if ids is None else ids.detach().cpu()})
         if layer.layer_id not in rec["layers"]:  # a repeated layer id is a later extend of this length
             sinks = kwargs.get("sinks", args[1] if len(args) > 1 else None)
             lid = layer.layer_id

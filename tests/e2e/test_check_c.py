@@ -136,6 +136,54 @@ def test_dump_hook_saves_the_first_whole_prompt_extend(tmp_path, monkeypatch):
         assert torch.equal(got["o"], rows[lid][0] * 2) and got["sliding_window"] == (63 if lid == 0 else None)
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["runtime", "folded"])
+def test_dump_of_the_served_backend_replays_to_its_output(tmp_path, monkeypatch, folded):
+    """The K/V dump of a real (CPU) served backend, Gemma-4-like hybrid pool (sliding 2 kv heads x
+    64, window 16; full 1 x 128), fp32 HP tier and pairs: ``scripts/served_kv_diff.py``'s replay of
+    each dumped layer equals the output the backend returned (rel. L2 < 1e-5). With the fold on,
+    V arrives rotated and the output leaves rotated: the replay takes both back from the flags."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from _support.orthogonal import random_orthogonal
+    from plugin.test_served_pools import HQ, Served, _layer
+    from scripts.served_kv_diff import per_head, replay
+
+    from sglang_oscar.config import OscarConfig
+
+    monkeypatch.setenv(fp32_shim.DUMP_ENV, str(tmp_path))
+    monkeypatch.setattr(fp32_shim, "_DUMPED", {})
+    monkeypatch.setattr("sys.argv", ["launch_server", "--port", "31000"])
+    gen = torch.Generator().manual_seed(5)
+    layers = [_layer(0, 1, 128, 0), _layer(1, 2, 64, 16)]
+    rot = {lay.layer_id: (random_orthogonal(lay.qk_head_dim, lay.tp_k_head_num, generator=gen),
+                          random_orthogonal(lay.v_head_dim, lay.tp_k_head_num, generator=gen)) for lay in layers}
+    config = OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8, scale_dtype="float32")
+    sv = Served(config, layers, rot, hybrid=True, hp_dtype=torch.float32)
+    if folded:
+        sv.be.folded = sv.be.output_folded = frozenset({0, 1})
+    t = 40
+    seqs = {lay.layer_id: (torch.randn(t, HQ, lay.qk_head_dim, generator=gen),
+                           torch.randn(t, lay.tp_k_head_num, lay.qk_head_dim, generator=gen),
+                           torch.randn(t, lay.tp_k_head_num, lay.v_head_dim, generator=gen)) for lay in layers}
+    if folded:  # a folded v_proj emits V in the rotated frame
+        seqs = {i: (q, k, torch.einsum("thd,hde->the", v, per_head(rot[i][1], v.shape[1])))
+                for i, (q, k, v) in seqs.items()}
+    backend_cls = type(sv.be)
+    original = backend_cls.forward_extend
+    monkeypatch.setattr(backend_cls, "forward_extend",
+                        lambda self, *a, **k: fp32_shim._dump_extend_kv(original, self, *a, **k))
+    outs = sv.extend(1, seqs, 0, t)
+    d = torch.load(tmp_path / f"kv_31000_{t}.pt")
+    for lay in layers:
+        got = d["layers"][lay.layer_id]
+        assert got["value_folded"] is folded and got["output_folded"] is folded
+        ref = replay(got, *rot[lay.layer_id], None, None, config).reshape(t, HQ, -1)
+        assert torch.equal(got["o"].reshape(t, HQ, -1), outs[lay.layer_id])
+        err = float((ref - outs[lay.layer_id]).norm() / ref.norm())
+        assert err < 1e-5, (lay.layer_id, err)
+
+
 def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
     """A fresh interpreter with the shims' folder first on PYTHONPATH: SGLang's own plugin loader
     finds both entry points and applies their hooks -- an fp32 RMSNorm.forward_cuda then runs

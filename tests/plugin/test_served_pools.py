@@ -53,7 +53,7 @@ def _backend(pool, config, layers, rotations, max_reqs):
 class Served:
     """A pool + backend over ``layers``; ``alloc(n)`` hands out full slots (and sliding ones)."""
 
-    def __init__(self, config, layers, rotations, *, hybrid, max_reqs=4):
+    def __init__(self, config, layers, rotations, *, hybrid, max_reqs=4, hp_dtype=torch.bfloat16):
         self.layers = layers
         if hybrid:
             from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
@@ -66,14 +66,14 @@ class Served:
                 swa_head_dim=slid[0].qk_head_dim, swa_v_head_dim=slid[0].v_head_dim,
                 swa_attention_layer_ids=[lay.layer_id for lay in slid],
                 full_attention_layer_ids=[lay.layer_id for lay in full], device="cpu", oscar_config=config,
-                hp_dtype=torch.bfloat16, max_reqs=max_reqs, sink_rows=SINK * 4 * max_reqs)
+                hp_dtype=hp_dtype, max_reqs=max_reqs, sink_rows=SINK * 4 * max_reqs)
             self.allocator = SWATokenToKVPoolAllocator(256, 96, 1, torch.uint8, "cpu", self.pool, need_sort=False)
         else:
             lay = layers[0]
             self.pool = OscarMHATokenToKVPool(
                 256, page_size=1, dtype=torch.uint8, head_num=lay.tp_k_head_num, head_dim=lay.qk_head_dim,
                 v_head_dim=lay.v_head_dim, layer_num=len(layers), device="cpu", enable_memory_saver=False,
-                enable_alt_stream=False, oscar_config=config, hp_dtype=torch.bfloat16, max_reqs=max_reqs,
+                enable_alt_stream=False, oscar_config=config, hp_dtype=hp_dtype, max_reqs=max_reqs,
                 sink_rows=SINK * 4 * max_reqs)
             self.allocator = None
             self._next = 1
