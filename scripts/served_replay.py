@@ -25,6 +25,8 @@ import torch
 
 from _support.forward import Mode
 from _support.served import cpu_backend
+from sglang.srt.configs.model_config import is_hybrid_swa_model
+from sglang_oscar.backend.rotations import rank_rotations
 from sglang_oscar.calibrate.capture import attention_override
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
@@ -111,15 +113,11 @@ def main() -> None:
     rec = record(model, seq, rs, cfg, n)
     keep = sorted(rec) if not a.layers else [int(x) for x in a.layers.split(",")]
     layers = [layer_ns(lid, rec[lid]) for lid in keep]
-    rot = {lay.layer_id: tuple(m.float().expand(lay.tp_k_head_num, -1, -1).contiguous() if m.dim() == 2 else m.float()
-                               for m in (rs.matrices(lay.layer_id, w, lay.tp_k_head_num if rs.per_head else None) for w in "kv"))
-           for lay in layers}
-    from types import SimpleNamespace as NS
-
-    from sglang.srt.configs.model_config import is_hybrid_swa_model
-
+    # the served per-rank expansion (one rank): per-layer matrices broadcast to the kv heads
+    geo = SimpleNamespace(layers=[SimpleNamespace(layer_id=x.layer_id, num_kv_heads=x.tp_k_head_num) for x in layers])
+    rot = rank_rotations(rs, geo, 0, 1, "cpu", keep)
     text = model.config.to_dict()
-    hybrid = bool(is_hybrid_swa_model(text.get("architectures") or [], NS(**text)))
+    hybrid = bool(is_hybrid_swa_model(text.get("architectures") or [], SimpleNamespace(**text)))
     be, alloc = build(layers, rot, cfg, len(seq) + 8, hybrid)
     r2t = be._int2_req_to_token
     window = max((lay.sliding_window_size + 1 for lay in layers), default=0)

@@ -59,12 +59,14 @@ def _check_d_family(run: Run, q: str) -> CheckResult:
         ok &= bool(second["cached_tokens"])
     # prompt log-probs, chunked vs unchunked (full recompute: logprob_start_len 0)
     longest = max((pp["prompt"] for pp in screened), key=len)
-    pair = (fp32, chunk32) if chunk32 is not None else (base, chunk)
-    a, b = (run.gen(srv, longest, 1, input_logprobs=True, top_logprobs=0)["input_logprobs"] for srv in pair)
-    pl = abs_diff_stats(a, b)
+    def prompt_lp_diff(unchunked, chunked):
+        a, b = (run.gen(srv, longest, 1, input_logprobs=True, top_logprobs=0)["input_logprobs"]
+                for srv in (unchunked, chunked))
+        return abs_diff_stats(a, b)
+
+    pl = prompt_lp_diff(fp32, chunk32) if chunk32 is not None else prompt_lp_diff(base, chunk)
     if chunk32 is not None:  # the BF16 pair, reported
-        a, b = (run.gen(srv, longest, 1, input_logprobs=True, top_logprobs=0)["input_logprobs"] for srv in (base, chunk))
-        pl_bf16 = abs_diff_stats(a, b)
+        pl_bf16 = prompt_lp_diff(base, chunk)
     ok &= pl["n"] == len(longest) - 1 and pl["mean"] <= args.d_tol
 
     def summ(key):

@@ -37,17 +37,18 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
             with contextlib.suppress(RuntimeError):
                 info = http_json(srv.url + ep, timeout=30)
                 break
+        log = srv.log_text()
         tok = info.get("max_total_num_tokens") if isinstance(info, dict) else None
-        out["max_total_num_tokens"] = tok if tok is not None else max_total_tokens_from_log(srv.log_text())
+        out["max_total_num_tokens"] = tok if tok is not None else max_total_tokens_from_log(log)
         out["max_total_num_tokens_source"] = "server_info" if tok is not None else "log"
-        pools = swa_pool_tokens_from_log(srv.log_text())
+        pools = swa_pool_tokens_from_log(log)
         out["pools"] = pools or {"kv" if spec.model in LINEAR_FAMILIES else "all": out["max_total_num_tokens"]}
-        kinds, allocs = kind_bytes_from_log(srv.log_text()), kv_allocations_from_log(srv.log_text())
+        kinds, allocs = kind_bytes_from_log(log), kv_allocations_from_log(log)
         if kinds:
             out["kinds"] = kinds
         if allocs:
             out["allocations"] = allocs
-        mamba = mamba_pool_from_log(srv.log_text())
+        mamba = mamba_pool_from_log(log)
         if mamba:
             out["mamba_pool"] = mamba
         if "g" in run.args.checks and spec.model == "long":

@@ -43,7 +43,7 @@ SINK_FAMILIES = ("gpt_oss",)  # learned attention-sink logits (GPT-OSS ``sinks``
 LINEAR_FAMILIES = ("qwen3_next",)  # linear-attention hybrids (Gated-DeltaNet + full attention layers)
 MOE_MHA_FAMILIES = ("minimax_m2",)  # one MHA pool; partial RoPE and cross-head q/k norms before the cache write
 # MoE families among c/d's: a BF16 rounding change can flip a near-tied expert routing, a jump that
-# INT2 codes then carry on; with --c-fp32 check d also judges their chunked prefill in fp32
+# INT2 codes then carry on; with --c-fp32 checks b and d judge them on fp32 twins
 ROUTED_FAMILIES = ("gpt_oss", "qwen3_next", "minimax_m2")
 SIZED_FAMILIES = SWA_FAMILIES + LINEAR_FAMILIES + MOE_MHA_FAMILIES  # f measures a sizing pair of their own
 # Families whose architecture SGLang checks --attention-backend for itself (server_args.py: Gemma-4

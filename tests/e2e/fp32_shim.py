@@ -98,6 +98,12 @@ def _fp32_moe_compute(original_fn, A, *args, **kwargs):
 # asserts bf16 activations, SGLang's Triton runner takes fp32 with _fp32_moe_compute.
 FP32_FAMILY_ARGS = {"gpt_oss": ["--moe-runner-backend", "triton"]}
 
+
+def fp32_args(family: str) -> list[str]:
+    """The flags that make a server of ``family`` an fp32 one (``--dtype float32`` and
+    :data:`FP32_FAMILY_ARGS`); their environment is :func:`fp32_server_env`."""
+    return ["--dtype", "float32", *FP32_FAMILY_ARGS.get(family, [])]
+
 DUMP_ENV = "OSCAR_E2E_DUMP_KV"
 _DUMPED: dict = {}
 

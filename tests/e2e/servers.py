@@ -20,7 +20,7 @@ from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAM
                      HYBRID_SWA_FAMILIES, OWN_BACKEND_ASSERT, ROOT, ROUTED_FAMILIES, SIZED_FAMILIES, SWA_FAMILIES,
                      main_families)
 from .families import sglang_override_args, sizing_group_size
-from .fp32_shim import C_FP32_SERVERS, FP32_FAMILY_ARGS, fp32_name, fp32_server_env, hf_window_server_env
+from .fp32_shim import C_FP32_SERVERS, fp32_args, fp32_name, fp32_server_env, hf_window_server_env
 
 
 @dataclasses.dataclass
@@ -78,7 +78,7 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
             add(ServerSpec(f"{m}-int2-full", m, i2 + ["--oscar-rotation", rot[f"{m}:identity"]] + b_win, "b",
                            max_running=8))
             if getattr(args, "c_fp32", False) and m in ROUTED_FAMILIES:  # check_b's docstring: fp32 twins
-                f32, env32 = ["--dtype", "float32", *FP32_FAMILY_ARGS.get(m, [])], fp32_server_env(args.work)
+                f32, env32 = fp32_args(m), fp32_server_env(args.work)
                 base_env = {**env32, **hf_window_server_env(args.work)} if m in SWA_FAMILIES else env32
                 add(ServerSpec(b_baseline(m, fp32=True), m, list(f32), "b", env=dict(base_env)))
                 add(ServerSpec(fp32_name(m, "full"), m, i2 + ["--oscar-rotation", rot[f"{m}:identity"]] + b_win + f32,
@@ -145,7 +145,7 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
         add(ServerSpec(f"{q}-int2-head", q, i2r + [rot[f"{q}:head"]] + c_win, "ch" if q == "qwen3" else "c"))
     if ("c" in ch or "d" in ch) and getattr(args, "c_fp32", False):
         # c's fp32 servers; d judges its radix hit on the layer one (check_d's docstring); h keeps BF16
-        f32, env32 = ["--dtype", "float32", *FP32_FAMILY_ARGS.get(q, [])], fp32_server_env(args.work)
+        f32, env32 = fp32_args(q), fp32_server_env(args.work)
         pairs = ["--oscar-scale-dtype", C_FP32_SCALE_DTYPE]
         for kind in C_FP32_SERVERS:
             uses = ("c" if "c" in ch else "") + ("d" if "d" in ch and kind == "layer" else "")
