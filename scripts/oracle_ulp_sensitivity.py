@@ -9,7 +9,7 @@ rows entering build_cache multiplied by (1 + eps * N(0,1)) and report |d logprob
 code flips. A control with every key in HP (sink_tokens >= T, no INT2 read) gives the continuous
 amplification of the same perturbation.
 
-Run from the repository root (CPU, ~5 min for the figures in docs/serving.md):
+Run from the repository root (CPU, ~5 min for the figures in docs/serving_hybrid.md):
   PYTHONPATH=python:. TRITON_INTERPRET=1 python scripts/oracle_ulp_sensitivity.py \
       --families qwen3,gemma3,gemma4 --lens 256,1024,1800 --noise-seeds 5 --control --scale32
 With ``--decode N`` also check c's decode positions: the oracle's own greedy continuation of N

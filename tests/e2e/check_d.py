@@ -4,7 +4,7 @@ same tokens and log-probabilities as the plain int2 server.
 The radix hit is judged on the family's fp32 int2 server of check c (``--c-fp32``) when the run has
 one, else on the BF16 one: a hit re-runs the prompt's last tokens (at least ``recent``) as a short
 extend, and in BF16 SGLang's GEMMs round those rows differently from the fresh run's long extend,
-which INT2 codes of later layers can amplify (docs/serving.md, check d on the sliding-window
+which INT2 codes of later layers can amplify (docs/serving_hybrid.md, check d on the sliding-window
 families); the BF16 hit is reported either way. For the MoE families of
 :data:`~.config.ROUTED_FAMILIES` the chunked prefill is judged the same way, on an fp32 chunk-64
 twin (a BF16 GEMM's row count can flip a near-tied expert routing)."""
