@@ -19,6 +19,7 @@ tokens (fp32 pairs), teacher-forced with decode windows, base against perturbed,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -77,6 +78,27 @@ def run_oracle(model, seq, rs, cfg, eps, seed, record, prompt_len=None):
     return torch.tensor(lp, dtype=torch.float64), rec
 
 
+@contextlib.contextmanager
+def rope_tables_moved(model, frac: float, seed: int):
+    """Every rotary module's ``*inv_freq`` buffers (not the ``original_`` copies) with a random
+    ``frac`` of the entries in (0, 1) moved one ulp up or down; restored on exit."""
+    g = torch.Generator().manual_seed(seed)
+    saved = []
+    for mod in model.modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if name.endswith("inv_freq") and not name.startswith("original") and "_original_" not in name:
+                pick = (torch.rand(buf.shape, generator=g) < frac) & (buf > 0) & (buf < 1)
+                up = torch.rand(buf.shape, generator=g) < 0.5
+                moved = torch.nextafter(buf, torch.where(up, torch.full_like(buf, 2.0), torch.zeros_like(buf)))
+                saved.append((buf, buf.clone()))
+                buf.copy_(torch.where(pick, moved, buf))
+    try:
+        yield
+    finally:
+        for buf, old in saved:
+            buf.copy_(old)
+
+
 def flips(a, b):
     """Fraction of K / V codes that differ; fraction of rows (token x kv-head) with any flip; scale/zero pairs changed."""
     out = {}
@@ -117,6 +139,9 @@ def main():
                         "(fp32 pairs, as check c's fp32 criterion), teacher-forced with decode windows, per seed")
     p.add_argument("--rotation", default="layer", choices=("layer", "head"),
                    help="check c's per-layer or per-kv-head fitted rotation file")
+    p.add_argument("--rope-ulp", type=float, default=0.0,
+                   help="with --decode: also move this fraction of the RoPE inv_freq entries by one ulp (up or "
+                        "down at random, per seed), as GPU-computed tables may differ from transformers' CPU ones")
     p.add_argument("--fp64", action="store_true",
                    help="with --decode: also the checkpoint loaded in fp64 (HP tier and pairs fp32) against fp32, "
                         "the oracle's move under fp32 arithmetic alone, and the K/V relative difference per layer")
@@ -214,6 +239,15 @@ def main():
                         print(f"[{key}] decode {a.decode}, fp32 pairs, eps {eps:g} seed {1 + s}: prefill mean "
                               f"{e['prefill']['mean']:.3g} | decode mean {e['decode']['mean']:.3g} max "
                               f"{e['decode']['max']:.3g}", flush=True)
+                if a.rope_ulp:
+                    for s_ in range(a.noise_seeds):
+                        with rope_tables_moved(q32, a.rope_ulp, 1 + s_):
+                            pr, _ = run_oracle(q32, seqd, rs, c32, 0.0, 0, False, prompt_len=L)
+                        e = {"prefill": stats(pr[:L - 1], bd[:L - 1]), "decode": stats(pr[L - 1:], bd[L - 1:])}
+                        r[f"decode{a.decode}_scale32_rope_ulp={a.rope_ulp:g}:seed={1 + s_}"] = e
+                        print(f"[{key}] decode {a.decode}, fp32 pairs, inv_freq {a.rope_ulp:g} of entries +-1 ulp "
+                              f"seed {1 + s_}: prefill mean {e['prefill']['mean']:.3g} | decode mean "
+                              f"{e['decode']['mean']:.3g} max {e['decode']['max']:.3g}", flush=True)
                 if a.fp64:
                     q64 = load_hf(path, "cpu", dtype=torch.float64, fp32_head=hargs.fp32_lm_head)
                     PERT.raw = []
