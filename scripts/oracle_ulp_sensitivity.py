@@ -231,23 +231,25 @@ def main():
                     greedy = greedy_paths(q32, [seq], a.decode, rotation=rs, config=c32)[0]
                 seqd = list(seq) + greedy["tokens"]
                 bd, _ = run_oracle(q32, seqd, rs, c32, 0.0, 0, False, prompt_len=L)
+
+                def moved(lp, name: str, label: str, **extra) -> None:
+                    """Record and print how far log-probs ``lp`` are from the base run ``bd``."""
+                    e = {"prefill": stats(lp[:L - 1], bd[:L - 1]), "decode": stats(lp[L - 1:], bd[L - 1:]), **extra}
+                    r[f"decode{a.decode}_scale32_{name}"] = e
+                    print(f"[{key}] decode {a.decode}, fp32 pairs, {label}: prefill mean {e['prefill']['mean']:.3g} | "
+                          f"decode mean {e['decode']['mean']:.3g} max {e['decode']['max']:.3g}"
+                          + "".join(f" | {k} {v}" for k, v in extra.items()), flush=True)
+
                 for eps in epss:
                     for s in range(a.noise_seeds):
                         pd, _ = run_oracle(q32, seqd, rs, c32, eps, 1 + s, False, prompt_len=L)
-                        e = {"prefill": stats(pd[:L - 1], bd[:L - 1]), "decode": stats(pd[L - 1:], bd[L - 1:])}
-                        r[f"decode{a.decode}_scale32_eps={eps:g}:seed={1 + s}"] = e
-                        print(f"[{key}] decode {a.decode}, fp32 pairs, eps {eps:g} seed {1 + s}: prefill mean "
-                              f"{e['prefill']['mean']:.3g} | decode mean {e['decode']['mean']:.3g} max "
-                              f"{e['decode']['max']:.3g}", flush=True)
+                        moved(pd, f"eps={eps:g}:seed={1 + s}", f"eps {eps:g} seed {1 + s}")
                 if a.rope_ulp:
-                    for s_ in range(a.noise_seeds):
-                        with rope_tables_moved(q32, a.rope_ulp, 1 + s_):
+                    for s in range(a.noise_seeds):
+                        with rope_tables_moved(q32, a.rope_ulp, 1 + s):
                             pr, _ = run_oracle(q32, seqd, rs, c32, 0.0, 0, False, prompt_len=L)
-                        e = {"prefill": stats(pr[:L - 1], bd[:L - 1]), "decode": stats(pr[L - 1:], bd[L - 1:])}
-                        r[f"decode{a.decode}_scale32_rope_ulp={a.rope_ulp:g}:seed={1 + s_}"] = e
-                        print(f"[{key}] decode {a.decode}, fp32 pairs, inv_freq {a.rope_ulp:g} of entries +-1 ulp "
-                              f"seed {1 + s_}: prefill mean {e['prefill']['mean']:.3g} | decode mean "
-                              f"{e['decode']['mean']:.3g} max {e['decode']['max']:.3g}", flush=True)
+                        moved(pr, f"rope_ulp={a.rope_ulp:g}:seed={1 + s}",
+                              f"inv_freq {a.rope_ulp:g} of entries +-1 ulp seed {1 + s}")
                 if a.fp64:
                     q64 = load_hf(path, "cpu", dtype=torch.float64, fp32_head=hargs.fp32_lm_head)
                     PERT.raw = []
@@ -257,12 +259,7 @@ def main():
                     raw64, PERT.raw = PERT.raw, None
                     rel = [[float((x[j] - y[j]).norm() / y[j].norm()) for j in (0, 1) if y[j] is not None]
                            for x, y in zip(raw32, raw64)]
-                    e = {"prefill": stats(bd[:L - 1], p64[:L - 1]), "decode": stats(bd[L - 1:], p64[L - 1:]),
-                         "kv_rel_l2_fp32_vs_fp64_per_layer": rel}
-                    r[f"decode{a.decode}_scale32_fp32_vs_fp64_model"] = e
-                    print(f"[{key}] decode {a.decode}, fp32 pairs, fp32 vs fp64 model: prefill mean "
-                          f"{e['prefill']['mean']:.3g} | decode mean {e['decode']['mean']:.3g} max "
-                          f"{e['decode']['max']:.3g} | K/V rel. L2 per layer {rel}", flush=True)
+                    moved(p64, "fp32_vs_fp64_model", "fp32 vs fp64 model", kv_rel_l2_fp32_vs_fp64_per_layer=rel)
                     del q64
                 json.dump(results, open(a.out, "w"), indent=1)
             if a.scale32:
