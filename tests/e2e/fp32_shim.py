@@ -69,6 +69,26 @@ def _no_fp32_jit_qknorm(original_fn, head_dim, dtype, *args, **kwargs):
     return original_fn(head_dim, dtype, *args, **kwargs)
 
 
+ROPE_ENV = "OSCAR_E2E_CPU_ROPE"
+
+
+def _cpu_inv_freq(original_fn, self, *args, **kwargs):
+    """AROUND hook of ``RotaryEmbedding._compute_inv_freq`` (and Gemma-4's override), with
+    ``$OSCAR_E2E_CPU_ROPE`` set: compute RoPE's inverse frequencies on the CPU, as transformers
+    does for the oracle, then move them to the device SGLang would have used. SGLang computes them
+    on the GPU (``base.py``'s own note: "a slight numerical difference between the HF
+    implementation and ours"), whose ``pow`` differs from the CPU's in the last bit; on Gemma-4 a
+    one-ulp table change starts an INT2 code cascade as large as check c's tolerance
+    (docs/serving_hybrid.md)."""
+    import torch
+
+    if not os.environ.get(ROPE_ENV):
+        return original_fn(self, *args, **kwargs)
+    with torch.device("cpu"):
+        inv_freq = original_fn(self, *args, **kwargs)
+    return inv_freq.to(torch.get_default_device())
+
+
 def _gpt_oss_weights_in_default_dtype(original_fn, self, config, *args, **kwargs):
     """AROUND hook of ``GptOssForCausalLM.__init__``: SGLang builds GPT-OSS's attention and router
     weights in ``config.dtype`` (the checkpoint's bf16, ``gpt_oss.py:249,522``) whatever ``--dtype``
@@ -159,6 +179,8 @@ FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.activation.GeluAndMul.forward_cuda", _fp32_native),
     ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_cuda", _fp32_native_rope),
     ("sglang.jit_kernel.norm.can_use_fused_inplace_qknorm", _no_fp32_jit_qknorm),
+    ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding._compute_inv_freq", _cpu_inv_freq),
+    ("sglang.srt.layers.rotary_embedding.rope_variant.Gemma4RotaryEmbedding._compute_inv_freq", _cpu_inv_freq),
     ("sglang.srt.models.gpt_oss.GptOssForCausalLM.__init__", _gpt_oss_weights_in_default_dtype),
     ("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", _fp32_moe_compute),
 )
@@ -205,9 +227,10 @@ def write_fp32_shim(path: str) -> str:
 
 def fp32_server_env(work: str) -> dict[str, str]:
     """Environment of the fp32 servers: the shim's folder (:func:`write_fp32_shim`) first on
-    PYTHONPATH, and ``TRITON_F32_DEFAULT=ieee`` so that no Triton ``tl.dot`` on fp32 operands
-    silently runs in TF32 (the INT2 kernels already ask for IEEE)."""
-    return {"PYTHONPATH": _shim_path(work), "TRITON_F32_DEFAULT": "ieee"}
+    PYTHONPATH, ``TRITON_F32_DEFAULT=ieee`` so that no Triton ``tl.dot`` on fp32 operands
+    silently runs in TF32 (the INT2 kernels already ask for IEEE), and ``$OSCAR_E2E_CPU_ROPE``
+    (:func:`_cpu_inv_freq`: RoPE tables as the oracle's)."""
+    return {"PYTHONPATH": _shim_path(work), "TRITON_F32_DEFAULT": "ieee", ROPE_ENV: "1"}
 
 
 def hf_window_server_env(work: str) -> dict[str, str]:

@@ -105,6 +105,43 @@ def test_fp32_shim_hooks_route_only_fp32():
     assert callable(getattr(pkgutil.resolve_name(obj_path), attr))
 
 
+def test_cpu_inv_freq_matches_transformers(monkeypatch):
+    """$OSCAR_E2E_CPU_ROPE: SGLang's inverse frequencies (default and Gemma-4's proportional RoPE)
+    are computed on the CPU whatever the default device, land on that device, and equal the
+    oracle's (transformers') bit for bit; without the variable the original runs where it would."""
+    from transformers import Gemma4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+    from sglang.srt.layers.rotary_embedding.rope_variant import Gemma4RotaryEmbedding
+
+    cfg = Gemma4TextConfig(head_dim=128, global_head_dim=256, num_attention_heads=8, num_key_value_heads=2)
+    full = cfg.rope_parameters["full_attention"]
+    hf_full, _ = ROPE_INIT_FUNCTIONS["proportional"](cfg, "cpu", layer_type="full_attention", head_dim_key="global_head_dim")
+    hf_sliding = 1.0 / (cfg.rope_parameters["sliding_attention"]["rope_theta"]
+                        ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
+    angles = int(full["partial_rotary_factor"] * 256) // 2
+    g4 = SimpleNamespace(rope_angles=angles, nope_angles=128 - angles, head_size=256)
+    plain = SimpleNamespace(rotary_dim=128)
+    seen = []
+
+    def on(fn):
+        return lambda self, *a: (seen.append(torch.get_default_device().type), fn(self, *a))[1]
+
+    monkeypatch.setattr(fp32_shim, "os", SimpleNamespace(environ={fp32_shim.ROPE_ENV: "1"}))
+    with torch.device("meta"):
+        moved = fp32_shim._cpu_inv_freq(on(Gemma4RotaryEmbedding._compute_inv_freq), g4, full["rope_theta"])
+    assert moved.device.type == "meta" and seen == ["cpu"]
+    assert torch.equal(fp32_shim._cpu_inv_freq(Gemma4RotaryEmbedding._compute_inv_freq, g4, full["rope_theta"]), hf_full)
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+
+    monkeypatch.setattr(rope_base, "get_server_args", lambda: SimpleNamespace(rl_on_policy_target=None))
+    assert torch.equal(fp32_shim._cpu_inv_freq(RotaryEmbedding._compute_inv_freq, plain, 10000.0), hf_sliding)
+    monkeypatch.setattr(fp32_shim, "os", SimpleNamespace(environ={}))
+    with torch.device("meta"):
+        fp32_shim._cpu_inv_freq(on(Gemma4RotaryEmbedding._compute_inv_freq), g4, full["rope_theta"])
+    assert seen == ["cpu", "meta"]
+
+
 def test_dump_hook_saves_the_first_whole_prompt_extend(tmp_path, monkeypatch):
     """$OSCAR_E2E_DUMP_KV: the rows of each layer of the first prefix-free extend of a length are
     saved once (a later extend of that length, a cached prefix or a batch of two is left alone)."""
