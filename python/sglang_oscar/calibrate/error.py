@@ -8,7 +8,8 @@ rotation, and the attention output is compared with exact fp32 attention:
 tokens and heads (the terms of :func:`..reference.relative_error_db`), and ``overall`` the same
 ratio summed over all layers. Lower is better; a fitted rotation should beat Hadamard, which
 should beat ``naive`` (identity rotation, same INT2 format and windows). ``bf16`` is the floor
-(rotated BF16 cache, nothing quantized).
+(rotated BF16 cache, nothing quantized), which is also every method's figure at the layers that
+``skip_layers`` keeps in SGLang's BF16 cache.
 
 MLA models: the latent ``c_kv`` is quantized through each latent rotation (``naive`` identity,
 ``hadamard`` block Hadamard, fitted ``U P Hblock``), see :mod:`.oracle`.
@@ -30,7 +31,7 @@ from . import CalibrationError
 from .fit import check_rotation
 from .model import config_fingerprint, geometry_of, input_device
 from .oracle import (OutputFn, RotationCache, check_window_mode, energies, low_reads, mha_output, mla_output,
-                     oracle_capture, settings)
+                     oracle_capture, settings, skipped_layers)
 from .prompts import PromptSet
 
 
@@ -98,6 +99,8 @@ def functional_error(
         check_rotation(rs, geometry, fingerprint, allow_other_model=allow_other_model, name=name)
         sets[name] = rs
     caches = {name: RotationCache(rs) for name, rs in sets.items()}
+    skip = skipped_layers(config, geometry)
+    floor = None if mla else caches.get("naive") or RotationCache(RotationSet.data_free(geometry, "identity"))
     methods = (["bf16"] if include_baselines and not mla else []) + list(sets)
     clash = sorted(set(outputs) & set(methods))
     if clash:
@@ -121,18 +124,18 @@ def functional_error(
                 exact = mha_output(call, b, None, None, config, window_mode)
             den[lid] += float(exact.double().pow(2).sum())
             for name in methods:
-                if name in outputs:
-                    out = outputs[name](call, b)
-                elif name == "bf16":
-                    r = caches["naive"]
-                    out = mha_output(call, b, r.get(lid, "k", exact.device), r.get(lid, "v", exact.device), config,
+                if name == "bf16" or (lid in skip and name not in outputs):
+                    # a skipped layer keeps SGLang's BF16 cache whatever the rotation: the BF16 floor
+                    out = mha_output(call, b, floor.get(lid, "k", exact.device), floor.get(lid, "v", exact.device), config,
                                      window_mode, quantize=False)
+                elif name in outputs:
+                    out = outputs[name](call, b)
                 elif mla:
                     out = mla_output(call, b, c, caches[name].get(lid, "latent", exact.device), config, window_mode)
                 else:
                     out = caches[name].mha(call, b, config, window_mode)
                 num[lid][name] += energies(out, exact)[0]
-            reads["low"] += low_reads(t, config, window_mode, call.sliding_window)
+            reads["low"] += 0 if lid in skip else low_reads(t, config, window_mode, call.sliding_window)
             reads["total"] += low_reads(t, OscarConfig(sink_tokens=0, recent_tokens=0), "extend", call.sliding_window)
         return None
 
@@ -150,8 +153,8 @@ def functional_error(
     if reads["low"] == 0:
         raise CalibrationError(
             f"nothing was quantized: every key of the {prompts.num_tokens} held-out tokens fell inside the BF16 windows "
-            f"(sink {config.sink_tokens}, recent {config.recent_tokens}, window_mode {window_mode}); use longer "
-            "sequences or smaller windows"
+            f"(sink {config.sink_tokens}, recent {config.recent_tokens}, window_mode {window_mode})"
+            f"{f' or in the {len(skip)} skipped BF16 layers' if skip else ''}; use longer sequences or smaller windows"
         )
     layers = {lid: {m: _db(num[lid][m], den[lid]) for m in methods} for lid in geometry.layer_ids}
     overall = {m: _db(sum(num[lid][m] for lid in num), sum(den.values())) for m in methods}
@@ -166,6 +169,7 @@ def functional_error(
         "tokens": prompts.num_tokens,
         "sequences": len(prompts.sequences),
         "quantized_read_fraction": reads["low"] / max(reads["total"], 1),
+        "skipped_layers": sorted(skip),
         "prompts": prompts.meta,
     }
 
@@ -178,8 +182,9 @@ def format_report(rep: dict[str, Any]) -> str:
         f"window_mode {rep['window_mode']}, {100 * rep['quantized_read_fraction']:.1f}% of key reads in INT2",
         f"{'layer':>8} " + " ".join(f"{m:>12}" for m in methods),
     ]
+    skipped = {str(i) for i in rep.get("skipped_layers", ())}
     for lid, row in rep["layers"].items():
-        lines.append(f"{lid:>8} " + " ".join(f"{row[m]:>12.2f}" for m in methods))
+        lines.append(f"{lid:>8} " + " ".join(f"{row[m]:>12.2f}" for m in methods) + ("  (BF16: skip_layers)" if lid in skipped else ""))
     lines.append(f"{'overall':>8} " + " ".join(f"{rep['overall_db'][m]:>12.2f}" for m in methods))
     return "\n".join(lines)
 

@@ -93,7 +93,28 @@ def settings(config: OscarConfig) -> dict[str, Any]:
     """The served quantizer settings of ``config`` as reported by ``error`` and ``ppl``."""
     return {"group_size": config.group_size, "k_clip_ratio": config.k_clip_ratio, "v_clip_ratio": config.v_clip_ratio,
             "sink_tokens": config.sink_tokens, "recent_tokens": config.recent_tokens,
-            "quantizer": config.quantizer, "scale_dtype": config.scale_dtype}
+            "quantizer": config.quantizer, "scale_dtype": config.scale_dtype, "skip_layers": config.skip_layers}
+
+
+def skipped_layers(config: OscarConfig, geometry) -> frozenset[int]:
+    """Global ids of the attention layers ``config.skip_layers`` keeps in SGLang's BF16 cache, by the
+    served rule (:func:`sglang_oscar.config.resolve_skip_layers`): ``error`` and ``ppl`` give them
+    the BF16 path, so their figures describe the served configuration.
+
+    Raises:
+        CalibrationError: ids that are not attention layers of ``geometry``, or skipped layers on an
+            MLA model (its one latent pool cannot keep some layers BF16; the server refuses it too).
+    """
+    from ..config import resolve_skip_layers
+
+    try:
+        skip = resolve_skip_layers(config.skip_layers, geometry)
+    except ValueError as e:
+        raise CalibrationError(str(e)) from None
+    if skip and geometry.attention_kind == "mla":
+        raise CalibrationError(f"skip_layers {config.skip_layers}: an MLA model keeps every layer in one latent pool, "
+                               "so none can stay BF16; use skip_layers = none")
+    return skip
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Two runs of the model over the same sequences: **BF16** (the model's own attention, in the
 loaded dtype) and **INT2**, where every attention layer's output is replaced by the reference
 oracle with the served settings (rotation, BF16 sink/recent windows, group size, clip ratios,
-quantizer, scale dtype):
+quantizer, scale dtype; the layers of ``skip_layers`` read K/V in BF16, as from SGLang's BF16 cache):
 
 * ``window_mode="decode"`` (default): every position is scored as if it were decoded -- the
   query at position ``i`` reads keys ``j < sink`` and ``j > i - recent`` in BF16, the rest INT2;
@@ -30,8 +30,8 @@ from ..rotation.latent import LatentRotationSet
 from . import CalibrationError
 from .fit import check_rotation
 from .model import config_fingerprint, geometry_of, input_device
-from .oracle import (OutputFn, RotationCache, check_window_mode, low_reads, mla_output, oracle_capture,
-                     settings)
+from .oracle import (OutputFn, RotationCache, check_window_mode, low_reads, mha_output, mla_output, oracle_capture,
+                     settings, skipped_layers)
 from .prompts import PromptSet
 
 
@@ -87,24 +87,31 @@ def perplexity(
     seqs = [s for s in prompts.sequences if len(s) >= 2]
     if not seqs:
         raise CalibrationError("perplexity needs sequences of at least 2 tokens")
-    low = sum(low_reads(len(s), config, window_mode, lg.sliding_window) for s in seqs for lg in geometry.layers)
+    skip = skipped_layers(config, geometry)
+    low = sum(low_reads(len(s), config, window_mode, lg.sliding_window) for s in seqs for lg in geometry.layers
+              if lg.layer_id not in skip)
     total = sum(low_reads(len(s), OscarConfig(sink_tokens=0, recent_tokens=0), "extend", lg.sliding_window)
                 for s in seqs for lg in geometry.layers)
     if low == 0:
         longest = max(len(s) for s in seqs)
         raise CalibrationError(
             f"nothing would be quantized: all keys of the {len(seqs)} sequences (longest {longest} tokens) fall inside the "
-            f"BF16 windows (sink {config.sink_tokens} + recent {config.recent_tokens}, window_mode {window_mode}); "
+            f"BF16 windows (sink {config.sink_tokens} + recent {config.recent_tokens}, window_mode {window_mode})"
+            f"{f' or in the {len(skip)} skipped BF16 layers' if skip else ''}; "
             "an INT2 perplexity would equal BF16's. Use longer sequences (--seq-len) or smaller windows."
         )
     cache = RotationCache(rotation) if rotation is not None else None
+    floor = RotationCache(RotationSet.data_free(geometry, "identity")) if skip else None
     latents: dict[int, torch.Tensor] = {}
 
     def on_attention(call):
         outs = []
         for b in range(call.query.shape[0]):
             dev = call.query.device
-            if output_fn is not None:
+            if call.layer_id in skip:  # SGLang's BF16 cache: K/V rounded to BF16, nothing quantized
+                lid = call.layer_id
+                o = mha_output(call, b, floor.get(lid, "k", dev), floor.get(lid, "v", dev), config, window_mode, quantize=False)
+            elif output_fn is not None:
                 o = output_fn(call, b)
             elif mla:
                 o = mla_output(call, b, latents[call.layer_id][b], cache.get(call.layer_id, "latent", dev), config, window_mode)
@@ -151,6 +158,7 @@ def perplexity(
         "int2": {"nll": nll_int2, "ppl": ppl_int2},
         "relative_change": ppl_int2 / ppl_bf16 - 1.0,
         "quantized_read_fraction": low / max(total, 1),
+        "skipped_layers": sorted(skip),
         "per_sequence": per_seq,
         "prompts": prompts.meta,
     }
