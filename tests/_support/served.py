@@ -5,19 +5,23 @@ from __future__ import annotations
 import torch
 
 
-def cpu_backend(pool, config, layers, rotations, *, max_reqs: int, ctx: int):
+def cpu_backend(pool, config, layers, rotations, *, max_reqs: int, ctx: int, means=None, folded=frozenset(),
+                output_folded=None):
     """An ``OscarTritonAttnBackend`` over ``pool`` with the attributes its ``__init__`` sets (that
     ``__init__`` needs SGLang's GPU model runner): ``rotations`` ``{layer id: (R_k, R_v)}`` of
-    ``layers`` (RadixAttention-like objects), no centering means, no fold, a ``[max_reqs, ctx]``
-    request-to-slot table (and its sliding-pool twin for an ``OscarSWAKVPool``)."""
+    ``layers`` (RadixAttention-like objects), centering ``means`` ``{layer id: (mean_k, mean_v)}``
+    (default none), the layers whose value rotation (``folded``) and output rotation
+    (``output_folded``, default ``folded``) ``fold_model`` moved into the weights, a
+    ``[max_reqs, ctx]`` request-to-slot table (and its sliding-pool twin for an ``OscarSWAKVPool``)."""
     from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
     from sglang_oscar.pool.swa_pool import OscarSWAKVPool
 
     be = object.__new__(OscarTritonAttnBackend)
     be.pool, be.windows, be.config = pool, pool.windows, config
     be.rotations = rotations
-    be.means = {lay.layer_id: (None, None) for lay in layers}
-    be.folded = be.output_folded = frozenset()
+    be.means = means if means is not None else {lay.layer_id: (None, None) for lay in layers}
+    be.folded = frozenset(folded)
+    be.output_folded = be.folded if output_folded is None else frozenset(output_folded)
     be._hp_rows = None
     be._missed_seen = 0
     be._int2_req_to_token = torch.zeros(max_reqs, ctx, dtype=torch.int32)

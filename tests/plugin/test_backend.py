@@ -22,7 +22,7 @@ import torch
 
 from _support.forward import Mode as _Mode
 from _support.orthogonal import random_orthogonal
-from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
+from _support.served import cpu_backend
 from sglang_oscar.config import OscarConfig
 from sglang_oscar.pool.int2_pool import OscarMHATokenToKVPool
 from sglang_oscar.reference.attention import oscar_attention
@@ -50,20 +50,8 @@ class Served:
             device="cpu", enable_memory_saver=False, enable_alt_stream=False, oscar_config=config,
             hp_dtype=hp_dtype, max_reqs=max_reqs,
             sink_rows=SINK * 4 * max_reqs if sink_rows is None else sink_rows)
-        be = object.__new__(OscarTritonAttnBackend)
-        be.pool, be.windows, be.config = self.pool, self.pool.windows, config
-        be.rotations = {0: (rk, rv)}
-        be.means = {0: (mk, mv)}
-        # __init__: fold_model(...) (empty unless --oscar-fold-rotations on); output_folded >= folded
-        be.folded = frozenset(folded)
-        be.output_folded = be.folded if output_folded is None else frozenset(output_folded)
-        be._hp_rows = None
-        be._missed_seen = 0
-        be._int2_req_to_token = torch.zeros(max_reqs, CTX, dtype=torch.int32)
-        be._swa_table = be._swa_loc = None  # __init__: a sliding-pool table only for OscarSWAKVPool
-        be._decode_config = decode_config(config)
-        be.max_context_len = CTX
-        be.set_geometry([_layer()])
+        be = cpu_backend(self.pool, config, [_layer()], {0: (rk, rv)}, max_reqs=max_reqs, ctx=CTX,
+                         means={0: (mk, mv)}, folded=folded, output_folded=output_folded)
         self.be = be
         self.r2t = be._int2_req_to_token
         self.next_slot = 1
