@@ -79,12 +79,52 @@ def test_ppl_runs_skipped_layers_through_the_bf16_cache(gpt_oss, prompts):
     full = perplexity(gpt_oss, prompts, None, CFG, progress=False)
     assert rep["int2"]["nll"] == pytest.approx(ref["int2"]["nll"], rel=1e-6)
     assert rep["bf16"]["nll"] == pytest.approx(full["bf16"]["nll"], rel=1e-9)
-    assert abs(rep["int2"]["nll"] - full["int2"]["nll"]) > 1e-4  # skipping layer 1 changed the result
+    assert rep["int2"]["nll"] != pytest.approx(full["int2"]["nll"], rel=1e-6)  # skipping layer 1 changed it
     assert rep["quantized_read_fraction"] < full["quantized_read_fraction"]
 
 
-def test_skip_layers_that_do_not_exist_or_skip_everything(gpt_oss, prompts):
+def test_output_functions_take_the_floor_on_skipped_layers_too(gpt_oss, prompts):
+    """Every method, output functions included, is served BF16 on a skipped layer; without the
+    baselines the floor still applies there; a rotation cannot take the floor's name."""
+    def exact(call, b):
+        return mha_output(call, b, None, None, CFG, "decode")
+
+    cfg = dataclasses.replace(CFG, skip_layers="sliding")
+    base = functional_error(gpt_oss, prompts, {}, CFG, progress=False, outputs={"exact": exact})
+    assert base["layers"]["0"]["exact"] < -250.0  # exact vs exact: the -300 dB floor of _db
+    rep = functional_error(gpt_oss, prompts, {}, cfg, progress=False, include_baselines=False, outputs={"exact": exact})
+    assert rep["methods"] == ["exact"]
+    assert rep["layers"]["0"]["exact"] == pytest.approx(base["layers"]["0"]["bf16"], abs=1e-9)
+    assert rep["layers"]["1"]["exact"] < -250.0
+    with pytest.raises(CalibrationError, match="rotation name 'bf16' is already a method"):
+        functional_error(gpt_oss, prompts, {"bf16": RotationSet.data_free(rep_geometry(gpt_oss), "identity")}, CFG,
+                         progress=False)
+
+
+def test_oracle_keeps_the_attention_sinks(gpt_oss, prompts):
+    """Exact attention through the oracle (no INT2, no rotation) reproduces the model's own eager
+    attention, GPT-OSS's learned sinks included (dropping them moves the NLL by ~1e-3)."""
+    def exact(call, b):
+        assert call.sinks is not None
+        return mha_output(call, b, None, None, CFG, "decode")
+
+    rep = perplexity(gpt_oss, prompts, None, CFG, progress=False, output_fn=exact)
+    assert rep["int2"]["nll"] == pytest.approx(rep["bf16"]["nll"], rel=2e-6)
+
+
+def rep_geometry(model):
+    from sglang_oscar.calibrate.model import geometry_of
+
+    return geometry_of(model.config)
+
+
+def test_skips_the_server_refuses(gpt_oss, prompts, tokenizer):
     with pytest.raises(CalibrationError, match=r"names layers \[7\] that do not exist"):
         functional_error(gpt_oss, prompts, {}, dataclasses.replace(CFG, skip_layers="1,7"), progress=False)
-    with pytest.raises(CalibrationError, match="nothing would be quantized.*2 skipped BF16 layers"):
+    with pytest.raises(CalibrationError, match="must be all the sliding-window layers or all the full-attention"):
         perplexity(gpt_oss, prompts, None, dataclasses.replace(CFG, skip_layers="0,1"), progress=False)
+    from calib_tiny import build_model
+
+    gemma3 = build_model("gemma3")  # sliding and full layers in one SGLang pool
+    with pytest.raises(CalibrationError, match="keeps all its layers in one SGLang KV pool"):
+        perplexity(gemma3, prompts, None, dataclasses.replace(CFG, skip_layers="sliding"), progress=False)

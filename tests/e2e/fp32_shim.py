@@ -73,7 +73,7 @@ ROPE_ENV = "OSCAR_E2E_CPU_ROPE"
 
 
 def _cpu_inv_freq(original_fn, self, *args, **kwargs):
-    """AROUND hook of ``RotaryEmbedding._compute_inv_freq`` (and Gemma-4's override), with
+    """AROUND hook of ``RotaryEmbedding._compute_inv_freq`` (and the Gemma-4 and YaRN overrides), with
     ``$OSCAR_E2E_CPU_ROPE`` set: compute RoPE's inverse frequencies on the CPU, as transformers
     does for the oracle, then move them to the device SGLang would have used. SGLang computes them
     on the GPU (``base.py``'s own note: "a slight numerical difference between the HF
@@ -181,6 +181,7 @@ FP32_SHIM_HOOKS = (
     ("sglang.jit_kernel.norm.can_use_fused_inplace_qknorm", _no_fp32_jit_qknorm),
     ("sglang.srt.layers.rotary_embedding.base.RotaryEmbedding._compute_inv_freq", _cpu_inv_freq),
     ("sglang.srt.layers.rotary_embedding.rope_variant.Gemma4RotaryEmbedding._compute_inv_freq", _cpu_inv_freq),
+    ("sglang.srt.layers.rotary_embedding.yarn.YaRNScalingRotaryEmbedding._compute_inv_freq", _cpu_inv_freq),  # GPT-OSS
     ("sglang.srt.models.gpt_oss.GptOssForCausalLM.__init__", _gpt_oss_weights_in_default_dtype),
     ("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", _fp32_moe_compute),
 )

@@ -111,14 +111,15 @@ def test_cpu_inv_freq_matches_transformers(monkeypatch):
     oracle's (transformers') bit for bit; without the variable the original runs where it would."""
     from transformers import Gemma4TextConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
     from sglang.srt.layers.rotary_embedding.rope_variant import Gemma4RotaryEmbedding
 
     cfg = Gemma4TextConfig(head_dim=128, global_head_dim=256, num_attention_heads=8, num_key_value_heads=2)
     full = cfg.rope_parameters["full_attention"]
     hf_full, _ = ROPE_INIT_FUNCTIONS["proportional"](cfg, "cpu", layer_type="full_attention", head_dim_key="global_head_dim")
-    hf_sliding = 1.0 / (cfg.rope_parameters["sliding_attention"]["rope_theta"]
-                        ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
+    sliding_theta = cfg.rope_parameters["sliding_attention"]["rope_theta"]
+    hf_sliding, _ = Gemma4TextRotaryEmbedding.compute_default_rope_parameters(cfg, "cpu", layer_type="sliding_attention")
     angles = int(full["partial_rotary_factor"] * 256) // 2
     g4 = SimpleNamespace(rope_angles=angles, nope_angles=128 - angles, head_size=256)
     plain = SimpleNamespace(rotary_dim=128)
@@ -135,7 +136,7 @@ def test_cpu_inv_freq_matches_transformers(monkeypatch):
     import sglang.srt.layers.rotary_embedding.base as rope_base
 
     monkeypatch.setattr(rope_base, "get_server_args", lambda: SimpleNamespace(rl_on_policy_target=None))
-    assert torch.equal(fp32_shim._cpu_inv_freq(RotaryEmbedding._compute_inv_freq, plain, 10000.0), hf_sliding)
+    assert torch.equal(fp32_shim._cpu_inv_freq(RotaryEmbedding._compute_inv_freq, plain, sliding_theta), hf_sliding)
     monkeypatch.setattr(fp32_shim, "os", SimpleNamespace(environ={}))
     with torch.device("meta"):
         fp32_shim._cpu_inv_freq(on(Gemma4RotaryEmbedding._compute_inv_freq), g4, full["rope_theta"])

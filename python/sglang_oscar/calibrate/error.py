@@ -8,8 +8,8 @@ rotation, and the attention output is compared with exact fp32 attention:
 tokens and heads (the terms of :func:`..reference.relative_error_db`), and ``overall`` the same
 ratio summed over all layers. Lower is better; a fitted rotation should beat Hadamard, which
 should beat ``naive`` (identity rotation, same INT2 format and windows). ``bf16`` is the floor
-(rotated BF16 cache, nothing quantized), which is also every method's figure at the layers that
-``skip_layers`` keeps in SGLang's BF16 cache.
+(rotated BF16 cache, nothing quantized), which is also every method's figure (output functions
+included) at the layers that ``skip_layers`` keeps in SGLang's BF16 cache.
 
 MLA models: the latent ``c_kv`` is quantized through each latent rotation (``naive`` identity,
 ``hadamard`` block Hadamard, fitted ``U P Hblock``), see :mod:`.oracle`.
@@ -88,6 +88,7 @@ def functional_error(
     if outputs and mla:
         raise CalibrationError("output functions apply to MHA/GQA models only")
     sets: dict[str, Any] = {}
+    floor_name = "bf16" if include_baselines and not mla else None  # the BF16-cache floor method
     if include_baselines:
         if mla:
             sets["naive"] = LatentRotationSet.data_free(geometry, "identity", config.group_size)
@@ -96,12 +97,14 @@ def functional_error(
             sets["naive"] = RotationSet.data_free(geometry, "identity")
             sets["hadamard"] = RotationSet.data_free(geometry, "hadamard")
     for name, rs in rotations.items():
+        if name == floor_name:
+            raise CalibrationError(f"rotation name {name!r} is already a method of this report; name it otherwise")
         check_rotation(rs, geometry, fingerprint, allow_other_model=allow_other_model, name=name)
         sets[name] = rs
     caches = {name: RotationCache(rs) for name, rs in sets.items()}
-    skip = skipped_layers(config, geometry)
+    skip = skipped_layers(config, geometry, model)
     floor = None if mla else caches.get("naive") or RotationCache(RotationSet.data_free(geometry, "identity"))
-    methods = (["bf16"] if include_baselines and not mla else []) + list(sets)
+    methods = ([floor_name] if floor_name else []) + list(sets)
     clash = sorted(set(outputs) & set(methods))
     if clash:
         raise CalibrationError(f"output function names {clash} are already methods of this report")
@@ -124,8 +127,8 @@ def functional_error(
                 exact = mha_output(call, b, None, None, config, window_mode)
             den[lid] += float(exact.double().pow(2).sum())
             for name in methods:
-                if name == "bf16" or (lid in skip and name not in outputs):
-                    # a skipped layer keeps SGLang's BF16 cache whatever the rotation: the BF16 floor
+                if name == floor_name or lid in skip:
+                    # a skipped layer keeps SGLang's BF16 cache whatever the method: the BF16 floor
                     out = mha_output(call, b, floor.get(lid, "k", exact.device), floor.get(lid, "v", exact.device), config,
                                      window_mode, quantize=False)
                 elif name in outputs:
@@ -153,8 +156,8 @@ def functional_error(
     if reads["low"] == 0:
         raise CalibrationError(
             f"nothing was quantized: every key of the {prompts.num_tokens} held-out tokens fell inside the BF16 windows "
-            f"(sink {config.sink_tokens}, recent {config.recent_tokens}, window_mode {window_mode})"
-            f"{f' or in the {len(skip)} skipped BF16 layers' if skip else ''}; use longer sequences or smaller windows"
+            f"(sink {config.sink_tokens}, recent {config.recent_tokens}, window_mode {window_mode}); use longer "
+            "sequences or smaller windows"
         )
     layers = {lid: {m: _db(num[lid][m], den[lid]) for m in methods} for lid in geometry.layer_ids}
     overall = {m: _db(sum(num[lid][m] for lid in num), sum(den.values())) for m in methods}

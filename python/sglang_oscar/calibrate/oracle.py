@@ -96,24 +96,28 @@ def settings(config: OscarConfig) -> dict[str, Any]:
             "quantizer": config.quantizer, "scale_dtype": config.scale_dtype, "skip_layers": config.skip_layers}
 
 
-def skipped_layers(config: OscarConfig, geometry) -> frozenset[int]:
+def skipped_layers(config: OscarConfig, geometry, model) -> frozenset[int]:
     """Global ids of the attention layers ``config.skip_layers`` keeps in SGLang's BF16 cache, by the
-    served rule (:func:`sglang_oscar.config.resolve_skip_layers`): ``error`` and ``ppl`` give them
-    the BF16 path, so their figures describe the served configuration.
+    served rule (:func:`sglang_oscar.plugin.skip_kind`: all the sliding or all the full layers of a
+    model SGLang serves with its hybrid sliding-window pool): ``error`` and ``ppl`` give them the
+    BF16 path, so their figures describe the served configuration.
 
     Raises:
-        CalibrationError: ids that are not attention layers of ``geometry``, or skipped layers on an
-            MLA model (its one latent pool cannot keep some layers BF16; the server refuses it too).
+        CalibrationError: a skip the server refuses (ids that are not attention layers, not exactly
+            one layer kind, a model with one KV pool, MLA), with the server's message.
     """
     from ..config import resolve_skip_layers
+    from ..plugin import skip_kind
 
+    if config.skip_layers in (None, "none"):
+        return frozenset()
+    hf = model.config.to_dict()
+    hf["architectures"] = hf.get("architectures") or [type(model).__name__]  # unset on a model built from a config
     try:
+        skip_kind(config, geometry, hf)
         skip = resolve_skip_layers(config.skip_layers, geometry)
     except ValueError as e:
         raise CalibrationError(str(e)) from None
-    if skip and geometry.attention_kind == "mla":
-        raise CalibrationError(f"skip_layers {config.skip_layers}: an MLA model keeps every layer in one latent pool, "
-                               "so none can stay BF16; use skip_layers = none")
     return skip
 
 
@@ -159,6 +163,7 @@ def mha_output(call: AttentionCall, b: int, rk: torch.Tensor | None, rv: torch.T
                v_mean: torch.Tensor | None = None) -> torch.Tensor:
     """Oracle output ``[T, H_q, D_v]`` (fp32) of batch row ``b``; ``rk=None`` -> exact fp32 attention.
     ``k_mean`` / ``v_mean``: optional ``[H_kv, D]`` centering (:func:`..reference.oscar_attention`).
+    The call's attention sinks (GPT-OSS) join every head's softmax denominator, as in the model.
 
     Raises:
         CalibrationError: the call's sparse attention drops keys (:func:`check_dense`).
@@ -169,10 +174,10 @@ def mha_output(call: AttentionCall, b: int, rk: torch.Tensor | None, rv: torch.T
     pos = torch.arange(q.shape[0], device=q.device)
     if rk is None:
         return plain_attention(q, k, v, q_positions=pos, sliding_window=call.sliding_window,
-                               logit_cap=call.softcap, sm_scale=call.scaling)
+                               logit_cap=call.softcap, sm_scale=call.scaling, sinks=call.sinks)
     return oscar_attention(q, k, v, rk, rv, config, q_positions=pos, sliding_window=call.sliding_window,
                            logit_cap=call.softcap, sm_scale=call.scaling, quantize=quantize, window_mode=window_mode,
-                           k_mean=k_mean, v_mean=v_mean)
+                           k_mean=k_mean, v_mean=v_mean, sinks=call.sinks)
 
 
 def latent_fake_quant(c: torch.Tensor, r: torch.Tensor, config: OscarConfig, hp_dtype=torch.bfloat16) -> torch.Tensor:

@@ -87,7 +87,7 @@ def perplexity(
     seqs = [s for s in prompts.sequences if len(s) >= 2]
     if not seqs:
         raise CalibrationError("perplexity needs sequences of at least 2 tokens")
-    skip = skipped_layers(config, geometry)
+    skip = skipped_layers(config, geometry, model)
     low = sum(low_reads(len(s), config, window_mode, lg.sliding_window) for s in seqs for lg in geometry.layers
               if lg.layer_id not in skip)
     total = sum(low_reads(len(s), OscarConfig(sink_tokens=0, recent_tokens=0), "extend", lg.sliding_window)
@@ -96,8 +96,7 @@ def perplexity(
         longest = max(len(s) for s in seqs)
         raise CalibrationError(
             f"nothing would be quantized: all keys of the {len(seqs)} sequences (longest {longest} tokens) fall inside the "
-            f"BF16 windows (sink {config.sink_tokens} + recent {config.recent_tokens}, window_mode {window_mode})"
-            f"{f' or in the {len(skip)} skipped BF16 layers' if skip else ''}; "
+            f"BF16 windows (sink {config.sink_tokens} + recent {config.recent_tokens}, window_mode {window_mode}); "
             "an INT2 perplexity would equal BF16's. Use longer sequences (--seq-len) or smaller windows."
         )
     cache = RotationCache(rotation) if rotation is not None else None
