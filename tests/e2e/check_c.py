@@ -42,6 +42,11 @@ def _c_against_oracle(run: Run, server: str, model, kind: str, dtype: str, famil
         quant = abs_diff_stats(oracle[i], plain[i])
         rows.append({"prompt_len": len(prompt), "prefill_vs_oracle": prefill, "decode_vs_oracle": decode,
                      f"oracle_int2_vs_hf_{dtype}": quant, "served_prompt_logprobs": len(pre["input_logprobs"])})
+        m64 = run.hf.get(f"{family}-fp64") if dtype == "fp32" else None
+        if m64 is not None:  # reported: the fp32 oracle against itself on the model in fp64
+            o64 = teacher_forced_logprobs(m64, [seq], rotation=rs, config=cfg, prompt_lens=[len(prompt)], hp_dtype=hp)[0]
+            rows[-1]["oracle_fp64_vs_fp32"] = {"prefill": abs_diff_stats(d[f"c_oracle_fp64_{kind}"][i], oracle[i]),
+                                               "decode": abs_diff_stats(o64[len(prompt) - 1:], orc[len(prompt) - 1:])}
         if prefill["n"] != len(prompt) - 1 or decode["n"] != args.c_decode_tokens:
             complete = False
             rows[-1]["problem"] = "missing log-probs in the server answer"
@@ -51,8 +56,22 @@ def _c_against_oracle(run: Run, server: str, model, kind: str, dtype: str, famil
     pm, dm = mean("prefill_vs_oracle"), mean("decode_vs_oracle")
     ok = complete and all(r["prefill_vs_oracle"]["mean"] < args.c_tol and r["decode_vs_oracle"]["mean"] < args.c_tol
                           for r in rows)
-    return {"server": server, "rows": rows, "prefill_mean": pm, "decode_mean": dm,
-            "quantization_effect_mean": mean(f"oracle_int2_vs_hf_{dtype}"), "ok": ok}
+    res = {"server": server, "rows": rows, "prefill_mean": pm, "decode_mean": dm,
+           "quantization_effect_mean": mean(f"oracle_int2_vs_hf_{dtype}"), "ok": ok}
+    if all("oracle_fp64_vs_fp32" in r for r in rows):
+        res["oracle_fp64_spread"] = {part: [r["oracle_fp64_vs_fp32"][part]["mean"] for r in rows]
+                                     for part in ("prefill", "decode")}
+    return res
+
+
+def _per_prompt(res: dict[str, Any]) -> str:
+    """Per-prompt ``prefill / decode`` means of one fp32 server against the oracle, and of the same
+    oracle on the model in fp64 against it: ``served 0.011,0.02 / 0.026,0.022, oracle fp64 ...``."""
+    def two(prefill: list[float], decode: list[float]) -> str:
+        return ",".join(f"{x:.2g}" for x in prefill) + " / " + ",".join(f"{x:.2g}" for x in decode)
+
+    served = two([r["prefill_vs_oracle"]["mean"] for r in res["rows"]], [r["decode_vs_oracle"]["mean"] for r in res["rows"]])
+    return f"served {served}, oracle fp64 {two(res['oracle_fp64_spread']['prefill'], res['oracle_fp64_spread']['decode'])}"
 
 
 def _c_noise_floor(run: Run, server: str, reference: list[list[float]], prompts: list[list[int]]) -> float | None:
@@ -125,11 +144,14 @@ def _check_c_family(run: Run, q: str) -> CheckResult:
         return CheckResult("c", FAIL, f"fp32 comparison could not be evaluated: {exc} | BF16 (reported): {bf16_txt}",
                            detail)
     ok = all(f32[k]["ok"] for k in C_FP32_SERVERS)
+    spread = "; ".join(f"{k}: {_per_prompt(f32[k])}" for k in C_FP32_SERVERS if "oracle_fp64_spread" in f32[k])
     floor32 = _c_noise_floor(run, fp32_name(q), d["c_hf_fp32"], prompts)
     f32["noise_floor_mean"] = floor32
     qe32 = sum(f32[k]["quantization_effect_mean"] for k in C_FP32_SERVERS) / len(C_FP32_SERVERS)
     measured = (f"--dtype float32 servers, mean |served - oracle (fp32 model, HP fp32)| logprob: {'; '.join(parts)} "
                 f"(tol {args.c_tol:g}); INT2 effect (oracle vs HF fp32) {qe32:.3g}; fp32 noise floor (served "
                 f"--dtype float32 vs HF fp32) " + (f"{floor32:.3g}" if floor32 is not None else "n/a")
+                + (f"; per prompt (prefill / decode), with the same oracle on the model in fp64 against it "
+                   f"(reported, not a criterion): {spread}" if spread else "")
                 + f" | BF16 servers (reported, not the criterion: {'pass' if bf16_ok else 'fail'}): {bf16_txt}")
     return CheckResult("c", PASS if ok else FAIL, measured, detail)

@@ -278,4 +278,11 @@ def _precompute_family(run: Run, m: str, cfg) -> None:
         for kind in ("layer", "head"):
             d[f"c_oracle_fp32_{kind}"] = teacher_forced_logprobs(q32, prompts, rotation=d[f"c_rot_{kind}"],
                                                                  config=run.data["c_config_fp32"], hp_dtype=torch.float32)
+        # the same oracle on the model in fp64: how far the fp32 reference moves by its own rounding
+        # (reported next to c's fp32 criterion, docs/serving_hybrid.md)
+        q64 = load_hf(run.models[m], run.device, dtype=torch.float64, fp32_head=args.fp32_lm_head)
+        run.hf[f"{m}-fp64"] = q64
+        for kind in ("layer", "head"):
+            d[f"c_oracle_fp64_{kind}"] = teacher_forced_logprobs(q64, prompts, rotation=d[f"c_rot_{kind}"],
+                                                                 config=run.data["c_config_fp32"], hp_dtype=torch.float32)
     del q32

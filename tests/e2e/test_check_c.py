@@ -346,6 +346,20 @@ def test_check_c_fp32_criterion(c_run):
         assert all(r["decode_vs_oracle"]["n"] == 4 for r in d["fp32"][kind]["rows"])
     assert d["fp32"]["noise_floor_mean"] == 0 and d["bf16_noise_floor_mean"] == 0
     assert "--dtype float32 servers" in res.measured and "BF16 servers (reported" in res.measured
+    # reported: the fp32 oracle against the same oracle on the model in fp64, per prompt
+    assert run.hf["qwen3-fp64"].dtype == _t.float64
+    spread = [x for k in ("layer", "head") for p in ("prefill", "decode") for x in d["fp32"][k]["oracle_fp64_spread"][p]]
+    assert len(spread) == 8 and all(0 <= x < 0.5 for x in spread) and max(spread) > 0
+    assert "layer: served 0,0 / 0,0, oracle fp64" in res.measured
+    saved = run.hf["qwen3-fp64"], run.data["c_oracle_fp64_layer"], run.data["c_oracle_fp64_head"]
+    try:  # the fp32 model in the fp64 slot: the spread is exactly zero
+        run.hf["qwen3-fp64"] = run.hf["qwen3-fp32"]
+        for kind in ("layer", "head"):
+            run.data[f"c_oracle_fp64_{kind}"] = run.data[f"c_oracle_fp32_{kind}"]
+        same = check_c.check_c(run).detail["fp32"]
+        assert all(x == 0 for k in ("layer", "head") for p in ("prefill", "decode") for x in same[k]["oracle_fp64_spread"][p])
+    finally:
+        run.hf["qwen3-fp64"], run.data["c_oracle_fp64_layer"], run.data["c_oracle_fp64_head"] = saved
     # an fp32 server whose windows held BF16 rows would not match the fp32 references
     run.servers = _c_servers(run, fp32_hp=None)
     off = check_c.check_c(run)
