@@ -30,5 +30,17 @@ for f in "$OSCAR_E2E_DUMP_KV"/kv_*.pt; do
   PYTHONPATH="$PWD:$PYTHONPATH" "$PY" scripts/served_kv_diff.py --dump "$f" --threads "$(nproc)" \
     --out "$OUT/kv_diff/$name.json" 2>&1 | grep -v -i warn | tee -a "$OUT/kv_diff.txt"
 done
+# one line over every dump: the largest replay difference (the oracle's attention on the served rows
+# against the served output), the INT2 path's own agreement with the oracle, free of the model's cascades
+"$PY" - "$OUT/kv_diff" <<'PYEOF' | tee -a "$OUT/kv_diff.txt"
+import glob, json, sys
+rows = [r for f in glob.glob(sys.argv[1] + "/*.json") for v in json.load(open(f)).values() for r in v if "replay_o_rel" in r]
+if rows:
+    worst = max(rows, key=lambda r: r["replay_o_rel"])
+    print(f"replay: max rel {worst['replay_o_rel']:.2e} over {len(rows)} layer x prompt dumps "
+          f"(layer {worst['layer']}, {worst['tokens']} tokens)")
+else:
+    print("replay: no layer replayed")
+PYEOF
 tar czf "$OUT/kv_diff.tgz" -C "$OUT" kv_diff && rm -rf "$OUT/kv_diff"
 exit $rc
