@@ -439,3 +439,15 @@ def test_check_c_on_sink_and_hybrid_families(tiny_family, tmp_path, monkeypatch,
     assert res.status == config.PASS, res.measured
     # the oracle quantizes: its references are not the BF16 model's
     assert max(abs(a - b) for a, b in zip(d["c_oracle_layer"][-1], d["c_hf_bf16"][-1])) > 1e-2
+
+
+def test_fp64_oracle_of_a_moe_family_is_skipped_not_fatal(tiny_family, tmp_path, monkeypatch):
+    """--c-fp32 on GPT-OSS: transformers' grouped MoE GEMM has no fp64 kernel, so precompute records
+    why and c reports no fp64 spread instead of stopping the run; the fp32 references are there."""
+    path, _ = tiny_family("gpt_oss")
+    monkeypatch.setattr(config, "SWA_WINDOW", 16)
+    run = _identity_c_run("gpt_oss", path, tmp_path, ["--c-fp32", "--families", "gpt_oss", "--c-prompt-lens", "40",
+                                                      "--c-decode-tokens", "2"])
+    d = run.fdata("gpt_oss")
+    assert "Double" in d["c_fp64_error"] and "gpt_oss-fp64" not in run.hf
+    assert "c_oracle_fp64_layer" not in d and len(d["c_oracle_fp32_layer"]) == len(d["c_prompts"])
