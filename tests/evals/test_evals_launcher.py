@@ -190,10 +190,11 @@ def test_served_false_refuses_int2_but_serves_bf16(tmp_path, capsys):
     with pytest.raises(ValueError) as ei:
         launcher.build_server_command(r, "int2")
     msg = str(ei.value)
-    assert "moonshotai/Kimi-K3" in msg and "not built yet" in msg and "kimi_k3" in msg
+    assert "moonshotai/Kimi-K3" in msg and "[model].served = false" in msg and "kimi_k3" in msg
+    assert "--kv bf16 (eval-recipe: --arms bf16)" in msg
     assert launcher.build_server_command(r, "bf16").argv[-1] == "--trust-remote-code"
     assert main(["serve", "--recipe", str(p), "--dry-run"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert "has not passed its H200 end-to-end checks" in capsys.readouterr().err
     assert main(["serve", "--recipe", str(p), "--kv", "bf16", "--dry-run"]) == 0
 
 

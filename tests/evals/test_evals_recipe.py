@@ -207,6 +207,8 @@ def test_unknown_section(tmp_path):
         ("\n[quant]\nskip_layers = true\n", r"skip_layers must be a string"),
         ("\n[quant]\nskip_layers = []\n", r"skip_layers must be a string"),
         ("\n[quant]\nskip_layers = [1, -2]\n", r"skip_layers: --oscar-skip-layers must be one of"),
+        ("\n[geometry]\nnum_layers = 24\n[quant]\nskip_layers = \"0,99\"\n",
+         r"skip_layers names layers \[99\] beyond \[geometry\].num_layers = 24 \(ids run 0..23\)"),
         ("\n[rotation]\nmethod = \"quarot\"\n", r"not one of: oscar, oscar-perhead"),
         ("\n[eval]\ntasks = [\"mmlu\"]\n", r"'mmlu' is not one of: gpqa, aime25, math500, humaneval"),
         ("\n[eval]\nseeds = [0, 0]\n", r"duplicates"),

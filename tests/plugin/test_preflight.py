@@ -399,6 +399,12 @@ def test_skip_layers_must_be_one_kind_of_a_hybrid_pool_model():
     gemma3 = {**gemma4, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
     with pytest.raises(ValueError, match="keeps all its layers in one SGLang KV pool.*pass none"):
         kind("sliding", gemma3, model_geometry(gemma3))
+    with pytest.raises(ValueError, match="keeps all its layers in one SGLang KV pool.*pass none"):
+        kind("0,1", gemma3, model_geometry(gemma3))  # ids on a one-pool model: the pool rule, not the kind rule
+    qwen3 = {**gemma4, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    del qwen3["layer_types"], qwen3["sliding_window"]
+    with pytest.raises(ValueError, match="has no sliding attention layers, so nothing would stay BF16"):
+        kind("sliding", qwen3, model_geometry(qwen3))
 
 
 def test_hybrid_swa_sizing_counts_int2_bytes_per_layer_kind():

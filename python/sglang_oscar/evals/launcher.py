@@ -128,9 +128,10 @@ def build_server_command(
 
     if kv == "int2" and not m.served:
         raise ValueError(
-            f"{m.hf_id} ({recipe.path}): the int2 serving path for model family "
-            f"'{m.family}' is not built yet ([model].served = false); "
-            "only --kv bf16 can be served for this model"
+            f"{m.hf_id} ({recipe.path}): [model].served = false: the int2 serving path for model family "
+            f"'{m.family}' is not built or has not passed its H200 end-to-end checks (the recipe's notes say "
+            "which); serve it with --kv bf16 (eval-recipe: --arms bf16), or launch python -m sglang.launch_server "
+            "--kv-cache-dtype int2 yourself if the notes say the path is built"
         )
 
     # extra_args: no empty elements, no flag that the recipe sets elsewhere, no duplicates.

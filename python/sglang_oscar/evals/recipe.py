@@ -379,6 +379,12 @@ def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
             f"{path}: [model].context_length = {model.context_length} and "
             f"[serve].context_length = {serve.context_length} disagree; set it in one place"
         )
+    if quant.skip_layers not in ("none", "sliding", "full") and geometry.num_layers is not None:
+        bad = [i for i in map(int, quant.skip_layers.split(",")) if i >= geometry.num_layers]
+        if bad:
+            raise RecipeError(
+                f"{path}: [quant].skip_layers names layers {bad} beyond [geometry].num_layers = {geometry.num_layers} "
+                f"(ids run 0..{geometry.num_layers - 1}); fix the ids or use sliding / full")
     if len(set(ev.seeds)) != len(ev.seeds):
         raise RecipeError(f"{path}: [eval].seeds has duplicates: {ev.seeds}")
     if len(set(ev.tasks)) != len(ev.tasks):

@@ -195,19 +195,16 @@ def skip_kind(config, geometry, hf_config) -> str:
             ids that are not exactly one kind's layers, or a skip on a single-pool model; the message
             says what to pass instead.
     """
-    from ..config import resolve_skip_layers
+    from ..config import parse_skip_layers, resolve_skip_layers
 
     skip = resolve_skip_layers(config.skip_layers, geometry)
-    if not skip:
+    spec = parse_skip_layers(config.skip_layers)
+    if spec == "none":
         return "none"
-    kinds = {kind: frozenset(x.layer_id for x in geometry.layers if x.kind == kind) for kind in ("sliding", "full")}
-    kind = next((k for k, ids in kinds.items() if ids and skip == ids), None)
-    if kind is None:
+    if not skip:  # a kind the model does not have: refused rather than silently serving every layer INT2
         raise ValueError(
-            f"--oscar-skip-layers {config.skip_layers}: the skipped layers must be all the sliding-window layers or "
-            f"all the full-attention layers of the model (SGLang keeps them in separate pools); this "
-            f"{geometry.model_type} model has {len(kinds['sliding'])} sliding and {len(kinds['full'])} full layers; "
-            "pass sliding, full or none")
+            f"--oscar-skip-layers {spec}: this {geometry.model_type} model has no {spec} attention layers, so "
+            "nothing would stay BF16; pass none (or the other kind on a model that mixes both)")
     from sglang.srt.configs.model_config import is_hybrid_swa_model
 
     from ..rotation.geometry import _as_dict
@@ -219,6 +216,14 @@ def skip_kind(config, geometry, hf_config) -> str:
             f"--oscar-skip-layers {config.skip_layers}: {cfg.get('architectures')} keeps all its layers in one "
             "SGLang KV pool, so none can stay BF16 while the others are INT2; pass none (or serve the model "
             "with --kv-cache-dtype auto)")
+    kinds = {kind: frozenset(x.layer_id for x in geometry.layers if x.kind == kind) for kind in ("sliding", "full")}
+    kind = next((k for k, ids in kinds.items() if ids and skip == ids), None)
+    if kind is None:
+        raise ValueError(
+            f"--oscar-skip-layers {config.skip_layers}: the skipped layers must be all the sliding-window layers or "
+            f"all the full-attention layers of the model (SGLang keeps them in separate pools); this "
+            f"{geometry.model_type} model has {len(kinds['sliding'])} sliding and {len(kinds['full'])} full layers; "
+            "pass sliding, full or none")
     return kind
 
 
