@@ -106,7 +106,6 @@ def skipped_layers(config: OscarConfig, geometry, model) -> frozenset[int]:
         CalibrationError: a skip the server refuses (ids that are not attention layers, not exactly
             one layer kind, a model with one KV pool, MLA), with the server's message.
     """
-    from ..config import resolve_skip_layers
     from ..plugin import skip_kind
 
     if config.skip_layers in (None, "none"):
@@ -114,11 +113,10 @@ def skipped_layers(config: OscarConfig, geometry, model) -> frozenset[int]:
     hf = model.config.to_dict()
     hf["architectures"] = hf.get("architectures") or [type(model).__name__]  # unset on a model built from a config
     try:
-        skip_kind(config, geometry, hf)
-        skip = resolve_skip_layers(config.skip_layers, geometry)
+        kind = skip_kind(config, geometry, hf)  # accepted skips are exactly all the layers of one kind
     except ValueError as e:
         raise CalibrationError(str(e)) from None
-    return skip
+    return frozenset(layer.layer_id for layer in geometry.layers if layer.kind == kind)
 
 
 @contextlib.contextmanager

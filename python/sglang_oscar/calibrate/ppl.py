@@ -30,7 +30,7 @@ from ..rotation.latent import LatentRotationSet
 from . import CalibrationError
 from .fit import check_rotation
 from .model import config_fingerprint, geometry_of, input_device
-from .oracle import (OutputFn, RotationCache, check_window_mode, low_reads, mha_output, mla_output, oracle_capture,
+from .oracle import (OutputFn, RotationCache, check_window_mode, low_reads, mla_output, oracle_capture,
                      settings, skipped_layers)
 from .prompts import PromptSet
 
@@ -108,8 +108,7 @@ def perplexity(
         for b in range(call.query.shape[0]):
             dev = call.query.device
             if call.layer_id in skip:  # SGLang's BF16 cache: K/V rounded to BF16, nothing quantized
-                lid = call.layer_id
-                o = mha_output(call, b, floor.get(lid, "k", dev), floor.get(lid, "v", dev), config, window_mode, quantize=False)
+                o = floor.mha(call, b, config, window_mode, quantize=False)
             elif output_fn is not None:
                 o = output_fn(call, b)
             elif mla:

@@ -197,10 +197,10 @@ def skip_kind(config, geometry, hf_config) -> str:
     """
     from ..config import parse_skip_layers, resolve_skip_layers
 
-    skip = resolve_skip_layers(config.skip_layers, geometry)
     spec = parse_skip_layers(config.skip_layers)
     if spec == "none":
         return "none"
+    skip = resolve_skip_layers(spec, geometry)
     if not skip:  # a kind the model does not have: refused rather than silently serving every layer INT2
         raise ValueError(
             f"--oscar-skip-layers {spec}: this {geometry.model_type} model has no {spec} attention layers, so "
