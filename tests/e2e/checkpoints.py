@@ -177,11 +177,13 @@ class FP32Head:
 
 def load_hf(path: str, device: str, dtype=None, fp32_head: bool = True):
     """The saved checkpoint as a ``transformers`` model (eval, ``dtype`` default bf16), with float32
-    logits (:class:`FP32Head`) unless ``fp32_head`` is False."""
+    logits (:class:`FP32Head`) unless ``fp32_head`` is False. In float64 MoE experts run eagerly:
+    transformers' default ``grouped_mm`` (``torch._grouped_mm``) takes no float64."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.bfloat16).to(device).eval()
+    kw = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.bfloat16, **kw).to(device).eval()
     if fp32_head:
         FP32Head.install(model)
     return model

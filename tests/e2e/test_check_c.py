@@ -441,13 +441,32 @@ def test_check_c_on_sink_and_hybrid_families(tiny_family, tmp_path, monkeypatch,
     assert max(abs(a - b) for a, b in zip(d["c_oracle_layer"][-1], d["c_hf_bf16"][-1])) > 1e-2
 
 
-def test_fp64_oracle_of_a_moe_family_is_skipped_not_fatal(tiny_family, tmp_path, monkeypatch):
-    """--c-fp32 on GPT-OSS: transformers' grouped MoE GEMM has no fp64 kernel, so precompute records
-    why and c reports no fp64 spread instead of stopping the run; the fp32 references are there."""
+def test_fp64_oracle_of_a_moe_family_runs_and_a_failure_is_not_fatal(tiny_family, tmp_path, monkeypatch):
+    """--c-fp32 on GPT-OSS: the fp64 oracle runs its MoE experts eagerly (transformers' grouped GEMM
+    has no fp64 kernel) and c gets the fp64 spread; a model that still fails in fp64 records why and
+    c reports no spread instead of stopping the run, the fp32 references still there."""
+    from . import run as run_mod
+
     path, _ = tiny_family("gpt_oss")
     monkeypatch.setattr(config, "SWA_WINDOW", 16)
-    run = _identity_c_run("gpt_oss", path, tmp_path, ["--c-fp32", "--families", "gpt_oss", "--c-prompt-lens", "40",
-                                                      "--c-decode-tokens", "2"])
+    argv = ["--c-fp32", "--families", "gpt_oss", "--c-prompt-lens", "40", "--c-decode-tokens", "2"]
+    (tmp_path / "ok").mkdir(), (tmp_path / "fail").mkdir()
+    run = _identity_c_run("gpt_oss", path, tmp_path / "ok", argv)
+    d = run.fdata("gpt_oss")
+    assert "c_fp64_error" not in d and run.hf["gpt_oss-fp64"].dtype == torch.float64
+    for kind in ("layer", "head"):  # the same oracle in fp64 and fp32: equal to well under c's tolerance
+        for a, b in zip(d[f"c_oracle_fp64_{kind}"], d[f"c_oracle_fp32_{kind}"]):
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+
+    real = run_mod.load_hf
+
+    def no_fp64(path, device, dtype=None, **kw):
+        if dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        return real(path, device, dtype=dtype, **kw)
+
+    monkeypatch.setattr(run_mod, "load_hf", no_fp64)
+    run = _identity_c_run("gpt_oss", path, tmp_path / "fail", argv)
     d = run.fdata("gpt_oss")
     assert "Double" in d["c_fp64_error"] and "gpt_oss-fp64" not in run.hf
     assert "c_oracle_fp64_layer" not in d and len(d["c_oracle_fp32_layer"]) == len(d["c_prompts"])
