@@ -102,6 +102,17 @@ def _gpt_oss_weights_in_default_dtype(original_fn, self, config, *args, **kwargs
     return original_fn(self, config, *args, **kwargs)
 
 
+def _no_tf32_in_fp32(original_fn, self, *args, **kwargs):
+    """AROUND hook of ``ModelRunner.__init__``: SGLang turns TF32 matmuls on for some models
+    whatever ``--dtype`` says (MiniMax-M2's launch override sets ``enable_tf32_matmul``, for its
+    router GEMM), which rounds every fp32 GEMM's inputs to 10 mantissa bits; a ``--dtype float32``
+    server keeps IEEE fp32 GEMMs, as the fp32 oracle computes."""
+    sa = kwargs.get("server_args") or next((a for a in args if hasattr(a, "enable_tf32_matmul")), None)
+    if sa is not None and str(getattr(sa, "dtype", "")) == "float32":
+        sa.enable_tf32_matmul = False
+    return original_fn(self, *args, **kwargs)
+
+
 def _fp32_moe_compute(original_fn, A, *args, **kwargs):
     """AROUND hook of the Triton fused-MoE kernel launcher: SGLang picks ``compute_type`` bf16 for
     bf16 activations and fp16 for anything else, which would round fp32 experts' products to fp16;
@@ -184,6 +195,7 @@ FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.rotary_embedding.yarn.YaRNScalingRotaryEmbedding._compute_inv_freq", _cpu_inv_freq),  # GPT-OSS
     ("sglang.srt.models.gpt_oss.GptOssForCausalLM.__init__", _gpt_oss_weights_in_default_dtype),
     ("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", _fp32_moe_compute),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.__init__", _no_tf32_in_fp32),  # MiniMax-M2
 )
 
 

@@ -53,6 +53,24 @@ def test_gpt_oss_weights_follow_an_fp32_default_dtype():
         assert seen[-1] == want
 
 
+def test_fp32_servers_keep_ieee_gemms_where_sglang_turns_tf32_on():
+    """SGLang 0.5.16's launch overrides turn TF32 matmuls on for MiniMax-M2 (its router GEMM); the
+    shim turns them off again for --dtype float32 servers only, whichever way ModelRunner gets its
+    server_args, before ModelRunner reads the flag."""
+    from sglang.srt.arg_groups.overrides import _minimax_m2_overrides
+
+    assert _minimax_m2_overrides(SimpleNamespace(), None) == {"enable_tf32_matmul": True}
+    seen = []
+
+    def init(self, *a, server_args=None, **k):
+        seen.append((server_args or a[0]).enable_tf32_matmul)
+
+    for dtype, want in (("float32", False), ("bfloat16", True), ("auto", True)):
+        fp32_shim._no_tf32_in_fp32(init, object(), server_args=SimpleNamespace(dtype=dtype, enable_tf32_matmul=True))
+        fp32_shim._no_tf32_in_fp32(init, object(), SimpleNamespace(dtype=dtype, enable_tf32_matmul=True))
+        assert seen[-2:] == [want, want], dtype
+
+
 def test_window_shim_widens_only_sglangs_own_sliding_backend(monkeypatch):
     TritonAttnBackend = type("TritonAttnBackend", (), {})
     Subclass = type("OscarTritonAttnBackend", (TritonAttnBackend,), {})
