@@ -20,5 +20,11 @@ from .latent import (
     topk_key_mask,
 )
 from .masks import visible_mask
+from .sparse import (
+    block_topk_key_mask,
+    minimax_block_scores,
+    minimax_block_selection,
+    union_block_lists,
+)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

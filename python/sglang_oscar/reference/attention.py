@@ -230,16 +230,20 @@ def attend(
         sinks: optional attention-sink logits, float ``[H_q]`` (one per query head, natural-log
             units, used as given: no ``sm_scale``, no cap): ``exp(sinks[h])`` joins the softmax
             denominator of head ``h``, with no value row (module docstring).
-        key_mask: optional ``(q_positions [Tq'], T) -> bool [Tq', T]``: keys a query may
-            attend at all, ANDed with the causal/sliding visibility (a sparse-attention selection
-            such as GLM-5's DSA top-k, :func:`.latent.topk_key_mask`). Called once per query chunk;
-            every query must keep at least one visible key.
+        key_mask: optional ``(q_positions [Tq'], T) -> bool [Tq', T]`` or ``[H_kv, Tq', T]``:
+            keys a query may attend at all, ANDed with the causal/sliding visibility. ``[Tq', T]``
+            is shared by every head (GLM-5's DSA top-k, :func:`.latent.topk_key_mask`);
+            ``[H_kv, Tq', T]`` is one mask per kv head, applied to that kv head's GQA group of
+            query heads ``h * H_q/H_kv .. (h+1) * H_q/H_kv - 1`` (MiniMax-M3's per-kv-head block
+            selection, :func:`.sparse.block_topk_key_mask`). Called once per query chunk; every
+            (head, query) must keep at least one visible key.
 
     Returns:
         fp32 ``[Tq, H_q, D_v]`` in the rotated V frame.
 
     Raises:
-        ValueError: ``H_q`` not a multiple of ``H_kv``, ``sliding_window < 1``, or ``sinks`` not ``[H_q]``.
+        ValueError: ``H_q`` not a multiple of ``H_kv``, ``sliding_window < 1``, ``sinks`` not ``[H_q]``,
+            a ``key_mask`` of another shape, or one that leaves a (head, query) without a key.
     """
     tq, hq, _ = q_rot.shape
     t, hkv, _ = k_hp.shape
@@ -258,7 +262,15 @@ def attend(
         pos = q_positions[start : start + QUERY_CHUNK]
         visible = visible_mask(pos, t, sliding_window)
         if key_mask is not None:
-            visible = visible & key_mask(pos, t).to(device=visible.device, dtype=torch.bool)
+            km = key_mask(pos, t).to(device=visible.device, dtype=torch.bool)
+            if tuple(km.shape) == (pos.numel(), t):
+                visible = visible & km
+            elif tuple(km.shape) == (hkv, pos.numel(), t):
+                # per-kv-head selection: query head h reads kv head h // g (gqa_group), so it takes that row
+                visible = (visible.unsqueeze(0) & km).repeat_interleave(g, dim=0)
+            else:
+                raise ValueError(f"key_mask returned {tuple(km.shape)}, expected [{pos.numel()}, {t}] (shared) "
+                                 f"or [{hkv}, {pos.numel()}, {t}] (per kv head)")
             if not bool(visible.any(dim=-1).all()):
                 # softmax over no key is NaN: a selection must keep at least one key per query
                 raise ValueError("key_mask leaves a query with no visible key")
@@ -275,7 +287,7 @@ def attend(
         s = s * sm_scale
         if logit_cap is not None and logit_cap > 0:
             s = logit_cap * torch.tanh(s / logit_cap)
-        s = s.masked_fill(~visible.unsqueeze(0), float("-inf"))
+        s = s.masked_fill(~(visible if visible.dim() == 3 else visible.unsqueeze(0)), float("-inf"))
         if sinks is not None:
             # the sink is one more softmax entry per head whose probability is dropped: it only
             # enlarges the denominator (it has no value row)
