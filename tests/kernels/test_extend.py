@@ -102,37 +102,6 @@ def test_extend_attention_sinks(device):
     assert rel_l2(reference_extend(pool, q, prefixes, exts, sliding_window=window, hp_dtype=torch.float32), ref) > 2e-3
 
 
-@pytest.mark.parametrize("hq,hkv,block_m,window,cap,with_sinks", [
-    (8, 2, 16, None, None, False),  # GQA 4: 4 tokens x 4 heads per program
-    (6, 2, 16, 7, 2.5, True),  # GQA 3: 5 tokens x 3 heads, one idle row; window, cap, sinks
-    (4, 4, 16, None, None, True),  # MHA: packing is one head per program
-])
-def test_extend_pack_gqa_matches_oracle_and_unpacked(device, hq, hkv, block_m, window, cap, with_sinks):
-    """pack_gqa (a program = block_m // group tokens x a kv head's q heads) gives the oracle's output
-    and the unpacked kernel's output and LSE (fp32: same per-row arithmetic, so to 1e-6), chunks
-    longer and shorter than a program's token span; block_m below the group is refused."""
-    fresh_seed()
-    cfg = make_config(sink=SINK)
-    prefixes, exts, d = [9, 0, 20], [23, 3, 1], 64
-    pool = build_pool([p + e for p, e in zip(prefixes, exts)], hkv, d, d, cfg, hp_dtype=torch.float32,
-                      window_mode="extend", device=device)
-    q = torch.randn(sum(exts), hq, d, device=device) * 2
-    sinks = (torch.randn(hq, device=device) * 2 + 1).float() if with_sinks else None
-    kw = dict(mma_dtype=torch.float32, sliding_window=window, logit_cap=cap, sinks=sinks, return_lse=True)
-    o_ref = reference_extend(pool, q, prefixes, exts, sliding_window=window, logit_cap=cap, hp_dtype=torch.float32,
-                             sinks=sinks)
-    q_rot = rotate_q(pool, q)
-    o_un, lse_un = run_extend(pool, q_rot, prefixes, exts, config=triton_config(pool, extend=True, block_m=block_m), **kw)
-    o_pk, lse_pk = run_extend(pool, q_rot, prefixes, exts,
-                              config=triton_config(pool, extend=True, block_m=block_m, pack_gqa=True), **kw)
-    assert rel_l2(o_pk, o_ref) < 1e-4
-    assert rel_l2(o_pk, o_un) < 1e-6 and torch.allclose(lse_pk, lse_un, atol=1e-5, rtol=0)
-    if hq // hkv > 1:
-        with pytest.raises(ValueError, match="pack_gqa needs block_m >= the GQA group"):
-            run_extend(pool, q_rot, prefixes, exts, config=triton_config(pool, extend=True, block_m=2, pack_gqa=True),
-                       **kw)
-
-
 def test_extend_chunking_invariance_and_lse():
     """One 40-token chunk == the same prompt as chunks 13 + 1 + 26 (pool written by write_kv per chunk)."""
     fresh_seed()

@@ -162,8 +162,6 @@ def test_head_block_plan():
         plan_head_blocks(10, 4)
     with pytest.raises(ValueError):
         TritonConfig(block_n=48)
-    with pytest.raises(ValueError, match="pack_gqa=1 must be True or False"):
-        TritonConfig(pack_gqa=1)
     with pytest.raises(TypeError, match="unroll"):  # not a field (a loop unroll the GPU compiled wrongly)
         TritonConfig(unroll=2)
 

@@ -90,9 +90,6 @@ class TritonConfig:
         maxnreg: register cap per thread given to ``ptxas`` (``None`` = none), 24-255.
         min_split_keys: decode: an INT2 split covers at least this many positions (``None`` =
             :func:`.decode.splits.default_min_split_keys`), 0 to :data:`MAX_MIN_SPLIT_KEYS`.
-        pack_gqa: extend: one program covers all q heads of one kv head, ``block_m`` rows =
-            ``block_m // group`` tokens x the group, so each K/V tile is dequantized once per group
-            instead of once per q head (needs ``block_m >= group``).
 
     Raises:
         ValueError: a field outside its range (named in the message).
@@ -109,7 +106,6 @@ class TritonConfig:
     maxnreg: int | None = None
     min_split_keys: int | None = None
     block_m: int = 64
-    pack_gqa: bool = False
 
     #: the stage-1 engine this config selects (the split policy and logs name it)
     engine: ClassVar[str] = "triton"
@@ -122,7 +118,7 @@ class TritonConfig:
         if self.convert not in CONVERTS:
             raise ValueError(f"TritonConfig convert={self.convert!r} must be one of {CONVERTS} "
                              "(bits, asm, asm-perm, subnormal; codes.CONVERT_*)")
-        for name in ("pairs_ahead", "defer_sums", "pack_gqa"):
+        for name in ("pairs_ahead", "defer_sums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TritonConfig {name}={getattr(self, name)!r} must be True or False")
         _check_common(self)

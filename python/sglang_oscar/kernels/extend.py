@@ -9,10 +9,7 @@ The result of a position therefore does not depend on how the prompt was chunked
 
 Grid ``(cdiv(max_extend_len, BLOCK_M), batch, q_heads)``; one program = ``BLOCK_M`` query
 tokens of one head, single pass (flash attention), output written in the rotated V frame, plus
-the natural-log LSE per (token, head) if requested. With ``pack_gqa`` (:class:`~.configs.TritonConfig`)
-the grid is ``(cdiv(max_extend_len, BLOCK_M // group), batch, kv_heads)`` and a program's
-``BLOCK_M`` rows are ``BLOCK_M // group`` tokens x the kv head's ``group`` q heads (row ``r``: token
-``r // group``, head ``r % group``): every K/V tile it dequantizes serves the whole group.
+the natural-log LSE per (token, head) if requested.
 """
 
 from __future__ import annotations
@@ -67,29 +64,21 @@ def _extend_kernel(
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LSE: tl.constexpr, OUT_DT: tl.constexpr,
     IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False, PACK: tl.constexpr = False, TOK: tl.constexpr = 64,
+    HAS_SINKS: tl.constexpr = False,
 ):
-    # TOK: query tokens per program (BLOCK_M, or BLOCK_M // GROUP when PACK)
     mb = tl.program_id(0)
     b = tl.program_id(1)
-    hp = tl.program_id(2)
+    h = tl.program_id(2)
     ext = tl.load(EXTLEN + b).to(tl.int32)
-    if mb * TOK < ext:
-        r = tl.arange(0, BLOCK_M)
-        if PACK:
-            kvh64 = hp.to(tl.int64)
-            h64 = (hp * GROUP + r % GROUP).to(tl.int64)  # per row
-            mi = mb * TOK + r // GROUP
-            rmask = (mi < ext) & (r < TOK * GROUP)
-        else:
-            kvh64 = (hp // GROUP).to(tl.int64)
-            h64 = hp.to(tl.int64)
-            mi = mb * TOK + r
-            rmask = mi < ext
+    if mb * BLOCK_M < ext:
+        kvh64 = (h // GROUP).to(tl.int64)
+        h64 = h.to(tl.int64)
         req = tl.load(RPI + b).to(tl.int64)
         q_start = tl.load(QO_INDPTR + b).to(tl.int64)
         prefix = tl.load(PREFIX + b).to(tl.int32)
         sink_r = request_sink_len(SINKL, req, sink, prefix, HAS_SINKL)
+        mi = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = mi < ext
         pos_q = prefix + mi
         rows_q = q_start + mi.to(tl.int64)
         qoff = rows_q * stride_qn + h64 * stride_qh
@@ -105,9 +94,9 @@ def _extend_kernel(
         acc2 = tl.zeros([BLOCK_M, QVP], tl.float32)
         acc3 = tl.zeros([BLOCK_M, QVP], tl.float32)
 
-        hi = prefix + tl.minimum(mb * TOK + TOK, ext)
+        hi = prefix + tl.minimum(mb * BLOCK_M + BLOCK_M, ext)
         if HAS_WINDOW:
-            lo = tl.maximum(prefix + mb * TOK - window + 1, 0)
+            lo = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
         else:
             lo = hi * 0
 
@@ -251,15 +240,10 @@ class ExtendPlan:
         self._tables = (hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices,
                         qo_indptr, extend_prefix_lens, extend_seq_lens, hp_index if sink_lens is None else sink_lens)
         self._scalars = (sink, sliding_window or 0)
-        group = hq // hkv
-        if tn.pack_gqa and group > tn.block_m:
-            raise ValueError(f"TritonConfig pack_gqa needs block_m >= the GQA group ({group} q heads per kv "
-                             f"head), got block_m={tn.block_m}")
-        tok = tn.block_m // group if tn.pack_gqa else tn.block_m
-        self.grid = (triton.cdiv(max_extend_len, tok), bsz, hkv if tn.pack_gqa else hq)
+        self.grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)
         self._consts = attn_constants(layout)
         self._constexprs = dict(
-            GROUP=group, PACK=tn.pack_gqa, TOK=tok, **layout_constexprs(layout),
+            GROUP=hq // hkv, **layout_constexprs(layout),
             OP=TORCH_TO_TL[op], PREC="ieee" if op == torch.float32 else None,
             CONVERT=effective_convert(tn.convert, op, False),
             HAS_CAP=self.has_cap, HAS_WINDOW=sliding_window is not None, HAS_LSE=return_lse,
