@@ -57,9 +57,17 @@ def test_fp32_servers_keep_ieee_gemms_where_sglang_turns_tf32_on():
     """SGLang 0.5.16's launch overrides turn TF32 matmuls on for MiniMax-M2 (its router GEMM); the
     shim turns them off again for --dtype float32 servers only, whichever way ModelRunner gets its
     server_args, before ModelRunner reads the flag."""
+    import inspect
+
     from sglang.srt.arg_groups.overrides import _minimax_m2_overrides
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
 
     assert _minimax_m2_overrides(SimpleNamespace(), None) == {"enable_tf32_matmul": True}
+    # the hook's premise: ModelRunner.__init__ takes server_args and is where SGLang applies the flag
+    assert "server_args" in inspect.signature(ModelRunner.__init__).parameters
+    assert "enable_tf32_matmul" in inspect.getsource(ModelRunner.__init__)
+    assert hasattr(ServerArgs, "override")
     seen = []
 
     def init(self, *a, server_args=None, **k):
@@ -69,6 +77,19 @@ def test_fp32_servers_keep_ieee_gemms_where_sglang_turns_tf32_on():
         fp32_shim._no_tf32_in_fp32(init, object(), server_args=SimpleNamespace(dtype=dtype, enable_tf32_matmul=True))
         fp32_shim._no_tf32_in_fp32(init, object(), SimpleNamespace(dtype=dtype, enable_tf32_matmul=True))
         assert seen[-2:] == [want, want], dtype
+
+    class Strict(SimpleNamespace):  # ServerArgs in strict mode: fields change only through override()
+        def __setattr__(self, name, value):
+            if "enable_tf32_matmul" in self.__dict__:
+                raise AttributeError(name)
+            super().__setattr__(name, value)
+
+        def override(self, source, **fields):
+            self.__dict__.update(fields, source=source)
+
+    sa = Strict(dtype="float32", enable_tf32_matmul=True)
+    fp32_shim._no_tf32_in_fp32(init, object(), server_args=sa)
+    assert seen[-1] is False and sa.source == "oscar-e2e-fp32-shim"
 
 
 def test_window_shim_widens_only_sglangs_own_sliding_backend(monkeypatch):

@@ -48,6 +48,7 @@ def assert_same_rotation(got: torch.Tensor, exact: torch.Tensor) -> None:
     a deterministic bound, where counting one-ulp differences depends on the seed.
     """
     assert exact.dtype == torch.float32 and got.shape == exact.shape
+    assert bool(torch.isfinite(exact).all())  # a NaN bound would make every comparison below False
     assert bool(torch.isfinite(got).all()), "an output element was not written"
     b = 1e-5 * float(exact.abs().max())
     if got.dtype == torch.float32:
