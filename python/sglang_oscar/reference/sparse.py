@@ -195,6 +195,9 @@ def minimax_block_scores(
             whole sequence (one index kv head).
         q_positions: int ``[Tq]`` positions in ``[0, T)``; the query at ``p`` sees keys ``0 .. p``.
         block_size: ``B`` (``sparse_block_size``); init_blocks, local_blocks: forced block counts.
+            From a config's token counts SGLang derives ``init_blocks = ceil(sparse_init_tokens / B)``
+            and ``local_blocks = ceil(sparse_local_tokens / B) + 1`` when the block fields are unset
+            (``srt/layers/attention/minimax_sparse_backend.py:50-66``): pass the derived counts.
         score_type: ``"max"`` or ``"lse"`` (``sparse_score_type``).
         sm_scale: scale of ``idx_q . idx_k`` (default ``Di ** -0.5``, what SGLang uses).
 
