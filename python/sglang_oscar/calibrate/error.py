@@ -129,8 +129,7 @@ def functional_error(
             for name in methods:
                 if name == floor_name or lid in skip:
                     # a skipped layer keeps SGLang's BF16 cache whatever the method: the BF16 floor
-                    out = mha_output(call, b, floor.get(lid, "k", exact.device), floor.get(lid, "v", exact.device), config,
-                                     window_mode, quantize=False)
+                    out = floor.mha(call, b, config, window_mode, quantize=False)
                 elif name in outputs:
                     out = outputs[name](call, b)
                 elif mla:

@@ -64,6 +64,7 @@ import torch
 from ..config import OscarConfig, latent_group_size
 from ..quant.int2 import QuantizedRows, dequantize_rows, quantize_rows
 from .attention import attend
+from .masks import selection_mask
 
 CACHE_KINDS = ("int2", "bf16")
 OUTPUTS = ("v", "latent", "latent_rotated")
@@ -173,15 +174,7 @@ def topk_key_mask(topk_indices: torch.Tensor, q_positions: torch.Tensor, seq_len
         raise ValueError("topk_indices must lie in [-1, query position] (-1 = unused)")
     sel = torch.zeros(idx.shape[0], seq_len + 1, dtype=torch.bool, device=idx.device)
     sel.scatter_(1, torch.where(idx < 0, seq_len, idx), True)  # -1 lands in a dropped extra column
-    sel = sel[:, :seq_len]
-    row_of = {int(p): i for i, p in enumerate(q_positions.tolist())}
-    if len(row_of) != q_positions.numel():
-        raise ValueError("q_positions must be distinct when topk_indices are given")
-
-    def mask(pos: torch.Tensor, t: int) -> torch.Tensor:
-        return sel[[row_of[int(p)] for p in pos.tolist()], :t]
-
-    return mask
+    return selection_mask(sel[:, :seq_len], q_positions, "topk_indices")
 
 
 def latent_attention(

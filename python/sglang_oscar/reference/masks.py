@@ -82,3 +82,31 @@ def hp_window_mask(q_positions: torch.Tensor, seq_len: int, sink: int, recent: i
         return torch.ones(i.shape[0], seq_len, dtype=torch.bool, device=q_positions.device)
     hp = (j < sink).expand(i.shape[0], seq_len)
     return hp | (j > i - recent) if window_mode == "decode" else hp
+
+
+def selection_mask(sel: torch.Tensor, q_positions: torch.Tensor, what: str):
+    """A :func:`.attention.attend` ``key_mask`` over a precomputed selection, looked up by position
+    (so a caller that splits the queries into chunks gets the same rows).
+
+    Args:
+        sel: bool ``[..., Tq, T]``: row ``i`` holds the keys the query at ``q_positions[i]`` may see.
+        q_positions: int ``[Tq]``, distinct.
+        what: the selection's name for the error message (e.g. ``"topk_indices"``).
+
+    Returns:
+        ``(pos [Tq'], t) -> bool [..., Tq', t]`` with ``t <= T``.
+
+    Raises:
+        ValueError: repeated positions (when built); ``t > T`` (when called).
+    """
+    row_of = {int(p): i for i, p in enumerate(q_positions.tolist())}
+    if len(row_of) != q_positions.numel():
+        raise ValueError(f"q_positions must be distinct when {what} are given")
+
+    def mask(pos: torch.Tensor, t: int) -> torch.Tensor:
+        if t > sel.shape[-1]:
+            raise ValueError(f"{what} mask built for seq_len {sel.shape[-1]}, asked for {t} keys")
+        return sel[..., [row_of[int(p)] for p in pos.tolist()], :t]
+
+    return mask
+

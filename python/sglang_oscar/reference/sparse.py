@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import torch
 
+from .masks import selection_mask
+
 SCORE_TYPES = ("max", "lse")
 INIT_SCORE = 1e30  # SGLang's forced score of an init block (flash_with_topk_idx.py:411)
 LOCAL_SCORE = 1e29  # ... and of a local block, which wins over init when a block is both (:410-412)
@@ -130,16 +132,7 @@ def block_topk_key_mask(blocks: torch.Tensor, q_positions: torch.Tensor, seq_len
     member.scatter_(2, torch.where(idx < 0, num_blocks, idx), True)  # -1 lands in a dropped extra column
     keys = torch.arange(seq_len, device=idx.device)
     sel = member[..., keys // block_size] & (keys.view(1, 1, -1) <= pos.view(1, -1, 1))
-    row_of = {int(p): i for i, p in enumerate(pos.tolist())}
-    if len(row_of) != pos.numel():
-        raise ValueError("q_positions must be distinct when blocks are given")
-
-    def mask(p: torch.Tensor, t: int) -> torch.Tensor:
-        if t > seq_len:
-            raise ValueError(f"block mask built for seq_len {seq_len}, asked for {t} keys")
-        return sel[:, [row_of[int(x)] for x in p.tolist()], :t]
-
-    return mask
+    return selection_mask(sel, q_positions, "blocks")
 
 
 def union_block_lists(blocks: torch.Tensor, kv_heads: int) -> torch.Tensor:
