@@ -3,9 +3,11 @@
 
 One Qwen3-8B layer (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256, group 128, fp16 pairs)
 prefilling a chunk of ``chunk`` tokens after ``prefix`` cached ones, one request, as the server runs
-it: INT2 -- q / K / V rotated in one launch (``kernels.rotate.rotate_qkv``), the chunk written
+it: INT2 -- q / K / V rotated in one launch (``kernels.rotate.rotate_qkv``, TF32x3 as served for a
+BF16 model; the IEEE fp32 rotations are timed beside), the chunk written
 (``kernels.write_kv``: INT2 codes + BF16 sink copies), :class:`~sglang_oscar.kernels.ExtendPlan`'s
-``run`` (window mode "extend": the chunk reads itself through INT2), the output rotated back; BF16 --
+``run`` (window mode "extend": the chunk reads itself through the dequantized scratch), the output
+rotated back; BF16 --
 the chunk's rows copied into the cache and SGLang's Triton extend kernel (``extend_attention_fwd``,
 what ``--attention-backend triton`` runs) over prefix + chunk. Each INT2 piece is also timed alone,
 so the step's excess over BF16 splits into rotations, write and attention (issue 28: an 8K prompt's
@@ -14,7 +16,7 @@ time to first token is 1.35x BF16's on Qwen3-8B, docs/benchmarks_served.md).
 Times: CUDA graphs with a cold L2 (``bench_decode.bench``); ratios mean something only within one run.
 
     python -m benchmarks.bench_extend_step [--chunks 8192] [--prefixes 0,24576] [--out extend_step.md]
-        [--configs '[{"block_m": 128, "num_warps": 8}, {"block_n": 32}]']   # extend kernel variants
+        [--configs '[{"chunk_scratch": false}, {"block_m": 128, "num_warps": 8}]']   # extend kernel variants
     TRITON_INTERPRET=1 python -m benchmarks.bench_extend_step --smoke      # CPU: tiny shapes, every piece once
 """
 
@@ -40,6 +42,7 @@ from sglang_oscar.kernels.layout import Int2Layout
 from sglang_oscar.kernels.rotate import rotate_heads, rotate_qkv
 
 HQ, HKV, D, SINK = 32, 8, 128, 64
+TF32X3 = "tf32x3"  # the served extend step's rotations (backend.step): a BF16 model's prefill
 SMOKE = dict(HQ=4, HKV=2, D=64, SINK=4)
 
 
@@ -83,16 +86,17 @@ class ExtendCase:
         """The layer's planes in :class:`~sglang_oscar.kernels.ExtendPlan`'s order."""
         return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
 
-    def plan(self, config=None) -> ExtendPlan:
+    def plan(self, config=None, chunk_scratch: bool = True) -> ExtendPlan:
         """The served extend plan (``config``: a :class:`~sglang_oscar.kernels.TritonConfig`, default the
-        kernels' own)."""
+        kernels' own; ``chunk_scratch`` as :class:`~sglang_oscar.kernels.ExtendPlan`)."""
         return ExtendPlan(self.layout, self.hq, self.chunk, self.buffers(), self.hp_index, self.req_to_token,
                           self.req_pool_indices, self.qo_indptr, self.prefix_lens, self.chunk_lens, sink=self.sink,
-                          q_dtype=torch.float32, max_extend_len=self.chunk, out_dtype=torch.float32, config=config)
+                          q_dtype=torch.float32, max_extend_len=self.chunk, out_dtype=torch.float32, config=config,
+                          chunk_scratch=chunk_scratch)
 
-    def attention_variant(self, config):
-        """The extend attention alone with ``config``."""
-        plan = self.plan(config)
+    def attention_variant(self, config, chunk_scratch: bool = True):
+        """The extend attention alone with ``config`` (and ``chunk_scratch``)."""
+        plan = self.plan(config, chunk_scratch)
         q_rot = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)[0]
         scale = 1.0 / math.sqrt(self.d)
         return lambda: plan.run(q_rot, *self.buffers(), sm_scale=scale)
@@ -104,9 +108,9 @@ class ExtendCase:
         q_rot, k_rot, v_rot = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)
         o = plan.run(q_rot, *self.buffers(), sm_scale=scale)
 
-        def rotations():
-            rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)
-            rotate_heads(o, self.rv, torch.bfloat16, transpose=True)
+        def rotations(precision=TF32X3):
+            rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=precision)
+            rotate_heads(o, self.rv, torch.bfloat16, transpose=True, precision=precision)
 
         def write():
             write_kv(k_rot, v_rot, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
@@ -116,13 +120,14 @@ class ExtendCase:
             plan.run(q_rot, *self.buffers(), sm_scale=scale)
 
         def step():
-            qr, kr, vr = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)
+            qr, kr, vr = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=TF32X3)
             write_kv(kr, vr, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
                      hp_rows=self.hp_rows, hp_k=self.hp_k, hp_v=self.hp_v, validate=False)
             out = plan.run(qr, *self.buffers(), sm_scale=scale)
-            return rotate_heads(out, self.rv, torch.bfloat16, transpose=True)
+            return rotate_heads(out, self.rv, torch.bfloat16, transpose=True, precision=TF32X3)
 
-        return {"step": step, "rotations": rotations, "write": write, "attention": attention}
+        return {"step": step, "rotations": rotations, "rotations_ieee": lambda: rotations("ieee"), "write": write,
+                "attention": attention}
 
     def bf16_step(self):
         """SGLang's BF16 extend step (the chunk's rows copied into the pool, then its Triton extend), or
@@ -150,8 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefixes", default="0,24576")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--configs", default="[]",
-                    help="JSON list of TritonConfig fields to change from the served extend config: one attention "
-                         "column each")
+                    help="JSON list of TritonConfig fields to change from the served extend config (and "
+                         "\"chunk_scratch\": false for the inline read of the chunk): one attention column each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     a = ap.parse_args(argv)
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -159,9 +164,9 @@ def main(argv=None) -> int:
     prefixes = [0, 8] if a.smoke else [int(x) for x in a.prefixes.split(",")]
     variants = json.loads(a.configs)
     names = [", ".join(f"{k} {v}" for k, v in kw.items()) for kw in variants]
-    rows = ["| prefix + chunk | INT2 step | rotations | write | attention | SGLang Triton BF16 step | INT2 / BF16 |"
-            + "".join(f" attention ({n}) |" for n in names),
-            "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
+    rows = ["| prefix + chunk | INT2 step | rotations | write | attention | SGLang Triton BF16 step | INT2 / BF16 "
+            "| rotations (IEEE fp32) |" + "".join(f" attention ({n}) |" for n in names),
+            "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
     for chunk in chunks:
         for prefix in prefixes:
             case = ExtendCase(prefix, chunk, dev, **({k.lower(): v for k, v in SMOKE.items()} if a.smoke else {}))
@@ -170,10 +175,13 @@ def main(argv=None) -> int:
             tb = bd.bench(bf, a.smoke) if bf is not None else None
             ratio = f"{t['step'] / tb:.2f}x" if tb else "-"
             served = default_triton_config(case.layout, extend=True)
-            tv = [bd.bench(case.attention_variant(dataclasses.replace(served, **kw)), a.smoke) for kw in variants]
+            tv = [bd.bench(case.attention_variant(
+                dataclasses.replace(served, **{k: v for k, v in kw.items() if k != "chunk_scratch"}),
+                kw.get("chunk_scratch", True)), a.smoke) for kw in variants]
             row = (f"| {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in ("step", "rotations", "write",
                                                                                   "attention"))
-                   + f" | {fmt_ms(tb) if tb else '-'} | {ratio} |" + "".join(f" {fmt_ms(x)} |" for x in tv))
+                   + f" | {fmt_ms(tb) if tb else '-'} | {ratio} | {fmt_ms(t['rotations_ieee'])} |"
+                   + "".join(f" {fmt_ms(x)} |" for x in tv))
             del case
             emit_row(rows, row, dev)
     write_table(rows, a.out)

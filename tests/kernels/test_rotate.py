@@ -24,7 +24,8 @@ CASES = [
 ]
 
 
-def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", block_n=None, block_k="auto"):
+def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", block_n=None, block_k="auto",
+                   precision="ieee"):
     fresh_seed()
     x = (torch.randn(t, h, d, device=device) * 3).to(in_dtype)
     r = random_orthogonal(d, hr).to(device)
@@ -33,7 +34,7 @@ def check_rotation(t, h, hr, d, in_dtype, transpose, sub, add, device="cpu", blo
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         out = poison_(torch.empty(t, h, d, dtype=out_dtype, device=device))
         got = rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=mi, add_mean=mo, out=out, block_n=block_n,
-                           block_k=block_k)
+                           block_k=block_k, precision=precision)
         assert got is out
         exp = rotate_heads_reference(x, r, torch.float32, transpose=transpose, sub_mean=mi, add_mean=mo)
         assert_same_rotation(got, exp)
@@ -152,7 +153,8 @@ def test_auto_block_n_known_answers():
     assert auto_block_n(2, 1, 64) == 16
 
 
-def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, device="cpu", block_k="auto"):
+def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, device="cpu", block_k="auto",
+                     precision="ieee"):
     fresh_seed()
     q = (torch.randn(t, hq, dk, device=device) * 3).to(in_dtype)
     k = (torch.randn(t, hkv, dk, device=device) * 3).to(in_dtype)
@@ -164,7 +166,7 @@ def check_rotate_qkv(t, hq, hkv, dk, dv, in_dtype, has_mk, has_mv, block_n, devi
         out = (poison_(torch.empty(t, hq, dk, device=device)), poison_(torch.empty(t, hkv, dk, dtype=kv_dtype, device=device)),
                poison_(torch.empty(t, hkv, dv, dtype=kv_dtype, device=device)))
         qr, kr, vr = rotate_qkv(q, k, v, rk, rv, kv_dtype, mean_k=mk, mean_v=mv, block_n=block_n, out=out,
-                                block_k=block_k)
+                                block_k=block_k, precision=precision)
         assert qr is out[0] and kr is out[1] and vr is out[2]
         assert_same_rotation(qr, rotate_heads_reference(q, rk, torch.float32))
         assert_same_rotation(kr, rotate_heads_reference(k, rk, torch.float32, sub_mean=mk))
@@ -176,6 +178,20 @@ def test_rotate_qkv_matches_einsum(case):
     """rotate_qkv: q R_k (fp32), (k - mu_k) R_k and (v - mu_v) R_v (bf16 / fp16) in one launch, each
     equal to the einsum up to the summation order."""
     check_rotate_qkv(*case)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[4]])
+def test_rotate_heads_tf32x3_launch_shape(case):
+    """precision="tf32x3" launches (one shape per head_dim, block_n / block_k ignored) cover every row
+    and output dim: the interpreter computes its dots in fp32, so this checks the indexing (the
+    accuracy of the TF32 MMAs is a GPU test)."""
+    check_rotation(*case, block_n=16, block_k=16, precision="tf32x3")
+
+
+@pytest.mark.parametrize("case", [(5, 8, 2, 128, 128, torch.bfloat16, True, False, 16),
+                                  (3, 6, 3, 192, 128, torch.float16, False, True, None)])
+def test_rotate_qkv_tf32x3_launch_shape(case):
+    check_rotate_qkv(*case, precision="tf32x3")
 
 
 @pytest.mark.parametrize("has_mk", [False, True])
@@ -229,6 +245,10 @@ def test_rotate_qkv_fused_qkv_views_empty_and_bad_input():
         rotate_qkv(q, k, v, rk, rv, torch.int8)
     with pytest.raises(ValueError, match="block_n"):
         rotate_qkv(q, k, v, rk, rv, torch.bfloat16, block_n=48)
+    with pytest.raises(ValueError, match="precision"):
+        rotate_qkv(q, k, v, rk, rv, torch.bfloat16, precision="tf32")
+    with pytest.raises(ValueError, match="precision"):
+        rotate_heads(q, rk, torch.bfloat16, precision="bf16")
     with pytest.raises(ValueError, match="are not"):
         rotate_qkv(q, k[:, :0], v[:, :0], rk[:0], rv[:0], torch.bfloat16)
     with pytest.raises(ValueError, match="are not"):  # no q heads: K / V would never be written
@@ -388,6 +408,29 @@ def test_gpu_rotation_bits_do_not_depend_on_the_launch_shape(d):
     for bn in (16, 64, "auto"):
         got = rotate_qkv(x, k, v, r, r, torch.bfloat16, block_n=bn)
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), bn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+def test_gpu_tf32x3_rotations(d):
+    """precision="tf32x3" (the backend's extend steps of 16-bit models): within the fp32 check's bound
+    of the einsum, and a row's bits do not depend on how many rows the launch holds (a 1-token, a
+    64-token and a 3000-token launch), which chunked prefill and radix reuse rely on."""
+    check_rotation(scaled(3000), 8, 8, d, torch.bfloat16, False, True, False, device=DEV, precision="tf32x3")
+    check_rotation(scaled(700), 32, 8, d, torch.float32, True, False, True, device=DEV, precision="tf32x3")
+    fresh_seed()
+    t = scaled(3000)
+    q = (torch.randn(t, 32, d, device=DEV) * 3).bfloat16()
+    k, v = (torch.randn(t, 8, d, device=DEV) * 3).bfloat16(), (torch.randn(t, 8, d, device=DEV) * 3).bfloat16()
+    rk, rv = random_orthogonal(d, 8).to(DEV), random_orthogonal(d, 8).to(DEV)
+    mk = torch.randn(8, d, device=DEV)
+    full = rotate_qkv(q, k, v, rk, rv, torch.bfloat16, mean_k=mk, precision="tf32x3")
+    out = rotate_heads(q, rv, torch.bfloat16, transpose=True, add_mean=mk, precision="tf32x3")
+    for a, b in [(0, 1), (5, 69), (100, t)]:
+        part = rotate_qkv(q[a:b], k[a:b], v[a:b], rk, rv, torch.bfloat16, mean_k=mk, precision="tf32x3")
+        assert all(torch.equal(x, y[a:b]) for x, y in zip(part, full)), (a, b)
+        assert torch.equal(rotate_heads(q[a:b], rv, torch.bfloat16, transpose=True, add_mean=mk,
+                                        precision="tf32x3"), out[a:b]), (a, b)
 
 
 @pytest.mark.gpu

@@ -189,7 +189,8 @@ def test_decode_planned_during_a_capture_is_kept_with_the_graph(setup, monkeypat
 
 def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
     """--oscar-rotate-engine triton: the backend rotates q / K / V in one kernels.rotate.rotate_qkv
-    launch and the output with rotate_heads (both counted, block_n "auto"), and prefill + decode
+    launch and the output with rotate_heads (both counted, block_n "auto"; TF32x3 for the BF16 pool's
+    extend, IEEE fp32 for decode, whose launch shape auto_block_n picks), and prefill + decode
     outputs equal the torch engine's up to the fp32 summation order (a rotated BF16 row may move by
     one ulp), within 1e-2 of the oracle."""
     import dataclasses
@@ -202,7 +203,8 @@ def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
     for name in ("rotate_heads", "rotate_qkv"):
         real = getattr(triton_backend, name)
         monkeypatch.setattr(triton_backend, name,
-                            lambda *a, _n=name, _r=real, **k: calls.append((_n, k.get("block_n", "default"))) or _r(*a, **k))
+                            lambda *a, _n=name, _r=real, **k: calls.append((_n, k.get("block_n", "default"),
+                                                                            k.get("precision"))) or _r(*a, **k))
     picks = []  # the kernels' "auto" choice is what runs (auto_block_n asked once per launch)
     real_auto = rotate_mod.auto_block_n
     monkeypatch.setattr(rotate_mod, "auto_block_n", lambda *a, **k: picks.append(k.get("products", 1)) or real_auto(*a, **k))
@@ -215,8 +217,9 @@ def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
         o = sv.extend(1, seq, 0, 40)
         outs[engine] = (o, sv.decode(1, seq, 40))
         # per forward (two): q / K / V in one launch, then the output, both with the default block_n
-        assert calls == ([] if engine == "torch" else [("rotate_qkv", "default"), ("rotate_heads", "default")] * 2)
-        assert picks == ([] if engine == "torch" else [3, 1] * 2)
+        assert calls == ([] if engine == "torch" else [(n, "default", p) for p in ("tf32x3", "ieee")
+                                                       for n in ("rotate_qkv", "rotate_heads")])
+        assert picks == ([] if engine == "torch" else [3, 1])  # the decode step's launches
     for a, b in zip(outs["torch"], outs["triton"]):
         assert _rel(b, a) < SAME
     assert _rel(outs["triton"][1], _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2
@@ -547,7 +550,8 @@ def test_folded_output_plans_write_the_model_dtype(monkeypatch):
 
 def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
     """With --oscar-rotate-engine triton a folded layer rotates q and K in one rotate_qkv launch of two
-    products (v=None) and launches nothing for the output."""
+    products (v=None) and launches nothing for the output (extend at TF32x3 with its fixed launch
+    shape, decode at IEEE fp32 with auto_block_n's)."""
     import dataclasses
 
     from sglang_oscar.backend import step
@@ -556,7 +560,8 @@ def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
     calls, picks = [], []
     for name in ("rotate_heads", "rotate_qkv"):
         real = getattr(step, name)
-        monkeypatch.setattr(step, name, lambda *a, _n=name, _r=real, **k: calls.append((_n, a[2] is None)) or _r(*a, **k))
+        monkeypatch.setattr(step, name, lambda *a, _n=name, _r=real, **k: calls.append((_n, a[2] is None,
+                                                                                      k.get("precision"))) or _r(*a, **k))
     real_auto = rotate_mod.auto_block_n
     monkeypatch.setattr(rotate_mod, "auto_block_n", lambda *a, **k: picks.append(k.get("products", 1)) or real_auto(*a, **k))
     config = dataclasses.replace(OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT), fold_rotations=True)
@@ -565,7 +570,7 @@ def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
     seq = Qwen3Attention(torch.bfloat16).qkv(x)
     sv.extend(1, seq, 0, SHORT["prefill"])
     sv.decode(1, seq, SHORT["prefill"])
-    assert calls == [("rotate_qkv", True)] * 2 and picks == [2] * 2
+    assert calls == [("rotate_qkv", True, "tf32x3"), ("rotate_qkv", True, "ieee")] and picks == [2]
 
 
 class Fp8LinearMethod:

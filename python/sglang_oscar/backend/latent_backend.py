@@ -279,8 +279,8 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
             self.pool.write_latent(layer.layer_id, fb.out_cache_loc, c_rot, k2[:, r:], self._hp_rows)
         return q_abs, q_pe
 
-    def _output(self, o, layer, dtype):
-        """``o' Rot^T`` ``[T, H * R]`` in ``dtype``."""
+    def _output(self, o, layer, dtype, fb=None):
+        """``o' Rot^T`` ``[T, H * R]`` in ``dtype`` (``fb`` unused: one product for every step)."""
         return (o.float() @ self.rotations[layer.layer_id].T).to(dtype).reshape(o.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,

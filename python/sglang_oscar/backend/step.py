@@ -11,7 +11,10 @@
 
 ``engine`` is ``--oscar-rotate-engine``: ``"triton"`` (``kernels.rotate``: q, K and V in one
 ``rotate_qkv`` launch, q and K in one when V is folded, the output in one ``rotate_heads``) or
-``"torch"`` (the fp32 einsum, ``rotate_heads_reference``).
+``"torch"`` (the fp32 einsum, ``rotate_heads_reference``). ``precision`` is the Triton engine's
+(``kernels.rotate``): the backend passes ``"tf32x3"`` for extend steps of a 16-bit model, whose
+thousands of rows per step made the IEEE products the largest part of a prefill's excess over BF16,
+and ``"ieee"`` for decode steps and fp32 models (which the oracle checks at fp32 noise).
 """
 
 from __future__ import annotations
@@ -27,48 +30,49 @@ logger = logging.getLogger("sglang_oscar")
 
 def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False,
             sub_mean: torch.Tensor | None = None, add_mean: torch.Tensor | None = None,
-            engine: str = "triton") -> torch.Tensor:
+            engine: str = "triton", precision: str = "ieee") -> torch.Tensor:
     """``(x - sub_mean) r`` (or ``x r^T + add_mean``) of ``x [T, H, D]`` per kv head with ``r [H_kv, D, D]``
     (GQA: head ``h`` uses ``h // (H/H_kv)``; means ``[H_kv, D]`` or ``None``), in fp32, cast to ``out_dtype``;
-    ``engine`` (``--oscar-rotate-engine``): ``"torch"`` einsum or the ``"triton"`` kernel."""
+    ``engine`` (``--oscar-rotate-engine``): ``"torch"`` einsum or the ``"triton"`` kernel (at ``precision``)."""
     if engine == "triton":
         return rotate_heads(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean,
-                            add_mean=add_mean, validate=False)
+                            add_mean=add_mean, validate=False, precision=precision)
     return rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean, add_mean=add_mean)
 
 
-def rotate_inputs(q3, k3, v3, rotations, means, hp_dtype, engine: str, folded: bool):
+def rotate_inputs(q3, k3, v3, rotations, means, hp_dtype, engine: str, folded: bool, precision: str = "ieee"):
     """``(q_rot fp32, k_rot, v_rot)`` of one layer's ``q [T, H_q, D_k]``, ``k [T, H_kv, D_k]``,
     ``v [T, H_kv, D_v]`` (``k3`` / ``v3`` ``None``: q only, the others returned ``None``);
     ``rotations`` ``(R_k, R_v)``, ``means`` ``(mu_k, mu_v)`` (each ``None`` if not centred). K and V
     in ``hp_dtype``, last dim contiguous (the pool's write). ``folded``: V is already ``(v - mu_v) R_v``
-    (the folded ``qkv_proj``) and is only cast."""
+    (the folded ``qkv_proj``) and is only cast. ``precision``: the Triton engine's (module docstring)."""
     rk, rv = rotations
     mk, mv = means
     if k3 is None:
-        return _rotate(q3, rk, torch.float32, engine=engine), None, None
+        return _rotate(q3, rk, torch.float32, engine=engine, precision=precision), None, None
     if folded:
         if engine == "triton":  # q and K in one launch
-            q_rot, k_rot, _ = rotate_qkv(q3, k3, None, rk, None, hp_dtype, mean_k=mk, validate=False)
+            q_rot, k_rot, _ = rotate_qkv(q3, k3, None, rk, None, hp_dtype, mean_k=mk, validate=False,
+                                         precision=precision)
         else:
             q_rot = _rotate(q3, rk, torch.float32, engine=engine)
             k_rot = _rotate(k3, rk, hp_dtype, sub_mean=mk, engine=engine)
         v_rot = v3.to(hp_dtype)
         return q_rot, k_rot, (v_rot if v_rot.stride(-1) == 1 else v_rot.contiguous())
     if engine == "triton":  # q, K and V in one launch (kernels.rotate.rotate_qkv)
-        return rotate_qkv(q3, k3, v3, rk, rv, hp_dtype, mean_k=mk, mean_v=mv, validate=False)
+        return rotate_qkv(q3, k3, v3, rk, rv, hp_dtype, mean_k=mk, mean_v=mv, validate=False, precision=precision)
     return (_rotate(q3, rk, torch.float32, engine=engine), _rotate(k3, rk, hp_dtype, sub_mean=mk, engine=engine),
             _rotate(v3, rv, hp_dtype, sub_mean=mv, engine=engine))
 
 
 def rotate_output(o: torch.Tensor, rv: torch.Tensor, mean_v, out_dtype: torch.dtype, engine: str,
-                  folded: bool) -> torch.Tensor:
+                  folded: bool, precision: str = "ieee") -> torch.Tensor:
     """The attention output ``o [T, H_q, D_v]`` (rotated frame) for ``o_proj``: ``o R_v^T + mu_v`` in
     ``out_dtype`` from fp32, or for a folded layer ``o`` as is (``o_proj`` reads the rotated frame; the
     backend's plans write it in the model dtype already, so the cast is a no-op)."""
     if folded:
         return o.to(out_dtype)
-    return _rotate(o, rv, out_dtype, transpose=True, add_mean=mean_v, engine=engine)
+    return _rotate(o, rv, out_dtype, transpose=True, add_mean=mean_v, engine=engine, precision=precision)
 
 
 def fold_model(config, model, rotations, means, par) -> tuple[frozenset[int], frozenset[int]]:

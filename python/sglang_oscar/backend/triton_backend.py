@@ -307,17 +307,23 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         k3, v3 = (k.reshape(-1, hkv, dk), v.reshape(-1, hkv, dv)) if save_kv_cache else (None, None)
         q_rot, k_rot, v_rot = rotate_inputs(q3, k3, v3, self.rotations[layer.layer_id], self._mean(layer.layer_id),
                                             self.pool.hp_dtype, self.config.rotate_engine,
-                                            layer.layer_id in self.folded)
+                                            layer.layer_id in self.folded, self._precision(fb))
         if save_kv_cache:
             loc = self._swa_loc if self.pool.is_swa_layer(layer.layer_id) else fb.out_cache_loc
             self.pool.write_rotated(layer.layer_id, loc, k_rot, v_rot, self._hp_rows)
         return q_rot
 
-    def _output(self, o, layer, dtype):
+    def _precision(self, fb) -> str:
+        """The Triton rotations' precision (:mod:`.step`): TF32x3 MMAs for the extend steps of a
+        16-bit model, IEEE fp32 for decode and fp32 models."""
+        return "tf32x3" if fb.forward_mode.is_extend() and self.pool.hp_dtype != torch.float32 else "ieee"
+
+    def _output(self, o, layer, dtype, fb):
         """``o`` back in the model's frame (or as is for a folded layer), ``[T, H_q * D_v]`` in ``dtype``."""
         lid = layer.layer_id
         return rotate_output(o, self.rotations[lid][1], self._mean(lid)[1], dtype, self.config.rotate_engine,
-                             lid in self.output_folded).reshape(o.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+                             lid in self.output_folded, self._precision(fb)).reshape(
+                                 o.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
@@ -332,7 +338,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             geo = self._layer_geometry[layer.layer_id]
         o = plans[geo].run(q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling,
                            logit_cap=layer.logit_cap or None, sinks=sinks)
-        return self._output(o, layer, q.dtype)
+        return self._output(o, layer, q.dtype, forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
                        aux_tensors=None):
@@ -348,7 +354,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
             plans = self.plan_extend(forward_batch, q_rot.shape[0])
         o = plans[geo].run(q_rot, *self.pool.int2_buffers(layer.layer_id), sm_scale=layer.scaling,
                            logit_cap=layer.logit_cap or None, sinks=sinks)
-        return self._output(o, layer, q.dtype)
+        return self._output(o, layer, q.dtype, forward_batch)
 
 
 def _attention_layers(model) -> list:

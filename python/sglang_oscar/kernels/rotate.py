@@ -9,13 +9,20 @@ kernel with the same fp32 arithmetic up to the summation order of the dot produc
 Rows ``x [T, H, D_in]``, ``H = H_r * G`` (GQA: head ``h`` uses matrix ``h // G``). A program
 takes ``BLOCK_M`` consecutive (token, head) rows of one matrix ``r`` (row ``i`` = token ``i // G``,
 head ``r * G + i % G``) and accumulates ``x R`` over ``BLOCK_K``-wide slices of ``D_in`` with
-``tl.dot`` in IEEE fp32 (no TF32: the HP rows are rounded from these values, and the oracle
-computes them in fp32), rounded to the output dtype with round-to-nearest-even (``codes.round_to``:
+``tl.dot`` in IEEE fp32 (the HP rows are rounded from these values, and the oracle computes
+them in fp32), rounded to the output dtype with round-to-nearest-even (``codes.round_to``:
 the interpreter's own bf16 cast truncates). ``R`` is read through strides, so the transpose costs
 nothing. A program covers ``BLOCK_N`` output dims (``block_n``; default ``"auto"``,
 :func:`auto_block_n`: whole rows for prefill-sized inputs, else the widest of 64 / 32 / 16 whose
 grid still has :data:`MIN_PROGRAMS` programs, so a decode step's few rows per kv head are spread
 over the SMs).
+
+``precision="tf32x3"`` (the backend's prefill / extend steps) computes each product as three TF32
+MMAs on the tensor cores, about 2^-21 relative to the fp32 products instead of CUDA-core FMAs, which
+left an 8K-token prefill's four rotations at ~0.8 ms per Qwen3-8B layer (docs/benchmarks_served.md).
+Its launch shape is one per head_dim (:func:`_tf32x3_shape`), never the row count's, so a row gets
+the same bits in a 64-token chunk and in a whole prompt; an IEEE launch (decode) may differ from it
+in the last bit of a rounded element.
 
 :func:`rotate_qkv` runs the step's three input products (q, K, V) in one launch: the grid's third
 axis selects the product and the output slice, and each program runs the same block body as
@@ -226,6 +233,22 @@ def _check_block_n(block_n, who: str) -> None:
         raise ValueError(f"{who}: block_n={block_n!r} must be \"auto\", None or a power of two >= 16")
 
 
+PRECISIONS = ("ieee", "tf32x3")
+
+
+def _check_precision(precision, who: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"{who}: precision={precision!r} must be one of {PRECISIONS}")
+
+
+def _tf32x3_shape(d: int) -> tuple[int, int, int]:
+    """``(block_m, block_n, block_k)`` of every ``precision="tf32x3"`` launch at head_dim ``d``: whole
+    rows, 64-row programs at head_dim <= 128 (the MMA instruction shape then never changes with the
+    row count), 16 beyond (register limits, above)."""
+    np_ = _np(d)
+    return (64 if np_ <= 128 else 16), np_, _block_k(d)
+
+
 def rotate_heads(
     x: torch.Tensor,
     rotation: torch.Tensor,
@@ -238,6 +261,7 @@ def rotate_heads(
     block_n: int | str | None = "auto",
     block_k: int | str = "auto",
     validate: bool = True,
+    precision: str = "ieee",
 ) -> torch.Tensor:
     """``(x - sub_mean) R`` (or ``x R^T + add_mean``) per kv head, in fp32, cast to ``out_dtype``.
 
@@ -258,6 +282,8 @@ def rotate_heads(
         block_k: input dims per loop step: ``"auto"`` (default, :func:`auto_block_k`) or a power of
             two >= 16 (capped at the padded head_dim).
         validate: shape / dtype / device checks (``False`` on hot paths validated once).
+        precision: ``"ieee"`` (fp32 FMAs) or ``"tf32x3"`` (three TF32 MMAs per product, one launch shape
+            per head_dim: ``block_n`` / ``block_k`` are then ignored; module docstring).
 
     Returns:
         ``[T, H, D]`` in ``out_dtype``. Equals ``torch.einsum`` in fp32 up to the summation order
@@ -271,6 +297,7 @@ def rotate_heads(
     """
     _check_block_n(block_n, "rotate_heads")
     _check_block_k(block_k, "rotate_heads")
+    _check_precision(precision, "rotate_heads")
     if validate:
         check_tensor(x, "x", ndim=3, last_contiguous=True)
         check_float(x, "x")
@@ -299,18 +326,21 @@ def rotate_heads(
         return out
     rows = t * g
     np_ = _np(d)
-    block_m = _block_m(rows, np_)
     srk, srn = (rotation.stride(2), rotation.stride(1)) if transpose else (rotation.stride(1), rotation.stride(2))
     mu_in = sub_mean.contiguous() if sub_mean is not None else rotation  # no-ops on the backend's tensors
     mu_out = add_mean.contiguous() if add_mean is not None else rotation
-    bn = _block_n(block_n, np_, auto_block_n(rows, hr, d) if block_n == "auto" else None)
-    block_k = _block_k_for(block_k, d, bn)
+    if precision == "tf32x3":
+        block_m, bn, block_k = _tf32x3_shape(d)
+    else:
+        block_m = _block_m(rows, np_)
+        bn = _block_n(block_n, np_, auto_block_n(rows, hr, d) if block_n == "auto" else None)
+        block_k = _block_k_for(block_k, d, bn)
     _launch(_rotate_kernel, (triton.cdiv(rows, block_m), hr, triton.cdiv(d, bn)),
             x, x.stride(0), x.stride(1), rotation, rotation.stride(0), srk, srn, mu_in, mu_out,
             out, out.stride(0), out.stride(1), t,
             G=g, D_IN=d, D_OUT=d, BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=block_k,
             HAS_MU_IN=sub_mean is not None, HAS_MU_OUT=add_mean is not None, OUT_DT=TORCH_TO_TL[out_dtype],
-            PRECISION="ieee", num_warps=_warps(np_))
+            PRECISION=precision, num_warps=_warps(np_))
     return out
 
 
@@ -329,6 +359,7 @@ def rotate_qkv(
     block_k: int | str = "auto",
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     validate: bool = True,
+    precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The three input rotations of an attention step in one launch: ``q R_k``, ``(k - mean_k) R_k``,
     ``(v - mean_v) R_v``: the block body of :func:`rotate_heads` for each product, so each result
@@ -351,6 +382,7 @@ def rotate_qkv(
         block_k: input dims per loop step, as :func:`rotate_heads` (per product's head_dim).
         out: optional ``(q_out, k_out, v_out)`` of the result's shapes and dtypes, last dims contiguous.
         validate: shape / dtype / device checks.
+        precision: as :func:`rotate_heads` (``"tf32x3"``: one launch shape per head_dims pair).
 
     Returns:
         ``(q_rot [T, H_q, D_k] q_dtype, k_rot [T, H_kv, D_k] kv_dtype, v_rot [T, H_kv, D_v] kv_dtype)``
@@ -362,6 +394,7 @@ def rotate_qkv(
     """
     _check_block_n(block_n, "rotate_qkv")
     _check_block_k(block_k, "rotate_qkv")
+    _check_precision(precision, "rotate_qkv")
     has_v = v is not None
     if not has_v:  # q and K only: the V product is left out of the grid; its arguments alias K's (never read)
         v, rotation_v, mean_v = k, rotation_k, None
@@ -408,10 +441,15 @@ def rotate_qkv(
         v_out = k_out  # a pointer for the V product's (absent) programs; returned as None below
     g = hq // hkv
     np_k, np_v = _np(dk), _np(dv)
-    auto = auto_block_n(t * g, hkv, max(dk, dv), products=products) if block_n == "auto" else None
-    bn_k, bn_v = _block_n(block_n, np_k, auto), _block_n(block_n, np_v, auto)
+    if precision == "tf32x3":
+        block_m = _tf32x3_shape(max(dk, dv))[0]
+        bn_k, bn_v, bk_k, bk_v = np_k, np_v, _block_k(dk), _block_k(dv)
+    else:
+        auto = auto_block_n(t * g, hkv, max(dk, dv), products=products) if block_n == "auto" else None
+        bn_k, bn_v = _block_n(block_n, np_k, auto), _block_n(block_n, np_v, auto)
+        block_m = _block_m(t * g, max(np_k, np_v))
+        bk_k, bk_v = _block_k_for(block_k, dk, bn_k), _block_k_for(block_k, dv, bn_v)
     ns = max(triton.cdiv(dk, bn_k), triton.cdiv(dv, bn_v))
-    block_m = _block_m(t * g, max(np_k, np_v))
     mu_k = mean_k.contiguous() if mean_k is not None else rotation_k
     mu_v = mean_v.contiguous() if mean_v is not None else rotation_v
     _launch(_rotate_qkv_kernel, (triton.cdiv(t * g, block_m), hkv, products * ns),
@@ -421,9 +459,9 @@ def rotate_qkv(
             q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
             v_out, v_out.stride(0), v_out.stride(1), t,
             G=g, DK=dk, DV=dv, BN_K=bn_k, BN_V=bn_v, NS=ns, BLOCK_M=block_m,
-            BK_K=_block_k_for(block_k, dk, bn_k), BK_V=_block_k_for(block_k, dv, bn_v),
+            BK_K=bk_k, BK_V=bk_v,
             HAS_MU_K=mean_k is not None, HAS_MU_V=mean_v is not None, Q_DT=TORCH_TO_TL[q_dtype],
-            KV_DT=TORCH_TO_TL[kv_dtype], PRECISION="ieee", num_warps=_warps(max(np_k, np_v)))
+            KV_DT=TORCH_TO_TL[kv_dtype], PRECISION=precision, num_warps=_warps(max(np_k, np_v)))
     return q_out, k_out, (v_out if has_v else None)
 
 
