@@ -119,6 +119,20 @@ class ExtendCase:
         def attention():
             plan.run(q_rot, *self.buffers(), sm_scale=scale)
 
+        def rot_qkv(precision=TF32X3):
+            rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=precision)
+
+        def rot_out(precision=TF32X3):
+            rotate_heads(o, self.rv, torch.bfloat16, transpose=True, precision=precision)
+
+        rv_t = self.rv.transpose(-1, -2).contiguous()
+
+        def rot_out_rt():  # the same product reading a materialized R_v^T (row-major) instead of R_v's strides
+            rotate_heads(o, rv_t, torch.bfloat16, precision=TF32X3)
+
+        def dequant():
+            plan._fill_scratch(*self.buffers()[:4])
+
         def step():
             qr, kr, vr = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=TF32X3)
             write_kv(kr, vr, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
@@ -127,7 +141,9 @@ class ExtendCase:
             return rotate_heads(out, self.rv, torch.bfloat16, transpose=True, precision=TF32X3)
 
         return {"step": step, "rotations": rotations, "rotations_ieee": lambda: rotations("ieee"), "write": write,
-                "attention": attention}
+                "attention": attention, "rot_qkv": rot_qkv, "rot_out": rot_out,
+                "rot_qkv_ieee": lambda: rot_qkv("ieee"), "rot_out_ieee": lambda: rot_out("ieee"), "dequant": dequant,
+                "rot_out_rt": rot_out_rt}
 
     def bf16_step(self):
         """SGLang's BF16 extend step (the chunk's rows copied into the pool, then its Triton extend), or
@@ -165,8 +181,9 @@ def main(argv=None) -> int:
     variants = json.loads(a.configs)
     names = [", ".join(f"{k} {v}" for k, v in kw.items()) for kw in variants]
     rows = ["| prefix + chunk | INT2 step | rotations | write | attention | SGLang Triton BF16 step | INT2 / BF16 "
-            "| rotations (IEEE fp32) |" + "".join(f" attention ({n}) |" for n in names),
-            "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
+            "| rotations (IEEE fp32) | q/K/V rotation (IEEE) | output rotation (IEEE) [R^T stored] | chunk dequantization |"
+            + "".join(f" attention ({n}) |" for n in names),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
     for chunk in chunks:
         for prefix in prefixes:
             case = ExtendCase(prefix, chunk, dev, **({k.lower(): v for k, v in SMOKE.items()} if a.smoke else {}))
@@ -180,7 +197,9 @@ def main(argv=None) -> int:
                 kw.get("chunk_scratch", True)), a.smoke) for kw in variants]
             row = (f"| {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in ("step", "rotations", "write",
                                                                                   "attention"))
-                   + f" | {fmt_ms(tb) if tb else '-'} | {ratio} | {fmt_ms(t['rotations_ieee'])} |"
+                   + f" | {fmt_ms(tb) if tb else '-'} | {ratio} | {fmt_ms(t['rotations_ieee'])} | "
+                   + f"{fmt_ms(t['rot_qkv'])} ({fmt_ms(t['rot_qkv_ieee'])}) | {fmt_ms(t['rot_out'])} "
+                   + f"({fmt_ms(t['rot_out_ieee'])}) [{fmt_ms(t['rot_out_rt'])}] | {fmt_ms(t['dequant'])} |"
                    + "".join(f" {fmt_ms(x)} |" for x in tv))
             del case
             emit_row(rows, row, dev)
