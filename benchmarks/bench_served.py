@@ -79,16 +79,27 @@ except ImportError:
 HERE = Path(__file__).resolve().parent
 CONFIG_DIR = HERE / "configs"
 MODELS = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")
+
 # format -> (--kv-cache-dtype, --attention-backend, bits per stored K/V element in the pool, extra flags).
 # SGLang's Triton decode defaults to 8 KV splits (--triton-attention-num-kv-splits), which leaves a
 # batch-1 long-context decode on few SMs: the -t64 formats are the same kernels with 64 splits (128K x 1:
 # 76 vs 17 tok/s on Qwen3-8B). FlashInfer's sm90 prefill and FA3 do not build or import in the device
 # bundle (cutlass headers / sgl_kernel.flash_ops missing), so the Triton formats are the BF16 baselines.
+# int2-fold: the value rotation and mean folded into qkv_proj / o_proj at load (two of a layer's four
+# rotations gone: docs/design.md).
 FORMATS = {"bf16": ("auto", "triton", 16.0, ()), "fp8": ("fp8_e4m3", "triton", 8.0, ()),
            "int2": ("int2", "triton", 2.25, ()),
            "bf16-t64": ("auto", "triton", 16.0, ("--triton-attention-num-kv-splits", "64")),
            "fp8-t64": ("fp8_e4m3", "triton", 8.0, ("--triton-attention-num-kv-splits", "64")),
-           "bf16-fi": ("auto", "flashinfer", 16.0, ()), "bf16-fa3": ("auto", "fa3", 16.0, ())}
+           "bf16-fi": ("auto", "flashinfer", 16.0, ()), "bf16-fa3": ("auto", "fa3", 16.0, ()),
+           "int2-fold": ("int2", "triton", 2.25, ("--oscar-fold-rotations", "on"))}
+
+
+def _is_int2(fmt: str) -> bool:
+    """The int2 formats (the plugin's servers: int2 startup JIT, ``--int2-args``, ratios)."""
+    return FORMATS[fmt][0] == "int2"
+
+
 # int2: 2-bit codes + one fp16 (scale, zero) pair per 128-element group = 2.25 bits; the BF16 sink
 # (64) + recent (256) windows are separate per-request arenas (docs/design.md).
 INT2_WINDOW_TOKENS = 64 + 256
@@ -203,7 +214,7 @@ class Shape:
 def est_pool_tokens(s: Shape, fmt: str, a: argparse.Namespace) -> int:
     """SGLang sizes the pool as (fraction x GPU memory) - weights - what the model load left used."""
     free = a.mem_fraction_static * a.gpu_mem_gib * GIB - 2 * s.params - RESERVE_GIB * GIB
-    if fmt == "int2":
+    if _is_int2(fmt):
         free -= max(a.batches) * INT2_WINDOW_TOKENS * s.kv_bytes("bf16")
     return max(0, int(free // s.kv_bytes(fmt)))
 
@@ -214,7 +225,7 @@ def est_prefill_s(s: Shape, ctx: int, fmt: str, a: argparse.Namespace) -> float:
     flops_lin = 2 * s.matmul_params * ctx
     flops_attn = 2 * ctx * ctx * s.q_heads * s.head_dim * s.layers
     t = flops_lin / (a.lin_tflops * 1e12) + flops_attn / (a.attn_tflops * 1e12)
-    return t * (1.3 if fmt == "int2" else 1.0) * a.est_scale
+    return t * (1.3 if _is_int2(fmt) else 1.0) * a.est_scale
 
 
 def est_step_s(s: Shape, ctx: int, batch: int, fmt: str, a: argparse.Namespace) -> float:
@@ -257,7 +268,7 @@ def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int) -> l
             "--chunked-prefill-size", str(a.chunked_prefill_size), "--max-running-requests", str(top),
             "--cuda-graph-max-bs-decode", str(top), "--disable-prefill-cuda-graph", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info"]
-    return argv + list(extra) + shlex.split(a.server_args) + (shlex.split(a.int2_args) if fmt == "int2" else [])
+    return argv + list(extra) + shlex.split(a.server_args) + (shlex.split(a.int2_args) if _is_int2(fmt) else [])
 
 
 def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
@@ -271,9 +282,9 @@ def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
         servers = []
         for fi, fmt in enumerate(a.formats):
             port = a.port + 10 * (mi * len(FORMATS) + fi)
-            startup = a.startup_s + (a.int2_jit_s if fmt == "int2" and "int2" not in jit_done else 0) \
+            startup = a.startup_s + (a.int2_jit_s if _is_int2(fmt) and "int2" not in jit_done else 0) \
                 + (FI_JIT_S if fmt == "bf16-fi" and "fi" not in jit_done else 0)
-            jit_done |= {"int2"} if fmt == "int2" else {"fi"} if fmt == "bf16-fi" else set()
+            jit_done |= {"int2"} if _is_int2(fmt) else {"fi"} if fmt == "bf16-fi" else set()
             servers.append(ServerPlan(model, fmt, port, server_argv(a, mdir, fmt, port), mdir, startup,
                                       est_pool_tokens(shape, fmt, a)))
         share = remaining / (len(a.models) - mi)  # equal shares; what a model leaves rolls over

@@ -65,7 +65,7 @@ def render_table(results: dict[str, Any]) -> str:
             for k in keys:
                 x = v.get(k)
                 cell = _fmt(x, 3 if k.startswith("t") else 0 if k in ("pool", "cap") else 1)
-                if f == "int2" and x:
+                if f.startswith("int2") and x:
                     rs = [f"{x / b:.2f}x" if (b := best(table, kind, k)) else "-" for kind in ("bf16", "fp8")]
                     cell += f" ({rs[0]} / {rs[1]})"
                 cells.append(cell)
