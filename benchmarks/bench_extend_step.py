@@ -3,12 +3,10 @@
 
 One Qwen3-8B layer (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256, group 128, fp16 pairs)
 prefilling a chunk of ``chunk`` tokens after ``prefix`` cached ones, one request, as the server runs
-it: INT2 -- q / K / V rotated in one launch (``kernels.rotate.rotate_qkv``, TF32x3 as served for a
-BF16 model; the IEEE fp32 rotations are timed beside), the chunk written
-(``kernels.write_kv``: INT2 codes + BF16 sink copies), :class:`~sglang_oscar.kernels.ExtendPlan`'s
-``run`` (window mode "extend": the chunk reads itself through the dequantized scratch), the output
-rotated back; BF16 --
-the chunk's rows copied into the cache and SGLang's Triton extend kernel (``extend_attention_fwd``,
+it: INT2 -- q / K / V rotated in one launch (``kernels.rotate.rotate_qkv``, IEEE fp32 as served), the
+chunk written (``kernels.write_kv``: INT2 codes + BF16 sink copies), :class:`~sglang_oscar.kernels.ExtendPlan`'s
+``run`` (window mode "extend": the chunk reads itself through INT2), the output rotated back (TF32x3
+as served for a BF16 model; each rotation is also timed at the other precision); BF16 -- the chunk's rows copied into the cache and SGLang's Triton extend kernel (``extend_attention_fwd``,
 what ``--attention-backend triton`` runs) over prefix + chunk. Each INT2 piece is also timed alone,
 so the step's excess over BF16 splits into rotations, write and attention (issue 28: an 8K prompt's
 time to first token is 1.35x BF16's on Qwen3-8B, docs/benchmarks_served.md).
@@ -16,7 +14,7 @@ time to first token is 1.35x BF16's on Qwen3-8B, docs/benchmarks_served.md).
 Times: CUDA graphs with a cold L2 (``bench_decode.bench``); ratios mean something only within one run.
 
     python -m benchmarks.bench_extend_step [--chunks 8192] [--prefixes 0,24576] [--out extend_step.md]
-        [--configs '[{"chunk_scratch": false}, {"block_m": 128, "num_warps": 8}]']   # extend kernel variants
+        [--configs '[{"num_stages": 1}, {"block_m": 128, "num_warps": 8}]']   # extend kernel variants
     TRITON_INTERPRET=1 python -m benchmarks.bench_extend_step --smoke      # CPU: tiny shapes, every piece once
 """
 
@@ -42,7 +40,8 @@ from sglang_oscar.kernels.layout import Int2Layout
 from sglang_oscar.kernels.rotate import rotate_heads, rotate_qkv
 
 HQ, HKV, D, SINK = 32, 8, 128, 64
-TF32X3 = "tf32x3"  # the served extend step's rotations (backend.step): a BF16 model's prefill
+# the served extend step's rotation precisions for a BF16 model (backend.triton_backend._output_precision)
+QKV_PRECISION, OUT_PRECISION = "ieee", "tf32x3"
 SMOKE = dict(HQ=4, HKV=2, D=64, SINK=4)
 
 
@@ -86,17 +85,16 @@ class ExtendCase:
         """The layer's planes in :class:`~sglang_oscar.kernels.ExtendPlan`'s order."""
         return self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.hp_k, self.hp_v
 
-    def plan(self, config=None, chunk_scratch: bool = True) -> ExtendPlan:
+    def plan(self, config=None) -> ExtendPlan:
         """The served extend plan (``config``: a :class:`~sglang_oscar.kernels.TritonConfig`, default the
-        kernels' own; ``chunk_scratch`` as :class:`~sglang_oscar.kernels.ExtendPlan`)."""
+        kernels' own)."""
         return ExtendPlan(self.layout, self.hq, self.chunk, self.buffers(), self.hp_index, self.req_to_token,
                           self.req_pool_indices, self.qo_indptr, self.prefix_lens, self.chunk_lens, sink=self.sink,
-                          q_dtype=torch.float32, max_extend_len=self.chunk, out_dtype=torch.float32, config=config,
-                          chunk_scratch=chunk_scratch)
+                          q_dtype=torch.float32, max_extend_len=self.chunk, out_dtype=torch.float32, config=config)
 
-    def attention_variant(self, config, chunk_scratch: bool = True):
-        """The extend attention alone with ``config`` (and ``chunk_scratch``)."""
-        plan = self.plan(config, chunk_scratch)
+    def attention_variant(self, config):
+        """The extend attention alone with ``config``."""
+        plan = self.plan(config)
         q_rot = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)[0]
         scale = 1.0 / math.sqrt(self.d)
         return lambda: plan.run(q_rot, *self.buffers(), sm_scale=scale)
@@ -108,9 +106,15 @@ class ExtendCase:
         q_rot, k_rot, v_rot = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16)
         o = plan.run(q_rot, *self.buffers(), sm_scale=scale)
 
-        def rotations(precision=TF32X3):
+        def rot_qkv(precision=QKV_PRECISION):
             rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=precision)
+
+        def rot_out(precision=OUT_PRECISION):
             rotate_heads(o, self.rv, torch.bfloat16, transpose=True, precision=precision)
+
+        def rotations(qkv=QKV_PRECISION, out=OUT_PRECISION):
+            rot_qkv(qkv)
+            rot_out(out)
 
         def write():
             write_kv(k_rot, v_rot, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
@@ -119,31 +123,16 @@ class ExtendCase:
         def attention():
             plan.run(q_rot, *self.buffers(), sm_scale=scale)
 
-        def rot_qkv(precision=TF32X3):
-            rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=precision)
-
-        def rot_out(precision=TF32X3):
-            rotate_heads(o, self.rv, torch.bfloat16, transpose=True, precision=precision)
-
-        rv_t = self.rv.transpose(-1, -2).contiguous()
-
-        def rot_out_rt():  # the same product reading a materialized R_v^T (row-major) instead of R_v's strides
-            rotate_heads(o, rv_t, torch.bfloat16, precision=TF32X3)
-
-        def dequant():
-            plan._fill_scratch(*self.buffers()[:4])
-
         def step():
-            qr, kr, vr = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=TF32X3)
+            qr, kr, vr = rotate_qkv(self.q, self.k, self.v, self.rk, self.rv, torch.bfloat16, precision=QKV_PRECISION)
             write_kv(kr, vr, self.loc, self.k_codes, self.k_pairs, self.v_codes, self.v_pairs, self.layout,
                      hp_rows=self.hp_rows, hp_k=self.hp_k, hp_v=self.hp_v, validate=False)
             out = plan.run(qr, *self.buffers(), sm_scale=scale)
-            return rotate_heads(out, self.rv, torch.bfloat16, transpose=True, precision=TF32X3)
+            return rotate_heads(out, self.rv, torch.bfloat16, transpose=True, precision=OUT_PRECISION)
 
-        return {"step": step, "rotations": rotations, "rotations_ieee": lambda: rotations("ieee"), "write": write,
-                "attention": attention, "rot_qkv": rot_qkv, "rot_out": rot_out,
-                "rot_qkv_ieee": lambda: rot_qkv("ieee"), "rot_out_ieee": lambda: rot_out("ieee"), "dequant": dequant,
-                "rot_out_rt": rot_out_rt}
+        return {"step": step, "rotations": rotations, "rotations_ieee": lambda: rotations("ieee", "ieee"),
+                "write": write, "attention": attention, "rot_qkv": rot_qkv, "rot_out": rot_out,
+                "rot_qkv_tf32x3": lambda: rot_qkv("tf32x3"), "rot_out_ieee": lambda: rot_out("ieee")}
 
     def bf16_step(self):
         """SGLang's BF16 extend step (the chunk's rows copied into the pool, then its Triton extend), or
@@ -171,8 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefixes", default="0,24576")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--configs", default="[]",
-                    help="JSON list of TritonConfig fields to change from the served extend config (and "
-                         "\"chunk_scratch\": false for the inline read of the chunk): one attention column each")
+                    help="JSON list of TritonConfig fields to change from the served extend config: one attention "
+                         "column each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     a = ap.parse_args(argv)
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -181,9 +170,9 @@ def main(argv=None) -> int:
     variants = json.loads(a.configs)
     names = [", ".join(f"{k} {v}" for k, v in kw.items()) for kw in variants]
     rows = ["| prefix + chunk | INT2 step | rotations | write | attention | SGLang Triton BF16 step | INT2 / BF16 "
-            "| rotations (IEEE fp32) | q/K/V rotation (IEEE) | output rotation (IEEE) [R^T stored] | chunk dequantization |"
+            "| rotations (IEEE fp32) | q/K/V rotation (TF32x3) | output rotation (IEEE) |"
             + "".join(f" attention ({n}) |" for n in names),
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
     for chunk in chunks:
         for prefix in prefixes:
             case = ExtendCase(prefix, chunk, dev, **({k.lower(): v for k, v in SMOKE.items()} if a.smoke else {}))
@@ -192,14 +181,12 @@ def main(argv=None) -> int:
             tb = bd.bench(bf, a.smoke) if bf is not None else None
             ratio = f"{t['step'] / tb:.2f}x" if tb else "-"
             served = default_triton_config(case.layout, extend=True)
-            tv = [bd.bench(case.attention_variant(
-                dataclasses.replace(served, **{k: v for k, v in kw.items() if k != "chunk_scratch"}),
-                kw.get("chunk_scratch", True)), a.smoke) for kw in variants]
+            tv = [bd.bench(case.attention_variant(dataclasses.replace(served, **kw)), a.smoke) for kw in variants]
             row = (f"| {prefix} + {chunk} | " + " | ".join(fmt_ms(t[k]) for k in ("step", "rotations", "write",
                                                                                   "attention"))
                    + f" | {fmt_ms(tb) if tb else '-'} | {ratio} | {fmt_ms(t['rotations_ieee'])} | "
-                   + f"{fmt_ms(t['rot_qkv'])} ({fmt_ms(t['rot_qkv_ieee'])}) | {fmt_ms(t['rot_out'])} "
-                   + f"({fmt_ms(t['rot_out_ieee'])}) [{fmt_ms(t['rot_out_rt'])}] | {fmt_ms(t['dequant'])} |"
+                   + f"{fmt_ms(t['rot_qkv'])} ({fmt_ms(t['rot_qkv_tf32x3'])}) | {fmt_ms(t['rot_out'])} "
+                   + f"({fmt_ms(t['rot_out_ieee'])}) |"
                    + "".join(f" {fmt_ms(x)} |" for x in tv))
             del case
             emit_row(rows, row, dev)

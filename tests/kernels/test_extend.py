@@ -19,7 +19,7 @@ from kv_fixtures import (
     triton_config,
 )
 from sglang_oscar.kernels.codes import CONVERT_BITS
-from sglang_oscar.kernels import ExtendPlan, write_kv
+from sglang_oscar.kernels import write_kv
 import dataclasses
 from gpu_sizes import DEV, GPU_RECENT, GPU_SINK, scaled
 
@@ -28,56 +28,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 SINK = 4
 
 
-@pytest.mark.parametrize("chunk_scratch", [True, False])
 @pytest.mark.parametrize("prefixes,exts,hq,hkv,dk,dv,group,quantizer,sdt", [
     ([10, 0, 25], [20, 7, 1], 8, 2, 64, 64, None, "uniform", "float16"),
     ([0, 3], [37, 2], 6, 1, 128, 128, 32, "lloyd-max", "float32"),
     ([5], [30], 2, 2, 192, 128, None, "uniform", "bfloat16"),
 ])
-def test_extend_fp32_exact(prefixes, exts, hq, hkv, dk, dv, group, quantizer, sdt, chunk_scratch):
-    """Both reads of the chunk's own rows (the dequantized scratch, inline) match the oracle in fp32."""
+def test_extend_fp32_exact(prefixes, exts, hq, hkv, dk, dv, group, quantizer, sdt):
     fresh_seed()
     cfg = make_config(group_size=group, quantizer=quantizer, scale_dtype=sdt, sink=SINK)
     lens = [p + e for p, e in zip(prefixes, exts)]
     pool = build_pool(lens, hkv, dk, dv, cfg, hp_dtype=torch.float32, window_mode="extend")
     q = torch.randn(sum(exts), hq, dk)
     ref = reference_extend(pool, q, prefixes, exts, hp_dtype=torch.float32)
-    o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32, chunk_scratch=chunk_scratch)
+    o = run_extend(pool, rotate_q(pool, q), prefixes, exts, mma_dtype=torch.float32)
     assert rel_l2(o, ref) < 1e-4
-
-
-@pytest.mark.parametrize("quantizer,group", [("uniform", None), ("lloyd-max", 32)])
-def test_extend_chunk_scratch_rows_and_missing_slots(quantizer, group):
-    """The scratch holds ``quant.int2.dequantize_rows`` of the chunk's own rows, rounded to the MMA
-    dtype (bits, row = query row); a chunk position without a slot (``req_to_token`` -1) is left out
-    by the scratch read exactly as by the inline read."""
-    fresh_seed()
-    cfg = make_config(group_size=group, quantizer=quantizer, sink=SINK)
-    prefixes, exts, hq, hkv, d = [6, 0], [11, 9], 4, 2, 64
-    pool = build_pool([p + e for p, e in zip(prefixes, exts)], hkv, d, d, cfg, hp_dtype=torch.float32,
-                      window_mode="extend")
-    qo = torch.tensor([0, exts[0], sum(exts)])
-    plan = ExtendPlan(pool.layout, hq, sum(exts), _buffers(pool), pool.hp_index, pool.req_to_token,
-                      pool.req_pool_indices, qo, torch.tensor(prefixes), torch.tensor(exts), sink=SINK,
-                      q_dtype=torch.float32, mma_dtype=torch.float16)
-    q_rot = rotate_q(pool, torch.randn(sum(exts), hq, d))
-    plan.run(q_rot, *_buffers(pool))
-    for b, (p, e) in enumerate(zip(prefixes, exts)):
-        rows = slice(int(qo[b]), int(qo[b]) + e)
-        cache = pool.caches[b]
-        assert torch.equal(plan.scratch_k[rows], cache.k_deq[p:p + e].to(torch.float16))
-        assert torch.equal(plan.scratch_v[rows], cache.v_deq[p:p + e].to(torch.float16))
-    # drop one chunk key (after the sink) of request 0; fp32 MMAs: both reads agree to fp32 rounding
-    before = run_extend(pool, q_rot, prefixes, exts, mma_dtype=torch.float32)
-    pool.req_to_token[int(pool.req_pool_indices[0]), prefixes[0] + 4] = -1
-    on = run_extend(pool, q_rot, prefixes, exts, mma_dtype=torch.float32, debug=False)
-    off = run_extend(pool, q_rot, prefixes, exts, mma_dtype=torch.float32, debug=False, chunk_scratch=False)
-    assert rel_l2(on, off) < 1e-6
-    assert rel_l2(on, before) > 1e-3  # the key was attended before
-
-
-def _buffers(pool):
-    return pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v
 
 
 @pytest.mark.parametrize("quantizer,group,convert", [("lloyd-max", 64, CONVERT_BITS), ("uniform", 16, None)])
@@ -204,10 +168,6 @@ def test_gpu_extend_long_prefix_and_chunking():
     o = run_extend(pool, rotate_q(pool, q).to(torch.bfloat16), prefixes, exts, rotation_v=pool.rot_v,
                    out_dtype=torch.float32, debug=False)
     assert rel_l2(o, ref) < 1e-2
-    # the chunk read inline instead of from the fp16 scratch: the same result up to that rounding
-    inline = run_extend(pool, rotate_q(pool, q).to(torch.bfloat16), prefixes, exts, rotation_v=pool.rot_v,
-                        out_dtype=torch.float32, debug=False, chunk_scratch=False)
-    assert rel_l2(o, inline) < 1e-3
     # request 0's chunk again, split in two: the same rows as the one-shot run
     p0, e0 = prefixes[0], exts[0]
     cut = e0 // 3

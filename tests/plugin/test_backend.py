@@ -189,8 +189,8 @@ def test_decode_planned_during_a_capture_is_kept_with_the_graph(setup, monkeypat
 
 def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
     """--oscar-rotate-engine triton: the backend rotates q / K / V in one kernels.rotate.rotate_qkv
-    launch and the output with rotate_heads (both counted, block_n "auto"; TF32x3 for the BF16 pool's
-    extend, IEEE fp32 for decode, whose launch shape auto_block_n picks), and prefill + decode
+    launch and the output with rotate_heads (both counted, block_n "auto"; the output at TF32x3 for
+    the BF16 pool's extend, whose launch shape is fixed, else IEEE fp32), and prefill + decode
     outputs equal the torch engine's up to the fp32 summation order (a rotated BF16 row may move by
     one ulp), within 1e-2 of the oracle."""
     import dataclasses
@@ -217,9 +217,10 @@ def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
         o = sv.extend(1, seq, 0, 40)
         outs[engine] = (o, sv.decode(1, seq, 40))
         # per forward (two): q / K / V in one launch, then the output, both with the default block_n
-        assert calls == ([] if engine == "torch" else [(n, "default", p) for p in ("tf32x3", "ieee")
-                                                       for n in ("rotate_qkv", "rotate_heads")])
-        assert picks == ([] if engine == "torch" else [3, 1])  # the decode step's launches
+        assert calls == ([] if engine == "torch" else [("rotate_qkv", "default", None), ("rotate_heads", "default",
+                                                       "tf32x3"), ("rotate_qkv", "default", None),
+                                                       ("rotate_heads", "default", "ieee")])
+        assert picks == ([] if engine == "torch" else [3, 3, 1])  # auto_block_n: all but the extend output
     for a, b in zip(outs["torch"], outs["triton"]):
         assert _rel(b, a) < SAME
     assert _rel(outs["triton"][1], _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2
@@ -550,8 +551,7 @@ def test_folded_output_plans_write_the_model_dtype(monkeypatch):
 
 def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
     """With --oscar-rotate-engine triton a folded layer rotates q and K in one rotate_qkv launch of two
-    products (v=None) and launches nothing for the output (extend at TF32x3 with its fixed launch
-    shape, decode at IEEE fp32 with auto_block_n's)."""
+    products (v=None, IEEE fp32) and launches nothing for the output."""
     import dataclasses
 
     from sglang_oscar.backend import step
@@ -570,7 +570,7 @@ def test_folded_layer_rotates_q_and_k_in_one_launch(monkeypatch):
     seq = Qwen3Attention(torch.bfloat16).qkv(x)
     sv.extend(1, seq, 0, SHORT["prefill"])
     sv.decode(1, seq, SHORT["prefill"])
-    assert calls == [("rotate_qkv", True, "tf32x3"), ("rotate_qkv", True, "ieee")] and picks == [2]
+    assert calls == [("rotate_qkv", True, None)] * 2 and picks == [2] * 2
 
 
 class Fp8LinearMethod:

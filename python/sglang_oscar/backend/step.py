@@ -11,10 +11,12 @@
 
 ``engine`` is ``--oscar-rotate-engine``: ``"triton"`` (``kernels.rotate``: q, K and V in one
 ``rotate_qkv`` launch, q and K in one when V is folded, the output in one ``rotate_heads``) or
-``"torch"`` (the fp32 einsum, ``rotate_heads_reference``). ``precision`` is the Triton engine's
-(``kernels.rotate``): the backend passes ``"tf32x3"`` for extend steps of a 16-bit model, whose
-thousands of rows per step made the IEEE products the largest part of a prefill's excess over BF16,
-and ``"ieee"`` for decode steps and fp32 models (which the oracle checks at fp32 noise).
+``"torch"`` (the fp32 einsum, ``rotate_heads_reference``). The output rotation takes the Triton
+engine's ``precision`` (``kernels.rotate``): the backend passes ``"tf32x3"`` for the extend steps of
+a 16-bit model (an 8K-token chunk's output rotation: 155 us instead of 438 us per Qwen3-8B layer on
+the H200; the q / K / V launch was slower at TF32x3, 611 vs 372 us, and stays IEEE:
+docs/benchmarks_served.md), ``"ieee"`` for decode steps and fp32 models (which the oracle checks at
+fp32 noise).
 """
 
 from __future__ import annotations
@@ -40,27 +42,26 @@ def _rotate(x: torch.Tensor, r: torch.Tensor, out_dtype: torch.dtype, transpose:
     return rotate_heads_reference(x, r, out_dtype, transpose=transpose, sub_mean=sub_mean, add_mean=add_mean)
 
 
-def rotate_inputs(q3, k3, v3, rotations, means, hp_dtype, engine: str, folded: bool, precision: str = "ieee"):
+def rotate_inputs(q3, k3, v3, rotations, means, hp_dtype, engine: str, folded: bool):
     """``(q_rot fp32, k_rot, v_rot)`` of one layer's ``q [T, H_q, D_k]``, ``k [T, H_kv, D_k]``,
     ``v [T, H_kv, D_v]`` (``k3`` / ``v3`` ``None``: q only, the others returned ``None``);
     ``rotations`` ``(R_k, R_v)``, ``means`` ``(mu_k, mu_v)`` (each ``None`` if not centred). K and V
     in ``hp_dtype``, last dim contiguous (the pool's write). ``folded``: V is already ``(v - mu_v) R_v``
-    (the folded ``qkv_proj``) and is only cast. ``precision``: the Triton engine's (module docstring)."""
+    (the folded ``qkv_proj``) and is only cast."""
     rk, rv = rotations
     mk, mv = means
     if k3 is None:
-        return _rotate(q3, rk, torch.float32, engine=engine, precision=precision), None, None
+        return _rotate(q3, rk, torch.float32, engine=engine), None, None
     if folded:
         if engine == "triton":  # q and K in one launch
-            q_rot, k_rot, _ = rotate_qkv(q3, k3, None, rk, None, hp_dtype, mean_k=mk, validate=False,
-                                         precision=precision)
+            q_rot, k_rot, _ = rotate_qkv(q3, k3, None, rk, None, hp_dtype, mean_k=mk, validate=False)
         else:
             q_rot = _rotate(q3, rk, torch.float32, engine=engine)
             k_rot = _rotate(k3, rk, hp_dtype, sub_mean=mk, engine=engine)
         v_rot = v3.to(hp_dtype)
         return q_rot, k_rot, (v_rot if v_rot.stride(-1) == 1 else v_rot.contiguous())
     if engine == "triton":  # q, K and V in one launch (kernels.rotate.rotate_qkv)
-        return rotate_qkv(q3, k3, v3, rk, rv, hp_dtype, mean_k=mk, mean_v=mv, validate=False, precision=precision)
+        return rotate_qkv(q3, k3, v3, rk, rv, hp_dtype, mean_k=mk, mean_v=mv, validate=False)
     return (_rotate(q3, rk, torch.float32, engine=engine), _rotate(k3, rk, hp_dtype, sub_mean=mk, engine=engine),
             _rotate(v3, rv, hp_dtype, sub_mean=mv, engine=engine))
 
@@ -69,7 +70,8 @@ def rotate_output(o: torch.Tensor, rv: torch.Tensor, mean_v, out_dtype: torch.dt
                   folded: bool, precision: str = "ieee") -> torch.Tensor:
     """The attention output ``o [T, H_q, D_v]`` (rotated frame) for ``o_proj``: ``o R_v^T + mu_v`` in
     ``out_dtype`` from fp32, or for a folded layer ``o`` as is (``o_proj`` reads the rotated frame; the
-    backend's plans write it in the model dtype already, so the cast is a no-op)."""
+    backend's plans write it in the model dtype already, so the cast is a no-op). ``precision``: the
+    Triton engine's (module docstring)."""
     if folded:
         return o.to(out_dtype)
     return _rotate(o, rv, out_dtype, transpose=True, add_mean=mean_v, engine=engine, precision=precision)

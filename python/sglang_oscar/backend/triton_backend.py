@@ -307,14 +307,14 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         k3, v3 = (k.reshape(-1, hkv, dk), v.reshape(-1, hkv, dv)) if save_kv_cache else (None, None)
         q_rot, k_rot, v_rot = rotate_inputs(q3, k3, v3, self.rotations[layer.layer_id], self._mean(layer.layer_id),
                                             self.pool.hp_dtype, self.config.rotate_engine,
-                                            layer.layer_id in self.folded, self._precision(fb))
+                                            layer.layer_id in self.folded)
         if save_kv_cache:
             loc = self._swa_loc if self.pool.is_swa_layer(layer.layer_id) else fb.out_cache_loc
             self.pool.write_rotated(layer.layer_id, loc, k_rot, v_rot, self._hp_rows)
         return q_rot
 
-    def _precision(self, fb) -> str:
-        """The Triton rotations' precision (:mod:`.step`): TF32x3 MMAs for the extend steps of a
+    def _output_precision(self, fb) -> str:
+        """The Triton output rotation's precision (:mod:`.step`): TF32x3 MMAs for the extend steps of a
         16-bit model, IEEE fp32 for decode and fp32 models."""
         return "tf32x3" if fb.forward_mode.is_extend() and self.pool.hp_dtype != torch.float32 else "ieee"
 
@@ -322,7 +322,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         """``o`` back in the model's frame (or as is for a folded layer), ``[T, H_q * D_v]`` in ``dtype``."""
         lid = layer.layer_id
         return rotate_output(o, self.rotations[lid][1], self._mean(lid)[1], dtype, self.config.rotate_engine,
-                             lid in self.output_folded, self._precision(fb)).reshape(
+                             lid in self.output_folded, self._output_precision(fb)).reshape(
                                  o.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,

@@ -5,15 +5,7 @@ A batch of new chunks (varlen: request ``b`` has ``extend_seq_lens[b]`` new toke
 attends causally to its prefix *and itself*: position ``p < sink`` is read from the HP row
 ``hp_index[req, p]``, every other position from the INT2 slot ``req_to_token[req, p]`` -- the
 chunk's own tokens included, so they must be written (``write_kv``) before this kernel runs.
-The result of a position therefore does not depend on how the prompt was chunked (up to the
-rounding of the scratch below).
-
-The chunk's own INT2 rows are read by every query block of every q head: dequantized inline, an
-8K chunk's K/V tile is converted 512 times per kv head, which made the INT2 step 1.8x SGLang's BF16
-one at 8K (docs/benchmarks_served.md). With ``chunk_scratch`` (the default) one launch first
-dequantizes the chunk's rows once, ``s * (level[c] - z)`` in fp32 rounded to the MMA operand dtype
-(as the HP rows are), into a ``[N, H_kv, D]`` scratch that the attention reads like BF16 rows; the
-prefix stays INT2, dequantized inline.
+The result of a position therefore does not depend on how the prompt was chunked.
 
 Grid ``(cdiv(max_extend_len, BLOCK_M), batch, q_heads)``; one program = ``BLOCK_M`` query
 tokens of one head, single pass (flash attention), output written in the rotated V frame, plus
@@ -37,7 +29,6 @@ from .attention import (
     run_once,
     run_scales,
 )
-from .codes import level_of, round_to
 from .compile_check import launch as _launch
 from .compile_check import row_args
 from .layout import TORCH_TO_TL, Int2Layout
@@ -64,7 +55,6 @@ def _extend_kernel(
     HK, stride_hkr, stride_hkh, HV, stride_hvr, stride_hvh,
     HPI, stride_hpi, R2T, stride_r2t, RPI, QO_INDPTR, PREFIX, EXTLEN, SINKL,
     O, stride_on, stride_oh, LSE, stride_ln, stride_lh, SINKS,
-    KS, stride_ksn, stride_ksh, VS, stride_vsn, stride_vsh,
     qscale, cap_log2e, sink, window,
     A4, RB, C0, l0, l1, l2, l3,
     GROUP: tl.constexpr,
@@ -74,7 +64,7 @@ def _extend_kernel(
     HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LSE: tl.constexpr, OUT_DT: tl.constexpr,
     IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKL: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False, HAS_SCRATCH: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     mb = tl.program_id(0)
     b = tl.program_id(1)
@@ -131,12 +121,7 @@ def _extend_kernel(
             acc0, acc1, acc2, acc3 = hp_values(p, alpha, acc0, acc1, acc2, acc3, HV_h, stride_hvr, rows, tm,
                                                QV, QVP, OP, PREC)
 
-        # ---- INT2 positions [max(sink_r, lo), hi): the prefix's dequantized inline; with the
-        # scratch, the chunk's (>= prefix) read from it below
-        if HAS_SCRATCH:
-            int2_hi = tl.minimum(hi, prefix)
-        else:
-            int2_hi = hi
+        # ---- INT2 positions [max(sink_r, lo), hi)
         KC_h = KC + kvh64 * stride_kch
         KP_h = KP + kvh64 * stride_kph
         VC_h = VC + kvh64 * stride_vch
@@ -144,9 +129,9 @@ def _extend_kernel(
         r2t = R2T + req * stride_r2t
         corr = tl.zeros([BLOCK_M], tl.float32)
         ref = 1.0
-        for j0 in range(tl.maximum(sink_r, lo), int2_hi, BLOCK_N):
+        for j0 in range(tl.maximum(sink_r, lo), hi, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
-            tm = j < int2_hi
+            tm = j < hi
             slots = tl.load(r2t + j, mask=tm, other=-1)
             tm = tm & (slots >= 0)
             slots = tl.where(tm, slots, 0)
@@ -165,24 +150,6 @@ def _extend_kernel(
                 p, alpha, acc0, acc1, acc2, acc3, corr, ref, VC_h, stride_vcs, VP_h, stride_vps, slots, tm,
                 slots, tm, A4, RB, C0, l0, l1, l2, l3, QV, QVP, GV, NGV, V_FAST, LM, OP, PREC, CONVERT, True)
 
-        if HAS_SCRATCH:
-            # ---- the chunk's positions [max(sink_r, lo, prefix), hi) from the dequantized scratch (row =
-            # q_start + position - prefix); a slot < 0 masks the key as the INT2 path does
-            KS_h = KS + kvh64 * stride_ksh
-            VS_h = VS + kvh64 * stride_vsh
-            for j0 in range(tl.maximum(tl.maximum(sink_r, lo), prefix), hi, BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
-                tm = j < hi
-                tm = tm & (tl.load(r2t + j, mask=tm, other=-1) >= 0)
-                rows = q_start + (j - prefix).to(tl.int64)
-                vis = tm[None, :] & (j[None, :] <= pos_q[:, None])
-                if HAS_WINDOW:
-                    vis = vis & ((pos_q[:, None] - j[None, :]) < window)
-                s = hp_scores(q0, q1, q2, q3, KS_h, stride_ksn, rows, tm, QK, QKP, OP, PREC)
-                p, alpha, m, l = softmax_update(s, vis, m, l, cap_log2e, HAS_CAP)
-                acc0, acc1, acc2, acc3 = hp_values(p, alpha, acc0, acc1, acc2, acc3, VS_h, stride_vsn, rows, tm,
-                                                   QV, QVP, OP, PREC)
-
         if HAS_SINKS:
             # the head's sink logit (natural log) joins the denominator only, relative to the running max
             sink2 = tl.load(SINKS + h64).to(tl.float32) * 1.4426950408889634
@@ -194,67 +161,6 @@ def _extend_kernel(
         if HAS_LSE:
             lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, NEG_INF)
             tl.store(LSE + rows_q * stride_ln + h64 * stride_lh, lse, mask=rmask)
-
-
-@triton.jit
-def _dequant_rows(C_h, stride_cs, P_h, stride_ps, slots, ok, S_h, stride_sn, rows, tm, l0, l1, l2, l3,
-                  Q: tl.constexpr, QP: tl.constexpr, G: tl.constexpr, OP: tl.constexpr):
-    # ``s * (level[c] - z)`` in fp32 (quant.int2.dequantize_rows), quarter by quarter of the packed bytes
-    jq = tl.arange(0, QP)
-    m2 = ok[:, None] & (jq < Q)[None, :]
-    b = tl.load(C_h + slots[:, None] * stride_cs + jq[None, :], mask=m2, other=0).to(tl.int32)
-    for k in tl.static_range(4):
-        e = k * Q + jq
-        lev = level_of((b >> (2 * k)) & 3, l0, l1, l2, l3)
-        pp = P_h + slots[:, None] * stride_ps + (2 * (e // G))[None, :]
-        sc = tl.load(pp, mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(pp + 1, mask=m2, other=0.0).to(tl.float32)
-        x = tl.where(m2, sc * (lev - z), 0.0)
-        tl.store(S_h + rows[:, None] * stride_sn + e[None, :], round_to(x, OP), mask=tm[:, None] & (jq < Q)[None, :])
-
-
-@triton.jit
-def _chunk_scratch_kernel(
-    KC, stride_kcs, stride_kch, KP, stride_kps, stride_kph,
-    VC, stride_vcs, stride_vch, VP, stride_vps, stride_vph,
-    R2T, stride_r2t, RPI, QO_INDPTR, PREFIX, EXTLEN,
-    KS, stride_ksn, stride_ksh, VS, stride_vsn, stride_vsh,
-    num_kv_heads, l0, l1, l2, l3,
-    QK: tl.constexpr, QKP: tl.constexpr, GK: tl.constexpr, QV: tl.constexpr, QVP: tl.constexpr, GV: tl.constexpr,
-    OP: tl.constexpr, IDX64: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """Dequantize the chunk's own rows: request ``b``'s positions ``prefix + i`` -> scratch row
-    ``qo_indptr[b] + i``; grid ``(cdiv(max_extend_len, BLOCK_T), batch, 2 * H_kv)`` (K heads, then V)."""
-    tb = tl.program_id(0)
-    b = tl.program_id(1)
-    hv = tl.program_id(2)
-    ext = tl.load(EXTLEN + b).to(tl.int32)
-    if tb * BLOCK_T < ext:
-        req = tl.load(RPI + b).to(tl.int64)
-        q_start = tl.load(QO_INDPTR + b).to(tl.int64)
-        prefix = tl.load(PREFIX + b).to(tl.int32)
-        i = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        tm = i < ext
-        slots = tl.load(R2T + req * stride_r2t + prefix + i, mask=tm, other=-1)
-        ok = tm & (slots >= 0)
-        slots = tl.where(ok, slots, 0)
-        if IDX64:
-            slots = slots.to(tl.int64)
-        else:
-            slots = slots.to(tl.int32)
-        rows = q_start + i.to(tl.int64)
-        if hv < num_kv_heads:
-            h = hv.to(tl.int64)
-            _dequant_rows(KC + h * stride_kch, stride_kcs, KP + h * stride_kph, stride_kps, slots, ok,
-                          KS + h * stride_ksh, stride_ksn, rows, tm, l0, l1, l2, l3, QK, QKP, GK, OP)
-        else:
-            h = (hv - num_kv_heads).to(tl.int64)
-            _dequant_rows(VC + h * stride_vch, stride_vcs, VP + h * stride_vph, stride_vps, slots, ok,
-                          VS + h * stride_vsh, stride_vsn, rows, tm, l0, l1, l2, l3, QV, QVP, GV, OP)
-
-
-#: tokens per program of the scratch launch
-SCRATCH_BLOCK_T = 32
 
 
 class ExtendPlan:
@@ -277,11 +183,6 @@ class ExtendPlan:
         config: ``None`` or the type :class:`~.configs.TritonConfig` (:func:`~.configs.default_triton_config`
             for extend), or a :class:`~.configs.TritonConfig` (extend has only a Triton kernel).
         return_lse: :meth:`run` also returns the natural-log LSE ``[N, H_q]`` fp32.
-        chunk_scratch: read the chunk's own rows from a scratch dequantized once per :meth:`run` (module
-            docstring; ``N x H_kv x (D_k + D_v)`` elements of the MMA dtype, allocated here); ``False``
-            dequantizes them inline in every query block, as the prefix. After :meth:`run`,
-            ``scratch_k [N, H_kv, D_k]`` / ``scratch_v`` hold the last layer's dequantized chunk rows
-            (row = query row; the scratch is off, or the batch empty: ``hp_k`` stands in, unread).
 
     Raises:
         ValueError: unsupported layout, mismatched shapes / dtypes / devices, a config that is not a
@@ -295,7 +196,7 @@ class ExtendPlan:
                  sink_lens: torch.Tensor | None = None, sliding_window: int | None = None,
                  logit_cap: float | None = None, out_dtype: torch.dtype | None = None,
                  mma_dtype: torch.dtype | None = None, config=None, return_lse: bool = False,
-                 debug: bool | None = None, chunk_scratch: bool = True):
+                 debug: bool | None = None):
         if config is None or config is TritonConfig:
             config = default_triton_config(layout, extend=True)
         elif not isinstance(config, TritonConfig):
@@ -341,22 +242,13 @@ class ExtendPlan:
         self._scalars = (sink, sliding_window or 0)
         self.grid = (triton.cdiv(max_extend_len, tn.block_m), bsz, hq)
         self._consts = attn_constants(layout)
-        self.chunk_scratch = chunk_scratch and not self.empty
-        if self.chunk_scratch:
-            self.scratch_k = torch.empty((n, hkv, layout.k.head_dim), dtype=op, device=dev)
-            self.scratch_v = torch.empty((n, hkv, layout.v.head_dim), dtype=op, device=dev)
-            self._scratch_grid = (triton.cdiv(max_extend_len, SCRATCH_BLOCK_T), bsz, 2 * hkv)
-        else:
-            self.scratch_k = self.scratch_v = hp_k  # pointers the kernel does not read
-        self._scratch_args = (self.scratch_k, self.scratch_k.stride(0), self.scratch_k.stride(1), self.scratch_v, self.scratch_v.stride(0),
-                              self.scratch_v.stride(1))
         self._constexprs = dict(
             GROUP=hq // hkv, **layout_constexprs(layout),
             OP=TORCH_TO_TL[op], PREC="ieee" if op == torch.float32 else None,
             CONVERT=effective_convert(tn.convert, op, False),
             HAS_CAP=self.has_cap, HAS_WINDOW=sliding_window is not None, HAS_LSE=return_lse,
             IDX64=needs_idx64(*buffers), BLOCK_M=tn.block_m, BLOCK_N=tn.block_n,
-            HAS_SINKL=sink_lens is not None, HAS_SCRATCH=self.chunk_scratch,
+            HAS_SINKL=sink_lens is not None,
             num_warps=tn.num_warps, num_stages=tn.num_stages, **tn.launch_options(),
         )
 
@@ -385,26 +277,13 @@ class ExtendPlan:
         check_sinks(sinks, self.q_shape[1], self.device, "ExtendPlan.run")
         if not self.empty:
             qscale, cap_log2e = run_scales(self.has_cap, q.shape[-1], sm_scale, logit_cap)
-            if self.chunk_scratch:
-                self._fill_scratch(k_codes, k_pairs, v_codes, v_pairs)
             _launch(_extend_kernel, self.grid,
                 *row_args(q, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), *self._tables,
                 out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), lse if sinks is None else sinks,
-                *self._scratch_args, qscale, cap_log2e, *self._scalars, *self._consts,
+                qscale, cap_log2e, *self._scalars, *self._consts,
                 OUT_DT=TORCH_TO_TL[out.dtype], HAS_SINKS=sinks is not None, **self._constexprs,
             )
         return (out, lse) if self.return_lse else out
-
-    def _fill_scratch(self, k_codes, k_pairs, v_codes, v_pairs) -> None:
-        """Dequantize this layer's chunk rows into the plan's scratch (after the chunk was written)."""
-        hp_index, _, r2t, r2t_stride, rpi, qo_indptr, prefix, ext, _ = self._tables
-        c = self._constexprs
-        _launch(_chunk_scratch_kernel, self._scratch_grid,
-                k_codes, k_codes.stride(0), k_codes.stride(1), k_pairs, k_pairs.stride(0), k_pairs.stride(1),
-                v_codes, v_codes.stride(0), v_codes.stride(1), v_pairs, v_pairs.stride(0), v_pairs.stride(1),
-                r2t, r2t_stride, rpi, qo_indptr, prefix, ext, *self._scratch_args, self.num_kv_heads,
-                *self._consts[3:], QK=c["QK"], QKP=c["QKP"], GK=c["GK"], QV=c["QV"], QVP=c["QVP"], GV=c["GV"],
-                OP=c["OP"], IDX64=c["IDX64"], BLOCK_T=SCRATCH_BLOCK_T, num_warps=4)
 
 
 def extend_attention(
@@ -437,7 +316,6 @@ def extend_attention(
     sink_lens: torch.Tensor | None = None,
     debug: bool | None = None,
     sinks: torch.Tensor | None = None,
-    chunk_scratch: bool = True,
 ):
     """One-shot extend attention: build an :class:`ExtendPlan` for this call and run it.
 
@@ -450,7 +328,6 @@ def extend_attention(
             :class:`ExtendPlan` and :meth:`ExtendPlan.run` take them.
         rotation_v: if given (``[D_v, D_v]`` or ``[H_kv, D_v, D_v]``), return ``o R_v^T``.
         sinks: optional fp32 ``[H_q]`` attention-sink logits (natural log, denominator only).
-        chunk_scratch: as :class:`ExtendPlan`.
         out: optional ``[N, H_q, D_v]`` output (the counter-rotated one with ``rotation_v``).
         out_dtype: default ``out.dtype`` if ``out`` is given, else ``q.dtype``.
 
@@ -466,6 +343,6 @@ def extend_attention(
                       req_to_token, req_pool_indices, qo_indptr, extend_prefix_lens, extend_seq_lens, sink=sink,
                       q_dtype=q.dtype, max_extend_len=max_extend_len, sink_lens=sink_lens,
                       sliding_window=sliding_window, logit_cap=logit_cap, out_dtype=out_dtype, mma_dtype=mma_dtype,
-                      config=config, return_lse=return_lse, debug=debug, chunk_scratch=chunk_scratch)
+                      config=config, return_lse=return_lse, debug=debug)
     return run_once(plan, q, (k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v), sm_scale=sm_scale,
                     logit_cap=logit_cap, out=out, out_dtype=out_dtype, rotation_v=rotation_v, sinks=sinks)
