@@ -160,7 +160,8 @@ def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     assert cfg(96, pairs=4096).num_stages == 1
     assert cfg(256, pairs=4096).num_stages == 2  # larger heads: unmeasured, unchanged
     assert cfg(64, pairs=4096).num_stages == 2  # convert-2 path: unchanged
-    assert cfg(128, extend=True, pairs=4096).num_stages == 2
+    # extend: one stage whatever the batch (H200, 8K chunk: ~10% faster than two at 0-24K prefixes)
+    assert cfg(128, extend=True).num_stages == 1 and cfg(128, extend=True, pairs=4096).num_stages == 1
 
     seen = []
     real = plan_mod.decode_config

@@ -182,7 +182,9 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     64 keys over ``head_dim / 64`` warps rounded up to a power of two, at most 8 (timed at 256 and
     512, GPU-tested at 192-512). K or V head_dim <= 64 (no permuting conversion,
     :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch; extend takes 64 x 64
-    tiles and 4 warps. The interpreter runs the same conversions and prefetch / deferred-sum choices
+    tiles, 4 warps and one pipeline stage (an 8K chunk of one Qwen3-8B layer after 0 / 8K / 24K
+    cached tokens: 3.81 / 11.00 / 25.38 ms against 4.28 / 12.29 / 28.29 with two stages on the H200,
+    docs/benchmarks_served.md; larger heads unmeasured). The interpreter runs the same conversions and prefetch / deferred-sum choices
     (so CPU tests exercise the GPU's bookkeeping) with 16-key tiles, 4 warps and no head padding.
     fp32 MMA operands (``--dtype float32`` servers, the exact tests) above head_dim 256 decode with
     one pipeline stage: two stages of 64-key fp32 tiles at head_dim 512 need 281 KB of shared
@@ -213,7 +215,7 @@ def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp
         return TritonConfig(block_n=16, block_m=16, num_warps=4, num_stages=1, min_block_h=1, convert=convert,
                             pairs_ahead=fast, defer_sums=defer)
     if extend:
-        return TritonConfig(block_n=64, block_m=64, num_warps=4, num_stages=2, min_block_h=16, convert=convert,
+        return TritonConfig(block_n=64, block_m=64, num_warps=4, num_stages=1, min_block_h=16, convert=convert,
                             pairs_ahead=False, defer_sums=False)
     one_stage = many or (fp32 and hi > 256)  # two fp32 stages at head_dim 512 need 281 KB of shared memory
     # head_dim 129-256: 32-key tiles over 4 warps; above, 64 keys over ~head_dim / 64 warps (Gemma-4's
