@@ -14,7 +14,7 @@ time to first token is 1.35x BF16's on Qwen3-8B, docs/benchmarks_served.md).
 Times: CUDA graphs with a cold L2 (``bench_decode.bench``); ratios mean something only within one run.
 
     python -m benchmarks.bench_extend_step [--chunks 8192] [--prefixes 0,24576] [--out extend_step.md]
-        [--configs '[{"num_stages": 1}, {"block_m": 128, "num_warps": 8}]']   # extend kernel variants
+        [--configs '[{"num_stages": 2}, {"block_m": 128, "num_warps": 8}]']   # extend kernel variants
     TRITON_INTERPRET=1 python -m benchmarks.bench_extend_step --smoke      # CPU: tiny shapes, every piece once
 """
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     variants = json.loads(a.configs)
     names = [", ".join(f"{k} {v}" for k, v in kw.items()) for kw in variants]
     rows = ["| prefix + chunk | INT2 step | rotations | write | attention | SGLang Triton BF16 step | INT2 / BF16 "
-            "| rotations (IEEE fp32) | q/K/V rotation (TF32x3) | output rotation (IEEE) |"
+            "| rotations (IEEE fp32) | q/K/V: IEEE (TF32x3) | output: TF32x3 (IEEE) |"
             + "".join(f" attention ({n}) |" for n in names),
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
     for chunk in chunks:

@@ -320,13 +320,19 @@ def test_commands_parse_with_sglang_and_the_plugin():
     pytest.importorskip("sglang.srt.server_args")
     from _support.server_args import oscar_server_parser
 
-    a = bs.parse_args(["--models", "qwen3-30b-a3b", "--with-flashinfer", "--int2-args", "--oscar-sink-tokens 64"])
+    a = bs.parse_args(["--models", "qwen3-30b-a3b", "--with-flashinfer", "--int2-args", "--oscar-sink-tokens 64",
+                       "--formats", "bf16,fp8,int2,int2-fold"])
+    fmts = []
     for p in bs.make_plan(a):
         ns = oscar_server_parser(allow_abbrev=False).parse_args(p.argv[3:])
+        fmts.append(p.fmt)
+        if bs.FORMATS[p.fmt][0] == "int2":  # the int2 servers alone take --int2-args; int2-fold adds the fold
+            assert ns.oscar_sink_tokens == 64 and ns.oscar_fold_rotations == ("on" if p.fmt == "int2-fold" else None)
         assert ns.load_format == "dummy" and ns.skip_tokenizer_init and ns.disable_radix_cache
         assert ns.kv_cache_dtype == bs.FORMATS[p.fmt][0] and ns.attention_backend == bs.FORMATS[p.fmt][1]
         assert ns.disable_prefill_cuda_graph and not getattr(ns, "disable_decode_cuda_graph", False)
         assert ns.chunked_prefill_size == 8192 and ns.mem_fraction_static == 0.85
+    assert fmts == ["bf16", "fp8", "int2", "int2-fold", "bf16-fi"]
 
 
 def test_plots_with_a_stub_matplotlib(tmp_path, monkeypatch):

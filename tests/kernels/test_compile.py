@@ -171,7 +171,12 @@ with compile_only("cuda", 90):
         rotate_qkv(torch.randn(t, hq, dk).to(torch.bfloat16), torch.randn(t, hkv, dk).to(torch.bfloat16),
                    torch.randn(t, hkv, dv).to(torch.bfloat16), torch.linalg.qr(torch.randn(hkv, dk, dk))[0].contiguous(),
                    torch.linalg.qr(torch.randn(hkv, dv, dv))[0].contiguous(), torch.bfloat16, block_n=bn)
-shapes += qkv
+tf = [(4096, 32, 8, 128), (4096, 8, 8, 256), (4096, 8, 8, 512)]  # the extend output rotation, TF32x3 MMAs
+with compile_only("cuda", 90):
+    for t, h, hr, d in tf:
+        rotate_heads(torch.randn(t, h, d), torch.linalg.qr(torch.randn(hr, d, d))[0].contiguous(), torch.bfloat16,
+                     transpose=True, precision="tf32x3")
+shapes += qkv + tf
 for shape, c in zip(shapes, COMPILED):
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(c[-1].asm["cubin"], "-res-usage"))
     print(shape, "REG", m.group(1), "STACK", m.group(2))
@@ -189,4 +194,4 @@ def test_rotate_kernel_does_not_spill_on_sm90():
                          timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if "STACK" in ln]
-    assert len(lines) == 13 and all(ln.endswith("STACK 0") for ln in lines), res.stdout
+    assert len(lines) == 16 and all(ln.endswith("STACK 0") for ln in lines), res.stdout

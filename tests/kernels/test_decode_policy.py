@@ -142,8 +142,8 @@ def test_configs_validate_their_fields():
 
 def test_num_stages_follow_requests_times_kv_heads(monkeypatch):
     """GPU decode at head_dim 65-128: no async-copy pipeline (and no deferred sums) from
-    STAGES1_MIN_PAIRS (request, kv head) pairs; other head dims, extend and the interpreter keep their
-    stage count; the decode plan resolves with B x H_kv."""
+    STAGES1_MIN_PAIRS (request, kv head) pairs; other head dims and the interpreter keep their stage
+    count, extend has one stage whatever the batch; the decode plan resolves with B x H_kv."""
     from sglang_oscar.kernels.configs import STAGES1_MIN_PAIRS
     from sglang_oscar.kernels.decode import plan as plan_mod
 

@@ -194,6 +194,26 @@ def test_rotate_qkv_tf32x3_launch_shape(case):
     check_rotate_qkv(*case, precision="tf32x3")
 
 
+def test_tf32x3_launch_shape_does_not_follow_the_row_count(monkeypatch):
+    """precision="tf32x3" launches the same program shape (rows, dims, input step, warps, output-dim
+    programs) for 1 and 3000 tokens, rotate_heads and rotate_qkv (D_k != D_v too): the shape a row's
+    bits depend on never follows the chunk; IEEE launches do follow it (auto_block_n)."""
+    from sglang_oscar.kernels import rotate as rotate_mod
+
+    seen = []
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BN_K", "BN_V", "BK_K", "BK_V", "num_warps")
+    monkeypatch.setattr(rotate_mod, "_launch", lambda kernel, grid, *a, **k: seen.append(
+        (grid[1:], tuple(k.get(n) for n in keys))))
+    rk, rv = random_orthogonal(192, 2), random_orthogonal(128, 2)
+    for precision in ("tf32x3", "ieee"):
+        seen.clear()
+        for t in (1, 3000):
+            rotate_heads(torch.randn(t, 8, 192), rk, torch.bfloat16, precision=precision)
+            rotate_qkv(torch.randn(t, 8, 192), torch.randn(t, 2, 192), torch.randn(t, 2, 128), rk, rv, torch.bfloat16,
+                       precision=precision)
+        assert (seen[:2] == seen[2:]) == (precision == "tf32x3"), (precision, seen)
+
+
 @pytest.mark.parametrize("has_mk", [False, True])
 def test_rotate_qkv_without_v_rotates_q_and_k(has_mk):
     """v=None (layers whose value rotation is folded into the weights): q and K only, in a launch of
@@ -411,7 +431,7 @@ def test_gpu_rotation_bits_do_not_depend_on_the_launch_shape(d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 512])
 def test_gpu_tf32x3_rotations(d):
     """precision="tf32x3" (the backend's extend steps of 16-bit models): within the fp32 check's bound
     of the einsum, and a row's bits do not depend on how many rows the launch holds (a 1-token, a

@@ -187,6 +187,17 @@ def test_decode_planned_during_a_capture_is_kept_with_the_graph(setup, monkeypat
     assert _rel(o.float().reshape(1, HQ, D), _oracle(seq, config, rk, rv, 40, 41, "decode")) < 1e-2
 
 
+@pytest.mark.parametrize("hp_dtype,mode,want", [(torch.bfloat16, "extend", "tf32x3"), (torch.float16, "extend", "tf32x3"),
+                                                  (torch.bfloat16, "decode", "ieee"), (torch.float32, "extend", "ieee")])
+def test_output_rotation_precision(hp_dtype, mode, want):
+    """TF32x3 for the output rotation of a 16-bit model's extend batches only: decode batches and fp32
+    models (the fp32 servers check c compares with the oracle at fp32 noise) stay IEEE."""
+    from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend
+
+    be = SimpleNamespace(pool=SimpleNamespace(hp_dtype=hp_dtype))
+    assert OscarTritonAttnBackend._output_precision(be, SimpleNamespace(forward_mode=_Mode(mode))) == want
+
+
 def test_rotate_engine_flag_reaches_the_backend(setup, monkeypatch):
     """--oscar-rotate-engine triton: the backend rotates q / K / V in one kernels.rotate.rotate_qkv
     launch and the output with rotate_heads (both counted, block_n "auto"; the output at TF32x3 for

@@ -13,10 +13,10 @@
 ``rotate_qkv`` launch, q and K in one when V is folded, the output in one ``rotate_heads``) or
 ``"torch"`` (the fp32 einsum, ``rotate_heads_reference``). The output rotation takes the Triton
 engine's ``precision`` (``kernels.rotate``): the backend passes ``"tf32x3"`` for the extend steps of
-a 16-bit model (an 8K-token chunk's output rotation: 155 us instead of 438 us per Qwen3-8B layer on
-the H200; the q / K / V launch was slower at TF32x3, 611 vs 372 us, and stays IEEE:
-docs/benchmarks_served.md), ``"ieee"`` for decode steps and fp32 models (which the oracle checks at
-fp32 noise).
+a 16-bit model (an 8K-token chunk's output rotation: 155 us instead of 437 us per Qwen3-8B layer on
+the H200; the q / K / V launch was slower at TF32x3, 614 vs 371 us, and stays IEEE:
+docs/benchmarks_served.md), ``"ieee"`` for decode batches and fp32 models (which the oracle checks at
+fp32 noise). "Extend" is the batch's forward mode: MIXED and TARGET_VERIFY batches count as extend.
 """
 
 from __future__ import annotations

@@ -314,8 +314,9 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         return q_rot
 
     def _output_precision(self, fb) -> str:
-        """The Triton output rotation's precision (:mod:`.step`): TF32x3 MMAs for the extend steps of a
-        16-bit model, IEEE fp32 for decode and fp32 models."""
+        """The Triton output rotation's precision (:mod:`.step`): TF32x3 MMAs for the extend-mode
+        batches of a 16-bit model (MIXED and TARGET_VERIFY included), IEEE fp32 for decode batches
+        and fp32 models."""
         return "tf32x3" if fb.forward_mode.is_extend() and self.pool.hp_dtype != torch.float32 else "ieee"
 
     def _output(self, o, layer, dtype, fb):

@@ -17,17 +17,18 @@ nothing. A program covers ``BLOCK_N`` output dims (``block_n``; default ``"auto"
 grid still has :data:`MIN_PROGRAMS` programs, so a decode step's few rows per kv head are spread
 over the SMs).
 
-``precision="tf32x3"`` (the backend's prefill / extend steps) computes each product as three TF32
-MMAs on the tensor cores, about 2^-21 relative to the fp32 products instead of CUDA-core FMAs, which
-left an 8K-token prefill's four rotations at ~0.8 ms per Qwen3-8B layer (docs/benchmarks_served.md).
-Its launch shape is one per head_dim (:func:`_tf32x3_shape`), never the row count's, so a row gets
-the same bits in a 64-token chunk and in a whole prompt; an IEEE launch (decode) may differ from it
-in the last bit of a rounded element.
+``precision="tf32x3"`` computes each product as three TF32 MMAs on the tensor cores (about 2^-21
+relative to the fp32 products) instead of CUDA-core FMAs; the backend uses it for the output rotation
+of a 16-bit model's extend steps, where it is 2.8x faster for an 8K-token chunk of a Qwen3-8B layer
+(the q / K / V launch was slower at TF32x3 and stays IEEE: docs/benchmarks_served.md). Its launch
+shape is fixed per head_dim (per (D_k, D_v) pair for :func:`rotate_qkv`; :func:`_tf32x3_shape`),
+never the row count's, so a row gets the same bits in a 64-token chunk and in a whole prompt; an
+IEEE launch may differ from it in the last bit of a rounded element.
 
 :func:`rotate_qkv` runs the step's three input products (q, K, V) in one launch: the grid's third
 axis selects the product and the output slice, and each program runs the same block body as
 :func:`rotate_heads`. The backend rotates q, K and V with it and the output with :func:`rotate_heads`,
-both with ``block_n="auto"``: one launch of output slices fills the GPU at decode batch sizes,
+both with ``block_n="auto"`` (IEEE launches): one launch of output slices fills the GPU at decode batch sizes,
 where four launches of whole rows are a few latency-bound programs each (docs/kernels.md#rotations).
 """
 
@@ -242,9 +243,10 @@ def _check_precision(precision, who: str) -> None:
 
 
 def _tf32x3_shape(d: int) -> tuple[int, int, int]:
-    """``(block_m, block_n, block_k)`` of every ``precision="tf32x3"`` launch at head_dim ``d``: whole
-    rows, 64-row programs at head_dim <= 128 (the MMA instruction shape then never changes with the
-    row count), 16 beyond (register limits, above)."""
+    """``(block_m, block_n, block_k)`` of a ``precision="tf32x3"`` launch at head_dim ``d`` (for
+    :func:`rotate_qkv`, ``block_m`` of the wider of D_k / D_v, the rest per product): whole rows,
+    64-row programs at head_dim <= 128 (the MMA instruction shape then never changes with the row
+    count), 16 beyond (register limits, above)."""
     np_ = _np(d)
     return (64 if np_ <= 128 else 16), np_, _block_k(d)
 
@@ -287,8 +289,8 @@ def rotate_heads(
 
     Returns:
         ``[T, H, D]`` in ``out_dtype``. Equals ``torch.einsum`` in fp32 up to the summation order
-        (the tests: within 1e-5 of the largest element in fp32; after rounding to bf16 / fp16 one
-        unit in the last place plus that, in under 0.5% of the elements); NaN stays NaN.
+        (IEEE) or the TF32x3 error (~2^-21 relative; the tests hold both within 1e-5 of the largest
+        element in fp32, and a rounded output within the rounding of that interval); NaN stays NaN.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (``validate``); ``block_n`` not
