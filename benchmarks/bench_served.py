@@ -79,7 +79,6 @@ except ImportError:
 HERE = Path(__file__).resolve().parent
 CONFIG_DIR = HERE / "configs"
 MODELS = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")
-
 # format -> (--kv-cache-dtype, --attention-backend, bits per stored K/V element in the pool, extra flags).
 # SGLang's Triton decode defaults to 8 KV splits (--triton-attention-num-kv-splits), which leaves a
 # batch-1 long-context decode on few SMs: the -t64 formats are the same kernels with 64 splits (128K x 1:

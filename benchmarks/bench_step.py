@@ -9,8 +9,8 @@ times each piece and the whole sequence for both ``--oscar-rotate-engine`` value
 and for ``triton-qkv`` (q, K and V rotated in one launch, ``kernels.rotate.rotate_qkv``, then the
 output; ``triton-qkv auto (served)`` with ``block_n="auto"`` is what ``--oscar-rotate-engine triton``
 runs in a decode step; the prefill rows' output rotation is IEEE here, TF32x3 in the server's extend
-steps of 16-bit models: ``bench_extend_step`` times that), next to the BF16 side (SGLang's ``set_kv_buffer``-style row copy + torch SDPA), on a Qwen3-8B
-layer geometry (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256), centred rotations.
+steps of 16-bit models: ``bench_extend_step`` times that), next to the BF16 side (SGLang's
+``set_kv_buffer``-style row copy + torch SDPA), on a Qwen3-8B layer geometry (32 q / 8 kv heads, head_dim 128, sink 64 + recent 256), centred rotations.
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``). Ratios only mean something
 within one run.

@@ -184,8 +184,9 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch; extend takes 64 x 64
     tiles, 4 warps and one pipeline stage (an 8K chunk of one Qwen3-8B layer after 0 / 8K / 24K
     cached tokens: 3.81 / 11.00 / 25.38 ms against 4.28 / 12.29 / 28.29 with two stages on the H200,
-    docs/benchmarks_served.md; larger heads unmeasured). The interpreter runs the same conversions and prefetch / deferred-sum choices
-    (so CPU tests exercise the GPU's bookkeeping) with 16-key tiles, 4 warps and no head padding.
+    docs/benchmarks_served.md; larger heads unmeasured). The interpreter runs the same conversions
+    and prefetch / deferred-sum choices (so CPU tests exercise the GPU's bookkeeping) with 16-key
+    tiles, 4 warps and no head padding.
     fp32 MMA operands (``--dtype float32`` servers, the exact tests) above head_dim 256 decode with
     one pipeline stage: two stages of 64-key fp32 tiles at head_dim 512 need 281 KB of shared
     memory, more than an H200 SM has.

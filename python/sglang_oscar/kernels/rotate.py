@@ -28,8 +28,9 @@ IEEE launch may differ from it in the last bit of a rounded element.
 :func:`rotate_qkv` runs the step's three input products (q, K, V) in one launch: the grid's third
 axis selects the product and the output slice, and each program runs the same block body as
 :func:`rotate_heads`. The backend rotates q, K and V with it and the output with :func:`rotate_heads`,
-both with ``block_n="auto"`` (IEEE launches): one launch of output slices fills the GPU at decode batch sizes,
-where four launches of whole rows are a few latency-bound programs each (docs/kernels.md#rotations).
+both with ``block_n="auto"`` (IEEE launches): one launch of output slices fills the GPU at decode
+batch sizes, where four launches of whole rows are a few latency-bound programs each
+(docs/kernels.md#rotations).
 """
 
 from __future__ import annotations
@@ -243,10 +244,10 @@ def _check_precision(precision, who: str) -> None:
 
 
 def _tf32x3_shape(d: int) -> tuple[int, int, int]:
-    """``(block_m, block_n, block_k)`` of a ``precision="tf32x3"`` launch at head_dim ``d`` (for
-    :func:`rotate_qkv`, ``block_m`` of the wider of D_k / D_v, the rest per product): whole rows,
-    64-row programs at head_dim <= 128 (the MMA instruction shape then never changes with the row
-    count), 16 beyond (register limits, above)."""
+    """``(block_m, block_n, block_k)`` of a ``precision="tf32x3"`` launch at head_dim ``d`` (
+    :func:`rotate_qkv` takes each product's ``block_n`` / ``block_k`` and the smaller ``block_m``):
+    whole rows, 64-row programs at head_dim <= 128 (the MMA instruction shape then never changes
+    with the row count), 16 beyond (register limits, above)."""
     np_ = _np(d)
     return (64 if np_ <= 128 else 16), np_, _block_k(d)
 
@@ -444,8 +445,8 @@ def rotate_qkv(
     g = hq // hkv
     np_k, np_v = _np(dk), _np(dv)
     if precision == "tf32x3":
-        block_m = _tf32x3_shape(max(dk, dv))[0]
-        bn_k, bn_v, bk_k, bk_v = np_k, np_v, _block_k(dk), _block_k(dv)
+        (bm_k, bn_k, bk_k), (bm_v, bn_v, bk_v) = _tf32x3_shape(dk), _tf32x3_shape(dv)
+        block_m = min(bm_k, bm_v)
     else:
         auto = auto_block_n(t * g, hkv, max(dk, dv), products=products) if block_n == "auto" else None
         bn_k, bn_v = _block_n(block_n, np_k, auto), _block_n(block_n, np_v, auto)

@@ -109,4 +109,3 @@ def selection_mask(sel: torch.Tensor, q_positions: torch.Tensor, what: str):
         return sel[..., [row_of[int(p)] for p in pos.tolist()], :t]
 
     return mask
-
