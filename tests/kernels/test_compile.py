@@ -195,3 +195,29 @@ def test_rotate_kernel_does_not_spill_on_sm90():
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if "STACK" in ln]
     assert len(lines) == 16 and all(ln.endswith("STACK 0") for ln in lines), res.stdout
+
+
+EXTEND_SPILL_CHECK = r"""
+import re, sys, torch
+sys.path.insert(0, sys.argv[1])
+import compile_sm90
+from sglang_oscar.kernels.compile_check import COMPILED, compile_only, cuobjdump
+with compile_only("cuda", 90):
+    compile_sm90._attn("e")  # head_dim 128, one group, uniform: 128-key tiles
+    compile_sm90._attn("e", dk=64, dv=64)
+for c in COMPILED:
+    print("STACK", re.search(r"STACK:(\d+)", cuobjdump(c[-1].asm["cubin"], "-res-usage")).group(1))
+"""
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas not found")
+def test_extend_kernel_does_not_spill_on_sm90():
+    """The extend kernel's 128-key default tiles (head_dim <= 128, one group, uniform; 64 queries,
+    4 warps) keep everything in registers (no local-memory stack); 256 keys would spill 1,216 bytes,
+    and Lloyd-Max or four groups per row would spill at 128 keys (configs.default_triton_config)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", EXTEND_SPILL_CHECK, HERE], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.split() == ["STACK", "0", "STACK", "0"], res.stdout

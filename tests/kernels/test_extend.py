@@ -141,6 +141,28 @@ def test_extend_chunking_invariance_and_lse():
     assert torch.allclose(lse_one, torch.logsumexp(s, dim=-1), atol=1e-4, rtol=0)
 
 
+def test_extend_gpu_tile_shape_matches_oracle_and_chunking():
+    """The GPU's extend tiles (64 queries x 128 keys at head_dim 128, one group, uniform:
+    configs._default_triton) under
+    the interpreter: several key tiles and a partial diagonal tile vs the oracle, and a prompt run as
+    one chunk equals the same prompt as chunks 70 + 230 (the interpreter's own tiles are 16 x 16)."""
+    from sglang_oscar.kernels.configs import _default_triton
+
+    fresh_seed()
+    gpu = _default_triton(128, 128, True, False, False, False, wide=True)
+    assert (gpu.block_m, gpu.block_n) == (64, 128)
+    cfg = make_config(sink=SINK, scale_dtype="float32")
+    t, hq = 300, 4
+    pool = build_pool([t], 2, 128, 128, cfg, hp_dtype=torch.float32, window_mode="extend")
+    q = torch.randn(t, hq, 128)
+    q_rot = rotate_q(pool, q)
+    one = run_extend(pool, q_rot, [0], [t], mma_dtype=torch.float32, config=gpu)
+    assert rel_l2(one, reference_extend(pool, q, [0], [t], hp_dtype=torch.float32)) < 1e-4
+    parts = [run_extend(pool, q_rot[:70], [0], [70], mma_dtype=torch.float32, config=gpu),
+             run_extend(pool, q_rot[70:], [70], [t - 70], mma_dtype=torch.float32, config=gpu)]
+    assert rel_l2(torch.cat(parts), one) < 1e-6
+
+
 def test_extend_int64_offsets(monkeypatch):
     fresh_seed()
     monkeypatch.setenv("SGLANG_OSCAR_FORCE_IDX64", "1")

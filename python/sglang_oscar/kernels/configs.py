@@ -181,10 +181,11 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     heads: ``CONVERT_ASM_PERM``, no pair prefetch, 32 keys over 4 warps up to head_dim 256, above it
     64 keys over ``head_dim / 64`` warps rounded up to a power of two, at most 8 (timed at 256 and
     512, GPU-tested at 192-512). K or V head_dim <= 64 (no permuting conversion,
-    :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch; extend takes 64 x 64
-    tiles, 4 warps and one pipeline stage (an 8K chunk of one Qwen3-8B layer after 0 / 8K / 24K
-    cached tokens: 3.81 / 11.00 / 25.38 ms against 4.28 / 12.29 / 28.29 with two stages on the H200,
-    docs/benchmarks_served.md; larger heads unmeasured). The interpreter runs the same conversions
+    :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch; extend takes 64 queries x 128 keys
+    (64 keys above head_dim 128, with Lloyd-Max or several groups per row: those spill registers on
+    sm_90 with 128), 4 warps and one pipeline stage (an 8K chunk of one Qwen3-8B layer
+    after 0 / 8K cached tokens: 3.23 / 9.22 ms, against 3.81 / 11.00 with 64 keys and 4.28 / 12.29
+    with 64 keys and two stages on the H200, docs/benchmarks_served.md; larger heads unmeasured). The interpreter runs the same conversions
     and prefetch / deferred-sum choices (so CPU tests exercise the GPU's bookkeeping) with 16-key
     tiles, 4 warps and no head padding.
     fp32 MMA operands (``--dtype float32`` servers, the exact tests) above head_dim 256 decode with
@@ -198,11 +199,15 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     hi = max(layout.k.head_dim, layout.v.head_dim)
     lo = min(layout.k.head_dim, layout.v.head_dim)
     many = pairs is not None and pairs >= STAGES1_MIN_PAIRS
-    return _default_triton(hi, lo, extend, many, interpreting(), mma_dtype == torch.float32)
+    # the extend kernel's 128-key tiles fit the registers only on the one-group uniform path
+    wide = (extend and hi <= 128 and layout.quantizer == "uniform"
+            and layout.k.num_groups == 1 and layout.v.num_groups == 1)
+    return _default_triton(hi, lo, extend, many, interpreting(), mma_dtype == torch.float32, wide)
 
 
 @functools.lru_cache(maxsize=64)
-def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp32: bool) -> TritonConfig:
+def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp32: bool,
+                    wide: bool = False) -> TritonConfig:
     small = not _permutable_head_dim(lo)
     # decode with K and V head_dim in 65-128: the timed fast path (prefetch, stages by pairs, deferred sums)
     fast = not extend and not small and hi <= 128
@@ -216,8 +221,10 @@ def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp
         return TritonConfig(block_n=16, block_m=16, num_warps=4, num_stages=1, min_block_h=1, convert=convert,
                             pairs_ahead=fast, defer_sums=defer)
     if extend:
-        return TritonConfig(block_n=64, block_m=64, num_warps=4, num_stages=1, min_block_h=16, convert=convert,
-                            pairs_ahead=False, defer_sums=False)
+        # 128-key tiles halve the per-tile work (slot and pair loads, row max, rescale) per key; they
+        # spill registers on sm_90 above head_dim 128, with Lloyd-Max or with several groups per row
+        return TritonConfig(block_n=128 if wide else 64, block_m=64, num_warps=4, num_stages=1,
+                            min_block_h=16, convert=convert, pairs_ahead=False, defer_sums=False)
     one_stage = many or (fp32 and hi > 256)  # two fp32 stages at head_dim 512 need 281 KB of shared memory
     # head_dim 129-256: 32-key tiles over 4 warps; above, 64 keys over ~head_dim / 64 warps (Gemma-4's
     # layers, 32K: the sliding 256 step -18% / -20% at batch 1 / 16 against 64 keys over 2 warps, whose
