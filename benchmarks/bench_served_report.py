@@ -91,15 +91,18 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     servers = results["servers"]
     models = list(dict.fromkeys(s["model"] for s in servers))
     batches = sorted({r["batch"] for s in servers for r in s["runs"] if r["kind"] == "decode"}) or [1]
+    color = {f: f"C{i}" for i, f in enumerate(dict.fromkeys(s["format"].split("#")[0] for s in servers))}
     fig, axes = plt.subplots(len(models), len(batches), figsize=(4 * len(batches), 3.2 * len(models)), squeeze=False)
     for i, m in enumerate(models):
         for j, b in enumerate(batches):
             ax = axes[i][j]
-            for s in (s for s in servers if s["model"] == m):
-                pts = sorted((r["context"], r["decode_tok_s"]) for r in s["runs"] if r["kind"] == "decode"
+            # a format measured in several merged runs ("int2", "int2#2") is one line
+            for f in dict.fromkeys(s["format"].split("#")[0] for s in servers if s["model"] == m):
+                pts = sorted((r["context"], r["decode_tok_s"]) for s in servers if s["model"] == m
+                             and s["format"].split("#")[0] == f for r in s["runs"] if r["kind"] == "decode"
                              and r["batch"] == b and r.get("decode_tok_s"))
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s["format"])
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f, color=color[f])
             ax.set_xscale("log", base=2)
             ax.set_title(f"{m}, batch {b}", fontsize=9)
             ax.set_xlabel("context (tokens)")
@@ -132,14 +135,16 @@ def write_outputs(results: dict[str, Any], a: argparse.Namespace, logs: Path | N
     (out / "results.md").write_text(f"# bench_served ({results['meta'].get('date')}, commit "
                                     f"{results['meta'].get('commit')})\n\n`{shlex.join(results['meta']['argv'])}`\n\n"
                                     + table + "\n")
+    plots: list[str] = []
     try:
-        plot(results, out)
+        plots = plot(results, out) or []
     except Exception as exc:  # noqa: BLE001  plots must not lose the table
         print(f"plots failed: {type(exc).__name__}: {exc}")
     if has_logs:
         with tarfile.open(out / "logs.tgz", "w:gz") as tar:
             tar.add(logs, arcname="logs")
-    print("\n" + table + f"\n\nwrote {out}/results.json, results.md, plots{', logs.tgz' if has_logs else ''}")
+    written = ["results.md", *plots] + (["logs.tgz"] if has_logs else [])
+    print("\n" + table + f"\n\nwrote {out}/results.json, {', '.join(written)}")
 
 
 def merge(paths: Sequence[str], a: argparse.Namespace) -> dict[str, Any]:
