@@ -16,6 +16,7 @@ Times: CUDA graphs with a cold L2 (``bench_decode.bench``); ratios mean somethin
 
     python -m benchmarks.bench_extend_step [--chunks 8192] [--prefixes 0,24576] [--out extend_step.md]
         [--configs '[{"num_stages": 2}, {"block_m": 128, "num_warps": 8}]']   # extend kernel variants
+        [--quantizer lloyd-max]                                               # the layout's quantizer
     TRITON_INTERPRET=1 python -m benchmarks.bench_extend_step --smoke      # CPU: tiny shapes, every piece once
 """
 
@@ -49,12 +50,12 @@ SMOKE = dict(HQ=4, HKV=2, D=64, SINK=4)
 class ExtendCase:
     """One request's extend of ``chunk`` tokens after ``prefix``: INT2 pool + BF16 pool, random rows."""
 
-    def __init__(self, prefix: int, chunk: int, device, hq=HQ, hkv=HKV, d=D, sink=SINK):
+    def __init__(self, prefix: int, chunk: int, device, hq=HQ, hkv=HKV, d=D, sink=SINK, quantizer="uniform"):
         g = torch.Generator(device=device)
         g.manual_seed(prefix * 31 + chunk)
         self.hq, self.hkv, self.d, self.sink = hq, hkv, d, sink
         self.layout = Int2Layout.create(d, d, group_size=min(128, d), scale_dtype="float16", k_clip_ratio=0.96,
-                                        v_clip_ratio=0.92)
+                                        v_clip_ratio=0.92, quantizer=quantizer)
         n = prefix + chunk
         slots = n + 8
         self.k_codes, self.k_pairs, self.v_codes, self.v_pairs = bd.random_int2_planes(slots, hkv, self.layout,
@@ -163,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="[]",
                     help="JSON list of TritonConfig fields to change from the served extend config: one attention "
                          "column each")
+    ap.add_argument("--quantizer", default="uniform", choices=("uniform", "lloyd-max"),
+                    help="the INT2 layout's quantizer (the served default is uniform; recipes may set lloyd-max)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     a = ap.parse_args(argv)
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -176,7 +179,8 @@ def main(argv=None) -> int:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names)]
     for chunk in chunks:
         for prefix in prefixes:
-            case = ExtendCase(prefix, chunk, dev, **({k.lower(): v for k, v in SMOKE.items()} if a.smoke else {}))
+            case = ExtendCase(prefix, chunk, dev, quantizer=a.quantizer,
+                              **({k.lower(): v for k, v in SMOKE.items()} if a.smoke else {}))
             t = {name: bd.bench(fn, a.smoke) for name, fn in case.int2_pieces().items()}
             bf = case.bf16_step()
             tb = bd.bench(bf, a.smoke) if bf is not None else None

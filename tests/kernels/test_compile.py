@@ -107,10 +107,10 @@ def test_bench_latent_extend_smoke(tmp_path):
 
 def test_bench_extend_step_smoke(tmp_path):
     """benchmarks/bench_extend_step.py --smoke runs the served INT2 prefill step and each of its pieces
-    (rotations at TF32x3 and IEEE fp32, each rotation alone, write, extend attention) and SGLang's BF16 extend, without and with a prefix, and
-    writes their rows with the ratio."""
+    (rotations at TF32x3 and IEEE fp32, each rotation alone, write, extend attention) and SGLang's BF16
+    extend, without and with a prefix, on a Lloyd-Max layout, and writes their rows with the ratio."""
     out = tmp_path / "extend_step.md"
-    _smoke("bench_extend_step", out, "--configs", '[{"block_m": 32, "block_n": 32}]')
+    _smoke("bench_extend_step", out, "--configs", '[{"block_m": 32, "block_n": 32}]', "--quantizer", "lloyd-max")
     text = out.read_text()
     rows = [ln.split("|") for ln in text.splitlines() if ln.startswith(("| 0 + 16 |", "| 8 + 16 |"))]
     assert len(rows) == 2 and all(len(r) == 13 and r[7].strip().endswith("x") for r in rows), rows
