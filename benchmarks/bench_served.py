@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a = build_parser().parse_args(argv)  # string defaults go through their type too
+    if a.chunked_prefill_size <= 0:  # SGLang's "no chunking": the plan and the warm-up need a chunk
+        build_parser().error("--chunked-prefill-size must be a positive token count")
     if a.with_flashinfer and "bf16-fi" not in a.formats:
         a.formats.append("bf16-fi")
     return a

@@ -78,8 +78,9 @@ def render_table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], out: Path) -> list[str]:
-    """decode.png (tokens/s vs context, a line per format; rows models, columns batches) and
-    capacity.png (concurrent 128K requests per format and model)."""
+    """decode.png (tokens/s vs context, a line per format -- the runs of a format merged with
+    ``--merge`` as one line; rows models, columns batches) and capacity.png (concurrent 128K requests
+    per format and model). Returns the names written (none without matplotlib)."""
     try:
         import matplotlib
 
@@ -111,11 +112,12 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "decode.png", dpi=120)
     fig2, ax = plt.subplots(figsize=(2 + 2 * len(models), 3.5))
-    fmts = list(dict.fromkeys(s["format"] for s in servers))
-    for k, f in enumerate(fmts):
+    fmts = list(color)
+    for k, f in enumerate(fmts):  # a format merged from several runs: its first run's capacity
         ys = [next(((s.get("capacity") or {}).get("concurrent", {}).get("128K") or 0 for s in servers
-                    if s["model"] == m and s["format"] == f), 0) for m in models]
-        ax.bar([i + k / (len(fmts) + 1) for i in range(len(models))], ys, width=1 / (len(fmts) + 1), label=f)
+                    if s["model"] == m and s["format"].split("#")[0] == f), 0) for m in models]
+        ax.bar([i + k / (len(fmts) + 1) for i in range(len(models))], ys, width=1 / (len(fmts) + 1), label=f,
+               color=color[f])
     ax.set_xticks([i + (len(fmts) - 1) / (2 * (len(fmts) + 1)) for i in range(len(models))])
     ax.set_xticklabels(models)
     ax.set_ylabel("concurrent 128K requests")

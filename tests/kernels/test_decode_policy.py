@@ -105,11 +105,17 @@ def test_default_triton_config(monkeypatch):
     t = default_triton_config(lay(128), extend=True)
     assert _fields(t, "convert", "pairs_ahead", "defer_sums", "block_m", "block_n", "num_warps") == (
         2, False, False, 64, 128, 4)
-    # 128-key extend tiles spill on sm_90 above head_dim 128, with Lloyd-Max or several groups: 64 there
-    assert default_triton_config(lay(192, 128), extend=True).block_n == 64
-    assert default_triton_config(lay(256), extend=True).block_n == 64
-    assert default_triton_config(Int2Layout.create(128, quantizer="lloyd-max"), extend=True).block_n == 64
-    assert default_triton_config(Int2Layout.create(128, group_size=64), extend=True).block_n == 64
+    # 128-key extend tiles where they fit the sm_90 registers (test_compile.py), 64 elsewhere
+    def ext_keys(layout, **kw):
+        return default_triton_config(layout, extend=True, **kw).block_n
+
+    assert ext_keys(lay(64)) == 128 and ext_keys(lay(64), windowed=True, capped=True) == 128
+    assert ext_keys(lay(128), windowed=True) == 64 and ext_keys(lay(128), capped=True) == 64
+    assert ext_keys(lay(128), mma_dtype=torch.bfloat16) == 64 and ext_keys(lay(128), mma_dtype=torch.float32) == 64
+    assert [ext_keys(lay(d)) for d in (80, 96, 112, 256)] == [64] * 4 and ext_keys(lay(192, 128)) == 64
+    assert ext_keys(Int2Layout.create(128, quantizer="lloyd-max")) == 64
+    assert ext_keys(Int2Layout.create(128, group_size=64)) == 64
+    assert ext_keys(Int2Layout.create(128, group_size=128, group_size_v=64)) == 64
     # fp32 operands above head_dim 256: one stage (two need 281 KB of shared memory at 512, compile_sm90.py)
     assert [default_triton_config(lay(d), mma_dtype=m).num_stages
             for d, m in ((512, torch.float32), (512, torch.float16), (256, torch.float32))] == [1, 2, 2]

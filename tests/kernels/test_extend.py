@@ -141,19 +141,21 @@ def test_extend_chunking_invariance_and_lse():
     assert torch.allclose(lse_one, torch.logsumexp(s, dim=-1), atol=1e-4, rtol=0)
 
 
-def test_extend_gpu_tile_shape_matches_oracle_and_chunking():
-    """The GPU's extend tiles (64 queries x 128 keys at head_dim 128, one group, uniform:
-    configs._default_triton) under
-    the interpreter: several key tiles and a partial diagonal tile vs the oracle, and a prompt run as
-    one chunk equals the same prompt as chunks 70 + 230 (the interpreter's own tiles are 16 x 16)."""
-    from sglang_oscar.kernels.configs import _default_triton
+def test_extend_gpu_tile_shape_matches_oracle_and_chunking(monkeypatch):
+    """The extend tiles the GPU runs for head_dim 128, one group, uniform (64 queries x 128 keys,
+    ``default_triton_config`` off the interpreter) run under the interpreter: several key tiles and
+    a partial diagonal tile vs the oracle, and a prompt run as one chunk equals the same prompt as
+    chunks 70 + 230 (the interpreter's own tiles are 16 x 16)."""
+    from sglang_oscar.kernels import configs
 
     fresh_seed()
-    gpu = _default_triton(128, 128, True, False, False, False, wide=True)
-    assert (gpu.block_m, gpu.block_n) == (64, 128)
     cfg = make_config(sink=SINK, scale_dtype="float32")
     t, hq = 300, 4
     pool = build_pool([t], 2, 128, 128, cfg, hp_dtype=torch.float32, window_mode="extend")
+    with monkeypatch.context() as m:
+        m.setattr(configs, "interpreting", lambda: False)
+        gpu = configs.default_triton_config(pool.layout, extend=True)
+    assert (gpu.block_m, gpu.block_n) == (64, 128)
     q = torch.randn(t, hq, 128)
     q_rot = rotate_q(pool, q)
     one = run_extend(pool, q_rot, [0], [t], mma_dtype=torch.float32, config=gpu)
@@ -179,9 +181,11 @@ def test_extend_int64_offsets(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_extend_long_prefix_and_chunking():
+@pytest.mark.parametrize("quantizer,group", [("lloyd-max", 64), ("uniform", None)],
+                         ids=["lloyd-g64", "uniform-row"])  # 64-key and 128-key default tiles
+def test_gpu_extend_long_prefix_and_chunking(quantizer, group):
     fresh_seed()
-    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, quantizer="lloyd-max", group_size=64)
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, quantizer=quantizer, group_size=group)
     prefixes, exts = [scaled(60000), 0, scaled(1000)], [scaled(2048), scaled(1500), 1]
     lens = [p + e for p, e in zip(prefixes, exts)]
     pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, window_mode="extend", device=DEV)

@@ -172,7 +172,8 @@ def permuting_ok(layout: Int2Layout) -> bool:
 
 
 def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: int | None = None,
-                          mma_dtype: torch.dtype = torch.float16) -> TritonConfig:
+                          mma_dtype: torch.dtype = torch.float16, windowed: bool = False,
+                          capped: bool = False) -> TritonConfig:
     """The :class:`TritonConfig` the kernels run for ``layout`` on this platform (memoized).
 
     GPU decode, K and V head_dim 65-128 (timed and GPU-tested at 128): the dataclass defaults --
@@ -181,27 +182,32 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     heads: ``CONVERT_ASM_PERM``, no pair prefetch, 32 keys over 4 warps up to head_dim 256, above it
     64 keys over ``head_dim / 64`` warps rounded up to a power of two, at most 8 (timed at 256 and
     512, GPU-tested at 192-512). K or V head_dim <= 64 (no permuting conversion,
-    :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch; extend takes 64 queries x 128 keys
-    (64 keys above head_dim 128, with Lloyd-Max or several groups per row: those spill registers on
-    sm_90 with 128), 4 warps and one pipeline stage (an 8K chunk of one Qwen3-8B layer
-    after 0 / 8K cached tokens: 3.23 / 9.22 ms, against 3.81 / 11.00 with 64 keys and 4.28 / 12.29
-    with 64 keys and two stages on the H200, docs/benchmarks_served.md; larger heads unmeasured). The interpreter runs the same conversions
-    and prefetch / deferred-sum choices (so CPU tests exercise the GPU's bookkeeping) with 16-key
-    tiles, 4 warps and no head padding.
+    :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch. Extend takes 64 queries,
+    4 warps, one pipeline stage and 128 keys per tile where those fit the sm_90 registers (no
+    local-memory stack, ``tests/kernels/test_compile.py``): uniform quantizer, one group per row,
+    fp16 operands, K and V head_dim 64, or 128 without a sliding window or logit cap (attention
+    sinks, known only at run time, cost 16 bytes of stack there); else 64 keys (an 8K chunk of one
+    Qwen3-8B layer after 0 / 8K cached tokens: 3.23 / 9.22 ms with 128 keys, 3.81 / 11.00 with 64,
+    4.28 / 12.29 with 64 and two stages, on the H200: docs/benchmarks_served.md; head_dim 64
+    unmeasured). The interpreter runs the same conversions and prefetch / deferred-sum choices (so
+    CPU tests exercise the GPU's bookkeeping) with 16-key tiles, 4 warps and no head padding.
     fp32 MMA operands (``--dtype float32`` servers, the exact tests) above head_dim 256 decode with
     one pipeline stage: two stages of 64-key fp32 tiles at head_dim 512 need 281 KB of shared
     memory, more than an H200 SM has.
 
     Args:
         layout: the call's :class:`Int2Layout`; extend: the extend kernel's config;
-        pairs: decode requests x kv heads of the step (``None`` = few); mma_dtype: the MMA operand dtype.
+        pairs: decode requests x kv heads of the step (``None`` = few); mma_dtype: the MMA operand dtype;
+        windowed, capped: (extend) the launch has a sliding window / a logit cap.
     """
     hi = max(layout.k.head_dim, layout.v.head_dim)
     lo = min(layout.k.head_dim, layout.v.head_dim)
     many = pairs is not None and pairs >= STAGES1_MIN_PAIRS
-    # the extend kernel's 128-key tiles fit the registers only on the one-group uniform path
-    wide = (extend and hi <= 128 and layout.quantizer == "uniform"
-            and layout.k.num_groups == 1 and layout.v.num_groups == 1)
+    # the extend kernel's 128-key tiles fit the registers only on the plain one-group uniform path
+    # (sm_90 stack bytes at head_dim 128 with 128 / 64 keys: Lloyd-Max 24 / 8, four groups 712 / 256,
+    # window 40 / 0, cap 16 / 0, bf16 operands 88 / 0; head_dim 80 or 112: 112 / 0-8)
+    wide = (extend and layout.quantizer == "uniform" and layout.k.num_groups == 1 and layout.v.num_groups == 1
+            and mma_dtype == torch.float16 and hi == lo and (hi == 64 or (hi == 128 and not windowed and not capped)))
     return _default_triton(hi, lo, extend, many, interpreting(), mma_dtype == torch.float32, wide)
 
 
@@ -221,8 +227,8 @@ def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp
         return TritonConfig(block_n=16, block_m=16, num_warps=4, num_stages=1, min_block_h=1, convert=convert,
                             pairs_ahead=fast, defer_sums=defer)
     if extend:
-        # 128-key tiles halve the per-tile work (slot and pair loads, row max, rescale) per key; they
-        # spill registers on sm_90 above head_dim 128, with Lloyd-Max or with several groups per row
+        # 128-key tiles pay the per-tile work (row max and sum, the rescale of four accumulators, loop
+        # overhead) half as often per key; default_triton_config says where they fit the registers
         return TritonConfig(block_n=128 if wide else 64, block_m=64, num_warps=4, num_stages=1,
                             min_block_h=16, convert=convert, pairs_ahead=False, defer_sums=False)
     one_stage = many or (fp32 and hi > 256)  # two fp32 stages at head_dim 512 need 281 KB of shared memory
