@@ -128,6 +128,35 @@ def _fp32_moe_compute(original_fn, A, *args, **kwargs):
     return original_fn(A, *args, **kwargs)
 
 
+def _fp32_chunk_gated_delta_rule(original_fn, q, k, v, g, beta, scale=None, initial_state=None,
+                                 initial_state_indices=None, cu_seqlens=None, head_first=False,
+                                 use_qk_l2norm_in_kernel=False):
+    """AROUND hook of SGLang's gated-DeltaNet prefill (``fla.chunk.chunk_gated_delta_rule``, called by
+    ``TritonGDNKernel.extend`` of Qwen3-Next / Qwen3.5): the function asserts bf16/fp16 inputs, while
+    the Triton kernels of the ``ChunkGatedDeltaRuleFunction`` it runs compile for fp32 on sm_90. fp32
+    inputs run that Function directly (as the original does after its checks; SGLang's callers pass
+    one varlen batch with one state index per sequence) with the block-merge dots of its kkt/solve
+    kernel switched from TF32 to IEEE (``chunk_fwd._MERGE_DOT_PRECISION``, set before the kernel's
+    first compile in this process: an fp32 server's first prefill); other dtypes call the original."""
+    import torch
+
+    if q.dtype != torch.float32 or head_first:
+        return original_fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           initial_state_indices=initial_state_indices, cu_seqlens=cu_seqlens,
+                           head_first=head_first, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    import triton.language as tl
+    from sglang.kernels.ops.attention.fla import chunk, chunk_fwd
+
+    if chunk_fwd._MERGE_DOT_PRECISION.value != "ieee":
+        chunk_fwd._MERGE_DOT_PRECISION = tl.constexpr("ieee")
+    if not (k.dtype == v.dtype == torch.float32 and beta.dim() == 3):
+        raise ValueError(f"fp32 gated-DeltaNet prefill: q/k/v {q.dtype}/{k.dtype}/{v.dtype}, beta {tuple(beta.shape)}")
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    o, h = chunk.ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, initial_state_indices,
+                                                   cu_seqlens, use_qk_l2norm_in_kernel)
+    return o, None, h
+
+
 # Extra flags of a family's --dtype float32 servers: GPT-OSS's default MoE runner (triton_kernels)
 # asserts bf16 activations, SGLang's Triton runner takes fp32 with _fp32_moe_compute.
 FP32_FAMILY_ARGS = {"gpt_oss": ["--moe-runner-backend", "triton"]}
@@ -199,6 +228,7 @@ FP32_SHIM_HOOKS = (
     ("sglang.srt.models.gpt_oss.GptOssForCausalLM.__init__", _gpt_oss_weights_in_default_dtype),
     ("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", _fp32_moe_compute),
     ("sglang.srt.model_executor.model_runner.ModelRunner.__init__", _no_tf32_in_fp32),  # MiniMax-M2
+    ("sglang.kernels.ops.attention.fla.chunk.chunk_gated_delta_rule", _fp32_chunk_gated_delta_rule),  # Qwen3-Next
 )
 
 
@@ -244,9 +274,13 @@ def write_fp32_shim(path: str) -> str:
 def fp32_server_env(work: str) -> dict[str, str]:
     """Environment of the fp32 servers: the shim's folder (:func:`write_fp32_shim`) first on
     PYTHONPATH, ``TRITON_F32_DEFAULT=ieee`` so that no Triton ``tl.dot`` on fp32 operands
-    silently runs in TF32 (the INT2 kernels already ask for IEEE), and ``$OSCAR_E2E_CPU_ROPE``
-    (:func:`_cpu_inv_freq`: RoPE tables as the oracle's)."""
-    return {"PYTHONPATH": _shim_path(work), "TRITON_F32_DEFAULT": "ieee", ROPE_ENV: "1"}
+    silently runs in TF32 (the INT2 kernels already ask for IEEE), ``$OSCAR_E2E_CPU_ROPE``
+    (:func:`_cpu_inv_freq`: RoPE tables as the oracle's) and ``SGLANG_MAMBA_CONV_DTYPE=float32``:
+    SGLang keeps the gated-DeltaNet conv-window state in bf16 whatever ``--dtype`` says, and with
+    fp32 activations its prefill conv kernel (``_causal_conv1d_fwd_kernel``) then fails to compile
+    (a bf16 state load and an fp32 zero tile in the two branches of one ``if``)."""
+    return {"PYTHONPATH": _shim_path(work), "TRITON_F32_DEFAULT": "ieee", ROPE_ENV: "1",
+            "SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
 def hf_window_server_env(work: str) -> dict[str, str]:

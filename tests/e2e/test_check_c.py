@@ -144,6 +144,52 @@ def test_fp32_shim_hooks_route_only_fp32():
     assert callable(getattr(pkgutil.resolve_name(obj_path), attr))
 
 
+def test_fp32_gated_deltanet_prefill_runs_sglangs_function_in_ieee(monkeypatch, tmp_path):
+    """The fp32 servers' gated-DeltaNet hook: fp32 inputs skip the original's fp32 assert and run
+    SGLang's own ``ChunkGatedDeltaRuleFunction`` with the original's arguments and default scale, its
+    block-merge dots switched to IEEE; bf16 inputs call the original untouched. The servers' environment
+    makes SGLang keep the conv-window state in fp32 (its prefill conv kernel does not compile with a
+    bf16 state and fp32 activations)."""
+    import triton.language as tl
+    from sglang.kernels.ops.attention.fla import chunk, chunk_fwd
+    from sglang.srt.configs.mamba_utils import mamba2_state_dtype
+
+    calls = []
+
+    class Fn:
+        @staticmethod
+        def apply(*a):
+            calls.append(a)
+            return "o", "h"
+
+    monkeypatch.setattr(chunk, "ChunkGatedDeltaRuleFunction", Fn)
+    monkeypatch.setattr(chunk_fwd, "_MERGE_DOT_PRECISION", tl.constexpr("tf32"))
+    q, k, v = (torch.zeros(1, 5, 2, 64) for _ in range(3))
+    g, beta = torch.zeros(1, 5, 2), torch.zeros(1, 5, 2)
+    state, idx, cu = torch.zeros(3, 2, 64, 64), torch.tensor([2]), torch.tensor([0, 5])
+
+    def original(*a, **kw):
+        return ("original", a, kw)
+
+    with pytest.raises(AssertionError, match="float32"):  # what the hook works around
+        chunk.chunk_gated_delta_rule(q, k, v, g, beta)
+    got = fp32_shim._fp32_chunk_gated_delta_rule(original, q, k, v, g, beta, initial_state=state,
+                                                 initial_state_indices=idx, cu_seqlens=cu,
+                                                 use_qk_l2norm_in_kernel=True)
+    assert got == ("o", None, "h") and chunk_fwd._MERGE_DOT_PRECISION.value == "ieee"
+    assert len(calls) == 1 and calls[0][:5] == (q, k, v, g, beta) and calls[0][5] == 64 ** -0.5
+    assert calls[0][6:] == (state, idx, cu, True)
+    b16 = [t.to(torch.bfloat16) for t in (q, k, v)]
+    got = fp32_shim._fp32_chunk_gated_delta_rule(original, *b16, g, beta, scale=0.5, cu_seqlens=cu)
+    assert got[0] == "original" and got[2]["scale"] == 0.5 and got[2]["cu_seqlens"] is cu and len(calls) == 1
+    env = fp32_shim.fp32_server_env(str(tmp_path))
+    assert env["SGLANG_MAMBA_CONV_DTYPE"] == "float32" and env["TRITON_F32_DEFAULT"] == "ieee"
+    monkeypatch.setenv("SGLANG_MAMBA_CONV_DTYPE", env["SGLANG_MAMBA_CONV_DTYPE"])
+    assert mamba2_state_dtype().conv == torch.float32
+    monkeypatch.delenv("SGLANG_MAMBA_CONV_DTYPE")
+    assert mamba2_state_dtype().conv == torch.bfloat16  # SGLang's default, whatever --dtype says
+
+
 def test_cpu_inv_freq_matches_transformers(monkeypatch):
     """$OSCAR_E2E_CPU_ROPE: SGLang's inverse frequencies (default and Gemma-4's proportional RoPE)
     are computed on the CPU whatever the default device, land on that device, and equal the
