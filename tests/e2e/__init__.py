@@ -25,18 +25,19 @@ e. 64 concurrent mixed-length requests with SGLang's strict memory-leak checks o
 f. ``max_total_num_tokens`` int2 vs BF16 at the same ``--mem-fraction-static`` (servers run alone)
 g. decode tok/s at 32K context, batch 1, int2 vs BF16 (servers run alone; f and g share
    ``check_fg``)
-h. (``--tp2``) ``--tp 2`` vs ``--tp 1`` with a per-head rotation: identical greedy output
+h. (``--tp2``) ``--tp 2`` vs ``--tp 1`` with a per-head rotation: identical greedy output, per family
+   (each but the b-only ``moe``/``llama``; ``max_total_num_tokens`` of both reported)
 i. bad input (mismatched / missing rotation, bad group size, unsupported flags): the launch exits
    non-zero before loading weights and names the problem
 
-``--families`` (default ``qwen3,moe,llama``) picks the model families: b runs on each, a/c/d/e/i on
-each but the b-only ``moe``/``llama``; ``gemma3``, ``gemma4`` and ``gpt_oss`` (attention sinks) are
+``--families`` (default ``qwen3,moe,llama``) picks the model families: b runs on each, a/c/d/e/i
+(and h) on each but the b-only ``moe``/``llama``; ``gemma3``, ``gemma4`` and ``gpt_oss`` (attention sinks) are
 sliding-window models (window 64; c adds a prompt 4x the window, f a sizing pair per family compared
 pool by pool), ``qwen3_next`` a linear-attention hybrid (f: its KV pool, the mamba pool reported).
 
 Independent servers start concurrently with a capped KV pool (``--max-total-tokens``) and a
-modest ``--mem-fraction-static``; the sizing/throughput pair (f, g) and the TP=2 server run
-alone afterwards. Writes ``$OUT/e2e.json``, ``$OUT/e2e.md`` and ``$OUT/logs/*.log``; prints the
+modest ``--mem-fraction-static``; the sizing/throughput pair (f, g) and the TP=2 servers (h, one
+per family) run alone afterwards. Writes ``$OUT/e2e.json``, ``$OUT/e2e.md`` and ``$OUT/logs/*.log``; prints the
 table last; exits 1 if a selected check does not pass.
 
 Greedy comparisons between two servers are tie-sensitive on random-weight models, so prompts are

@@ -1,8 +1,8 @@
 """``python -m tests.e2e [--only a,b,c] [--tp2] [options]``: run the end-to-end device checks.
 
 Phase 1 starts the independent servers concurrently (spread over the host's GPUs), computes the
-references while they load, and runs checks i, a, b, c, d, e; then check h's TP=2 server and the
-f/g pair run alone. ``--help`` lists every option; :mod:`tests.e2e` describes the checks.
+references while they load, and runs checks i, a, b, c, d, e; then check h's TP=2 servers (one per
+family, one after the other) and the f/g pair run alone. ``--help`` lists every option; :mod:`tests.e2e` describes the checks.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ from .servers import Server, launch_command, plugin_entry_point, server_specs
 
 def dry_run(args: argparse.Namespace) -> int:
     """Print every server of the selected checks (name, checks, phase) and its command; start nothing."""
-    fams = list(dict.fromkeys(args.families + (["qwen3"] if "h" in args.checks else [])))
     rot = {f"{m}:{k}": os.path.join(args.work, f"rot-{m}", f"rot_{k}.safetensors")
-           for m in fams for k in ("layer", "head", "identity", "mismatch")
+           for m in args.families for k in ("layer", "head", "identity", "mismatch")
            + ((FAMILY_BAD_ROTATIONS[m][0],) if m in FAMILY_BAD_ROTATIONS else ())}
     specs = server_specs(args, rot)
     for s in specs:

@@ -13,12 +13,11 @@ touch: its size (``max_mamba_cache_size``) is reported, not judged."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from .checkpoints import random_prompt
-from .client import (http_json, kind_bytes_from_log, kv_allocations_from_log, mamba_pool_from_log,
-                     max_total_tokens_from_log, stream_decode_rate, swa_pool_tokens_from_log)
+from .client import (kind_bytes_from_log, kv_allocations_from_log, mamba_pool_from_log, served_max_total_tokens,
+                     stream_decode_rate, swa_pool_tokens_from_log)
 from .config import FAIL, LINEAR_FAMILIES, PASS
 from .results import CheckError, CheckResult, unevaluated_status
 from .run import Run
@@ -32,15 +31,8 @@ def measure_long(run: Run, name: str) -> dict[str, Any]:
     try:
         run.wait_ready([srv])
         srv = run.need(name)
-        info = None
-        for ep in ("/server_info", "/get_server_info"):
-            with contextlib.suppress(RuntimeError):
-                info = http_json(srv.url + ep, timeout=30)
-                break
         log = srv.log_text()
-        tok = info.get("max_total_num_tokens") if isinstance(info, dict) else None
-        out["max_total_num_tokens"] = tok if tok is not None else max_total_tokens_from_log(log)
-        out["max_total_num_tokens_source"] = "server_info" if tok is not None else "log"
+        out["max_total_num_tokens"], out["max_total_num_tokens_source"] = served_max_total_tokens(srv.url, log)
         pools = swa_pool_tokens_from_log(log)
         out["pools"] = pools or {"kv" if spec.model in LINEAR_FAMILIES else "all": out["max_total_num_tokens"]}
         kinds, allocs = kind_bytes_from_log(log), kv_allocations_from_log(log)

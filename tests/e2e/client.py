@@ -16,8 +16,8 @@ from sglang_oscar.serving_launcher import http_json, stream_generate
 from .config import LEAK_PATTERNS
 
 __all__ = ["abs_diff_stats", "compare_generations", "generate_payload", "http_json", "last_error", "leak_lines",
-           "log_stats", "max_total_tokens_from_log", "parse_generation", "stream_decode_rate",
-           "swa_pool_tokens_from_log"]
+           "log_stats", "max_total_tokens_from_log", "parse_generation", "served_max_total_tokens",
+           "stream_decode_rate", "swa_pool_tokens_from_log"]
 
 
 def generate_payload(input_ids: Sequence[int], max_new_tokens: int, *, input_logprobs: bool = False,
@@ -93,6 +93,23 @@ def max_total_tokens_from_log(log: str) -> int | None:
     """``max_total_num_tokens=N`` of the scheduler's startup line (the last one in the log)."""
     found = re.findall(r"max_total_num_tokens=(\d+)", log)
     return int(found[-1]) if found else None
+
+
+def served_max_total_tokens(url: str, log: str) -> tuple[int | None, str]:
+    """A running server's ``max_total_num_tokens`` (tokens of its KV pool; with ``--tp-size`` N
+    each rank's pool, which holds 1/N of the kv heads, since every rank holds every token) and
+    where it came from: ``/server_info`` (or the deprecated ``/get_server_info``), else the
+    scheduler's startup line in ``log`` (rank 0 logs it): ``(tokens or None, "server_info" | "log")``."""
+    for ep in ("/server_info", "/get_server_info"):
+        try:
+            info = http_json(url + ep, timeout=30)
+        except (RuntimeError, ValueError):
+            continue
+        tok = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+        if tok is not None:
+            return int(tok), "server_info"
+        break
+    return max_total_tokens_from_log(log), "log"
 
 
 def swa_pool_tokens_from_log(log: str) -> dict[str, int] | None:

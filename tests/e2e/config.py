@@ -56,6 +56,9 @@ FAMILY_BAD_ROTATIONS = {"gemma4": ("onedim", "bad-rotation-one-head-dim"),
                         "gpt_oss": ("centred", "bad-rotation-centred"),
                         "qwen3_next": ("linear", "bad-rotation-linear-layers")}
 B_ONLY_FAMILIES = ("moe", "llama")  # served by check b only; the other families by a, b, c, d, e, i
+# Families of check h (--tp2): those with an int2 per-head rotation path here (check c's
+# ``<family>-int2-head`` server), each compared with its own ``--tp-size 2`` twin
+H_FAMILIES = ("qwen3",) + SWA_FAMILIES + LINEAR_FAMILIES + MOE_MHA_FAMILIES
 SWA_WINDOW = 64  # HF sliding_window of the sliding-window families (key j visible iff pos - j < 64)
 
 # Oracle / server settings of the quantizing checks (c, d, h).
@@ -100,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{SWA_WINDOW}, {','.join(LINEAR_FAMILIES)}, a linear-attention hybrid, and "
                         f"{','.join(MOE_MHA_FAMILIES)}, partial RoPE + cross-head q/k norms): b runs on each; "
                         f"a, c, d, e, i on each but {'/'.join(B_ONLY_FAMILIES)} (on the first family if only those); "
-                        "f adds a sizing pair per family after qwen3/moe/llama; g and h stay qwen3")
+                        "f adds a sizing pair per family after qwen3/moe/llama; g stays qwen3; h (--tp2) runs on "
+                        f"each but {'/'.join(B_ONLY_FAMILIES)}, one TP 2 server per family, alone")
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/oscar_e2e", help="results folder (default $OUT)")
     p.add_argument("--work", default=None,
                    help="checkpoints and rotation files (default OUT_work, next to OUT: kept out of the results)")
@@ -179,8 +183,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         build_parser().error(f"--families: unknown {bad or args.families!r}; choose from "
                              f"{','.join(f for f in MODEL_FAMILIES if f != 'long')}")
     args.families = list(dict.fromkeys(fams))
-    if "h" in checks and "qwen3" not in args.families:
-        build_parser().error("check h runs on qwen3: add it to --families")
+    if "h" in checks and not h_families(args):
+        build_parser().error(f"check h runs on {','.join(H_FAMILIES)} (the b-only {'/'.join(B_ONLY_FAMILIES)} have no "
+                             "per-head int2 server): add one of them to --families")
     for key in ("b_lens", "c_prompt_lens", "d_lens", "h_lens"):
         try:
             setattr(args, key, [int(x) for x in str(getattr(args, key)).split(",") if x.strip()])
@@ -202,6 +207,13 @@ def main_families(args: argparse.Namespace) -> list[str]:
     selected family if only those); ``["qwen3"]`` by default."""
     fams = list(getattr(args, "families", None) or DEFAULT_FAMILIES.split(","))
     return [f for f in fams if f not in B_ONLY_FAMILIES] or fams[:1]
+
+
+def h_families(args: argparse.Namespace) -> list[str]:
+    """The families of check h: the selected ones of :data:`H_FAMILIES` (never the b-only ones),
+    in ``--families`` order; ``["qwen3"]`` by default."""
+    fams = list(getattr(args, "families", None) or DEFAULT_FAMILIES.split(","))
+    return [f for f in fams if f in H_FAMILIES]
 
 
 def c_prompt_lens(args: argparse.Namespace, family: str) -> list[int]:

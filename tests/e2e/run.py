@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
 from .config import (BUDGET_CUT, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SIZED_FAMILIES, SKIP,
-                     SWA_FAMILIES, c_prompt_lens, main_families)
+                     SWA_FAMILIES, c_prompt_lens, h_families, main_families)
 from .fp32_shim import fp32_shim_dir, write_fp32_shim
 from .oracle import screen_prompts, teacher_forced_logprobs
 from .results import CheckError, CheckResult, write_results
@@ -163,9 +163,7 @@ def needed_models(checks: Iterable[str], families: Sequence[str] | None = None) 
     main = main_families(argparse.Namespace(families=families))
     out = []
     if ch & set("abcdehi"):
-        out += main
-    if "h" in ch and "qwen3" not in out:
-        out.append("qwen3")
+        out += main  # h's families are among them (config.h_families)
     if "b" in ch:
         out += [m for m in families if m not in out]
     if "g" in ch or ("f" in ch and "qwen3" in main):
@@ -192,7 +190,7 @@ def prepare(run: Run) -> None:
     run.log(f"checkpoints: {', '.join(run.models)} ({run.timings['checkpoints']:.0f} s)")
     t = time.time()
     ch = set(args.checks)
-    main = main_families(args) + (["qwen3"] if "h" in ch and "qwen3" not in main_families(args) else [])
+    main = main_families(args)  # h's families among them
     for m in main if ch & set("bcdhi") else ():
         model = load_hf(run.models[m], run.device, fp32_head=args.fp32_lm_head)
         run.hf[m] = model
@@ -219,7 +217,8 @@ def prepare(run: Run) -> None:
 def precompute(run: Run) -> None:
     """Reference data computed in this process while the servers start: screened greedy prompts
     (HF BF16 for a/b, the oracle for d/h) and the oracle/HF log-probs of check c's prompts, per
-    family (:meth:`Run.fdata`)."""
+    family (:meth:`Run.fdata`; a/b's in ``data["greedy_bf16"][family]``, h's in
+    ``data["greedy_head"][family]``, screened on that family's oracle with its per-head rotation)."""
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.rotation import RotationSet
 
@@ -235,10 +234,10 @@ def precompute(run: Run) -> None:
         run.hf[m] = model
         run.data.setdefault("greedy_bf16", {})[m] = screen_prompts(model, args.b_lens, n, candidates=args.screen_candidates,
                                                                     seed=args.seed + 11)
-    if "h" in ch:
-        run.data["greedy_head"] = screen_prompts(run.hf["qwen3"], args.h_lens, n, candidates=args.screen_candidates,
-                                                 seed=args.seed + 33, rotation=RotationSet.load(run.rot["qwen3:head"]),
-                                                 config=cfg)
+    for m in h_families(args) if "h" in ch else ():
+        run.data.setdefault("greedy_head", {})[m] = screen_prompts(
+            run.hf[m], args.h_lens, n, candidates=args.screen_candidates, seed=args.seed + 33,
+            rotation=RotationSet.load(run.rot[f"{m}:head"]), config=cfg, vocab=run.hf[m].config.vocab_size)
     for m in main:
         _precompute_family(run, m, cfg)
     run.timings["precompute"] = time.time() - t

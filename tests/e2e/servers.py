@@ -18,7 +18,7 @@ from sglang_oscar.serving_launcher import LaunchError, ServerProcess
 from .client import http_json, last_error
 from .config import (B_RECENT, B_SINK, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, FAMILY_BAD_ROTATIONS,
                      HYBRID_SWA_FAMILIES, OWN_BACKEND_ASSERT, ROOT, ROUTED_FAMILIES, SIZED_FAMILIES, SWA_FAMILIES,
-                     main_families)
+                     h_families, main_families)
 from .families import sglang_override_args, sizing_group_size
 from .fp32_shim import C_FP32_SERVERS, fp32_args, fp32_name, fp32_server_env, hf_window_server_env
 
@@ -47,8 +47,9 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
     """Every server the selected checks need (deduplicated), with ports assigned. Checks a, c, d,
     e, i run on each of :func:`~.config.main_families` (servers ``<family>-...``; check i's generic
     cases on the first one only, :data:`~.config.FAMILY_BAD_ROTATIONS` on their family), b on
-    every ``--families`` entry; f's sizing pairs on the :data:`~.config.SIZED_FAMILIES`; g and h
-    on qwen3."""
+    every ``--families`` entry; f's sizing pairs on the :data:`~.config.SIZED_FAMILIES`; g on
+    qwen3 (``long``); h on each of :func:`~.config.h_families`: ``<family>-int2-head`` (c's per-head
+    server) and its phase-2 twin :func:`h_tp2_name`, the same spec with ``--tp-size 2``."""
     c_win = ["--oscar-sink-tokens", str(C_SINK), "--oscar-recent-tokens", str(C_RECENT)]
     b_win = ["--oscar-sink-tokens", str(B_SINK), "--oscar-recent-tokens", str(B_RECENT)]
     i2 = ["--kv-cache-dtype", "int2"] + shlex.split(args.int2_args or "")
@@ -109,9 +110,12 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
         for q, case, extra in cases:  # launch_command drops its own backend flag
             add(ServerSpec(case if q == q0 else f"{q}-{case}", q, i2 + extra, "i", expect_fail=True, case=case))
     if "h" in ch:
-        q = "qwen3"
-        add(ServerSpec("qwen3-int2-head-tp2", q, i2 + ["--oscar-rotation", rot["qwen3:head"]] + c_win, "h", phase=2,
-                       tp=2, pool_tokens=args.pool_tokens))
+        # each family's TP 2 twin of its TP 1 reference (built by _quantizing_specs above): the same
+        # flags, environment and pool cap, started alone after phase 1, one family after the other
+        for q in h_families(args):
+            ref = next(s for s in specs if s.name == h_reference_name(q))
+            add(dataclasses.replace(ref, name=h_tp2_name(q), checks="h", phase=2, tp=2, pool_tokens=args.pool_tokens,
+                                    args=list(ref.args), env=dict(ref.env)))
     sizing = [("long", "long-bf16", "long-int2")] if "g" in ch or ("f" in ch and "qwen3" in main) else []
     sizing += [(q, f"{q}-sizing-bf16", f"{q}-sizing-int2") for q in main if "f" in ch and q in SIZED_FAMILIES]
     for model, bf_name, i2_name in sizing:
@@ -125,7 +129,9 @@ def server_specs(args: argparse.Namespace, rot: dict[str, str]) -> list[ServerSp
     extra = (["--enable-fp32-lm-head"] if args.fp32_lm_head else []) + shlex.split(args.server_args or "")
     for i, s in enumerate(specs):
         shared_gpu = s.phase == 1 and not s.expect_fail  # phase 1 starts together; phase 2 measures sizing alone
-        s.args = s.args + sglang_override_args(s.model, max_running=s.max_running if shared_gpu else None) + extra
+        # h's TP 2 servers run alone but keep their TP 1 reference's flags (argv differs by --tp-size only)
+        fixed = shared_gpu or s.tp > 1
+        s.args = s.args + sglang_override_args(s.model, max_running=s.max_running if fixed else None) + extra
         s.port = args.base_port + 10 * i
         if s.mem_fraction is None:
             s.mem_fraction = args.mem_fraction
@@ -141,8 +147,10 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
         add(ServerSpec(f"{q}-bf16", q, [], "c"))
     if "c" in ch or "d" in ch:
         add(ServerSpec(f"{q}-int2-layer", q, i2r + [rot[f"{q}:layer"]] + c_win, "cd"))
-    if "c" in ch or ("h" in ch and q == "qwen3"):
-        add(ServerSpec(f"{q}-int2-head", q, i2r + [rot[f"{q}:head"]] + c_win, "ch" if q == "qwen3" else "c"))
+    h = "h" in ch and q in h_families(args)  # h: this server is the TP 1 reference of h_tp2_name(q)
+    if "c" in ch or h:
+        add(ServerSpec(h_reference_name(q), q, i2r + [rot[f"{q}:head"]] + c_win,
+                       ("c" if "c" in ch else "") + ("h" if h else "")))
     if ("c" in ch or "d" in ch) and getattr(args, "c_fp32", False):
         # c's fp32 servers; d judges its radix hit on the layer one (check_d's docstring); h keeps BF16
         f32, env32 = fp32_args(q), fp32_server_env(args.work)
@@ -167,6 +175,16 @@ def _quantizing_specs(args, add, q: str, rot: dict[str, str], i2r: list[str], c_
         for name, extra in ((f"{q}-int2-load", i2r[:-1]), (f"{q}-bf16-load", [])):
             add(ServerSpec(name, q, list(extra), "e", max_running=args.load_requests, pool_tokens=args.load_pool_tokens,
                            env=dict(strict)))
+
+
+def h_reference_name(family: str) -> str:
+    """Check h's TP 1 server of ``family``: c's per-head rotation server ``<family>-int2-head``."""
+    return f"{family}-int2-head"
+
+
+def h_tp2_name(family: str) -> str:
+    """Check h's TP 2 server of ``family``: ``<family>-int2-head-tp2`` (:func:`h_reference_name` + ``--tp-size 2``)."""
+    return f"{family}-int2-head-tp2"
 
 
 def b_baseline(family: str, fp32: bool = False) -> str:

@@ -216,7 +216,7 @@ def test_families_option_servers_and_dry_run(tmp_path, capsys):
     from .run import needed_models
 
     assert config.parse_args([]).families == ["qwen3", "moe", "llama"]
-    for bad in (["--families", "gpt2"], ["--families", "long"], ["--families", ""], ["--tp2", "--families", "gemma3"]):
+    for bad in (["--families", "gpt2"], ["--families", "long"], ["--families", ""], ["--tp2", "--families", "moe,llama"]):
         with pytest.raises(SystemExit):
             config.parse_args(bad)
     args = config.parse_args(["--only", "a,b,c,d,e,f,i", "--families", "gemma3,gemma4", "--c-fp32", "--out", str(tmp_path)])
