@@ -197,18 +197,12 @@ class ExtendPlan:
                  logit_cap: float | None = None, out_dtype: torch.dtype | None = None,
                  mma_dtype: torch.dtype | None = None, config=None, return_lse: bool = False,
                  debug: bool | None = None):
-        k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v = buffers
-        check_tensor(k_codes, "k_codes", ndim=3)
-        check_tensor(hp_k, "hp_k", ndim=3)
-        op = resolve_mma_dtype(mma_dtype, hp_k.dtype)
-        if config is None or config is TritonConfig:
-            config = default_triton_config(layout, extend=True, mma_dtype=op, windowed=sliding_window is not None,
-                                           capped=logit_cap is not None and logit_cap > 0)
-        elif not isinstance(config, TritonConfig):
+        if not (config is None or config is TritonConfig or isinstance(config, TritonConfig)):
             what = "GluonConfig (the Gluon engine is decode only)" if config is GluonConfig or isinstance(
                 config, GluonConfig) else repr(config)
             raise ValueError(f"extend config must be None or a TritonConfig, got {what}")
-        tn = config
+        k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v = buffers
+        check_tensor(k_codes, "k_codes", ndim=3)
         dev = k_codes.device
         n, hq = num_tokens, num_q_heads
         hkv = check_cache(layout, dev, hq, k_codes, k_pairs, v_codes, v_pairs, hp_k, hp_v, hp_index, req_to_token,
@@ -220,6 +214,10 @@ class ExtendPlan:
         check_tensor(qo_indptr, "qo_indptr", ndim=1, dtypes=INDEX_DTYPES, device=dev)
         if qo_indptr.shape[0] not in (bsz, bsz + 1):
             raise ValueError(f"qo_indptr has {qo_indptr.shape[0]} entries for {bsz} requests")
+        op = resolve_mma_dtype(mma_dtype, hp_k.dtype)
+        has_cap = logit_cap is not None and logit_cap > 0
+        tn = config if isinstance(config, TritonConfig) else default_triton_config(
+            layout, extend=True, mma_dtype=op, windowed=sliding_window is not None, capped=has_cap)
         out_dtype = out_dtype or q_dtype
         check_out_dtype(out_dtype)
         if debug_enabled(debug):
@@ -237,7 +235,7 @@ class ExtendPlan:
         self.num_kv_heads, self.q_shape = hkv, (n, hq, layout.k.head_dim)
         self.out_shape = (n, hq, layout.v.head_dim)
         self.q_dtype, self.out_dtype, self.return_lse = q_dtype, out_dtype, return_lse
-        self.has_cap = logit_cap is not None and logit_cap > 0
+        self.has_cap = has_cap
         self.empty = not (bsz and max_extend_len > 0 and n > 0)
         self._tables = (hp_index, hp_index.stride(0), req_to_token, req_to_token.stride(0), req_pool_indices,
                         qo_indptr, extend_prefix_lens, extend_seq_lens, hp_index if sink_lens is None else sink_lens)
