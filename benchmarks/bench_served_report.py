@@ -18,6 +18,11 @@ def label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+def base_format(fmt: str) -> str:
+    """A server's format without the ``#n`` suffix :func:`merge` gives a format's later runs."""
+    return fmt.split("#")[0]
+
+
 def _fmt(v: float | None, nd: int = 1) -> str:
     return "-" if v is None else f"{v:,.{nd}f}"
 
@@ -92,15 +97,15 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     servers = results["servers"]
     models = list(dict.fromkeys(s["model"] for s in servers))
     batches = sorted({r["batch"] for s in servers for r in s["runs"] if r["kind"] == "decode"}) or [1]
-    color = {f: f"C{i}" for i, f in enumerate(dict.fromkeys(s["format"].split("#")[0] for s in servers))}
+    color = {f: f"C{i}" for i, f in enumerate(dict.fromkeys(base_format(s["format"]) for s in servers))}
     fig, axes = plt.subplots(len(models), len(batches), figsize=(4 * len(batches), 3.2 * len(models)), squeeze=False)
     for i, m in enumerate(models):
         for j, b in enumerate(batches):
             ax = axes[i][j]
             # a format measured in several merged runs ("int2", "int2#2") is one line
-            for f in dict.fromkeys(s["format"].split("#")[0] for s in servers if s["model"] == m):
+            for f in dict.fromkeys(base_format(s["format"]) for s in servers if s["model"] == m):
                 pts = sorted((r["context"], r["decode_tok_s"]) for s in servers if s["model"] == m
-                             and s["format"].split("#")[0] == f for r in s["runs"] if r["kind"] == "decode"
+                             and base_format(s["format"]) == f for r in s["runs"] if r["kind"] == "decode"
                              and r["batch"] == b and r.get("decode_tok_s"))
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f, color=color[f])
@@ -115,7 +120,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     fmts = list(color)
     for k, f in enumerate(fmts):  # a format merged from several runs: its first run's capacity
         ys = [next(((s.get("capacity") or {}).get("concurrent", {}).get("128K") or 0 for s in servers
-                    if s["model"] == m and s["format"].split("#")[0] == f), 0) for m in models]
+                    if s["model"] == m and base_format(s["format"]) == f), 0) for m in models]
         ax.bar([i + k / (len(fmts) + 1) for i in range(len(models))], ys, width=1 / (len(fmts) + 1), label=f,
                color=color[f])
     ax.set_xticks([i + (len(fmts) - 1) / (2 * (len(fmts) + 1)) for i in range(len(models))])
