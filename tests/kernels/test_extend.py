@@ -129,7 +129,9 @@ def test_extend_chunking_invariance_and_lse():
     o_chunked = torch.cat([p[0] for p in pieces])
     lse_chunked = torch.cat([p[1] for p in pieces])
     o_one, lse_one = run_extend(pool, q_rot, [0], [t], mma_dtype=torch.float32, return_lse=True)
-    assert rel_l2(o_chunked, o_one) < 1e-6
+    # other chunk boundaries cut the keys into other tiles, so fp32 sums run in another order
+    # (a few ulp, ~1e-6 seen); a chunking bug moves the output by > 1e-2
+    assert rel_l2(o_chunked, o_one) < 1e-5
     assert torch.allclose(lse_chunked, lse_one, atol=1e-5, rtol=0)
     ref = reference_extend(pool, q, [0], [t], hp_dtype=torch.float32)
     assert rel_l2(o_one, ref) < 1e-4
@@ -162,7 +164,7 @@ def test_extend_gpu_tile_shape_matches_oracle_and_chunking(monkeypatch):
     assert rel_l2(one, reference_extend(pool, q, [0], [t], hp_dtype=torch.float32)) < 1e-4
     parts = [run_extend(pool, q_rot[:70], [0], [70], mma_dtype=torch.float32, config=gpu),
              run_extend(pool, q_rot[70:], [70], [t - 70], mma_dtype=torch.float32, config=gpu)]
-    assert rel_l2(torch.cat(parts), one) < 1e-6
+    assert rel_l2(torch.cat(parts), one) < 1e-5  # summation order only, as in the test above
 
 
 def test_extend_int64_offsets(monkeypatch):
