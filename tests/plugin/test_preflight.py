@@ -357,9 +357,10 @@ def test_minimax_tp_refusal_stops_the_launch(hooked, tmp_path, monkeypatch):
         ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda", tp_size=8)
 
 
-def test_minimax_m3_sparse_attention_is_refused_from_the_config(tmp_path):
-    """Every MiniMax-M3 layer attends (no linear layers for the rotation preflight to catch), but its
-    sparse layers need SGLang's MiniMaxSparseKVPool and backend: refused by name before weights load."""
+def test_minimax_m3_sparse_attention_is_served_from_the_config(tmp_path, monkeypatch):
+    """MiniMax-M3's sparse layers are served (INT2 main K/V, SGLang's BF16 index pools and indexer:
+    test_minimax_sparse.py), so its config alone is no longer refused; what the INT2 path cannot
+    honour is (here: SGLang's dense sparse decode env), naming the fix."""
     import json
 
     from sglang_oscar.plugin.refusals import refusal_messages
@@ -370,8 +371,11 @@ def test_minimax_m3_sparse_attention_is_refused_from_the_config(tmp_path):
         "model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
         "text_config": {"model_type": "minimax_m2", "num_hidden_layers": 2, "num_attention_heads": 64,
                         "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072}}))
+    monkeypatch.delenv("SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE", raising=False)
+    assert refusal_messages(SimpleNamespace(model_path=str(d), tp_size=8)) == []
+    monkeypatch.setenv("SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE", "1")
     (msg,) = refusal_messages(SimpleNamespace(model_path=str(d), tp_size=8))
-    assert "MiniMax-M3's sparse (MSA) attention" in msg and "--kv-cache-dtype auto" in msg
+    assert "MiniMax-M3 with SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE=1" in msg and "unset" in msg
 
 
 def test_skip_layers_must_be_one_kind_of_a_hybrid_pool_model():

@@ -42,6 +42,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from ..kernels import DecodePlan, DecodeWorkspace, ExtendPlan, GluonConfig, TritonConfig
 from ..pool.int2_pool import OscarMHATokenToKVPool
 from ..pool.linear_pool import OscarHybridLinearKVPool
+from ..pool.minimax_pool import OscarMiniMaxSparseKVPool
 from ..pool.swa_pool import OscarSWAKVPool
 from .rotations import model_geometry, rank_means, rank_rotations, served_rotation_set
 from .step import fold_model, rotate_inputs, rotate_output
@@ -97,7 +98,9 @@ class OscarTritonAttnBackend(TritonAttnBackend):
 
     def __init__(self, model_runner, *args, **kwargs):
         pool = model_runner.token_to_kv_pool
-        if not isinstance(pool, (OscarMHATokenToKVPool, OscarSWAKVPool, OscarHybridLinearKVPool)):
+        # MiniMax-M3's pool: this backend serves its dense layers (and owns the windows bookkeeping)
+        if not isinstance(pool, (OscarMHATokenToKVPool, OscarSWAKVPool, OscarHybridLinearKVPool,
+                                 OscarMiniMaxSparseKVPool)):
             raise RuntimeError(
                 f"--kv-cache-dtype int2: the token pool is {type(pool).__name__}, not the INT2 pool; the "
                 f"sglang-oscar pool hook did not apply (check the log for hook errors)"

@@ -14,8 +14,8 @@ idempotent. What the hooks do:
   (:mod:`.refusals`), a rotation file that does not fit the model, a group size that does not
   divide head_dim, or a serving hook that failed to apply (SGLang only logs hook failures).
 * the serving hooks of :mod:`.serving` (dtype, sizing, pool, allocator, radix cap, refusal of
-  in-place weight updates of a folded model) and the
-  ``ATTENTION_BACKENDS["triton"]`` registry entry.
+  in-place weight updates of a folded model), the ``ATTENTION_BACKENDS["triton"]`` registry entry and
+  MiniMax-M3's attention wrapper (:mod:`.minimax_serving`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def register() -> None:
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from . import minimax_serving as mm
     from . import serving as sv
 
     for target, hook, kind in (
@@ -68,6 +69,7 @@ def register() -> None:
         (sv.DSA_HOOK_TARGETS[0], sv.around_allocator_free, HookType.AROUND),
         (sv.DSA_HOOK_TARGETS[1], sv.after_allocator_clear, HookType.AFTER),
         (sv.DSA_HOOK_TARGETS[2], sv.around_dsa_kv_cache_dtype_default, HookType.AROUND),
+        (mm.MINIMAX_HOOK_TARGETS[0], mm.around_attn_backend_wrapper, HookType.AROUND),
     ):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, kind)

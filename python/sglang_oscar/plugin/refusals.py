@@ -189,20 +189,59 @@ def _attention_splits(text: dict, tp: int) -> bool:
     return q % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
 
 
+def minimax_m3_messages(config: dict, environ=None, hip: bool | None = None) -> list[str]:
+    """What an int2 launch of MiniMax-M3 cannot honour, each naming the fix (empty for other models).
+
+    The INT2 path serves M3's sparse layers with SGLang's indexer and an INT2 block-sparse main
+    attention (:mod:`sglang_oscar.backend.minimax_backend`); it cannot run:
+
+    * ``SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE``: SGLang's dense-sparse decode reads BF16 main rows
+      through trtllm (``srt/layers/attention/minimax_sparse_backend.py:368-402``); the int2 backend would
+      silently ignore it;
+    * ROCm: M3's fused norm + RoPE + cache kernel writes BF16 main rows straight into the cache
+      (``srt/models/minimax_m3.py:939-992``);
+    * a ``sparse_block_size`` outside 16..128 (powers of two): the INT2 kernel's
+      (``kernels/sparse.py`` ``BLOCK_SIZES``).
+
+    Args:
+        config: the HF ``config.json`` dict; environ: the environment (default ``os.environ``);
+        hip: running on ROCm (default ``torch.version.hip is not None``).
+    """
+    import os
+
+    if not set(config.get("architectures") or ()) & set(_MINIMAX_MOE_ARCHS[1:]):
+        return []
+    environ = os.environ if environ is None else environ
+    if hip is None:
+        import torch
+
+        hip = getattr(torch.version, "hip", None) is not None
+    out = []
+    env = "SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE"
+    if str(environ.get(env, "")).strip().lower() in ("1", "true", "yes", "on"):
+        out.append(f"--kv-cache-dtype int2 does not serve MiniMax-M3 with {env}=1 (its dense sparse decode reads BF16 "
+                   f"main K/V rows; the INT2 sparse decode replaces it): unset {env}")
+    if hip:
+        out.append("--kv-cache-dtype int2 does not serve MiniMax-M3 on ROCm (its fused norm+RoPE+cache kernel writes "
+                   "BF16 main K/V rows into the cache); serve it with --kv-cache-dtype auto")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    sparse = text.get("sparse_attention_config") or config.get("sparse_attention_config") or {}
+    block = sparse.get("sparse_block_size") if isinstance(sparse, dict) else None
+    if block is not None and int(block) not in (16, 32, 64, 128):
+        out.append(f"--kv-cache-dtype int2 does not serve MiniMax-M3 with sparse_block_size {block} (the INT2 "
+                   "block-sparse attention takes 16, 32, 64 or 128); serve it with --kv-cache-dtype auto")
+    return out
+
+
 def model_refusal_messages(server_args) -> list[str]:
     """Refusals that depend on the model's ``config.json`` (a local directory; a Hub id is left to
-    SGLang and to the rotation preflight), checked before any weights load: MiniMax-M3's sparse
-    attention, MiniMax's block-FP8 TP split (:func:`minimax_tp_message`)."""
+    SGLang and to the rotation preflight), checked before any weights load: what the INT2 path
+    cannot honour for MiniMax-M3 (:func:`minimax_m3_messages`), MiniMax's block-FP8 TP split
+    (:func:`minimax_tp_message`)."""
     cfg = _local_config(getattr(server_args, "model_path", None))
     if cfg is None:
         return []
-    out = []
-    if set(cfg.get("architectures") or ()) & set(_MINIMAX_MOE_ARCHS[1:]):
-        # Every M3 layer attends, so the linear-layer check of the rotation preflight does not stop
-        # it; SGLang builds a MiniMaxSparseKVPool (main K/V + BF16 index side pools) and its own
-        # sparse backend for it, neither of which the INT2 pool and Triton backend replace yet.
-        out.append("--kv-cache-dtype int2 does not serve MiniMax-M3's sparse (MSA) attention yet (SGLang keeps its "
-                   "index keys in a separate pool read by its own sparse backend); serve it with --kv-cache-dtype auto")
+    out = minimax_m3_messages(cfg)
     msg = minimax_tp_message(cfg, getattr(server_args, "tp_size", 1) or 1, getattr(server_args, "ep_size", 1) or 1,
                              getattr(server_args, "moe_dp_size", 1) or 1)
     return out + ([msg] if msg else [])

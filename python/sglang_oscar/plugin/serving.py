@@ -14,7 +14,8 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
   :class:`~sglang_oscar.pool.int2_pool.OscarMHATokenToKVPool` for MHA/GQA models,
   :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool` for hybrid sliding-window ones,
   :class:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool` for MLA ones
-  (:class:`~sglang_oscar.pool.dsa_pool.OscarDSALatentPool` for DSA ones: GLM-5);
+  (:class:`~sglang_oscar.pool.dsa_pool.OscarDSALatentPool` for DSA ones: GLM-5),
+  :class:`~sglang_oscar.pool.minimax_pool.OscarMiniMaxSparseKVPool` for MiniMax-M3 (:mod:`.minimax_serving`);
 * ``DeepseekV2AttentionMLA.dispatch_attn_forward_method`` (AROUND): absorbed MLA for every forward;
 * ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER), and the paged allocator's of DSA
   models: freed slots (whole pages) return their sink rows;
@@ -27,7 +28,9 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
   ``(False, reason)`` when ``--oscar-fold-rotations on`` folded value rotations into the weights;
 * ``ATTENTION_BACKENDS["triton"]`` / ``["dsa"]`` (registry entries): :class:`OscarTritonAttnBackend`
   for int2 (:class:`OscarTritonLatentBackend` over the latent pool, :class:`OscarDSALatentBackend`
-  for DSA models).
+  for DSA models);
+* ``attention_registry.attn_backend_wrapper`` (AROUND, :mod:`.minimax_serving`): MiniMax-M3's sparse
+  layers run :class:`~sglang_oscar.backend.minimax_backend.OscarMiniMaxSparseBackend` under SGLang's hybrid.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from .minimax_serving import MINIMAX_HOOK_TARGETS, is_minimax_kvc, minimax_index_bytes_of
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -66,6 +71,8 @@ DSA_HOOK_TARGETS = (f"{_MP}.allocator.paged.PagedTokenToKVPoolAllocator.free",
                     f"{_MP}.allocator.paged.PagedTokenToKVPoolAllocator.clear",
                     "sglang.srt.arg_groups.overrides._dsa_kv_cache_dtype_default")
 SERVING_HOOK_TARGETS = SERVING_HOOK_TARGETS + DSA_HOOK_TARGETS
+# MiniMax-M3: SGLang's attention wrapper builds its sparse backend over the main pool (minimax_serving)
+SERVING_HOOK_TARGETS = SERVING_HOOK_TARGETS + MINIMAX_HOOK_TARGETS
 
 # Set in the scheduler process when the INT2 pool is built: the recent window that radix
 # matches must leave to be recomputed (None = not serving int2 in this process).
@@ -160,6 +167,10 @@ def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs
         return (latent_cell_size(_config(kvc.server_args), mc.kv_lora_rank, mc.qk_rope_head_dim, num_layers,
                                  kvc.model_dtype) + _dsa_index_bytes(kvc, num_layers))
     heads, d, dv = _geometry(kvc)
+    if is_minimax_kvc(kvc):  # INT2 main K/V of the local layers + SGLang's BF16 index pools
+        from .minimax_serving import minimax_cell_size
+
+        return minimax_cell_size(kvc, _config(kvc.server_args), heads, d, dv)
     return int2_cell_size(_config(kvc.server_args), heads, d, dv, num_layers)
 
 
@@ -228,13 +239,20 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
     for kind, n, h, d, dv in groups:
         tokens = (pool_config.swa_max_total_num_tokens if kind == "sliding" else
                   pool_config.full_max_total_num_tokens if kind == "full" else pool_config.max_total_num_tokens)
-        index = _dsa_index_bytes(self, n) if kind == "latent" else 0  # the DSA indexer's keys stay as SGLang keeps them
+        # the DSA indexer's keys and MiniMax-M3's index pools stay as SGLang keeps them
+        index = (_dsa_index_bytes(self, n) if kind == "latent" else minimax_index_bytes_of(self) if kind == "all"
+                 else 0)
         bf16 = hp_row_bytes(h, d, dv, n, self.model_dtype) + index
         cell = (bf16 if kind == skip else latent_cell_size(config, d, dv, n, self.model_dtype) + index
-                if kind == "latent" else int2_cell_size(config, h, d, dv, n))
+                if kind == "latent" else int2_cell_size(config, h, d, dv, n) + index)
+        if index and kind == "all":
+            from .minimax_serving import log_minimax_sizes
+
+            log_minimax_sizes(self, config, h, d, dv, tokens)
         logger.info("sglang-oscar: %s KV cache%s: %d bytes/token (BF16: %d, %.2fx fewer); tokens: %d (%.2f GiB)",
                     "BF16 (--oscar-skip-layers)" if kind == skip else "INT2",
-                    "" if kind == "all" else f", MLA latent ({n} layers x c_kv {d} + k_pe {dv}"
+                    (", MiniMax-M3 main K/V + BF16 index pools" if index else "") if kind == "all"
+                    else f", MLA latent ({n} layers x c_kv {d} + k_pe {dv}"
                     f"{' + DSA index key' if index else ''})" if kind == "latent"
                     else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
                     cell, bf16, bf16 / max(cell, 1), tokens or 0, (tokens or 0) * cell / 2**30)
@@ -283,7 +301,11 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     common = dict(page_size=self.server_args.page_size, dtype=torch.uint8, head_num=heads, head_dim=head_dim,
                   v_head_dim=v_head_dim, device=self.device, oscar_config=config, hp_dtype=self.model_dtype,
                   max_reqs=max_reqs, sink_rows=sink_rows_for(config, max_reqs))
-    if self.is_hybrid_swa:
+    if is_minimax_kvc(self):  # INT2 main K/V of every layer + SGLang's BF16 index pools of the sparse ones
+        from .minimax_serving import build_minimax_pool
+
+        pool = build_minimax_pool(self, sizes.max_total_num_tokens, common)
+    elif self.is_hybrid_swa:
         swa_heads, swa_dim, swa_v_dim = _swa_geometry(self)
         pool = OscarSWAKVPool(
             size=sizes.full_max_total_num_tokens, size_swa=sizes.swa_max_total_num_tokens,
