@@ -9,7 +9,8 @@
 # int2 servers JIT-compile for ~3 min: 220 was too short) bounds the check's startup + requests;
 # MLA_FAMILY (default deepseek_v3; glm5 / glm5_dense: DSA sparse attention, top-k 256 / 2048, under
 # SGLang's dsa backend, needs deep_gemm from .device-bundle/wheels, below; kimi_linear: the latent
-# pool in a linear-attention hybrid) its model;
+# pool in a linear-attention hybrid; minimax_m3 / minimax_m3_dense: MiniMax-M3's sparse layers over the
+# INT2 MHA pool, dummy weights) its model;
 # BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes) the benchmark's columns.
 set -u
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """Device check of the served INT2 MLA latent cache on a tiny seeded DeepSeek-V3.
 
-    python -m tests.e2e.mla_check [--family deepseek_v3|glm5|glm5_dense|kimi_linear] [--out DIR] [--budget SECONDS]
+    python -m tests.e2e.mla_check [--family deepseek_v3|glm5|glm5_dense|kimi_linear|minimax_m3|minimax_m3_dense] [--out DIR] [--budget SECONDS]
     (GPU machine, after ``source device/env.sh``)
 
 Builds a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry (kv_lora_rank 512,
@@ -51,6 +51,14 @@ same model with GLM-5's own top-k of 2048, above every prompt: the indexer keeps
 chunking and radix reuse are judged where only the INT2 latent path could move them (and SGLang's
 BF16 DSA decode, which asserts a top-k of 2048, gets its own top-k).
 
+``--family minimax_m3`` serves a tiny MiniMax-M3 (not MLA: an MHA main K/V whose sparse layers read
+only the key blocks their indexer selects, :func:`build_minimax_m3`) from SGLang's config format with
+dummy weights as kimi_linear: the int2 servers run the INT2 main pool inside SGLang's MiniMax sparse
+pool (BF16 index keys) and :class:`~sglang_oscar.backend.minimax_backend.OscarMiniMaxSparseBackend`,
+the BF16 server SGLang's own Triton sparse path. Judged as kimi_linear, with glm5's extra
+``int2-window-chunk64`` reported; ``--family minimax_m3_dense`` selects every block (chunking and
+radix reuse judged where only the INT2 path could move them).
+
 Exit 1 when a judged item fails.
 """
 
@@ -83,8 +91,8 @@ REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what ea
 # one-prefill twin, separates SGLang's own chunk dependence (the indexer's discrete FP8 keys and top-k
 # over GEMMs of another row count) from the INT2 codes' (int2-chunk64 vs int2)
 FAMILY_SERVERS = {f: {"int2-window-chunk64": [*SERVERS["int2-window"], "--chunked-prefill-size", "64"]}
-                  for f in ("glm5", "glm5_dense")}
-FAMILY_REF = {f: {"int2-window-chunk64": "int2-window"} for f in ("glm5", "glm5_dense")}
+                  for f in ("glm5", "glm5_dense", "minimax_m3")}
+FAMILY_REF = {f: {"int2-window-chunk64": "int2-window"} for f in ("glm5", "glm5_dense", "minimax_m3")}
 PROMPT_LENS = (400, 900, 1500)
 NEW_TOKENS = 24
 VOCAB = 2048
@@ -182,6 +190,39 @@ def build_glm5(path: str, topk: int = GLM5_TOPK) -> dict:
     return _save_sharpened(GlmMoeDsaForCausalLM, cfg, path, ("index_topk", "index_head_dim"))
 
 
+# minimax_m3: 8 blocks of 16 keys per kv head (128 of 400-1500 positions) so the selection bites;
+# minimax_m3_dense: 32 blocks of 64 (2048 keys, above every prompt and its answer), so every block
+# is selected and a chunk boundary or a cached prefix cannot change the selection
+M3_SPARSE, M3_DENSE = (16, 8), (64, 32)  # (sparse_block_size, sparse_topk_blocks)
+
+
+def build_minimax_m3(path: str, block_topk: tuple[int, int] = M3_SPARSE) -> dict:
+    """Save the ``config.json`` of a tiny MiniMax-M3 in SGLang's format to ``path`` (its servers load
+    dummy weights: transformers' MiniMax-M3 names and selection differ from SGLang's). Layers 1 and 3
+    are sparse (layer 3 without an index value), 0 and 2 dense; GQA 8/2 x 128 with RoPE on 64 dims and
+    per-head Gemma q/k norms as MiniMax; 4 index heads of 128 (two per kv head, so SGLang unions their
+    block lists); dense MLPs (``moe_layer_freq`` 0: see the module docstring on MoE tiles). AutoConfig
+    reads it as ``MiniMaxM2Config`` and keeps ``sparse_attention_config``, which SGLang's
+    ``is_minimax_sparse`` / ``get_minimax_sparse_layer_ids`` read (``srt/configs/model_config.py:136-162``)."""
+    block, topk = block_topk
+    sparse = {"sparse_attention_freq": [0, 1, 0, 1], "sparse_num_index_heads": 4, "sparse_index_dim": 128,
+              "sparse_block_size": block, "sparse_topk_blocks": topk, "sparse_init_block": 1, "sparse_local_block": 2,
+              "sparse_disable_index_value": [0, 0, 0, 1], "sparse_score_type": "max"}
+    cfg = {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m2", "vocab_size": VOCAB,
+           "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "head_dim": 128, "rotary_dim": 64, "qk_norm_type": "per_head", "use_gemma_norm": True, "hidden_act": "silu",
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "rope_theta": 10000.0, "intermediate_size": 256,
+           "dense_intermediate_size": 1024, "moe_layer_freq": [0, 0, 0, 0], "num_local_experts": 4,
+           "num_experts_per_tok": 2, "scoring_func": "sigmoid", "n_shared_experts": None, "swiglu_alpha": 1.702,
+           "swiglu_limit": 7.0, "num_mtp_modules": 0, "tie_word_embeddings": False, "bos_token_id": 1,
+           "eos_token_id": 2, "torch_dtype": "bfloat16", "sparse_attention_config": sparse}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return {"num_hidden_layers": 4, "dense_layers": [0, 2], "sparse_layers": [1, 3], "block_size": block,
+            "topk_blocks": topk, "weights": "dummy"}
+
+
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "oracle")),
     # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
@@ -194,7 +235,15 @@ FAMILIES = {  # --family: (model builder, extra server flags, judged items)
                    ("serves", "window", "chunked", "radix")),
     "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
                     ("serves", "window", "chunked", "radix")),
+    "minimax_m3": (build_minimax_m3, ["--load-format", "dummy"], ("serves", "window", "chunked", "radix")),
+    "minimax_m3_dense": (lambda path: build_minimax_m3(path, M3_DENSE), ["--load-format", "dummy"],
+                         ("serves", "window", "chunked", "radix")),
 }
+# what an int2 server's log says when it built the family's INT2 pool, and its bytes/token line
+# (INT2, BF16); MiniMax-M3's total counts its BF16 index keys in both
+POOL_LOG = {"minimax_m3": r"MiniMax-M3 pool: INT2 main K/V"}
+CAPACITY_LOG = {"minimax_m3": r"MiniMax-M3 main K/V .*total (\d+) bytes/token \(BF16: (\d+)"}
+DEFAULT_POOL_LOG, DEFAULT_CAPACITY_LOG = r"INT2 MLA latent pool", r"MLA latent \(.*\): (\d+) bytes/token \(BF16: (\d+)"
 
 
 def server_env(family: str, work: str) -> dict[str, str]:
@@ -334,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     sv = res["servers"]
     logs = {name: os.path.join(args.out, f"mla_{name}.log") for name in servers}
     ok_serve = all(isinstance(sv.get(n), list) for n in servers)
-    ok_serve &= all(_log_value(logs[n], r"INT2 MLA latent pool") for n in servers if n != "bf16")
+    kind = args.family.removesuffix("_dense")
+    ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if n != "bf16")
     ok_serve &= all(math.isfinite(x) for n in servers if isinstance(sv.get(n), list)
                     for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
     verdict["serves"] = ok_serve
@@ -366,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001  the verdict fails and says why
             res["oracle"] = f"failed: {type(exc).__name__}: {exc}"
             verdict["oracle"] = False
-    cell = _log_value(logs["int2"], r"MLA latent \(.*\): (\d+) bytes/token \(BF16: (\d+)")
+    cell = _log_value(logs["int2"], CAPACITY_LOG.get(kind, DEFAULT_CAPACITY_LOG))
     if cell:
         res["capacity"] = {"int2_bytes_per_token": int(cell[0]), "bf16_bytes_per_token": int(cell[1]),
                            "ratio": int(cell[1]) / int(cell[0])}

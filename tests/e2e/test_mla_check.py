@@ -213,3 +213,63 @@ def test_sharpen_reaches_its_targets_on_an_mla_model():
     torch.manual_seed(0)
     stats = sharpen(DeepseekV3ForCausalLM(cfg).eval(), mla_check.LOGIT_STD, mla_check.SCORE_STD, seed=0)
     assert abs(stats["score_std"] - 1.5) < 0.15 and abs(stats["logit_std"] - 0.5) < 1e-3, stats
+
+
+def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
+    """--family minimax_m3 / minimax_m3_dense: SGLang reads the saved config as MiniMax-M3 with sparse
+    layers 1 and 3 (layer 3 without an index value); minimax_m3's selection (8 blocks of 16) covers
+    less than every prompt, minimax_m3_dense's (32 x 64) more than every prompt and its answer. The
+    judge finds the M3 pool in the int2 logs and the capacity in the real startup line
+    (:func:`~sglang_oscar.plugin.minimax_serving.log_minimax_sizes`), totals with the BF16 index keys."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.configs.model_config import (get_minimax_sparse_attention_config,
+                                                 get_minimax_sparse_disable_value_layer_ids,
+                                                 get_minimax_sparse_layer_ids, is_minimax_sparse)
+    from transformers import AutoConfig
+
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.plugin import minimax_serving
+
+    for family, (block, topk) in (("minimax_m3", mla_check.M3_SPARSE), ("minimax_m3_dense", mla_check.M3_DENSE)):
+        info = mla_check.FAMILIES[family][0](str(tmp_path / family))
+        hf = AutoConfig.from_pretrained(str(tmp_path / family))
+        sparse_cfg = get_minimax_sparse_attention_config(hf)
+        assert is_minimax_sparse(hf) and get_minimax_sparse_layer_ids(sparse_cfg) == ([0, 2], [1, 3])
+        assert get_minimax_sparse_disable_value_layer_ids(sparse_cfg) == [3] and hf.rotary_dim == 64
+        assert (info["block_size"], info["topk_blocks"]) == (block, topk)
+        assert mla_check.server_env(family, str(tmp_path))  # dummy weights: the scaling shim
+    assert 16 * 8 < min(mla_check.PROMPT_LENS) and 64 * 32 > max(mla_check.PROMPT_LENS) + mla_check.NEW_TOKENS
+
+    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), layer_info=SimpleNamespace(start_layer=0, end_layer=4),
+                          model_dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="sglang_oscar"):
+        minimax_serving.log_minimax_sizes(kvc, OscarConfig(), 2, 128, 128, 1000)
+    line = caplog.records[-1].getMessage()
+    # 4 layers x 2 kv heads x (36 + 36) INT2 bytes; BF16 512 per kv head and layer; index keys: layer 1
+    # key + value, layer 3 key only, 128 x 2 bytes each
+    index = (2 + 1) * 128 * 2
+    assert f"total {4 * 2 * 72 + index} bytes/token (BF16: {4 * 2 * 512 + index}" in line
+
+    class M3Server(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            super().__init__(argv, port, log_path, log_header, env)
+            if "auto" not in argv:
+                with open(log_path, "w") as f:
+                    f.write(f"sglang-oscar: {line}\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
+
+    argvs = []
+    monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or M3Server(argv, *a, **k))
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert rc == 0 and res["verdict"] == {"serves": True, "window": True, "chunked": True, "radix": True}
+    assert res["capacity"]["ratio"] == (4 * 2 * 512 + index) / (4 * 2 * 72 + index)
+    assert len(argvs) == 5 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
+    # the MLA pool's log line is not the M3 pool: "serves" fails on it
+    monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
+    assert mla_check.main(["--family", "minimax_m3_dense", "--out", str(tmp_path), "--budget", "5",
+                           "--model", str(tmp_path / "m2")]) == 1
+    assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["serves"] is False
