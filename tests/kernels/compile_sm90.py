@@ -36,6 +36,7 @@ from sglang_oscar.kernels.latent import gather_latent  # noqa: E402
 from sglang_oscar.kernels.latent_extend import latent_extend_attention  # noqa: E402
 from sglang_oscar.kernels.latent_plan import latent_decode_attention  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
+from sglang_oscar.kernels.sparse import block_sparse_attention  # noqa: E402
 
 
 def _write(dk, dv, group, quantizer, sdt, hp_dtype=torch.bfloat16, **kw):
@@ -98,6 +99,16 @@ def _latent_extend(h, block_t, block_h, **kw):
                             sm_scale=0.1, max_extend_len=30, block_t=block_t, block_h=block_h, **kw)
 
 
+def _block_sparse(dk, hq, hkv, block, hp_dtype=torch.bfloat16, num_splits=None):
+    """MiniMax-M3 block-sparse attention over 2 blocks per kv head (one of them -1 padding)."""
+    cfg = make_config(sink=4, recent=8)
+    pool = build_pool([20, 30], hkv, dk, dk, cfg, hp_dtype=hp_dtype)
+    blocks = torch.tensor([[[0, -1], [0, -1]]] * hkv, dtype=torch.int32)
+    block_sparse_attention(torch.randn(2, hq, dk), pool.layout, (pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs,
+                           pool.hp_k, pool.hp_v), pool.hp_index, pool.req_to_token, pool.req_pool_indices,
+                           pool.seq_lens, blocks, block_size=block, sink=4, recent=8, sm_scale=0.1, num_splits=num_splits)
+
+
 CASES = [
     ("rotate q d128 gqa4 (16-row programs)", lambda: _rotate(32, 32, 8, 128, torch.float32)),
     ("rotate k d128 centred (64-row programs)", lambda: _rotate(4096, 8, 8, 128, torch.bfloat16,
@@ -152,6 +163,8 @@ CASES = [
                                                                                      num_warps=8)),
     ("latent decode over a DSA top-k, bf16 block_n 32", lambda: _latent(16, 512, 64, 128, precision="bf16", block_n=32,
                                                                         topk=torch.full((2, 2048), -1, dtype=torch.int32))),
+    ("block-sparse d128 gqa8 B128 (MiniMax-M3), 2 splits + merge", lambda: _block_sparse(128, 8, 1, 128, num_splits=2)),
+    ("block-sparse d64 gqa2 B16 fp32 ieee, one split", lambda: _block_sparse(64, 4, 2, 16, torch.float32, 1)),
     ("extend d128", lambda: _attn("e")),
     ("extend 192/128 lloyd window", lambda: _attn("e", dk=192, dv=128, hq=8, hkv=8, quantizer="lloyd-max",
                                                   sliding_window=16, logit_cap=20.0)),

@@ -96,6 +96,15 @@ def test_bench_latent_smoke(tmp_path):
     assert len(rows) == 1 and "sglang-triton-mla" in rows[0] and rows[0].split("|")[5].strip().endswith("x"), rows
 
 
+def test_bench_sparse_smoke(tmp_path):
+    """benchmarks/bench_sparse.py --smoke runs the INT2 block-sparse decode once and writes its row (the
+    BF16 column stays empty: SGLang's sparse kernels are autotuned, which the interpreter cannot run)."""
+    out = tmp_path / "sparse.md"
+    _smoke("bench_sparse", out)
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 4:2 | 16 x 3 | 2 x 100 |")]
+    assert len(rows) == 1 and rows[0].split("|")[4].strip().endswith("ms"), rows
+
+
 def test_bench_latent_extend_smoke(tmp_path):
     """benchmarks/bench_latent_extend.py --smoke runs the served gather path, the direct INT2 extend
     kernel and SGLang's BF16 extend once each and writes their row with both ratios."""
