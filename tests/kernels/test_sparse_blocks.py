@@ -167,6 +167,37 @@ def test_block_sparse_extend_matches_the_oracle():
     assert bool((o[-1] == 0).all())
 
 
+def test_block_sparse_odd_lists_and_padding_rows():
+    """H_q == H_kv, extend rows (``recent = 0``): a block listed again in a later split, ids past the row
+    (block 3 of a row at 40 holds written slots; 1000 lies past ``max_ctx``), an all ``-1`` row and a
+    padding row whose stale list has ids with ``id * B`` past int32: the real rows match the oracle over
+    their clean lists, the others are zeros -- at more splits than entries (empty splits in the merge)
+    and with ``k = 1`` (one split, the direct store)."""
+    fresh_seed()
+    bs, sink = 16, 20
+    pool = build_pool([77, 50], 2, 64, 64, make_config(sink=sink, recent=24), hp_dtype=torch.float32)
+    q_rot = rotate_q(pool, torch.randn(4, 2, 64) * 2)
+    rpi = pool.req_pool_indices
+    row_req = torch.stack([rpi[0], rpi[0], rpi[1], rpi[1]])
+    row_len = torch.tensor([77, 40, 50, 0])
+    blocks = torch.full((2, 4, 5), -1, dtype=torch.int32)
+    for h in range(2):
+        blocks[h, 0] = torch.tensor([4, -1, h, 4, 1000])
+        blocks[h, 1] = torch.tensor([2, 3, 1 - h, -1, 2])
+    blocks[:, 3] = torch.tensor([0xC000000, 2**31 - 1, 7, 0, -5], dtype=torch.int32)
+    clean = blocks[:, :2].clone()
+    clean[:, 0, 3:] = -1
+    clean[:, 1, 1] = -1
+    clean[:, 1, 4] = -1
+    kw = dict(sink=sink, recent=0, sm_scale=0.125)
+    for k, splits in ((5, 7), (1, None)):
+        o = run_sparse(pool, q_rot, row_req, row_len, blocks[..., :k], bs, num_splits=splits, debug=False, **kw)
+        ref = torch.cat([oracle(pool, 0, q_rot[i:i + 1], [L - 1], clean[:, i:i + 1, :k], bs, mode="extend", **kw)
+                         for i, L in enumerate((77, 40))])
+        assert rel_l2(o[:2], ref) < 1e-4, (k, splits)
+        assert bool((o[2:] == 0).all()), (k, splits)
+
+
 def test_block_sparse_rejects_bad_inputs():
     fresh_seed()
     pool, q_rot, blocks = decode_case([40, 20], 4, 2, 64, 16, 3, sink=4, recent=8)
@@ -189,6 +220,8 @@ def test_block_sparse_rejects_bad_inputs():
         call(q=q_rot[:, :3].contiguous(), blk=blocks)
     with pytest.raises(ValueError, match="row_len has shape"):
         call(a=args[:3] + (pool.seq_lens[:1],))
+    with pytest.raises(ValueError, match="row_len must be contiguous"):
+        call(a=args[:3] + (pool.seq_lens.repeat_interleave(2)[::2],))
     with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
         call(num_splits=0)
     with pytest.raises(ValueError, match="sm_scale"):

@@ -128,14 +128,16 @@ def _block_sparse_stage1(
     lo = sp * per_split
     hi = tl.minimum(lo + per_split, n_blocks)
     for j in range(lo, hi):
-        c = tl.load(lst + j * stride_bk).to(tl.int32)
-        live = c >= 0
+        c = tl.load(lst + j * stride_bk)
+        # ids past the row's last block (or garbage in a padding row's list) are dropped before c * B,
+        # which would wrap int32 for huge ids and walk negative positions out of the index tables
+        live = (c >= 0) & (c < tl.cdiv(L, B))
         # a block listed again later in the row's list (any split) is attended only at its first entry
         for d0 in range(0, j, DEDUP):
             e = d0 + tl.arange(0, DEDUP)
-            prev = tl.load(lst + e * stride_bk, mask=e < j, other=-1).to(tl.int32)
+            prev = tl.load(lst + e * stride_bk, mask=e < j, other=-1)
             live = live & (tl.sum((prev == c).to(tl.int32), axis=0) == 0)
-        start = c * B
+        start = tl.where(live, c, 0).to(tl.int32) * B
         end = tl.where(live, tl.minimum(start + B, L), start)
         for t0 in range(start, end, BLOCK_N):
             pos = t0 + tl.arange(0, BLOCK_N)
@@ -199,7 +201,8 @@ def _block_sparse_stage1(
 
 
 def _check_index(t, name: str, dev, shape) -> None:
-    check_tensor(t, name, ndim=len(shape), dtypes=INDEX_DTYPES, device=dev, shape=shape)
+    # the kernel reads entry i at offset i: a strided view would be misread, not rejected
+    check_tensor(t, name, ndim=len(shape), dtypes=INDEX_DTYPES, device=dev, shape=shape, last_contiguous=True)
 
 
 def block_sparse_attention(
@@ -241,7 +244,9 @@ def block_sparse_attention(
             at most ``max_ctx``); ``0`` = padding row, whose output is zeros.
         blocks: int32 (or int64) ``[H_kv, N, k]`` selected block ids per kv head and row, any strides:
             ids ``>= 0`` name positions ``[id * B, (id + 1) * B)``, ``-1`` = unused. A block listed
-            twice counts once (SGLang's lists hold none). Blocks past ``row_len`` add nothing.
+            twice counts once (SGLang's lists hold none). Ids at or past ``ceil(row_len / B)`` (any
+            value, e.g. a padding row's stale list) are ignored; debug mode still rejects ids outside
+            ``[-1, ceil(max_ctx / B))``.
         block_size: ``B`` tokens per block (``sparse_block_size``), a power of two in 16..128.
         sink, recent: HP window sizes in tokens (the pool's); ``recent = 0`` for an extend chunk.
         sm_scale: softmax scale (natural units), finite and > 0.
@@ -255,8 +260,9 @@ def block_sparse_attention(
         ``[N, H_q, D_v]`` (``out`` or fp32) in the rotated V frame.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit (``H_q`` not a multiple of ``H_kv``,
-            ``blocks.shape[0] != H_kv``, ``blocks`` / ``row_req`` / ``row_len`` not ``N`` rows), ``block_size``
+        ValueError: shapes, dtypes, devices or strides that do not fit (``H_q`` not a multiple of ``H_kv``,
+            ``blocks.shape[0] != H_kv``, ``blocks`` / ``row_req`` / ``row_len`` not ``N`` rows, ``row_req`` /
+            ``row_len`` / ``sink_lens`` not contiguous), ``block_size``
             not a power of two in 16..128, ``hp_index`` narrower than ``sink + recent``, ``sm_scale`` not
             finite and > 0, ``num_splits < 1``; in debug mode, index values out of range.
     """
@@ -281,7 +287,7 @@ def block_sparse_attention(
                          "(one block list per kv head and query row)")
     k = blocks.shape[2]
     if sink_lens is not None:
-        check_tensor(sink_lens, "sink_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev)
+        check_tensor(sink_lens, "sink_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, last_contiguous=True)
     sm_scale = check_sm_scale(sm_scale)
     if num_splits is None:
         num_splits = block_sparse_num_splits(k, block_size)
