@@ -30,6 +30,10 @@ in ``--out``) and judged:
   the same greedy tokens;
 * **oracle**: the int2 server's prompt log-probs vs the model-level oracle in a BF16 copy of the
   model within twice the oracle's own BF16-vs-fp32 move (at least 0.05; :func:`oracle_report`);
+* **load**: the int2 server, with SGLang's strict memory-leak and KV-page checks on, answers
+  :data:`LOAD_REQUESTS` concurrent requests of mixed lengths (every fourth sharing a prefix) in full,
+  stays healthy (``/health``, ``/health_generate``) and logs no leak report and no new traceback
+  (the main harness's check e, on this harness's model);
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
 ``--family kimi_linear`` checks that the latent pool inside SGLang's linear-attention hybrid pool
@@ -68,14 +72,16 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from sglang_oscar.serving_launcher import ServerProcess
 
 from .checkpoints import random_prompt, sharpen
-from .client import generate_payload, http_json, parse_generation
+from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
 from .smoke import agreement
 
 BASE_PORT = 31200
@@ -100,6 +106,10 @@ LOGIT_STD, SCORE_STD = 0.5, 1.5  # checkpoints.sharpen, as the main harness's ch
 WINDOW_TOL = 0.05  # int2-window vs BF16, mean |d prompt log-prob| (CPU: BF16 vs fp32 model 0.008)
 CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol; unlike the MHA families'
 # chunk 64, which is bit-identical, the MLA path moved prompt log-probs by 0.015 on 4d8d6cb's model)
+# load: as the main harness's check e (its strict environment, tests/e2e/servers.py), on the int2 server
+LOAD_REQUESTS, LOAD_LENS, LOAD_SHARED_PREFIX = 64, (32, 2400), 256
+STRICT_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+              "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
 TIE_MARGIN = 0.035  # just above a BF16 ulp (0.03125) of a logit in [4, 8): margins at or below it are ties
 
 
@@ -114,6 +124,56 @@ def same_greedy(got: list[dict], ref: list[dict], tie: float = TIE_MARGIN) -> tu
         ok &= first is None or (margin is not None and margin <= tie)
         where.append((first, margin))
     return ok, where
+
+
+def load_prompts(n: int = LOAD_REQUESTS, seed: int = 55) -> list[list[int]]:
+    """The load item's requests: ``n`` lengths log-uniform in :data:`LOAD_LENS`; every fourth long
+    enough one starts with the same :data:`LOAD_SHARED_PREFIX` tokens (radix sharing under load)."""
+    rng = random.Random(seed)
+    prefix = random_prompt(LOAD_SHARED_PREFIX, seed + 7, VOCAB)
+    out = []
+    for i in range(n):
+        ids = random_prompt(int(round(math.exp(rng.uniform(*map(math.log, LOAD_LENS))))), seed * 7919 + i, VOCAB)
+        out.append(prefix + ids[LOAD_SHARED_PREFIX:] if i % 4 == 0 and len(ids) > LOAD_SHARED_PREFIX + 16 else ids)
+    return out
+
+
+def load_report(srv, log_path: str, prompts: list[list[int]]) -> dict:
+    """Send ``prompts`` at once (greedy, :data:`NEW_TOKENS` each), let the server idle (its strict
+    checks run), probe its health and scan its log: ``ok`` when every request completed, the server
+    is alive and healthy, and its log has no leak report and no new traceback."""
+    def text():
+        with open(log_path, errors="replace") as f:
+            return f.read()
+
+    before = log_stats(text())
+
+    def one(ids):
+        try:
+            g = parse_generation(http_json(srv.base_url + "/generate", generate_payload(ids, NEW_TOKENS, top_logprobs=0),
+                                           timeout=300))
+            return len(g["tokens"]) == NEW_TOKENS
+        except RuntimeError:
+            return False
+
+    with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
+        done = sum(ex.map(one, prompts))
+    time.sleep(5.0)  # idle: SGLang's strict leak check runs (a leak raises in the scheduler)
+    health = {}
+    for ep in ("/health", "/health_generate"):
+        try:
+            http_json(srv.base_url + ep, timeout=60)
+            health[ep] = True
+        except RuntimeError as exc:
+            health[ep] = str(exc)[:200]
+    log = text()
+    stats = log_stats(log)
+    res = {"completed": done, "requests": len(prompts), "health": health, "alive": srv.alive(),
+           "leak_lines": leak_lines(log)[:20], "new_tracebacks": stats["tracebacks"] - before["tracebacks"],
+           "max_running_req": stats["max_running_req"], "cached_tokens": stats["cached_tokens_total"]}
+    res["ok"] = (done == len(prompts) and all(v is True for v in health.values()) and res["alive"]
+                 and not res["leak_lines"] and res["new_tracebacks"] == 0)
+    return res
 
 
 def build_model(path: str) -> dict:
@@ -224,20 +284,20 @@ def build_minimax_m3(path: str, block_topk: tuple[int, int] = M3_SPARSE) -> dict
 
 
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
-    "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "oracle")),
+    "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
     # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
     "glm5": (build_glm5, ["--attention-backend", "dsa", "--dsa-topk-backend", "torch"],
-             ("serves", "window", "chunked", "radix")),
+             ("serves", "window", "chunked", "radix", "load")),
     # the same model with top-k 2048 (> every prompt): chunking and radix reuse judged where the
     # selection is every position, so only the INT2 latent path can move them
     "glm5_dense": (lambda path: build_glm5(path, GLM5_DENSE_TOPK), ["--attention-backend", "dsa",
                                                                      "--dsa-topk-backend", "torch"],
-                   ("serves", "window", "chunked", "radix")),
+                   ("serves", "window", "chunked", "radix", "load")),
     "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
-                    ("serves", "window", "chunked", "radix")),
-    "minimax_m3": (build_minimax_m3, ["--load-format", "dummy"], ("serves", "window", "chunked", "radix")),
+                    ("serves", "window", "chunked", "radix", "load")),
+    "minimax_m3": (build_minimax_m3, ["--load-format", "dummy"], ("serves", "window", "chunked", "radix", "load")),
     "minimax_m3_dense": (lambda path: build_minimax_m3(path, M3_DENSE), ["--load-format", "dummy"],
-                         ("serves", "window", "chunked", "radix")),
+                         ("serves", "window", "chunked", "radix", "load")),
 }
 # what an int2 server's log says when it built the family's INT2 pool, and its bytes/token line
 # (INT2, BF16); MiniMax-M3's total counts its BF16 index keys in both
@@ -349,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = {}
     for i, (name, extra) in enumerate({**SERVERS, **FAMILY_SERVERS.get(args.family, {})}.items()):
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags])
-        servers[name] = ServerProcess(a, port=BASE_PORT + i, env=env, log_path=os.path.join(args.out, f"mla_{name}.log"),
+        servers[name] = ServerProcess(a, port=BASE_PORT + i, env={**env, **(STRICT_ENV if name == "int2" else {})},
+                                      log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
     prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
     res: dict = {"family": args.family, "geometry": geometry, "servers": {}}
@@ -374,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
                 res["servers"][name] = gens
             except RuntimeError as exc:
                 res["servers"][name] = f"REQUEST FAILED: {exc}"
+                continue
+            if name == "int2":  # last: the load may leave the cache full of its prefixes
+                res["load"] = load_report(srv, os.path.join(args.out, f"mla_{name}.log"), load_prompts())
     finally:
         for srv in servers.values():
             srv.stop(grace=30.0)
@@ -409,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         radix = sv["int2"][-1]
         verdict["radix"] = bool(radix.get("cached_tokens")) and radix["tokens"] == sv["int2"][0]["tokens"]
         res["radix_cached_tokens"] = radix.get("cached_tokens")
+    if "load" in res:
+        verdict["load"] = res["load"]["ok"]
     if with_oracle and isinstance(sv.get("int2"), list):
         try:
             res["oracle"] = orc = oracle_report(args.model, prompts, sv["int2"])
@@ -432,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
               + f" | {r['prompt_dlp_mean']:.4f} / {r['prompt_dlp_max']:.4f} "
               f"| {r['out_dlp_mean']:.4f} / {r['out_dlp_max']:.4f} |" for r in rows]
     lines += ["", f"verdict: {verdict} (judged: {', '.join(judged)})", f"capacity: {res.get('capacity')}", f"radix cached: {res.get('radix_cached_tokens')}",
-              f"oracle (reported): {res.get('oracle')}"]
+              f"oracle (reported): {res.get('oracle')}",
+              f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]
     lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]
     with open(os.path.join(args.out, "mla_check.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

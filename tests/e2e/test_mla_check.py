@@ -11,6 +11,12 @@ import pytest
 from . import mla_check
 
 
+@pytest.fixture(autouse=True)
+def _no_idle_wait(monkeypatch):
+    """The load item's idle wait (SGLang's strict leak check runs then) is for real servers only."""
+    monkeypatch.setattr(mla_check.time, "sleep", lambda s: None)
+
+
 class FakeServer:
     """A healthy server whose log names the INT2 latent pool (or not, for BF16) and its token budget."""
 
@@ -18,14 +24,15 @@ class FakeServer:
         self.base_url = f"http://fake:{port}"
         bf16 = "auto" in argv
         with open(log_path, "w") as f:
-            f.write("" if bf16 else "sglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 + k_pe 64): 1088 "
-                    "bytes/token (BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 MLA latent pool: ...\n")
+            f.write("KV Cache is allocated\n" + ("" if bf16 else "sglang-oscar: INT2 KV cache, MLA latent (4 layers x "
+                    "c_kv 512 + k_pe 64): 1088 bytes/token (BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 "
+                    "MLA latent pool: ...\n"))
 
     def start(self):
         pass
 
     def alive(self):
-        return False  # mla_check's staggered start returns at once
+        return True
 
     def poll_health(self, *args, **kwargs):
         return "healthy"
@@ -35,7 +42,9 @@ class FakeServer:
 
 
 def _answers(shift_port: int | None, dlp: float):
-    def http_json(url, payload, timeout):
+    def http_json(url, payload=None, timeout=None):
+        if payload is None:  # GET /health, /health_generate
+            return {}
         n = len(payload["input_ids"])
         lp = -0.5 - (dlp if shift_port is not None and url.endswith(f":{shift_port}/generate") else 0.0)
         return {"output_ids": [7] * mla_check.NEW_TOKENS,
@@ -63,7 +72,7 @@ def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, faile
     rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "no-model")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert (rc == 0) == (failed is None)
-    assert res["verdict"] == {k: k != failed for k in ("serves", "window", "chunked", "radix", "oracle")}
+    assert res["verdict"] == {k: k != failed for k in ("serves", "window", "chunked", "radix", "load", "oracle")}
     assert res["capacity"]["ratio"] == 4608 / 1088 and res["radix_cached_tokens"] == 400
     assert os.path.exists(tmp_path / "mla_check.md")
 
@@ -106,8 +115,8 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     rc = mla_check.main(["--family", "kimi_linear", "--out", str(tmp_path), "--budget", "5",
                          "--model", str(tmp_path / "k2")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 1 and res["family"] == "kimi_linear" and res["judged"] == ["serves", "window", "chunked", "radix"]
-    assert res["verdict"] == {"serves": True, "window": True, "chunked": False, "radix": True}
+    assert rc == 1 and res["family"] == "kimi_linear" and res["judged"] == ["serves", "window", "chunked", "radix", "load"]
+    assert res["verdict"] == {"serves": True, "window": True, "chunked": False, "radix": True, "load": True}
     from .dummy_shim import DUMMY_ENV, DUMMY_SHIM_MODULE
 
     assert all(e[DUMMY_ENV] == "1" for e in envs)
@@ -138,7 +147,7 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 5
     assert "--chunked-prefill-size" in argvs[-1] and "2048" in argvs[-1]
-    assert res["verdict"] == {"serves": False, "chunked": True, "radix": True}
+    assert res["verdict"] == {"serves": False, "chunked": True, "radix": True, "load": True}
     row = next(r for r in res["rows"] if r["server"] == "int2-window-chunk64")
     assert row["vs"] == "int2-window" and abs(row["prompt_dlp_mean"] - 0.03) < 1e-9
 
@@ -258,14 +267,15 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
             super().__init__(argv, port, log_path, log_header, env)
             if "auto" not in argv:
                 with open(log_path, "w") as f:
-                    f.write(f"sglang-oscar: {line}\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
+                    f.write(f"KV Cache is allocated\nsglang-oscar: {line}\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V "
+                            "10 slots ...\n")
 
     argvs = []
     monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or M3Server(argv, *a, **k))
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 0 and res["verdict"] == {"serves": True, "window": True, "chunked": True, "radix": True}
+    assert rc == 0 and res["verdict"] == {"serves": True, "window": True, "chunked": True, "radix": True, "load": True}
     assert res["capacity"]["ratio"] == (4 * 2 * 512 + index) / (4 * 2 * 72 + index)
     assert len(argvs) == 5 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
     # the MLA pool's log line is not the M3 pool: "serves" fails on it
@@ -273,3 +283,51 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     assert mla_check.main(["--family", "minimax_m3_dense", "--out", str(tmp_path), "--budget", "5",
                            "--model", str(tmp_path / "m2")]) == 1
     assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["serves"] is False
+
+
+def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp_path, monkeypatch):
+    """load: 64 requests of 32-2400 tokens, a quarter sharing a prefix, to the int2 server only, which
+    alone runs with SGLang's strict memory checks; one failed request, or a leak report appearing in
+    the int2 log during the load, fails "load" and nothing else."""
+    prompts = mla_check.load_prompts()
+    lens = [len(p) for p in prompts]
+    assert len(prompts) == 64 and min(lens) >= 32 and max(lens) <= 2400 and min(lens) < 200 < 1500 < max(lens)
+    head = mla_check.random_prompt(mla_check.LOAD_SHARED_PREFIX, 55 + 7, mla_check.VOCAB)
+    assert sum(p[:len(head)] == head for p in prompts) >= 4 and all(3 <= t < mla_check.VOCAB for p in prompts for t in p)
+    envs = {}
+
+    class Recording(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            envs[os.path.basename(log_path)] = env
+            self.log_path = log_path
+            super().__init__(argv, port, log_path, log_header, env)
+
+    for fault in ("none", "request", "leak"):
+        servers = []
+        monkeypatch.setattr(mla_check, "ServerProcess", lambda *a, **k: servers.append(Recording(*a, **k)) or servers[-1])
+        answers = _answers(None, 0.0)
+        calls = []
+
+        def http_json(url, payload=None, timeout=None):
+            if payload is not None and len(payload["input_ids"]) in lens and not payload.get("logprob_start_len"):
+                calls.append(url)
+                if fault == "request" and len(calls) == 5:
+                    raise RuntimeError("HTTP 500")
+                if fault == "leak" and len(calls) == 9:
+                    int2 = next(s for s in servers if s.log_path.endswith("mla_int2.log"))
+                    with open(int2.log_path, "a") as f:
+                        f.write("ValueError: token_to_kv_pool_allocator memory leak detected!\n")
+            return answers(url, payload, timeout)
+
+        monkeypatch.setattr(mla_check, "http_json", http_json)
+        _fake_build(monkeypatch)
+        monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
+        rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
+        res = json.loads((tmp_path / "mla_check.json").read_text())
+        assert {k for k, v in res["verdict"].items() if not v} == (set() if fault == "none" else {"load"}), fault
+        assert (rc == 0) == (fault == "none") and len(calls) == 64
+        assert all(u.startswith(f"http://fake:{mla_check.BASE_PORT + 2}") for u in calls)  # the int2 server
+        assert res["load"]["completed"] == (63 if fault == "request" else 64)
+        assert bool(res["load"]["leak_lines"]) == (fault == "leak")
+    assert envs["mla_int2.log"]["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] == "1"
+    assert all("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE" not in (e or {}) for n, e in envs.items() if n != "mla_int2.log")
