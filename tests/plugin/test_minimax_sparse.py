@@ -284,14 +284,16 @@ def _extend_batch(reqs, starts, ends, slots):
     return SimpleNamespace(
         forward_mode=Mode("extend"), batch_size=len(reqs), out_cache_loc=torch.cat(slots),
         positions=torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]), req_pool_indices=torch.tensor(reqs),
-        seq_lens=torch.tensor(ends), extend_seq_lens=torch.tensor(n), extend_prefix_lens=torch.tensor(starts),
+        seq_lens=torch.tensor(ends), seq_lens_cpu=torch.tensor(ends), extend_seq_lens=torch.tensor(n),
+        extend_prefix_lens=torch.tensor(starts),
         extend_seq_lens_cpu=n, minimax_m3_precached_sparse_layers=None)
 
 
 def _decode_batch(reqs, positions, slots):
     return SimpleNamespace(forward_mode=Mode("decode"), batch_size=len(reqs), out_cache_loc=torch.cat(slots),
                            positions=torch.tensor(positions), req_pool_indices=torch.tensor(reqs),
-                           seq_lens=torch.tensor(positions) + 1, minimax_m3_precached_sparse_layers=None)
+                           seq_lens=torch.tensor(positions) + 1, seq_lens_cpu=torch.tensor(positions) + 1,
+                           minimax_m3_precached_sparse_layers=None)
 
 
 def test_sparse_backend_init_runs_sglangs_with_the_bf16_paths_off(monkeypatch):
@@ -332,7 +334,10 @@ def test_select_runs_sglangs_indexer_and_unions_per_kv_head(monkeypatch):
     pool = _pool(torch.bfloat16)
     r2t = torch.zeros(MAX_REQS, CTX, dtype=torch.int32)
     be = OscarMiniMaxSparseBackend(_runner(pool, r2t))
-    keys = {1: torch.randn(60, 1, DI, generator=gen), 3: torch.randn(30, 1, DI, generator=gen)}
+    # bf16-exact keys: the pool holds them in bf16, and the expected lists are computed from the same
+    # values (fp32 keys would select differently on near-equal block scores, ~7% of seeds)
+    keys = {1: torch.randn(60, 1, DI, generator=gen).bfloat16().float(),
+            3: torch.randn(30, 1, DI, generator=gen).bfloat16().float()}
     r2t[1, :60], r2t[3, :30] = torch.arange(1, 61), torch.arange(61, 91)
     for req, k in keys.items():
         pool.set_index_k_buffer(_layer(2), r2t[req, : len(k)].long(), k.bfloat16())
@@ -398,6 +403,14 @@ class M3Served:
         sparse = OscarMiniMaxSparseBackend(_runner(self.pool, self.r2t))
         self.hybrid = MiniMaxHybridAttnBackend(self.dense, sparse, sparse.sparse_layer_ids)
         self.gen, self.next_slot, self.calls = gen, 1, []
+        self.window_updates = 0
+        windows_in_forward = self.dense._windows_in_forward
+
+        def count(fb):
+            self.window_updates += 1
+            windows_in_forward(fb)
+
+        self.dense._windows_in_forward = count
         sparse._select = self._select
         self.written = {lid: (torch.zeros(161, HKV, D), torch.zeros(161, HKV, D)) for lid in SPARSE}
         write = self.pool.write_rotated
@@ -436,8 +449,16 @@ class M3Served:
     def run(self, fb, data, rows, mode, layers=SPARSE):
         """Sparse layers on one batch; ``rows``: ``(request, position)`` per query row; ``data[lid][req]``:
         ``(q, k, v, idx_q, idx_k, idx_v)`` of each request's positions. Returns ``{lid: (o, blocks)}``."""
+        # the hybrid's metadata calls reach both backends: SGLang's sparse one sets the indexer's max lengths
+        # and leaves the windows alone, the dense one updates them, once per forward (the OSCAR part of its
+        # out-of-graph call, then its in-graph call; TritonAttnBackend's own metadata needs a GPU runner)
+        self.hybrid.sparse.init_forward_metadata_out_graph(fb)
         self.dense._windows_out_of_graph()
-        self.dense._windows_in_forward(fb)  # the hybrid's init_forward_metadata: the dense backend's windows
+        before = self.window_updates
+        self.hybrid.init_forward_metadata_in_graph(fb)
+        assert self.window_updates == before + 1
+        assert self.hybrid.sparse._max_seqlen_k == int(fb.seq_lens_cpu.max())
+        assert self.hybrid.sparse._max_seqlen_q == (max(fb.extend_seq_lens_cpu) if mode == "extend" else 1)
         out = {}
         for lid in layers:
             pick = [tuple(t[p] for t in data[lid][r]) for r, p in rows]
@@ -447,7 +468,9 @@ class M3Served:
             self.idx_k_written = ik
             fwd = self.hybrid.forward_extend if mode == "extend" else self.hybrid.forward_decode
             idx_o, o = fwd(q, k, v, _layer(lid), fb, idx_q=iq, idx_k=ik, idx_v=None if lid in NO_VALUE else iv)
-            assert self.calls[-1][0] == lid and self.calls[-1][1] is iq and self.calls[-1][2] == (lid in NO_VALUE)
+            seen_q = self.calls[-1][1]  # the model's idx_q (a view of its real rows)
+            assert self.calls[-1][0] == lid and self.calls[-1][2] == (lid in NO_VALUE)
+            assert seen_q.data_ptr() == iq.data_ptr() and seen_q.shape == iq.shape
             assert self.calls[-1][3], "index keys not written before the indexer ran"
             if lid in NO_VALUE:
                 assert idx_o is None
@@ -525,3 +548,42 @@ def test_sparse_layers_extend_and_decode_match_the_oracle():
         assert torch.allclose(sv.written[lid][0][slots], k_rot, atol=1e-5, rtol=1e-5)
         _, cache = sv.oracle(lid, data[lid][r][0][:1], r, torch.tensor([n - 1]), None, "decode", dense=True)
         assert torch.equal(kc[slots], cache.k_quant.codes) and torch.equal(vc[slots], cache.v_quant.codes)
+
+
+def test_padded_extend_rows_come_back_as_zeros():
+    """An extend batch padded past its tokens (the breakable prefill graph's bucket): as SGLang's
+    ``forward_extend`` (``minimax_sparse_backend.py:313-366``), the indexer and the main attention see
+    the real tokens only (one block list per real token) and the padded rows of ``o`` and ``idx_o``
+    come back as zeros; the real rows equal those of the same batch unpadded."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    sv = M3Served(gen)
+    n, pad, lid = 12, 4, 1  # layer 1 keeps an index value
+    slots = sv.alloc(1, 0, n)
+    fb = _extend_batch([1], [0], [n], [slots])
+    q, k, v = torch.randn(n, HQ, D, generator=gen), torch.randn(n, HKV, D, generator=gen), \
+        torch.randn(n, HKV, D, generator=gen)
+    iq, ik, iv = (torch.randn(n, h, DI, generator=gen) for h in (H_IDX, 1, 1))
+    sv.dense._windows_out_of_graph()
+    sv.hybrid.init_forward_metadata_in_graph(fb)
+    blocks, idx_o_real, seen = sv.blocks_for(torch.arange(n)), torch.randn(n, H_IDX, DI, generator=gen), []
+
+    def select(idx_q, layer, batch, disable_value):
+        seen.append(idx_q.shape[0])
+        return idx_o_real, blocks
+
+    sv.hybrid.sparse._select = select
+    idx_o, o = sv.hybrid.forward_extend(q, k, v, _layer(lid), fb, idx_q=iq, idx_k=ik, idx_v=iv)
+    padded = SimpleNamespace(**vars(fb))
+    padded.positions = torch.cat([fb.positions, torch.zeros(pad, dtype=fb.positions.dtype)])
+    padded.out_cache_loc = torch.cat([slots, torch.zeros(pad, dtype=slots.dtype)])
+
+    def grow(t):
+        return torch.cat([t, torch.randn(pad, *t.shape[1:], generator=gen)])
+
+    # the rows are in the cache already (the unpadded pass wrote them): this pass only reads
+    idx_o2, o2 = sv.hybrid.forward_extend(grow(q), grow(k), grow(v), _layer(lid), padded, save_kv_cache=False,
+                                          idx_q=grow(iq), idx_k=grow(ik), idx_v=grow(iv))
+    assert seen == [n, n]
+    assert o2.shape == (n + pad, HQ * D) and idx_o2.shape == (n + pad, H_IDX * DI)
+    assert torch.allclose(o2[:n], o, rtol=1e-6, atol=1e-6) and not o2[n:].any()
+    assert torch.equal(idx_o2[:n], idx_o) and not idx_o2[n:].any()

@@ -143,14 +143,14 @@ class OscarMiniMaxSparseBackend(MiniMaxSparseAttnBackend):
             topk_idx = topk_index_reduce(topk_idx.view(hkv, group, -1, self.topk_blocks), dim=1)
         return idx_o, topk_idx.to(torch.int32)
 
-    def _rows(self, dense, forward_batch):
-        """``(row_req, row_len, recent)`` of the main attention's query rows: a decode row per request
-        (its ``seq_lens``, the pool's recent window), an extend row per chunk token (``position + 1``,
-        ``recent = 0``: window mode "extend")."""
+    def _rows(self, forward_batch, rows: int):
+        """``(row_req, row_len, recent)`` of the main attention's ``rows`` query rows: a decode row per
+        request (its ``seq_lens``, the pool's recent window), an extend row per real chunk token
+        (``position + 1``, ``recent = 0``: window mode "extend"; a padded batch's tail left out)."""
         if forward_batch.forward_mode.is_decode():
             return forward_batch.req_pool_indices, forward_batch.seq_lens, self.kv_pool.oscar_config.recent_tokens
-        pos, req, _ = dense._token_tables(forward_batch)
-        return req, pos + 1, 0
+        req = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens, output_size=rows)
+        return req, forward_batch.positions[:rows] + 1, 0
 
     def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, idx_q, idx_k, idx_v):
         dense = self._dense()
@@ -162,18 +162,31 @@ class OscarMiniMaxSparseBackend(MiniMaxSparseAttnBackend):
         dense._check_layer(layer, None, None)
         disable_value = lid in self.disable_value_layer_ids
         n = q.shape[0]
+        # an extend batch padded past its tokens (the breakable prefill graph's bucket): the query rows
+        # are the real tokens only, the rest come back as zeros (SGLang's forward_extend, :313-366; the
+        # indexer's block lists have one row per real token)
+        rows = n
+        if not forward_batch.forward_mode.is_decode() and forward_batch.extend_seq_lens_cpu is not None:
+            rows = min(n, int(sum(forward_batch.extend_seq_lens_cpu)))
         q_rot = dense._prepare(q, k, v, layer, forward_batch, save_kv_cache)  # writes the INT2 rows first
         if save_kv_cache:
             self._write_index(layer, forward_batch.out_cache_loc, idx_k, idx_v, disable_value)
-        idx_o, blocks = self._select(idx_q, layer, forward_batch, disable_value)
-        row_req, row_len, recent = self._rows(dense, forward_batch)
+        idx_o, blocks = self._select(idx_q[:rows], layer, forward_batch, disable_value)
+        row_req, row_len, recent = self._rows(forward_batch, rows)
         pool, windows = self.kv_pool, self.kv_pool.windows
         o = block_sparse_attention(
-            q_rot, pool.layout_of(lid), pool.int2_buffers(lid), windows.hp_index, dense._int2_req_to_token, row_req,
-            row_len, blocks, block_size=self.block_size_k, sink=pool.oscar_config.sink_tokens, recent=recent,
-            sm_scale=layer.scaling, sink_lens=windows.sink_lens)
+            q_rot[:rows], pool.layout_of(lid), pool.int2_buffers(lid), windows.hp_index, dense._int2_req_to_token,
+            row_req, row_len, blocks, block_size=self.block_size_k, sink=pool.oscar_config.sink_tokens,
+            recent=recent, sm_scale=layer.scaling, sink_lens=windows.sink_lens)
         out = dense._output(o, layer, q.dtype, forward_batch)
-        return (None if idx_o is None or disable_value else idx_o.reshape(n, -1).contiguous()), out
+        if idx_o is None or disable_value:
+            idx_o = None
+        else:
+            idx_o = idx_o.reshape(rows, -1)
+        if rows < n:
+            out = torch.cat([out, out.new_zeros(n - rows, out.shape[1])])
+            idx_o = None if idx_o is None else torch.cat([idx_o, idx_o.new_zeros(n - rows, idx_o.shape[1])])
+        return (None if idx_o is None else idx_o.contiguous()), out
 
     # ------------------------------------------------------------------ SGLang's entry points
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, idx_q, idx_k, idx_v, **kwargs):
