@@ -243,6 +243,18 @@ def test_m3_refusals_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE", "true")
     assert "unset" in refusal_messages(SimpleNamespace(model_path=str(d), tp_size=1))[0]
     assert minimax_m3_messages({"architectures": ["MiniMaxM2ForCausalLM"]}, environ={"x": "1"}, hip=True) == []
+    # the prefill CUDA graph SGLang resolved: breakable (its CUDA default) refused for M3, full for every model
+    monkeypatch.delenv("SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE")
+    graph = lambda backend: SimpleNamespace(prefill=SimpleNamespace(backend=backend))
+    m2 = tmp_path / "m2"
+    m2.mkdir()
+    (m2 / "config.json").write_text(json.dumps({"architectures": ["MiniMaxM2ForCausalLM"], "num_attention_heads": 8,
+                                                "num_key_value_heads": 2}))
+    for backend, m3_refused, m2_refused in (("breakable", "--disable-prefill-cuda-graph", None), ("disabled", None, None),
+                                            ("tc_piecewise", None, None), ("full", "full-graph", "full-graph")):
+        for path, expect in ((d, m3_refused), (m2, m2_refused)):
+            msgs = refusal_messages(SimpleNamespace(model_path=str(path), tp_size=1, cuda_graph_config=graph(backend)))
+            assert (msgs == []) == (expect is None) and all(expect in m for m in msgs), (backend, path, msgs)
 
 
 def test_fold_keeps_m3_layers_at_run_time():

@@ -110,7 +110,22 @@ def refusal_messages(server_args) -> list[str]:
         if r.unsupported(value):
             out.append(f"--kv-cache-dtype int2 does not support {r.flag} {value!r}: {r.advice}")
     out.extend(model_refusal_messages(server_args))
+    if prefill_graph_backend(server_args) == "full":
+        # the whole extend forward in one graph: the INT2 windows' per-forward tables and the extend
+        # plan are built in Python before each forward (init_forward_metadata), which a replay skips
+        out.append("--kv-cache-dtype int2 does not support a full-graph prefill capture (CUDA-graph prefill backend "
+                   "'full', from --cuda-graph-backend-prefill or --cuda-graph-config): the INT2 cache's per-forward "
+                   "tables are built outside the graph; use the default breakable prefill graph or "
+                   "--disable-prefill-cuda-graph")
     return out
+
+
+def prefill_graph_backend(server_args) -> str | None:
+    """The prefill CUDA-graph backend SGLang resolved in ``ServerArgs.__post_init__``
+    (``cuda_graph_config.prefill.backend``: ``full``, ``breakable``, ``tc_piecewise`` or ``disabled``;
+    ``srt/model_executor/cuda_graph_config.py``), or ``None`` before it resolved one."""
+    prefill = getattr(getattr(server_args, "cuda_graph_config", None), "prefill", None)
+    return getattr(prefill, "backend", None)
 
 
 # MiniMax M2.x / M3 checkpoints: their routed experts take ``intermediate_size`` (not
@@ -242,6 +257,13 @@ def model_refusal_messages(server_args) -> list[str]:
     if cfg is None:
         return []
     out = minimax_m3_messages(cfg)
+    if set(cfg.get("architectures") or ()) & set(_MINIMAX_MOE_ARCHS[1:]) and \
+            prefill_graph_backend(server_args) == "breakable":
+        # RadixAttention calls the backend of a layer with index queries directly inside a breakable
+        # graph segment (srt/layers/radix_attention.py:171-175), not eagerly between segments
+        out.append("--kv-cache-dtype int2 does not support MiniMax-M3 under the breakable prefill CUDA graph "
+                   "(SGLang's default on CUDA): its sparse layers' attention is recorded inside a graph segment, so "
+                   "replays would reuse the captured INT2 window tables; pass --disable-prefill-cuda-graph")
     msg = minimax_tp_message(cfg, getattr(server_args, "tp_size", 1) or 1, getattr(server_args, "ep_size", 1) or 1,
                              getattr(server_args, "moe_dp_size", 1) or 1)
     return out + ([msg] if msg else [])
