@@ -62,8 +62,8 @@ def test_latent_extend_matches_the_oracle(device, quantizer, prefixes, tiles):
 def test_chunked_prefill_gives_the_bits_of_one_prefill(device):
     """Each row sums the same key tiles in the same order: a request prefilled as prefix + chunk gives
     exactly the rows of one prefill with the same tiles. Other token / head tiles change the dot
-    products' shape (on the GPU another MMA instruction and K order): bit-identical on the
-    interpreter, equal to fp32 rounding on the GPU."""
+    products' shape (on the GPU another MMA instruction and K order; on the interpreter another BLAS
+    blocking, seed 1915610337 differed in the last bits): equal to fp32 rounding."""
     cfg, rot, _, pool, q_nope, q_pe = _setup(device)
     whole = _run(pool, q_nope, q_pe, rot, [0, 0, 0], device, cfg, block_t=1, block_h=16)
     part = _run(pool, q_nope, q_pe, rot, [16, 33, 4], device, cfg, block_t=1, block_h=16)
@@ -71,10 +71,7 @@ def test_chunked_prefill_gives_the_bits_of_one_prefill(device):
         assert torch.equal(pt, w[p:])
     tiled = _run(pool, q_nope, q_pe, rot, [16, 33, 4], device, cfg, block_t=4, block_h=8)
     for w, pt, p in zip(whole, tiled, [16, 33, 4]):
-        if device == "cpu":
-            assert torch.equal(pt, w[p:])
-        else:
-            assert rel_l2(pt, w[p:]) < 1e-6
+        assert rel_l2(pt, w[p:]) < 1e-5  # summation order only; a tiling bug moves rows by > 1e-2
 
 
 def test_latent_extend_rejects_bad_input():

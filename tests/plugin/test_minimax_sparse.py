@@ -122,9 +122,13 @@ def test_pool_bytes_are_int2_main_plus_sglangs_index_term():
     assert minimax_index_bytes(1, 1, DI, torch.bfloat16) == pool.index_bytes_per_token() == index
     assert pool.int2_bytes_per_token() == main + index == int2_cell_size(CONFIG, HKV, D, D, 3) + index
     kvc = _kvc()
+    # SGLang's own cell size through a BF16 server's kvc: when another test left the plugin's hooks
+    # applied, the int2 kvc would get the hooked (INT2) size
+    bf16_kvc = SimpleNamespace(**{**vars(kvc), "server_args": SimpleNamespace(**{**vars(kvc.server_args),
+                                                                                  "kv_cache_dtype": "auto"})})
     with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
         sglang = DefaultPoolConfigurator._compute_cell_size(DefaultPoolConfigurator.__new__(DefaultPoolConfigurator),
-                                                            kvc, 3)
+                                                            bf16_kvc, 3)
         ours = serving.around_compute_cell_size(lambda *a: -1, None, kvc, 3)
     assert sglang == 3 * 2 * HKV * D * 2 + index  # SGLang: BF16 main + the same index term
     assert ours == pool.int2_bytes_per_token()
