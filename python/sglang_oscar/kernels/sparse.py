@@ -46,7 +46,7 @@ from .configs import effective_convert
 from .decode.merge import launch_merge, merge_launch
 from .layout import TORCH_TO_TL, Int2Layout, next_pow2
 from .tiles import NEG_INF, hp_scores, hp_values, int2_scores, int2_values, load_q_quarter, request_sink_len, \
-    store_quarters
+    softmax_update, store_quarters
 from .validate import INDEX_DTYPES, check_float, check_range, check_tensor, debug_enabled, needs_idx64
 
 #: block sizes (``sparse_block_size``) the kernel takes
@@ -168,15 +168,8 @@ def _block_sparse_stage1(
                                    stride_kps, slots, i2_ok, A4, C0, l0, l1, l2, l3, QK, QKP, GK, NGK, K_FAST, LM,
                                    OP, PREC, CONVERT)
                 s = tl.where(i2_ok[None, :], s_i2, s)
-            valid = hp_ok | i2_ok
             # online softmax in base 2 (q carries sm_scale * log2 e); a row with no key so far keeps m = -inf
-            t = tl.where(valid[None, :], s, NEG_INF)
-            m_new = tl.maximum(m, tl.max(t, axis=1))
-            m_use = tl.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = tl.exp2(m - m_use)
-            p = tl.exp2(t - m_use[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
+            p, alpha, m, l = softmax_update(s, (hp_ok | i2_ok)[None, :], m, l, 0.0, False)
             # rescale once here; both value products then add with factor 1 (each loads only its tier's
             # rows, the other tier's positions read as zero values)
             acc0 = acc0 * alpha[:, None]

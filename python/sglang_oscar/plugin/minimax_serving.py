@@ -75,15 +75,16 @@ def minimax_layers(kvc) -> MiniMaxLayers:
                          int(cfg["sparse_index_dim"]))
 
 
+def _index_bytes(layers: MiniMaxLayers, dtype) -> int:
+    from ..pool.minimax_pool import minimax_index_bytes
+
+    return minimax_index_bytes(len(layers.index_kv), len(layers.index_k_only), layers.idx_head_dim, dtype)
+
+
 def minimax_index_bytes_of(kvc) -> int:
     """Bytes per token of the BF16 index pools of this rank's sparse layers (``kvc.model_dtype``, as
     SGLang builds them), 0 for other models."""
-    if not is_minimax_kvc(kvc):
-        return 0
-    from ..pool.minimax_pool import minimax_index_bytes
-
-    layers = minimax_layers(kvc)
-    return minimax_index_bytes(len(layers.index_kv), len(layers.index_k_only), layers.idx_head_dim, kvc.model_dtype)
+    return _index_bytes(minimax_layers(kvc), kvc.model_dtype) if is_minimax_kvc(kvc) else 0
 
 
 def minimax_cell_size(kvc, config, heads: int, head_dim: int, v_head_dim: int) -> int:
@@ -94,7 +95,7 @@ def minimax_cell_size(kvc, config, heads: int, head_dim: int, v_head_dim: int) -
 
     layers = minimax_layers(kvc)
     return int2_cell_size(config, heads, head_dim, v_head_dim, len(layers.dense) + len(layers.sparse)) + \
-        minimax_index_bytes_of(kvc)
+        _index_bytes(layers, kvc.model_dtype)
 
 
 def log_minimax_sizes(kvc, config, heads: int, head_dim: int, v_head_dim: int, tokens: int) -> None:
@@ -106,7 +107,7 @@ def log_minimax_sizes(kvc, config, heads: int, head_dim: int, v_head_dim: int, t
     n = len(layers.dense) + len(layers.sparse)
     main_int2 = int2_cell_size(config, heads, head_dim, v_head_dim, n)
     main_bf16 = hp_row_bytes(heads, head_dim, v_head_dim, n, kvc.model_dtype)
-    index = minimax_index_bytes_of(kvc)
+    index = _index_bytes(layers, kvc.model_dtype)
     logger.info("sglang-oscar: MiniMax-M3 main K/V (%d dense + %d sparse layers x %d kv heads x %d): %d bytes/token "
                 "INT2 (BF16: %d, %.2fx fewer); index pools (BF16, %d key+value + %d key-only layers x %d): %d "
                 "bytes/token; total %d bytes/token (BF16: %d, %.2fx fewer); tokens: %d (%.2f GiB)",

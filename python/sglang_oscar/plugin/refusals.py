@@ -242,9 +242,12 @@ def minimax_m3_messages(config: dict, environ=None, hip: bool | None = None) -> 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     sparse = text.get("sparse_attention_config") or config.get("sparse_attention_config") or {}
     block = sparse.get("sparse_block_size") if isinstance(sparse, dict) else None
-    if block is not None and int(block) not in (16, 32, 64, 128):
+    from ..kernels.sparse import BLOCK_SIZES
+
+    if block is not None and int(block) not in BLOCK_SIZES:
         out.append(f"--kv-cache-dtype int2 does not serve MiniMax-M3 with sparse_block_size {block} (the INT2 "
-                   "block-sparse attention takes 16, 32, 64 or 128); serve it with --kv-cache-dtype auto")
+                   f"block-sparse attention takes {', '.join(map(str, BLOCK_SIZES[:-1]))} or {BLOCK_SIZES[-1]}); "
+                   "serve it with --kv-cache-dtype auto")
     return out
 
 
