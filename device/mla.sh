@@ -34,7 +34,7 @@ for step in "${steps[@]}"; do
         bash device/kernels.sh tests > "$R/kernels.log" 2>&1 || rc=1
       cp /tmp/mla_k/*.log "$L/" 2>/dev/null ;;
     check)
-      timeout $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --family "${MLA_FAMILY:-deepseek_v3}" \
+      timeout -k 90 $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --family "${MLA_FAMILY:-deepseek_v3}" \
         --out /tmp/mla --budget "${MLA_BUDGET:-300}" \
         > "$L/mla_check.log" 2>&1 || rc=1
       cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null ;;

@@ -284,3 +284,14 @@ def test_block_sparse_gpu_served_windows_and_cuda_graph():
     want = block_sparse_attention(q_rot, pool.layout, bufs, *args, **{**kw, "out": None})
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("k,block,extend,decode", [(16, 128, 4, 16), (32, 64, 4, 16), (8, 16, 1, 1), (3, 128, 1, 3),
+                                                   (64, 128, 8, 16), (2, 64, 1, 1)])
+def test_block_sparse_default_splits(k, block, extend, decode):
+    """Extend rows: one split per 512 selected positions, 1..8; decode rows: one per 128, 1..16; never
+    more than ``k`` (every split holds a block)."""
+    from sglang_oscar.kernels.sparse import block_sparse_num_splits
+
+    assert block_sparse_num_splits(k, block) == extend
+    assert block_sparse_num_splits(k, block, decode=True) == decode

@@ -32,7 +32,7 @@ import logging
 import torch
 from sglang.srt.layers.attention.minimax_sparse_backend import MiniMaxSparseAttnBackend
 
-from ..kernels.sparse import BLOCK_SIZES, block_sparse_attention
+from ..kernels.sparse import BLOCK_SIZES, block_sparse_attention, block_sparse_num_splits
 from ..pool.minimax_pool import OscarMiniMaxSparseKVPool
 
 logger = logging.getLogger("sglang_oscar")
@@ -177,7 +177,9 @@ class OscarMiniMaxSparseBackend(MiniMaxSparseAttnBackend):
         o = block_sparse_attention(
             q_rot[:rows], pool.layout_of(lid), pool.int2_buffers(lid), windows.hp_index, dense._int2_req_to_token,
             row_req, row_len, blocks, block_size=self.block_size_k, sink=pool.oscar_config.sink_tokens,
-            recent=recent, sm_scale=layer.scaling, sink_lens=windows.sink_lens)
+            recent=recent, sm_scale=layer.scaling, sink_lens=windows.sink_lens,
+            num_splits=block_sparse_num_splits(blocks.shape[2], self.block_size_k,
+                                               decode=forward_batch.forward_mode.is_decode()))
         out = dense._output(o, layer, q.dtype, forward_batch)
         if idx_o is None or disable_value:
             idx_o = None

@@ -51,18 +51,27 @@ from .validate import INDEX_DTYPES, check_float, check_range, check_tensor, debu
 
 #: block sizes (``sparse_block_size``) the kernel takes
 BLOCK_SIZES = (16, 32, 64, 128)
-#: selected key positions per split of a row (:func:`block_sparse_num_splits`)
+#: selected key positions per split of a row (:func:`block_sparse_num_splits`): extend rows, and
+#: decode rows, whose few programs per request need shorter splits to fill the GPU
 SPLIT_KEYS = 512
+DECODE_SPLIT_KEYS = 128
 MAX_DEFAULT_SPLITS = 8
+MAX_DECODE_SPLITS = 16
 
 
-def block_sparse_num_splits(k: int, block_size: int) -> int:
+def block_sparse_num_splits(k: int, block_size: int, decode: bool = False) -> int:
     """Default splits of each row's block list: one per :data:`SPLIT_KEYS` (512) selected positions
-    (``k * block_size``), 1..8 and at most ``k``. A function of the model's selection width only,
-    not of the batch: the split count sets the order in which a row's partial softmaxes are summed,
-    so one that followed the chunk's token count would make a prompt's result depend on its
-    chunking."""
-    return max(1, min(MAX_DEFAULT_SPLITS, k, (k * block_size) // SPLIT_KEYS))
+    (``k * block_size``), 1..8 and at most ``k``; for decode rows one per :data:`DECODE_SPLIT_KEYS`
+    (128), 1..16. A function of the model's selection width and the forward mode only, not of the
+    batch: the split count sets the order in which a row's partial softmaxes are summed, so one that
+    followed the chunk's token count would make a prompt's result depend on its chunking.
+
+    Why decode splits finer: at M3's width (2,048 keys) and batch 1 the 4 default splits took 45.5 us
+    and 16 took 16.4 us (8 q / 1 kv heads; 47.6 vs 18.5 us at 64 / 8), equal at batch 32 (154.7 vs
+    157.9 us at 64 / 8): ``python -m benchmarks.bench_sparse --contexts 131072 --batches 1,32
+    --block-topk 128:16 --splits S``, H200, tree ``094f2f1`` (docs/benchmarks_mla.md)."""
+    keys, cap = (DECODE_SPLIT_KEYS, MAX_DECODE_SPLITS) if decode else (SPLIT_KEYS, MAX_DEFAULT_SPLITS)
+    return max(1, min(cap, k, (k * block_size) // keys))
 
 
 @triton.jit
@@ -245,7 +254,8 @@ def block_sparse_attention(
         sm_scale: softmax scale (natural units), finite and > 0.
         sink_lens: optional int ``[max_reqs]``: request ``r`` reads positions ``< min(sink_lens[r], sink)``
             from sink rows, the rest of ``[0, sink)`` through INT2 (as :class:`~.decode.plan.DecodePlan`).
-        num_splits: splits of each row's block list (default :func:`block_sparse_num_splits`), >= 1.
+        num_splits: splits of each row's block list (default :func:`block_sparse_num_splits` for
+            extend rows when ``recent == 0``, else for decode rows), >= 1.
         out: optional ``[N, H_q, D_v]`` float output (last dim contiguous), else fp32 is allocated.
         debug: check index values (reads device memory; default ``SGLANG_OSCAR_DEBUG``).
 
@@ -283,7 +293,7 @@ def block_sparse_attention(
         check_tensor(sink_lens, "sink_lens", ndim=1, dtypes=INDEX_DTYPES, device=dev, last_contiguous=True)
     sm_scale = check_sm_scale(sm_scale)
     if num_splits is None:
-        num_splits = block_sparse_num_splits(k, block_size)
+        num_splits = block_sparse_num_splits(k, block_size, decode=recent > 0)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     dv = layout.v.head_dim
