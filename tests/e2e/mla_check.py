@@ -74,6 +74,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -138,10 +139,11 @@ def load_prompts(n: int = LOAD_REQUESTS, seed: int = 55) -> list[list[int]]:
     return out
 
 
-def load_report(srv, log_path: str, prompts: list[list[int]]) -> dict:
+def load_report(srv, log_path: str, prompts: list[list[int]], timeout: float = 300.0) -> dict:
     """Send ``prompts`` at once (greedy, :data:`NEW_TOKENS` each), let the server idle (its strict
-    checks run), probe its health and scan its log: ``ok`` when every request completed, the server
-    is alive and healthy, and its log has no leak report and no new traceback."""
+    checks run), probe its health and scan its log: ``ok`` when every request completed within
+    ``timeout`` seconds, the server is alive and healthy, and its log has no leak report and no new
+    traceback."""
     def text():
         with open(log_path, errors="replace") as f:
             return f.read()
@@ -151,13 +153,16 @@ def load_report(srv, log_path: str, prompts: list[list[int]]) -> dict:
     def one(ids):
         try:
             g = parse_generation(http_json(srv.base_url + "/generate", generate_payload(ids, NEW_TOKENS, top_logprobs=0),
-                                           timeout=300))
+                                           timeout=timeout))
             return len(g["tokens"]) == NEW_TOKENS
         except RuntimeError:
             return False
 
-    with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
+    ex = ThreadPoolExecutor(max_workers=len(prompts))
+    try:
         done = sum(ex.map(one, prompts))
+    finally:  # on Terminated the caller stops the server at once, which ends the waiting requests
+        ex.shutdown(wait=False, cancel_futures=True)
     time.sleep(5.0)  # idle: SGLang's strict leak check runs (a leak raises in the scheduler)
     health = {}
     for ep in ("/health", "/health_generate"):
@@ -392,6 +397,14 @@ def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
     return (sum(d) / len(d), max(d)) if d else (math.nan, math.nan)
 
 
+class Terminated(Exception):
+    """SIGTERM (a device call's ``timeout``): stop the servers, judge what was answered."""
+
+
+def _raise_terminated(signum, _frame):
+    raise Terminated(f"signal {signum} after the answers so far")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.e2e.mla_check", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -414,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                                       log_header="$ " + " ".join(a))
     prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
     res: dict = {"family": args.family, "geometry": geometry, "servers": {}}
+    # without this a timeout kills only this process and its servers keep their ports and GPU memory
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         for name, srv in servers.items():
             srv.start()
@@ -437,10 +452,14 @@ def main(argv: list[str] | None = None) -> int:
                 res["servers"][name] = f"REQUEST FAILED: {exc}"
                 continue
             if name == "int2":  # last: the load may leave the cache full of its prefixes
-                res["load"] = load_report(srv, os.path.join(args.out, f"mla_{name}.log"), load_prompts())
+                left = max(30.0, args.budget - (time.monotonic() - t0))
+                res["load"] = load_report(srv, os.path.join(args.out, f"mla_{name}.log"), load_prompts(), left)
+    except Terminated as exc:
+        res["terminated"] = str(exc)
     finally:
         for srv in servers.values():
             srv.stop(grace=30.0)
+        signal.signal(signal.SIGTERM, previous)
     with open(os.path.join(args.out, "mla_check.json"), "w") as f:  # the raw answers, before any judging
         json.dump(res, f, indent=1)
     verdict = {}
@@ -475,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         res["radix_cached_tokens"] = radix.get("cached_tokens")
     if "load" in res:
         verdict["load"] = res["load"]["ok"]
-    if with_oracle and isinstance(sv.get("int2"), list):
+    if with_oracle and isinstance(sv.get("int2"), list) and "terminated" not in res:
         try:
             res["oracle"] = orc = oracle_report(args.model, prompts, sv["int2"])
             verdict["oracle"] = orc["served_vs_oracle_bf16"] <= max(2 * orc["oracle_fp32_vs_bf16"], 0.05)
@@ -501,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
               f"oracle (reported): {res.get('oracle')}",
               f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]
     lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]
+    missing = [k for k in judged if k not in verdict]
+    if missing:
+        lines.append(f"not judged (fails the check): {', '.join(missing)}"
+                     + (f"; terminated: {res['terminated']}" if "terminated" in res else ""))
     with open(os.path.join(args.out, "mla_check.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -331,3 +331,38 @@ def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp
         assert bool(res["load"]["leak_lines"]) == (fault == "leak")
     assert envs["mla_int2.log"]["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] == "1"
     assert all("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE" not in (e or {}) for n, e in envs.items() if n != "mla_int2.log")
+
+
+def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_path, monkeypatch):
+    """A device call's timeout (SIGTERM) while the int2 server answers: every server is stopped, the
+    partial answers are written and judged, the unjudged items are named and the check fails."""
+    import signal
+
+    servers = []
+
+    class Recording(FakeServer):
+        stopped = False
+
+        def stop(self, **kwargs):
+            self.stopped = True
+
+    monkeypatch.setattr(mla_check, "ServerProcess", lambda *a, **k: servers.append(Recording(*a, **k)) or servers[-1])
+    answers = _answers(None, 0.0)
+    int2_port = f":{mla_check.BASE_PORT + list(mla_check.SERVERS).index('int2')}/"
+
+    def http_json(url, payload=None, timeout=None):
+        if int2_port in url:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return answers(url, payload, timeout)
+
+    monkeypatch.setattr(mla_check, "http_json", http_json)
+    _fake_build(monkeypatch)
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: pytest.fail("no oracle after a termination"))
+    before = signal.getsignal(signal.SIGTERM)
+    rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert rc == 1 and len(servers) == len(mla_check.SERVERS) and all(s.stopped for s in servers)
+    assert res["terminated"].startswith(f"signal {int(signal.SIGTERM)}") and "int2" not in res["servers"]
+    assert isinstance(res["servers"]["bf16"], list) and "load" not in res and "oracle" not in res["verdict"]
+    assert "not judged (fails the check): " in (tmp_path / "mla_check.md").read_text()
+    assert signal.getsignal(signal.SIGTERM) == before
