@@ -22,6 +22,7 @@ DEFAULT_RECENT = 256
 DECODE_ENGINES = ("auto", "triton", "gluon")
 ROTATE_ENGINES = ("triton", "torch")
 SKIP_LAYER_KINDS = ("none", "sliding", "full")
+MLA_STORAGES = ("latent", "expanded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,12 @@ class OscarConfig:
             :func:`sglang_oscar.backend.fold.fold_value_rotations`; Gemma-4's layers fold ``o_proj``
             only); layers that cannot be folded exactly keep the run-time rotation and the log says
             why. ``False`` keeps the unfolded path (for checking). Booleans or ``"on"/"off"/"true"/"false"/"1"/"0"`` strings.
+        mla_storage: what an MLA model (DeepSeek-V2/V3) caches (``--oscar-mla-storage``): ``"latent"``
+            (default: the INT2 latent ``c_kv`` + BF16 ``k_pe``, one row per token and layer) or
+            ``"expanded"`` (per head K ``[k_nope | k_pe]`` and V as INT2 MHA rows, attended by the MHA
+            backend; DeepSeek-V3 at group 64: 47x the latent's bytes per token at TP 1, 5.9x per rank at TP 8,
+            docs/design.md#mla-latent-cache).
+            Ignored by MHA/GQA models' pools (the launch check refuses ``"expanded"`` for them).
     """
 
     group_size: int | None = None
@@ -73,12 +80,15 @@ class OscarConfig:
     rotate_engine: str = "triton"
     skip_layers: str = "none"
     fold_rotations: bool = False
+    mla_storage: str = "latent"
 
     def __post_init__(self):
         object.__setattr__(self, "skip_layers", parse_skip_layers(self.skip_layers))
         object.__setattr__(self, "fold_rotations", parse_switch(self.fold_rotations, "fold_rotations"))
         if self.decode_engine not in DECODE_ENGINES:
             raise ValueError(f"decode_engine must be one of {DECODE_ENGINES}, got {self.decode_engine!r}")
+        if self.mla_storage not in MLA_STORAGES:
+            raise ValueError(f"mla_storage must be one of {MLA_STORAGES}, got {self.mla_storage!r}")
         if self.rotate_engine not in ROTATE_ENGINES:
             raise ValueError(f"rotate_engine must be one of {ROTATE_ENGINES}, got {self.rotate_engine!r}")
         for name in ("k_clip_ratio", "v_clip_ratio"):  # stored as plain floats (JSON, repr)

@@ -6,17 +6,18 @@ import torch
 
 
 def cpu_backend(pool, config, layers, rotations, *, max_reqs: int, ctx: int, means=None, folded=frozenset(),
-                output_folded=None):
+                output_folded=None, cls=None):
     """An ``OscarTritonAttnBackend`` over ``pool`` with the attributes its ``__init__`` sets (that
     ``__init__`` needs SGLang's GPU model runner): ``rotations`` ``{layer id: (R_k, R_v)}`` of
     ``layers`` (RadixAttention-like objects), centering ``means`` ``{layer id: (mean_k, mean_v)}``
     (default none), the layers whose value rotation (``folded``) and output rotation
     (``output_folded``, default ``folded``) ``fold_model`` moved into the weights, a
-    ``[max_reqs, ctx]`` request-to-slot table (and its sliding-pool twin for an ``OscarSWAKVPool``)."""
+    ``[max_reqs, ctx]`` request-to-slot table (and its sliding-pool twin for an ``OscarSWAKVPool``); ``cls``:
+    a subclass of ``OscarTritonAttnBackend`` to build instead (e.g. ``OscarExpandedMLABackend``)."""
     from sglang_oscar.backend.triton_backend import OscarTritonAttnBackend, decode_config
     from sglang_oscar.pool.swa_pool import OscarSWAKVPool
 
-    be = object.__new__(OscarTritonAttnBackend)
+    be = object.__new__(cls or OscarTritonAttnBackend)
     be.pool, be.windows, be.config = pool, pool.windows, config
     be.rotations = rotations
     be.means = means if means is not None else {lay.layer_id: (None, None) for lay in layers}

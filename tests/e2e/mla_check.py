@@ -1,6 +1,6 @@
 """Device check of the served INT2 MLA latent cache on a tiny seeded DeepSeek-V3.
 
-    python -m tests.e2e.mla_check [--family deepseek_v3|glm5|glm5_dense|kimi_linear|minimax_m3|minimax_m3_dense] [--out DIR] [--budget SECONDS]
+    python -m tests.e2e.mla_check [--family deepseek_v3|deepseek_v3_expanded|glm5|glm5_dense|kimi_linear|minimax_m3|minimax_m3_dense] [--out DIR] [--budget SECONDS]
     (GPU machine, after ``source device/env.sh``)
 
 Builds a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry (kv_lora_rank 512,
@@ -63,6 +63,11 @@ the BF16 server SGLang's own Triton sparse path. Judged as kimi_linear, with glm
 ``int2-window-chunk64`` reported; ``--family minimax_m3_dense`` selects every block (chunking and
 radix reuse judged where only the INT2 path could move them).
 
+``--family deepseek_v3_expanded`` serves the DeepSeek-V3 model with ``--oscar-mla-storage expanded
+--kv-cache-quant-group-size 64`` on the int2 servers: per-head K ``[k_nope | k_pe]`` 192 / V 128 in the
+INT2 MHA pool (:class:`~sglang_oscar.backend.expanded_backend.OscarExpandedMLABackend`), judged as
+DeepSeek-V3 with the oracle over :func:`sglang_oscar.reference.latent.expand_latent`'s K/V.
+
 Exit 1 when a judged item fails.
 """
 
@@ -100,6 +105,11 @@ REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what ea
 FAMILY_SERVERS = {f: {"int2-window-chunk64": [*SERVERS["int2-window"], "--chunked-prefill-size", "64"]}
                   for f in ("glm5", "glm5_dense", "minimax_m3")}
 FAMILY_REF = {f: {"int2-window-chunk64": "int2-window"} for f in ("glm5", "glm5_dense", "minimax_m3")}
+# flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
+# expanded-MHA storage needs groups that divide both K 192 and V 128
+EXPANDED_GROUP = 64
+FAMILY_INT2_FLAGS = {"deepseek_v3_expanded": ["--oscar-mla-storage", "expanded",
+                                              "--kv-cache-quant-group-size", str(EXPANDED_GROUP)]}
 PROMPT_LENS = (400, 900, 1500)
 NEW_TOKENS = 24
 VOCAB = 2048
@@ -291,6 +301,8 @@ def build_minimax_m3(path: str, block_topk: tuple[int, int] = M3_SPARSE) -> dict
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
     # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
+    # the same model with K [k_nope | k_pe] 192 / V 128 per head in the INT2 MHA pool
+    "deepseek_v3_expanded": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
     "glm5": (build_glm5, ["--attention-backend", "dsa", "--dsa-topk-backend", "torch"],
              ("serves", "window", "chunked", "radix", "load")),
     # the same model with top-k 2048 (> every prompt): chunking and radix reuse judged where the
@@ -306,8 +318,9 @@ FAMILIES = {  # --family: (model builder, extra server flags, judged items)
 }
 # what an int2 server's log says when it built the family's INT2 pool, and its bytes/token line
 # (INT2, BF16); MiniMax-M3's total counts its BF16 index keys in both
-POOL_LOG = {"minimax_m3": r"MiniMax-M3 pool: INT2 main K/V"}
-CAPACITY_LOG = {"minimax_m3": r"MiniMax-M3 main K/V .*total (\d+) bytes/token \(BF16: (\d+)"}
+POOL_LOG = {"minimax_m3": r"MiniMax-M3 pool: INT2 main K/V", "deepseek_v3_expanded": r"INT2 MLA expanded pool"}
+CAPACITY_LOG = {"minimax_m3": r"MiniMax-M3 main K/V .*total (\d+) bytes/token \(BF16: (\d+)",
+                "deepseek_v3_expanded": r"MLA expanded \(.*\): (\d+) bytes/token \(BF16: (\d+)"}
 DEFAULT_POOL_LOG, DEFAULT_CAPACITY_LOG = r"INT2 MLA latent pool", r"MLA latent \(.*\): (\d+) bytes/token \(BF16: (\d+)"
 
 
@@ -344,9 +357,10 @@ def _log_value(path: str, pattern: str):
     return m[-1] if m else None
 
 
-def oracle_report(model_path: str, prompts: list[list[int]], served: list[dict]) -> dict:
+def oracle_report(model_path: str, prompts: list[list[int]], served: list[dict], storage: str = "latent") -> dict:
     """Mean |prompt log-prob difference| of the int2 server vs the model-level oracle
-    (:mod:`.mla_oracle`, the server's windows, G 128, the data-free latent rotation) in an fp32 and
+    (:mod:`.mla_oracle`, the server's windows, the data-free rotation: latent G 128, or with
+    ``storage="expanded"`` per-head K / V at G :data:`EXPANDED_GROUP`) in an fp32 and
     a BF16 copy of the model, and of the fp32 oracle vs the unquantized fp32 model (the INT2
     effect). The oracle's fp32-vs-BF16 move is its own sensitivity to rounding: a served
     difference of that size is rounding carried through the INT2 codes, not an error."""
@@ -359,15 +373,25 @@ def oracle_report(model_path: str, prompts: list[list[int]], served: list[dict])
 
     from . import mla_oracle
 
-    rot = LatentRotationSet.data_free(ModelGeometry.from_hf_config(model_path)).r
-    config = OscarConfig(sink_tokens=int(WINDOWS[1]), recent_tokens=int(WINDOWS[3]))
+    geo = ModelGeometry.from_hf_config(model_path)
+    windows = dict(sink_tokens=int(WINDOWS[1]), recent_tokens=int(WINDOWS[3]))
+    if storage == "expanded":
+        from sglang_oscar.rotation.rotation_set import RotationSet
+
+        rs = RotationSet.data_free(geo.expanded())
+        rot = {i: (rs.matrices(i, "k"), rs.matrices(i, "v")) for i in rs.layer_ids}
+        config = OscarConfig(group_size=EXPANDED_GROUP, **windows)
+    else:
+        rot = LatentRotationSet.data_free(geo).r
+        config = OscarConfig(**windows)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
 
     def logprobs(dtype, patched):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev).eval()
         if patched:
-            mla_oracle.install(model, config, {i: r.to(dev) for i, r in rot.items()},
-                               hp_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+            mla_oracle.install(model, config, {i: (tuple(x.to(dev) for x in r) if isinstance(r, tuple) else r.to(dev))
+                                               for i, r in rot.items()},
+                               hp_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, storage=storage)
         return [mla_oracle.prompt_logprobs(model, p).cpu() for p in prompts]
 
     o32, o16, hf = logprobs(torch.float32, True), logprobs(torch.bfloat16, True), logprobs(torch.float32, False)
@@ -421,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     env = server_env(args.family, args.out)
     servers = {}
     for i, (name, extra) in enumerate({**SERVERS, **FAMILY_SERVERS.get(args.family, {})}.items()):
-        a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags])
+        int2_flags = FAMILY_INT2_FLAGS.get(args.family, []) if "int2" in extra else []
+        a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *int2_flags])
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env={**env, **(STRICT_ENV if name == "int2" else {})},
                                       log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
@@ -496,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         verdict["load"] = res["load"]["ok"]
     if with_oracle and isinstance(sv.get("int2"), list) and "terminated" not in res:
         try:
-            res["oracle"] = orc = oracle_report(args.model, prompts, sv["int2"])
+            res["oracle"] = orc = oracle_report(args.model, prompts, sv["int2"],
+                                                "expanded" if args.family in FAMILY_INT2_FLAGS else "latent")
             verdict["oracle"] = orc["served_vs_oracle_bf16"] <= max(2 * orc["oracle_fp32_vs_bf16"], 0.05)
         except Exception as exc:  # noqa: BLE001  the verdict fails and says why
             res["oracle"] = f"failed: {type(exc).__name__}: {exc}"

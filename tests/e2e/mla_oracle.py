@@ -1,5 +1,7 @@
 """The MLA oracle at model level: a ``transformers`` DeepSeek-V3 whose attention layers read the
-INT2 latent cache of :func:`sglang_oscar.reference.latent.latent_attention`.
+INT2 latent cache of :func:`sglang_oscar.reference.latent.latent_attention` or, with
+``storage="expanded"``, the INT2 MHA cache of per-head K ``[k_nope | k_pe]`` and V
+(:func:`sglang_oscar.reference.latent.expand_latent`, then :func:`sglang_oscar.reference.oscar_attention`).
 
 :func:`install` replaces ``DeepseekV3Attention.forward`` of every layer by the same projections,
 ``kv_a_layernorm`` and RoPE as transformers computes them, followed by the oracle's absorbed
@@ -15,26 +17,35 @@ from __future__ import annotations
 import torch
 
 from sglang_oscar.config import OscarConfig
-from sglang_oscar.reference.latent import latent_attention, split_kv_b_proj
+from sglang_oscar.reference.attention import oscar_attention
+from sglang_oscar.reference.latent import expand_latent, latent_attention, split_kv_b_proj
 
 
-def install(model, config: OscarConfig, rotations: dict[int, torch.Tensor] | None, *, window_mode: str = "extend",
-            hp_dtype: torch.dtype = torch.float32) -> int:
+def install(model, config: OscarConfig, rotations: dict | None, *, window_mode: str = "extend",
+            hp_dtype: torch.dtype = torch.float32, storage: str = "latent") -> int:
     """Patch every ``DeepseekV3Attention`` of ``model`` (returns how many).
 
     Args:
-        config: windows and INT2 format of the latent cache.
-        rotations: ``{layer id: [R, R]}`` latent rotations (``LatentRotationSet.r``), ``None`` = identity.
+        config: windows and INT2 format of the cache.
+        rotations: latent storage: ``{layer id: [R, R]}`` (``LatentRotationSet.r``); expanded storage:
+            ``{layer id: (R_k [N + P, N + P], R_v [V, V])}``; ``None`` = identity.
         window_mode: the oracle's tier rule (``"extend"``: a served prefill; ``"none"``: no quantization).
         hp_dtype: dtype of the window tier.
+        storage: ``"latent"`` or ``"expanded"`` (``--oscar-mla-storage``).
+
+    Raises:
+        ValueError: an unknown ``storage``.
     """
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
+    if storage not in ("latent", "expanded"):
+        raise ValueError(f"storage must be 'latent' or 'expanded', got {storage!r}")
+    make = _oracle_forward if storage == "latent" else _expanded_forward
     n = 0
     for module in model.modules():
         if isinstance(module, hf.DeepseekV3Attention):
             rot = None if rotations is None else rotations[module.layer_idx]
-            module.forward = _oracle_forward(module, config, rot, window_mode, hp_dtype)
+            module.forward = make(module, config, rot, window_mode, hp_dtype)
             n += 1
     return n
 
@@ -93,6 +104,23 @@ def _oracle_forward(attn, config, rot, window_mode, hp_dtype):
         x = latent_inputs(attn, hidden_states, position_embeddings)
         o = latent_attention(x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_kc"], x["w_vc"], rot, config,
                              softmax_scale=attn.scaling, window_mode=window_mode, hp_dtype=hp_dtype)
+        return attn.o_proj(o.to(hidden_states.dtype).reshape(1, -1, heads * v_dim)), None
+
+    return forward
+
+
+def _expanded_forward(attn, config, rot_kv, window_mode, hp_dtype):
+    heads, v_dim = attn.config.num_attention_heads, attn.v_head_dim
+    dk = attn.qk_nope_head_dim + attn.qk_rope_head_dim
+
+    def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        x = latent_inputs(attn, hidden_states, position_embeddings)
+        k, v = expand_latent(x["c_kv"], x["k_pe"], x["w_kc"], x["w_vc"])
+        q = torch.cat([x["q_nope"], x["q_pe"]], dim=-1).float()
+        eye = lambda d: torch.eye(d, device=q.device)  # noqa: E731
+        rk, rv = (eye(dk), eye(v_dim)) if rot_kv is None else (rot_kv[0].float(), rot_kv[1].float())
+        o = oscar_attention(q, k, v, rk, rv, config, sm_scale=attn.scaling, quantize=window_mode != "none",
+                            window_mode="extend" if window_mode == "none" else window_mode, hp_dtype=hp_dtype)
         return attn.o_proj(o.to(hidden_states.dtype).reshape(1, -1, heads * v_dim)), None
 
     return forward

@@ -208,6 +208,53 @@ def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):
     assert (mla_oracle.prompt_logprobs(patched, ids) - base).abs().mean() > 1e-3
 
 
+def test_expanded_mla_oracle_equals_the_model_without_quantization():
+    """The expanded-storage oracle (per-head K ``[k_nope | k_pe]`` 48 / V 32 in the MHA oracle): window
+    mode "none" or a sink covering the prompt equals the unpatched model; INT2 reads move it, by about
+    as much as the latent oracle's (both quantize the same information at 2 bits)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation.geometry import ModelGeometry
+    from sglang_oscar.rotation.latent import LatentRotationSet
+    from sglang_oscar.rotation.rotation_set import RotationSet
+
+    from . import mla_oracle
+    from .checkpoints import random_prompt
+
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=64,
+                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
+                           initializer_range=0.08)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    ids = random_prompt(48, 1, 256)
+    base = mla_oracle.prompt_logprobs(model, ids)
+    geo = ModelGeometry.from_hf_config(cfg.to_dict())
+    rs = RotationSet.data_free(geo.expanded())
+    rot = {i: (rs.matrices(i, "k"), rs.matrices(i, "v")) for i in rs.layer_ids}
+    assert rot[0][0].shape == (48, 48) and rot[0][1].shape == (32, 32)
+    moved = {}
+    for mode, config in (("none", OscarConfig(group_size=16, sink_tokens=4, recent_tokens=8)),
+                         ("extend", OscarConfig(group_size=16, sink_tokens=64, recent_tokens=8)),
+                         ("int2", OscarConfig(group_size=16, sink_tokens=4, recent_tokens=8))):
+        patched = DeepseekV3ForCausalLM(cfg).eval()
+        patched.load_state_dict(model.state_dict())
+        assert mla_oracle.install(patched, config, rot, window_mode="extend" if mode == "int2" else mode,
+                                  storage="expanded") == 2
+        moved[mode] = float((mla_oracle.prompt_logprobs(patched, ids) - base).abs().mean())
+    latent = DeepseekV3ForCausalLM(cfg).eval()
+    latent.load_state_dict(model.state_dict())
+    mla_oracle.install(latent, OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8),
+                       LatentRotationSet.data_free(geo).r)
+    moved["latent"] = float((mla_oracle.prompt_logprobs(latent, ids) - base).abs().mean())
+    assert moved["none"] < 1e-5 and moved["extend"] < 1e-5, moved
+    assert moved["int2"] > 1e-3 and 0.2 < moved["int2"] / moved["latent"] < 5.0, moved
+    with pytest.raises(ValueError, match="storage must be"):
+        mla_oracle.install(model, OscarConfig(), None, storage="mha")
+
+
 def test_sharpen_reaches_its_targets_on_an_mla_model():
     """checkpoints.sharpen on a DeepSeek-V3 (MLA: the query projection carries the score gain):
     attention scores std 1.5 and logits std 0.5, as on the MHA families."""
@@ -366,3 +413,40 @@ def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_p
     assert isinstance(res["servers"]["bf16"], list) and "load" not in res and "oracle" not in res["verdict"]
     assert "not judged (fails the check): " in (tmp_path / "mla_check.md").read_text()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
+    """--family deepseek_v3_expanded: only the int2 servers get ``--oscar-mla-storage expanded`` and
+    groups of 64; the judge finds the expanded pool and the capacity in their startup lines, and the
+    oracle is asked for expanded storage."""
+    argvs, storages = {}, []
+
+    class Expanded(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            argvs[os.path.basename(log_path)] = argv
+            with open(log_path, "w") as f:
+                f.write("KV Cache is allocated\n" + ("" if "auto" in argv else
+                        "sglang-oscar: INT2 KV cache, MLA expanded (4 layers x 8 heads x K 192 / V 128; BF16 latent 4608, "
+                        "INT2 latent 1088): 10240 bytes/token (BF16: 40960, 4.00x fewer); tokens: 10 (0.00 GiB)\n"
+                        "sglang-oscar: INT2 MLA expanded pool: 10 slots x 4 layers x 8 heads (K 192 / V 128)\n"))
+            self.base_url = f"http://fake:{port}"
+
+    monkeypatch.setattr(mla_check, "ServerProcess", Expanded)
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    _, flags, judged = mla_check.FAMILIES["deepseek_v3_expanded"]
+    monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3_expanded", (lambda path: {"kv_lora_rank": 512}, flags, judged))
+
+    def oracle(model, prompts, served, storage="latent"):
+        storages.append(storage)
+        return {"served_vs_oracle_bf16": 0.01, "oracle_fp32_vs_bf16": 0.01}
+
+    monkeypatch.setattr(mla_check, "oracle_report", oracle)
+    rc = mla_check.main(["--family", "deepseek_v3_expanded", "--out", str(tmp_path), "--budget", "5",
+                         "--model", str(tmp_path / "m")])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert rc == 0 and set(res["verdict"]) == set(judged) and storages == ["expanded"]
+    assert res["capacity"] == {"int2_bytes_per_token": 10240, "bf16_bytes_per_token": 40960, "ratio": 4.0}
+    flag = ["--oscar-mla-storage", "expanded", "--kv-cache-quant-group-size", "64"]
+    for name, argv in argvs.items():
+        has = any(argv[i:i + 4] == flag for i in range(len(argv)))
+        assert has == (name != "mla_bf16.log"), name

@@ -184,11 +184,119 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
         raise ValueError(f"--oscar-rotation: {exc}; pass an existing latent rotation file, or drop the flag to use "
                          "the data-free block-Hadamard rotation") from None
     except RotationError as exc:
+        if _fits_expanded(config.rotation_path, geometry):
+            raise ValueError(f"--oscar-rotation {config.rotation_path} holds per-head K/V rotations of this model's "
+                             "expanded MLA storage, but the server caches the latent (--oscar-mla-storage latent, the "
+                             "default): pass --oscar-mla-storage expanded, or a latent rotation file") from None
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this MLA model: {exc}; an MLA model "
                          "takes a latent rotation file (`sglang-oscar fit` on its calibration, or `hadamard`)") from None
     if log:
         logger.info("sglang-oscar: latent rotation %s (%d layers, kv_lora_rank %d)", config.rotation_path,
                     len(rs.layer_ids), geometry.kv_lora_rank)
+    return rs
+
+
+def _fits_expanded(path: str, geometry: ModelGeometry) -> bool:
+    """Whether ``path`` is a K/V rotation file that fits ``geometry``'s expanded-MHA storage."""
+    try:
+        RotationSet.from_paths(path).validate(geometry.expanded())
+    except (RotationError, ValueError, OSError):
+        return False
+    return True
+
+
+# What --oscar-mla-storage expanded serves: SGLang's DeepseekV2AttentionMLA layers whose non-absorbed
+# forward (forward_normal_prepare / _core) computes per-head K/V from kv_b_proj. Not DSA models (their
+# indexer runs only under SGLang's dsa backend over a latent pool) nor Kimi-Linear (its MLA layers live
+# in SGLang's hybrid linear-attention pool, which the expanded pool is not wired into).
+EXPANDED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def served_expanded_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
+                              architectures=None, hf_config=None) -> RotationSet:
+    """The validated K/V rotations of an MLA model served with ``--oscar-mla-storage expanded`` (a file
+    of :meth:`ModelGeometry.expanded`'s geometry, else its data-free Hadamard set), after the checks of
+    what the expanded pool serves.
+
+    Expanded storage caches per head ``K = [k_nope | k_pe]`` (``qk_nope_head_dim + qk_rope_head_dim``,
+    DeepSeek-V3: 192) and ``V`` (``v_head_dim``, 128) in the INT2 MHA pool: one "kv head" per query
+    head, rotated like an MHA layer's (``R_k [D_k, D_k]``, ``R_v [D_v, D_v]`` per layer or per head).
+
+    Args:
+        config: the server's :class:`~sglang_oscar.config.OscarConfig` (``mla_storage`` is not read:
+            callers call this for expanded storage only).
+        geometry: the model's geometry as :func:`model_geometry` reads it (the MLA one).
+        architectures: the config's ``architectures`` when known.
+        hf_config: the HF config (object, dict or directory), for :func:`served_rotation_set`'s checks.
+
+    Returns:
+        A :class:`RotationSet` over ``geometry.expanded()``'s layers.
+
+    Raises:
+        ValueError: a model that is not MLA, an architecture outside :data:`EXPANDED_ARCHITECTURES`
+            (Kimi-Linear and DSA models named, with the fix), a config without the per-head sizes,
+            ``--oscar-skip-layers``, ``--oscar-fold-rotations on``, ``--oscar-decode-engine gluon``, a
+            group size that does not divide both head dims, an MLA latent rotation file, or a file that
+            does not fit the expanded geometry (:func:`served_rotation_set`). Every message names the
+            flag and the fix.
+    """
+    name = geometry.model_type
+    flag = "--oscar-mla-storage expanded"
+    if geometry.attention_kind != "mla":
+        raise ValueError(f"{flag} applies to MLA models (DeepSeek-V2/V3); {name!r} is an MHA/GQA model, whose INT2 "
+                         "cache holds per-head K/V rows already: drop the flag")
+    archs = list(architectures or ())
+    if "KimiLinearForCausalLM" in archs or geometry.linear_layer_ids:
+        raise ValueError(f"{flag} does not serve Kimi-Linear ({name!r}): its MLA layers share SGLang's hybrid "
+                         "linear-attention pool with the KDA state, which only the latent pool joins; use "
+                         "--oscar-mla-storage latent (the default)")
+    if geometry.index_topk is not None or "GlmMoeDsaForCausalLM" in archs:
+        raise ValueError(f"{flag} does not serve DSA sparse attention ({name!r}, index_topk "
+                         f"{geometry.index_topk}: GLM-5, DeepSeek-V3.2): its indexer runs only under SGLang's dsa "
+                         "backend over the latent; use --oscar-mla-storage latent (the default)")
+    other = [a for a in archs if a not in EXPANDED_ARCHITECTURES]
+    if other:
+        raise ValueError(f"{flag} serves {', '.join(EXPANDED_ARCHITECTURES)}; {other[0]} ({name!r}) is not among "
+                         "them: use --oscar-mla-storage latent (the default) or --kv-cache-dtype auto")
+    try:
+        expanded = geometry.expanded()
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}; use --oscar-mla-storage latent (the default)") from None
+    for given, what in ((config.skip_layers not in (None, "none"), "--oscar-skip-layers"),
+                        (config.fold_rotations, "--oscar-fold-rotations on"),
+                        (config.decode_engine == "gluon", "--oscar-decode-engine gluon")):
+        if given:
+            why = {"--oscar-skip-layers": "SGLang keeps every MLA layer in one pool, so none can stay BF16",
+                   "--oscar-fold-rotations on": "the value rotation is not folded into kv_b_proj / o_proj",
+                   "--oscar-decode-engine gluon": "the Gluon kernel takes head_dim 128, not K "
+                                                  f"{expanded.layers[0].head_dim_k}"}[what]
+            raise ValueError(f"{what} does not apply with {flag} ({why}): drop the flag")
+    dk, dv = expanded.layers[0].head_dim_k, expanded.layers[0].head_dim_v
+    g = config.group_size
+    if g is not None and (dk % g or dv % g):
+        raise ValueError(f"--kv-cache-quant-group-size {g} does not fit {flag}: groups must divide both the K rows "
+                         f"({dk} = qk_nope_head_dim + qk_rope_head_dim) and the V rows ({dv}); pass "
+                         f"--kv-cache-quant-group-size {math.gcd(dk, dv)} (or a divisor of it), or leave it unset "
+                         "for one group per row")
+    from ..rotation.latent import is_latent_rotation_file
+
+    if config.rotation_path is not None and is_latent_rotation_file(config.rotation_path):
+        raise ValueError(f"--oscar-rotation {config.rotation_path} is an MLA latent rotation file, but {flag} caches "
+                         f"per-head K ({dk}) / V ({dv}) rows: pass a K/V file of the expanded geometry (`sglang-oscar "
+                         "hadamard --config CONFIG.json --mla-storage expanded --out FILE.safetensors`), or drop "
+                         f"{flag} to serve the latent cache with this file")
+    try:
+        rs = served_rotation_set(config, expanded, log=False, hf_config=hf_config)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc} (expanded storage takes per-head K [{dk}] / V [{dv}] rotations: "
+                         "`sglang-oscar hadamard --config CONFIG.json --mla-storage expanded --out FILE.safetensors`)"
+                         ) from None
+    if log:
+        if config.rotation_path is None:
+            _log_data_free(True, "Hadamard (expanded MLA K/V)")
+        else:
+            logger.info("sglang-oscar: rotation %s for expanded MLA storage (%s, %d layers, K %d / V %d)",
+                        config.rotation_path, "per head" if rs.per_head else "per layer", len(rs.layer_ids), dk, dv)
     return rs
 
 

@@ -112,9 +112,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self.windows = pool.windows
         self.config = pool.oscar_config
         par = get_parallel()
-        geometry = model_geometry(model_runner.model_config.hf_config)
-        rs = served_rotation_set(self.config, geometry, log=par.attn_tp_rank == 0,
-                                 hf_config=model_runner.model_config.hf_config)
+        geometry, rs = self._served_rotations(model_runner.model_config.hf_config, log=par.attn_tp_rank == 0)
         layer_ids = [layer.layer_id for layer in geometry.layers
                      if pool.start_layer <= layer.layer_id <= pool.end_layer and pool.is_int2_layer(layer.layer_id)]
         self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,
@@ -132,8 +130,18 @@ class OscarTritonAttnBackend(TritonAttnBackend):
                            if isinstance(pool, OscarSWAKVPool) and pool.skip != "sliding" else None)
         self._swa_loc = None
         self._decode_config = decode_config(self.config)
-        self.set_geometry(layer for layer in _attention_layers(getattr(model_runner, "model", None))
+        self.set_geometry(layer for layer in self._model_layers(getattr(model_runner, "model", None))
                           if pool.start_layer <= layer.layer_id <= pool.end_layer and pool.is_int2_layer(layer.layer_id))
+
+    def _served_rotations(self, hf_config, log: bool):
+        """``(geometry, rotation set)`` of the layers this backend serves: the model's MHA/GQA geometry
+        and :func:`.rotations.served_rotation_set` (subclasses serve another geometry of the model)."""
+        geometry = model_geometry(hf_config)
+        return geometry, served_rotation_set(self.config, geometry, log=log, hf_config=hf_config)
+
+    def _model_layers(self, model) -> list:
+        """The model's attention modules this backend plans for (every ``RadixAttention``-like module)."""
+        return _attention_layers(model)
 
     # ------------------------------------------------------------------ decode plans
     def set_geometry(self, layers) -> None:

@@ -13,12 +13,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="HF config.json (or a model directory holding one)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--method", default="hadamard", choices=["hadamard", "identity"])
+    _mla_storage_arg(p)
     p.set_defaults(func=_hadamard)
 
     p = sub.add_parser("validate", help="check a rotation file against a model config")
     p.add_argument("rotation", help="rotation .safetensors file, or a directory")
     p.add_argument("--config", required=True, help="HF config.json (or a model directory holding one)")
     p.add_argument("--ortho-tol", type=float, default=DEFAULT_ORTHO_TOL, help=f"max |R R^T - I| accepted (default {DEFAULT_ORTHO_TOL:g})")
+    _mla_storage_arg(p)
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("convert", help="convert upstream k_rotation_*.pt + v_rotation_*.pt files to .safetensors")
@@ -46,34 +48,73 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_demo)
 
 
-def _hadamard(args) -> int:
-    from ..rotation import ModelGeometry, RotationSet
+def _mla_storage_arg(p) -> None:
+    p.add_argument("--mla-storage", choices=["latent", "expanded"], default=None,
+                   help="MLA configs only: the server's --oscar-mla-storage. expanded: per-head K / V rotations of "
+                        "the expanded geometry (DeepSeek-V3: K 192, V 128, one kv head per query head); latent: the "
+                        "latent rotation file (also written by `fit --method hadamard`)")
+
+
+def _file_geometry(args):
+    """``(geometry, latent)``: the geometry a rotation file of ``args.config`` covers under ``--mla-storage``
+    (the MHA geometry, an MLA model's expanded one, or its latent one with ``latent`` true).
+
+    Raises:
+        CLIError: ``--mla-storage`` for a config that is not MLA, or an MLA config without it.
+    """
+    from ..errors import CLIError
+    from ..rotation import ModelGeometry
 
     geometry = ModelGeometry.from_hf_config(args.config)
-    rs = RotationSet.data_free(geometry, args.method)
+    mla = geometry.attention_kind == "mla"
+    if args.mla_storage is not None and not mla:
+        raise CLIError(f"--mla-storage applies to MLA configs; {geometry.model_type!r} is an MHA/GQA model: drop it")
+    if mla and args.mla_storage is None:
+        raise CLIError(f"{geometry.model_type!r} is an MLA model: pass --mla-storage expanded for the per-head K/V "
+                       "rotations of --oscar-mla-storage expanded, or --mla-storage latent for a latent rotation file "
+                       "(the default --oscar-mla-storage latent)")
+    if args.mla_storage == "expanded":
+        return geometry.expanded(), False
+    return geometry, mla
+
+
+def _hadamard(args) -> int:
+    from ..rotation import RotationSet
+    from ..rotation.latent import LatentRotationSet
+
+    geometry, latent = _file_geometry(args)
+    rs = (LatentRotationSet if latent else RotationSet).data_free(geometry, args.method)
     rs.validate(geometry)
+    if args.mla_storage == "expanded":  # provenance only: the launch check reads the shapes
+        rs.metadata["mla_storage"] = "expanded"
     rs.save(args.out)
+    if latent:
+        print(f"wrote {args.method} latent rotations for {len(geometry.layers)} MLA layers of {geometry.model_type} "
+              f"to {args.out} (kv_lora_rank {geometry.kv_lora_rank})")
+        return 0
     # one matrix per layer at that layer's head_dim: a two-geometry model (Gemma-4: sliding 256,
     # full 512) gets both sizes; the summary names each geometry group so the user can see it
     groups = "; ".join(g.describe() for g in geometry.groups())
     print(f"wrote {args.method} rotations for {len(geometry.layers)} layers of {geometry.model_type} to {args.out} "
-          f"({groups})")
+          f"({groups}{'; expanded MLA storage' if args.mla_storage == 'expanded' else ''})")
     return 0
 
 
 def _validate(args) -> int:
-    from ..rotation import ModelGeometry, RotationSet, orthogonality_error
+    from ..rotation import RotationSet, orthogonality_error
+    from ..rotation.latent import LatentRotationSet
 
-    geometry = ModelGeometry.from_hf_config(args.config)
-    rs = RotationSet.load(args.rotation)
+    geometry, latent = _file_geometry(args)
+    rs = (LatentRotationSet if latent else RotationSet).load(args.rotation)
     rs.validate(geometry, ortho_tol=args.ortho_tol)
-    worst = max(orthogonality_error(t) for t in list(rs.k.values()) + list(rs.v.values()))
+    mats = list(rs.r.values()) if latent else list(rs.k.values()) + list(rs.v.values())
+    worst = max(orthogonality_error(t) for t in mats)
     print(json.dumps({
         "path": args.rotation,
         "ok": True,
         "model_type": geometry.model_type,
         "layers": len(rs.layer_ids),
-        "format_version": rs.format_version,
+        "format_version": getattr(rs, "format_version", None),
         "method": rs.metadata.get("method"),
         "max_orthogonality_error": worst,
     }))

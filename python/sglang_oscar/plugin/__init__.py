@@ -14,8 +14,9 @@ idempotent. What the hooks do:
   (:mod:`.refusals`), a rotation file that does not fit the model, a group size that does not
   divide head_dim, or a serving hook that failed to apply (SGLang only logs hook failures).
 * the serving hooks of :mod:`.serving` (dtype, sizing, pool, allocator, radix cap, refusal of
-  in-place weight updates of a folded model), the ``ATTENTION_BACKENDS["triton"]`` registry entry and
-  MiniMax-M3's attention wrapper (:mod:`.minimax_serving`).
+  in-place weight updates of a folded model), the ``ATTENTION_BACKENDS["triton"]`` registry entry,
+  MLA models' pools and forward-method dispatch (:mod:`.mla_serving`) and MiniMax-M3's attention
+  wrapper (:mod:`.minimax_serving`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from . import minimax_serving as mm
+    from . import mla_serving as ml
     from . import serving as sv
 
     for target, hook, kind in (
@@ -64,7 +66,7 @@ def register() -> None:
         (SERVING_HOOK_TARGETS[7], sv.around_compute_max_prefix_len, HookType.AROUND),
         (SERVING_HOOK_TARGETS[8], sv.before_get_next_batch_to_run, HookType.BEFORE),
         (SERVING_HOOK_TARGETS[9], sv.after_hybrid_swa_configurator_init, HookType.AFTER),
-        (SERVING_HOOK_TARGETS[10], sv.around_mla_dispatch, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[10], ml.around_mla_dispatch, HookType.AROUND),
         *((target, sv.around_weight_update, HookType.AROUND) for target in sv.WEIGHT_UPDATE_HOOK_TARGETS),
         (sv.DSA_HOOK_TARGETS[0], sv.around_allocator_free, HookType.AROUND),
         (sv.DSA_HOOK_TARGETS[1], sv.after_allocator_clear, HookType.AFTER),
@@ -149,7 +151,8 @@ def preflight(server_args) -> None:
     Raises:
         ValueError: the message names the problem and the flag that fixes it.
     """
-    from ..backend.rotations import model_geometry, served_latent_rotations, served_rotation_set
+    from ..backend.rotations import (model_geometry, served_expanded_rotations, served_latent_rotations,
+                                     served_rotation_set)
 
     config = oscar_config_of(server_args)
     try:
@@ -165,11 +168,14 @@ def preflight(server_args) -> None:
             logger.warning("sglang-oscar: could not read the model config for the int2 checks: %s", exc)
             return
         geometry = model_geometry(hf_config)
-    if geometry.attention_kind == "mla":
+    if config.mla_storage == "expanded" or geometry.attention_kind == "mla":
         from ..rotation.geometry import _as_dict
 
-        served_latent_rotations(config, geometry, log=False,
-                                architectures=_as_dict(hf_config).get("architectures") if hf_config is not None else None)
+        archs = _as_dict(hf_config).get("architectures") if hf_config is not None else None
+        if config.mla_storage == "expanded":  # also refuses it for a non-MLA model, naming the flag
+            served_expanded_rotations(config, geometry, log=False, architectures=archs, hf_config=hf_config)
+        else:
+            served_latent_rotations(config, geometry, log=False, architectures=archs)
         return
     served_rotation_set(config, geometry, log=False, hf_config=hf_config)
     skip_kind(config, geometry, hf_config)

@@ -100,6 +100,13 @@ FLAGS = (
          "INT2 KV cache: layers that keep SGLang's BF16 cache and attention: none (default), sliding or full "
          "(every layer of that kind of a hybrid sliding-window model, e.g. Gemma-4, GPT-OSS), or "
          "comma-separated global layer ids that make up exactly one kind."),
+    Flag("oscar_mla_storage", "--oscar-mla-storage", "mla_storage", str,
+         "INT2 KV cache of MLA models (DeepSeek-V2/V3): latent (default: the INT2 latent c_kv + BF16 k_pe, "
+         "one row per token and layer, read by absorbed MLA attention) or expanded (per head K = [k_nope | k_pe] "
+         "and V as INT2 MHA rows under SGLang's non-absorbed MHA forward: DeepSeek-V3 12,800 bytes per token "
+         "and layer at group 64 against the latent's 272; takes a K/V rotation file of the expanded geometry, "
+         "`sglang-oscar hadamard --mla-storage expanded`).",
+         choices=("latent", "expanded")),
 )
 K_ROTATION_ENV = "SGLANG_OSCAR_K_ROTATION_PATH"
 V_ROTATION_ENV = "SGLANG_OSCAR_V_ROTATION_PATH"

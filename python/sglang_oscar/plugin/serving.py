@@ -7,16 +7,18 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
 * ``models.utils.enable_fused_set_kv_buffer`` (AROUND): ``False`` with the INT2 pool;
 * ``DefaultPoolConfigurator._compute_cell_size`` (AROUND) and ``HybridSWAPoolConfigurator.__init__``
   (AFTER): the packed INT2 bytes per token (per layer kind for hybrid sliding-window models, the
-  INT2 latent + BF16 ``k_pe`` for MLA models);
+  INT2 latent + BF16 ``k_pe`` or the expanded per-head K/V rows for MLA models, :mod:`.mla_serving`);
 * ``KVCacheConfigurator._resolve_memory_pool_config`` (AROUND): reserve the BF16 windows and
   bound ``max_running_requests`` (:func:`~sglang_oscar.pool.sizing.plan_windows`), log both budgets;
 * ``KVCacheConfigurator._build_token_to_kv_pool`` (AROUND): build
   :class:`~sglang_oscar.pool.int2_pool.OscarMHATokenToKVPool` for MHA/GQA models,
   :class:`~sglang_oscar.pool.swa_pool.OscarSWAKVPool` for hybrid sliding-window ones,
   :class:`~sglang_oscar.pool.latent_pool.OscarMLATokenToKVPool` for MLA ones
-  (:class:`~sglang_oscar.pool.dsa_pool.OscarDSALatentPool` for DSA ones: GLM-5),
+  (:class:`~sglang_oscar.pool.dsa_pool.OscarDSALatentPool` for DSA ones: GLM-5; an
+  ``OscarMHATokenToKVPool`` of per-head K/V with ``--oscar-mla-storage expanded``; :mod:`.mla_serving`),
   :class:`~sglang_oscar.pool.minimax_pool.OscarMiniMaxSparseKVPool` for MiniMax-M3 (:mod:`.minimax_serving`);
-* ``DeepseekV2AttentionMLA.dispatch_attn_forward_method`` (AROUND): absorbed MLA for every forward;
+* ``DeepseekV2AttentionMLA.dispatch_attn_forward_method`` (AROUND, :mod:`.mla_serving`): absorbed MLA for
+  every forward (plain MHA with ``--oscar-mla-storage expanded``);
 * ``TokenToKVPoolAllocator.free`` / ``.clear`` (AROUND / AFTER), and the paged allocator's of DSA
   models: freed slots (whole pages) return their sink rows;
 * ``overrides._dsa_kv_cache_dtype_default`` (AROUND): keeps ``int2`` (SGLang's DSA defaults assert
@@ -27,8 +29,8 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
 * ``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group`` (AROUND): refused with
   ``(False, reason)`` when ``--oscar-fold-rotations on`` folded value rotations into the weights;
 * ``ATTENTION_BACKENDS["triton"]`` / ``["dsa"]`` (registry entries): :class:`OscarTritonAttnBackend`
-  for int2 (:class:`OscarTritonLatentBackend` over the latent pool, :class:`OscarDSALatentBackend`
-  for DSA models);
+  for int2 (:class:`OscarTritonLatentBackend` over the latent pool, :class:`OscarExpandedMLABackend`
+  over an MLA model's expanded pool, :class:`OscarDSALatentBackend` for DSA models);
 * ``attention_registry.attn_backend_wrapper`` (AROUND, :mod:`.minimax_serving`): MiniMax-M3's sparse
   layers run :class:`~sglang_oscar.backend.minimax_backend.OscarMiniMaxSparseBackend` under SGLang's hybrid.
 """
@@ -40,6 +42,9 @@ import logging
 import torch
 
 from .minimax_serving import MINIMAX_HOOK_TARGETS, is_minimax_kvc, minimax_index_bytes_of
+# around_mla_dispatch: re-exported, the MLA dispatch hook's historical home (registered from .mla_serving)
+from .mla_serving import (EXPANDED, around_mla_dispatch, build_mla_pool, dsa_index_bytes,  # noqa: F401
+                          expanded_bytes, mla_cell_size, mla_kv_group)
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -75,8 +80,9 @@ SERVING_HOOK_TARGETS = SERVING_HOOK_TARGETS + DSA_HOOK_TARGETS
 SERVING_HOOK_TARGETS = SERVING_HOOK_TARGETS + MINIMAX_HOOK_TARGETS
 
 # Set in the scheduler process when the INT2 pool is built: the recent window that radix
-# matches must leave to be recomputed (None = not serving int2 in this process).
-_ACTIVE = {"recent": None}
+# matches must leave to be recomputed (None = not serving int2 in this process), and what an MLA
+# model's pool stores ("latent" / "expanded"; None for other models), which the MLA dispatch hook reads.
+_ACTIVE = {"recent": None, "mla_storage": None}
 
 
 def _is_int2(server_args) -> bool:
@@ -145,11 +151,11 @@ def _attention_layer_ids(kvc) -> list[int]:
 
 def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
     """``(kind, layers, kv heads, head_dim, v_head_dim)`` of each pool of the model: one ``"all"``
-    group, ``"full"`` and ``"sliding"`` for a hybrid sliding-window model, or one ``"latent"`` group
-    ``(1 head, kv_lora_rank, qk_rope_head_dim)`` for an MLA model (a window row is ``[c_kv | k_pe]``)."""
+    group, ``"full"`` and ``"sliding"`` for a hybrid sliding-window model, or for an MLA model one
+    ``"latent"`` group ``(1 head, kv_lora_rank, qk_rope_head_dim)`` (a window row is ``[c_kv | k_pe]``) or
+    one ``"expanded"`` group ``(heads per rank, K, V)`` (:func:`.mla_serving.mla_kv_group`)."""
     if kvc.use_mla_backend:
-        mc = kvc.model_config
-        return [("latent", len(_attention_layer_ids(kvc)), 1, mc.kv_lora_rank, mc.qk_rope_head_dim)]
+        return [mla_kv_group(kvc, len(_attention_layer_ids(kvc)))]
     if not kvc.is_hybrid_swa:
         return [("all", len(_attention_layer_ids(kvc)), *_geometry(kvc))]
     mc = kvc.model_config
@@ -160,34 +166,16 @@ def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
 def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs):
     if not _is_int2(kvc.server_args):
         return original_fn(self, kvc, num_layers, *args, **kwargs)
-    from ..pool.sizing import int2_cell_size, latent_cell_size
+    from ..pool.sizing import int2_cell_size
 
     if kvc.use_mla_backend:
-        mc = kvc.model_config
-        return (latent_cell_size(_config(kvc.server_args), mc.kv_lora_rank, mc.qk_rope_head_dim, num_layers,
-                                 kvc.model_dtype) + _dsa_index_bytes(kvc, num_layers))
+        return mla_cell_size(kvc, num_layers)
     heads, d, dv = _geometry(kvc)
     if is_minimax_kvc(kvc):  # INT2 main K/V of the local layers + SGLang's BF16 index pools
         from .minimax_serving import minimax_cell_size
 
         return minimax_cell_size(kvc, _config(kvc.server_args), heads, d, dv)
     return int2_cell_size(_config(kvc.server_args), heads, d, dv, num_layers)
-
-
-def _dsa_index_head_dim(kvc) -> int:
-    """The DSA indexer's key width of a DSA model (GLM-5: 128), else 0."""
-    from sglang.srt.configs.model_config import get_dsa_index_head_dim, is_deepseek_dsa
-
-    hf = kvc.model_config.hf_config
-    return get_dsa_index_head_dim(hf) if kvc.use_mla_backend and is_deepseek_dsa(hf) else 0
-
-
-def _dsa_index_bytes(kvc, num_layers: int) -> int:
-    """Bytes per token of a DSA model's indexer keys over ``num_layers`` layers (0 without DSA)."""
-    from ..pool.dsa_pool import dsa_index_bytes
-
-    dim = _dsa_index_head_dim(kvc)
-    return dsa_index_bytes(dim, num_layers) if dim else 0
 
 
 def after_hybrid_swa_configurator_init(result, self, kvc, *args, **kwargs):
@@ -240,11 +228,12 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
         tokens = (pool_config.swa_max_total_num_tokens if kind == "sliding" else
                   pool_config.full_max_total_num_tokens if kind == "full" else pool_config.max_total_num_tokens)
         # the DSA indexer's keys and MiniMax-M3's index pools stay as SGLang keeps them
-        index = (_dsa_index_bytes(self, n) if kind == "latent" else minimax_index_bytes_of(self) if kind == "all"
+        index = (dsa_index_bytes(self, n) if kind == "latent" else minimax_index_bytes_of(self) if kind == "all"
                  else 0)
         bf16 = hp_row_bytes(h, d, dv, n, self.model_dtype) + index
         cell = (bf16 if kind == skip else latent_cell_size(config, d, dv, n, self.model_dtype) + index
                 if kind == "latent" else int2_cell_size(config, h, d, dv, n) + index)
+        latent = expanded_bytes(self, config, n) if kind == EXPANDED else None  # what the latent would cost
         if index and kind == "all":
             from .minimax_serving import log_minimax_sizes
 
@@ -254,6 +243,8 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
                     (", MiniMax-M3 main K/V + BF16 index pools" if index else "") if kind == "all"
                     else f", MLA latent ({n} layers x c_kv {d} + k_pe {dv}"
                     f"{' + DSA index key' if index else ''})" if kind == "latent"
+                    else f", MLA expanded ({n} layers x {h} heads x K {d} / V {dv}; BF16 latent "
+                    f"{latent['bf16_latent']}, INT2 latent {latent['int2_latent']})" if kind == EXPANDED
                     else f", {kind} layers ({n} x {h} kv heads x {d}/{dv})",
                     cell, bf16, bf16 / max(cell, 1), tokens or 0, (tokens or 0) * cell / 2**30)
     logger.info("sglang-oscar: BF16 windows (sink %d + recent %d per request, %d requests): %.2f GiB",
@@ -282,20 +273,8 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
     config = _config(self.server_args)
     max_reqs = req_to_token_pool.req_to_token.shape[0]
     if self.use_mla_backend:
-        _ACTIVE["recent"] = config.recent_tokens
-        if self.mambaish_config is None:
-            li = self.layer_info
-            return _build_latent_pool(self, sizes.max_total_num_tokens, config, max_reqs, li.num_effective_layers,
-                                      li.start_layer, li.end_layer)
-        # Kimi-Linear: the MLA layers' latent pool inside SGLang's HybridLinearKVPool (local ids 0..n-1)
-        ids = _attention_layer_ids(self)
-        inner = _build_latent_pool(self, sizes.max_total_num_tokens, config, max_reqs, len(ids), 0, len(ids) - 1)
-        mc = self.model_config
-        pool = _hybrid_linear_pool(self, inner, ids, sizes.max_total_num_tokens, req_to_token_pool, 1,
-                                   mc.kv_lora_rank + mc.qk_rope_head_dim, use_mla=True, kv_lora_rank=mc.kv_lora_rank,
-                                   qk_rope_head_dim=mc.qk_rope_head_dim)
-        logger.info("sglang-oscar: the INT2 latent pool holds the %d MLA layers; %d linear-attention layers keep "
-                    "SGLang's state pool", len(ids), self.layer_info.num_effective_layers - len(ids))
+        pool = build_mla_pool(self, sizes.max_total_num_tokens, config, max_reqs, req_to_token_pool)
+        _ACTIVE["recent"], _ACTIVE["mla_storage"] = config.recent_tokens, config.mla_storage
         return pool
     heads, head_dim, v_head_dim = _geometry(self)
     common = dict(page_size=self.server_args.page_size, dtype=torch.uint8, head_num=heads, head_dim=head_dim,
@@ -336,7 +315,7 @@ def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
         logger.info("sglang-oscar: INT2 pool: %d slots x %d layers, %d B/token INT2; BF16 windows %.2f GiB "
                     "(%d sink rows, %d ring rows)", pool.size, pool.layer_num, pool.int2_bytes_per_token(),
                     pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
-    _ACTIVE["recent"] = config.recent_tokens
+    _ACTIVE["recent"], _ACTIVE["mla_storage"] = config.recent_tokens, None
     return pool
 
 
@@ -359,33 +338,6 @@ def _hybrid_linear_pool(self, inner, ids: list[int], size: int, req_to_token_poo
         full_kv_pool=inner, size=size, dtype=torch.uint8, page_size=self.server_args.page_size, head_num=head_num,
         head_dim=head_dim, full_attention_layer_ids=ids, device=self.device, mamba_pool=req_to_token_pool.mamba_pool,
         start_layer=self.layer_info.start_layer, **mla)
-
-
-def _build_latent_pool(self, size: int, config, max_reqs: int, layer_num: int, start_layer: int, end_layer: int):
-    """The INT2 latent pool of an MLA model's ``layer_num`` MLA layers (``KVCacheConfigurator._build_mla_kv_pool``'s
-    arguments; ``start_layer`` / ``end_layer``: SGLang's ``layer_info`` bounds (end exclusive, as
-    SGLang passes them to its own pool), or 0 / n-1 inside a linear-attention hybrid's pool)."""
-    from ..pool.dsa_pool import OscarDSALatentPool
-    from ..pool.latent_pool import OscarMLATokenToKVPool
-    from ..pool.sizing import hp_row_bytes, sink_rows_for
-
-    mc = self.model_config
-    index = _dsa_index_head_dim(self)
-    cls, extra = (OscarDSALatentPool, dict(index_head_dim=index)) if index else (OscarMLATokenToKVPool, {})
-    pool = cls(
-        size, page_size=self.server_args.page_size, dtype=torch.uint8, kv_lora_rank=mc.kv_lora_rank,
-        qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=layer_num, device=self.device,
-        enable_memory_saver=self.server_args.enable_memory_saver, start_layer=start_layer,
-        end_layer=end_layer, oscar_config=config, hp_dtype=self.model_dtype, max_reqs=max_reqs,
-        sink_rows=sink_rows_for(config, max_reqs), **extra)
-    logger.info("sglang-oscar: INT2 MLA latent pool: %d slots x %d layers, %d B/token (c_kv %d INT2 + k_pe %d "
-                "BF16%s; BF16 MLA: %d); BF16 windows %.2f GiB (%d sink rows, %d ring rows)", pool.size, pool.layer_num,
-                pool.int2_bytes_per_token(), mc.kv_lora_rank, mc.qk_rope_head_dim,
-                f" + DSA index key {index} FP8" if index else "",
-                hp_row_bytes(1, mc.kv_lora_rank, mc.qk_rope_head_dim, pool.layer_num, pool.hp_dtype)
-                + _dsa_index_bytes(self, pool.layer_num),
-                pool.hp_bytes() / 2**30, pool.windows.sink_rows, pool.windows.num_rows - pool.windows.sink_rows)
-    return pool
 
 
 def _owned_windows(allocator):
@@ -447,19 +399,6 @@ def before_get_next_batch_to_run(*args, **kwargs):
     return None
 
 
-# ---------------------------------------------------------------------------------- MLA dispatch
-def around_mla_dispatch(original_fn, self, forward_batch, *args, **kwargs):
-    """``DeepseekV2AttentionMLA.dispatch_attn_forward_method``: absorbed MLA for every forward of an
-    int2 server (SGLang's Triton handler runs a prefill without prefix as non-absorbed MHA, which
-    writes BF16 latent rows the INT2 pool refuses and never reads the cache)."""
-    method = original_fn(self, forward_batch, *args, **kwargs)  # also sets current_attention_backend
-    if _ACTIVE["recent"] is None:
-        return method
-    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
-
-    return AttnForwardMethod.MLA
-
-
 # ---------------------------------------------------------------------------------- weight updates
 def around_weight_update(original_fn, self, *args, **kwargs):
     """``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group``: ``(False, reason)``
@@ -491,11 +430,17 @@ def install_backend_factory() -> None:
             if _is_int2(runner.server_args):
                 from ..backend.latent_backend import OscarTritonLatentBackend
                 from ..backend.triton_backend import OscarTritonAttnBackend
+                from ..pool.int2_pool import OscarMHATokenToKVPool
                 from ..pool.latent_pool import OscarMLATokenToKVPool
 
                 pool = runner.token_to_kv_pool
                 if isinstance(getattr(pool, "full_kv_pool", pool), OscarMLATokenToKVPool):
                     return OscarTritonLatentBackend(runner)
+                # an MLA model's INT2 MHA pool holds its expanded per-head K/V (--oscar-mla-storage expanded)
+                if getattr(runner, "use_mla_backend", False) and isinstance(pool, OscarMHATokenToKVPool):
+                    from ..backend.expanded_backend import OscarExpandedMLABackend
+
+                    return OscarExpandedMLABackend(runner)
                 return OscarTritonAttnBackend(runner)
             return original(runner)
 
