@@ -175,12 +175,22 @@ def test_mla_check_oracle_verdict_fails_outside_its_bound(tmp_path, monkeypatch)
     assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["oracle"] is False
 
 
+def _tiny_dsv3_config():
+    """A 2-layer DeepSeek-V3 config with the latent geometry scaled down (rank 128, nope 32, rope 16, V 32)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=64,
+                            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
+                            initializer_range=0.08)
+
+
 def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):
     """The model-level MLA oracle (``tests.e2e.mla_oracle``): with window mode "none", or with a sink
     window that covers the prompt (every key from the fp32 window tier; the rotation is exact), the
     patched model's prompt log-probs equal the unpatched model's; with INT2 reads they move."""
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.rotation.geometry import ModelGeometry
@@ -189,10 +199,7 @@ def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):
     from . import mla_oracle
     from .checkpoints import random_prompt
 
-    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=64,
-                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
-                           initializer_range=0.08)
+    cfg = _tiny_dsv3_config()
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg).eval()
     ids = random_prompt(48, 1, 256)
@@ -213,7 +220,7 @@ def test_expanded_mla_oracle_equals_the_model_without_quantization():
     mode "none" or a sink covering the prompt equals the unpatched model; INT2 reads move it, by about
     as much as the latent oracle's (both quantize the same information at 2 bits)."""
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.rotation.geometry import ModelGeometry
@@ -223,10 +230,7 @@ def test_expanded_mla_oracle_equals_the_model_without_quantization():
     from . import mla_oracle
     from .checkpoints import random_prompt
 
-    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=64,
-                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
-                           initializer_range=0.08)
+    cfg = _tiny_dsv3_config()
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg).eval()
     ids = random_prompt(48, 1, 256)
