@@ -109,14 +109,27 @@ def _oracle_forward(attn, config, rot, window_mode, hp_dtype):
     return forward
 
 
+def _interleave(x: torch.Tensor) -> torch.Tensor:
+    """``[..., P]`` as ``[evens | odds]`` -> pairs ``(x0, x1), (x2, x3), ...`` interleaved (P even)."""
+    half = x.shape[-1] // 2
+    return torch.stack([x[..., :half], x[..., half:]], dim=-1).flatten(-2)
+
+
 def _expanded_forward(attn, config, rot_kv, window_mode, hp_dtype):
     heads, v_dim = attn.config.num_attention_heads, attn.v_head_dim
     dk = attn.qk_nope_head_dim + attn.qk_rope_head_dim
 
     def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         x = latent_inputs(attn, hidden_states, position_embeddings)
-        k, v = expand_latent(x["c_kv"], x["k_pe"], x["w_kc"], x["w_vc"])
-        q = torch.cat([x["q_nope"], x["q_pe"]], dim=-1).float()
+        q_pe, k_pe = x["q_pe"], x["k_pe"]
+        if attn.config.rope_interleave:
+            # transformers returns the rotated pairs as [evens | odds]; SGLang's GPT-J RoPE keeps them
+            # interleaved, and expanded storage rotates and quantizes k_pe's columns in that order
+            q_pe, k_pe = _interleave(q_pe), _interleave(k_pe)
+        k, v = expand_latent(x["c_kv"], k_pe, x["w_kc"], x["w_vc"])
+        # the server's kv_b_proj output is in the model dtype before it is rotated and quantized
+        k, v = k.to(hidden_states.dtype).float(), v.to(hidden_states.dtype).float()
+        q = torch.cat([x["q_nope"], q_pe], dim=-1).float()
         eye = lambda d: torch.eye(d, device=q.device)  # noqa: E731
         rk, rv = (eye(dk), eye(v_dim)) if rot_kv is None else (rot_kv[0].float(), rot_kv[1].float())
         o = oscar_attention(q, k, v, rk, rv, config, sm_scale=attn.scaling, quantize=window_mode != "none",

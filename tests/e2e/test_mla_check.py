@@ -259,6 +259,29 @@ def test_expanded_mla_oracle_equals_the_model_without_quantization():
         mla_oracle.install(model, OscarConfig(), None, storage="mha")
 
 
+def test_oracle_interleave_gives_sglangs_gpt_j_rope_layout():
+    """transformers' interleaved RoPE returns ``[evens | odds]``; :func:`mla_oracle._interleave` of it is
+    the GPT-J rotation SGLang applies in place (pair ``(x_2i, x_2i+1)`` turned by ``pos * inv_freq_i``),
+    the column order expanded storage rotates and quantizes ``k_pe`` in."""
+    import torch
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    from . import mla_oracle
+
+    cfg = _tiny_dsv3_config()
+    rope = hf.DeepseekV3RotaryEmbedding(cfg)
+    t, p = 7, cfg.qk_rope_head_dim
+    x = torch.randn(1, 1, t, p, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(t)[None]
+    cos, sin = rope(x, pos)
+    _, got = hf.apply_rotary_pos_emb_interleave(x, x, cos, sin)
+    theta = pos[0, :, None].float() * rope.inv_freq[None]  # [T, P/2]
+    a, b = x[0, 0, :, 0::2], x[0, 0, :, 1::2]
+    want = torch.stack([a * theta.cos() - b * theta.sin(), a * theta.sin() + b * theta.cos()], -1).flatten(-2)
+    assert torch.allclose(mla_oracle._interleave(got[0, 0]), want, atol=1e-5)
+    assert not torch.allclose(got[0, 0], want, atol=1e-2)  # without it the columns are permuted
+
+
 def test_sharpen_reaches_its_targets_on_an_mla_model():
     """checkpoints.sharpen on a DeepSeek-V3 (MLA: the query projection carries the score gain):
     attention scores std 1.5 and logits std 0.5, as on the MHA families."""

@@ -176,6 +176,29 @@ def test_dsa_kimi_linear_and_other_mla_architectures_are_refused(hooked, tmp_pat
         hooked.preflight(SimpleNamespace(model_path=longcat, _oscar_config=config))
 
 
+def test_traced_prefill_graph_is_refused_for_expanded_storage(hooked, tmp_path):
+    """SGLang never traces its MHA prefill (tc_piecewise picks MLA): with expanded storage forcing MHA the
+    tc_piecewise prefill graph (asked for, or resolved on a GPU) stops the launch naming the fix; breakable
+    and disabled pass, and the latent storage is not affected."""
+    model = _deepseek_dir(tmp_path)
+    graph = lambda backend: SimpleNamespace(prefill=SimpleNamespace(backend=backend))  # noqa: E731
+    asked = {("prefill", "backend")}  # --cuda-graph-backend-prefill given (CPU resolves tc_piecewise by default)
+    for storage, backend, locked, refused in (("expanded", "tc_piecewise", asked, True),
+                                              ("expanded", "tc_piecewise", set(), torch.cuda.is_available()),
+                                              ("expanded", "breakable", asked, False),
+                                              ("expanded", "disabled", asked, False),
+                                              ("latent", "tc_piecewise", asked, False)):
+        config = OscarConfig(**{**EXPANDED, "mla_storage": storage})
+        args = SimpleNamespace(model_path=model, _oscar_config=config, cuda_graph_config=graph(backend),
+                               _cuda_graph_config_locked=locked)
+        if refused:
+            with pytest.raises(ValueError, match=r"--oscar-mla-storage expanded does not support the tc_piecewise "
+                                                 r"prefill CUDA graph: use .*--disable-prefill-cuda-graph"):
+                hooked.preflight(args)
+        else:
+            hooked.preflight(args)
+
+
 def test_cli_needs_the_storage_for_mla_configs_and_refuses_it_for_mha(tmp_path, capsys):
     model = _deepseek_dir(tmp_path)
     out = str(tmp_path / "r.safetensors")
@@ -262,7 +285,7 @@ def test_cell_size_is_the_pools_real_bytes_per_token(hooked, tmp_path, caplog, t
         line = next(r.getMessage() for r in caplog.records if "INT2 MLA expanded pool" in r.getMessage())
         assert (f"8 slots x 3 layers x {heads} heads (K 192 / V 128), {want} B/token INT2 (BF16 expanded: "
                 f"{3 * heads * 320 * 2}; BF16 latent: {3 * 576 * 2}; INT2 latent, --oscar-mla-storage latent: "
-                f"{3 * 288}, {want / (3 * 288):.1f}x fewer)") in line
+                f"{3 * 288}, {want / (3 * 288):.1f}x less)") in line
         # the memory plan: BF16 window rows of the expanded heads reserved first, the rest INT2 tokens
         from sglang_oscar.pool.sizing import hp_row_bytes, plan_windows
 

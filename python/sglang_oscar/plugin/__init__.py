@@ -26,7 +26,7 @@ import os
 from types import SimpleNamespace
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
-from .refusals import REFUSALS, is_dsa_model, refusal_messages
+from .refusals import REFUSALS, is_dsa_model, prefill_graph_backend, refusal_messages
 from .serving import SERVING_HOOK_TARGETS
 
 logger = logging.getLogger("sglang_oscar")
@@ -145,6 +145,17 @@ def missing_hooks() -> list[str]:
     return missing
 
 
+def _traced_prefill_graph(server_args) -> bool:
+    """Whether the launch captures prefill with SGLang's ``tc_piecewise`` (torch.compile) graph: asked for
+    explicitly, or SGLang's default on a GPU that is not CUDA's breakable one (a CPU test build resolves
+    ``tc_piecewise`` too, but captures nothing)."""
+    import torch
+
+    if prefill_graph_backend(server_args) != "tc_piecewise":
+        return False
+    return ("prefill", "backend") in getattr(server_args, "_cuda_graph_config_locked", ()) or torch.cuda.is_available()
+
+
 def preflight(server_args) -> None:
     """Check the rotation file and group size against the model's config (no weights loaded).
 
@@ -155,6 +166,11 @@ def preflight(server_args) -> None:
                                      served_rotation_set)
 
     config = oscar_config_of(server_args)
+    if config.mla_storage == "expanded" and _traced_prefill_graph(server_args):
+        # SGLang's handlers never pick the MHA method under a traced prefill graph; expanded storage forces
+        # it, so dynamo would trace forward_normal_prepare and its non-torch concat kernel (not validated)
+        raise ValueError("--oscar-mla-storage expanded does not support the tc_piecewise prefill CUDA graph: use "
+                         "SGLang's default breakable prefill graph or --disable-prefill-cuda-graph")
     try:
         geometry = model_geometry(server_args.model_path)  # a local directory: just its config.json
         hf_config = server_args.model_path

@@ -181,7 +181,7 @@ def build_expanded_pool(kvc, size: int, config, max_reqs: int):
         oscar_config=config, hp_dtype=kvc.model_dtype, max_reqs=max_reqs, sink_rows=sink_rows_for(config, max_reqs))
     b = expanded_bytes(kvc, config, pool.layer_num)
     logger.info("sglang-oscar: INT2 MLA expanded pool: %d slots x %d layers x %d heads (K %d / V %d), %d B/token INT2 "
-                "(BF16 expanded: %d; BF16 latent: %d; INT2 latent, --oscar-mla-storage latent: %d, %.1fx fewer); BF16 "
+                "(BF16 expanded: %d; BF16 latent: %d; INT2 latent, --oscar-mla-storage latent: %d, %.1fx less); BF16 "
                 "windows %.2f GiB (%d sink rows, %d ring rows)", pool.size, pool.layer_num, heads, dk, dv,
                 pool.int2_bytes_per_token(), b["bf16"], b["bf16_latent"], b["int2_latent"],
                 pool.int2_bytes_per_token() / max(b["int2_latent"], 1), pool.hp_bytes() / 2**30,
