@@ -113,6 +113,12 @@ def test_default_triton_config(monkeypatch):
     assert ext_keys(lay(128), windowed=True) == 64 and ext_keys(lay(128), capped=True) == 64
     assert ext_keys(lay(128), mma_dtype=torch.bfloat16) == 64 and ext_keys(lay(128), mma_dtype=torch.float32) == 64
     assert [ext_keys(lay(d)) for d in (80, 96, 112, 256)] == [64] * 4 and ext_keys(lay(192, 128)) == 64
+    # K / V quarters of different padded widths: 8 warps (4 read illegal addresses on the H200 at 192 / 128)
+    def ext_warps(*dims):
+        return default_triton_config(lay(*dims), extend=True).num_warps
+
+    assert [ext_warps(192, 128), ext_warps(128, 192), ext_warps(160, 128)] == [8] * 3
+    assert [ext_warps(128), ext_warps(160), ext_warps(256), ext_warps(512), ext_warps(192, 160)] == [4] * 5
     assert ext_keys(Int2Layout.create(128, quantizer="lloyd-max")) == 64
     assert ext_keys(Int2Layout.create(128, group_size=64)) == 64
     assert ext_keys(Int2Layout.create(128, group_size=128, group_size_v=64)) == 64

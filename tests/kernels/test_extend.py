@@ -205,3 +205,21 @@ def test_gpu_extend_long_prefix_and_chunking(quantizer, group):
     a = run_extend(sub, q0[:cut], [p0], [cut], debug=False)
     b = run_extend(sub, q0[cut:], [p0 + cut], [e0 - cut], debug=False)
     assert rel_l2(torch.cat([a, b]), full) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dk,dv,group", [(192, 128, 64), (192, 128, None), (128, 192, 64)])
+def test_gpu_extend_unequal_head_dims(dk, dv, group):
+    """K and V head dims of different padded quarter widths (DeepSeek-V3 stored as expanded MHA: K 192 /
+    V 128) at the default extend tiles: a 3K prefix and a 700-token prompt vs the oracle (the 4-warp
+    64 x 64 tiles read illegal addresses here; ``configs.default_triton_config`` takes 8 warps)."""
+    fresh_seed()
+    cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, group_size=group)
+    prefixes, exts = [0, scaled(3000)], [scaled(700), scaled(300)]
+    lens = [p + e for p, e in zip(prefixes, exts)]
+    pool = build_pool(lens, 8, dk, dv, cfg, hp_dtype=torch.bfloat16, window_mode="extend", device=DEV)
+    q = torch.randn(sum(exts), 8, dk, device=DEV)
+    ref = reference_extend(pool, q, prefixes, exts, counter_rotate=True)
+    o = run_extend(pool, rotate_q(pool, q).to(torch.bfloat16), prefixes, exts, rotation_v=pool.rot_v,
+                   out_dtype=torch.float32, debug=False)
+    assert rel_l2(o, ref) < 1e-2

@@ -183,7 +183,8 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     64 keys over ``head_dim / 64`` warps rounded up to a power of two, at most 8 (timed at 256 and
     512, GPU-tested at 192-512). K or V head_dim <= 64 (no permuting conversion,
     :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch. Extend takes 64 queries,
-    4 warps, one pipeline stage and 128 keys per tile where those fit the sm_90 registers (no
+    4 warps (8 where K and V quarters pad to different widths, e.g. K 192 / V 128: 4 warps read
+    illegal addresses there on the H200, ``tests/kernels/extend_matrix.py``), one pipeline stage and 128 keys per tile where those fit the sm_90 registers (no
     local-memory stack, ``tests/kernels/test_compile.py``): uniform quantizer, one group per row,
     fp16 operands, K and V head_dim 64, or 128 without a sliding window or logit cap (attention
     sinks, known only at run time, cost 16 bytes of stack there); else 64 keys (an 8K chunk of one
@@ -228,8 +229,11 @@ def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp
                             pairs_ahead=fast, defer_sums=defer)
     if extend:
         # 128-key tiles pay the per-tile work (row max and sum, the rescale of four accumulators, loop
-        # overhead) half as often per key; default_triton_config says where they fit the registers
-        return TritonConfig(block_n=128 if wide else 64, block_m=64, num_warps=4, num_stages=1,
+        # overhead) half as often per key; default_triton_config says where they fit the registers.
+        # K and V quarters of different padded widths (K 192 / V 128: 64 / 32) take 8 warps: 64 x 64
+        # tiles over 4 warps read illegal addresses there on the H200 (tests/kernels/extend_matrix.py)
+        mixed = next_pow2(-(-hi // 4)) != next_pow2(-(-lo // 4))
+        return TritonConfig(block_n=128 if wide else 64, block_m=64, num_warps=8 if mixed else 4, num_stages=1,
                             min_block_h=16, convert=convert, pairs_ahead=False, defer_sums=False)
     one_stage = many or (fp32 and hi > 256)  # two fp32 stages at head_dim 512 need 281 KB of shared memory
     # head_dim 129-256: 32-key tiles over 4 warps; above, 64 keys over ~head_dim / 64 warps (Gemma-4's
