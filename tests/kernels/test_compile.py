@@ -232,9 +232,8 @@ def test_extend_kernel_does_not_spill_on_sm90():
     """The extend kernel's 128-key default tiles (``configs.default_triton_config``: head_dim 128 with
     no window or cap, head_dim 64 with window, cap and sinks; uniform, one group, fp16 operands)
     and the 8-warp tiles of K 192 / V 128 keep everything in registers: no local-memory stack in the
-    sm_90 cubin. (Where 128 keys would
-    spill -- Lloyd-Max, several groups, bf16 / fp32 operands, a window or cap at 128 -- the default
-    stays at 64: the stack bytes are in that function's comments.)"""
+    sm_90 cubin. (Where 128 keys would spill -- Lloyd-Max, several groups, bf16 / fp32 operands, a
+    window or cap at 128 -- the default stays at 64: the stack bytes are in that function's comments.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", EXTEND_SPILL_CHECK, HERE], env=env, capture_output=True, text=True,

@@ -184,9 +184,10 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     512, GPU-tested at 192-512). K or V head_dim <= 64 (no permuting conversion,
     :func:`permuting_ok`) and extend: ``CONVERT_ASM`` without the prefetch. Extend takes 64 queries,
     4 warps (8 where K and V quarters pad to different widths, e.g. K 192 / V 128: 4 warps read
-    illegal addresses there on the H200, ``tests/kernels/extend_matrix.py``), one pipeline stage and 128 keys per tile where those fit the sm_90 registers (no
-    local-memory stack, ``tests/kernels/test_compile.py``): uniform quantizer, one group per row,
-    fp16 operands, K and V head_dim 64, or 128 without a sliding window or logit cap (attention
+    illegal addresses there on the H200, ``tests/kernels/extend_matrix.py``), one pipeline stage and
+    128 keys per tile where those fit the sm_90 registers (no local-memory stack,
+    ``tests/kernels/test_compile.py``): uniform quantizer, one group per row, fp16 operands, K and V
+    head_dim 64, or 128 without a sliding window or logit cap (attention
     sinks, known only at run time, cost 16 bytes of stack there); else 64 keys (an 8K chunk of one
     Qwen3-8B layer after 0 / 8K cached tokens: 3.23 / 9.22 ms with 128 keys, 3.81 / 11.00 with 64,
     4.28 / 12.29 with 64 and two stages, on the H200: docs/benchmarks_served.md; head_dim 64
@@ -209,12 +210,15 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     # window 40 / 0, cap 16 / 0, bf16 operands 88 / 0; head_dim 80 or 112: 112 / 0-8)
     wide = (extend and layout.quantizer == "uniform" and layout.k.num_groups == 1 and layout.v.num_groups == 1
             and mma_dtype == torch.float16 and hi == lo and (hi == 64 or (hi == 128 and not windowed and not capped)))
-    return _default_triton(hi, lo, extend, many, interpreting(), mma_dtype == torch.float32, wide)
+    # K and V quarters of different padded widths (K 192 / V 128: 64 / 32): 64 x 64 extend tiles over 4
+    # warps read illegal addresses there on the H200 (tests/kernels/extend_matrix.py); 8 warps do not
+    mixed = layout.k.quarter_p2 != layout.v.quarter_p2
+    return _default_triton(hi, lo, extend, many, interpreting(), mma_dtype == torch.float32, wide, mixed)
 
 
 @functools.lru_cache(maxsize=64)
 def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp32: bool,
-                    wide: bool = False) -> TritonConfig:
+                    wide: bool = False, mixed: bool = False) -> TritonConfig:
     small = not _permutable_head_dim(lo)
     # decode with K and V head_dim in 65-128: the timed fast path (prefetch, stages by pairs, deferred sums)
     fast = not extend and not small and hi <= 128
@@ -229,10 +233,7 @@ def _default_triton(hi: int, lo: int, extend: bool, many: bool, interp: bool, fp
                             pairs_ahead=fast, defer_sums=defer)
     if extend:
         # 128-key tiles pay the per-tile work (row max and sum, the rescale of four accumulators, loop
-        # overhead) half as often per key; default_triton_config says where they fit the registers.
-        # K and V quarters of different padded widths (K 192 / V 128: 64 / 32) take 8 warps: 64 x 64
-        # tiles over 4 warps read illegal addresses there on the H200 (tests/kernels/extend_matrix.py)
-        mixed = next_pow2(-(-hi // 4)) != next_pow2(-(-lo // 4))
+        # overhead) half as often per key; default_triton_config says where they fit the registers
         return TritonConfig(block_n=128 if wide else 64, block_m=64, num_warps=8 if mixed else 4, num_stages=1,
                             min_block_h=16, convert=convert, pairs_ahead=False, defer_sums=False)
     one_stage = many or (fp32 and hi > 256)  # two fp32 stages at head_dim 512 need 281 KB of shared memory
