@@ -6,11 +6,17 @@ logits come out near 1e-5 and attention has no visible effect on them, so nothin
 depends on the KV cache. Servers started with ``OSCAR_E2E_DUMMY_INIT=1`` load this harness-only
 plugin (entry point ``oscar_e2e_dummy``, installed beside :mod:`.fp32_shim`'s by
 :func:`.fp32_shim.write_fp32_shim`), whose AROUND hook replaces that initializer with
-:func:`scaled_dummy_weights`: norm weights 1, other 1-D parameters as SGLang draws them, every
-other parameter N(0, 1 / fan_in) (``fan_in`` its last dim), so activations keep their scale through
-the layers, attention scores and logits have a standard deviation near 1, and a different seed
-per parameter name gives every server of a comparison the same weights. FP8 weights keep SGLang's
-draw (their scales do not): use it with BF16 models.
+:func:`scaled_dummy_weights`: every norm scales by 1, other 1-D parameters as SGLang draws them,
+every other parameter N(0, 1 / fan_in) (``fan_in`` its last dim), so activations keep their scale
+through the layers, attention scores and logits have a standard deviation near 1, and a different
+seed per parameter name gives every server of a comparison the same weights. FP8 weights keep
+SGLang's draw (their scales do not): use it with BF16 models.
+
+A Gemma-style norm scales by ``1 + weight`` (SGLang's ``GemmaRMSNorm`` and ``Gemma3RMSNorm``,
+``layers/layernorm.py:694,872``; MiniMax-M3's ``MultiHeadRMSNorm(apply_layernorm_1p=True)``,
+``models/minimax_m3.py:164``), so its weight is 0, not 1: a weight of 1 doubles every norm of
+MiniMax-M3 (``use_gemma_norm``), which quadruples its attention scores (per-head q and k norms)
+and makes the model amplify rounding-level differences far beyond other models'.
 
 :func:`.fp32_shim.write_fp32_shim` copies this file next to the plugin folder's dist-info as the
 top-level module ``oscar_e2e_dummy_shim``; it imports nothing of the harness.
@@ -25,11 +31,14 @@ DUMMY_ENV = "OSCAR_E2E_DUMMY_INIT"
 DUMMY_SHIM_ENTRY = "oscar_e2e_dummy"
 DUMMY_SHIM_MODULE = "oscar_e2e_dummy_shim"
 DUMMY_SHIM_TARGET = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
+#: norm classes that scale by ``1 + weight`` (module docstring), matched by name: the shim imports no SGLang
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm")
 
 
 def scaled_dummy_weights(model, seed: int = 1234) -> None:
     """Fill ``model``'s floating-point parameters and buffers in place (module docstring); formats
-    narrower than 16 bits (FP8 weights) keep SGLang's draw."""
+    narrower than 16 bits (FP8 weights) keep SGLang's draw; Gemma-style norms (:data:`GEMMA_NORMS`,
+    or ``apply_layernorm_1p``) get weight 0, their scale ``1 + weight`` then 1 as every other norm's."""
     import torch
 
     for name, param in model.state_dict().items():
@@ -37,15 +46,21 @@ def scaled_dummy_weights(model, seed: int = 1234) -> None:
             continue
         gen = torch.Generator(device=param.device)
         gen.manual_seed(seed + zlib.crc32(name.encode()))
-        if param.dim() <= 1:
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.uniform_(-1e-3, 1e-3, generator=gen)
+        if name.endswith("norm.weight"):  # any rank: MiniMax-M3's per-head q / k norm weight is [heads, head_dim]
+            param.fill_(1.0)
+        elif param.dim() <= 1:
+            param.uniform_(-1e-3, 1e-3, generator=gen)
         else:
             # Kimi's KDA A_log [1, 1, H, 1] (fan_in 1) gets N(0, 1): decay rates e^N(0,1), near trained ones
             draw = torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
             param.copy_(draw * param.shape[-1] ** -0.5)
+    for module in model.modules():
+        if type(module).__name__ in GEMMA_NORMS or getattr(module, "apply_layernorm_1p", False) is True:
+            module.weight.data.zero_()
+            # GemmaRMSNorm keeps 1 + weight precomputed for fused paths; its weight loader, which
+            # dummy loading never calls, would refresh it
+            if isinstance(getattr(module, "gemma_weight", None), torch.Tensor):
+                module.gemma_weight.fill_(1.0)
 
 
 def _around_dummy_init(original_fn, model, *args, **kwargs):

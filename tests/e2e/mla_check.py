@@ -40,8 +40,8 @@ in ``--out``) and judged:
 serves: a Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA linear attention,
 1 and 3 MLA with DeepSeek-V3's latent geometry, dense MLPs) with ``--load-format dummy``
 (transformers has no Kimi-Linear class, so there are no weights to save and no oracle). Every server
-loads :mod:`.dummy_shim`, which scales SGLang's dummy weights to N(0, 1/fan_in) with norm weights 1
-(SGLang's own +-1e-3 leave attention no visible effect on the logits): serving, window, chunking and
+loads :mod:`.dummy_shim`, which scales SGLang's dummy weights to N(0, 1/fan_in) with every norm
+scaling by 1 (SGLang's own +-1e-3 leave attention no visible effect on the logits): serving, window, chunking and
 radix reuse are judged as for DeepSeek-V3, the oracle is not.
 
 ``--family glm5`` serves a tiny seeded GLM-5 (``GlmMoeDsaForCausalLM``: DSA, every MLA layer reading
@@ -60,8 +60,9 @@ only the key blocks their indexer selects, :func:`build_minimax_m3`) from SGLang
 dummy weights as kimi_linear: the int2 servers run the INT2 main pool inside SGLang's MiniMax sparse
 pool (BF16 index keys) and :class:`~sglang_oscar.backend.minimax_backend.OscarMiniMaxSparseBackend`,
 the BF16 server SGLang's own Triton sparse path. Judged as kimi_linear, with glm5's extra
-``int2-window-chunk64`` reported; ``--family minimax_m3_dense`` selects every block (chunking and
-radix reuse judged where only the INT2 path could move them).
+``int2-window-chunk64`` reported; ``--family minimax_m3_dense`` selects every block (the selection
+cannot move with chunking or radix reuse; the index attention output, SGLang's, still can: its
+``int2-window-chunk64`` is reported too).
 
 ``--family deepseek_v3_expanded`` serves the DeepSeek-V3 model with ``--oscar-mla-storage expanded
 --kv-cache-quant-group-size 64`` on the int2 servers: per-head K ``[k_nope | k_pe]`` 192 / V 128 in the
@@ -101,10 +102,12 @@ SERVERS = {
 REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what each int2 server is compared with
 # Reported servers of one family: glm5's chunked prefill with every key from the BF16 rows, against its
 # one-prefill twin, separates SGLang's own chunk dependence (the indexer's discrete FP8 keys and top-k
-# over GEMMs of another row count) from the INT2 codes' (int2-chunk64 vs int2)
+# over GEMMs of another row count) from the INT2 codes' (int2-chunk64 vs int2); MiniMax-M3's indexer
+# runs SGLang's kernels over the chunk too, and its index attention output feeds the layer
+CHUNK_FLOOR_FAMILIES = ("glm5", "glm5_dense", "minimax_m3", "minimax_m3_dense")
 FAMILY_SERVERS = {f: {"int2-window-chunk64": [*SERVERS["int2-window"], "--chunked-prefill-size", "64"]}
-                  for f in ("glm5", "glm5_dense", "minimax_m3")}
-FAMILY_REF = {f: {"int2-window-chunk64": "int2-window"} for f in ("glm5", "glm5_dense", "minimax_m3")}
+                  for f in CHUNK_FLOOR_FAMILIES}
+FAMILY_REF = {f: {"int2-window-chunk64": "int2-window"} for f in CHUNK_FLOOR_FAMILIES}
 # flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
 # expanded-MHA storage needs groups that divide both K 192 and V 128
 EXPANDED_GROUP = 64

@@ -71,3 +71,32 @@ def test_the_hook_completes_kimi_linear_after_the_draw():
     _around_dummy_init(lambda m: calls.append("sglang"), model)
     assert calls == ["sglang", []]
     assert torch.equal(model.o_norm.weight, torch.ones(8)) and float(model.o_norm.bias.abs().max()) <= 1e-3
+
+
+def test_every_norm_scales_by_one_gemma_style_ones_included(monkeypatch):
+    """SGLang's Gemma-style norms (``1 + weight``: GemmaRMSNorm, Gemma3RMSNorm, MiniMax-M3's per-head
+    MultiHeadRMSNorm with ``apply_layernorm_1p``) and plain ones (1-D, and MiniMax-M3's 2-D per-head
+    weight) all return ``x / rms(x)`` after the shim; GemmaRMSNorm's precomputed ``1 + weight`` is 1."""
+    import types
+
+    import sglang.srt.models.minimax_m3 as m3
+    from sglang.srt.layers.layernorm import Gemma3RMSNorm, GemmaRMSNorm, RMSNorm
+
+    monkeypatch.setattr(m3, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=1, attn_tp_rank=0))
+    model = torch.nn.Module()
+    model.input_layernorm = GemmaRMSNorm(128)
+    model.post_attention_layernorm = Gemma3RMSNorm(128)
+    model.q_norm = m3.MultiHeadRMSNorm(1, 128, apply_layernorm_1p=True)
+    model.k_norm = m3.MultiHeadRMSNorm(1, 128, apply_layernorm_1p=False)
+    model.norm = RMSNorm(128)
+    with torch.no_grad():
+        for p in model.parameters():  # a loaded checkpoint's non-neutral values: the shim must reset them
+            p.fill_(0.5)
+        scaled_dummy_weights(model)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
+    unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    for name in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm"):
+        norm = getattr(model, name)
+        y = norm(x) if isinstance(norm, m3.MultiHeadRMSNorm) else norm.forward_native(x)
+        torch.testing.assert_close(y, unit, rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.equal(model.input_layernorm.gemma_weight, torch.ones(128))

@@ -6,7 +6,8 @@ One line per case with the rel. L2 distance of ``extend_attention``'s output to 
 PyTorch oracle) and ``BAD`` above ``--tol``. The twin of ``decode_matrix.py`` for a failing served extend: it
 uses the kernel tests' fixtures, so every case reads exactly what the tests read.
 
-    python tests/kernels/extend_matrix.py [--full]                # GPU (~2 min incl. compiles)
+    bash device/kernels.sh xmatrix                               # GPU (~2 min incl. compiles)
+    PYTHONPATH=python python tests/kernels/extend_matrix.py --full  # the same with fp32 operands too
     TRITON_INTERPRET=1 python tests/kernels/extend_matrix.py --device cpu --small   # CPU dry run
 """
 
