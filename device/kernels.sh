@@ -19,7 +19,7 @@
 #   bench    python -m benchmarks.bench_decode --no-sweep --pool-layout served ($OUT/bench_decode.md, .json)
 #   configs  the every-Triton-config decode test (-k every_triton_config, ~90-100 s per parameter set)
 #   matrix   decode correctness per head_dim x config vs the oracle (tests/kernels/decode_matrix.py, ~3 min)
-#   xmatrix  extend correctness per head_dim x group x quantizer vs the oracle (tests/kernels/extend_matrix.py)
+#   xmatrix  extend correctness per head_dim x group x operand dtype x tile vs the oracle (tests/kernels/extend_matrix.py)
 #   sweep    configs x split counts (benchmarks.sweep_decode; SWEEP_CONTEXTS, SWEEP_BATCHES, SWEEP_WAVES, SWEEP_GRID)
 #   step     one layer's served decode step (benchmarks.bench_step; STEP_CONTEXTS, STEP_BATCHES, STEP_BLOCK_N)
 #   extend   one layer's served prefill step, INT2 pieces vs SGLang's BF16 extend (benchmarks.bench_extend_step;
@@ -96,7 +96,7 @@ for s in "${steps[@]}"; do
       timeout 260 python tests/kernels/decode_matrix.py --json "$OUT/matrix.json" > "$OUT/matrix.txt" 2>&1 || rc=1
       grep -E "BAD|ERROR|cases" "$OUT/matrix.txt" | head -20;;
     xmatrix)
-      timeout 260 python tests/kernels/extend_matrix.py > "$OUT/extend_matrix.txt" 2>&1 || rc=1
+      timeout 260 python tests/kernels/extend_matrix.py > "$OUT/extend_matrix.txt" 2>&1 || { rc=1; tail -3 "$OUT/extend_matrix.txt"; }
       grep -E "^(BAD|ERR) | bad$" "$OUT/extend_matrix.txt" | head -20;;
     sweep)
       timeout 200 python -m benchmarks.sweep_decode --contexts "${SWEEP_CONTEXTS:-4096,32768,131072}" \
@@ -135,7 +135,7 @@ for s in "${steps[@]}"; do
       if [ "${NCU_SASS:-0}" = 1 ]; then
         ncu -i "/tmp/$tag.ncu-rep" --page source --print-source sass --csv > "$OUT/${tag}_sass.csv" 2>&1
       fi;;
-    *) echo "unknown step '$s' (tests, suite, bench, configs, matrix, xmatrix, sweep, step, profile, ncu)"; rc=2;;
+    *) echo "unknown step '$s' (tests, suite, bench, configs, matrix, xmatrix, sweep, step, extend, layer, profile, ncu)"; rc=2;;
   esac
 done
 exit $rc

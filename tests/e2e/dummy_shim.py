@@ -13,10 +13,11 @@ seed per parameter name gives every server of a comparison the same weights. FP8
 SGLang's draw (their scales do not): use it with BF16 models.
 
 A Gemma-style norm scales by ``1 + weight`` (SGLang's ``GemmaRMSNorm`` and ``Gemma3RMSNorm``,
-``layers/layernorm.py:694,872``; MiniMax-M3's ``MultiHeadRMSNorm(apply_layernorm_1p=True)``,
-``models/minimax_m3.py:164``), so its weight is 0, not 1: a weight of 1 doubles every norm of
-MiniMax-M3 (``use_gemma_norm``), which quadruples its attention scores (per-head q and k norms)
-and makes the model amplify rounding-level differences far beyond other models'.
+``layers/layernorm.py:694,872``; MiniMax-M3's ``multi_head`` q / k ``MultiHeadRMSNorm`` with
+``apply_layernorm_1p``, ``models/minimax_m3.py:164``), so its weight is 0, not 1: a weight of 1
+doubles every norm of MiniMax-M3 (``use_gemma_norm``: ``GemmaRMSNorm`` everywhere in the check
+model's ``per_head`` layout), which quadruples its attention scores (q and k norms) and doubles
+its logits.
 
 :func:`.fp32_shim.write_fp32_shim` copies this file next to the plugin folder's dist-info as the
 top-level module ``oscar_e2e_dummy_shim``; it imports nothing of the harness.
@@ -46,7 +47,7 @@ def scaled_dummy_weights(model, seed: int = 1234) -> None:
             continue
         gen = torch.Generator(device=param.device)
         gen.manual_seed(seed + zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):  # any rank: MiniMax-M3's per-head q / k norm weight is [heads, head_dim]
+        if name.endswith("norm.weight"):  # any rank: MiniMax-M3's multi_head q / k norm weight is [heads, head_dim]
             param.fill_(1.0)
         elif param.dim() <= 1:
             param.uniform_(-1e-3, 1e-3, generator=gen)

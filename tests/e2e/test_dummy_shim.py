@@ -75,8 +75,8 @@ def test_the_hook_completes_kimi_linear_after_the_draw():
 
 def test_every_norm_scales_by_one_gemma_style_ones_included(monkeypatch):
     """SGLang's Gemma-style norms (``1 + weight``: GemmaRMSNorm, Gemma3RMSNorm, MiniMax-M3's per-head
-    MultiHeadRMSNorm with ``apply_layernorm_1p``) and plain ones (1-D, and MiniMax-M3's 2-D per-head
-    weight) all return ``x / rms(x)`` after the shim; GemmaRMSNorm's precomputed ``1 + weight`` is 1."""
+    MultiHeadRMSNorm with ``apply_layernorm_1p``) and plain ones (1-D, and the 2-D weight of a
+    ``multi_head`` MultiHeadRMSNorm) all return ``x / rms(x)`` after the shim; GemmaRMSNorm's precomputed ``1 + weight`` is 1."""
     import types
 
     import sglang.srt.models.minimax_m3 as m3
@@ -92,6 +92,7 @@ def test_every_norm_scales_by_one_gemma_style_ones_included(monkeypatch):
     with torch.no_grad():
         for p in model.parameters():  # a loaded checkpoint's non-neutral values: the shim must reset them
             p.fill_(0.5)
+        model.input_layernorm.gemma_weight.fill_(1.5)
         scaled_dummy_weights(model)
     x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
     unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

@@ -33,6 +33,9 @@ GEOMETRIES = [  # (dk, dv, hq, hkv, quantizer, group)
     (192, 192, 8, 8, "uniform", 64),
     (128, 192, 8, 8, "uniform", 64),
     (96, 96, 8, 8, "uniform", None),
+    (128, 128, 8, 8, "uniform", None),
+    (128, 128, 8, 8, "lloyd-max", None),
+    (128, 128, 8, 8, "lloyd-max", 64),
 ]
 
 
@@ -56,10 +59,11 @@ def main() -> int:
         mmas = (torch.float32, torch.float16, torch.bfloat16) if a.full else (torch.float16, torch.bfloat16)
         for mma in mmas[:-1] if interpreting() else mmas:  # bf16 tl.dot is wrong under the interpreter
             for conv in (None, CONVERT_BITS) if a.full else (None,):
-                for bn in (None, 16):  # the default tiles, and 16 x 16 (the interpreter's)
+                # the default tiles, 16 x 16 (the interpreter's) and, on a GPU, 64 x 128
+                for bn in (None, 16) if interpreting() else (None, 16, 128):
                     ch = {} if conv is None else {"convert": conv}
                     if bn is not None:
-                        ch.update(block_n=bn, block_m=16, num_warps=4)
+                        ch.update(block_n=bn, block_m=16 if bn == 16 else 64, num_warps=4)
                     name = f"dk {dk} dv {dv} {quantizer} g{group} mma {str(mma)[6:]} conv {conv} bn {bn}"
                     try:
                         o = run_extend(pool, q_rot.to(torch.bfloat16 if mma != torch.float32 else torch.float32),
