@@ -59,10 +59,11 @@ BF16 DSA decode, which asserts a top-k of 2048, gets its own top-k).
 only the key blocks their indexer selects, :func:`build_minimax_m3`) from SGLang's config format with
 dummy weights as kimi_linear: the int2 servers run the INT2 main pool inside SGLang's MiniMax sparse
 pool (BF16 index keys) and :class:`~sglang_oscar.backend.minimax_backend.OscarMiniMaxSparseBackend`,
-the BF16 server SGLang's own Triton sparse path. Judged as kimi_linear, with glm5's extra
-``int2-window-chunk64`` reported; ``--family minimax_m3_dense`` selects every block (the selection
-cannot move with chunking or radix reuse; the index attention output, SGLang's, still can: its
-``int2-window-chunk64`` is reported too).
+the BF16 server SGLang's own Triton sparse path. Judged as kimi_linear, with an extra
+``bf16-chunk64`` (SGLang's BF16 server chunked) reported against ``bf16``: the model's own move under a
+rounding-level change, through its block selection; ``--family minimax_m3_dense`` selects every
+block (the selection cannot move with chunking or radix reuse; the index attention output, SGLang's,
+still can: ``int2-window-chunk64`` reported as for glm5).
 
 ``--family deepseek_v3_expanded`` serves the DeepSeek-V3 model with ``--oscar-mla-storage expanded
 --kv-cache-quant-group-size 64`` on the int2 servers: per-head K ``[k_nope | k_pe]`` 192 / V 128 in the
@@ -100,14 +101,19 @@ SERVERS = {
     "int2-chunk64": ["--kv-cache-dtype", "int2", *WINDOWS, "--chunked-prefill-size", "64"],
 }
 REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what each int2 server is compared with
-# Reported servers of one family: glm5's chunked prefill with every key from the BF16 rows, against its
-# one-prefill twin, separates SGLang's own chunk dependence (the indexer's discrete FP8 keys and top-k
-# over GEMMs of another row count) from the INT2 codes' (int2-chunk64 vs int2); MiniMax-M3's indexer
-# runs SGLang's kernels over the chunk too, and its index attention output feeds the layer
-CHUNK_FLOOR_FAMILIES = ("glm5", "glm5_dense", "minimax_m3", "minimax_m3_dense")
-FAMILY_SERVERS = {f: {"int2-window-chunk64": [*SERVERS["int2-window"], "--chunked-prefill-size", "64"]}
-                  for f in CHUNK_FLOOR_FAMILIES}
-FAMILY_REF = {f: {"int2-window-chunk64": "int2-window"} for f in CHUNK_FLOOR_FAMILIES}
+# Reported servers of one family (name: (flags, compared with)). A chunked prefill with every key from
+# the BF16 rows, against its one-prefill twin, separates SGLang's own chunk dependence (the DSA
+# indexer's discrete FP8 keys and top-k over GEMMs of another row count; MiniMax-M3's indexer, whose
+# index attention output feeds the layer) from the INT2 codes' (int2-chunk64 vs int2). Sparse
+# MiniMax-M3 (its int2 chunking was exact) instead reports SGLang's BF16 server chunked against
+# itself: how far a rounding-level change moves this model through its block selection, the floor
+# of its window item.
+_WINDOW_CHUNK = {"int2-window-chunk64": ([*SERVERS["int2-window"], "--chunked-prefill-size", "64"], "int2-window")}
+_BF16_CHUNK = {"bf16-chunk64": ([*SERVERS["bf16"], "--chunked-prefill-size", "64"], "bf16")}
+_REPORTED = {"glm5": _WINDOW_CHUNK, "glm5_dense": _WINDOW_CHUNK, "minimax_m3": _BF16_CHUNK,
+             "minimax_m3_dense": _WINDOW_CHUNK}
+FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPORTED.items()}
+FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
 # flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
 # expanded-MHA storage needs groups that divide both K 192 and V 128
 EXPANDED_GROUP = 64
@@ -495,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = {name: os.path.join(args.out, f"mla_{name}.log") for name in servers}
     ok_serve = all(isinstance(sv.get(n), list) for n in servers)
     kind = args.family.removesuffix("_dense")
-    ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if n != "bf16")
+    ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if not n.startswith("bf16"))
     ok_serve &= all(math.isfinite(x) for n in servers if isinstance(sv.get(n), list)
                     for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
     verdict["serves"] = ok_serve

@@ -352,6 +352,12 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     assert rc == 0 and res["verdict"] == {"serves": True, "window": True, "chunked": True, "radix": True, "load": True}
     assert res["capacity"]["ratio"] == (4 * 2 * 512 + index) / (4 * 2 * 72 + index)
     assert len(argvs) == 5 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
+    # the reported floor: SGLang's BF16 server chunked, compared with the one-prefill BF16 server
+    floor = [a for a in argvs if a[a.index("--kv-cache-dtype") + 1] == "auto" and "--chunked-prefill-size" in a]
+    assert len(floor) == 1 and floor[0][floor[0].index("--chunked-prefill-size") + 1] == "64"
+    assert not any(f.startswith("--oscar") for f in floor[0])
+    assert {(r["server"], r["vs"]) for r in res["rows"]} >= {("bf16-chunk64", "bf16"), ("int2-window", "bf16")}
+    assert mla_check.FAMILY_REF["minimax_m3_dense"] == {"int2-window-chunk64": "int2-window"}
     # the MLA pool's log line is not the M3 pool: "serves" fails on it
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
     assert mla_check.main(["--family", "minimax_m3_dense", "--out", str(tmp_path), "--budget", "5",
