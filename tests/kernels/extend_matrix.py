@@ -59,11 +59,14 @@ def main() -> int:
         mmas = (torch.float32, torch.float16, torch.bfloat16) if a.full else (torch.float16, torch.bfloat16)
         for mma in mmas[:-1] if interpreting() else mmas:  # bf16 tl.dot is wrong under the interpreter
             for conv in (None, CONVERT_BITS) if a.full else (None,):
-                # the default tiles, 16 x 16 (the interpreter's) and, on a GPU, 64 x 128
+                # the default tiles, 16 x 16 over 4 warps (the interpreter's) and, on a GPU, 64 x 128 over
+                # the default warps (a sticky illegal address at 4 would spoil every later case)
                 for bn in (None, 16) if interpreting() else (None, 16, 128):
                     ch = {} if conv is None else {"convert": conv}
-                    if bn is not None:
-                        ch.update(block_n=bn, block_m=16 if bn == 16 else 64, num_warps=4)
+                    if bn == 16:
+                        ch.update(block_n=16, block_m=16, num_warps=4)
+                    elif bn == 128:
+                        ch.update(block_n=128, block_m=64)
                     name = f"dk {dk} dv {dv} {quantizer} g{group} mma {str(mma)[6:]} conv {conv} bn {bn}"
                     try:
                         o = run_extend(pool, q_rot.to(torch.bfloat16 if mma != torch.float32 else torch.float32),
