@@ -14,7 +14,7 @@ Times: CUDA graphs with a cold L2 (``bench_decode.bench_graph``); ratios mean so
 one run.
 
     python -m benchmarks.bench_latent [--heads 16,128] [--contexts 4096,32768,131072] [--batches 1,8,32]
-        [--variants bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes]
+        [--variants served,bf16:32:4:16:codes,bf16:32]
         [--out latent.md]
     TRITON_INTERPRET=1 python -m benchmarks.bench_latent --smoke     # CPU: tiny shapes, every piece once
 """
@@ -33,7 +33,7 @@ except ImportError:
     import bench_decode as bd
     from bench_decode_report import emit_row, fmt_ms, step_row_cells, write_table
 
-from sglang_oscar.kernels.latent_plan import latent_decode_attention, latent_num_splits
+from sglang_oscar.kernels.latent_plan import latent_decode_attention, latent_decode_tiles, latent_num_splits
 
 R, P, G, SINK, RECENT = 512, 64, 128, 64, 256
 
@@ -126,10 +126,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--splits", type=int, default=0,
                     help="INT2 kernel splits per request (0: the served policy, kernels.latent_plan.latent_num_splits)")
-    ap.add_argument("--variants", default="bf16:32",
-                    help="INT2 kernel variants to time, comma-separated precision:block_n[:num_warps[:block_h[:engine]]] "
-                         "(precision ieee, tf32 or bf16; 4 warps, block_h 16, engine dequant unless given; engine "
-                         "codes: kernels.latent_codes); the first is the table's INT2 column, each other one a column")
+    ap.add_argument("--variants", default="served",
+                    help="INT2 kernel variants to time, comma-separated: served (what the server runs: BF16 dots, the "
+                         "codes engine, kernels.latent_plan.latent_decode_tiles of the head count) or "
+                         "precision:block_n[:num_warps[:block_h[:engine]]] (precision ieee, tf32 or bf16; 4 warps, "
+                         "block_h 16, engine dequant unless given; engine codes: kernels.latent_codes); the first is "
+                         "the table's INT2 column, each other one a column")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, every piece once (CPU interpreter)")
     a = ap.parse_args(argv)
@@ -137,9 +139,17 @@ def main(argv=None) -> int:
     heads = [int(x) for x in a.heads.split(",")] if not a.smoke else [4]
     contexts = [int(x) for x in a.contexts.split(",")] if not a.smoke else [48]
     batches = [int(x) for x in a.batches.split(",")] if not a.smoke else [2]
-    variants = [(f[0], int(f[1]) if len(f) > 1 else 16, int(f[2]) if len(f) > 2 else 4, int(f[3]) if len(f) > 3 else 16,
+    variants = [("served",) if f == ["served"] else
+                (f[0], int(f[1]) if len(f) > 1 else 16, int(f[2]) if len(f) > 2 else 4, int(f[3]) if len(f) > 3 else 16,
                  f[4] if len(f) > 4 else "dequant")
-                for f in (v.split(":") for v in ("ieee:16" if a.smoke else a.variants).split(","))]
+                for f in (v.split(":") for v in ("ieee:16,served" if a.smoke else a.variants).split(","))]
+
+    def resolve(v, h):  # (precision, block_n, num_warps, block_h, engine)
+        if v != ("served",):
+            return v
+        t = latent_decode_tiles(h, "codes")
+        return ("ieee" if a.smoke else "bf16", t["block_n"], t["num_warps"], t["block_h"], "codes")
+
     rows = [f"| q heads | batch x context | INT2 latent ({':'.join(map(str, variants[0]))}) | fastest BF16 | "
             "INT2 / BF16 time | BF16 kernels |" + "".join(f" INT2 {':'.join(map(str, v))} |" for v in variants[1:]),
             "|---:|---|---|---|---|---|" + "---|" * (len(variants) - 1)]
@@ -149,7 +159,7 @@ def main(argv=None) -> int:
                 kw = dict(r=256, p=32, g=64, sink=4, recent=8) if a.smoke else {}  # Lk 288: SGLang MLA shapes
                 case = LatentCase(h, b, ctx, dev, **kw)
                 times = [bd.bench(case.int2(2 if a.smoke else a.splits or latent_num_splits(b, h, block_h=bh), x, n, w, bh,
-                                            e), a.smoke) for x, n, w, bh, e in variants]
+                                            e), a.smoke) for x, n, w, bh, e in (resolve(v, h) for v in variants)]
                 bf = {k: bd.bench(fn, a.smoke) for k, fn in case.bf16(a.smoke).items()}
                 del case
                 emit_row(rows, f"| {h} | {b} x {ctx} | {step_row_cells(times[0], bf)} |"

@@ -11,7 +11,8 @@
 # SGLang's dsa backend, needs deep_gemm from .device-bundle/wheels, below; kimi_linear: the latent
 # pool in a linear-attention hybrid; minimax_m3 / minimax_m3_dense: MiniMax-M3's sparse layers over the
 # INT2 MHA pool, dummy weights) its model;
-# BENCH_VARIANTS (default bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes) the benchmark's columns.
+# BENCH_VARIANTS (default served,bf16:32:4:16:codes,bf16:32: the served tiles, the 16-head ones at every head count,
+# the dequantizing engine) the benchmark's columns.
 set -u
 cd "$(dirname "$0")/.."
 R="${OUT:-/tmp/out}"; mkdir -p "$R"
@@ -42,7 +43,7 @@ for step in "${steps[@]}"; do
       timeout 240 python3 -m benchmarks.bench_latent_extend --out "$R/latent_extend.md" > "$L/bench_latent_extend.log" 2>&1 \
         || rc=1 ;;
     bench)
-      timeout 300 python3 -m benchmarks.bench_latent --variants "${BENCH_VARIANTS:-bf16:32,bf16:32:8,bf16:16:8:32,bf16:32:4:16:codes}" \
+      timeout 300 python3 -m benchmarks.bench_latent --variants "${BENCH_VARIANTS:-served,bf16:32:4:16:codes,bf16:32}" \
         --out "$R/latent.md" > "$L/bench_latent.log" 2>&1 || rc=1 ;;
     *) echo "unknown step $step (tests, check, bench, extend)"; exit 2 ;;
   esac

@@ -34,7 +34,7 @@ from sglang_oscar.kernels.codes import CONVERT_ASM, CONVERT_ASM_PERM, CONVERT_BI
 from sglang_oscar.kernels.compile_check import COMPILED, compile_only  # noqa: E402
 from sglang_oscar.kernels.latent import gather_latent  # noqa: E402
 from sglang_oscar.kernels.latent_extend import latent_extend_attention  # noqa: E402
-from sglang_oscar.kernels.latent_plan import latent_decode_attention  # noqa: E402
+from sglang_oscar.kernels.latent_plan import latent_decode_attention, latent_decode_tiles  # noqa: E402
 from sglang_oscar.kernels.rotate import rotate_heads  # noqa: E402
 from sglang_oscar.kernels.sparse import block_sparse_attention  # noqa: E402
 
@@ -151,12 +151,14 @@ CASES = [
                                                                  hp_dtype=torch.float32, mma=torch.float32)),
     ("decode d128 sinks window", lambda: _attn("d", sliding_window=16, sinks=torch.zeros(32))),
     ("latent decode + gather R512 P64 g128 h16 (DeepSeek-V3 TP 8)", lambda: _latent(16, 512, 64, 128)),
-    ("latent decode bf16 block_n 32 R512 h128 (served)", lambda: _latent(128, 512, 64, 128, precision="bf16",
+    ("latent decode bf16 block_n 32 R512 h128 (dequant engine)", lambda: _latent(128, 512, 64, 128, precision="bf16",
                                                                          block_n=32)),
     ("latent decode codes engine bf16 block_n 32", lambda: _latent(16, 512, 64, 128, precision="bf16", block_n=32,
                                                                    engine="codes")),
     ("latent decode bf16 block_h 32, 8 warps (128 heads)", lambda: _latent(128, 512, 64, 128, precision="bf16",
                                                                            block_h=32, num_warps=8)),
+    ("latent decode codes engine bf16 64 x 32, 8 warps (served from 32 heads)",
+     lambda: _latent(128, 512, 64, 128, precision="bf16", engine="codes", **latent_decode_tiles(128, "codes"))),
     ("latent decode tf32 R512 g64 (two pairs per quarter)", lambda: _latent(16, 512, 64, 64, precision="tf32")),
     ("latent extend bf16 R512, 1 token x 16 heads", lambda: _latent_extend(16, 1, 16, precision="bf16")),
     ("latent extend bf16 R512, 4 tokens x 16 heads, 8 warps", lambda: _latent_extend(128, 4, 16, precision="bf16",

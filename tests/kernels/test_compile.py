@@ -89,11 +89,14 @@ def test_bench_decode_smoke(tmp_path):
 
 def test_bench_latent_smoke(tmp_path):
     """benchmarks/bench_latent.py --smoke runs the INT2 latent decode and SGLang's Triton MLA decode
-    (its 288-wide latent shape) once each and writes the table row with their ratio."""
+    (its 288-wide latent shape) once each and writes the table row with their ratio, and the served
+    tiles' column."""
     out = tmp_path / "latent.md"
     _smoke("bench_latent", out)
-    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| 4 | 2 x 48 |")]
+    text = out.read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 4 | 2 x 48 |")]
     assert len(rows) == 1 and "sglang-triton-mla" in rows[0] and rows[0].split("|")[5].strip().endswith("x"), rows
+    assert text.splitlines()[0].rstrip().endswith("INT2 served |") and rows[0].split("|")[7].strip()[-1] == "s", text
 
 
 def test_bench_sparse_smoke(tmp_path):

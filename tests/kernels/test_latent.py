@@ -16,7 +16,8 @@ from sglang_oscar.config import OscarConfig
 from sglang_oscar.kernels.decode.plan import DecodeWorkspace
 from sglang_oscar.kernels.latent_extend import latent_extend_attention
 from sglang_oscar.kernels.latent_plan import (PLANES, LatentDecodePlan, codes_engine_applies, latent_decode_attention,
-                                              latent_sparse_extend_attention, sparse_extend_num_splits)
+                                              latent_decode_tiles, latent_num_splits, latent_sparse_extend_attention,
+                                              sparse_extend_num_splits)
 from sglang_oscar.reference.latent import latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -51,15 +52,51 @@ def test_latent_decode_matches_the_oracle(device, lens, h, r, p, group, quantize
             assert rel_l2(out.cpu(), ref) < 1e-4, (engine, splits)  # the same stored rows on both sides, fp32 math
 
 
+def test_latent_decode_tiles_policy():
+    """The served tiles: 64 keys x 32 heads x 8 warps for the codes engine from 32 heads on (TP 1-4 of
+    DeepSeek-V3), 32 x 16 x 4 below and for the dequantizing engine."""
+    wide, narrow = dict(block_n=64, block_h=32, num_warps=8), dict(block_n=32, block_h=16, num_warps=4)
+    assert latent_decode_tiles(128, "codes") == wide and latent_decode_tiles(32, "codes") == wide
+    assert latent_decode_tiles(16, "codes") == narrow and latent_decode_tiles(31, "codes") == narrow
+    assert latent_decode_tiles(128, "dequant") == narrow
+
+
+def test_latent_decode_served_wide_tiles_match_the_oracle(device):
+    """The 64 x 32 x 8-warp tiles the server picks from 32 heads on: 40 heads (a full and a partial head
+    block), requests across 64-key blocks and both tiers, both engines, the served split count."""
+    fresh_seed()
+    cfg = OscarConfig(group_size=16, sink_tokens=4, recent_tokens=8)
+    lens, h, r, p = [150, 9], 40, 64, 16
+    rot = random_orthogonal(r)
+    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.float32, device)
+    scale = (r + p) ** -0.5 * 2.0
+    eye = torch.eye(r).expand(h, r, r)
+    q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
+    ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
+                                        window_mode="decode", hp_dtype=torch.float32, output="latent_rotated")[0]
+                       for i, (c, kpe) in enumerate(seqs)])
+    tiles = latent_decode_tiles(h, "codes")
+    assert tiles["block_h"] == 32 and tiles["block_n"] == 64
+    splits = latent_num_splits(len(lens), h, block_h=32, num_sms=4)
+    assert splits == 2  # 2 requests x 2 head blocks x 2 splits: the long request crosses a split
+    for engine in ("codes", "dequant"):
+        out = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=16,
+                                      quantizer="uniform", sink=4, recent=8, sm_scale=scale, num_splits=splits,
+                                      engine=engine, **tiles)
+        assert rel_l2(out.cpu(), ref) < 1e-4, engine
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 128])
 @pytest.mark.parametrize("engine", ["dequant", "codes"])
 @pytest.mark.parametrize("precision,tol", [("tf32", 3e-3), ("bf16", 1.5e-2)])
-def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol, engine):
-    """The serving engines on DeepSeek-V3's latent (R 512, P 64, G 128, BF16 windows): TF32 / BF16
-    operands move the output by their rounding only (relative L2 under ``tol``)."""
+def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol, engine, h):
+    """The serving engines on DeepSeek-V3's latent (R 512, P 64, G 128, BF16 windows) at TP 8 and TP 1
+    head counts with the served tiles (:func:`latent_decode_tiles`): TF32 / BF16 operands move the
+    output by their rounding only (relative L2 under ``tol``)."""
     fresh_seed()
     cfg = OscarConfig(group_size=128, sink_tokens=16, recent_tokens=32)
-    r, p, h, lens = 512, 64, 16, [300, 77, 1030]
+    r, p, lens = 512, 64, [300, 77, 1030]
     rot = random_orthogonal(r)
     seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.bfloat16, "cuda")
     scale = (128 + p) ** -0.5
@@ -69,7 +106,8 @@ def test_latent_decode_tensor_core_engines_match_the_oracle(precision, tol, engi
                                         window_mode="decode", hp_dtype=torch.bfloat16, output="latent_rotated")[0]
                        for i, (c, kpe) in enumerate(seqs)])
     out = latent_decode_attention((q_nope @ rot).cuda(), q_pe.cuda(), **pool, group_size=128, quantizer="uniform",
-                                  sink=16, recent=32, sm_scale=scale, num_splits=8, precision=precision, engine=engine)
+                                  sink=16, recent=32, sm_scale=scale, num_splits=8, precision=precision, engine=engine,
+                                  **latent_decode_tiles(h, engine))
     err = rel_l2(out.cpu(), ref)
     assert err < tol, (precision, engine, err)
 

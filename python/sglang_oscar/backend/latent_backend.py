@@ -47,7 +47,8 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 from ..kernels.decode.plan import DecodeWorkspace
 from ..kernels.latent import gather_latent
-from ..kernels.latent_plan import PLANES, LatentDecodePlan, codes_engine_applies, latent_sparse_extend_attention
+from ..kernels.latent_plan import (PLANES, LatentDecodePlan, codes_engine_applies, latent_decode_tiles,
+                                   latent_sparse_extend_attention)
 from ..pool.latent_pool import OscarMLATokenToKVPool
 from .rotations import model_geometry, served_latent_rotations
 from .triton_backend import OscarTritonAttnBackend, _attention_layers
@@ -113,8 +114,8 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         self.setup_latent(pool, rotations, model_runner.req_to_token_pool.req_to_token, heads,
                           getattr(self, "device_core_count", None) or 132, dsa_topk=dsa_topk)
         if get_parallel().attn_tp_rank == 0:
-            logger.info("sglang-oscar: MLA latent decode engine %s, %s dot operands, %d q heads per rank",
-                        self._engine, self._precision, heads)
+            logger.info("sglang-oscar: MLA latent decode engine %s, %s dot operands, %d q heads per rank, tiles %s",
+                        self._engine, self._precision, heads, latent_decode_tiles(heads, self._engine))
 
     def setup_latent(self, pool, rotations: dict, req_to_token: torch.Tensor, num_heads: int, num_sms: int,
                      dsa_topk: int = 0) -> None:
@@ -168,13 +169,14 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         w = self.windows
         common = dict(num_heads=self._heads, group_size=self.pool.layout.k.group_size, quantizer=self.config.quantizer,
                       sink=self.config.sink_tokens, recent=self.config.recent_tokens, sink_lens=w.sink_lens,
-                      num_sms=self._num_sms, block_n=32, precision=self._precision, workspace=self._workspace)
+                      num_sms=self._num_sms, precision=self._precision, workspace=self._workspace)
         tables = (self.pool.latent_buffers(self._plan_layer), w.hp_index, self._int2_req_to_token,
                   forward_batch.req_pool_indices, forward_batch.seq_lens)
-        self._decode_plans = LatentDecodePlan(*tables, engine=self._engine, **common)
+        self._decode_plans = LatentDecodePlan(*tables, engine=self._engine, **common,
+                                              **latent_decode_tiles(self._heads, self._engine))
         if self._dsa_topk:
             self._dsa_plan = LatentDecodePlan(*tables, engine="dequant", topk=self._topk[: forward_batch.batch_size],
-                                              **common)
+                                              **common, **latent_decode_tiles(self._heads, "dequant"))
         return self._decode_plans
 
     def plan_extend(self, forward_batch, num_tokens: int) -> LatentExtendPlan:
