@@ -19,6 +19,7 @@ from kv_fixtures import (
     triton_config,
 )
 from sglang_oscar.kernels.codes import CONVERT_BITS
+from sglang_oscar.kernels.configs import default_triton_config, interpreting
 from sglang_oscar.kernels import write_kv
 import dataclasses
 from gpu_sizes import DEV, GPU_RECENT, GPU_SINK, scaled
@@ -183,32 +184,32 @@ def test_extend_int64_offsets(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantizer,group,block_n", [("lloyd-max", 64, None), ("uniform", None, None),
+@pytest.mark.parametrize("quantizer,group,block_n", [("lloyd-max", 64, 64), ("uniform", None, 128),
                                                      ("lloyd-max", None, 128)],
-                         ids=["lloyd-g64", "uniform-row", "lloyd-row-bn128"])
+                         ids=["lloyd-g64", "uniform-row", "lloyd-row"])
 def test_gpu_extend_long_prefix_and_chunking(quantizer, group, block_n):
-    """Long prefix, multi-request and chunk split vs the oracle: the default 64-key (Lloyd-Max) and
-    128-key (uniform, one group) tiles, and Lloyd-Max at 128 keys, faster on the H200 despite a
-    24-byte spill (docs/benchmarks_served.md), before it may become a default."""
+    """Long prefix, multi-request and chunk split vs the oracle with the default tiles: 64 keys for
+    two groups per row, 128 for one (uniform, and Lloyd-Max despite its 24-byte spill)."""
     fresh_seed()
     cfg = make_config(sink=GPU_SINK, recent=GPU_RECENT, quantizer=quantizer, group_size=group)
     prefixes, exts = [scaled(60000), 0, scaled(1000)], [scaled(2048), scaled(1500), 1]
     lens = [p + e for p, e in zip(prefixes, exts)]
     pool = build_pool(lens, 8, 128, 128, cfg, hp_dtype=torch.bfloat16, window_mode="extend", device=DEV)
-    tiles = {} if block_n is None else {"config": triton_config(pool, extend=True, block_n=block_n)}
+    if not interpreting():  # the interpreter's dry run (gpu_sizes.py) has 16-key tiles
+        assert default_triton_config(pool.layout, extend=True).block_n == block_n
     q = torch.randn(sum(exts), 32, 128, device=DEV)
     ref = reference_extend(pool, q, prefixes, exts, counter_rotate=True)
     o = run_extend(pool, rotate_q(pool, q).to(torch.bfloat16), prefixes, exts, rotation_v=pool.rot_v,
-                   out_dtype=torch.float32, debug=False, **tiles)
+                   out_dtype=torch.float32, debug=False)
     assert rel_l2(o, ref) < 1e-2
     # request 0's chunk again, split in two: the same rows as the one-shot run
     p0, e0 = prefixes[0], exts[0]
     cut = e0 // 3
     q0 = rotate_q(pool, q[:e0])
     sub = dataclasses.replace(pool, req_pool_indices=pool.req_pool_indices[:1])
-    full = run_extend(sub, q0, [p0], [e0], debug=False, **tiles)
-    a = run_extend(sub, q0[:cut], [p0], [cut], debug=False, **tiles)
-    b = run_extend(sub, q0[cut:], [p0 + cut], [e0 - cut], debug=False, **tiles)
+    full = run_extend(sub, q0, [p0], [e0], debug=False)
+    a = run_extend(sub, q0[:cut], [p0], [cut], debug=False)
+    b = run_extend(sub, q0[cut:], [p0 + cut], [e0 - cut], debug=False)
     assert rel_l2(torch.cat([a, b]), full) < 1e-3
 
 

@@ -207,9 +207,12 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     many = pairs is not None and pairs >= STAGES1_MIN_PAIRS
     # the extend kernel's 128-key tiles fit the registers only on the plain one-group uniform path
     # (sm_90 stack bytes at head_dim 128 with 128 / 64 keys: Lloyd-Max 24 / 8, four groups 712 / 256,
-    # window 40 / 0, cap 16 / 0, bf16 operands 88 / 0; head_dim 80 or 112: 112 / 0-8)
-    wide = (extend and layout.quantizer == "uniform" and layout.k.num_groups == 1 and layout.v.num_groups == 1
-            and mma_dtype == torch.float16 and hi == lo and (hi == 64 or (hi == 128 and not windowed and not capped)))
+    # window 40 / 0, cap 16 / 0, bf16 operands 88 / 0; head_dim 80 or 112: 112 / 0-8). One-group
+    # Lloyd-Max at 128 takes them anyway: its 24-byte spill still leaves the H200 step 16-17% faster
+    # than at 64 keys (docs/benchmarks_served.md)
+    plain = (extend and layout.k.num_groups == 1 and layout.v.num_groups == 1 and mma_dtype == torch.float16
+             and hi == lo and not (hi == 128 and (windowed or capped)))
+    wide = plain and (hi == 128 or (hi == 64 and layout.quantizer == "uniform"))
     # K and V quarters of different padded widths (K 192 / V 128: 64 / 32): 64 x 64 extend tiles over 4
     # warps read illegal addresses there on the H200 (tests/kernels/extend_matrix.py); 8 warps do not
     mixed = layout.k.quarter_p2 != layout.v.quarter_p2
