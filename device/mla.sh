@@ -11,6 +11,8 @@
 # SGLang's dsa backend, needs deep_gemm from .device-bundle/wheels, below; kimi_linear: the latent
 # pool in a linear-attention hybrid; minimax_m3 / minimax_m3_dense: MiniMax-M3's sparse layers over the
 # INT2 MHA pool, dummy weights) its model;
+# MLA_SERVERS (default: the family's) the check's servers to run, comma-separated: a subset, and/or the
+# diagnostic int2-window-identity (int2-window over an identity rotation, reported against bf16);
 # BENCH_VARIANTS (default served,bf16:32:4:16:codes,bf16:32: the served tiles, the 16-head ones at every head count,
 # the dequantizing engine) the benchmark's columns.
 set -u
@@ -36,7 +38,7 @@ for step in "${steps[@]}"; do
       cp /tmp/mla_k/*.log "$L/" 2>/dev/null ;;
     check)
       timeout -k 90 $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --family "${MLA_FAMILY:-deepseek_v3}" \
-        --out /tmp/mla --budget "${MLA_BUDGET:-300}" \
+        --out /tmp/mla --budget "${MLA_BUDGET:-300}" ${MLA_SERVERS:+--servers "$MLA_SERVERS"} \
         > "$L/mla_check.log" 2>&1 || rc=1
       cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null ;;
     extend)

@@ -1,6 +1,6 @@
 """Device check of the served INT2 MLA latent cache on a tiny seeded DeepSeek-V3.
 
-    python -m tests.e2e.mla_check [--family deepseek_v3|deepseek_v3_expanded|glm5|glm5_dense|kimi_linear|minimax_m3|minimax_m3_dense] [--out DIR] [--budget SECONDS]
+    python -m tests.e2e.mla_check [--family deepseek_v3|deepseek_v3_expanded|glm5|glm5_dense|kimi_linear|minimax_m3|minimax_m3_dense] [--out DIR] [--budget SECONDS] [--servers NAME,...]
     (GPU machine, after ``source device/env.sh``)
 
 Builds a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry (kv_lora_rank 512,
@@ -35,6 +35,11 @@ in ``--out``) and judged:
   stays healthy (``/health``, ``/health_generate``) and logs no leak report and no new traceback
   (the main harness's check e, on this harness's model);
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
+
+``--servers`` runs a subset (items whose servers did not run are not judged) and may add
+``int2-window-identity``: int2-window over an identity rotation file written beside the model, so
+every key it reads is SGLang's own BF16 row; reported against ``bf16``, it tells the kernels' rounding
+from the rotated rows' when the window item fails.
 
 ``--family kimi_linear`` checks that the latent pool inside SGLang's linear-attention hybrid pool
 serves: a Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA linear attention,
@@ -114,6 +119,11 @@ _REPORTED = {"glm5": _WINDOW_CHUNK, "glm5_dense": _WINDOW_CHUNK, "minimax_m3": _
              "minimax_m3_dense": _WINDOW_CHUNK}
 FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPORTED.items()}
 FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
+# Run only when --servers names it: int2-window over an identity rotation (written beside the model), so
+# every key is SGLang's own BF16 row, unrotated; against bf16 it separates the kernels' rounding from
+# the rotated rows' (a diagnostic of the window item, reported, not judged)
+IDENTITY_ROTATION = "identity-rotation.safetensors"
+DIAGNOSTIC_REF = {"int2-window-identity": "bf16"}
 # flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
 # expanded-MHA storage needs groups that divide both K 192 and V 128
 EXPANDED_GROUP = 64
@@ -357,6 +367,23 @@ def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
             "--disable-prefill-cuda-graph", "--max-running-requests", "8", *extra]
 
 
+def write_identity_rotation(model: str, family: str) -> str:
+    """Write the identity rotation file of ``model``'s config (per-head K / V for the MHA-pool and
+    expanded families, the latent one otherwise) to ``model/IDENTITY_ROTATION``; returns its path."""
+    from sglang_oscar.rotation import ModelGeometry, RotationSet
+    from sglang_oscar.rotation.latent import LatentRotationSet
+
+    geometry = ModelGeometry.from_hf_config(os.path.join(model, "config.json"))
+    latent = geometry.attention_kind == "mla" and family not in FAMILY_INT2_FLAGS
+    if family in FAMILY_INT2_FLAGS:
+        geometry = geometry.expanded()
+    rs = (LatentRotationSet if latent else RotationSet).data_free(geometry, "identity")
+    rs.validate(geometry)
+    path = os.path.join(model, IDENTITY_ROTATION)
+    rs.save(path)
+    return path
+
+
 def _log_value(path: str, pattern: str):
     try:
         with open(path, errors="replace") as f:
@@ -444,16 +471,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", choices=sorted(FAMILIES), default="deepseek_v3")
     ap.add_argument("--model", default=None, help="where the model is written (default /tmp/mla-check-<family>)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for startup + requests")
+    ap.add_argument("--servers", default=None,
+                    help="comma-separated servers to run (default: the family's; also int2-window-identity, "
+                         "reported against bf16); items whose servers did not run are not judged")
     args = ap.parse_args(argv)
+    known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), **{n: [] for n in DIAGNOSTIC_REF}}
+    names = args.servers.split(",") if args.servers else [n for n in known if n not in DIAGNOSTIC_REF]
+    if not names or any(n not in known for n in names):
+        ap.error(f"--servers {args.servers!r}: choose among {', '.join(known)}")
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     build, family_flags, judged = FAMILIES[args.family]
+    # an item is judged when its servers ran (serves: any; window, chunked: theirs; radix, load, oracle: int2)
+    needs = {"window": {"int2-window", "bf16"}, "chunked": {"int2-chunk64", "int2"}, "radix": {"int2"},
+             "load": {"int2"}, "oracle": {"int2"}}
+    judged = tuple(k for k in judged if needs.get(k, set()) <= set(names))
     with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
     geometry = build(args.model)
+    if "int2-window-identity" in names:
+        known["int2-window-identity"] = [*SERVERS["int2-window"], "--oscar-rotation",
+                                         write_identity_rotation(args.model, args.family)]
     env = server_env(args.family, args.out)
     servers = {}
-    for i, (name, extra) in enumerate({**SERVERS, **FAMILY_SERVERS.get(args.family, {})}.items()):
+    for i, (name, extra) in enumerate((n, known[n]) for n in names):
         int2_flags = FAMILY_INT2_FLAGS.get(args.family, []) if "int2" in extra else []
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *int2_flags])
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env={**env, **(STRICT_ENV if name == "int2" else {})},
@@ -506,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                     for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
     verdict["serves"] = ok_serve
     rows = []
-    for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {})}.items():
+    for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {}), **DIAGNOSTIC_REF}.items():
         got, ref = sv.get(name), sv.get(ref_name)
         if not isinstance(got, list) or not isinstance(ref, list):
             continue
@@ -536,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001  the verdict fails and says why
             res["oracle"] = f"failed: {type(exc).__name__}: {exc}"
             verdict["oracle"] = False
-    cell = _log_value(logs["int2"], CAPACITY_LOG.get(kind, DEFAULT_CAPACITY_LOG))
+    cell = _log_value(logs["int2"], CAPACITY_LOG.get(kind, DEFAULT_CAPACITY_LOG)) if "int2" in logs else None
     if cell:
         res["capacity"] = {"int2_bytes_per_token": int(cell[0]), "bf16_bytes_per_token": int(cell[1]),
                            "ratio": int(cell[1]) / int(cell[0])}

@@ -365,6 +365,45 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["serves"] is False
 
 
+def test_mla_check_servers_subset_runs_the_identity_rotation_diagnostic(tmp_path, monkeypatch):
+    """--servers bf16,int2-window,int2-window-identity on minimax_m3: three servers, the diagnostic one
+    with int2-window's flags and an identity rotation file for the model's geometry; only the items
+    whose servers ran are judged, the diagnostic row is reported against bf16; an unknown name is
+    refused before any server starts."""
+    import torch
+
+    from sglang_oscar.rotation import RotationSet
+
+    class M3Server(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            super().__init__(argv, port, log_path, log_header, env)
+            if "auto" not in argv:
+                with open(log_path, "w") as f:
+                    f.write("KV Cache is allocated\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
+
+    argvs = []
+    monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or M3Server(argv, *a, **k))
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    model = tmp_path / "m"
+    rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(model),
+                         "--servers", "bf16,int2-window,int2-window-identity"])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert rc == 0 and res["verdict"] == {"serves": True, "window": True} and res["judged"] == ["serves", "window"]
+    assert len(argvs) == 3
+    ident = argvs[2]
+    path = ident[ident.index("--oscar-rotation") + 1]
+    assert path == str(model / mla_check.IDENTITY_ROTATION)
+    assert ident[ident.index("--oscar-sink-tokens") + 1] == "2048" and "--oscar-rotation" not in argvs[1]
+    rs = RotationSet.load(path)
+    assert sorted(rs.k) == [0, 1, 2, 3] and all(torch.equal(m, torch.eye(m.shape[-1]).expand_as(m))
+                                                for m in [*rs.k.values(), *rs.v.values()])
+    assert ("int2-window-identity", "bf16") in {(r["server"], r["vs"]) for r in res["rows"]}
+    argvs.clear()
+    with pytest.raises(SystemExit):
+        mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--servers", "bf16,int3"])
+    assert argvs == []
+
+
 def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp_path, monkeypatch):
     """load: 64 requests of 32-2400 tokens, a quarter sharing a prefix, to the int2 server only, which
     alone runs with SGLang's strict memory checks; one failed request, or a leak report appearing in
