@@ -63,7 +63,7 @@ class OscarConfig:
             (default: the INT2 latent ``c_kv`` + BF16 ``k_pe``, one row per token and layer) or
             ``"expanded"`` (per head K ``[k_nope | k_pe]`` and V as INT2 MHA rows, attended by the MHA
             backend; DeepSeek-V3 at group 64: 47x the latent's bytes per token at TP 1, 5.9x per rank at TP 8,
-            docs/design.md#mla-latent-cache).
+            docs/design_mla.md#mla-latent-cache).
             Ignored by MHA/GQA models' pools (the launch check refuses ``"expanded"`` for them).
     """
 
