@@ -208,8 +208,8 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     # the extend kernel's 128-key tiles fit the registers only on the plain one-group uniform path
     # (sm_90 stack bytes at head_dim 128 with 128 / 64 keys: Lloyd-Max 24 / 8, four groups 712 / 256,
     # window 40 / 0, cap 16 / 0, bf16 operands 88 / 0; head_dim 80 or 112: 112 / 0-8). One-group
-    # Lloyd-Max at 128 takes them anyway: its 24-byte spill still leaves the H200 step 16-17% faster
-    # than at 64 keys (docs/benchmarks_served.md)
+    # Lloyd-Max at 128 takes them anyway: with its 24-byte spill its H200 attention still takes 16-17%
+    # less time than at 64 keys (docs/benchmarks_served.md)
     plain = (extend and layout.k.num_groups == 1 and layout.v.num_groups == 1 and mma_dtype == torch.float16
              and hi == lo and not (hi == 128 and (windowed or capped)))
     wide = plain and (hi == 128 or (hi == 64 and layout.quantizer == "uniform"))
