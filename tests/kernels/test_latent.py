@@ -52,6 +52,24 @@ def test_latent_decode_matches_the_oracle(device, lens, h, r, p, group, quantize
             assert rel_l2(out.cpu(), ref) < 1e-4, (engine, splits)  # the same stored rows on both sides, fp32 math
 
 
+def _decode_case(cfg, lens, h, r, p, device):
+    """Random fp32 latents of ``lens`` in a pool (``build_latent_pool``), queries and the oracle's output
+    (identity absorptions: ``q_abs = q_nope``, ``o = o_latent``); ``oracle_kw`` go to ``latent_attention``
+    per request (a ``topk_indices`` there is ``[B, k]``)."""
+    rot = random_orthogonal(r)
+    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.float32, device)
+    scale = (r + p) ** -0.5 * 2.0
+    eye = torch.eye(r).expand(h, r, r)
+    q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
+
+    def oracle(**oracle_kw):
+        per = [{k: v[i:i + 1] for k, v in oracle_kw.items()} for i in range(len(lens))]
+        return torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg,
+                                             softmax_scale=scale, window_mode="decode", hp_dtype=torch.float32,
+                                             output="latent_rotated", **per[i])[0] for i, (c, kpe) in enumerate(seqs)])
+    return pool, (q_nope @ rot).to(device), q_pe.to(device), scale, oracle
+
+
 def test_latent_decode_tiles_policy():
     """The served tiles: 64 keys x 32 heads x 8 warps for the codes engine from 32 heads on (TP 1-4 of
     DeepSeek-V3), 32 x 16 x 4 below and for the dequantizing engine."""
@@ -66,23 +84,16 @@ def test_latent_decode_served_wide_tiles_match_the_oracle(device):
     block), requests across 64-key blocks and both tiers, both engines, the served split count."""
     fresh_seed()
     cfg = OscarConfig(group_size=16, sink_tokens=4, recent_tokens=8)
-    lens, h, r, p = [150, 9], 40, 64, 16
-    rot = random_orthogonal(r)
-    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.float32, device)
-    scale = (r + p) ** -0.5 * 2.0
-    eye = torch.eye(r).expand(h, r, r)
-    q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
-    ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
-                                        window_mode="decode", hp_dtype=torch.float32, output="latent_rotated")[0]
-                       for i, (c, kpe) in enumerate(seqs)])
+    lens, h = [150, 9], 40
+    pool, q_abs, q_pe, scale, oracle = _decode_case(cfg, lens, h, 64, 16, device)
+    ref = oracle()
     tiles = latent_decode_tiles(h, "codes")
     assert tiles["block_h"] == 32 and tiles["block_n"] == 64
     splits = latent_num_splits(len(lens), h, block_h=32, num_sms=4)
     assert splits == 2  # 2 requests x 2 head blocks x 2 splits: the long request crosses a split
     for engine in ("codes", "dequant"):
-        out = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=16,
-                                      quantizer="uniform", sink=4, recent=8, sm_scale=scale, num_splits=splits,
-                                      engine=engine, **tiles)
+        out = latent_decode_attention(q_abs, q_pe, **pool, group_size=16, quantizer="uniform", sink=4, recent=8,
+                                      sm_scale=scale, num_splits=splits, engine=engine, **tiles)
         assert rel_l2(out.cpu(), ref) < 1e-4, engine
 
 
@@ -158,12 +169,8 @@ def test_latent_decode_over_a_dsa_selection_matches_the_oracle(device, k, splits
     split the split must span the list, not the (shorter) request."""
     fresh_seed()
     cfg = OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8)
-    lens, h, r, p = [90, 37], 4, 64, 16
-    rot = random_orthogonal(r)
-    seqs, pool = build_latent_pool(lens, r, p, cfg, rot, torch.float32, device)
-    scale = (r + p) ** -0.5 * 2.0
-    eye = torch.eye(r).expand(h, r, r)
-    q_nope, q_pe = torch.randn(len(lens), h, r), torch.randn(len(lens), h, p)
+    lens = [90, 37]
+    pool, q_abs, q_pe, scale, oracle = _decode_case(cfg, lens, 4, 64, 16, device)
     topk = torch.full((len(lens), k), -1, dtype=torch.int32)
     for i, n in enumerate(lens):
         fixed = torch.tensor([0, 2, n - 1, n - 5])  # two sink and two recent positions, the rest at random
@@ -171,19 +178,14 @@ def test_latent_decode_over_a_dsa_selection_matches_the_oracle(device, k, splits
         chosen = torch.cat([fixed, rest])[:k]
         topk[i, torch.randperm(k)[:chosen.numel()]] = chosen.to(torch.int32)
     assert (topk[0] < 4).any() and (topk[0] >= 90 - 8).any()  # the selection reaches both windows
-    ref = torch.stack([latent_attention(q_nope[i:i + 1], q_pe[i:i + 1], c, kpe, eye, eye, rot, cfg, softmax_scale=scale,
-                                        window_mode="decode", hp_dtype=torch.float32, output="latent_rotated",
-                                        topk_indices=topk[i:i + 1])[0] for i, (c, kpe) in enumerate(seqs)])
-    dense = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=32,
-                                    quantizer="uniform", sink=4, recent=8, sm_scale=scale, num_splits=splits)
-    out = latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=32,
-                                  quantizer="uniform", sink=4, recent=8, sm_scale=scale, num_splits=splits,
-                                  topk=topk.to(device))
+    ref = oracle(topk_indices=topk)
+    kw = dict(group_size=32, quantizer="uniform", sink=4, recent=8, sm_scale=scale)
+    dense = latent_decode_attention(q_abs, q_pe, **pool, **kw, num_splits=splits)
+    out = latent_decode_attention(q_abs, q_pe, **pool, **kw, num_splits=splits, topk=topk.to(device))
     assert rel_l2(out.cpu(), ref) < 1e-4
     assert rel_l2(dense.cpu(), ref) > 1e-2  # the selection matters: attending everything is another answer
     with pytest.raises(ValueError, match="engine 'dequant' only"):
-        latent_decode_attention((q_nope @ rot).to(device), q_pe.to(device), **pool, group_size=32, quantizer="uniform",
-                                sink=4, recent=8, sm_scale=scale, topk=topk.to(device), engine="codes")
+        latent_decode_attention(q_abs, q_pe, **pool, **kw, topk=topk.to(device), engine="codes")
 
 
 def test_latent_sparse_extend_matches_the_oracle_and_the_dense_extend(device):
