@@ -290,3 +290,26 @@ def make_rotation_files(model, model_path: str, out_dir: str, *, seed: int = 1, 
         out["linear"] = os.path.join(out_dir, "rot_linear.safetensors")
         RotationSet.data_free(ModelGeometry.from_hf_config(cfg), "identity").save(out["linear"])
     return out
+
+
+#: the identity rotation file's name (:func:`write_identity_rotation`)
+IDENTITY_ROTATION = "identity-rotation.safetensors"
+
+
+def write_identity_rotation(model: str, out: str, *, expanded: bool = False) -> str:
+    """Write the identity rotation file of ``model``'s config to ``out/IDENTITY_ROTATION`` (not beside
+    the weights: SGLang's loader reads every ``*.safetensors`` there); returns its path. Per-head K / V
+    for an MHA model or, with ``expanded``, an MLA model's expanded geometry; the latent one for an
+    MLA model otherwise. Served with ``--oscar-rotation``, every BF16 window row is the model's own."""
+    from sglang_oscar.rotation import ModelGeometry, RotationSet
+    from sglang_oscar.rotation.latent import LatentRotationSet
+
+    geometry = ModelGeometry.from_hf_config(os.path.join(model, "config.json"))
+    latent = geometry.attention_kind == "mla" and not expanded
+    if expanded:
+        geometry = geometry.expanded()
+    rs = (LatentRotationSet if latent else RotationSet).data_free(geometry, "identity")
+    rs.validate(geometry)
+    path = os.path.join(out, IDENTITY_ROTATION)
+    rs.save(path)
+    return path

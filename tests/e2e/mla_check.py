@@ -37,7 +37,7 @@ in ``--out``) and judged:
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
 ``--servers`` runs a subset (items whose servers did not run are not judged) and may add
-``int2-window-identity``: int2-window over an identity rotation file written beside the model, so
+``int2-window-identity``: int2-window over an identity rotation file written to ``--out``, so
 every key it reads is SGLang's own BF16 row; reported against ``bf16``, it tells the kernels' rounding
 from the rotated rows' when the window item fails.
 
@@ -93,7 +93,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_oscar.serving_launcher import ServerProcess
 
-from .checkpoints import random_prompt, sharpen
+from .checkpoints import random_prompt, sharpen, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
 from .smoke import agreement
 
@@ -119,10 +119,9 @@ _REPORTED = {"glm5": _WINDOW_CHUNK, "glm5_dense": _WINDOW_CHUNK, "minimax_m3": _
              "minimax_m3_dense": _WINDOW_CHUNK}
 FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPORTED.items()}
 FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
-# Run only when --servers names it: int2-window over an identity rotation (written beside the model), so
-# every key is SGLang's own BF16 row, unrotated; against bf16 it separates the kernels' rounding from
-# the rotated rows' (a diagnostic of the window item, reported, not judged)
-IDENTITY_ROTATION = "identity-rotation.safetensors"
+# Run only when --servers names it: int2-window over an identity rotation (written to --out), so every
+# key is SGLang's own BF16 row, unrotated; against bf16 it separates the kernels' rounding from the
+# rotated rows' (a diagnostic of the window item: reported, and outside the serves item)
 DIAGNOSTIC_REF = {"int2-window-identity": "bf16"}
 # flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
 # expanded-MHA storage needs groups that divide both K 192 and V 128
@@ -367,23 +366,6 @@ def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
             "--disable-prefill-cuda-graph", "--max-running-requests", "8", *extra]
 
 
-def write_identity_rotation(model: str, family: str) -> str:
-    """Write the identity rotation file of ``model``'s config (per-head K / V for the MHA-pool and
-    expanded families, the latent one otherwise) to ``model/IDENTITY_ROTATION``; returns its path."""
-    from sglang_oscar.rotation import ModelGeometry, RotationSet
-    from sglang_oscar.rotation.latent import LatentRotationSet
-
-    geometry = ModelGeometry.from_hf_config(os.path.join(model, "config.json"))
-    latent = geometry.attention_kind == "mla" and family not in FAMILY_INT2_FLAGS
-    if family in FAMILY_INT2_FLAGS:
-        geometry = geometry.expanded()
-    rs = (LatentRotationSet if latent else RotationSet).data_free(geometry, "identity")
-    rs.validate(geometry)
-    path = os.path.join(model, IDENTITY_ROTATION)
-    rs.save(path)
-    return path
-
-
 def _log_value(path: str, pattern: str):
     try:
         with open(path, errors="replace") as f:
@@ -477,21 +459,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), **{n: [] for n in DIAGNOSTIC_REF}}
     names = args.servers.split(",") if args.servers else [n for n in known if n not in DIAGNOSTIC_REF]
-    if not names or any(n not in known for n in names):
-        ap.error(f"--servers {args.servers!r}: choose among {', '.join(known)}")
+    if not names or any(n not in known for n in names) or len(set(names)) < len(names):
+        ap.error(f"--servers {args.servers!r}: distinct names among {', '.join(known)}")
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     build, family_flags, judged = FAMILIES[args.family]
     # an item is judged when its servers ran (serves: any; window, chunked: theirs; radix, load, oracle: int2)
     needs = {"window": {"int2-window", "bf16"}, "chunked": {"int2-chunk64", "int2"}, "radix": {"int2"},
              "load": {"int2"}, "oracle": {"int2"}}
-    judged = tuple(k for k in judged if needs.get(k, set()) <= set(names))
+    skipped = [k for k in judged if not needs.get(k, set()) <= set(names)]
+    judged = tuple(k for k in judged if k not in skipped)
     with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
     geometry = build(args.model)
     if "int2-window-identity" in names:
         known["int2-window-identity"] = [*SERVERS["int2-window"], "--oscar-rotation",
-                                         write_identity_rotation(args.model, args.family)]
+                                         write_identity_rotation(args.model, args.out,
+                                                                 expanded=args.family in FAMILY_INT2_FLAGS)]
     env = server_env(args.family, args.out)
     servers = {}
     for i, (name, extra) in enumerate((n, known[n]) for n in names):
@@ -540,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = {}
     sv = res["servers"]
     logs = {name: os.path.join(args.out, f"mla_{name}.log") for name in servers}
+    servers = {n: srv for n, srv in servers.items() if n not in DIAGNOSTIC_REF}  # judged ones
     ok_serve = all(isinstance(sv.get(n), list) for n in servers)
     kind = args.family.removesuffix("_dense")
     ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if not n.startswith("bf16"))
@@ -596,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
               f"oracle (reported): {res.get('oracle')}",
               f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]
     lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]
+    if skipped:
+        lines.append(f"not judged (their servers not in --servers): {', '.join(skipped)}")
     missing = [k for k in judged if k not in verdict]
     if missing:
         lines.append(f"not judged (fails the check): {', '.join(missing)}"

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from . import mla_check
+from . import checkpoints, mla_check
 
 
 @pytest.fixture(autouse=True)
@@ -392,15 +392,17 @@ def test_mla_check_servers_subset_runs_the_identity_rotation_diagnostic(tmp_path
     assert len(argvs) == 3
     ident = argvs[2]
     path = ident[ident.index("--oscar-rotation") + 1]
-    assert path == str(model / mla_check.IDENTITY_ROTATION)
+    assert path == str(tmp_path / checkpoints.IDENTITY_ROTATION) and not list(model.glob("*.safetensors"))
     assert ident[ident.index("--oscar-sink-tokens") + 1] == "2048" and "--oscar-rotation" not in argvs[1]
     rs = RotationSet.load(path)
     assert sorted(rs.k) == [0, 1, 2, 3] and all(torch.equal(m, torch.eye(m.shape[-1]).expand_as(m))
                                                 for m in [*rs.k.values(), *rs.v.values()])
     assert ("int2-window-identity", "bf16") in {(r["server"], r["vs"]) for r in res["rows"]}
+    assert "not judged (their servers not in --servers): chunked, radix, load" in (tmp_path / "mla_check.md").read_text()
     argvs.clear()
-    with pytest.raises(SystemExit):
-        mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--servers", "bf16,int3"])
+    for bad in ("bf16,int3", "bf16,bf16"):
+        with pytest.raises(SystemExit):
+            mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--servers", bad])
     assert argvs == []
 
 

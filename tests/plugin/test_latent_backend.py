@@ -185,11 +185,28 @@ def test_prefill_then_decode_match_the_oracle():
     _prefill_then_decode(torch.float32, 1e-5, "cpu")
 
 
+def test_served_decode_plan_takes_the_wide_tiles_from_32_heads():
+    """32 q heads (DeepSeek-V3 at TP 4): the backend's decode plan runs the codes engine on 64 keys x
+    32 heads x 8 warps (``latent_decode_tiles``), equal to the oracle in fp32."""
+    config = OscarConfig(group_size=32, sink_tokens=SINK, recent_tokens=RECENT)
+    shape = (32, R, P)
+    seq, rot = _data(torch.float32, shape=shape)
+    sv = Served(config, rot, torch.float32, shape=shape)
+    sv.extend(1, seq, 0, 40)
+    for pos in range(40, 42):
+        assert _rel(sv.decode(1, seq, pos), _oracle(seq, config, rot, pos, pos + 1, "decode", torch.float32)) < 1e-5
+    plan = sv.be._decode_plans
+    assert sv.be._engine == "codes" and plan.grid[1] == 1
+    assert {k: plan._constexprs[k] for k in ("BLOCK_N", "BLOCK_H", "num_warps")} == dict(BLOCK_N=64, BLOCK_H=32,
+                                                                                          num_warps=8)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,group", [((H, R, P), 32), (DSV3, None)])
+@pytest.mark.parametrize("shape,group", [((H, R, P), 32), (DSV3, None), ((128, 512, 64), None)])
 def test_prefill_then_decode_match_the_oracle_bf16_gpu(shape, group):
     """The same in BF16 on the GPU (the interpreter's tl.dot is wrong on BF16 operands), also at
-    DeepSeek-V3's latent with the default group size: within the model dtype's rounding of the
+    DeepSeek-V3's latent with the default group size (8 heads, and all 128 on the wide decode
+    tiles of ``latent_decode_tiles``): within the model dtype's rounding of the
     query, the gathered rows, the BF16 decode dots and the output (2e-2 relative L2)."""
     _prefill_then_decode(torch.bfloat16, 2e-2, "cuda", shape, group)
 

@@ -188,7 +188,8 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     128 keys per tile where those fit the sm_90 registers (no local-memory stack,
     ``tests/kernels/test_compile.py``): uniform quantizer, one group per row, fp16 operands, K and V
     head_dim 64, or 128 without a sliding window or logit cap (attention
-    sinks, known only at run time, cost 16 bytes of stack there); else 64 keys (an 8K chunk of one
+    sinks, known only at run time, cost 16 bytes of stack there), and one-group Lloyd-Max at 128
+    without a window or cap (a 24-byte stack, still faster than 64 keys); else 64 keys (an 8K chunk of one
     Qwen3-8B layer after 0 / 8K cached tokens: 3.23 / 9.22 ms with 128 keys, 3.81 / 11.00 with 64,
     4.28 / 12.29 with 64 and two stages, on the H200: docs/benchmarks_served.md; head_dim 64
     unmeasured). The interpreter runs the same conversions and prefetch / deferred-sum choices (so

@@ -52,7 +52,7 @@ def latent_decode_tiles(num_heads: int, engine: str) -> dict:
     From 32 heads on the absorbed decode is bound by its MMAs, not by the 272 bytes per token it
     reads, and 32-row tiles feed the tensor cores better than 16-row ones: on the H200 at 128 heads
     the codes engine at 64 x 32 x 8 warps takes 0.80-0.90x SGLang's BF16 Triton MLA time at 4K x
-    batch 8-32 (16 x 32 x 4: 1.02-1.19x) and 0.22x at 128K x batch 1 (0.29x); at 16 heads a
+    batch 8-32 (32 x 16 x 4: 1.02-1.19x) and 0.22x at 128K x batch 1 (0.29x); at 16 heads a
     32-row tile is half empty and 32 x 16 x 4 stays faster (docs/benchmarks_mla.md).
     """
     if engine == "codes" and num_heads >= 32:
