@@ -300,16 +300,18 @@ def write_identity_rotation(model: str, out: str, *, expanded: bool = False) -> 
     """Write the identity rotation file of ``model``'s config to ``out/IDENTITY_ROTATION`` (not beside
     the weights: SGLang's loader reads every ``*.safetensors`` there); returns its path. Per-head K / V
     for an MHA model or, with ``expanded``, an MLA model's expanded geometry; the latent one for an
-    MLA model otherwise. Served with ``--oscar-rotation``, every BF16 window row is the model's own."""
-    from sglang_oscar.rotation import ModelGeometry, RotationSet
-    from sglang_oscar.rotation.latent import LatentRotationSet
+    MLA model otherwise (the user's ``sglang-oscar hadamard --method identity``). Served with
+    ``--oscar-rotation``, every BF16 window row is the model's own.
 
-    geometry = ModelGeometry.from_hf_config(os.path.join(model, "config.json"))
-    latent = geometry.attention_kind == "mla" and not expanded
-    if expanded:
-        geometry = geometry.expanded()
-    rs = (LatentRotationSet if latent else RotationSet).data_free(geometry, "identity")
-    rs.validate(geometry)
+    Raises:
+        RuntimeError: the command failed (its message is on stderr)."""
+    from sglang_oscar.cli.main import main as oscar_cli
+    from sglang_oscar.rotation import ModelGeometry
+
+    config = os.path.join(model, "config.json")
+    mla = ModelGeometry.from_hf_config(config).attention_kind == "mla"
+    storage = ["--mla-storage", "expanded" if expanded else "latent"] if mla else []
     path = os.path.join(out, IDENTITY_ROTATION)
-    rs.save(path)
+    if oscar_cli(["hadamard", "--config", config, "--method", "identity", "--out", path, *storage]) != 0:
+        raise RuntimeError(f"sglang-oscar hadamard --method identity failed for {config}")
     return path

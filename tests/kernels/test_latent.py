@@ -89,7 +89,7 @@ def test_latent_decode_served_wide_tiles_match_the_oracle(device):
     ref = oracle()
     tiles = latent_decode_tiles(h, "codes")
     assert tiles["block_h"] == 32 and tiles["block_n"] == 64
-    splits = latent_num_splits(len(lens), h, block_h=32, num_sms=4)
+    splits = latent_num_splits(len(lens), h, block_h=tiles["block_h"], num_sms=4)
     assert splits == 2  # 2 requests x 2 head blocks x 2 splits: the long request crosses a split
     for engine in ("codes", "dequant"):
         out = latent_decode_attention(q_abs, q_pe, **pool, group_size=16, quantizer="uniform", sink=4, recent=8,

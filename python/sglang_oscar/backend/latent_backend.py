@@ -115,7 +115,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
                           getattr(self, "device_core_count", None) or 132, dsa_topk=dsa_topk)
         if get_parallel().attn_tp_rank == 0:
             logger.info("sglang-oscar: MLA latent decode engine %s, %s dot operands, %d q heads per rank, tiles %s",
-                        self._engine, self._precision, heads, latent_decode_tiles(heads, self._engine))
+                        self._engine, self._precision, heads, self._decode_tiles)
 
     def setup_latent(self, pool, rotations: dict, req_to_token: torch.Tensor, num_heads: int, num_sms: int,
                      dsa_topk: int = 0) -> None:
@@ -155,6 +155,8 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         # H200: docs/benchmarks_mla.md); other quantizers / group sizes dequantize each tile
         self._engine = ("codes" if codes_engine_applies(self.config.quantizer, pool.layout.k.group_size,
                                                         pool.kv_lora_rank) else "dequant")
+        self._decode_tiles = latent_decode_tiles(num_heads, self._engine)
+        self._dsa_tiles = latent_decode_tiles(num_heads, "dequant")
         self._dsa_topk = int(dsa_topk)
         self._topk = (torch.full((req_to_token.shape[0], self._dsa_topk), -1, dtype=torch.int32, device=pool.device)
                       if self._dsa_topk else None)
@@ -172,11 +174,10 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
                       num_sms=self._num_sms, precision=self._precision, workspace=self._workspace)
         tables = (self.pool.latent_buffers(self._plan_layer), w.hp_index, self._int2_req_to_token,
                   forward_batch.req_pool_indices, forward_batch.seq_lens)
-        self._decode_plans = LatentDecodePlan(*tables, engine=self._engine, **common,
-                                              **latent_decode_tiles(self._heads, self._engine))
+        self._decode_plans = LatentDecodePlan(*tables, engine=self._engine, **common, **self._decode_tiles)
         if self._dsa_topk:
             self._dsa_plan = LatentDecodePlan(*tables, engine="dequant", topk=self._topk[: forward_batch.batch_size],
-                                              **common, **latent_decode_tiles(self._heads, "dequant"))
+                                              **common, **self._dsa_tiles)
         return self._decode_plans
 
     def plan_extend(self, forward_batch, num_tokens: int) -> LatentExtendPlan:
