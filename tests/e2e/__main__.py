@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"plugin entry point: {run.meta['entry_point']}")
 
     def _terminate(signum, _frame):  # a device-call timeout: stop our servers, keep partial results
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # timeout(1) signals us, then our group: exit once
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _terminate)

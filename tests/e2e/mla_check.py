@@ -444,6 +444,9 @@ class Terminated(Exception):
 
 
 def _raise_terminated(signum, _frame):
+    # timeout(1) signals the child and then its whole process group: raise once, so a second SIGTERM
+    # arriving while the servers stop cannot skip writing the answers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated(f"signal {signum} after the answers so far")
 
 

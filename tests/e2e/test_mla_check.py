@@ -456,7 +456,8 @@ def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp
 
 def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_path, monkeypatch):
     """A device call's timeout (SIGTERM) while the int2 server answers: every server is stopped, the
-    partial answers are written and judged, the unjudged items are named and the check fails."""
+    partial answers are written and judged, the unjudged items are named and the check fails. timeout(1)
+    signals the process and then its group, so a second SIGTERM arrives while the servers stop."""
     import signal
 
     servers = []
@@ -465,6 +466,7 @@ def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_p
         stopped = False
 
         def stop(self, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
             self.stopped = True
 
     monkeypatch.setattr(mla_check, "ServerProcess", lambda *a, **k: servers.append(Recording(*a, **k)) or servers[-1])
