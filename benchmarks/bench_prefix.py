@@ -1,0 +1,205 @@
+"""Prefix-heavy load served end to end: many requests sharing long prompt prefixes, short outputs,
+radix cache on (issue 28's prefill target: int2 >= 0.9x BF16's throughput on such a load).
+
+For every selected KV format (``bench_served``'s ``FORMATS`` and server settings, with the radix
+cache on) this starts one ``python -m sglang.launch_server`` on a dummy-weight checkpoint of a real
+``config.json`` and runs a load of ``--groups`` x ``--per-group`` requests: request (g, i) is group
+g's shared prefix of ``--prefix-len`` random token ids followed by its own ``--suffix-len`` ids, and
+asks for ``--output-len`` greedy tokens (``ignore_eos``). The first request of every group goes
+first (the G "seed" requests, concurrently), the rest follow, ``--concurrency`` in flight; so every
+format computes each prefix once and serves the others from its radix cache, and the time is what a
+system-prompt-heavy workload costs: the extends of the suffixes over cached prefixes (INT2 rows for
+int2), their decode, SGLang's scheduling. An untimed run of the same shape with other prefixes warms
+the server first (Triton JIT, extend shapes).
+
+Reported per format (``results.json``, ``results.md``, server logs in ``logs.tgz``): wall time of the load, requests/s, prompt
+tokens/s (every prompt token / wall), the computed prompt tokens (prompt - ``meta_info.cached_tokens``)
+and their rate, the radix hit ratio, the mean / p50 / p99 request latency; the table gives int2 /
+best BF16 ratios of the throughputs. Requests go to ``/generate`` with ``input_ids`` (the dummy
+checkpoints have no tokenizer: ``bench_served``'s docstring says why not ``sglang.bench_serving``).
+SIGTERM (a device call's timeout) stops the server and still writes what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import signal
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+try:  # python -m benchmarks.bench_prefix (a package), or the script / its folder on the path
+    from . import bench_served as bs
+except ImportError:
+    import bench_served as bs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefix", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=bs.MODELS, default="qwen3-8b")
+    p.add_argument("--formats", type=lambda s: bs.csv(s, tuple(bs.FORMATS)), default=["bf16-t64", "int2"])
+    p.add_argument("--groups", type=int, default=16, help="distinct shared prefixes")
+    p.add_argument("--per-group", type=int, default=32, help="requests per prefix (the first one seeds it)")
+    p.add_argument("--prefix-len", type=bs.size_arg, default=4096, help="shared prefix (tokens; k = 1024)")
+    p.add_argument("--suffix-len", type=bs.size_arg, default=256, help="each request's own tokens")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight (also --max-running-requests)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--out", default="bench_prefix_out")
+    p.add_argument("--work", default="/tmp/bench_prefix_work", help="model folder and server logs")
+    p.add_argument("--port", type=int, default=31500)
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--server-args", default="", help="extra flags for every server (one shell-quoted string)")
+    p.add_argument("--int2-args", default="", help="extra flags for the int2 servers")
+    p.add_argument("--startup-timeout", type=float, default=420.0)
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds for one run of the load")
+    p.add_argument("--dry-run", action="store_true", help="print the server commands and the load, start nothing")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    a = build_parser().parse_args(argv)
+    for name in ("groups", "per_group", "prefix_len", "suffix_len", "output_len", "concurrency"):
+        if getattr(a, name) <= 0:
+            build_parser().error(f"--{name.replace('_', '-')} must be positive")
+    return a
+
+
+def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int) -> list[str]:
+    """``bench_served``'s server command for ``fmt`` with the radix cache on (what this load measures)."""
+    ns = argparse.Namespace(batches=[a.concurrency], python=a.python, mem_fraction_static=a.mem_fraction_static,
+                            chunked_prefill_size=a.chunked_prefill_size, server_args=a.server_args,
+                            int2_args=a.int2_args)
+    return [x for x in bs.server_argv(ns, model_dir, fmt, port) if x != "--disable-radix-cache"]
+
+
+def make_load(a: argparse.Namespace, seed: int, groups: int | None = None) -> list[list[list[int]]]:
+    """``load[g][i]``: group g's prefix + request i's suffix (random ids; ``seed`` picks the prefixes)."""
+    out = []
+    for g in range(groups or a.groups):
+        prefix = bs.random_ids(a.prefix_len, seed * 100_003 + g)
+        out.append([prefix + bs.random_ids(a.suffix_len, (seed * 100_003 + g) * 1000 + 1 + i)
+                    for i in range(a.per_group)])
+    return out
+
+
+def run_load(url: str, load: list[list[list[int]]], a: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """Seeds first (one per group, concurrently), then the rest, ``--concurrency`` in flight.
+    Returns the wall time, rates, cached-token counts and latencies (s, tokens/s)."""
+    from sglang_oscar.serving_launcher import http_json
+
+    def one(ids: list[int]) -> dict:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": a.output_len, "temperature": 0,
+                                                      "ignore_eos": True}}
+        t = time.perf_counter()
+        meta = http_json(url + "/generate", body, timeout=timeout).get("meta_info") or {}
+        return {"prompt": len(ids), "cached": int(meta.get("cached_tokens") or 0),
+                "completion": int(meta.get("completion_tokens") or 0), "latency": time.perf_counter() - t}
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=a.concurrency) as pool:
+        done = list(pool.map(one, [grp[0] for grp in load]))
+        done += list(pool.map(one, [ids for grp in load for ids in grp[1:]]))
+    wall = time.perf_counter() - t0
+    prompt = sum(r["prompt"] for r in done)
+    cached = sum(r["cached"] for r in done)
+    lat = sorted(r["latency"] for r in done)
+    return {"requests": len(done), "wall_s": round(wall, 3), "requests_per_s": round(len(done) / wall, 2),
+            "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
+            "prompt_tok_s": round(prompt / wall, 1), "computed_tok_s": round((prompt - cached) / wall, 1),
+            "hit_ratio": round(cached / prompt, 4), "completion_tokens": sum(r["completion"] for r in done),
+            "latency_mean_s": round(sum(lat) / len(lat), 4), "latency_p50_s": round(lat[len(lat) // 2], 4),
+            "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 4)}
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown: one row per format, then int2 / best BF16 of requests/s and computed tokens/s."""
+    rows = [s for s in results["servers"] if isinstance(s.get("load"), dict)]
+    head = ("| format | requests | wall (s) | requests/s | prompt tok/s | computed tokens | computed tok/s "
+            "| radix hit | latency mean / p50 / p99 (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    lines = [head]
+    for s in rows:
+        r = s["load"]
+        lines.append(f"| {s['format']} | {r['requests']} | {r['wall_s']:.2f} | {r['requests_per_s']:.2f} | "
+                     f"{r['prompt_tok_s']:,.0f} | {r['computed_tokens']:,} | {r['computed_tok_s']:,.0f} | "
+                     f"{r['hit_ratio']:.3f} | {r['latency_mean_s']:.2f} / {r['latency_p50_s']:.2f} / "
+                     f"{r['latency_p99_s']:.2f} |")
+    bf16 = [s["load"]["requests_per_s"] for s in rows if bs.FORMATS[s["format"]][0] == "auto"]
+    for s in rows:
+        if bs._is_int2(s["format"]) and bf16:
+            lines.append(f"| **{s['format']} / best BF16** | | | **{s['load']['requests_per_s'] / max(bf16):.2f}x** "
+                         "| | | | | |")
+    skipped = [f"{s['format']}: {s['status']}" for s in results["servers"] if s not in rows]
+    return "\n".join(lines) + ("\n\nnot measured: " + "; ".join(skipped) if skipped else "") + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    mdir = str(Path(a.work) / a.model)
+    ports = {fmt: a.port + 10 * i for i, fmt in enumerate(a.formats)}
+    argvs = {fmt: server_argv(a, mdir, fmt, ports[fmt]) for fmt in a.formats}
+    n = a.groups * a.per_group
+    print(f"# load: {a.groups} groups x {a.per_group} requests ({n}), prefix {a.prefix_len} + suffix "
+          f"{a.suffix_len} tokens, {a.output_len} new, {a.concurrency} in flight")
+    for fmt in a.formats:
+        print(f"$ {shlex.join(argvs[fmt])}")
+    if a.dry_run:
+        return 0
+    from sglang_oscar.serving_launcher import LaunchError, ServerProcess, tail
+
+    def _terminate(signum, _frame):  # a device-call timeout: stop the server, keep partial results
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # timeout(1) signals us, then our group: exit once
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    out, logs = Path(a.out), Path(a.work) / "logs"
+    out.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    Path(mdir).mkdir(parents=True, exist_ok=True)
+    shutil.copy(bs.CONFIG_DIR / f"{a.model}.json", Path(mdir) / "config.json")
+    results: dict[str, Any] = {"meta": bs.collect_meta(a), "servers": []}
+    timed, warm = make_load(a, seed=1), make_load(a, seed=2, groups=max(1, a.groups // 4))
+    try:
+        for fmt in a.formats:
+            rec: dict[str, Any] = {"format": fmt, "command": shlex.join(argvs[fmt]), "status": "interrupted"}
+            results["servers"].append(rec)
+            srv = ServerProcess(argvs[fmt], port=ports[fmt], log_path=logs / f"{a.model}-{fmt}.log",
+                                log_header="$ " + shlex.join(argvs[fmt]))
+            print(f"[{time.strftime('%H:%M:%S')}] starting {fmt}", flush=True)
+            try:
+                srv.start()
+                srv.wait_healthy(timeout=a.startup_timeout)
+                rec["startup_s"] = round(srv.t_ready - srv.t_start, 1)
+                rec["warmup"] = run_load(srv.base_url, warm, a, a.timeout)
+                rec["load"] = run_load(srv.base_url, timed, a, a.timeout)
+                rec["status"] = "ok"
+                r = rec["load"]
+                print(f"  {fmt}: {r['wall_s']} s, {r['requests_per_s']} req/s, {r['computed_tok_s']} computed tok/s, "
+                      f"hit {r['hit_ratio']}", flush=True)
+            except LaunchError as exc:
+                rec["status"], rec["error"] = "launch failed", str(exc)[-2000:]
+            except Exception as exc:  # noqa: BLE001  this server's failure must not end the run
+                rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}; log: {tail(srv.log_path, 20)}"
+            finally:
+                srv.stop(grace=15.0)
+    finally:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        md = (f"# bench_prefix ({results['meta']['date']}, commit {results['meta'].get('commit')})\n\n"
+              f"`{shlex.join(sys.argv)}`\n\n{table(results)}")
+        (out / "results.md").write_text(md)
+        with tarfile.open(out / "logs.tgz", "w:gz") as tar:  # one log per server
+            for log in sorted(logs.glob(f"{a.model}-*.log")):
+                tar.add(log, arcname=log.name)
+        print(md)
+    return 0 if any(s["status"] == "ok" for s in results["servers"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
