@@ -64,7 +64,6 @@ import random
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -510,12 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_plan(plans, a)
         return 0
 
-    def _terminate(signum, _frame):  # a device-call timeout: stop the server, keep partial results
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # timeout(1) signals us, then our group: exit once
-        raise SystemExit(128 + signum)
+    from sglang_oscar.serving_launcher import sigterm_exits
 
-    signal.signal(signal.SIGTERM, _terminate)
-    results = run(a, plans)
+    with sigterm_exits():  # a device-call timeout: stop the server, keep partial results
+        results = run(a, plans)
     return 0 if any(s.get("status") == "ok" for s in results["servers"]) else 1
 
 

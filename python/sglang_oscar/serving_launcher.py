@@ -9,11 +9,14 @@ device harness (``tests/e2e``) both run their servers through :class:`ServerProc
 * the health check and the local HTTP helpers (:func:`http_json`, :func:`stream_generate`, also
   used by ``benchmarks/bench_served.py`` and ``tests/e2e``) never go through ``http_proxy``: the server is
   on this machine and a proxy cannot reach its 127.0.0.1;
-* the server gets the caller's environment plus the ``env`` it is given, nothing else.
+* the server gets the caller's environment plus the ``env`` it is given, nothing else;
+* :func:`sigterm_exits` turns a device call's timeout into one ``SystemExit`` of the caller, so its
+  ``finally`` stops the servers and writes partial results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -296,6 +299,27 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Within the block, the first SIGTERM raises ``SystemExit(128 + SIGTERM)`` in the main thread and
+    later ones are ignored: ``timeout(1)`` signals its command and then the command's process group,
+    and a second exit raised inside the caller's ``finally`` would skip stopping its servers and
+    writing its results. The previous handler is restored on leaving the block.
+
+    Raises:
+        ValueError: outside the main thread (``signal.signal``'s rule).
+    """
+    def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

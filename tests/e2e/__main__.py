@@ -11,10 +11,11 @@ import argparse
 import contextlib
 import os
 import shlex
-import signal
 import sys
 import time
 from typing import Sequence
+
+from sglang_oscar.serving_launcher import sigterm_exits
 
 from .check_a import check_a
 from .check_b import check_b
@@ -95,47 +96,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.log(f"checks {','.join(args.checks)}; out {args.out}; budget {args.budget:.0f} s; "
             f"plugin entry point: {run.meta['entry_point']}")
 
-    def _terminate(signum, _frame):  # a device-call timeout: stop our servers, keep partial results
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # timeout(1) signals us, then our group: exit once
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
+    with sigterm_exits():  # a device-call timeout: stop our servers, keep partial results
         try:
-            run_phase1(run)
-        except SystemExit:
-            raise
-        except Exception as exc:  # noqa: BLE001  setup failed: every check reports it
-            import traceback
+            try:
+                run_phase1(run)
+            except SystemExit:
+                raise
+            except Exception as exc:  # noqa: BLE001  setup failed: every check reports it
+                import traceback
 
-            run.meta["setup_error"] = traceback.format_exc()
+                run.meta["setup_error"] = traceback.format_exc()
+                for letter in args.checks:
+                    if letter not in run.results:
+                        run.record(CheckResult(letter, FAIL, f"harness setup failed: {type(exc).__name__}: {exc}"))
+            run.hf.clear()
+            with contextlib.suppress(Exception):
+                import gc
+
+                import torch
+
+                gc.collect()
+                torch.cuda.empty_cache()
+            run.run_check("h", check_h)
+            if set(args.checks) & set("fg") and not all(c in run.results for c in set(args.checks) & set("fg")):
+                t = time.time()
+                try:
+                    check_fg(run)
+                except Exception as exc:  # noqa: BLE001
+                    for letter in "fg":
+                        if letter in args.checks and letter not in run.results:
+                            run.record(CheckResult(letter, FAIL, f"harness error: {type(exc).__name__}: {exc}"))
+                run.timings["phase2_fg"] = time.time() - t
+        finally:
+            run.stop(list(run.servers.values()))
             for letter in args.checks:
                 if letter not in run.results:
-                    run.record(CheckResult(letter, FAIL, f"harness setup failed: {type(exc).__name__}: {exc}"))
-        run.hf.clear()
-        with contextlib.suppress(Exception):
-            import gc
-
-            import torch
-
-            gc.collect()
-            torch.cuda.empty_cache()
-        run.run_check("h", check_h)
-        if set(args.checks) & set("fg") and not all(c in run.results for c in set(args.checks) & set("fg")):
-            t = time.time()
-            try:
-                check_fg(run)
-            except Exception as exc:  # noqa: BLE001
-                for letter in "fg":
-                    if letter in args.checks and letter not in run.results:
-                        run.record(CheckResult(letter, FAIL, f"harness error: {type(exc).__name__}: {exc}"))
-            run.timings["phase2_fg"] = time.time() - t
-    finally:
-        run.stop(list(run.servers.values()))
-        for letter in args.checks:
-            if letter not in run.results:
-                run.results[letter] = CheckResult(letter, FAIL, "not run (interrupted)")
-        jpath, mpath = run.write()
+                    run.results[letter] = CheckResult(letter, FAIL, "not run (interrupted)")
+            jpath, mpath = run.write()
     results = [run.results[c] for c in args.checks]
     print(f"\nwrote {jpath} and {mpath} (logs in {run.log_dir}); wall {time.time() - run.t0:.0f} s\n")
     print(format_table(results))

@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as exc:
         res["terminated"] = str(exc)
     finally:  # in parallel: one after another, four servers outlast mla.sh's 90 s before its SIGKILL
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the answers are in: a timeout now must not skip writing them
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the answers are in: a timeout while stopping must not lose them
         with ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
             list(ex.map(lambda srv: srv.stop(grace=30.0), servers.values()))
         signal.signal(signal.SIGTERM, previous)

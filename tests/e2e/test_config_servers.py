@@ -366,3 +366,27 @@ def test_routed_family_fp32_twins_and_skip_sliding_sizing(tmp_path):
     assert skip.phase == 2 and skip.args[skip.args.index("--oscar-skip-layers") + 1] == "sliding"
     assert not {n for n in by if n.startswith("gemma3-") and ("fp32-hf-window" in n or "full-fp32" in n
                                                                or "chunk64-fp32" in n or "skip-sliding" in n)}
+
+
+def test_sigterm_exits_once_and_restores_the_handler():
+    """A device call's timeout: timeout(1) signals the command, then its process group. The first
+    SIGTERM exits (128 + 15) through the caller's ``finally``, the second one arrives there and is
+    ignored, and the previous handler is back after the block."""
+    import signal
+
+    from sglang_oscar.serving_launcher import sigterm_exits
+
+    before, reached = signal.getsignal(signal.SIGTERM), []
+    with pytest.raises(SystemExit) as info:
+        with sigterm_exits():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # interrupted: the handler runs in this (main) thread
+                reached.append("slept through")
+            finally:
+                assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                reached.append("finally done")
+    assert info.value.code == 128 + signal.SIGTERM and reached == ["finally done"]
+    assert signal.getsignal(signal.SIGTERM) is before
