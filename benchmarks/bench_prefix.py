@@ -54,15 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=bs.size_arg, default=256, help="each request's own tokens")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight (also --max-running-requests)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.85)
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--out", default="bench_prefix_out")
-    p.add_argument("--work", default="/tmp/bench_prefix_work", help="model folder and server logs")
-    p.add_argument("--port", type=int, default=31500)
-    p.add_argument("--python", default=sys.executable)
-    p.add_argument("--server-args", default="", help="extra flags for every server (one shell-quoted string)")
-    p.add_argument("--int2-args", default="", help="extra flags for the int2 servers")
-    p.add_argument("--startup-timeout", type=float, default=420.0)
+    bs.add_server_args(p, out="bench_prefix_out", work="/tmp/bench_prefix_work", port=31500)
     p.add_argument("--request-timeout", type=float, default=240.0, help="seconds for one request")
     p.add_argument("--dry-run", action="store_true", help="print the server commands and the load, start nothing")
     return p
@@ -142,6 +134,14 @@ def run_load(url: str, load: list[list[list[int]]], a: argparse.Namespace) -> di
             "latency_p99_s": round(rank(0.99), 4)}
 
 
+def measure_server(srv, rec: dict[str, Any], a: argparse.Namespace, warm: list, timed: list) -> None:
+    """One healthy server: the warm-up load, then the timed one, into ``rec``."""
+    rec["warmup"] = run_load(srv.base_url, warm, a)
+    rec["load"] = r = run_load(srv.base_url, timed, a)
+    print(f"  {rec['format']}: {r['wall_s']} s, {r['requests_per_s']} req/s, {r['computed_tok_s']} computed "
+          f"tok/s, hit {r['hit_ratio']}", flush=True)
+
+
 def table(results: dict[str, Any]) -> str:
     """Markdown: one row per format, then int2 / best BF16 of the load's and the second phase's requests/s."""
     rows = [s for s in results["servers"] if isinstance(s.get("load"), dict)]
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"$ {shlex.join(argvs[fmt])}")
     if a.dry_run:
         return 0
-    from sglang_oscar.serving_launcher import LaunchError, ServerProcess, sigterm_exits, tail
+    from sglang_oscar.serving_launcher import sigterm_exits
 
     out, logs = Path(a.out), Path(a.work) / "logs"
     out.mkdir(parents=True, exist_ok=True)
@@ -196,25 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for fmt in a.formats:
                 rec: dict[str, Any] = {"format": fmt, "command": shlex.join(argvs[fmt]), "status": "interrupted"}
                 results["servers"].append(rec)
-                srv = ServerProcess(argvs[fmt], port=ports[fmt], log_path=logs / f"{a.model}-{fmt}.log",
-                                    log_header="$ " + shlex.join(argvs[fmt]))
                 print(f"[{time.strftime('%H:%M:%S')}] starting {fmt}", flush=True)
-                try:
-                    srv.start()
-                    srv.wait_healthy(timeout=a.startup_timeout)
-                    rec["startup_s"] = round(srv.t_ready - srv.t_start, 1)
-                    rec["warmup"] = run_load(srv.base_url, warm, a)
-                    rec["load"] = run_load(srv.base_url, timed, a)
-                    rec["status"] = "ok"
-                    r = rec["load"]
-                    print(f"  {fmt}: {r['wall_s']} s, {r['requests_per_s']} req/s, {r['computed_tok_s']} computed "
-                          f"tok/s, hit {r['hit_ratio']}", flush=True)
-                except LaunchError as exc:
-                    rec["status"], rec["error"] = "launch failed", str(exc)[-2000:]
-                except Exception as exc:  # noqa: BLE001  this server's failure must not end the run
-                    rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}; log: {tail(srv.log_path, 20)}"
-                finally:
-                    srv.stop(grace=15.0)
+                bs.serve_one(rec, argvs[fmt], ports[fmt], logs / f"{a.model}-{fmt}.log", a.startup_timeout,
+                             lambda srv, rec=rec: measure_server(srv, rec, a, warm, timed))
         finally:
             (out / "results.json").write_text(json.dumps(results, indent=1))
             md = (f"# bench_prefix ({results['meta']['date']}, commit {results['meta'].get('commit')})\n\n"

@@ -69,7 +69,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 try:  # python -m benchmarks.bench_served (a package), or the script / its folder on the path
     from .bench_served_report import label, merge, write_outputs
@@ -126,6 +126,20 @@ def csv(text: str, allowed: Sequence[str] | None = None) -> list[str]:
     return items
 
 
+def add_server_args(p: argparse.ArgumentParser, out: str, work: str, port: int) -> None:
+    """The server and output options this script shares with ``bench_prefix`` (defaults: ``out``,
+    ``work``, ``port``, the base port; a server's is ``port + 10 x`` its place)."""
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--out", default=out)
+    p.add_argument("--work", default=work, help="model folders and server logs")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--server-args", default="", help="extra flags for every server (one shell-quoted string)")
+    p.add_argument("--int2-args", default="", help="extra flags for the int2 servers")
+    p.add_argument("--startup-timeout", type=float, default=420.0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_served", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,8 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-context", type=size_arg, default=131072)
     p.add_argument("--decode-tokens", type=int, default=64, help="decode steps wanted with all B requests running")
     p.add_argument("--budget", type=float, default=520.0, help="seconds for the whole run (wall)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.85)
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--gpu-mem-gib", type=float, default=139.0, help="for the plan's pool estimate only")
     p.add_argument("--lin-tflops", type=float, default=500.0, help="plan: prefill GEMM rate (TFLOP/s)")
     p.add_argument("--attn-tflops", type=float, default=250.0, help="plan: prefill attention rate (TFLOP/s)")
@@ -149,13 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-s", type=float, default=STARTUP_S, help="plan: seconds until a server is healthy")
     p.add_argument("--int2-jit-s", type=float, default=INT2_JIT_S,
                    help="plan: extra startup of the run's first int2 server (Triton JIT; 0 with a warm cache)")
-    p.add_argument("--out", default="bench_served_out")
-    p.add_argument("--work", default="/tmp/bench_served_work", help="model folders and server logs")
-    p.add_argument("--port", type=int, default=31000)
-    p.add_argument("--python", default=sys.executable)
-    p.add_argument("--server-args", default="", help="extra flags for every server (one shell-quoted string)")
-    p.add_argument("--int2-args", default="", help="extra flags for the int2 servers")
-    p.add_argument("--startup-timeout", type=float, default=420.0)
+    add_server_args(p, out="bench_served_out", work="/tmp/bench_served_work", port=31000)
     p.add_argument("--dry-run", action="store_true", help="print the commands and the plan, start nothing")
     p.add_argument("--merge", type=csv, default=None,
                    help="comma list of results.json files (runs split over device calls): write one table "
@@ -411,9 +417,69 @@ def server_capacity(srv, a: argparse.Namespace) -> dict[str, Any]:
     return {"max_total_num_tokens": tok, "source": src, "concurrent": cap}
 
 
-def run(a: argparse.Namespace, plans: Sequence[ServerPlan]) -> dict[str, Any]:
+def measure_points(srv, p: ServerPlan, rec: dict[str, Any], a: argparse.Namespace, t_end: float,
+                   scale: dict[str, float]) -> None:
+    """One healthy server: capacity, warm-up, then ``p.items`` in order into ``rec["runs"]`` while
+    ``t_end`` (wall clock) allows; ``scale`` (per format: measured / estimated prefill) is updated."""
+    rec["capacity"] = server_capacity(srv, a)
+    print(f"  healthy after {rec['startup_s']} s; capacity {rec['capacity']}", flush=True)
+    rec["warmup"] = measure(srv.base_url, 2048, 2, 16, min(t_end, time.time() + 120), seed=7)
+    # one full prefill chunk: MoE models JIT-compile their fused expert kernel for each new
+    # token-count bucket, which would otherwise land in the first TTFT (1.8 s of 8K on 30B-A3B)
+    rec["warmup_chunk"] = measure(srv.base_url, a.chunked_prefill_size, 1, 2,
+                                  min(t_end, time.time() + 120), seed=8)
+    pool = rec["capacity"].get("max_total_num_tokens")
+    stopped = None  # a point that ran past its deadline: the server is still busy with it
+    for k, it in enumerate(p.items):
+        r = {key: it[key] for key in ("kind", "context", "batch", "new_tokens", "est_s")}
+        rec["runs"].append(r)
+        c, b, n = it["context"], it["batch"], it["new_tokens"]
+        if stopped or it["status"].startswith("skip: budget"):
+            r["status"] = stopped or it["status"]
+            continue
+        if pool is not None and b * (c + n) > pool:
+            r["status"] = f"skip: does not fit (pool {pool} tokens < {b * (c + n)})"
+            continue
+        est = it["est_s"] * scale.get(p.fmt, 1.0)
+        left = t_end - time.time() - 10  # keep time to stop the server and write
+        if est > left:
+            r["status"] = f"skip: budget at run time (est. {est:.0f} s, {left:.0f} s left)"
+            continue
+        res = measure(srv.base_url, c, b, n, time.time() + min(left, max(60.0, 3 * est)), seed=k + 1)
+        r.update(res)
+        if res["status"].startswith("ok"):
+            guess = b * est_prefill_s(Shape.load(p.model), c, p.fmt, a)
+            scale[p.fmt] = max(0.2, res["prefill_all_s"] / guess) if guess > 0.5 else scale.get(p.fmt, 1.0)
+        speed = f"decode {res.get('decode_tok_s')} tok/s, " if it["kind"] == "decode" else ""
+        print(f"  {it['kind']} {label(c)} x {b}: {res['status']}, {speed}ttft {res.get('ttft_s_mean')} s",
+              flush=True)
+        if res["status"] == "timeout":
+            stopped = f"skip: {label(c)} x {b} timed out before"
+
+
+def serve_one(rec: dict[str, Any], argv: list[str], port: int, log_path: Path, startup_timeout: float,
+              body: Callable[[Any], None]) -> None:
+    """Start one server, run ``body(server)`` once it is healthy and set ``rec["status"]`` ("ok",
+    "launch failed" or "error" with ``rec["error"]``; ``rec["startup_s"]`` once healthy). The server
+    is stopped whatever happens, SIGTERM's ``SystemExit`` included (that propagates)."""
     from sglang_oscar.serving_launcher import LaunchError, ServerProcess, tail
 
+    srv = ServerProcess(argv, port=port, log_path=log_path, log_header="$ " + shlex.join(argv))
+    try:
+        srv.start()
+        srv.wait_healthy(timeout=startup_timeout)
+        rec["startup_s"] = round(srv.t_ready - srv.t_start, 1)
+        body(srv)
+        rec["status"] = "ok"
+    except LaunchError as exc:
+        rec["status"], rec["error"] = "launch failed", str(exc)[-2000:]
+    except Exception as exc:  # noqa: BLE001  this server's failure must not end the run
+        rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}; log: {tail(srv.log_path, 20)}"
+    finally:
+        srv.stop(grace=15.0)
+
+
+def run(a: argparse.Namespace, plans: Sequence[ServerPlan]) -> dict[str, Any]:
     t_end = time.time() + a.budget
     out, logs = Path(a.out), Path(a.work) / "logs"
     out.mkdir(parents=True, exist_ok=True)
@@ -432,54 +498,10 @@ def run(a: argparse.Namespace, plans: Sequence[ServerPlan]) -> dict[str, Any]:
             if left < p.est_startup_s * 0.5 + SERVER_OVERHEAD_S:
                 rec["status"] = f"skip: budget ({left:.0f} s left)"
                 continue
-            srv = ServerProcess(p.argv, port=p.port, log_path=logs / f"{p.name}.log",
-                                log_header="$ " + shlex.join(p.argv))
             print(f"[{time.strftime('%H:%M:%S')}] starting {p.name} ({left:.0f} s left)", flush=True)
-            try:
-                srv.start()
-                srv.wait_healthy(timeout=min(a.startup_timeout, max(30.0, left - 20)))
-                rec["startup_s"] = round(srv.t_ready - srv.t_start, 1)
-                rec["capacity"] = server_capacity(srv, a)
-                print(f"  healthy after {rec['startup_s']} s; capacity {rec['capacity']}", flush=True)
-                rec["warmup"] = measure(srv.base_url, 2048, 2, 16, min(t_end, time.time() + 120), seed=7)
-                # one full prefill chunk: MoE models JIT-compile their fused expert kernel for each new
-                # token-count bucket, which would otherwise land in the first TTFT (1.8 s of 8K on 30B-A3B)
-                rec["warmup_chunk"] = measure(srv.base_url, a.chunked_prefill_size, 1, 2,
-                                              min(t_end, time.time() + 120), seed=8)
-                pool = rec["capacity"].get("max_total_num_tokens")
-                stopped = None  # a point that ran past its deadline: the server is still busy with it
-                for k, it in enumerate(p.items):
-                    r = {key: it[key] for key in ("kind", "context", "batch", "new_tokens", "est_s")}
-                    rec["runs"].append(r)
-                    c, b, n = it["context"], it["batch"], it["new_tokens"]
-                    if stopped or it["status"].startswith("skip: budget"):
-                        r["status"] = stopped or it["status"]
-                        continue
-                    if pool is not None and b * (c + n) > pool:
-                        r["status"] = f"skip: does not fit (pool {pool} tokens < {b * (c + n)})"
-                        continue
-                    est = it["est_s"] * scale.get(p.fmt, 1.0)
-                    left = t_end - time.time() - 10  # keep time to stop the server and write
-                    if est > left:
-                        r["status"] = f"skip: budget at run time (est. {est:.0f} s, {left:.0f} s left)"
-                        continue
-                    res = measure(srv.base_url, c, b, n, time.time() + min(left, max(60.0, 3 * est)), seed=k + 1)
-                    r.update(res)
-                    if res["status"].startswith("ok"):
-                        guess = b * est_prefill_s(Shape.load(p.model), c, p.fmt, a)
-                        scale[p.fmt] = max(0.2, res["prefill_all_s"] / guess) if guess > 0.5 else scale.get(p.fmt, 1.0)
-                    speed = f"decode {res.get('decode_tok_s')} tok/s, " if it["kind"] == "decode" else ""
-                    print(f"  {it['kind']} {label(c)} x {b}: {res['status']}, {speed}ttft {res.get('ttft_s_mean')} s",
-                          flush=True)
-                    if res["status"] == "timeout":
-                        stopped = f"skip: {label(c)} x {b} timed out before"
-                rec["status"] = "ok"
-            except LaunchError as exc:
-                rec["status"], rec["error"] = "launch failed", str(exc)[-2000:]
-            except Exception as exc:  # noqa: BLE001  this server's failure must not end the run
-                rec["status"], rec["error"] = "error", f"{type(exc).__name__}: {exc}; log: {tail(srv.log_path, 20)}"
-            finally:
-                srv.stop(grace=15.0)
+
+            serve_one(rec, p.argv, p.port, logs / f"{p.name}.log", min(a.startup_timeout, max(30.0, left - 20)),
+                      lambda srv, p=p, rec=rec: measure_points(srv, p, rec, a, t_end, scale))
     finally:
         results["meta"]["wall_s"] = round(time.time() - (t_end - a.budget), 1)
         results["plan"] = [dataclasses.asdict(p) for p in plans]
