@@ -48,6 +48,8 @@ import http.server, json, sys, threading, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
 kv = sys.argv[sys.argv.index("--kv-cache-dtype") + 1]
 assert "--disable-radix-cache" not in sys.argv
+if kv == FAIL_KV:
+    sys.exit("RuntimeError: no GPU for this fake server")
 PREFIX = PREFIX_LEN
 cache, lock, seen = set(), threading.Lock(), []
 class H(http.server.BaseHTTPRequestHandler):
@@ -75,10 +77,10 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 
-def _fake(tmp_path, kill_kv: str = "none"):
+def _fake(tmp_path, kill_kv: str = "none", fail_kv: str = "none"):
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_SERVER.replace("PYTHON", sys.executable).replace("PREFIX_LEN", "300")
-                    .replace("KILL_KV", repr(kill_kv)))
+                    .replace("KILL_KV", repr(kill_kv)).replace("FAIL_KV", repr(fail_kv)))
     fake.chmod(0o755)
     return fake
 
@@ -143,6 +145,16 @@ def test_sigterm_in_a_load_stops_the_server_and_writes_what_was_measured(tmp_pat
     assert [s["status"] for s in res["servers"]] == ["ok", "interrupted"]
     assert "load" not in res["servers"][1] and res["servers"][1]["warmup"]["requests"] == 5
     assert "int2: interrupted" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_server_that_does_not_start_is_reported_and_the_next_one_runs(tmp_path):
+    pytest.importorskip("sglang_oscar.serving_launcher")
+    assert bp.main(_argv(tmp_path, _fake(tmp_path, fail_kv="auto"))) == 0  # one format measured
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [s["status"] for s in res["servers"]] == ["launch failed", "ok"]
+    assert "no GPU for this fake server" in res["servers"][0]["error"]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "bf16: launch failed" in md and "best BF16" not in md
 
 
 def test_short_answers_fail_the_format(monkeypatch):
