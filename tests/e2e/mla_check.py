@@ -91,7 +91,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sglang_oscar.serving_launcher import ServerProcess
+from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits
 
 from .checkpoints import random_prompt, sharpen, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
@@ -189,7 +189,7 @@ def load_report(srv, log_path: str, prompts: list[list[int]], timeout: float = 3
     ex = ThreadPoolExecutor(max_workers=len(prompts))
     try:
         done = sum(ex.map(one, prompts))
-    finally:  # on Terminated the caller stops the server at once, which ends the waiting requests
+    finally:  # on a SIGTERM the caller stops the server at once, which ends the waiting requests
         ex.shutdown(wait=False, cancel_futures=True)
     time.sleep(5.0)  # idle: SGLang's strict leak check runs (a leak raises in the scheduler)
     health = {}
@@ -439,17 +439,6 @@ def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
     return (sum(d) / len(d), max(d)) if d else (math.nan, math.nan)
 
 
-class Terminated(Exception):
-    """SIGTERM (a device call's ``timeout``): stop the servers, judge what was answered."""
-
-
-def _raise_terminated(signum, _frame):
-    # timeout(1) signals the child and then its whole process group: raise once, so a second SIGTERM
-    # arriving while the servers stop cannot skip writing the answers
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated(f"signal {signum} after the answers so far")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.e2e.mla_check", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -490,39 +479,40 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
     res: dict = {"family": args.family, "geometry": geometry, "servers": {}}
     # without this a timeout kills only this process and its servers keep their ports and GPU memory
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        for name, srv in servers.items():
-            srv.start()
-            # one at a time until its KV pool is allocated: SGLang sizes the pool from the memory it sees
-            # free, and a neighbour loading weights meanwhile makes it refuse to start
-            _wait_for_log(os.path.join(args.out, f"mla_{name}.log"), ("KV Cache is allocated", "Traceback"), srv, 90.0)
-        for name, srv in servers.items():
-            left = max(10.0, args.budget - (time.monotonic() - t0))
-            if srv.poll_health(left, interval=2.0) != "healthy":
-                res["servers"][name] = "NOT HEALTHY"
-                continue
-            try:
-                gens = [parse_generation(http_json(srv.base_url + "/generate",
-                                                   generate_payload(p, NEW_TOKENS, input_logprobs=True), timeout=180))
-                        for p in prompts]
-                if name == "int2":  # radix: the first prompt again, answered from the cache
-                    gens.append(parse_generation(http_json(srv.base_url + "/generate",
-                                                           generate_payload(prompts[0], NEW_TOKENS), timeout=180)))
-                res["servers"][name] = gens
-            except RuntimeError as exc:
-                res["servers"][name] = f"REQUEST FAILED: {exc}"
-                continue
-            if name == "int2":  # last: the load may leave the cache full of its prefixes
-                left = max(30.0, args.budget - (time.monotonic() - t0))
-                res["load"] = load_report(srv, os.path.join(args.out, f"mla_{name}.log"), load_prompts(), left)
-    except Terminated as exc:
-        res["terminated"] = str(exc)
-    finally:  # in parallel: one after another, four servers outlast mla.sh's 90 s before its SIGKILL
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the answers are in: a timeout while stopping must not lose them
-        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
-            list(ex.map(lambda srv: srv.stop(grace=30.0), servers.values()))
-        signal.signal(signal.SIGTERM, previous)
+    with sigterm_exits():
+        try:
+            for name, srv in servers.items():
+                srv.start()
+                # one at a time until its KV pool is allocated: SGLang sizes the pool from the memory it sees
+                # free, and a neighbour loading weights meanwhile makes it refuse to start
+                _wait_for_log(os.path.join(args.out, f"mla_{name}.log"), ("KV Cache is allocated", "Traceback"), srv,
+                              90.0)
+            for name, srv in servers.items():
+                left = max(10.0, args.budget - (time.monotonic() - t0))
+                if srv.poll_health(left, interval=2.0) != "healthy":
+                    res["servers"][name] = "NOT HEALTHY"
+                    continue
+                try:
+                    gens = [parse_generation(http_json(srv.base_url + "/generate",
+                                                       generate_payload(p, NEW_TOKENS, input_logprobs=True),
+                                                       timeout=180))
+                            for p in prompts]
+                    if name == "int2":  # radix: the first prompt again, answered from the cache
+                        gens.append(parse_generation(http_json(srv.base_url + "/generate",
+                                                               generate_payload(prompts[0], NEW_TOKENS), timeout=180)))
+                    res["servers"][name] = gens
+                except RuntimeError as exc:
+                    res["servers"][name] = f"REQUEST FAILED: {exc}"
+                    continue
+                if name == "int2":  # last: the load may leave the cache full of its prefixes
+                    left = max(30.0, args.budget - (time.monotonic() - t0))
+                    res["load"] = load_report(srv, os.path.join(args.out, f"mla_{name}.log"), load_prompts(), left)
+        except SystemExit as exc:  # sigterm_exits: the timeout's first SIGTERM (later ones are ignored)
+            res["terminated"] = f"signal {exc.code - 128} after the answers so far"
+        finally:  # in parallel: one after another, four servers outlast mla.sh's 90 s before its SIGKILL
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # answers in: a timeout while stopping must not lose them
+            with ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
+                list(ex.map(lambda srv: srv.stop(grace=30.0), servers.values()))
     with open(os.path.join(args.out, "mla_check.json"), "w") as f:  # the raw answers, before any judging
         json.dump(res, f, indent=1)
     verdict = {}

@@ -454,19 +454,6 @@ def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp
     assert all("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE" not in (e or {}) for n, e in envs.items() if n != "mla_int2.log")
 
 
-def test_mla_check_terminated_handler_raises_once():
-    """timeout(1)'s first SIGTERM raises Terminated; the handler then ignores the second one."""
-    import signal
-
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        with pytest.raises(mla_check.Terminated, match="signal 15"):
-            mla_check._raise_terminated(signal.SIGTERM, None)
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
 def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_path, monkeypatch):
     """A device call's timeout (SIGTERM) while the int2 server answers: every server is stopped, the
     partial answers are written and judged, the unjudged items are named and the check fails. timeout(1)
