@@ -68,14 +68,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int) -> list[str]:
-    """``bench_served``'s server command for ``fmt`` with the radix cache on (what this load measures)."""
-    ns = argparse.Namespace(batches=[a.concurrency], python=a.python, mem_fraction_static=a.mem_fraction_static,
-                            chunked_prefill_size=a.chunked_prefill_size, server_args=a.server_args,
-                            int2_args=a.int2_args)
-    return [x for x in bs.server_argv(ns, model_dir, fmt, port) if x != "--disable-radix-cache"]
-
-
 def make_load(a: argparse.Namespace, seed: int, groups: int | None = None) -> list[list[list[int]]]:
     """``load[g][i]``: group g's prefix + request i's suffix (random ids; ``seed`` picks the prefixes)."""
     out = []
@@ -104,8 +96,7 @@ def run_load(url: str, load: list[list[list[int]]], a: argparse.Namespace) -> di
             raise RuntimeError(f"request of {len(ids)} tokens came back with {meta.get('completion_tokens')} of "
                                f"{a.output_len} tokens, cached_tokens {meta.get('cached_tokens')}, finish "
                                f"{meta.get('finish_reason')}")
-        return {"prompt": len(ids), "cached": int(meta["cached_tokens"]), "completion": a.output_len,
-                "latency": time.perf_counter() - t}
+        return {"prompt": len(ids), "cached": int(meta["cached_tokens"]), "latency": time.perf_counter() - t}
 
     pool = ThreadPoolExecutor(max_workers=a.concurrency)
     try:
@@ -129,7 +120,7 @@ def run_load(url: str, load: list[list[list[int]]], a: argparse.Namespace) -> di
             "rest_requests_per_s": round(len(rest) / (t2 - t1), 2) if rest else None,
             "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
             "prompt_tok_s": round(prompt / wall, 1), "computed_tok_s": round((prompt - cached) / wall, 1),
-            "hit_ratio": round(cached / prompt, 4), "completion_tokens": sum(r["completion"] for r in done),
+            "hit_ratio": round(cached / prompt, 4), "completion_tokens": len(done) * a.output_len,
             "latency_mean_s": round(sum(lat) / len(lat), 4), "latency_p50_s": round(rank(0.5), 4),
             "latency_p99_s": round(rank(0.99), 4)}
 
@@ -174,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     mdir = str(Path(a.work) / a.model)
     ports = {fmt: a.port + 10 * i for i, fmt in enumerate(a.formats)}
-    argvs = {fmt: server_argv(a, mdir, fmt, ports[fmt]) for fmt in a.formats}
+    argvs = {fmt: bs.server_argv(a, mdir, fmt, ports[fmt], max_running=a.concurrency, radix_cache=True)
+             for fmt in a.formats}
     n = a.groups * a.per_group
     print(f"# load: {a.groups} groups x {a.per_group} requests ({n}), prefix {a.prefix_len} + suffix "
           f"{a.suffix_len} tokens, {a.output_len} new, {a.concurrency} in flight")

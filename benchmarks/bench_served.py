@@ -265,13 +265,17 @@ class ServerPlan:
         return f"{self.model}-{self.fmt}"
 
 
-def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int) -> list[str]:
+def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int, *, max_running: int | None = None,
+                radix_cache: bool = False) -> list[str]:
+    """The server command of format ``fmt`` (module docstring); ``max_running`` (default the largest
+    batch) sets ``--max-running-requests`` and the decode graphs' batch; ``radix_cache`` keeps SGLang's
+    radix cache on (``bench_prefix``'s shared prefixes), else ``--disable-radix-cache``."""
     kv, backend, _, extra = FORMATS[fmt]
-    top = max(a.batches)
+    top = max_running or max(a.batches)
     argv = [a.python, "-m", "sglang.launch_server", "--model-path", model_dir, "--load-format", "dummy",
             "--dtype", "bfloat16", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
             "--nccl-port", str(port + 5), "--kv-cache-dtype", kv, "--attention-backend", backend,
-            "--mem-fraction-static", f"{a.mem_fraction_static:g}", "--disable-radix-cache",
+            "--mem-fraction-static", f"{a.mem_fraction_static:g}", *([] if radix_cache else ["--disable-radix-cache"]),
             "--chunked-prefill-size", str(a.chunked_prefill_size), "--max-running-requests", str(top),
             "--cuda-graph-max-bs-decode", str(top), "--disable-prefill-cuda-graph", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info"]
