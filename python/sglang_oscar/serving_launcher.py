@@ -27,8 +27,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from sglang_oscar.errors import CLIError
 
@@ -299,6 +300,17 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_all(servers: Iterable[ServerProcess], grace: float | None = None) -> None:
+    """Stop several servers in parallel (each :meth:`ServerProcess.stop`, with ``grace`` seconds when
+    given, else the server's own default): one after another, a run's four or more servers would each
+    wait out their grace and outlast a device call's kill deadline."""
+    servers = list(servers)
+    if not servers:
+        return
+    with ThreadPoolExecutor(max_workers=min(8, len(servers))) as ex:
+        list(ex.map(lambda srv: srv.stop() if grace is None else srv.stop(grace=grace), servers))
 
 
 @contextlib.contextmanager

@@ -91,7 +91,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits
+from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits, stop_all
 
 from .checkpoints import random_prompt, sharpen, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
@@ -509,10 +509,9 @@ def main(argv: list[str] | None = None) -> int:
                     res["load"] = load_report(srv, os.path.join(args.out, f"mla_{name}.log"), load_prompts(), left)
         except SystemExit as exc:  # sigterm_exits: the timeout's first SIGTERM (later ones are ignored)
             res["terminated"] = f"signal {exc.code - 128} after the answers so far"
-        finally:  # in parallel: one after another, four servers outlast mla.sh's 90 s before its SIGKILL
+        finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # answers in: a timeout while stopping must not lose them
-            with ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
-                list(ex.map(lambda srv: srv.stop(grace=30.0), servers.values()))
+            stop_all(servers.values(), grace=30.0)
     with open(os.path.join(args.out, "mla_check.json"), "w") as f:  # the raw answers, before any judging
         json.dump(res, f, indent=1)
     verdict = {}

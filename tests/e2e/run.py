@@ -13,6 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
+from sglang_oscar.serving_launcher import stop_all
+
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
 from .config import (BUDGET_CUT, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SIZED_FAMILIES, SKIP,
@@ -126,8 +128,7 @@ class Run:
                                                  else f"NOT healthy: {s.error}"))
 
     def stop(self, servers: Iterable[Server]) -> None:
-        with ThreadPoolExecutor(max_workers=8) as ex:
-            list(ex.map(lambda s: s.stop(), list(servers)))
+        stop_all(servers)
 
 
 def collect_meta(args: argparse.Namespace) -> dict[str, Any]:

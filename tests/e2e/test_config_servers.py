@@ -390,3 +390,23 @@ def test_sigterm_exits_once_and_restores_the_handler():
                 reached.append("finally done")
     assert info.value.code == 128 + signal.SIGTERM and reached == ["finally done"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stop_all_stops_every_server_at_once_with_its_grace():
+    """Four servers wait for each other inside ``stop`` (a barrier): only parallel stops get through,
+    and ``grace`` reaches each one (the server's own default when not given)."""
+    import threading
+
+    from sglang_oscar.serving_launcher import stop_all
+
+    barrier, graces = threading.Barrier(4, timeout=30), []
+
+    class FakeServer:
+        def stop(self, grace=15.0):
+            barrier.wait()
+            graces.append(grace)
+
+    stop_all([FakeServer() for _ in range(4)], grace=30.0)
+    stop_all(FakeServer() for _ in range(4))
+    stop_all([])
+    assert graces == [30.0] * 4 + [15.0] * 4
