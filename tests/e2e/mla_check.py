@@ -253,8 +253,8 @@ def build_kimi_linear(path: str) -> dict:
                            # KDA's value heads take v_head_dim: its head_dim must match it (Kimi-Linear: 128)
                            linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 8,
                                                "head_dim": 128, "short_conv_kernel_size": 4},
-                           architectures=["KimiLinearForCausalLM"])
-    cfg.save_pretrained(path)
+                           architectures=["KimiLinearForCausalLM"], dtype="bfloat16")
+    cfg.save_pretrained(path)  # dtype: without it SGLang serves fp16, and its KDA conv kernel wants bf16 state
     return {"num_hidden_layers": 4, "mla_layers": [1, 3], "kda_layers": [0, 2], "kv_lora_rank": 512,
             "qk_rope_head_dim": 64, "weights": "dummy"}
 
