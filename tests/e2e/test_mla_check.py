@@ -73,7 +73,8 @@ def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, faile
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert (rc == 0) == (failed is None)
     assert res["verdict"] == {k: k != failed for k in ("serves", "window", "chunked", "radix", "load", "oracle")}
-    assert res["capacity"]["ratio"] == 4608 / 1088 and res["radix_cached_tokens"] == 400
+    assert res["capacity"]["ratio"] == 4608 / 1088 and res["int2_radix_cached_tokens"] == [400] * 3
+    assert res["bf16_radix_cached_tokens"] == [400] * 3
     assert os.path.exists(tmp_path / "mla_check.md")
 
 
@@ -526,3 +527,36 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
     for name, argv in argvs.items():
         has = any(argv[i:i + 4] == flag for i in range(len(argv)))
         assert has == (name != "mla_bf16.log"), name
+
+
+@pytest.mark.parametrize("cached,repeat_tokens,passes", [([0, 640, 0], None, True), ([0, 0, 0], None, False),
+                                                         ([384, 896, 1472], 9, False)])
+def test_mla_check_radix_repeats_every_prompt(tmp_path, monkeypatch, cached, repeat_tokens, passes):
+    """The int2 and bf16 servers answer every prompt a second time. radix passes when one repeat is
+    served from the cache (a mamba radix cache keeps prefixes only at its track points: 0 / 640 / 0 is
+    a pass) and every repeat gives its first answer's greedy tokens; no hit, or one changed token, fails."""
+    sent = {}
+
+    def http_json(url, payload=None, timeout=None):
+        if payload is None:
+            return {}
+        key = (url, tuple(payload["input_ids"]))
+        sent[key] = sent.get(key, 0) + 1
+        repeat = sent[key] == 2
+        n = len(payload["input_ids"])
+        i = mla_check.PROMPT_LENS.index(n) if n in mla_check.PROMPT_LENS else 0  # 0: a load request
+        tok = repeat_tokens if repeat and repeat_tokens is not None and i == 2 else 7
+        return {"output_ids": [tok] * mla_check.NEW_TOKENS,
+                "meta_info": {"output_token_logprobs": [[-0.5, tok]] * mla_check.NEW_TOKENS,
+                              "input_token_logprobs": [[None, 3]] + [[-0.5, 3]] * (n - 1),
+                              "cached_tokens": cached[i] if repeat else 0}}
+
+    monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
+    monkeypatch.setattr(mla_check, "http_json", http_json)
+    _fake_build(monkeypatch)
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
+    mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "no-model")])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert res["verdict"]["radix"] is passes and res["int2_radix_cached_tokens"] == cached
+    assert res["bf16_radix_cached_tokens"] == cached and len(res["servers"]["int2-window"]) == len(mla_check.PROMPT_LENS)
+    assert "radix cached tokens per prompt: int2 " + str(cached) in (tmp_path / "mla_check.md").read_text()
