@@ -8,7 +8,8 @@ qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; 4 layers, 8 heads, de
 kernels pick their tiles by token count, which would make chunked prefill differ by rounding) and
 launches (one after another until each has allocated its KV pool, then concurrently) a BF16 server
 (SGLang's MLA pool and Triton MLA kernels), an int2 server whose sink window covers every prompt
-(``int2-window``: every key from the BF16 rows, so it must track BF16), and int2 servers with
+and the identity rotation (``int2-window``: every key SGLang's own BF16 row, so it must track BF16;
+the main harness's check b, one rule for both), and int2 servers with
 small windows (sink 16, recent 32: most of each prompt is read through INT2), unchunked and
 ``--chunked-prefill-size 64``. The same prompts (400 to 1500 tokens, 24 greedy tokens, prompt
 log-probs) go to every server. Reported (``mla_check.json`` and ``.md``
@@ -16,8 +17,8 @@ in ``--out``) and judged:
 
 * **serves**: every server healthy, the int2 logs name the INT2 latent pool, finite log-probs;
 * **window**: int2-window vs BF16: the same greedy tokens (below) and mean |prompt log-prob
-  difference| <= 0.05 (the absorbed path with a rotated latent vs SGLang's BF16 prefill, which runs
-  the non-absorbed MHA form: rounding only);
+  difference| <= 0.05 (the INT2 path's kernels over SGLang's own BF16 rows vs SGLang's kernels, for
+  MLA the absorbed form vs SGLang's non-absorbed BF16 prefill: rounding only);
 * **int2 vs BF16**: agreement and log-prob differences reported (INT2 differs by design);
 * **chunked**: int2-chunk64 tracks int2 (the same greedy tokens, mean |prompt log-prob difference|
   <= 0.02, the main harness's check d tolerance: every chunk reads INT2 latents of itself and its
@@ -39,9 +40,9 @@ in ``--out``) and judged:
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
 ``--servers`` runs a subset (items whose servers did not run are not judged) and may add
-``int2-window-identity``: int2-window over an identity rotation file written to ``--out``, so
-every key it reads is SGLang's own BF16 row; reported against ``bf16``, it tells the kernels' rounding
-from the rotated rows' when the window item fails.
+``int2-window-hadamard``: int2-window under the default data-free Hadamard rotation, whose BF16 rows
+are rotated and so rounded differently from SGLang's; reported against ``bf16``, it shows what the
+rotated rows' rounding adds (MiniMax-M3's sparse selection turns it into a greedy split).
 
 ``--family kimi_linear`` checks that the latent pool inside SGLang's linear-attention hybrid pool
 serves: a Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA linear attention,
@@ -121,10 +122,9 @@ _REPORTED = {"glm5": _WINDOW_CHUNK, "glm5_dense": _WINDOW_CHUNK, "minimax_m3": _
              "minimax_m3_dense": _WINDOW_CHUNK}
 FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPORTED.items()}
 FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
-# Run only when --servers names it: int2-window over an identity rotation (written to --out), so every
-# key is SGLang's own BF16 row, unrotated; against bf16 it separates the kernels' rounding from the
-# rotated rows' (a diagnostic of the window item: reported, and outside the serves item)
-DIAGNOSTIC_REF = {"int2-window-identity": "bf16"}
+# Run only when --servers names it: int2-window under the default Hadamard rotation, its BF16 rows
+# rotated; against bf16 it shows what their rounding adds (reported, and outside the serves item)
+DIAGNOSTIC_REF = {"int2-window-hadamard": "bf16"}
 # flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
 # expanded-MHA storage needs groups that divide both K 192 and V 128
 EXPANDED_GROUP = 64
@@ -216,16 +216,22 @@ def build_model(path: str) -> dict:
     """Save a seeded random bf16 DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry to ``path``,
     sharpened as the harness's checkpoints (:func:`.checkpoints.sharpen`: logit std 0.5, attention
     score std 1.5), so the INT2 effect on log-probs is of the size the MHA families show."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512,
-                           q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-                           first_k_dense_replace=4, max_position_embeddings=8192, tie_word_embeddings=False,
-                           initializer_range=0.08, rope_scaling=None, architectures=["DeepseekV3ForCausalLM"],
-                           bos_token_id=1, eos_token_id=2)
-    return _save_sharpened(DeepseekV3ForCausalLM, cfg, path, ("qk_nope_head_dim", "v_head_dim"))
+    return _save_sharpened(DeepseekV3ForCausalLM, deepseek_v3_config(), path, ("qk_nope_head_dim", "v_head_dim"))
+
+
+def deepseek_v3_config():
+    """The tiny DeepSeek-V3 config of :func:`build_model` (DeepSeek-V3's latent geometry, 4 layers)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512,
+                            q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                            first_k_dense_replace=4, max_position_embeddings=8192, tie_word_embeddings=False,
+                            initializer_range=0.08, rope_scaling=None, architectures=["DeepseekV3ForCausalLM"],
+                            bos_token_id=1, eos_token_id=2)
 
 
 def _save_sharpened(model_cls, cfg, path: str, keys: tuple) -> dict:
@@ -450,10 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="where the model is written (default /tmp/mla-check-<family>)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for startup + requests")
     ap.add_argument("--servers", default=None,
-                    help="comma-separated servers to run (default: the family's; also int2-window-identity, "
+                    help="comma-separated servers to run (default: the family's; also int2-window-hadamard, "
                          "reported against bf16); items whose servers did not run are not judged")
     args = ap.parse_args(argv)
-    known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), **{n: [] for n in DIAGNOSTIC_REF}}
+    known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), "int2-window-hadamard": SERVERS["int2-window"]}
     names = args.servers.split(",") if args.servers else [n for n in known if n not in DIAGNOSTIC_REF]
     if not names or any(n not in known for n in names) or len(set(names)) < len(names):
         ap.error(f"--servers {args.servers!r}: distinct names among {', '.join(known)}")
@@ -468,10 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
     geometry = build(args.model)
-    if "int2-window-identity" in names:
-        known["int2-window-identity"] = [*SERVERS["int2-window"], "--oscar-rotation",
-                                         write_identity_rotation(args.model, args.out,
-                                                                 expanded=args.family in FAMILY_INT2_FLAGS)]
+    window = [n for n in names if n.startswith("int2-window") and n != "int2-window-hadamard"]
+    if window:  # the window servers (and their chunked twins) read SGLang's own BF16 rows
+        identity = write_identity_rotation(args.model, args.out, expanded=args.family in FAMILY_INT2_FLAGS)
+        known.update({n: [*known[n], "--oscar-rotation", identity] for n in window})
     env = server_env(args.family, args.out)
     servers = {}
     for i, (name, extra) in enumerate((n, known[n]) for n in names):

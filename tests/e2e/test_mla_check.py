@@ -54,8 +54,13 @@ def _answers(shift_port: int | None, dlp: float):
 
 
 def _fake_build(monkeypatch):
+    """deepseek_v3 without weights: its config alone, which the window servers' identity rotation reads."""
     _, flags, judged = mla_check.FAMILIES["deepseek_v3"]
-    monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3", (lambda path: {"kv_lora_rank": 512}, flags, judged))
+
+    def build(path):
+        mla_check.deepseek_v3_config().save_pretrained(path)
+        return {"kv_lora_rank": 512}
+    monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3", (build, flags, judged))
 
 
 @pytest.mark.parametrize("shifted,dlp,failed", [(None, 0.0, None), ("int2-chunk64", 0.05, "chunked"),
@@ -143,11 +148,15 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
     port = mla_check.BASE_PORT + len(mla_check.SERVERS)  # int2-window-chunk64, after the four
     monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.03))
     _, flags, judged = mla_check.FAMILIES["glm5"]
-    monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: {"index_topk": 256}, flags, judged))
+    # DeepSeek-V3's config stands in for GLM-5's: the same latent geometry, which the identity rotation reads
+    monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: mla_check.deepseek_v3_config().save_pretrained(path)
+                                                     or {"index_topk": 256}, flags, judged))
     rc = mla_check.main(["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "g")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 5
     assert "--chunked-prefill-size" in argvs[-1] and "2048" in argvs[-1]
+    rotated = [a[a.index("--oscar-rotation") + 1] for a in argvs if "--oscar-rotation" in a]  # the window servers'
+    assert rotated == [str(tmp_path / checkpoints.IDENTITY_ROTATION)] * 2 and "--oscar-rotation" not in argvs[2]
     assert res["verdict"] == {"serves": False, "chunked": True, "radix": True, "load": True}
     row = next(r for r in res["rows"] if r["server"] == "int2-window-chunk64")
     assert row["vs"] == "int2-window" and abs(row["prompt_dlp_mean"] - 0.03) < 1e-9
@@ -366,11 +375,12 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["serves"] is False
 
 
-def test_mla_check_servers_subset_runs_the_identity_rotation_diagnostic(tmp_path, monkeypatch):
-    """--servers bf16,int2-window,int2-window-identity on minimax_m3: three servers, the diagnostic one
-    with int2-window's flags and an identity rotation file for the model's geometry; only the items
-    whose servers ran are judged, the diagnostic row is reported against bf16; an unknown name is
-    refused before any server starts."""
+def test_mla_check_window_servers_read_sglangs_rows_and_hadamard_is_a_diagnostic(tmp_path, monkeypatch):
+    """--servers bf16,int2-window,int2-window-hadamard on minimax_m3: three servers; int2-window
+    (judged, as the main harness's check b) gets an identity rotation file for the model's geometry,
+    written outside the model folder, the diagnostic one int2-window's flags without a rotation (the
+    default Hadamard), reported against bf16; only the items whose servers ran are judged; an
+    unknown name is refused before any server starts."""
     import torch
 
     from sglang_oscar.rotation import RotationSet
@@ -387,18 +397,19 @@ def test_mla_check_servers_subset_runs_the_identity_rotation_diagnostic(tmp_path
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     model = tmp_path / "m"
     rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(model),
-                         "--servers", "bf16,int2-window,int2-window-identity"])
+                         "--servers", "bf16,int2-window,int2-window-hadamard"])
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 0 and res["verdict"] == {"serves": True, "window": True} and res["judged"] == ["serves", "window"]
     assert len(argvs) == 3
-    ident = argvs[2]
-    path = ident[ident.index("--oscar-rotation") + 1]
+    window, hadamard = argvs[1], argvs[2]
+    path = window[window.index("--oscar-rotation") + 1]
     assert path == str(tmp_path / checkpoints.IDENTITY_ROTATION) and not list(model.glob("*.safetensors"))
-    assert ident[ident.index("--oscar-sink-tokens") + 1] == "2048" and "--oscar-rotation" not in argvs[1]
+    assert window[window.index("--oscar-sink-tokens") + 1] == hadamard[hadamard.index("--oscar-sink-tokens") + 1] == "2048"
+    assert "--oscar-rotation" not in hadamard
     rs = RotationSet.load(path)
     assert sorted(rs.k) == [0, 1, 2, 3] and all(torch.equal(m, torch.eye(m.shape[-1]).expand_as(m))
                                                 for m in [*rs.k.values(), *rs.v.values()])
-    assert ("int2-window-identity", "bf16") in {(r["server"], r["vs"]) for r in res["rows"]}
+    assert {("int2-window", "bf16"), ("int2-window-hadamard", "bf16")} <= {(r["server"], r["vs"]) for r in res["rows"]}
     assert "not judged (their servers not in --servers): chunked, radix, load" in (tmp_path / "mla_check.md").read_text()
     argvs.clear()
     for bad in ("bf16,int3", "bf16,bf16"):
@@ -511,7 +522,9 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
     monkeypatch.setattr(mla_check, "ServerProcess", Expanded)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     _, flags, judged = mla_check.FAMILIES["deepseek_v3_expanded"]
-    monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3_expanded", (lambda path: {"kv_lora_rank": 512}, flags, judged))
+    monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3_expanded",
+                        (lambda path: mla_check.deepseek_v3_config().save_pretrained(path) or {"kv_lora_rank": 512},
+                         flags, judged))
 
     def oracle(model, prompts, served, storage="latent"):
         storages.append(storage)
