@@ -3,13 +3,13 @@
     python -m tests.e2e.mla_check [--family deepseek_v3|deepseek_v3_expanded|glm5|glm5_dense|kimi_linear|minimax_m3|minimax_m3_dense] [--out DIR] [--budget SECONDS] [--servers NAME,...]
     (GPU machine, after ``source device/env.sh``)
 
-Builds a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry (kv_lora_rank 512,
-qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; 4 layers, 8 heads, dense MLPs: MoE
+Builds (:mod:`.mla_models`) a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry
+(kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; 4 layers, 8 heads, dense MLPs: MoE
 kernels pick their tiles by token count, which would make chunked prefill differ by rounding) and
 launches (one after another until each has allocated its KV pool, then concurrently) a BF16 server
 (SGLang's MLA pool and Triton MLA kernels), an int2 server whose sink window covers every prompt
 and the identity rotation (``int2-window``: every key SGLang's own BF16 row, so it must track BF16;
-the main harness's check b, one rule for both), and int2 servers with
+the main harness's check b also reads its window rows through the identity rotation), and int2 servers with
 small windows (sink 16, recent 32: most of each prompt is read through INT2), unchunked and
 ``--chunked-prefill-size 64``. The same prompts (400 to 1500 tokens, 24 greedy tokens, prompt
 log-probs) go to every server. Reported (``mla_check.json`` and ``.md``
@@ -27,10 +27,15 @@ in ``--out``) and judged:
   top-1 / top-2 margin is at most :data:`TIE_MARGIN` (a tie at BF16 logit resolution, which any
   rounding difference may flip: this tiny model's flat logits tie, margin 0, at some positions);
   the agreement fraction is reported;
+* **rotated** (families without an oracle): ``int2-window-hadamard``, int2-window under the default
+  data-free Hadamard rotation (its BF16 rows rotated, so rounded otherwise than SGLang's), vs BF16:
+  mean |prompt log-prob difference| <= 0.05, greedy tokens reported (a wrong query or value rotation
+  would move it far more; MiniMax-M3's sparse selection turns the rounding into a greedy split);
 * **radix**: every prompt is sent to the int2 server a second time: each repeat gives the first
-  answer's greedy tokens, and at least one is served from the cache (``cached_tokens`` > 0). SGLang's
-  mamba radix cache (Kimi-Linear) keeps a prefix only where it kept the recurrent state (its track
-  points), so one prompt may be a full miss; the BF16 server's repeats are reported beside it;
+  answer's greedy tokens (up to a tie, below) and is served from the cache (``cached_tokens`` > 0).
+  SGLang's mamba radix cache (:data:`MAMBA_FAMILIES`) keeps a prefix only where it kept the recurrent
+  state (its track points), so there one hit of the three suffices; the BF16 server's repeats are
+  reported beside it (SGLang's own caching of the same prompts);
 * **oracle**: the int2 server's prompt log-probs vs the model-level oracle in a BF16 copy of the
   model within twice the oracle's own BF16-vs-fp32 move (at least 0.05; :func:`oracle_report`);
 * **load**: the int2 server, with SGLang's strict memory-leak and KV-page checks on, answers
@@ -40,23 +45,22 @@ in ``--out``) and judged:
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
 ``--servers`` runs a subset (items whose servers did not run are not judged) and may add
-``int2-window-hadamard``: int2-window under the default data-free Hadamard rotation, whose BF16 rows
-are rotated and so rounded differently from SGLang's; reported against ``bf16``, it shows what the
-rotated rows' rounding adds (MiniMax-M3's sparse selection turns it into a greedy split).
+``int2-window-hadamard`` where the family does not run it (the DeepSeek-V3 families, whose oracle
+covers the rotations): then reported against ``bf16``.
 
 ``--family kimi_linear`` checks that the latent pool inside SGLang's linear-attention hybrid pool
 serves: a Kimi-Linear config (SGLang's ``KimiLinearConfig``: layers 0 and 2 KDA linear attention,
 1 and 3 MLA with DeepSeek-V3's latent geometry, dense MLPs) with ``--load-format dummy``
 (transformers has no Kimi-Linear class, so there are no weights to save and no oracle). Every server
 loads :mod:`.dummy_shim`, which scales SGLang's dummy weights to N(0, 1/fan_in) with every norm
-scaling by 1 (SGLang's own +-1e-3 leave attention no visible effect on the logits): serving, window, chunking and
-radix reuse are judged as for DeepSeek-V3, the oracle is not.
+scaling by 1 (SGLang's own +-1e-3 leave attention no visible effect on the logits): judged as
+DeepSeek-V3 with **rotated** in place of the oracle.
 
 ``--family glm5`` serves a tiny seeded GLM-5 (``GlmMoeDsaForCausalLM``: DSA, every MLA layer reading
 only its lightning indexer's top-k of 256 positions, below every prompt's length) under SGLang's
 ``dsa`` backend: the int2 servers run :class:`~sglang_oscar.backend.dsa_backend.OscarDSALatentBackend`
 (the indexer as SGLang runs it, the selected positions read from the INT2 latent), the BF16 server
-SGLang's own DSA kernels. Judged as DeepSeek-V3 without the oracle (it attends densely); one more
+SGLang's own DSA kernels. Judged as kimi_linear (the oracle attends densely); one more
 server, ``int2-window-chunk64`` (chunked, every key from the BF16 rows), is reported against
 ``int2-window``: how far SGLang's DSA path itself moves with chunking. ``--family glm5_dense`` is the
 same model with GLM-5's own top-k of 2048, above every prompt: the indexer keeps every position, so
@@ -96,8 +100,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits, stop_all
 
-from .checkpoints import random_prompt, sharpen, write_identity_rotation
+from .checkpoints import random_prompt, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
+from .mla_models import GLM5_DENSE_TOPK, M3_DENSE, VOCAB, build_glm5, build_kimi_linear, build_minimax_m3, build_model
 from .smoke import agreement
 
 BASE_PORT = 31200
@@ -122,9 +127,10 @@ _REPORTED = {"glm5": _WINDOW_CHUNK, "glm5_dense": _WINDOW_CHUNK, "minimax_m3": _
              "minimax_m3_dense": _WINDOW_CHUNK}
 FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPORTED.items()}
 FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
-# Run only when --servers names it: int2-window under the default Hadamard rotation, its BF16 rows
-# rotated; against bf16 it shows what their rounding adds (reported, and outside the serves item)
-DIAGNOSTIC_REF = {"int2-window-hadamard": "bf16"}
+# int2-window under the default Hadamard rotation, its BF16 rows rotated (judged as "rotated" where the
+# family lists it, else run only when --servers names it, and reported); outside the serves item
+HADAMARD = "int2-window-hadamard"
+HADAMARD_REF = {HADAMARD: "bf16"}
 # flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
 # expanded-MHA storage needs groups that divide both K 192 and V 128
 EXPANDED_GROUP = 64
@@ -132,14 +138,13 @@ FAMILY_INT2_FLAGS = {"deepseek_v3_expanded": ["--oscar-mla-storage", "expanded",
                                               "--kv-cache-quant-group-size", str(EXPANDED_GROUP)]}
 PROMPT_LENS = (400, 900, 1500)
 NEW_TOKENS = 24
-VOCAB = 2048
-LOGIT_STD, SCORE_STD = 0.5, 1.5  # checkpoints.sharpen, as the main harness's checkpoints
 WINDOW_TOL = 0.05  # int2-window vs BF16, mean |d prompt log-prob| (CPU: BF16 vs fp32 model 0.008)
 CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol; unlike the MHA families'
 # chunk 64, which is bit-identical, the MLA path moved prompt log-probs by 0.015 on 4d8d6cb's model)
 # load: as the main harness's check e (its strict environment, tests/e2e/servers.py), on the int2 server
 LOAD_REQUESTS, LOAD_LENS, LOAD_SHARED_PREFIX = 64, (32, 2400), 256
 RADIX_SERVERS = ("int2", "bf16")  # the servers that repeat every prompt (bf16's repeats: reported)
+MAMBA_FAMILIES = ("kimi_linear",)  # SGLang's mamba radix cache: a repeated prompt may miss (its track points)
 STRICT_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
               "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
 TIE_MARGIN = 0.035  # just above a BF16 ulp (0.03125) of a logit in [4, 8): margins at or below it are ties
@@ -212,137 +217,24 @@ def load_report(srv, log_path: str, prompts: list[list[int]], timeout: float = 3
     return res
 
 
-def build_model(path: str) -> dict:
-    """Save a seeded random bf16 DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry to ``path``,
-    sharpened as the harness's checkpoints (:func:`.checkpoints.sharpen`: logit std 0.5, attention
-    score std 1.5), so the INT2 effect on log-probs is of the size the MHA families show."""
-    from transformers import DeepseekV3ForCausalLM
-
-    return _save_sharpened(DeepseekV3ForCausalLM, deepseek_v3_config(), path, ("qk_nope_head_dim", "v_head_dim"))
-
-
-def deepseek_v3_config():
-    """The tiny DeepSeek-V3 config of :func:`build_model` (DeepSeek-V3's latent geometry, 4 layers)."""
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512,
-                            q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-                            first_k_dense_replace=4, max_position_embeddings=8192, tie_word_embeddings=False,
-                            initializer_range=0.08, rope_scaling=None, architectures=["DeepseekV3ForCausalLM"],
-                            bos_token_id=1, eos_token_id=2)
-
-
-def _save_sharpened(model_cls, cfg, path: str, keys: tuple) -> dict:
-    """Seed, build, sharpen and save a model of ``cfg`` in bf16; its geometry (and ``keys``) for the report.
-    Sets the fields SGLang 0.5.16's deepseek_v2.py reads that transformers' configs do not keep
-    (saved to config.json, as released DeepSeek-V3 / GLM-5 checkpoints carry them)."""
-    import torch
-
-    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("rope_theta", 10000.0),
-                       ("moe_layer_freq", 1), ("num_nextn_predict_layers", 0)):
-        setattr(cfg, key, value)
-    torch.manual_seed(0)
-    model = model_cls(cfg).eval()
-    stats = sharpen(model, LOGIT_STD, SCORE_STD, seed=0)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return {**{k: getattr(cfg, k) for k in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                                            "qk_rope_head_dim", *keys)}, "sharpen": stats}
-
-
-def build_kimi_linear(path: str) -> dict:
-    """Save the config of a tiny Kimi-Linear (module docstring) to ``path``; its servers load dummy weights."""
-    from sglang.srt.configs.kimi_linear import KimiLinearConfig
-
-    cfg = KimiLinearConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=512,
-                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True,
-                           num_experts=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                           max_position_embeddings=8192,  # the default 2048 refuses the load's longest prompts
-                           # KDA's value heads take v_head_dim: its head_dim must match it (Kimi-Linear: 128)
-                           linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 8,
-                                               "head_dim": 128, "short_conv_kernel_size": 4},
-                           architectures=["KimiLinearForCausalLM"], dtype="bfloat16")
-    cfg.save_pretrained(path)  # dtype: without it SGLang serves fp16, and its KDA conv kernel wants bf16 state
-    return {"num_hidden_layers": 4, "mla_layers": [1, 3], "kda_layers": [0, 2], "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64, "weights": "dummy"}
-
-
-GLM5_TOPK = 256  # the indexer's top-k of the glm5 family: every prompt is longer, so the selection bites
-# glm5_dense: GLM-5's own top-k, above every prompt, so the indexer keeps every position and a chunk
-# boundary cannot change the selection (SGLang's sparse path moves with chunking on glm5 by itself)
-GLM5_DENSE_TOPK = 2048
-
-
-def build_glm5(path: str, topk: int = GLM5_TOPK) -> dict:
-    """Save a seeded random bf16 GlmMoeDsaForCausalLM (GLM-5: DSA sparse attention) with DeepSeek-V3's
-    latent geometry and a lightning indexer (``index_head_dim`` 128, 32 heads, ``index_topk`` ``topk``,
-    served with SGLang's torch top-k, the one that takes a top-k other than 2048) to ``path``, sharpened
-    as :func:`build_model`."""
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-
-    cfg = GlmMoeDsaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512,
-                          q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-                          first_k_dense_replace=4, max_position_embeddings=8192, tie_word_embeddings=False,
-                          index_topk=topk, index_head_dim=128, index_n_heads=32,
-                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                          architectures=["GlmMoeDsaForCausalLM"], bos_token_id=1, eos_token_id=2)
-    return _save_sharpened(GlmMoeDsaForCausalLM, cfg, path, ("index_topk", "index_head_dim"))
-
-
-# minimax_m3: 8 blocks of 16 keys per kv head (128 of 400-1500 positions) so the selection bites;
-# minimax_m3_dense: 32 blocks of 64 (2048 keys, above every prompt and its answer), so every block
-# is selected and a chunk boundary or a cached prefix cannot change the selection
-M3_SPARSE, M3_DENSE = (16, 8), (64, 32)  # (sparse_block_size, sparse_topk_blocks)
-
-
-def build_minimax_m3(path: str, block_topk: tuple[int, int] = M3_SPARSE) -> dict:
-    """Save the ``config.json`` of a tiny MiniMax-M3 in SGLang's format to ``path`` (its servers load
-    dummy weights: transformers' MiniMax-M3 names and selection differ from SGLang's). Layers 1 and 3
-    are sparse (layer 3 without an index value), 0 and 2 dense; GQA 8/2 x 128 with RoPE on 64 dims and
-    per-head Gemma q/k norms as MiniMax; 4 index heads of 128 (two per kv head, so SGLang unions their
-    block lists); dense MLPs (``moe_layer_freq`` 0: see the module docstring on MoE tiles). AutoConfig
-    reads it as ``MiniMaxM2Config`` and keeps ``sparse_attention_config``, which SGLang's
-    ``is_minimax_sparse`` / ``get_minimax_sparse_layer_ids`` read (``srt/configs/model_config.py:136-162``)."""
-    block, topk = block_topk
-    sparse = {"sparse_attention_freq": [0, 1, 0, 1], "sparse_num_index_heads": 4, "sparse_index_dim": 128,
-              "sparse_block_size": block, "sparse_topk_blocks": topk, "sparse_init_block": 1, "sparse_local_block": 2,
-              "sparse_disable_index_value": [0, 0, 0, 1], "sparse_score_type": "max"}
-    cfg = {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m2", "vocab_size": VOCAB,
-           "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-           "head_dim": 128, "rotary_dim": 64, "qk_norm_type": "per_head", "use_gemma_norm": True, "hidden_act": "silu",
-           "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "rope_theta": 10000.0, "intermediate_size": 256,
-           "dense_intermediate_size": 1024, "moe_layer_freq": [0, 0, 0, 0], "num_local_experts": 4,
-           "num_experts_per_tok": 2, "scoring_func": "sigmoid", "n_shared_experts": None, "swiglu_alpha": 1.702,
-           "swiglu_limit": 7.0, "num_mtp_modules": 0, "tie_word_embeddings": False, "bos_token_id": 1,
-           "eos_token_id": 2, "torch_dtype": "bfloat16", "sparse_attention_config": sparse}
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    return {"num_hidden_layers": 4, "dense_layers": [0, 2], "sparse_layers": [1, 3], "block_size": block,
-            "topk_blocks": topk, "weights": "dummy"}
-
-
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
     # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
     # the same model with K [k_nope | k_pe] 192 / V 128 per head in the INT2 MHA pool
     "deepseek_v3_expanded": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
     "glm5": (build_glm5, ["--attention-backend", "dsa", "--dsa-topk-backend", "torch"],
-             ("serves", "window", "chunked", "radix", "load")),
+             ("serves", "window", "rotated", "chunked", "radix", "load")),
     # the same model with top-k 2048 (> every prompt): chunking and radix reuse judged where the
     # selection is every position, so only the INT2 latent path can move them
     "glm5_dense": (lambda path: build_glm5(path, GLM5_DENSE_TOPK), ["--attention-backend", "dsa",
                                                                      "--dsa-topk-backend", "torch"],
-                   ("serves", "window", "chunked", "radix", "load")),
+                   ("serves", "window", "rotated", "chunked", "radix", "load")),
     "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
-                    ("serves", "window", "chunked", "radix", "load")),
-    "minimax_m3": (build_minimax_m3, ["--load-format", "dummy"], ("serves", "window", "chunked", "radix", "load")),
+                    ("serves", "window", "rotated", "chunked", "radix", "load")),
+    "minimax_m3": (build_minimax_m3, ["--load-format", "dummy"],
+                   ("serves", "window", "rotated", "chunked", "radix", "load")),
     "minimax_m3_dense": (lambda path: build_minimax_m3(path, M3_DENSE), ["--load-format", "dummy"],
-                         ("serves", "window", "chunked", "radix", "load")),
+                         ("serves", "window", "rotated", "chunked", "radix", "load")),
 }
 # what an int2 server's log says when it built the family's INT2 pool, and its bytes/token line
 # (INT2, BF16); MiniMax-M3's total counts its BF16 index keys in both
@@ -456,25 +348,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="where the model is written (default /tmp/mla-check-<family>)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for startup + requests")
     ap.add_argument("--servers", default=None,
-                    help="comma-separated servers to run (default: the family's; also int2-window-hadamard, "
+                    help=f"comma-separated servers to run (default: the family's; also {HADAMARD}, "
                          "reported against bf16); items whose servers did not run are not judged")
     args = ap.parse_args(argv)
-    known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), "int2-window-hadamard": SERVERS["int2-window"]}
-    names = args.servers.split(",") if args.servers else [n for n in known if n not in DIAGNOSTIC_REF]
+    build, family_flags, judged = FAMILIES[args.family]
+    known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), HADAMARD: SERVERS["int2-window"]}
+    names = args.servers.split(",") if args.servers else [n for n in known if n != HADAMARD or "rotated" in judged]
     if not names or any(n not in known for n in names) or len(set(names)) < len(names):
         ap.error(f"--servers {args.servers!r}: distinct names among {', '.join(known)}")
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
-    build, family_flags, judged = FAMILIES[args.family]
-    # an item is judged when its servers ran (serves: any; window, chunked: theirs; radix, load, oracle: int2)
-    needs = {"window": {"int2-window", "bf16"}, "chunked": {"int2-chunk64", "int2"}, "radix": {"int2"},
-             "load": {"int2"}, "oracle": {"int2"}}
+    # an item is judged when its servers ran (serves: any; window, rotated, chunked: theirs; radix, load, oracle: int2)
+    needs = {"window": {"int2-window", "bf16"}, "rotated": {HADAMARD, "bf16"}, "chunked": {"int2-chunk64", "int2"},
+             "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}}
     skipped = [k for k in judged if not needs.get(k, set()) <= set(names)]
     judged = tuple(k for k in judged if k not in skipped)
     with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
     geometry = build(args.model)
-    window = [n for n in names if n.startswith("int2-window") and n != "int2-window-hadamard"]
+    window = [n for n in names if n.startswith("int2-window") and n not in HADAMARD_REF]
     if window:  # the window servers (and their chunked twins) read SGLang's own BF16 rows
         identity = write_identity_rotation(args.model, args.out, expanded=args.family in FAMILY_INT2_FLAGS)
         known.update({n: [*known[n], "--oscar-rotation", identity] for n in window})
@@ -487,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                                       log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
     prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
-    res: dict = {"family": args.family, "geometry": geometry, "servers": {}}
+    res: dict = {"family": args.family, "geometry": geometry, "servers": {}, "radix_repeats": {}}
     # without this a timeout kills only this process and its servers keep their ports and GPU memory
     with sigterm_exits():
         try:
@@ -503,18 +395,18 @@ def main(argv: list[str] | None = None) -> int:
                     res["servers"][name] = "NOT HEALTHY"
                     continue
                 try:
-                    gens = [parse_generation(http_json(srv.base_url + "/generate",
-                                                       generate_payload(p, NEW_TOKENS, input_logprobs=True),
-                                                       timeout=180))
-                            for p in prompts]
-                    if name in RADIX_SERVERS:  # radix: every prompt again, answered from the cache where it keeps one
-                        gens += [parse_generation(http_json(srv.base_url + "/generate",
-                                                            generate_payload(p, NEW_TOKENS), timeout=180))
-                                 for p in prompts]
-                    res["servers"][name] = gens
+                    res["servers"][name] = [parse_generation(http_json(
+                        srv.base_url + "/generate", generate_payload(p, NEW_TOKENS, input_logprobs=True), timeout=180))
+                        for p in prompts]
                 except RuntimeError as exc:
                     res["servers"][name] = f"REQUEST FAILED: {exc}"
                     continue
+                if name in RADIX_SERVERS:  # radix: every prompt again, answered from the cache where it keeps one
+                    try:
+                        res["radix_repeats"][name] = [parse_generation(http_json(
+                            srv.base_url + "/generate", generate_payload(p, NEW_TOKENS), timeout=180)) for p in prompts]
+                    except RuntimeError as exc:
+                        res["radix_repeats"][name] = f"REQUEST FAILED: {exc}"
                 if name == "int2":  # last: the load may leave the cache full of its prefixes
                     left = max(30.0, args.budget - (time.monotonic() - t0))
                     res["load"] = load_report(srv, os.path.join(args.out, f"mla_{name}.log"), load_prompts(), left)
@@ -528,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = {}
     sv = res["servers"]
     logs = {name: os.path.join(args.out, f"mla_{name}.log") for name in servers}
-    servers = {n: srv for n, srv in servers.items() if n not in DIAGNOSTIC_REF}  # judged ones
+    servers = {n: srv for n, srv in servers.items() if n not in HADAMARD_REF}  # the serves item's
     ok_serve = all(isinstance(sv.get(n), list) for n in servers)
     kind = args.family.removesuffix("_dense")
     ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if not n.startswith("bf16"))
@@ -536,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                     for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
     verdict["serves"] = ok_serve
     rows = []
-    for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {}), **DIAGNOSTIC_REF}.items():
+    for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {}), **HADAMARD_REF}.items():
         got, ref = sv.get(name), sv.get(ref_name)
         if not isinstance(got, list) or not isinstance(ref, list):
             continue
@@ -550,15 +442,22 @@ def main(argv: list[str] | None = None) -> int:
                      "first_diff_and_ref_margin": where})
         if name == "int2-window":
             verdict["window"] = same and p_mean <= WINDOW_TOL
+        elif name == HADAMARD and "rotated" in judged:
+            verdict["rotated"] = p_mean <= WINDOW_TOL
         elif name == "int2-chunk64":
             verdict["chunked"] = same and p_mean <= CHUNK_TOL
-    n = len(prompts)
-    for name in RADIX_SERVERS:  # radix: a server against its own first answers; judged on int2 alone
-        if isinstance(sv.get(name), list) and len(sv[name]) == 2 * n:
-            res[f"{name}_radix_cached_tokens"] = [g.get("cached_tokens") or 0 for g in sv[name][n:]]
-    if "int2_radix_cached_tokens" in res:
-        verdict["radix"] = (any(res["int2_radix_cached_tokens"])
-                            and all(g["tokens"] == f["tokens"] for f, g in zip(sv["int2"][:n], sv["int2"][n:])))
+    res["radix"] = {}  # radix: a server's repeats against its first answers; judged on int2 alone
+    for name in RADIX_SERVERS:
+        first, again = sv.get(name), res["radix_repeats"].get(name)
+        if isinstance(first, list) and isinstance(again, list):
+            ok, at = same_greedy(again, first)
+            res["radix"][name] = {"cached_tokens": [g.get("cached_tokens") or 0 for g in again], "same": ok,
+                                  "first_diff_and_ref_margin": at}
+    if "int2" in res["radix"]:
+        hits = any if args.family in MAMBA_FAMILIES else all
+        verdict["radix"] = res["radix"]["int2"]["same"] and hits(res["radix"]["int2"]["cached_tokens"])
+    elif "int2" in res["radix_repeats"]:  # the repeats failed
+        verdict["radix"] = False
     if "load" in res:
         verdict["load"] = res["load"]["ok"]
     if with_oracle and isinstance(sv.get("int2"), list) and "terminated" not in res:
@@ -585,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
               + f" | {r['prompt_dlp_mean']:.4f} / {r['prompt_dlp_max']:.4f} "
               f"| {r['out_dlp_mean']:.4f} / {r['out_dlp_max']:.4f} |" for r in rows]
     lines += ["", f"verdict: {verdict} (judged: {', '.join(judged)})", f"capacity: {res.get('capacity')}",
-              f"radix cached tokens per prompt: int2 {res.get('int2_radix_cached_tokens')}, "
-              f"bf16 (reported) {res.get('bf16_radix_cached_tokens')}",
+              f"radix (repeats vs first answers; bf16 reported): {json.dumps(res.get('radix'))}",
               f"oracle (reported): {res.get('oracle')}",
               f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]
     lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from . import checkpoints, mla_check
+from . import checkpoints, mla_check, mla_models
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def _fake_build(monkeypatch):
     _, flags, judged = mla_check.FAMILIES["deepseek_v3"]
 
     def build(path):
-        mla_check.deepseek_v3_config().save_pretrained(path)
+        mla_models.deepseek_v3_config().save_pretrained(path)
         return {"kv_lora_rank": 512}
     monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3", (build, flags, judged))
 
@@ -78,8 +78,7 @@ def test_mla_check_judges_the_answers(tmp_path, monkeypatch, shifted, dlp, faile
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert (rc == 0) == (failed is None)
     assert res["verdict"] == {k: k != failed for k in ("serves", "window", "chunked", "radix", "load", "oracle")}
-    assert res["capacity"]["ratio"] == 4608 / 1088 and res["int2_radix_cached_tokens"] == [400] * 3
-    assert res["bf16_radix_cached_tokens"] == [400] * 3
+    assert res["capacity"]["ratio"] == 4608 / 1088 and all(res["radix"][n]["cached_tokens"] == [400] * 3 for n in ("int2", "bf16"))
     assert os.path.exists(tmp_path / "mla_check.md")
 
 
@@ -101,7 +100,7 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     everything but the oracle is judged: a chunked answer off by 0.5 fails "chunked"."""
     from sglang_oscar.rotation.geometry import ModelGeometry
 
-    info = mla_check.build_kimi_linear(str(tmp_path / "kimi"))
+    info = mla_models.build_kimi_linear(str(tmp_path / "kimi"))
     geo = ModelGeometry.from_hf_config(str(tmp_path / "kimi"))
     assert geo.layer_ids == info["mla_layers"] == [1, 3] and list(geo.linear_layer_ids) == info["kda_layers"]
     argvs = []
@@ -121,14 +120,19 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     rc = mla_check.main(["--family", "kimi_linear", "--out", str(tmp_path), "--budget", "5",
                          "--model", str(tmp_path / "k2")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 1 and res["family"] == "kimi_linear" and res["judged"] == ["serves", "window", "chunked", "radix", "load"]
-    assert res["verdict"] == {"serves": True, "window": True, "chunked": False, "radix": True, "load": True}
+    judged = ["serves", "window", "rotated", "chunked", "radix", "load"]
+    assert rc == 1 and res["family"] == "kimi_linear" and res["judged"] == judged
+    assert res["verdict"] == {k: k != "chunked" for k in judged}
+    cfg = json.loads((tmp_path / "kimi" / "config.json").read_text())  # bf16 (SGLang's KDA conv), 2,400-token load
+    assert cfg["dtype"] == "bfloat16" and cfg["max_position_embeddings"] >= mla_check.LOAD_LENS[1] + mla_check.NEW_TOKENS
+    rotation = {a[a.index("--port") + 1]: a[a.index("--oscar-rotation") + 1] for a in argvs if "--oscar-rotation" in a}
+    assert rotation == {str(mla_check.BASE_PORT + 1): str(tmp_path / checkpoints.IDENTITY_ROTATION)}  # int2-window
     from .dummy_shim import DUMMY_ENV, DUMMY_SHIM_MODULE
 
     assert all(e[DUMMY_ENV] == "1" for e in envs)
     shim_dir = envs[0]["PYTHONPATH"].split(os.pathsep)[0]
     assert os.path.exists(os.path.join(shim_dir, f"{DUMMY_SHIM_MODULE}.py"))
-    assert all("--load-format" in a and a[a.index("--load-format") + 1] == "dummy" for a in argvs) and len(argvs) == 4
+    assert all("--load-format" in a and a[a.index("--load-format") + 1] == "dummy" for a in argvs) and len(argvs) == 5
 
 
 def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_bf16(tmp_path, monkeypatch):
@@ -149,12 +153,12 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
     monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.03))
     _, flags, judged = mla_check.FAMILIES["glm5"]
     # DeepSeek-V3's config stands in for GLM-5's: the same latent geometry, which the identity rotation reads
-    monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: mla_check.deepseek_v3_config().save_pretrained(path)
+    monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: mla_models.deepseek_v3_config().save_pretrained(path)
                                                      or {"index_topk": 256}, flags, judged))
     rc = mla_check.main(["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "g")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 5
-    assert "--chunked-prefill-size" in argvs[-1] and "2048" in argvs[-1]
+    assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 6  # + int2-window-hadamard
+    assert "--chunked-prefill-size" in argvs[4] and "2048" in argvs[4]
     rotated = [a[a.index("--oscar-rotation") + 1] for a in argvs if "--oscar-rotation" in a]  # the window servers'
     assert rotated == [str(tmp_path / checkpoints.IDENTITY_ROTATION)] * 2 and "--oscar-rotation" not in argvs[2]
     assert res["verdict"] == {"serves": False, "chunked": True, "radix": True, "load": True}
@@ -168,8 +172,8 @@ def test_glm5_dense_keeps_every_position_of_every_prompt(tmp_path):
     build, flags, judged = mla_check.FAMILIES["glm5_dense"]
     info = build(str(tmp_path / "g"))
     cfg = json.loads((tmp_path / "g" / "config.json").read_text())
-    assert info["index_topk"] == cfg["index_topk"] == mla_check.GLM5_DENSE_TOPK > max(mla_check.PROMPT_LENS)
-    assert cfg["architectures"] == ["GlmMoeDsaForCausalLM"] and mla_check.GLM5_TOPK < min(mla_check.PROMPT_LENS)
+    assert info["index_topk"] == cfg["index_topk"] == mla_models.GLM5_DENSE_TOPK > max(mla_check.PROMPT_LENS)
+    assert cfg["architectures"] == ["GlmMoeDsaForCausalLM"] and mla_models.GLM5_TOPK < min(mla_check.PROMPT_LENS)
     assert (flags, judged) == mla_check.FAMILIES["glm5"][1:]
     assert mla_check.server_env("glm5_dense", str(tmp_path)) == {"SGLANG_DSA_FUSE_TOPK": "0"}
     assert mla_check.FAMILY_REF["glm5_dense"] == {"int2-window-chunk64": "int2-window"}
@@ -304,7 +308,7 @@ def test_sharpen_reaches_its_targets_on_an_mla_model():
                            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=64,
                            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2)
     torch.manual_seed(0)
-    stats = sharpen(DeepseekV3ForCausalLM(cfg).eval(), mla_check.LOGIT_STD, mla_check.SCORE_STD, seed=0)
+    stats = sharpen(DeepseekV3ForCausalLM(cfg).eval(), mla_models.LOGIT_STD, mla_models.SCORE_STD, seed=0)
     assert abs(stats["score_std"] - 1.5) < 0.15 and abs(stats["logit_std"] - 0.5) < 1e-3, stats
 
 
@@ -326,7 +330,7 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.plugin import minimax_serving
 
-    for family, (block, topk) in (("minimax_m3", mla_check.M3_SPARSE), ("minimax_m3_dense", mla_check.M3_DENSE)):
+    for family, (block, topk) in (("minimax_m3", mla_models.M3_SPARSE), ("minimax_m3_dense", mla_models.M3_DENSE)):
         info = mla_check.FAMILIES[family][0](str(tmp_path / family))
         hf = AutoConfig.from_pretrained(str(tmp_path / family))
         sparse_cfg = get_minimax_sparse_attention_config(hf)
@@ -359,9 +363,9 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 0 and res["verdict"] == {"serves": True, "window": True, "chunked": True, "radix": True, "load": True}
+    assert rc == 0 and res["verdict"] == {k: True for k in ("serves", "window", "rotated", "chunked", "radix", "load")}
     assert res["capacity"]["ratio"] == (4 * 2 * 512 + index) / (4 * 2 * 72 + index)
-    assert len(argvs) == 5 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
+    assert len(argvs) == 6 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
     # the reported floor: SGLang's BF16 server chunked, compared with the one-prefill BF16 server
     floor = [a for a in argvs if a[a.index("--kv-cache-dtype") + 1] == "auto" and "--chunked-prefill-size" in a]
     assert len(floor) == 1 and floor[0][floor[0].index("--chunked-prefill-size") + 1] == "64"
@@ -375,11 +379,11 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     assert json.loads((tmp_path / "mla_check.json").read_text())["verdict"]["serves"] is False
 
 
-def test_mla_check_window_servers_read_sglangs_rows_and_hadamard_is_a_diagnostic(tmp_path, monkeypatch):
+def test_mla_check_window_servers_read_sglangs_rows_under_the_identity_rotation(tmp_path, monkeypatch):
     """--servers bf16,int2-window,int2-window-hadamard on minimax_m3: three servers; int2-window
-    (judged, as the main harness's check b) gets an identity rotation file for the model's geometry,
-    written outside the model folder, the diagnostic one int2-window's flags without a rotation (the
-    default Hadamard), reported against bf16; only the items whose servers ran are judged; an
+    (the window item, as the main harness's check b) gets an identity rotation file for the model's
+    geometry, written outside the model folder, int2-window-hadamard (the rotated item) int2-window's
+    flags without a rotation (the default Hadamard); only the items whose servers ran are judged; an
     unknown name is refused before any server starts."""
     import torch
 
@@ -399,8 +403,8 @@ def test_mla_check_window_servers_read_sglangs_rows_and_hadamard_is_a_diagnostic
     rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(model),
                          "--servers", "bf16,int2-window,int2-window-hadamard"])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 0 and res["verdict"] == {"serves": True, "window": True} and res["judged"] == ["serves", "window"]
-    assert len(argvs) == 3
+    assert rc == 0 and res["verdict"] == {"serves": True, "window": True, "rotated": True}
+    assert res["judged"] == ["serves", "window", "rotated"] and len(argvs) == 3
     window, hadamard = argvs[1], argvs[2]
     path = window[window.index("--oscar-rotation") + 1]
     assert path == str(tmp_path / checkpoints.IDENTITY_ROTATION) and not list(model.glob("*.safetensors"))
@@ -425,8 +429,8 @@ def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp
     prompts = mla_check.load_prompts()
     lens = [len(p) for p in prompts]
     assert len(prompts) == 64 and min(lens) >= 32 and max(lens) <= 2400 and min(lens) < 200 < 1500 < max(lens)
-    head = mla_check.random_prompt(mla_check.LOAD_SHARED_PREFIX, 55 + 7, mla_check.VOCAB)
-    assert sum(p[:len(head)] == head for p in prompts) >= 4 and all(3 <= t < mla_check.VOCAB for p in prompts for t in p)
+    head = mla_check.random_prompt(mla_check.LOAD_SHARED_PREFIX, 55 + 7, mla_models.VOCAB)
+    assert sum(p[:len(head)] == head for p in prompts) >= 4 and all(3 <= t < mla_models.VOCAB for p in prompts for t in p)
     envs = {}
 
     class Recording(FakeServer):
@@ -523,7 +527,7 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     _, flags, judged = mla_check.FAMILIES["deepseek_v3_expanded"]
     monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3_expanded",
-                        (lambda path: mla_check.deepseek_v3_config().save_pretrained(path) or {"kv_lora_rank": 512},
+                        (lambda path: mla_models.deepseek_v3_config().save_pretrained(path) or {"kv_lora_rank": 512},
                          flags, judged))
 
     def oracle(model, prompts, served, storage="latent"):
@@ -542,23 +546,35 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
         assert has == (name != "mla_bf16.log"), name
 
 
-@pytest.mark.parametrize("cached,repeat_tokens,passes", [([0, 640, 0], None, True), ([0, 0, 0], None, False),
-                                                         ([384, 896, 1472], 9, False)])
-def test_mla_check_radix_repeats_every_prompt(tmp_path, monkeypatch, cached, repeat_tokens, passes):
-    """The int2 and bf16 servers answer every prompt a second time. radix passes when one repeat is
-    served from the cache (a mamba radix cache keeps prefixes only at its track points: 0 / 640 / 0 is
-    a pass) and every repeat gives its first answer's greedy tokens; no hit, or one changed token, fails."""
+@pytest.mark.parametrize("family,cached,changed,fail_repeats,passes", [
+    ("deepseek_v3", [384, 896, 1472], None, None, True),
+    ("deepseek_v3", [0, 640, 0], None, None, False),  # a dense latent cache keeps every prompt
+    ("kimi_linear", [0, 640, 0], None, None, True),  # a mamba radix cache keeps its track points only
+    ("kimi_linear", [0, 0, 0], None, None, False),
+    ("deepseek_v3", [384, 896, 1472], "int2", None, False),  # a repeat's greedy tokens changed
+    ("deepseek_v3", [384, 896, 1472], "bf16", None, True),  # bf16's repeats are reported only
+    ("deepseek_v3", [384, 896, 1472], None, "bf16", True),
+    ("deepseek_v3", [384, 896, 1472], None, "int2", False)])
+def test_mla_check_radix_repeats_every_prompt(tmp_path, monkeypatch, family, cached, changed, fail_repeats, passes):
+    """The int2 and bf16 servers answer every prompt a second time. radix passes when every int2 repeat
+    is served from the cache (one suffices under SGLang's mamba radix cache: Kimi-Linear) with its
+    first answer's greedy tokens; bf16's repeats (a changed token, a failed request) are reported and
+    move no verdict, and failed repeats keep the server's first answers (window still judged)."""
     sent = {}
+    ports = {mla_check.BASE_PORT + list(mla_check.SERVERS).index(n): n for n in ("int2", "bf16")}
 
     def http_json(url, payload=None, timeout=None):
         if payload is None:
             return {}
+        n = len(payload["input_ids"])
         key = (url, tuple(payload["input_ids"]))
         sent[key] = sent.get(key, 0) + 1
-        repeat = sent[key] == 2
-        n = len(payload["input_ids"])
-        i = mla_check.PROMPT_LENS.index(n) if n in mla_check.PROMPT_LENS else 0  # 0: a load request
-        tok = repeat_tokens if repeat and repeat_tokens is not None and i == 2 else 7
+        server = ports.get(int(url.rsplit(":", 1)[1].split("/")[0]))
+        repeat = sent[key] == 2 and n in mla_check.PROMPT_LENS
+        if repeat and server == fail_repeats:
+            raise RuntimeError("HTTP 500")
+        i = mla_check.PROMPT_LENS.index(n) if repeat else 0
+        tok = 9 if repeat and server == changed and i == 2 else 7
         return {"output_ids": [tok] * mla_check.NEW_TOKENS,
                 "meta_info": {"output_token_logprobs": [[-0.5, tok]] * mla_check.NEW_TOKENS,
                               "input_token_logprobs": [[None, 3]] + [[-0.5, 3]] * (n - 1),
@@ -568,8 +584,14 @@ def test_mla_check_radix_repeats_every_prompt(tmp_path, monkeypatch, cached, rep
     monkeypatch.setattr(mla_check, "http_json", http_json)
     _fake_build(monkeypatch)
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
-    mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "no-model")])
+    mla_check.main(["--family", family, "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert res["verdict"]["radix"] is passes and res["int2_radix_cached_tokens"] == cached
-    assert res["bf16_radix_cached_tokens"] == cached and len(res["servers"]["int2-window"]) == len(mla_check.PROMPT_LENS)
-    assert "radix cached tokens per prompt: int2 " + str(cached) in (tmp_path / "mla_check.md").read_text()
+    assert res["verdict"]["radix"] is passes and res["verdict"]["window"] is True
+    for name in ("int2", "bf16"):
+        assert len(res["servers"][name]) == len(mla_check.PROMPT_LENS)
+        if name == fail_repeats:
+            assert name not in res["radix"] and res["radix_repeats"][name].startswith("REQUEST FAILED")
+        else:
+            assert res["radix"][name]["cached_tokens"] == cached
+            assert res["radix"][name]["same"] is (name != changed)
+    assert "radix (repeats vs first answers; bf16 reported)" in (tmp_path / "mla_check.md").read_text()
