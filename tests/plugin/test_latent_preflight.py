@@ -50,6 +50,7 @@ def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
     ("missing", r"--oscar-rotation: .*does not exist.*drop the flag"),
     ("group", r"latent cache: latent width 128.*group_size 48.*--kv-cache-quant-group-size 128"),
     ("skip", r"--oscar-skip-layers applies to MHA/GQA models.*drop the flag"),
+    ("v_file", r"SGLANG_OSCAR_V_ROTATION_PATH applies to MHA/GQA models.*drop the variable"),
     ("fold", r"--oscar-fold-rotations on applies to MHA/GQA models"),
     ("gluon", r"--oscar-decode-engine gluon applies to MHA/GQA models"),
     ("rotate_engine", r"--oscar-rotate-engine torch applies to MHA/GQA models"),
@@ -77,6 +78,9 @@ def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monke
         cfg["group_size"] = 48
     elif case == "skip":
         cfg["skip_layers"] = "0"
+    elif case == "v_file":  # a valid latent K file with an MHA-style V file beside it
+        LatentRotationSet.data_free(ModelGeometry.from_hf_config(model)).save(rot)
+        cfg.update(rotation_path=rot, rotation_v_path=str(tmp_path / "v.safetensors"))
     elif case == "fold":
         cfg["fold_rotations"] = True
     elif case == "gluon":

@@ -144,7 +144,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
 
     Raises:
         ValueError: an MLA architecture outside :data:`MLA_ARCHITECTURES` (LongCat-Flash, Ring / Ling
-            hybrids, Kimi-K2.5's multimodal wrapper, ...), an MHA-only flag (``--oscar-rotation-v``, ``--oscar-skip-layers``,
+            hybrids, Kimi-K2.5's multimodal wrapper, ...), an MHA-only setting (``SGLANG_OSCAR_V_ROTATION_PATH``, ``--oscar-skip-layers``,
             ``--oscar-fold-rotations on``, ``--oscar-decode-engine gluon``, ``--oscar-rotate-engine
             torch``, a V clip ratio), a group size that does not fit ``kv_lora_rank``, a missing or
             unreadable file, an MHA rotation file, or a file fitted for another model (layers, rank; a
@@ -160,14 +160,16 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
     if other:
         raise ValueError(f"--kv-cache-dtype int2 serves the MLA latent cache of {', '.join(MLA_ARCHITECTURES)}; "
                          f"{other[0]} ({name!r}) is not among them yet; serve it with --kv-cache-dtype auto")
-    for given, flag in ((config.rotation_v_path, "--oscar-rotation-v"), (config.skip_layers not in (None, "none"),
-                        "--oscar-skip-layers"), (config.fold_rotations, "--oscar-fold-rotations on"),
+    for given, flag in ((config.rotation_v_path, "SGLANG_OSCAR_V_ROTATION_PATH"),
+                        (config.skip_layers not in (None, "none"), "--oscar-skip-layers"),
+                        (config.fold_rotations, "--oscar-fold-rotations on"),
                         (config.decode_engine == "gluon", "--oscar-decode-engine gluon"),
                         (config.rotate_engine != "triton", f"--oscar-rotate-engine {config.rotate_engine}"),
                         (config.v_clip_ratio != DEFAULT_V_CLIP, "--oscar-v-clip-ratio")):
         if given:
             raise ValueError(f"{flag} applies to MHA/GQA models; {name!r} caches one MLA latent per token "
-                             "(one rotation per layer, one decode kernel, K's clip ratio): drop the flag")
+                             "(one rotation per layer, one decode kernel, K's clip ratio): drop the "
+                             + ("variable" if flag.startswith("SGLANG_") else "flag"))
     try:
         check_latent_width(int(geometry.kv_lora_rank), latent_group_size(config, int(geometry.kv_lora_rank)))
     except ValueError as exc:
