@@ -10,7 +10,8 @@
 # MLA_FAMILY (default deepseek_v3; glm5 / glm5_dense: DSA sparse attention, top-k 256 / 2048, under
 # SGLang's dsa backend, needs deep_gemm from .device-bundle/wheels, below; kimi_linear: the latent
 # pool in a linear-attention hybrid; minimax_m3 / minimax_m3_dense: MiniMax-M3's sparse layers over the
-# INT2 MHA pool, dummy weights) its model;
+# INT2 MHA pool, dummy weights; deepseek_v3_expanded: the DeepSeek-V3 model with --oscar-mla-storage
+# expanded, per-head K/V in the INT2 MHA pool) its model;
 # MLA_SERVERS (default: the family's) the check's servers to run, comma-separated: a subset, and/or the
 # diagnostic int2-window-hadamard (int2-window under the default Hadamard rotation instead of the
 # identity, reported against bf16);

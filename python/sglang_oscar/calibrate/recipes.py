@@ -135,8 +135,9 @@ def _partial_rotary_dim(config: dict[str, Any], head_dim) -> Any:
 
 
 # Keys of [geometry] / [geometry.<sub>] that describe an MHA/GQA cache; on an MLA model (which
-# caches the latent) they are refused rather than ignored. Expanded-MHA storage of MLA weights
-# (upstream's PR-era Kimi-K3 path, spec §6.3) is not supported.
+# caches the latent) they are refused rather than ignored. Recipes and fitted rotations cover the
+# latent only: expanded-MHA storage of MLA weights (upstream's PR-era Kimi-K3 path, spec §6.3; the
+# server's --oscar-mla-storage expanded) takes `sglang-oscar hadamard --mla-storage expanded`.
 _MHA_ONLY_KEYS = ("num_kv_heads", "head_dim", "head_dim_k", "head_dim_v", "partial_rotary_dim")
 
 
@@ -174,7 +175,9 @@ def geometry_mismatches(recipe, geometry: ModelGeometry, config: dict[str, Any] 
         for key in _MHA_ONLY_KEYS:
             if getattr(g, key) is not None:
                 bad.append(f"{key} = {getattr(g, key)}: the model is MLA (kv_lora_rank {geometry.kv_lora_rank}) and "
-                           "caches the latent, not per-head K/V (expanded-MHA storage is not supported); remove the key")
+                           "recipes cover the latent, not per-head K/V (expanded-MHA storage is not supported in "
+                           "recipes: its rotation file comes from `sglang-oscar hadamard --mla-storage expanded`); "
+                           "remove the key")
         for name, sub in subs.items():
             if sub is not None:
                 bad.append(f"[geometry.{name}]: the model is MLA; per-layer-type K/V geometry does not apply")
