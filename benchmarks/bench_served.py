@@ -516,12 +516,14 @@ def run(a: argparse.Namespace, plans: Sequence[ServerPlan]) -> dict[str, Any]:
 def collect_meta(a: argparse.Namespace) -> dict[str, Any]:
     meta: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
                             "args": {k: v for k, v in vars(a).items()}}
-    for key, cmd in (("commit", ["git", "rev-parse", "--short", "HEAD"]),
-                     ("gpu", ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])):
-        try:
-            meta[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=HERE).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            meta[key] = None
+    from sglang_oscar.serving_launcher import tree_commit
+
+    meta["commit"] = tree_commit(HERE)
+    try:
+        meta["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        meta["gpu"] = None
     return meta
 
 

@@ -302,6 +302,21 @@ class ServerProcess:
         self.stop()
 
 
+def tree_commit(cwd: str | os.PathLike) -> str | None:
+    """The commit of the tree a device script runs: ``$OSCAR_COMMIT`` when the caller names it (a
+    device machine's copy of the checkout brings the current working tree, but its ``HEAD`` was seen
+    to name the session's starting commit), else ``git rev-parse --short HEAD`` in ``cwd``; ``None``
+    where git cannot answer."""
+    if os.environ.get("OSCAR_COMMIT"):
+        return os.environ["OSCAR_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def stop_all(servers: Iterable[ServerProcess], grace: float | None = None) -> None:
     """Stop several servers in parallel (each :meth:`ServerProcess.stop`, with ``grace`` seconds when
     given, else the server's own default): one after another, a run's four or more servers would each

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
-from sglang_oscar.serving_launcher import stop_all
+from sglang_oscar.serving_launcher import stop_all, tree_commit
 
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
@@ -143,10 +143,8 @@ def collect_meta(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             vers[mod] = f"unavailable ({type(exc).__name__})"
     meta["versions"] = vers
+    meta["git"] = tree_commit(ROOT)  # $OSCAR_COMMIT: the device copy's .git can be stale
     with contextlib.suppress(Exception):
-        # the device copy's .git can be stale, so a caller may name the commit it copied
-        meta["git"] = os.environ.get("OSCAR_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         meta["git_dirty_files"] = len(dirty.splitlines()) if dirty else 0

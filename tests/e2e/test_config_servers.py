@@ -410,3 +410,21 @@ def test_stop_all_stops_every_server_at_once_with_its_grace():
     stop_all(FakeServer() for _ in range(4))
     stop_all([])
     assert graces == [30.0] * 4 + [15.0] * 4
+
+
+def test_tree_commit_prefers_the_callers_commit(tmp_path, monkeypatch):
+    """$OSCAR_COMMIT names the tree (a device copy's .git can be stale); without it, git's HEAD of the
+    folder; outside a repository, None."""
+    import subprocess
+
+    from sglang_oscar.serving_launcher import tree_commit
+
+    from .config import ROOT
+
+    monkeypatch.setenv("OSCAR_COMMIT", "abc1234")
+    assert tree_commit(tmp_path) == "abc1234"
+    monkeypatch.delenv("OSCAR_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert tree_commit(ROOT) == head and len(head) >= 7
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert tree_commit(tmp_path) is None
