@@ -4,13 +4,13 @@
     (GPU machine, after ``source device/env.sh``)
 
 Builds (:mod:`.mla_models`) a tiny random DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry
-(kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; 4 layers, 8 heads, dense MLPs: MoE
-kernels pick their tiles by token count, which would make chunked prefill differ by rounding) and
-launches (one after another until each has allocated its KV pool, then concurrently) a BF16 server
-(SGLang's MLA pool and Triton MLA kernels), an int2 server whose sink window covers every prompt
-and the identity rotation (``int2-window``: every key SGLang's own BF16 row, so it must track BF16;
-the main harness's check b also reads its window rows through the identity rotation), and int2 servers with
-small windows (sink 16, recent 32: most of each prompt is read through INT2), unchunked and
+(kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; 4 layers, 8 heads,
+dense MLPs: MoE kernels pick their tiles by token count, which would make chunked prefill differ by
+rounding) and launches (one after another until each has allocated its KV pool, then concurrently)
+a BF16 server (SGLang's MLA pool and Triton MLA kernels), an int2 server whose sink window covers
+every prompt and whose rotation is the identity (``int2-window``: every key SGLang's own BF16 row,
+so it must track BF16; the main harness's check b reads its window rows so too), and int2 servers
+with small windows (sink 16, recent 32: most of each prompt is read through INT2), unchunked and
 ``--chunked-prefill-size 64``. The same prompts (400 to 1500 tokens, 24 greedy tokens, prompt
 log-probs) go to every server. Reported (``mla_check.json`` and ``.md``
 in ``--out``) and judged:

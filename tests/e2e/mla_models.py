@@ -105,7 +105,7 @@ def build_minimax_m3(path: str, block_topk: tuple[int, int] = M3_SPARSE) -> dict
     dummy weights: transformers' MiniMax-M3 names and selection differ from SGLang's). Layers 1 and 3
     are sparse (layer 3 without an index value), 0 and 2 dense; GQA 8/2 x 128 with RoPE on 64 dims and
     per-head Gemma q/k norms as MiniMax; 4 index heads of 128 (two per kv head, so SGLang unions their
-    block lists); dense MLPs (``moe_layer_freq`` 0: see the module docstring on MoE tiles). AutoConfig
+    block lists); dense MLPs (``moe_layer_freq`` 0: see :mod:`.mla_check`'s docstring on MoE tiles). AutoConfig
     reads it as ``MiniMaxM2Config`` and keeps ``sparse_attention_config``, which SGLang's
     ``is_minimax_sparse`` / ``get_minimax_sparse_layer_ids`` read (``srt/configs/model_config.py:136-162``)."""
     block, topk = block_topk
