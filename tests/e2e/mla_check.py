@@ -44,8 +44,9 @@ in ``--out``) and judged:
   (the main harness's check e, on this harness's model);
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
-``--servers`` runs a subset (items whose servers did not run are not judged) and may add
-``int2-window-hadamard`` where the family does not run it (the DeepSeek-V3 families, whose oracle
+By default the servers of the judged items run; ``--servers`` runs a subset (items whose servers did
+not run are not judged) and may add the family's reported servers (below) and
+``int2-window-hadamard`` where the family does not judge it (the DeepSeek-V3 families, whose oracle
 covers the rotations): then reported against ``bf16``.
 
 ``--family kimi_linear`` checks that the latent pool inside SGLang's linear-attention hybrid pool
@@ -60,8 +61,8 @@ DeepSeek-V3 with **rotated** in place of the oracle.
 only its lightning indexer's top-k of 256 positions, below every prompt's length) under SGLang's
 ``dsa`` backend: the int2 servers run :class:`~sglang_oscar.backend.dsa_backend.OscarDSALatentBackend`
 (the indexer as SGLang runs it, the selected positions read from the INT2 latent), the BF16 server
-SGLang's own DSA kernels. Judged as kimi_linear (the oracle attends densely); one more
-server, ``int2-window-chunk64`` (chunked, every key from the BF16 rows), is reported against
+SGLang's own DSA kernels. Judged as kimi_linear (the oracle attends densely); a reported server,
+``int2-window-chunk64`` (chunked, every key from the BF16 rows), is compared with
 ``int2-window``: how far SGLang's DSA path itself moves with chunking. ``--family glm5_dense`` is the
 same model with GLM-5's own top-k of 2048, above every prompt: the indexer keeps every position, so
 chunking and radix reuse are judged where only the INT2 latent path could move them (and SGLang's
@@ -71,8 +72,8 @@ BF16 DSA decode, which asserts a top-k of 2048, gets its own top-k).
 only the key blocks their indexer selects, :func:`build_minimax_m3`) from SGLang's config format with
 dummy weights as kimi_linear: the int2 servers run the INT2 main pool inside SGLang's MiniMax sparse
 pool (BF16 index keys) and :class:`~sglang_oscar.backend.minimax_backend.OscarMiniMaxSparseBackend`,
-the BF16 server SGLang's own Triton sparse path. Judged as kimi_linear, with an extra
-``bf16-chunk64`` (SGLang's BF16 server chunked) reported against ``bf16``: the model's own move under a
+the BF16 server SGLang's own Triton sparse path. Judged as kimi_linear, with a reported
+``bf16-chunk64`` (SGLang's BF16 server chunked) compared with ``bf16``: the model's own move under a
 rounding-level change, through its block selection; ``--family minimax_m3_dense`` selects every
 block (the selection cannot move with chunking or radix reuse; the index attention output, SGLang's,
 still can: ``int2-window-chunk64`` reported as for glm5).
@@ -114,7 +115,9 @@ SERVERS = {
     "int2-chunk64": ["--kv-cache-dtype", "int2", *WINDOWS, "--chunked-prefill-size", "64"],
 }
 REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what each int2 server is compared with
-# Reported servers of one family (name: (flags, compared with)). A chunked prefill with every key from
+# Reported servers of one family (name: (flags, compared with)), run when --servers names them: the
+# default servers are those of the judged items, five at most, which fit one 600 s device call. A
+# chunked prefill with every key from
 # the BF16 rows, against its one-prefill twin, separates SGLang's own chunk dependence (the DSA
 # indexer's discrete FP8 keys and top-k over GEMMs of another row count; MiniMax-M3's indexer, whose
 # index attention output feeds the layer) from the INT2 codes' (int2-chunk64 vs int2). Sparse
@@ -353,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     build, family_flags, judged = FAMILIES[args.family]
     known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), HADAMARD: SERVERS["int2-window"]}
-    names = args.servers.split(",") if args.servers else [n for n in known if n != HADAMARD or "rotated" in judged]
+    judged_servers = [*SERVERS, *([HADAMARD] if "rotated" in judged else [])]
+    names = args.servers.split(",") if args.servers else judged_servers
     if not names or any(n not in known for n in names) or len(set(names)) < len(names):
         ap.error(f"--servers {args.servers!r}: distinct names among {', '.join(known)}")
     t0 = time.monotonic()

@@ -136,9 +136,10 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
 
 
 def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_bf16(tmp_path, monkeypatch):
-    """--family glm5: a fifth server, int2-window chunked, is compared with int2-window (reported, not
-    judged); a BF16 server that never gets healthy fails "serves" and leaves "window" unjudged, while
-    radix is still judged on the int2 server alone."""
+    """--family glm5: by default the five servers of its judged items; named, the reported server
+    int2-window-chunk64 is compared with int2-window (not judged); a BF16 server that never gets
+    healthy fails "serves" and leaves "window" and "rotated" unjudged, while radix is still judged on
+    the int2 server alone."""
     class NoBF16(FakeServer):
         def __init__(self, argv, *a, **k):
             self.bf16 = "auto" in argv
@@ -149,15 +150,21 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
 
     argvs = []
     monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or NoBF16(argv, *a, **k))
-    port = mla_check.BASE_PORT + len(mla_check.SERVERS)  # int2-window-chunk64, after the four
+    servers = [*mla_check.SERVERS, "int2-window-chunk64", mla_check.HADAMARD]
+    port = mla_check.BASE_PORT + servers.index("int2-window-chunk64")
     monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.03))
     _, flags, judged = mla_check.FAMILIES["glm5"]
     # DeepSeek-V3's config stands in for GLM-5's: the same latent geometry, which the identity rotation reads
     monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: mla_models.deepseek_v3_config().save_pretrained(path)
                                                      or {"index_topk": 256}, flags, judged))
-    rc = mla_check.main(["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "g")])
+    argv = ["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "g")]
+    mla_check.main(argv)
+    assert [a[a.index("--port") + 1] for a in argvs] == [str(mla_check.BASE_PORT + i) for i in range(5)]
+    assert not any("--chunked-prefill-size" in a and "2048" in a for a in argvs)  # no reported server
+    argvs.clear()
+    rc = mla_check.main([*argv, "--servers", ",".join(servers)])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 6  # + int2-window-hadamard
+    assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 6
     assert "--chunked-prefill-size" in argvs[4] and "2048" in argvs[4]
     rotated = [a[a.index("--oscar-rotation") + 1] for a in argvs if "--oscar-rotation" in a]  # the window servers'
     assert rotated == [str(tmp_path / checkpoints.IDENTITY_ROTATION)] * 2 and "--oscar-rotation" not in argvs[2]
@@ -361,12 +368,16 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     argvs = []
     monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or M3Server(argv, *a, **k))
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
-    rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
+    argv = ["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")]
+    rc = mla_check.main(argv)
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 0 and res["verdict"] == {k: True for k in ("serves", "window", "rotated", "chunked", "radix", "load")}
     assert res["capacity"]["ratio"] == (4 * 2 * 512 + index) / (4 * 2 * 72 + index)
-    assert len(argvs) == 6 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
-    # the reported floor: SGLang's BF16 server chunked, compared with the one-prefill BF16 server
+    assert len(argvs) == 5 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
+    # named, the reported floor: SGLang's BF16 server chunked, compared with the one-prefill BF16 server
+    argvs.clear()
+    assert mla_check.main([*argv, "--servers", "bf16,bf16-chunk64,int2-window"]) == 0
+    res = json.loads((tmp_path / "mla_check.json").read_text())
     floor = [a for a in argvs if a[a.index("--kv-cache-dtype") + 1] == "auto" and "--chunked-prefill-size" in a]
     assert len(floor) == 1 and floor[0][floor[0].index("--chunked-prefill-size") + 1] == "64"
     assert not any(f.startswith("--oscar") for f in floor[0])
