@@ -12,9 +12,10 @@
 # pool in a linear-attention hybrid; minimax_m3 / minimax_m3_dense: MiniMax-M3's sparse layers over the
 # INT2 MHA pool, dummy weights; deepseek_v3_expanded: the DeepSeek-V3 model with --oscar-mla-storage
 # expanded, per-head K/V in the INT2 MHA pool) its model;
-# MLA_SERVERS (default: the family's) the check's servers to run, comma-separated: a subset, and/or
-# int2-window-hadamard (int2-window under the default Hadamard rotation instead of the identity: in
-# the defaults and judged as "rotated" where the family has no oracle, else reported against bf16);
+# MLA_SERVERS (default: those of the family's judged items) the check's servers, comma-separated: a
+# subset, and/or the family's reported servers (glm5*, minimax_m3_dense: int2-window-chunk64;
+# minimax_m3: bf16-chunk64), and/or int2-window-hadamard (int2-window under the default Hadamard
+# rotation: a default, judged as "rotated", where the family has no oracle, else reported);
 # BENCH_VARIANTS (default served,bf16:32:4:16:codes,bf16:32: the served tiles, the 16-head ones at every head count,
 # the dequantizing engine) the benchmark's columns.
 set -u

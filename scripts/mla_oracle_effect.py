@@ -1,7 +1,7 @@
 """The MLA device check's model under the model-level oracle, on CPU (docs/serving.md, MLA section).
 
-Builds tests/e2e/mla_check.py's tiny seeded DeepSeek-V3 (sharpened unless ``--unsharpened``, the
-model of the first device runs) and reports, as mean |d prompt log-prob| over ``--lens`` prompts
+Builds the check's tiny seeded DeepSeek-V3 (tests/e2e/mla_models.py; sharpened unless
+``--unsharpened``, the model of the first device runs) and reports, as mean |d prompt log-prob| over ``--lens`` prompts
 (mla_check's seeded prompts): the INT2 effect (oracle with mla_check's windows and G 128 vs the
 unquantized fp32 model), the oracle's own BF16-vs-fp32 move, and the plain model's BF16-vs-fp32
 difference. With ``--served mla_check.json`` (a device run's answers) also the int2 server (or
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.rotation.geometry import ModelGeometry
     from sglang_oscar.rotation.latent import LatentRotationSet
-    from tests.e2e import mla_check, mla_oracle
+    from tests.e2e import mla_check, mla_models, mla_oracle
     from tests.e2e.checkpoints import random_prompt
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -37,11 +37,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     path = tempfile.mkdtemp(prefix="mla-oracle-")
     if a.unsharpened:
-        mla_check.sharpen = lambda model, *args, **kw: {}  # the model as the first device runs built it
-    mla_check.build_model(path)
+        mla_models.sharpen = lambda model, *args, **kw: {}  # the model as the first device runs built it
+    mla_models.build_model(path)
     rot = LatentRotationSet.data_free(ModelGeometry.from_hf_config(path)).r
     config = OscarConfig(sink_tokens=int(mla_check.WINDOWS[1]), recent_tokens=int(mla_check.WINDOWS[3]))
-    prompts = [random_prompt(n, seed, mla_check.VOCAB) for seed, n in enumerate(int(x) for x in a.lens.split(","))]
+    prompts = [random_prompt(n, seed, mla_models.VOCAB) for seed, n in enumerate(int(x) for x in a.lens.split(","))]
 
     def logprobs(dtype, patched):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
 
     from e2e.checkpoints import random_prompt
-    from e2e.mla_check import VOCAB, build_model
+    from e2e.mla_models import VOCAB, build_model
     from e2e.mla_oracle import capture_latent_inputs
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.reference import oscar_attention, relative_error_db

@@ -15,7 +15,8 @@ with small windows (sink 16, recent 32: most of each prompt is read through INT2
 log-probs) go to every server. Reported (``mla_check.json`` and ``.md``
 in ``--out``) and judged:
 
-* **serves**: every server healthy, the int2 logs name the INT2 latent pool, finite log-probs;
+* **serves**: every server of a judged item healthy, the int2 logs name the INT2 pool, finite
+  log-probs (reported servers, below, are not part of it);
 * **window**: int2-window vs BF16: the same greedy tokens (below) and mean |prompt log-prob
   difference| <= 0.05 (the INT2 path's kernels over SGLang's own BF16 rows vs SGLang's kernels, for
   MLA the absorbed form vs SGLang's non-absorbed BF16 prefill: rounding only);
@@ -32,7 +33,7 @@ in ``--out``) and judged:
   mean |prompt log-prob difference| <= 0.05, greedy tokens reported (a wrong query or value rotation
   would move it far more; MiniMax-M3's sparse selection turns the rounding into a greedy split);
 * **radix**: every prompt is sent to the int2 server a second time: each repeat gives the first
-  answer's greedy tokens (up to a tie, below) and is served from the cache (``cached_tokens`` > 0).
+  answer's greedy tokens (up to a tie, above) and is served from the cache (``cached_tokens`` > 0).
   SGLang's mamba radix cache (:data:`MAMBA_FAMILIES`) keeps a prefix only where it kept the recurrent
   state (its track points), so there one hit of the three suffices; the BF16 server's repeats are
   reported beside it (SGLang's own caching of the same prompts);
@@ -146,6 +147,9 @@ CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol;
 # chunk 64, which is bit-identical, the MLA path moved prompt log-probs by 0.015 on 4d8d6cb's model)
 # load: as the main harness's check e (its strict environment, tests/e2e/servers.py), on the int2 server
 LOAD_REQUESTS, LOAD_LENS, LOAD_SHARED_PREFIX = 64, (32, 2400), 256
+# the servers an item needs (serves: any of the judged items'); it is judged when they all ran
+NEEDS = {"window": {"int2-window", "bf16"}, "rotated": {HADAMARD, "bf16"}, "chunked": {"int2-chunk64", "int2"},
+         "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}}
 RADIX_SERVERS = ("int2", "bf16")  # the servers that repeat every prompt (bf16's repeats: reported)
 MAMBA_FAMILIES = ("kimi_linear",)  # SGLang's mamba radix cache: a repeated prompt may miss (its track points)
 STRICT_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
@@ -222,9 +226,9 @@ def load_report(srv, log_path: str, prompts: list[list[int]], timeout: float = 3
 
 FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
-    # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
     # the same model with K [k_nope | k_pe] 192 / V 128 per head in the INT2 MHA pool
     "deepseek_v3_expanded": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
+    # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
     "glm5": (build_glm5, ["--attention-backend", "dsa", "--dsa-topk-backend", "torch"],
              ("serves", "window", "rotated", "chunked", "radix", "load")),
     # the same model with top-k 2048 (> every prompt): chunking and radix reuse judged where the
@@ -351,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="where the model is written (default /tmp/mla-check-<family>)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for startup + requests")
     ap.add_argument("--servers", default=None,
-                    help=f"comma-separated servers to run (default: the family's; also {HADAMARD}, "
-                         "reported against bf16); items whose servers did not run are not judged")
+                    help="comma-separated servers to run (default: those of the family's judged items; may add "
+                         f"the family's reported servers and, where 'rotated' is not judged, {HADAMARD}); "
+                         "items whose servers did not run are not judged")
     args = ap.parse_args(argv)
     build, family_flags, judged = FAMILIES[args.family]
     known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), HADAMARD: SERVERS["int2-window"]}
@@ -362,10 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--servers {args.servers!r}: distinct names among {', '.join(known)}")
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
-    # an item is judged when its servers ran (serves: any; window, rotated, chunked: theirs; radix, load, oracle: int2)
-    needs = {"window": {"int2-window", "bf16"}, "rotated": {HADAMARD, "bf16"}, "chunked": {"int2-chunk64", "int2"},
-             "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}}
-    skipped = [k for k in judged if not needs.get(k, set()) <= set(names)]
+    skipped = [k for k in judged if not NEEDS.get(k, set()) <= set(names)]
     judged = tuple(k for k in judged if k not in skipped)
     with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
@@ -424,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = {}
     sv = res["servers"]
     logs = {name: os.path.join(args.out, f"mla_{name}.log") for name in servers}
-    servers = {n: srv for n, srv in servers.items() if n not in HADAMARD_REF}  # the serves item's
-    ok_serve = all(isinstance(sv.get(n), list) for n in servers)
+    servers = {n: srv for n, srv in servers.items() if n in judged_servers}  # the serves item's
+    ok_serve = bool(servers) and all(isinstance(sv.get(n), list) for n in servers)
     kind = args.family.removesuffix("_dense")
     ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if not n.startswith("bf16"))
     ok_serve &= all(math.isfinite(x) for n in servers if isinstance(sv.get(n), list)

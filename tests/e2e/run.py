@@ -144,10 +144,11 @@ def collect_meta(args: argparse.Namespace) -> dict[str, Any]:
             vers[mod] = f"unavailable ({type(exc).__name__})"
     meta["versions"] = vers
     meta["git"] = tree_commit(ROOT)  # $OSCAR_COMMIT: the device copy's .git can be stale
-    with contextlib.suppress(Exception):
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        meta["git_dirty_files"] = len(dirty.splitlines()) if dirty else 0
+    if not os.environ.get("OSCAR_COMMIT"):  # against a named commit the copy's stale HEAD would mislead
+        with contextlib.suppress(Exception):
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            meta["git_dirty_files"] = len(dirty.splitlines()) if dirty else 0
     with contextlib.suppress(Exception):
         meta["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                                         capture_output=True, text=True, timeout=20).stdout.strip()

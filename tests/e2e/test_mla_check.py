@@ -158,7 +158,7 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
     monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: mla_models.deepseek_v3_config().save_pretrained(path)
                                                      or {"index_topk": 256}, flags, judged))
     argv = ["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "g")]
-    mla_check.main(argv)
+    assert mla_check.main(argv) == 1  # the BF16 server never serves
     assert [a[a.index("--port") + 1] for a in argvs] == [str(mla_check.BASE_PORT + i) for i in range(5)]
     assert not any("--chunked-prefill-size" in a and "2048" in a for a in argvs)  # no reported server
     argvs.clear()
@@ -167,7 +167,7 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
     assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 6
     assert "--chunked-prefill-size" in argvs[4] and "2048" in argvs[4]
     rotated = [a[a.index("--oscar-rotation") + 1] for a in argvs if "--oscar-rotation" in a]  # the window servers'
-    assert rotated == [str(tmp_path / checkpoints.IDENTITY_ROTATION)] * 2 and "--oscar-rotation" not in argvs[2]
+    assert rotated == [str(tmp_path / checkpoints.IDENTITY_ROTATION)] * 2 and "--oscar-rotation" not in argvs[5]
     assert res["verdict"] == {"serves": False, "chunked": True, "radix": True, "load": True}
     row = next(r for r in res["rows"] if r["server"] == "int2-window-chunk64")
     assert row["vs"] == "int2-window" and abs(row["prompt_dlp_mean"] - 0.03) < 1e-9
@@ -606,3 +606,44 @@ def test_mla_check_radix_repeats_every_prompt(tmp_path, monkeypatch, family, cac
             assert res["radix"][name]["cached_tokens"] == cached
             assert res["radix"][name]["same"] is (name != changed)
     assert "radix (repeats vs first answers; bf16 reported)" in (tmp_path / "mla_check.md").read_text()
+
+
+def test_every_judged_item_has_its_servers_in_the_family_defaults():
+    """Each family's default servers (its judged items' own) cover every item it judges, so a default run
+    judges them all; reported servers are never needed."""
+    for family, (_, _, judged) in mla_check.FAMILIES.items():
+        defaults = {*mla_check.SERVERS, *([mla_check.HADAMARD] if "rotated" in judged else [])}
+        for item in judged:
+            assert mla_check.NEEDS.get(item, set()) <= defaults, (family, item)
+        assert not set(mla_check.FAMILY_SERVERS.get(family, {})) & set().union(*mla_check.NEEDS.values()), family
+
+
+@pytest.mark.parametrize("family,servers,shift,verdict,rc", [
+    ("minimax_m3", None, 0.2, {"rotated": False}, 1),  # the rotated window 0.2 off BF16: fails "rotated"
+    ("deepseek_v3", "bf16,int2-window,int2-window-hadamard", 0.2, {"serves": True, "window": True}, 0),
+    ("deepseek_v3", "int2-window-hadamard", 0.0, {"serves": False}, 1)])  # no server of a judged item
+def test_mla_check_judges_rotated_only_where_the_family_lists_it(tmp_path, monkeypatch, family, servers, shift,
+                                                                 verdict, rc):
+    """int2-window-hadamard is judged as "rotated" (prompt mean <= 0.05 vs BF16) on the families without
+    an oracle; on DeepSeek-V3, named, its row is reported and no verdict comes of it; a run whose only
+    server is not a judged item's fails "serves" rather than passing on nothing."""
+    class Server(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            super().__init__(argv, port, log_path, log_header, env)
+            if family == "minimax_m3" and "auto" not in argv:
+                with open(log_path, "w") as f:
+                    f.write("KV Cache is allocated\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
+
+    names = servers.split(",") if servers else [*mla_check.SERVERS, mla_check.HADAMARD]
+    monkeypatch.setattr(mla_check, "ServerProcess", Server)
+    monkeypatch.setattr(mla_check, "http_json", _answers(mla_check.BASE_PORT + names.index(mla_check.HADAMARD), shift))
+    _fake_build(monkeypatch)
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
+    argv = ["--family", family, "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")]
+    assert mla_check.main([*argv, *(["--servers", servers] if servers else [])]) == rc
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert {k: res["verdict"][k] for k in verdict} == verdict
+    assert ("rotated" in res["verdict"]) == (family == "minimax_m3")
+    if servers and "bf16" in servers:
+        row = next(r for r in res["rows"] if r["server"] == mla_check.HADAMARD)
+        assert row["vs"] == "bf16" and abs(row["prompt_dlp_mean"] - shift) < 1e-9
