@@ -88,10 +88,9 @@ def run_load(url: str, load: list[list[list[int]]], a: argparse.Namespace) -> di
     from sglang_oscar.serving_launcher import http_json
 
     def one(ids: list[int]) -> dict:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": a.output_len, "temperature": 0,
-                                                      "ignore_eos": True}}
         t = time.perf_counter()
-        meta = http_json(url + "/generate", body, timeout=a.request_timeout).get("meta_info") or {}
+        meta = http_json(url + "/generate", bs.generate_body(ids, a.output_len),
+                         timeout=a.request_timeout).get("meta_info") or {}
         if meta.get("completion_tokens") != a.output_len or "cached_tokens" not in meta:
             raise RuntimeError(f"request of {len(ids)} tokens came back with {meta.get('completion_tokens')} of "
                                f"{a.output_len} tokens, cached_tokens {meta.get('cached_tokens')}, finish "
@@ -148,7 +147,7 @@ def table(results: dict[str, Any]) -> str:
                      f"{r['latency_p99_s']:.2f} |")
     bf16 = [s["load"] for s in rows if bs.FORMATS[s["format"]][0] == "auto"]
     for s in rows:
-        if bs._is_int2(s["format"]) and bf16:
+        if bs.is_int2(s["format"]) and bf16:
             best = max(bf16, key=lambda r: r["requests_per_s"])
             rest = max((r["rest_requests_per_s"] or 0) for r in bf16)
             mine = s["load"]["rest_requests_per_s"]

@@ -94,7 +94,7 @@ FORMATS = {"bf16": ("auto", "triton", 16.0, ()), "fp8": ("fp8_e4m3", "triton", 8
            "int2-fold": ("int2", "triton", 2.25, ("--oscar-fold-rotations", "on"))}
 
 
-def _is_int2(fmt: str) -> bool:
+def is_int2(fmt: str) -> bool:
     """The int2 formats (the plugin's servers: int2 startup JIT, ``--int2-args``, ratios)."""
     return FORMATS[fmt][0] == "int2"
 
@@ -221,7 +221,7 @@ class Shape:
 def est_pool_tokens(s: Shape, fmt: str, a: argparse.Namespace) -> int:
     """SGLang sizes the pool as (fraction x GPU memory) - weights - what the model load left used."""
     free = a.mem_fraction_static * a.gpu_mem_gib * GIB - 2 * s.params - RESERVE_GIB * GIB
-    if _is_int2(fmt):
+    if is_int2(fmt):
         free -= max(a.batches) * INT2_WINDOW_TOKENS * s.kv_bytes("bf16")
     return max(0, int(free // s.kv_bytes(fmt)))
 
@@ -232,7 +232,7 @@ def est_prefill_s(s: Shape, ctx: int, fmt: str, a: argparse.Namespace) -> float:
     flops_lin = 2 * s.matmul_params * ctx
     flops_attn = 2 * ctx * ctx * s.q_heads * s.head_dim * s.layers
     t = flops_lin / (a.lin_tflops * 1e12) + flops_attn / (a.attn_tflops * 1e12)
-    return t * (1.3 if _is_int2(fmt) else 1.0) * a.est_scale
+    return t * (1.3 if is_int2(fmt) else 1.0) * a.est_scale
 
 
 def est_step_s(s: Shape, ctx: int, batch: int, fmt: str, a: argparse.Namespace) -> float:
@@ -279,7 +279,7 @@ def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int, *, m
             "--chunked-prefill-size", str(a.chunked_prefill_size), "--max-running-requests", str(top),
             "--cuda-graph-max-bs-decode", str(top), "--disable-prefill-cuda-graph", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info"]
-    return argv + list(extra) + shlex.split(a.server_args) + (shlex.split(a.int2_args) if _is_int2(fmt) else [])
+    return argv + list(extra) + shlex.split(a.server_args) + (shlex.split(a.int2_args) if is_int2(fmt) else [])
 
 
 def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
@@ -293,9 +293,9 @@ def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
         servers = []
         for fi, fmt in enumerate(a.formats):
             port = a.port + 10 * (mi * len(FORMATS) + fi)
-            startup = a.startup_s + (a.int2_jit_s if _is_int2(fmt) and "int2" not in jit_done else 0) \
+            startup = a.startup_s + (a.int2_jit_s if is_int2(fmt) and "int2" not in jit_done else 0) \
                 + (FI_JIT_S if fmt == "bf16-fi" and "fi" not in jit_done else 0)
-            jit_done |= {"int2"} if _is_int2(fmt) else {"fi"} if fmt == "bf16-fi" else set()
+            jit_done |= {"int2"} if is_int2(fmt) else {"fi"} if fmt == "bf16-fi" else set()
             servers.append(ServerPlan(model, fmt, port, server_argv(a, mdir, fmt, port), mdir, startup,
                                       est_pool_tokens(shape, fmt, a)))
         share = remaining / (len(a.models) - mi)  # equal shares; what a model leaves rolls over
@@ -351,11 +351,16 @@ def random_ids(n: int, seed: int) -> list[int]:
     return random.Random(seed).choices(range(TOKEN_LO, TOKEN_HI), k=n)
 
 
+def generate_body(ids: list[int], n_new: int) -> dict[str, Any]:
+    """``/generate`` body of one request: ``ids`` in, ``n_new`` greedy tokens out, EOS ignored."""
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True}}
+
+
 def stream_one(url: str, ids: list[int], n_new: int, timeout: float, rec: dict) -> None:
     """One streamed greedy request; ``rec`` gets ``t0`` and ``ticks`` [(perf_counter s, tokens so far)]."""
     from sglang_oscar.serving_launcher import stream_generate
 
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n_new, "temperature": 0, "ignore_eos": True}}
+    body = generate_body(ids, n_new)
     rec["t0"], rec["ticks"] = time.perf_counter(), []
     try:
         rec["ticks"].extend(stream_generate(url, body, timeout))
