@@ -560,16 +560,15 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family,cached,changed,fail_repeats,passes", [
     ("deepseek_v3", [384, 896, 1472], None, None, True),
     ("deepseek_v3", [0, 640, 0], None, None, False),  # a dense latent cache keeps every prompt
-    ("kimi_linear", [0, 640, 0], None, None, True),  # a mamba radix cache keeps its track points only
-    ("kimi_linear", [0, 0, 0], None, None, False),
+    ("kimi_linear", [0, 640, 0], None, None, False),  # under the mamba radix cache too
+    ("kimi_linear", [320, 832, 1408], None, None, True),
     ("deepseek_v3", [384, 896, 1472], "int2", None, False),  # a repeat's greedy tokens changed
     ("deepseek_v3", [384, 896, 1472], "bf16", None, True),  # bf16's repeats are reported only
     ("deepseek_v3", [384, 896, 1472], None, "bf16", True),
     ("deepseek_v3", [384, 896, 1472], None, "int2", False)])
 def test_mla_check_radix_repeats_every_prompt(tmp_path, monkeypatch, family, cached, changed, fail_repeats, passes):
     """The int2 and bf16 servers answer every prompt a second time. radix passes when every int2 repeat
-    is served from the cache (one suffices under SGLang's mamba radix cache: Kimi-Linear) with its
-    first answer's greedy tokens; bf16's repeats (a changed token, a failed request) are reported and
+    is served from the cache (Kimi-Linear's mamba radix cache too) with its first answer's greedy tokens; bf16's repeats (a changed token, a failed request) are reported and
     move no verdict, and failed repeats keep the server's first answers (window still judged)."""
     sent = {}
     ports = {mla_check.BASE_PORT + list(mla_check.SERVERS).index(n): n for n in ("int2", "bf16")}

@@ -67,6 +67,7 @@ def register() -> None:
         (SERVING_HOOK_TARGETS[8], sv.before_get_next_batch_to_run, HookType.BEFORE),
         (SERVING_HOOK_TARGETS[9], sv.after_hybrid_swa_configurator_init, HookType.AFTER),
         (SERVING_HOOK_TARGETS[10], ml.around_mla_dispatch, HookType.AROUND),
+        (SERVING_HOOK_TARGETS[11], sv.after_init_next_round_input, HookType.AFTER),
         *((target, sv.around_weight_update, HookType.AROUND) for target in sv.WEIGHT_UPDATE_HOOK_TARGETS),
         (sv.DSA_HOOK_TARGETS[0], sv.around_allocator_free, HookType.AROUND),
         (sv.DSA_HOOK_TARGETS[1], sv.after_allocator_clear, HookType.AFTER),

@@ -25,6 +25,8 @@ Each hook passes through unchanged unless the server runs ``--kv-cache-dtype int
   BF16 / FP8);
 * ``Req._compute_max_prefix_len`` (AROUND): radix matches stop ``recent`` tokens before the end of
   the prompt, so a reused prefix never covers positions a fresh run reads from its BF16 ring;
+* ``Req.init_next_round_input`` (AFTER): under SGLang's mamba radix cache, the prefill's recurrent state
+  is tracked before that cap, so a repeated prompt can hit;
 * ``Scheduler.get_next_batch_to_run`` (BEFORE): evict radix leaves when the sink arena runs low;
 * ``WeightUpdater.update_weights_from_*`` / ``init_weights_update_group`` (AROUND): refused with
   ``(False, reason)`` when ``--oscar-fold-rotations on`` folded value rotations into the weights;
@@ -62,6 +64,7 @@ SERVING_HOOK_TARGETS = (
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
     "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
     "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.dispatch_attn_forward_method",
+    "sglang.srt.managers.schedule_batch.Req.init_next_round_input",
 )
 # In-place weight updates (RL / online updates): refused for a model whose value rotations are folded
 # into its weights (--oscar-fold-rotations on), which a reload would silently unfold.
@@ -384,6 +387,35 @@ def around_compute_max_prefix_len(original_fn, self, input_len, *args, **kwargs)
     if recent is None:
         return limit
     return max(0, min(limit, input_len - recent))
+
+
+def after_init_next_round_input(result, req, tree_cache=None, *args, **kwargs):
+    """``Req.init_next_round_input`` (AFTER): under SGLang's mamba radix cache (linear-attention hybrids:
+    Qwen3-Next, Qwen3.5, Kimi-Linear; ``extra_buffer`` strategy) track the prefill's recurrent state at the
+    last chunk-aligned position before the radix cap, not at the prompt's end.
+
+    SGLang keeps one state per prefill at ``prefix + (extend_len // chunk) * chunk`` (``chunk`` =
+    ``server_args.mamba_cache_chunk_size``, 64) and a match must end on a node holding a state; our cap
+    (``input_len - recent``) usually falls before that point, so a repeated prompt matched nothing. The
+    point is handed over as SGLang's own ``mamba_branching_seqlen``, which its ``prepare_for_extend``
+    tracks instead of the end; a branching point SGLang chose itself (a prefix shared with a cached
+    request) is kept. Returns ``result`` unchanged.
+    """
+    recent = _ACTIVE["recent"]
+    supports_mamba = getattr(tree_cache, "supports_mamba", None)
+    if recent is None or supports_mamba is None or req.mamba_branching_seqlen is not None or not supports_mamba():
+        return result
+    from sglang.srt.runtime_context import get_server_args
+
+    server_args = get_server_args()
+    if not server_args.enable_mamba_extra_buffer():
+        return result
+    chunk = server_args.mamba_cache_chunk_size
+    prefix = len(req.prefix_indices)
+    point = prefix + (len(req.full_untruncated_fill_ids) - recent - prefix) // chunk * chunk
+    if point > prefix:
+        req.mamba_branching_seqlen = point
+    return result
 
 
 def before_get_next_batch_to_run(*args, **kwargs):
