@@ -15,7 +15,9 @@
 # MLA_SERVERS (default: those of the family's judged items) the check's servers, comma-separated: a
 # subset, and/or the family's reported servers (glm5*, minimax_m3_dense: int2-window-chunk64;
 # minimax_m3: bf16-chunk64), and/or int2-window-hadamard (int2-window under the default Hadamard
-# rotation: a default, judged as "rotated", where the family has no oracle, else reported);
+# rotation: a default, judged as "rotated", where the family has no oracle, else reported), and/or the
+# opt-in plugin-off (judged as "plugin": SGLang without the plugin vs bf16) and int2-eager ("graph": int2
+# without CUDA graphs vs int2), e.g. MLA_SERVERS=bf16,plugin-off,int2,int2-eager;
 # BENCH_VARIANTS (default served,bf16:32:4:16:codes,bf16:32: the served tiles, the 16-head ones at every head count,
 # the dequantizing engine) the benchmark's columns.
 set -u

@@ -43,10 +43,16 @@ in ``--out``) and judged:
   :data:`LOAD_REQUESTS` concurrent requests of mixed lengths (every fourth sharing a prefix) in full,
   stays healthy (``/health``, ``/health_generate``) and logs no leak report and no new traceback
   (the main harness's check e, on this harness's model);
+* **plugin** (opt-in, ``--servers`` naming ``plugin-off``): SGLang with the plugin disabled vs the BF16
+  server with it loaded: the same greedy tokens, max |log-prob difference| <= :data:`PLUGIN_TOL`
+  (the main harness's check a);
+* **graph** (opt-in, ``--servers`` naming ``int2-eager``): int2 without CUDA graphs vs int2: the same
+  greedy tokens (up to a tie), prompt and output mean |log-prob difference| <= 0.02 (check d's);
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
-By default the servers of the judged items run; ``--servers`` runs a subset (items whose servers did
-not run are not judged) and may add the family's reported servers (below) and
+By default the servers of the judged items but the opt-in ones run (five at most: one 600 s device
+call); ``--servers`` runs a subset (items whose servers did not run are not judged) and may add the
+opt-in servers (``plugin-off``, ``int2-eager``), the family's reported servers (below) and
 ``int2-window-hadamard`` where the family does not judge it (the DeepSeek-V3 families, whose oracle
 covers the rotations): then reported against ``bf16``.
 
@@ -131,6 +137,13 @@ _REPORTED = {"glm5": _WINDOW_CHUNK, "glm5_dense": _WINDOW_CHUNK, "minimax_m3": _
              "minimax_m3_dense": _WINDOW_CHUNK}
 FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPORTED.items()}
 FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
+# Opt-in servers of every family, run when --servers names them (the defaults fill one call): SGLang with
+# the plugin disabled (entry-point whitelist without ours, as the main harness's check a) against the BF16
+# server with it loaded; the int2 server without CUDA graphs against int2 (the main harness's check d)
+OPT_IN = {"plugin-off": (SERVERS["bf16"], "bf16"),
+          "int2-eager": ([*SERVERS["int2"], "--disable-cuda-graph"], "int2")}
+OPT_IN_ITEMS = ("plugin", "graph")
+PLUGIN_TOL = 1e-3  # plugin-off vs bf16, max |d log-prob| (the main harness's --a-tol)
 # int2-window under the default Hadamard rotation, its BF16 rows rotated (judged as "rotated" where the
 # family lists it, else run only when --servers names it, and reported); outside the serves item
 HADAMARD = "int2-window-hadamard"
@@ -149,7 +162,8 @@ CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol;
 LOAD_REQUESTS, LOAD_LENS, LOAD_SHARED_PREFIX = 64, (32, 2400), 256
 # the servers an item needs (serves: any of the judged items'); it is judged when they all ran
 NEEDS = {"window": {"int2-window", "bf16"}, "rotated": {HADAMARD, "bf16"}, "chunked": {"int2-chunk64", "int2"},
-         "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}}
+         "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}, "plugin": {"plugin-off", "bf16"},
+         "graph": {"int2-eager", "int2"}}
 RADIX_SERVERS = ("int2", "bf16")  # the servers that repeat every prompt (bf16's repeats: reported)
 STRICT_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
               "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
@@ -267,6 +281,14 @@ def server_env(family: str, work: str) -> dict[str, str]:
             DUMMY_ENV: "1"}
 
 
+def plugins_but_ours() -> str:
+    """``SGLANG_PLUGINS`` for the plugin-off server: SGLang loads only the entry points it names, so every
+    installed plugin but ``oscar`` (a name matching none when there is no other)."""
+    from .servers import plugin_entry_point
+
+    return ",".join(plugin_entry_point()["others"]) or "__no_plugin__"
+
+
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
@@ -355,11 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for startup + requests")
     ap.add_argument("--servers", default=None,
                     help="comma-separated servers to run (default: those of the family's judged items; may add "
-                         f"the family's reported servers and, where 'rotated' is not judged, {HADAMARD}); "
+                         f"the family's reported servers, {', '.join(OPT_IN)} (judged as {', '.join(OPT_IN_ITEMS)}) "
+                         f"and, where 'rotated' is not judged, {HADAMARD}); "
                          "items whose servers did not run are not judged")
     args = ap.parse_args(argv)
     build, family_flags, judged = FAMILIES[args.family]
-    known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), HADAMARD: SERVERS["int2-window"]}
+    judged = (*judged, *OPT_IN_ITEMS)
+    known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), HADAMARD: SERVERS["int2-window"],
+             **{n: flags for n, (flags, _) in OPT_IN.items()}}
     judged_servers = [*SERVERS, *([HADAMARD] if "rotated" in judged else [])]
     names = args.servers.split(",") if args.servers else judged_servers
     if not names or any(n not in known for n in names) or len(set(names)) < len(names):
@@ -367,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     skipped = [k for k in judged if not NEEDS.get(k, set()) <= set(names)]
+    judged_servers += [n for n in OPT_IN if n in names]
     judged = tuple(k for k in judged if k not in skipped)
     with_oracle = "oracle" in judged
     args.model = args.model or f"/tmp/mla-check-{args.family}"
@@ -380,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, extra) in enumerate((n, known[n]) for n in names):
         int2_flags = FAMILY_INT2_FLAGS.get(args.family, []) if "int2" in extra else []
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *int2_flags])
-        servers[name] = ServerProcess(a, port=BASE_PORT + i, env={**env, **(STRICT_ENV if name == "int2" else {})},
+        server_env_ = {**env, **(STRICT_ENV if name == "int2" else {}),
+                       **({"SGLANG_PLUGINS": plugins_but_ours()} if name == "plugin-off" else {})}
+        servers[name] = ServerProcess(a, port=BASE_PORT + i, env=server_env_,
                                       log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
     prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
@@ -428,12 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     servers = {n: srv for n, srv in servers.items() if n in judged_servers}  # the serves item's
     ok_serve = bool(servers) and all(isinstance(sv.get(n), list) for n in servers)
     kind = args.family.removesuffix("_dense")
-    ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if not n.startswith("bf16"))
+    ok_serve &= all(_log_value(logs[n], POOL_LOG.get(kind, DEFAULT_POOL_LOG)) for n in servers if n.startswith("int2"))
     ok_serve &= all(math.isfinite(x) for n in servers if isinstance(sv.get(n), list)
                     for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
     verdict["serves"] = ok_serve
     rows = []
-    for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {}), **HADAMARD_REF}.items():
+    opt_in_ref = {n: ref for n, (_, ref) in OPT_IN.items()}
+    for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {}), **HADAMARD_REF, **opt_in_ref}.items():
         got, ref = sv.get(name), sv.get(ref_name)
         if not isinstance(got, list) or not isinstance(ref, list):
             continue
@@ -451,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
             verdict["rotated"] = p_mean <= WINDOW_TOL
         elif name == "int2-chunk64":
             verdict["chunked"] = same and p_mean <= CHUNK_TOL
+        elif name == "plugin-off":  # exact tokens: the plugin must not change a non-int2 server
+            verdict["plugin"] = agree == 1.0 and max(p_max, o_max) <= PLUGIN_TOL
+        elif name == "int2-eager":
+            verdict["graph"] = same and max(p_mean, o_mean) <= CHUNK_TOL
     res["radix"] = {}  # radix: a server's repeats against its first answers; judged on int2 alone
     for name in RADIX_SERVERS:
         first, again = sv.get(name), res["radix_repeats"].get(name)
@@ -493,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
               f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]
     lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]
     if skipped:
-        lines.append(f"not judged (their servers not in --servers): {', '.join(skipped)}")
+        lines.append(f"not judged (their servers not in --servers): {', '.join(skipped)}"
+                     + (f"; {', '.join(OPT_IN_ITEMS)} run with --servers naming {', '.join(OPT_IN)}"
+                        if set(OPT_IN_ITEMS) & set(skipped) else ""))
     missing = [k for k in judged if k not in verdict]
     if missing:
         lines.append(f"not judged (fails the check): {', '.join(missing)}"

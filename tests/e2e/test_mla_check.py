@@ -612,6 +612,7 @@ def test_every_judged_item_has_its_servers_in_the_family_defaults():
     judges them all; reported servers are never needed."""
     for family, (_, _, judged) in mla_check.FAMILIES.items():
         defaults = {*mla_check.SERVERS, *([mla_check.HADAMARD] if "rotated" in judged else [])}
+        assert len(defaults) <= 5 and not set(mla_check.OPT_IN_ITEMS) & set(judged)
         for item in judged:
             assert mla_check.NEEDS.get(item, set()) <= defaults, (family, item)
         assert not set(mla_check.FAMILY_SERVERS.get(family, {})) & set().union(*mla_check.NEEDS.values()), family
@@ -646,3 +647,48 @@ def test_mla_check_judges_rotated_only_where_the_family_lists_it(tmp_path, monke
     if servers and "bf16" in servers:
         row = next(r for r in res["rows"] if r["server"] == mla_check.HADAMARD)
         assert row["vs"] == "bf16" and abs(row["prompt_dlp_mean"] - shift) < 1e-9
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m3"])
+@pytest.mark.parametrize("servers,shift,verdict", [
+    (None, None, {}),  # a default run starts neither opt-in server and judges neither item
+    ("bf16,plugin-off,int2,int2-eager", None, {"plugin": True, "graph": True}),
+    ("bf16,plugin-off,int2,int2-eager", ("plugin-off", 0.01), {"plugin": False, "graph": True}),
+    ("bf16,plugin-off,int2,int2-eager", ("int2-eager", 0.05), {"plugin": True, "graph": False}),
+    ("bf16,plugin-off,int2,int2-eager", ("int2-eager", 0.01), {"plugin": True, "graph": True})])
+def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, servers, shift, verdict):
+    """plugin-off (SGLANG_PLUGINS without ours) must match the BF16 server to 1e-3; int2-eager (no CUDA
+    graphs) must track int2 within 0.02. Both run only when --servers names them."""
+    seen = {}
+
+    class Server(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            super().__init__(argv, port, log_path, log_header, env)
+            seen[os.path.basename(log_path)] = (argv, env or {})
+            if family == "minimax_m3" and "auto" not in argv:
+                with open(log_path, "w") as f:
+                    f.write("KV Cache is allocated\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
+
+    names = servers.split(",") if servers else None
+    port = None if shift is None else mla_check.BASE_PORT + names.index(shift[0])
+    monkeypatch.setattr(mla_check, "ServerProcess", Server)
+    monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.0 if shift is None else shift[1]))
+    monkeypatch.setattr(mla_check, "plugins_but_ours", lambda: "smg-zmq")
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
+    _fake_build(monkeypatch)
+    argv = ["--family", family, "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")]
+    rc = mla_check.main([*argv, *(["--servers", servers] if servers else [])])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert {k: v for k, v in res["verdict"].items() if k in mla_check.OPT_IN_ITEMS} == verdict
+    assert rc == (0 if all(verdict.values()) else 1)
+    if servers is None:
+        assert not {"mla_plugin-off.log", "mla_int2-eager.log"} & set(seen)
+        assert "plugin, graph run with --servers naming plugin-off, int2-eager" in (tmp_path / "mla_check.md").read_text()
+        return
+    argv_off, env_off = seen["mla_plugin-off.log"]
+    assert env_off["SGLANG_PLUGINS"] == "smg-zmq" and "auto" in argv_off
+    assert "SGLANG_PLUGINS" not in seen["mla_bf16.log"][1]
+    argv_eager, _ = seen["mla_int2-eager.log"]
+    assert "--disable-cuda-graph" in argv_eager and "int2" in argv_eager
+    assert "--disable-cuda-graph" not in seen["mla_int2.log"][0]
+    assert res["verdict"]["serves"] is True
