@@ -148,11 +148,16 @@ def main():
     p.add_argument("--checkpoint", help="use this tiny checkpoint folder (e.g. the one a device run served) and the "
                    "rotation files of --rotdir instead of building both (needs --families with one family)")
     p.add_argument("--rotdir", help="folder with rot_layer / rot_head.safetensors for --checkpoint")
+    p.add_argument("--score-std", type=float, default=None,
+                   help="build the checkpoint with this attention-score std (the harness's --score-std, default 1.5)")
+    p.add_argument("--logit-std", type=float, default=None, help="the same for the harness's --logit-std (0.5)")
     p.add_argument("--work", default="/tmp/oracle_ulp/work")
     p.add_argument("--out", default="/tmp/oracle_ulp/results.json")
     a = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 2)
-    hargs = parse_args(["--out", "/tmp/oracle_ulp/e2e_out", "--families", a.families])
+    hargs = parse_args(["--out", "/tmp/oracle_ulp/e2e_out", "--families", a.families,
+                        *(["--score-std", str(a.score_std)] if a.score_std is not None else []),
+                        *(["--logit-std", str(a.logit_std)] if a.logit_std is not None else [])])
     lens = [int(x) for x in a.lens.split(",")]
     epss = [float(x) for x in a.eps.split(",")]
     results = json.load(open(a.out)) if os.path.exists(a.out) else {}

@@ -108,6 +108,7 @@ def test_recipe_matches_spec(name):
     for dim in filter(None, (g.head_dim, g.head_dim_k, g.head_dim_v, g.kv_lora_rank)):
         cfg.check_head_dims(dim)
     readme = (RECIPES / name / "README.md").read_text().lower()
+    assert f"served: **{'yes' if r.model.served else 'no'}**" in readme  # the README states the flag
     if s.get("own"):  # no upstream numbers to quote: the README says the settings are ours
         assert "no upstream recipe" in readme and "ours" in readme
     else:

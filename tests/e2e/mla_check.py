@@ -43,11 +43,12 @@ in ``--out``) and judged:
   :data:`LOAD_REQUESTS` concurrent requests of mixed lengths (every fourth sharing a prefix) in full,
   stays healthy (``/health``, ``/health_generate``) and logs no leak report and no new traceback
   (the main harness's check e, on this harness's model);
-* **plugin** (opt-in, ``--servers`` naming ``plugin-off``): SGLang with the plugin disabled vs the BF16
-  server with it loaded: the same greedy tokens, max |log-prob difference| <= :data:`PLUGIN_TOL`
-  (the main harness's check a);
+* **plugin** (opt-in, ``--servers`` naming ``plugin-off``): SGLang with the plugin disabled (every
+  entry point the server sees but ``oscar``: the harness shims stay) vs the BF16 server with it
+  loaded: ``oscar`` among those entry points, the same greedy tokens, max |log-prob difference| <=
+  :data:`PLUGIN_TOL` (the main harness's check a);
 * **graph** (opt-in, ``--servers`` naming ``int2-eager``): int2 without CUDA graphs vs int2: the same
-  greedy tokens (up to a tie), prompt and output mean |log-prob difference| <= 0.02 (check d's);
+  greedy tokens, max |log-prob difference| (prompt and output) <= 0.02 (the main harness's check d);
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
 By default the servers of the judged items but the opt-in ones run (five at most: one 600 s device
@@ -281,12 +282,21 @@ def server_env(family: str, work: str) -> dict[str, str]:
             DUMMY_ENV: "1"}
 
 
-def plugins_but_ours() -> str:
-    """``SGLANG_PLUGINS`` for the plugin-off server: SGLang loads only the entry points it names, so every
-    installed plugin but ``oscar`` (a name matching none when there is no other)."""
-    from .servers import plugin_entry_point
+def server_plugins(pythonpath: str = "") -> list[str]:
+    """The ``sglang.srt.plugins`` entry points a server sees: the installed ones and those of the folders
+    on its ``PYTHONPATH`` (the harness shims': scaled dummy weights, fp32)."""
+    from importlib.metadata import distributions
 
-    return ",".join(plugin_entry_point()["others"]) or "__no_plugin__"
+    paths = [*filter(None, pythonpath.split(os.pathsep)), *sys.path]
+    return sorted({ep.name for d in distributions(path=paths) for ep in d.entry_points
+                   if ep.group == "sglang.srt.plugins"})
+
+
+def plugins_but_ours(pythonpath: str = "") -> str:
+    """``SGLANG_PLUGINS`` for the plugin-off server: SGLang loads only the entry points it names, so every
+    one the server sees but ``oscar`` (a name matching none when there is no other); the shims stay, so
+    plugin-off and bf16 load the same weights."""
+    return ",".join(n for n in server_plugins(pythonpath) if n != "oscar") or "__no_plugin__"
 
 
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
@@ -407,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         int2_flags = FAMILY_INT2_FLAGS.get(args.family, []) if "int2" in extra else []
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *int2_flags])
         server_env_ = {**env, **(STRICT_ENV if name == "int2" else {}),
-                       **({"SGLANG_PLUGINS": plugins_but_ours()} if name == "plugin-off" else {})}
+                       **({"SGLANG_PLUGINS": plugins_but_ours(env.get("PYTHONPATH", ""))} if name == "plugin-off" else {})}
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env=server_env_,
                                       log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
@@ -481,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "int2-chunk64":
             verdict["chunked"] = same and p_mean <= CHUNK_TOL
         elif name == "plugin-off":  # exact tokens: the plugin must not change a non-int2 server
-            verdict["plugin"] = agree == 1.0 and max(p_max, o_max) <= PLUGIN_TOL
-        elif name == "int2-eager":
-            verdict["graph"] = same and max(p_mean, o_mean) <= CHUNK_TOL
+            res["plugins"] = seen = server_plugins(env.get("PYTHONPATH", ""))
+            verdict["plugin"] = "oscar" in seen and agree == 1.0 and max(p_max, o_max) <= PLUGIN_TOL
+        elif name == "int2-eager":  # check d's rule: the same tokens, every log-prob within its tolerance
+            verdict["graph"] = agree == 1.0 and max(p_max, o_max) <= CHUNK_TOL
     res["radix"] = {}  # radix: a server's repeats against its first answers; judged on int2 alone
     for name in RADIX_SERVERS:
         first, again = sv.get(name), res["radix_repeats"].get(name)

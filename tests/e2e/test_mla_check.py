@@ -657,8 +657,9 @@ def test_mla_check_judges_rotated_only_where_the_family_lists_it(tmp_path, monke
     ("bf16,plugin-off,int2,int2-eager", ("int2-eager", 0.05), {"plugin": True, "graph": False}),
     ("bf16,plugin-off,int2,int2-eager", ("int2-eager", 0.01), {"plugin": True, "graph": True})])
 def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, servers, shift, verdict):
-    """plugin-off (SGLANG_PLUGINS without ours) must match the BF16 server to 1e-3; int2-eager (no CUDA
-    graphs) must track int2 within 0.02. Both run only when --servers names them."""
+    """plugin-off (SGLANG_PLUGINS: every entry point the servers see but ours, the harness shims kept) must
+    match the BF16 server to 1e-3; int2-eager (no CUDA graphs) must track int2 within 0.02. Both run
+    only when --servers names them."""
     seen = {}
 
     class Server(FakeServer):
@@ -673,7 +674,6 @@ def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, 
     port = None if shift is None else mla_check.BASE_PORT + names.index(shift[0])
     monkeypatch.setattr(mla_check, "ServerProcess", Server)
     monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.0 if shift is None else shift[1]))
-    monkeypatch.setattr(mla_check, "plugins_but_ours", lambda: "smg-zmq")
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
     _fake_build(monkeypatch)
     argv = ["--family", family, "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")]
@@ -686,9 +686,26 @@ def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, 
         assert "plugin, graph run with --servers naming plugin-off, int2-eager" in (tmp_path / "mla_check.md").read_text()
         return
     argv_off, env_off = seen["mla_plugin-off.log"]
-    assert env_off["SGLANG_PLUGINS"] == "smg-zmq" and "auto" in argv_off
+    kept = env_off["SGLANG_PLUGINS"].split(",")
+    assert "oscar" not in kept and "auto" in argv_off and "oscar" in res["plugins"]
+    assert set(kept) == set(res["plugins"]) - {"oscar"} or kept == ["__no_plugin__"]
+    # the dummy-weight families' servers load the weight shim: plugin-off keeps it (the same weights)
+    assert ("oscar_e2e_dummy" in kept) == (family == "minimax_m3")
     assert "SGLANG_PLUGINS" not in seen["mla_bf16.log"][1]
     argv_eager, _ = seen["mla_int2-eager.log"]
     assert "--disable-cuda-graph" in argv_eager and "int2" in argv_eager
     assert "--disable-cuda-graph" not in seen["mla_int2.log"][0]
     assert res["verdict"]["serves"] is True
+
+
+def test_mla_check_plugin_item_needs_our_entry_point(tmp_path, monkeypatch):
+    """Where the servers do not see the ``oscar`` entry point, plugin-off and bf16 are both SGLang alone:
+    their equality proves nothing, and the plugin item fails."""
+    monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    monkeypatch.setattr(mla_check, "server_plugins", lambda pythonpath="": ["smg-zmq"])
+    _fake_build(monkeypatch)
+    rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m"),
+                         "--servers", "bf16,plugin-off"])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert rc == 1 and res["verdict"]["plugin"] is False and res["verdict"]["serves"] is True

@@ -398,12 +398,19 @@ def after_init_next_round_input(result, req, tree_cache=None, *args, **kwargs):
     ``server_args.mamba_cache_chunk_size``, 64) and a match must end on a node holding a state; our cap
     (``input_len - recent``) usually falls before that point, so a repeated prompt matched nothing. The
     point is handed over as SGLang's own ``mamba_branching_seqlen``, which its ``prepare_for_extend``
-    tracks instead of the end; a branching point SGLang chose itself (a prefix shared with a cached
-    request) is kept. Returns ``result`` unchanged.
+    tracks instead of the end; a branching point SGLang chose itself past the matched prefix (a prefix
+    shared with a cached request) is kept. The state moves up to one chunk earlier than SGLang's, so a
+    later request that extends this prompt (a next turn) may match up to ``chunk`` fewer tokens.
+    Returns ``result`` unchanged.
     """
     recent = _ACTIVE["recent"]
     supports_mamba = getattr(tree_cache, "supports_mamba", None)
-    if recent is None or supports_mamba is None or req.mamba_branching_seqlen is not None or not supports_mamba():
+    if recent is None or supports_mamba is None or not supports_mamba():
+        return result
+    prefix = len(req.prefix_indices)
+    # SGLang's point past the matched state is tracked as it is (it lies at or before the cap); one
+    # at the prefix itself is ignored by SGLang (it tracks only points past the prefix), so ours replaces it
+    if req.mamba_branching_seqlen is not None and req.mamba_branching_seqlen > prefix:
         return result
     from sglang.srt.runtime_context import get_server_args
 
@@ -411,7 +418,6 @@ def after_init_next_round_input(result, req, tree_cache=None, *args, **kwargs):
     if not server_args.enable_mamba_extra_buffer():
         return result
     chunk = server_args.mamba_cache_chunk_size
-    prefix = len(req.prefix_indices)
     point = prefix + (len(req.full_untruncated_fill_ids) - recent - prefix) // chunk * chunk
     if point > prefix:
         req.mamba_branching_seqlen = point
