@@ -1,7 +1,7 @@
 """Oracle's own sensitivity to last-ulp fp32 differences in K/V (check c, --c-fp32 setting).
 
 For each family: build the tiny checkpoint as tests/e2e/run.py prepare() does (seed 0, harness
-defaults logit_std 0.5 / score_std 1.5), fit the rotation files (make_rotation_files on the bf16
+defaults logit_std 0.5, score_std tests.e2e.config.score_std_of), fit the rotation files (make_rotation_files on the bf16
 model with fp32 head, defaults), load the checkpoint in fp32, and compute teacher-forced prompt
 log-probs with the oracle (rotation ``--rotation``, default 'layer', OscarConfig(sink 16, recent 32), hp_dtype fp32: pure
 prefill = extend windows, exactly as check c's c_oracle_fp32_layer). Then repeat with the K and V
@@ -32,7 +32,7 @@ from sglang_oscar.config import OscarConfig
 from sglang_oscar.quant.packing import unpack_quarter
 from sglang_oscar.rotation import RotationSet
 from tests.e2e.checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
-from tests.e2e.config import C_RECENT, C_SINK, SWA_FAMILIES, c_prompt_lens, parse_args
+from tests.e2e.config import C_RECENT, C_SINK, SWA_FAMILIES, c_prompt_lens, parse_args, score_std_of
 from tests.e2e.oracle import greedy_paths, teacher_forced_logprobs
 
 _ORIG_BUILD = refattn.build_cache
@@ -171,7 +171,7 @@ def main():
             else:
                 path = os.path.join(a.work, f"tiny-{fam}")
                 info = build_checkpoint(fam, path, seed=hargs.seed, args=hargs, logit_std=hargs.logit_std,
-                                        score_std=hargs.score_std, device="cpu")
+                                        score_std=score_std_of(hargs, fam), device="cpu")
                 rotdir = os.path.join(a.work, f"rot-{fam}")
             rot_layer = os.path.join(rotdir, "rot_layer.safetensors")
             if not os.path.exists(rot_layer):

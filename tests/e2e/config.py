@@ -61,6 +61,13 @@ B_ONLY_FAMILIES = ("moe", "llama")  # served by check b only; the other families
 H_FAMILIES = ("qwen3",) + SWA_FAMILIES + LINEAR_FAMILIES + MOE_MHA_FAMILIES
 SWA_WINDOW = 64  # HF sliding_window of the sliding-window families (key j visible iff pos - j < 64)
 
+# Attention-score std of the sharpened tiny checkpoints (checkpoints.sharpen), per family where the
+# default makes the oracle irreproducible at check c's tolerance: Gemma-4's oracle at 1.5 moves its
+# decode log-probs by 0.019 (1,024-token prompt) between the model in fp32 and in fp64, at 1.0 by
+# 0.002 with an INT2 effect of 0.21-0.25 (scripts/oracle_ulp_sensitivity.py, docs/serving_hybrid.md).
+DEFAULT_SCORE_STD = 1.5
+FAMILY_SCORE_STD = {"gemma4": 1.0}
+
 # Oracle / server settings of the quantizing checks (c, d, h).
 C_SINK, C_RECENT = 16, 32
 # Check c's --dtype float32 servers and their oracle store (scale, zero) in fp32: a one-ulp change
@@ -158,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-hidden", type=int, default=256)
     p.add_argument("--logit-std", type=float, default=0.5,
                    help="std of the tiny models' logits (sets how strongly log-probs react to KV errors)")
-    p.add_argument("--score-std", type=float, default=1.5, help="std of the tiny models' attention scores")
+    p.add_argument("--score-std", type=float, default=None,
+                   help=f"std of the tiny models' attention scores (default {DEFAULT_SCORE_STD}, "
+                        f"per family {FAMILY_SCORE_STD})")
     p.add_argument("--no-fp32-lm-head", dest="fp32_lm_head", action="store_false",
                    help="serve (and compute references) with BF16 logits; by default every server gets "
                         "--enable-fp32-lm-head, since BF16 logits of these tiny models tie (greedy and log-prob noise)")
@@ -221,3 +230,10 @@ def c_prompt_lens(args: argparse.Namespace, family: str) -> list[int]:
     for a sliding-window family (decoding then runs past the window's edge)."""
     lens = list(args.c_prompt_lens)
     return list(dict.fromkeys([4 * SWA_WINDOW] + lens)) if family in SWA_FAMILIES else lens
+
+
+def score_std_of(args: argparse.Namespace, family: str) -> float:
+    """The attention-score std ``family``'s tiny checkpoint is sharpened to: ``--score-std`` when given,
+    else :data:`FAMILY_SCORE_STD` or :data:`DEFAULT_SCORE_STD`."""
+    given = getattr(args, "score_std", None)
+    return given if given is not None else FAMILY_SCORE_STD.get(family, DEFAULT_SCORE_STD)

@@ -18,7 +18,7 @@ from sglang_oscar.serving_launcher import stop_all, tree_commit
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
 from .config import (BUDGET_CUT, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SIZED_FAMILIES, SKIP,
-                     SWA_FAMILIES, c_prompt_lens, h_families, main_families)
+                     SWA_FAMILIES, c_prompt_lens, h_families, main_families, score_std_of)
 from .fp32_shim import fp32_shim_dir, write_fp32_shim
 from .oracle import screen_prompts, teacher_forced_logprobs
 from .results import CheckError, CheckResult, write_results
@@ -183,7 +183,7 @@ def prepare(run: Run) -> None:
     for name in needed_models(args.checks, args.families):
         path = os.path.join(args.work, f"tiny-{name}")
         info = build_checkpoint(name, path, seed=args.seed, args=args, logit_std=args.logit_std,
-                                score_std=args.score_std, device=run.device)
+                                score_std=score_std_of(args, name), device=run.device)
         run.models[name] = path
         run.meta.setdefault("models", {})[name] = {k: info.get(k) for k in ("config", "sharpen", "reused")}
     run.timings["checkpoints"] = time.time() - t

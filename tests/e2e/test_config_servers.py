@@ -428,3 +428,12 @@ def test_tree_commit_prefers_the_callers_commit(tmp_path, monkeypatch):
     assert tree_commit(ROOT) == head and len(head) >= 7
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert tree_commit(tmp_path) is None
+
+
+def test_score_std_per_family(tmp_path):
+    """Gemma-4's tiny checkpoint is sharpened to scores of std 1.0 (its oracle is reproducible there),
+    the others to 1.5; --score-std, when given, holds for every family."""
+    args = config.parse_args(["--out", str(tmp_path)])
+    assert [config.score_std_of(args, f) for f in ("qwen3", "gemma3", "gemma4", "gpt_oss")] == [1.5, 1.5, 1.0, 1.5]
+    args = config.parse_args(["--out", str(tmp_path), "--score-std", "1.2"])
+    assert {config.score_std_of(args, f) for f in ("qwen3", "gemma4")} == {1.2}
