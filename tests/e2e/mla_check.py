@@ -73,8 +73,9 @@ SGLang's own DSA kernels. Judged as kimi_linear (the oracle attends densely); a 
 ``int2-window-chunk64`` (chunked, every key from the BF16 rows), is compared with
 ``int2-window``: how far SGLang's DSA path itself moves with chunking. ``--family glm5_dense`` is the
 same model with GLM-5's own top-k of 2048, above every prompt: the indexer keeps every position, so
-chunking and radix reuse are judged where only the INT2 latent path could move them (and SGLang's
-BF16 DSA decode, which asserts a top-k of 2048, gets its own top-k).
+chunking and radix reuse are judged where only the INT2 latent path could move them, the dense
+oracle (:mod:`.mla_oracle` patches ``GlmMoeDsaAttention`` too) is judged as for DeepSeek-V3 (and
+SGLang's BF16 DSA decode, which asserts a top-k of 2048, gets its own top-k).
 
 ``--family minimax_m3`` serves a tiny MiniMax-M3 (not MLA: an MHA main K/V whose sparse layers read
 only the key blocks their indexer selects, :func:`build_minimax_m3`) from SGLang's config format with
@@ -249,7 +250,7 @@ FAMILIES = {  # --family: (model builder, extra server flags, judged items)
     # selection is every position, so only the INT2 latent path can move them
     "glm5_dense": (lambda path: build_glm5(path, GLM5_DENSE_TOPK), ["--attention-backend", "dsa",
                                                                      "--dsa-topk-backend", "torch"],
-                   ("serves", "window", "rotated", "chunked", "radix", "load")),
+                   ("serves", "window", "rotated", "chunked", "radix", "load", "oracle")),
     "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
                     ("serves", "window", "rotated", "chunked", "radix", "load")),
     "minimax_m3": (build_minimax_m3, ["--load-format", "dummy"],

@@ -3,7 +3,9 @@ INT2 latent cache of :func:`sglang_oscar.reference.latent.latent_attention` or, 
 ``storage="expanded"``, the INT2 MHA cache of per-head K ``[k_nope | k_pe]`` and V
 (:func:`sglang_oscar.reference.latent.expand_latent`, then :func:`sglang_oscar.reference.oscar_attention`).
 
-:func:`install` replaces ``DeepseekV3Attention.forward`` of every layer by the same projections,
+:func:`install` replaces ``DeepseekV3Attention.forward`` (and GLM-5's ``GlmMoeDsaAttention.forward``,
+the same MLA with a DSA indexer, patched only for prompts within its ``index_topk``, where the
+selection is every position) of every layer by the same projections,
 ``kv_a_layernorm`` and RoPE as transformers computes them, followed by the oracle's absorbed
 attention over the rotated, quantized latents (``kv_b_proj`` split as SGLang splits it,
 ``reference.latent.split_kv_b_proj``). Prefill only (one sequence, no KV cache object): the
@@ -23,7 +25,7 @@ from sglang_oscar.reference.latent import expand_latent, latent_attention, split
 
 def install(model, config: OscarConfig, rotations: dict | None, *, window_mode: str = "extend",
             hp_dtype: torch.dtype = torch.float32, storage: str = "latent") -> int:
-    """Patch every ``DeepseekV3Attention`` of ``model`` (returns how many).
+    """Patch every ``DeepseekV3Attention`` or ``GlmMoeDsaAttention`` of ``model`` (returns how many).
 
     Args:
         config: windows and INT2 format of the cache.
@@ -34,20 +36,37 @@ def install(model, config: OscarConfig, rotations: dict | None, *, window_mode: 
         storage: ``"latent"`` or ``"expanded"`` (``--oscar-mla-storage``).
 
     Raises:
-        ValueError: an unknown ``storage``.
+        ValueError: an unknown ``storage``; from a patched GLM-5 layer, a prompt longer than its
+            ``index_topk`` (the indexer would select, the oracle attends densely).
     """
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
     if storage not in ("latent", "expanded"):
         raise ValueError(f"storage must be 'latent' or 'expanded', got {storage!r}")
     make = _oracle_forward if storage == "latent" else _expanded_forward
     n = 0
     for module in model.modules():
-        if isinstance(module, hf.DeepseekV3Attention):
+        if isinstance(module, (hf.DeepseekV3Attention, glm.GlmMoeDsaAttention)):
             rot = None if rotations is None else rotations[module.layer_idx]
-            module.forward = make(module, config, rot, window_mode, hp_dtype)
+            forward = make(module, config, rot, window_mode, hp_dtype)
+            module.forward = _dense_dsa(module, forward) if isinstance(module, glm.GlmMoeDsaAttention) else forward
             n += 1
     return n
+
+
+def _dense_dsa(attn, forward):
+    """GLM-5's attention returns its top-k selection for the layers that share it; every layer being
+    patched, none reads it. Dense only: the selection is every position while ``T <= index_topk``."""
+    def dense(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        t, topk = hidden_states.shape[1], attn.config.index_topk
+        if t > topk:
+            raise ValueError(f"the MLA oracle attends densely: {t} positions exceed GLM-5's index_topk {topk}, "
+                             "where its indexer selects; use prompts of at most index_topk tokens")
+        out, weights = forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        return out, weights, None
+
+    return dense
 
 
 def latent_inputs(attn, hidden_states, position_embeddings) -> dict:
@@ -72,7 +91,8 @@ def latent_inputs(attn, hidden_states, position_embeddings) -> dict:
     c_kv = attn.kv_a_layernorm(c_kv)
     k_pe = k_pe.view(bsz, 1, t, rope)
     cos, sin = position_embeddings
-    rotary = hf.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else hf.apply_rotary_pos_emb
+    # GLM-5's config has no rope_interleave: its attention always interleaves
+    rotary = hf.apply_rotary_pos_emb_interleave if getattr(attn.config, "rope_interleave", True) else hf.apply_rotary_pos_emb
     q_pe, k_pe = rotary(q_pe, k_pe, cos, sin)
     w_kc, w_vc = split_kv_b_proj(attn.kv_b_proj.weight, heads, n_nope, v_dim)
     return dict(q_nope=q_nope[0].transpose(0, 1), q_pe=q_pe[0].transpose(0, 1), c_kv=c_kv[0], k_pe=k_pe[0, 0],
@@ -122,7 +142,7 @@ def _expanded_forward(attn, config, rot_kv, window_mode, hp_dtype):
     def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         x = latent_inputs(attn, hidden_states, position_embeddings)
         q_pe, k_pe = x["q_pe"], x["k_pe"]
-        if attn.config.rope_interleave:
+        if getattr(attn.config, "rope_interleave", True):
             # transformers returns the rotated pairs as [evens | odds]; SGLang's GPT-J RoPE keeps them
             # interleaved, and expanded storage rotates and quantizes k_pe's columns in that order
             q_pe, k_pe = _interleave(q_pe), _interleave(k_pe)

@@ -181,9 +181,34 @@ def test_glm5_dense_keeps_every_position_of_every_prompt(tmp_path):
     cfg = json.loads((tmp_path / "g" / "config.json").read_text())
     assert info["index_topk"] == cfg["index_topk"] == mla_models.GLM5_DENSE_TOPK > max(mla_check.PROMPT_LENS)
     assert cfg["architectures"] == ["GlmMoeDsaForCausalLM"] and mla_models.GLM5_TOPK < min(mla_check.PROMPT_LENS)
-    assert (flags, judged) == mla_check.FAMILIES["glm5"][1:]
+    assert flags == mla_check.FAMILIES["glm5"][1] and judged == (*mla_check.FAMILIES["glm5"][2], "oracle")
     assert mla_check.server_env("glm5_dense", str(tmp_path)) == {"SGLANG_DSA_FUSE_TOPK": "0"}
     assert mla_check.FAMILY_REF["glm5_dense"] == {"int2-window-chunk64": "int2-window"}
+    # the oracle item on this model: served answers equal to the fp32 oracle's give 0 against it and the
+    # BF16 copy's own rounding against the BF16 oracle; the INT2 effect is visible
+    from . import mla_oracle
+    from .checkpoints import random_prompt
+
+    prompts = [random_prompt(n, s, mla_models.VOCAB) for s, n in enumerate((48, 96))]
+    seen = {}
+    orig = mla_oracle.prompt_logprobs
+
+    def keep(model, ids):
+        out = orig(model, ids)
+        seen.setdefault(next(model.parameters()).dtype, []).append(out)
+        return out
+    import torch
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mla_oracle, "prompt_logprobs", keep)
+    try:
+        first = mla_check.oracle_report(str(tmp_path / "g"), prompts, [{"input_logprobs": [0.0]}] * 2)
+        served = [{"input_logprobs": lp.tolist()} for lp in seen[torch.float32][:2]]  # the patched fp32 oracle's
+        rep = mla_check.oracle_report(str(tmp_path / "g"), prompts, served)
+    finally:
+        mp.undo()
+    assert rep["served_vs_oracle_fp32"] < 1e-6 and rep["int2_effect_oracle_vs_fp32_model"] > 1e-3
+    assert rep["served_vs_oracle_bf16"] == pytest.approx(rep["oracle_fp32_vs_bf16"]) and first["served_vs_oracle_fp32"] > 0
 
 
 def test_mla_check_oracle_verdict_fails_outside_its_bound(tmp_path, monkeypatch):
@@ -234,6 +259,41 @@ def test_mla_oracle_patch_equals_the_model_without_quantization(tmp_path):
         assert torch.allclose(mla_oracle.prompt_logprobs(patched, ids), base, atol=1e-4), mode
     mla_oracle.install(patched, OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8), rot)
     assert (mla_oracle.prompt_logprobs(patched, ids) - base).abs().mean() > 1e-3
+
+
+def test_glm5_oracle_patch_equals_the_dense_model_without_quantization():
+    """GLM-5 (GlmMoeDsaAttention: DeepSeek-V3's MLA with a DSA indexer) under the same oracle: with
+    ``index_topk`` above the prompt the indexer selects every position, so window mode "none" equals the
+    unpatched model; INT2 reads move it; a prompt longer than ``index_topk`` is refused."""
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    from sglang_oscar.config import OscarConfig
+    from sglang_oscar.rotation.geometry import ModelGeometry
+    from sglang_oscar.rotation.latent import LatentRotationSet
+
+    from . import mla_oracle
+    from .checkpoints import random_prompt
+
+    cfg = GlmMoeDsaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128,
+                          q_lora_rank=64, initializer_range=0.08, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+                          num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=2,
+                          index_topk=64, index_head_dim=32, index_n_heads=4, max_position_embeddings=256,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(cfg).eval()
+    ids = random_prompt(48, 1, 256)
+    base = mla_oracle.prompt_logprobs(model, ids)
+    rot = LatentRotationSet.data_free(ModelGeometry.from_hf_config(cfg.to_dict())).r
+    patched = GlmMoeDsaForCausalLM(cfg).eval()
+    patched.load_state_dict(model.state_dict())
+    assert mla_oracle.install(patched, OscarConfig(sink_tokens=4, recent_tokens=8), rot, window_mode="none") == 2
+    assert torch.allclose(mla_oracle.prompt_logprobs(patched, ids), base, atol=1e-4)
+    mla_oracle.install(patched, OscarConfig(group_size=32, sink_tokens=4, recent_tokens=8), rot)
+    assert (mla_oracle.prompt_logprobs(patched, ids) - base).abs().mean() > 1e-3
+    with pytest.raises(ValueError, match="index_topk 64"):
+        mla_oracle.prompt_logprobs(patched, random_prompt(80, 2, 256))
 
 
 def test_expanded_mla_oracle_equals_the_model_without_quantization():
