@@ -12,7 +12,7 @@
 # pool in a linear-attention hybrid; minimax_m3 / minimax_m3_dense: MiniMax-M3's sparse layers over the
 # INT2 MHA pool, dummy weights; deepseek_v3_expanded: the DeepSeek-V3 model with --oscar-mla-storage
 # expanded, per-head K/V in the INT2 MHA pool) its model;
-# MLA_SERVERS (default: those of the family's judged items) the check's servers, comma-separated: a
+# MLA_SERVERS (default: those of the family's judged items but the opt-in ones) the check's servers, comma-separated: a
 # subset, and/or the family's reported servers (glm5*, minimax_m3_dense: int2-window-chunk64;
 # minimax_m3: bf16-chunk64), and/or int2-window-hadamard (int2-window under the default Hadamard
 # rotation: a default, judged as "rotated", where the family has no oracle, else reported), and/or the

@@ -28,7 +28,7 @@ in ``--out``) and judged:
   top-1 / top-2 margin is at most :data:`TIE_MARGIN` (a tie at BF16 logit resolution, which any
   rounding difference may flip: this tiny model's flat logits tie, margin 0, at some positions);
   the agreement fraction is reported;
-* **rotated** (families without an oracle): ``int2-window-hadamard``, int2-window under the default
+* **rotated** (every family but the DeepSeek-V3 ones): ``int2-window-hadamard``, int2-window under the default
   data-free Hadamard rotation (its BF16 rows rotated, so rounded otherwise than SGLang's), vs BF16:
   mean |prompt log-prob difference| <= 0.05, greedy tokens reported (a wrong query or value rotation
   would move it far more; MiniMax-M3's sparse selection turns the rounding into a greedy split);
@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="where the model is written (default /tmp/mla-check-<family>)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for startup + requests")
     ap.add_argument("--servers", default=None,
-                    help="comma-separated servers to run (default: those of the family's judged items; may add "
+                    help="comma-separated servers to run (default: those of the family's judged items but the "
+                         "opt-in ones; may add "
                          f"the family's reported servers, {', '.join(OPT_IN)} (judged as {', '.join(OPT_IN_ITEMS)}) "
                          f"and, where 'rotated' is not judged, {HADAMARD}); "
                          "items whose servers did not run are not judged")

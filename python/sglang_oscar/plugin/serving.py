@@ -396,7 +396,7 @@ def after_init_next_round_input(result, req, tree_cache=None, *args, **kwargs):
 
     SGLang keeps one state per prefill at ``prefix + (extend_len // chunk) * chunk`` (``chunk`` =
     ``server_args.mamba_cache_chunk_size``, 64) and a match must end on a node holding a state; our cap
-    (``input_len - recent``) usually falls before that point, so a repeated prompt matched nothing. The
+    (``input_len - recent``) usually falls before that point, where a repeated prompt would match nothing. The
     point is handed over as SGLang's own ``mamba_branching_seqlen``, which its ``prepare_for_extend``
     tracks instead of the end; a branching point SGLang chose itself past the matched prefix (a prefix
     shared with a cached request) is kept. The state moves up to one chunk earlier than SGLang's, so a

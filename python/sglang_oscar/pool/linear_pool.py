@@ -9,7 +9,8 @@ its ``MambaPool`` (one fixed-size state per request, untouched here) and the att
 :class:`~.latent_pool.OscarMLATokenToKVPool` (MLA layers) over the attention layers only (its
 ``start_layer`` 0, its layers the local indices), handed to SGLang's own constructor as
 ``full_kv_pool``; this class adds the INT2 backends' per-layer access by *global* layer id. SGLang's
-allocator, radix cache and linear-attention backends run unchanged.
+allocator, radix cache and linear-attention backends run unchanged, but for where the mamba radix cache
+tracks a prefill's state (``plugin.serving.after_init_next_round_input``).
 """
 
 from __future__ import annotations
