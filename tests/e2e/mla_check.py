@@ -113,6 +113,7 @@ from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits, stop_all
 from .checkpoints import random_prompt, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
 from .mla_models import GLM5_DENSE_TOPK, M3_DENSE, VOCAB, build_glm5, build_kimi_linear, build_minimax_m3, build_model
+from .servers import plugin_entry_point
 from .smoke import agreement
 
 BASE_PORT = 31200
@@ -283,23 +284,6 @@ def server_env(family: str, work: str) -> dict[str, str]:
             DUMMY_ENV: "1"}
 
 
-def server_plugins(pythonpath: str = "") -> list[str]:
-    """The ``sglang.srt.plugins`` entry points a server sees: the installed ones and those of the folders
-    on its ``PYTHONPATH`` (the harness shims': scaled dummy weights, fp32)."""
-    from importlib.metadata import distributions
-
-    paths = [*filter(None, pythonpath.split(os.pathsep)), *sys.path]
-    return sorted({ep.name for d in distributions(path=paths) for ep in d.entry_points
-                   if ep.group == "sglang.srt.plugins"})
-
-
-def plugins_but_ours(pythonpath: str = "") -> str:
-    """``SGLANG_PLUGINS`` for the plugin-off server: SGLang loads only the entry points it names, so every
-    one the server sees but ``oscar`` (a name matching none when there is no other); the shims stay, so
-    plugin-off and bf16 load the same weights."""
-    return ",".join(n for n in server_plugins(pythonpath) if n != "oscar") or "__no_plugin__"
-
-
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
@@ -414,12 +398,16 @@ def main(argv: list[str] | None = None) -> int:
         identity = write_identity_rotation(args.model, args.out, expanded=args.family in FAMILY_INT2_FLAGS)
         known.update({n: [*known[n], "--oscar-rotation", identity] for n in window})
     env = server_env(args.family, args.out)
+    # the plugin-off server keeps every entry point the servers see but ours (SGLANG_PLUGINS names what
+    # SGLang loads; a name matching none when there is no other): the shims stay, so it loads bf16's weights
+    plugins = plugin_entry_point(env.get("PYTHONPATH", ""))
     servers = {}
     for i, (name, extra) in enumerate((n, known[n]) for n in names):
         int2_flags = FAMILY_INT2_FLAGS.get(args.family, []) if "int2" in extra else []
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *int2_flags])
         server_env_ = {**env, **(STRICT_ENV if name == "int2" else {}),
-                       **({"SGLANG_PLUGINS": plugins_but_ours(env.get("PYTHONPATH", ""))} if name == "plugin-off" else {})}
+                       **({"SGLANG_PLUGINS": ",".join(plugins["others"]) or "__no_plugin__"}
+                          if name == "plugin-off" else {})}
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env=server_env_,
                                       log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
@@ -493,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "int2-chunk64":
             verdict["chunked"] = same and p_mean <= CHUNK_TOL
         elif name == "plugin-off":  # exact tokens: the plugin must not change a non-int2 server
-            res["plugins"] = seen = server_plugins(env.get("PYTHONPATH", ""))
-            verdict["plugin"] = "oscar" in seen and agree == 1.0 and max(p_max, o_max) <= PLUGIN_TOL
+            res["plugins"] = plugins
+            verdict["plugin"] = plugins["oscar"] and agree == 1.0 and max(p_max, o_max) <= PLUGIN_TOL
         elif name == "int2-eager":  # check d's rule: the same tokens, every log-prob within its tolerance
             verdict["graph"] = agree == 1.0 and max(p_max, o_max) <= CHUNK_TOL
     res["radix"] = {}  # radix: a server's repeats against its first answers; judged on int2 alone

@@ -260,12 +260,15 @@ class Server(ServerProcess):
         return super().stop(grace)
 
 
-def plugin_entry_point() -> dict[str, Any]:
+def plugin_entry_point(pythonpath: str = "") -> dict[str, Any]:
     """Whether ``sglang.srt.plugins`` lists ``oscar`` (what SGLang's ``load_plugins`` iterates),
-    and the other plugin names (the plugin-disabled server of check a keeps those)."""
-    from importlib.metadata import entry_points
+    and the other plugin names (the plugin-disabled server of check a keeps those), as a server sees
+    them: the installed distributions and those of the folders on its ``pythonpath`` (``os.pathsep``
+    separated: the harness shims')."""
+    from importlib.metadata import distributions
 
-    eps = entry_points(group="sglang.srt.plugins")
+    paths = [*filter(None, pythonpath.split(os.pathsep)), *sys.path]
+    eps = [ep for d in distributions(path=paths) for ep in d.entry_points if ep.group == "sglang.srt.plugins"]
     names = sorted({e.name for e in eps})
     return {"oscar": "oscar" in names, "value": next((e.value for e in eps if e.name == "oscar"), None),
             "others": [n for n in names if n != "oscar"]}

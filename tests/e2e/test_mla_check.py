@@ -589,8 +589,8 @@ def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, 
         return
     argv_off, env_off = seen["mla_plugin-off.log"]
     kept = env_off["SGLANG_PLUGINS"].split(",")
-    assert "oscar" not in kept and "auto" in argv_off and "oscar" in res["plugins"]
-    assert set(kept) == set(res["plugins"]) - {"oscar"} or kept == ["__no_plugin__"]
+    assert "oscar" not in kept and "auto" in argv_off and res["plugins"]["oscar"] is True
+    assert kept == (res["plugins"]["others"] or ["__no_plugin__"])
     # the dummy-weight families' servers load the weight shim: plugin-off keeps it (the same weights)
     assert ("oscar_e2e_dummy" in kept) == (family == "minimax_m3")
     assert "SGLANG_PLUGINS" not in seen["mla_bf16.log"][1]
@@ -605,7 +605,8 @@ def test_mla_check_plugin_item_needs_our_entry_point(tmp_path, monkeypatch):
     their equality proves nothing, and the plugin item fails."""
     monkeypatch.setattr(mla_check, "ServerProcess", FakeServer)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
-    monkeypatch.setattr(mla_check, "server_plugins", lambda pythonpath="": ["smg-zmq"])
+    monkeypatch.setattr(mla_check, "plugin_entry_point",
+                        lambda pythonpath="": {"oscar": False, "value": None, "others": ["smg-zmq"]})
     _fake_build(monkeypatch)
     rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m"),
                          "--servers", "bf16,plugin-off"])
