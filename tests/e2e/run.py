@@ -18,7 +18,7 @@ from sglang_oscar.serving_launcher import stop_all, tree_commit
 from .checkpoints import build_checkpoint, load_hf, make_rotation_files, random_prompt
 from .client import generate_payload, last_error, parse_generation
 from .config import (BUDGET_CUT, C_FP32_SCALE_DTYPE, C_RECENT, C_SINK, DEFAULT_FAMILIES, FAIL, ROOT, SIZED_FAMILIES, SKIP,
-                     SWA_FAMILIES, c_prompt_lens, h_families, main_families, score_std_of)
+                     c_prompt_lens, h_families, main_families, score_std_of)
 from .fp32_shim import fp32_shim_dir, write_fp32_shim
 from .oracle import screen_prompts, teacher_forced_logprobs
 from .results import CheckError, CheckResult, write_results
@@ -207,8 +207,9 @@ def prepare(run: Run) -> None:
             path = os.path.join(args.work, f"rot-{m}", "rot_identity.safetensors")
             RotationSet.data_free(geo, "identity").save(path)
             run.rot[f"{m}:identity"] = path
-    if ("c" in ch and args.c_fp32) or ("b" in ch and set(args.families) & set(SWA_FAMILIES)):
-        run.meta["fp32_shim"] = write_fp32_shim(fp32_shim_dir(args.work))  # and check b's window shim
+    # the shim plugin folder (fp32, window and dummy shims) is written whatever the checks: the
+    # servers that load it (c's and d's fp32 ones, b's hf-window baseline) are chosen in servers.py
+    run.meta["fp32_shim"] = write_fp32_shim(fp32_shim_dir(args.work))
     run.timings["rotations"] = time.time() - t
     run.meta["rotations"] = dict(run.rot)
     run.log(f"rotation files: {', '.join(run.rot)} ({run.timings['rotations']:.0f} s)")
