@@ -156,6 +156,10 @@ HADAMARD_REF = {HADAMARD: "bf16"}
 EXPANDED_GROUP = 64
 FAMILY_INT2_FLAGS = {"deepseek_v3_expanded": ["--oscar-mla-storage", "expanded",
                                               "--kv-cache-quant-group-size", str(EXPANDED_GROUP)]}
+# flags of a family's servers without int2: SGLang's BF16 DSA decode defaults to FA3 on Hopper, which
+# the device bundle drops (1.1 GB), while its FlashMLA sparse kernel (prefill's default) is bundled.
+# Only at top-k 2048: SGLang's unfused top-k transform asserts that width (glm5's 256 has no BF16 path)
+FAMILY_BF16_FLAGS = {"glm5_dense": ["--dsa-decode-backend", "flashmla_sparse"]}
 PROMPT_LENS = (400, 900, 1500)
 NEW_TOKENS = 24
 WINDOW_TOL = 0.05  # int2-window vs BF16, mean |d prompt log-prob| (CPU: BF16 vs fp32 model 0.008)
@@ -403,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     plugins = plugin_entry_point(env.get("PYTHONPATH", ""))
     servers = {}
     for i, (name, extra) in enumerate((n, known[n]) for n in names):
-        int2_flags = FAMILY_INT2_FLAGS.get(args.family, []) if "int2" in extra else []
-        a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *int2_flags])
+        own = (FAMILY_INT2_FLAGS if "int2" in extra else FAMILY_BF16_FLAGS).get(args.family, [])
+        a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *own])
         server_env_ = {**env, **(STRICT_ENV if name == "int2" else {}),
                        **({"SGLANG_PLUGINS": ",".join(plugins["others"]) or "__no_plugin__"}
                           if name == "plugin-off" else {})}

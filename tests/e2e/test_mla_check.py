@@ -612,3 +612,32 @@ def test_mla_check_plugin_item_needs_our_entry_point(tmp_path, monkeypatch):
                          "--servers", "bf16,plugin-off"])
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 1 and res["verdict"]["plugin"] is False and res["verdict"]["serves"] is True
+
+
+def test_mla_check_glm5_dense_bf16_servers_decode_with_flashmla(tmp_path, monkeypatch):
+    """--family glm5_dense: the servers without int2 (bf16, plugin-off) decode with SGLang's FlashMLA
+    sparse kernel (FA3, its Hopper default, is not in the device bundle); the int2 servers keep
+    SGLang's defaults (their attention is ours), and glm5 (top-k 256) has no such flag."""
+    argvs = {}
+
+    class Keep(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            argvs[os.path.basename(log_path)] = argv
+            super().__init__(argv, port, log_path, log_header, env)
+
+    monkeypatch.setattr(mla_check, "ServerProcess", Keep)
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a, **k: {"served_vs_oracle_bf16": 0.0,
+                                                                      "oracle_fp32_vs_bf16": 0.0})
+    flag = ["--dsa-decode-backend", "flashmla_sparse"]
+    for family in ("glm5_dense", "glm5"):
+        _, flags, judged = mla_check.FAMILIES[family]
+        monkeypatch.setitem(mla_check.FAMILIES, family, (lambda path: mla_models.deepseek_v3_config().save_pretrained(path)
+                                                         or {"index_topk": 2048}, flags, judged))
+        argvs.clear()
+        mla_check.main(["--family", family, "--out", str(tmp_path / family), "--budget", "5",
+                        "--model", str(tmp_path / "m"), "--servers", "bf16,plugin-off,int2,int2-window"])
+        assert set(argvs) == {f"mla_{n}.log" for n in ("bf16", "plugin-off", "int2", "int2-window")}
+        for name, argv in argvs.items():
+            has = any(argv[i:i + 2] == flag for i in range(len(argv)))
+            assert has == (family == "glm5_dense" and "int2" not in argv), (family, name)
