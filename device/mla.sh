@@ -18,6 +18,7 @@
 # rotation: a default, judged as "rotated", where the family has no oracle, else reported), and/or the
 # opt-in plugin-off (judged as "plugin": SGLang without the plugin vs bf16) and int2-eager ("graph": int2
 # without CUDA graphs vs int2), e.g. MLA_SERVERS=bf16,plugin-off,int2,int2-eager;
+# MLA_BATCH_INVARIANT=1: the int2 servers run SGLang's batch-invariant GEMMs (mla_check --batch-invariant);
 # BENCH_VARIANTS (default served,bf16:32:4:16:codes,bf16:32: the served tiles, the 16-head ones at every head count,
 # the dequantizing engine) the benchmark's columns.
 set -u
@@ -44,6 +45,7 @@ for step in "${steps[@]}"; do
     check)
       timeout -k 90 $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --family "${MLA_FAMILY:-deepseek_v3}" \
         --out /tmp/mla --budget "${MLA_BUDGET:-300}" ${MLA_SERVERS:+--servers "$MLA_SERVERS"} \
+        ${MLA_BATCH_INVARIANT:+--batch-invariant} \
         > "$L/mla_check.log" 2>&1 || rc=1
       cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null ;;
     extend)

@@ -212,6 +212,25 @@ def _dump_extend_kv(original_fn, self, q, k, v, layer, forward_batch, *args, **k
 
 DUMP_TARGET = ("sglang_oscar.backend.triton_backend.OscarTritonAttnBackend.forward_extend", _dump_extend_kv)
 
+BATCH_INVARIANT_ENV = "OSCAR_E2E_BATCH_INVARIANT"
+
+
+def _batch_invariant_gemms(original_fn, self, *args, **kwargs):
+    """AROUND hook of ``ModelRunner.maybe_enable_batch_invariant_mode``: with
+    ``$OSCAR_E2E_BATCH_INVARIANT`` the server runs SGLang's batch-invariant GEMMs
+    (``srt/batch_invariant_ops``, what ``--enable-deterministic-inference`` turns on, a flag SGLang
+    refuses with the ``dsa`` attention backend): a 64-row chunk then rounds as the whole prompt does,
+    so chunked prefill and a radix hit see the rows a one-chunk prefill writes."""
+    out = original_fn(self, *args, **kwargs)
+    from sglang.srt.batch_invariant_ops import enable_batch_invariant_mode
+
+    enable_batch_invariant_mode()
+    return out
+
+
+BATCH_INVARIANT_TARGET = ("sglang.srt.model_executor.model_runner.ModelRunner.maybe_enable_batch_invariant_mode",
+                          _batch_invariant_gemms)
+
 FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", _fp32_native),
     ("sglang.srt.layers.activation.SiluAndMul.forward_cuda", _fp32_native),
@@ -234,12 +253,15 @@ FP32_SHIM_HOOKS = (
 
 def fp32_shim_register() -> None:
     """SGLang plugin of the ``--dtype float32`` servers of check c (entry point ``oscar_e2e_fp32``):
-    AROUND hooks :data:`FP32_SHIM_HOOKS`. Idempotent; changes nothing for fp16/bf16 tensors."""
+    AROUND hooks :data:`FP32_SHIM_HOOKS`, and :data:`DUMP_TARGET` / :data:`BATCH_INVARIANT_TARGET` when
+    their environment variables are set. Idempotent; without those, changes nothing for fp16/bf16 tensors."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     hooks = FP32_SHIM_HOOKS
     if os.environ.get(DUMP_ENV):
         hooks += (DUMP_TARGET,)
+    if os.environ.get(BATCH_INVARIANT_ENV):
+        hooks += (BATCH_INVARIANT_TARGET,)
     for target, hook in hooks:
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, HookType.AROUND)

@@ -288,6 +288,19 @@ def server_env(family: str, work: str) -> dict[str, str]:
             DUMMY_ENV: "1"}
 
 
+def batch_invariant_env(work: str, env: dict[str, str]) -> dict[str, str]:
+    """Environment that makes an int2 server run SGLang's batch-invariant GEMMs: the harness shims'
+    folder on its PYTHONPATH (``env``'s kept) and :data:`.fp32_shim.BATCH_INVARIANT_ENV`. The
+    counterpart of the MHA families' fp32 twins for models SGLang cannot serve in fp32 (GLM-5's DSA
+    indexer keeps FP8 keys): a chunk's GEMMs round as the whole prompt's do, so only the INT2 path
+    can make chunked prefill or a radix hit differ."""
+    from .fp32_shim import BATCH_INVARIANT_ENV, write_fp32_shim
+
+    shim = write_fp32_shim(os.path.join(work, "shims"))
+    path = [shim, *filter(None, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep))]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), BATCH_INVARIANT_ENV: "1"}
+
+
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
@@ -380,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"the family's reported servers, {', '.join(OPT_IN)} (judged as {', '.join(OPT_IN_ITEMS)}) "
                          f"and, where 'rotated' is not judged, {HADAMARD}); "
                          "items whose servers did not run are not judged")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the int2 servers run SGLang's batch-invariant GEMMs (harness shim, batch_invariant_env): "
+                         "chunked and radix then judge the INT2 path without the GEMMs' row-count rounding")
     args = ap.parse_args(argv)
     build, family_flags, judged = FAMILIES[args.family]
     judged = (*judged, *OPT_IN_ITEMS)
@@ -410,13 +426,15 @@ def main(argv: list[str] | None = None) -> int:
         own = (FAMILY_INT2_FLAGS if "int2" in extra else FAMILY_BF16_FLAGS).get(args.family, [])
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *own])
         server_env_ = {**env, **(STRICT_ENV if name == "int2" else {}),
+                       **(batch_invariant_env(args.out, env) if args.batch_invariant and "int2" in extra else {}),
                        **({"SGLANG_PLUGINS": ",".join(plugins["others"]) or "__no_plugin__"}
                           if name == "plugin-off" else {})}
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env=server_env_,
                                       log_path=os.path.join(args.out, f"mla_{name}.log"),
                                       log_header="$ " + " ".join(a))
     prompts = [random_prompt(n, seed, VOCAB) for seed, n in enumerate(PROMPT_LENS)]
-    res: dict = {"family": args.family, "geometry": geometry, "servers": {}, "radix_repeats": {}}
+    res: dict = {"family": args.family, "geometry": geometry, "servers": {}, "radix_repeats": {},
+                 "batch_invariant_int2": args.batch_invariant}
     # without this a timeout kills only this process and its servers keep their ports and GPU memory
     with sigterm_exits():
         try:
@@ -525,7 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                           for i, m in r["first_diff_and_ref_margin"])
               + f" | {r['prompt_dlp_mean']:.4f} / {r['prompt_dlp_max']:.4f} "
               f"| {r['out_dlp_mean']:.4f} / {r['out_dlp_max']:.4f} |" for r in rows]
-    lines += ["", f"verdict: {verdict} (judged: {', '.join(judged)})", f"capacity: {res.get('capacity')}",
+    lines += ["", f"verdict: {verdict} (judged: {', '.join(judged)})"
+              + ("; int2 servers with batch-invariant GEMMs" if args.batch_invariant else ""),
+              f"capacity: {res.get('capacity')}",
               f"radix (repeats vs first answers; bf16 reported): {json.dumps(res.get('radix'))}",
               f"oracle (reported): {res.get('oracle')}",
               f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]

@@ -307,6 +307,31 @@ def test_dump_of_the_served_backend_replays_to_its_output(tmp_path, monkeypatch,
         assert err < 1e-5, (lay.layer_id, err)
 
 
+def test_batch_invariant_hook_turns_sglangs_mode_on_only_when_asked(monkeypatch):
+    """$OSCAR_E2E_BATCH_INVARIANT: the shim hooks SGLang's ``maybe_enable_batch_invariant_mode`` (a
+    method that exists) to run it, then turn SGLang's batch-invariant GEMMs on; without the variable
+    the hook is not registered."""
+    import collections
+    import pkgutil
+
+    import sglang.srt.batch_invariant_ops as bio
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    target, hook = fp32_shim.BATCH_INVARIANT_TARGET
+    obj_path, attr = target.rsplit(".", 1)
+    assert callable(getattr(pkgutil.resolve_name(obj_path), attr))
+    calls = []
+    monkeypatch.setattr(bio, "enable_batch_invariant_mode", lambda: calls.append("enable"))
+    assert hook(lambda self: calls.append("original") or 7, object()) == 7 and calls == ["original", "enable"]
+    monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(list))  # a registry of this test's own
+    monkeypatch.delenv(fp32_shim.BATCH_INVARIANT_ENV, raising=False)
+    fp32_shim.fp32_shim_register()
+    assert target not in HookRegistry._hooks
+    monkeypatch.setenv(fp32_shim.BATCH_INVARIANT_ENV, "1")
+    fp32_shim.fp32_shim_register()
+    assert [h for _, h, _ in HookRegistry._hooks[target]] == [hook]
+
+
 def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
     """A fresh interpreter with the shims' folder first on PYTHONPATH: SGLang's own plugin loader
     finds both entry points and applies their hooks -- an fp32 RMSNorm.forward_cuda then runs

@@ -641,3 +641,33 @@ def test_mla_check_glm5_dense_bf16_servers_decode_with_flashmla(tmp_path, monkey
         for name, argv in argvs.items():
             has = any(argv[i:i + 2] == flag for i in range(len(argv)))
             assert has == (family == "glm5_dense" and "int2" not in argv), (family, name)
+
+
+def test_mla_check_batch_invariant_int2_servers(tmp_path, monkeypatch):
+    """--batch-invariant: only the int2 servers get the shim folder first on PYTHONPATH and
+    $OSCAR_E2E_BATCH_INVARIANT (SGLang's batch-invariant GEMMs), the family's own environment kept;
+    the result says so."""
+    from .fp32_shim import BATCH_INVARIANT_ENV
+
+    envs = {}
+
+    class Keep(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            envs[os.path.basename(log_path)] = dict(env or {})
+            super().__init__(argv, port, log_path, log_header, env)
+
+    monkeypatch.setattr(mla_check, "ServerProcess", Keep)
+    monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
+    _, flags, judged = mla_check.FAMILIES["glm5"]
+    monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: mla_models.deepseek_v3_config().save_pretrained(path)
+                                                     or {"index_topk": 256}, flags, judged))
+    rc = mla_check.main(["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m"),
+                         "--servers", "bf16,int2,int2-chunk64", "--batch-invariant"])
+    assert rc == 0 and json.loads((tmp_path / "mla_check.json").read_text())["batch_invariant_int2"] is True
+    shim = str(tmp_path / "shims")
+    for name, env in envs.items():
+        int2 = "int2" in name
+        assert env.get("SGLANG_DSA_FUSE_TOPK") == "0", name
+        assert (env.get(BATCH_INVARIANT_ENV) == "1") == int2, name
+        assert env.get("PYTHONPATH", "").split(os.pathsep)[0] == shim if int2 else "PYTHONPATH" not in env, name
+    assert os.path.isfile(os.path.join(shim, "oscar_e2e_fp32_shim.py"))
