@@ -1,0 +1,49 @@
+"""Fake servers and answers for the CPU tests of ``tests.e2e.mla_check`` (test_mla_check*.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import mla_check
+
+
+@pytest.fixture(autouse=True)
+def no_idle_wait(monkeypatch):
+    """The load item's idle wait (SGLang's strict leak check runs then) is for real servers only."""
+    monkeypatch.setattr(mla_check.time, "sleep", lambda s: None)
+
+
+class FakeServer:
+    """A healthy server whose log names the INT2 latent pool (or not, for BF16) and its token budget."""
+
+    def __init__(self, argv, port, log_path, log_header, env=None):
+        self.base_url = f"http://fake:{port}"
+        bf16 = "auto" in argv
+        with open(log_path, "w") as f:
+            f.write("KV Cache is allocated\n" + ("" if bf16 else "sglang-oscar: INT2 KV cache, MLA latent (4 layers x "
+                    "c_kv 512 + k_pe 64): 1088 bytes/token (BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 "
+                    "MLA latent pool: ...\n"))
+
+    def start(self):
+        pass
+
+    def alive(self):
+        return True
+
+    def poll_health(self, *args, **kwargs):
+        return "healthy"
+
+    def stop(self, **kwargs):
+        pass
+
+
+def answers(shift_port: int | None, dlp: float):
+    def http_json(url, payload=None, timeout=None):
+        if payload is None:  # GET /health, /health_generate
+            return {}
+        n = len(payload["input_ids"])
+        lp = -0.5 - (dlp if shift_port is not None and url.endswith(f":{shift_port}/generate") else 0.0)
+        return {"output_ids": [7] * mla_check.NEW_TOKENS,
+                "meta_info": {"output_token_logprobs": [[lp, 7]] * mla_check.NEW_TOKENS,
+                              "input_token_logprobs": [[None, 3]] + [[lp, 3]] * (n - 1), "cached_tokens": 400}}
+    return http_json
