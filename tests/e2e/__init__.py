@@ -33,7 +33,9 @@ i. bad input (mismatched / missing rotation, bad group size, unsupported flags):
 ``--families`` (default ``qwen3,moe,llama``) picks the model families: b runs on each, a/c/d/e/i
 (and h) on each but the b-only ``moe``/``llama``; ``gemma3``, ``gemma4`` and ``gpt_oss`` (attention sinks) are
 sliding-window models (window 64; c adds a prompt 4x the window, f a sizing pair per family compared
-pool by pool), ``qwen3_next`` a linear-attention hybrid (f: its KV pool, the mamba pool reported).
+pool by pool), ``qwen3_next`` a linear-attention hybrid (f: its KV pool, the mamba pool reported) and
+``qwen3_5`` the same hybrid in Qwen3.5's multimodal wrapper (SGLang's ``qwen3_5.py`` model code, a processor
+in its folder).
 
 Independent servers start concurrently with a capped KV pool (``--max-total-tokens``) and a
 modest ``--mem-fraction-static``; the sizing/throughput pair (f, g) and the TP=2 servers (h, one

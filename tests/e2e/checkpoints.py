@@ -2,8 +2,9 @@
 
 The ``transformers`` families of :mod:`.families` (:data:`~.config.MODEL_FAMILIES`), randomly
 initialised from a seed, then *sharpened* (:func:`sharpen`) so that attention and logits react
-to KV-cache errors, saved as bf16 safetensors. Rotation files come from the package's own
-calibrate / fit path on seeded random token sequences.
+to KV-cache errors, saved as bf16 safetensors (a multimodal family with its processor,
+:func:`write_processor`). Rotation files come from the package's own calibrate / fit path on
+seeded random token sequences.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import os
 from typing import Any
 
-from .config import LINEAR_FAMILIES, SINK_FAMILIES, SWA_FAMILIES, VOCAB
+from .config import LINEAR_FAMILIES, MULTIMODAL_FAMILIES, SINK_FAMILIES, SWA_FAMILIES, VOCAB
 from .families import causal_lm_class, model_config  # noqa: F401  (model_config: the tests' entry)
 
 
@@ -42,13 +43,15 @@ def sharpen(model, logit_std: float, score_std: float, seed: int) -> dict[str, f
     """Make a random model's outputs less uniform, in place: scale the lm_head so logits have std
     ``logit_std`` and the q/k path so pre-softmax attention scores have std ~``score_std`` (random
     initialisations give near-uniform attention, which would hide KV-quantization effects).
-    Measured on a seeded random prompt; returns the measured stds after scaling."""
+    Measured on a seeded random prompt; returns the measured stds after scaling. A multimodal
+    wrapper (Qwen3.5) is sharpened through its language model's attention and ``lm_head``."""
     import torch
 
     from sglang_oscar.calibrate.capture import attention_override
 
     gen = torch.Generator().manual_seed(seed + 17)
-    ids = torch.randint(3, model.config.vocab_size, (1, 256), generator=gen).to(next(model.parameters()).device)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (1, 256), generator=gen).to(next(model.parameters()).device)
     scores: list[float] = []
 
     def observe(call):
@@ -119,6 +122,7 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
     import torch
 
     cfg = model_config(name, args, **over)
+    text = cfg.get_text_config()  # the config itself but for a multimodal wrapper
     keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
             "max_position_embeddings", "intermediate_size")
     if name in SWA_FAMILIES:
@@ -131,8 +135,12 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
     if name in LINEAR_FAMILIES:
         keys += ("layer_types", "full_attention_interval", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads")
+    if name in MULTIMODAL_FAMILIES:
+        keys += ("rope_parameters",)
     recipe = {"name": name, "seed": seed, "logit_std": logit_std, "score_std": score_std,
-              "config": {k: getattr(cfg, k) for k in keys}}
+              "config": {k: getattr(text, k) for k in keys}}
+    if name in MULTIMODAL_FAMILIES:
+        recipe["vision_config"] = {k: getattr(cfg.vision_config, k) for k in ("depth", "hidden_size", "num_heads")}
     marker = os.path.join(path, "oscar_e2e.json")
     if os.path.exists(marker):
         with open(marker) as f:
@@ -147,10 +155,41 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, args: argparse.Name
     model = model.to(torch.bfloat16)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+    if name in MULTIMODAL_FAMILIES:
+        write_processor(path, cfg)
     info = {**recipe, "sharpen": stats}
     with open(marker, "w") as f:
         json.dump(info, f, indent=2)
     return {**info, "path": path, "reused": False}
+
+
+def write_processor(path: str, cfg) -> None:
+    """Save a Qwen3-VL processor for the Qwen3.5 wrapper config ``cfg`` into ``path``. SGLang 0.5.16
+    loads one for every multimodal model, ``--skip-tokenizer-init`` included
+    (``srt/managers/tokenizer_manager.py:361-380``: ``get_processor`` -> ``AutoProcessor``), and has no
+    flag that turns multimodality off (``--enable-multimodal`` only turns it on). Built offline: a
+    word-level tokenizer over the model's vocabulary plus the vision tokens at the config's ids
+    (:data:`~.families.QWEN3_5_VISION_TOKENS`), Qwen2-VL image and Qwen3-VL video processors with the
+    vision tower's patch sizes. The servers never tokenize (input_ids requests)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from .families import QWEN3_5_VISION_TOKENS
+
+    vocab = cfg.get_text_config().vocab_size
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = [token for _, token in QWEN3_5_VISION_TOKENS]
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1",
+                                           eos_token="t2", additional_special_tokens=specials)
+    ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials)))
+    want = {token: getattr(cfg, key) for key, token in QWEN3_5_VISION_TOKENS}
+    if ids != want:  # pragma: no cover - the tokenizer appends added tokens after the vocabulary
+        raise AssertionError(f"vision token ids {ids} differ from the config's {want}")
+    v = cfg.vision_config
+    sizes = dict(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size)
+    tf.Qwen3VLProcessor(image_processor=tf.Qwen2VLImageProcessor(**sizes), tokenizer=tokenizer,
+                        video_processor=tf.Qwen3VLVideoProcessor(**sizes)).save_pretrained(path)
 
 
 class FP32Head:
@@ -178,7 +217,9 @@ class FP32Head:
 def load_hf(path: str, device: str, dtype=None, fp32_head: bool = True):
     """The saved checkpoint as a ``transformers`` model (eval, ``dtype`` default bf16), with float32
     logits (:class:`FP32Head`) unless ``fp32_head`` is False. In float64 MoE experts run eagerly:
-    transformers' default ``grouped_mm`` (``torch._grouped_mm``) takes no float64."""
+    transformers' default ``grouped_mm`` (``torch._grouped_mm``) takes no float64. A Qwen3.5 wrapper
+    loads as its language model (``Qwen3_5MoeForCausalLM``, transformers' mapping for
+    ``qwen3_5_moe``): the same weights and logits for text-only input, its config the text config."""
     import torch
     from transformers import AutoModelForCausalLM
 

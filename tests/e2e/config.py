@@ -34,27 +34,31 @@ BUDGET_CUT = "the harness's time budget cut the wait short"
 VOCAB = 2048
 MODEL_FAMILIES = {"qwen3": "qwen3", "moe": "qwen3_moe", "llama": "llama", "long": "qwen3",
                   "gemma3": "gemma3_text", "gemma4": "gemma4_text", "gpt_oss": "gpt_oss", "qwen3_next": "qwen3_next",
-                  "minimax_m2": "minimax_m2"}
+                  "qwen3_5": "qwen3_5_moe", "minimax_m2": "minimax_m2"}
 DEFAULT_FAMILIES = "qwen3,moe,llama"  # --families
 GEMMA_FAMILIES = ("gemma3", "gemma4")
 SWA_FAMILIES = GEMMA_FAMILIES + ("gpt_oss",)  # sliding-window families (tests/e2e/families.py)
 HYBRID_SWA_FAMILIES = ("gemma4", "gpt_oss")  # SGLang's hybrid SWA memory: a full and a sliding pool
 SINK_FAMILIES = ("gpt_oss",)  # learned attention-sink logits (GPT-OSS ``sinks``)
-LINEAR_FAMILIES = ("qwen3_next",)  # linear-attention hybrids (Gated-DeltaNet + full attention layers)
+LINEAR_FAMILIES = ("qwen3_next", "qwen3_5")  # linear-attention hybrids (Gated-DeltaNet + full attention layers)
+# Families saved as a multimodal wrapper (Qwen3.5: Qwen3_5MoeForConditionalGeneration): SGLang loads a
+# processor for them even with --skip-tokenizer-init, so their folders carry one (checkpoints.write_processor)
+MULTIMODAL_FAMILIES = ("qwen3_5",)
 MOE_MHA_FAMILIES = ("minimax_m2",)  # one MHA pool; partial RoPE and cross-head q/k norms before the cache write
 # MoE families among c/d's: a BF16 rounding change can flip a near-tied expert routing, a jump that
 # INT2 codes then carry on; with --c-fp32 checks b and d judge them on fp32 twins
-ROUTED_FAMILIES = ("gpt_oss", "qwen3_next", "minimax_m2")
+ROUTED_FAMILIES = ("gpt_oss", "qwen3_next", "qwen3_5", "minimax_m2")
 SIZED_FAMILIES = SWA_FAMILIES + LINEAR_FAMILIES + MOE_MHA_FAMILIES  # f measures a sizing pair of their own
 # Families whose architecture SGLang checks --attention-backend for itself (server_args.py: Gemma-4
 # :4709, GPT-OSS :4595), before the plugin's launch checks: check i's flashinfer case avoids them.
 OWN_BACKEND_ASSERT = ("gemma4", "gpt_oss")
 # Check i's family-specific bad rotation files: family -> (rotation file kind, case). gemma4: one
-# head_dim for every layer; gpt_oss: a centred file (refused with attention sinks); qwen3_next: a
-# rotation for every layer, its Gated-DeltaNet layers included (tests/e2e/checkpoints.py).
+# head_dim for every layer; gpt_oss: a centred file (refused with attention sinks); qwen3_next, qwen3_5:
+# a rotation for every layer, their Gated-DeltaNet layers included (tests/e2e/checkpoints.py).
 FAMILY_BAD_ROTATIONS = {"gemma4": ("onedim", "bad-rotation-one-head-dim"),
                         "gpt_oss": ("centred", "bad-rotation-centred"),
-                        "qwen3_next": ("linear", "bad-rotation-linear-layers")}
+                        "qwen3_next": ("linear", "bad-rotation-linear-layers"),
+                        "qwen3_5": ("linear", "bad-rotation-linear-layers")}
 B_ONLY_FAMILIES = ("moe", "llama")  # served by check b only; the other families by a, b, c, d, e, i
 # Families of check h (--tp2): those with an int2 per-head rotation path here (check c's
 # ``<family>-int2-head`` server), each compared with its own ``--tp-size 2`` twin
@@ -107,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp2", action="store_true", help="2-GPU machine: add check h (--tp 2 vs --tp 1)")
     p.add_argument("--families", default=DEFAULT_FAMILIES, metavar="qwen3,moe,llama",
                    help=f"model families (default {DEFAULT_FAMILIES}; also {','.join(SWA_FAMILIES)}, sliding window "
-                        f"{SWA_WINDOW}, {','.join(LINEAR_FAMILIES)}, a linear-attention hybrid, and "
+                        f"{SWA_WINDOW}, {','.join(LINEAR_FAMILIES)}, linear-attention hybrids, and "
                         f"{','.join(MOE_MHA_FAMILIES)}, partial RoPE + cross-head q/k norms): b runs on each; "
                         f"a, c, d, e, i on each but {'/'.join(B_ONLY_FAMILIES)} (on the first family if only those); "
                         "f adds a sizing pair per family after qwen3/moe/llama; g stays qwen3; h (--tp2) runs on "

@@ -9,7 +9,9 @@ with their own kv heads / head_dim, full layers with K shared as V) and ``gpt_os
 attention-sink logits, MoE) have a sliding window of :data:`~.config.SWA_WINDOW` keys, small
 enough that the test prompts cross it. ``qwen3_next`` (Qwen3NextForCausalLM) is a
 linear-attention hybrid: Gated-DeltaNet layers (SGLang's mamba pool, not quantized) and
-full-attention layers (the INT2 KV pool).
+full-attention layers (the INT2 KV pool). ``qwen3_5`` is the same hybrid saved as Qwen3.5's
+multimodal wrapper (Qwen3_5MoeForConditionalGeneration, a one-block vision tower), the only form
+SGLang 0.5.16 serves Qwen3.5 in (``srt/models/qwen3_5.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .config import GEMMA_FAMILIES, MODEL_FAMILIES, SWA_WINDOW, VOCAB
+from .config import GEMMA_FAMILIES, LINEAR_FAMILIES, MODEL_FAMILIES, SWA_WINDOW, VOCAB
 
 # Every ``period``-th layer (and the last one) is full attention, the others slide.
 _FULL_PERIOD = {"gemma3": 4, "gemma4": 3, "gpt_oss": 2}
@@ -26,6 +28,15 @@ _FULL_PERIOD = {"gemma3": 4, "gemma4": 3, "gpt_oss": 2}
 # AttributeError), which transformers 5.12 consumes into ``layer_types`` and does not save, so
 # :func:`model_config` sets it on the config again (saved to config.json).
 QWEN3_NEXT_INTERVAL = 2
+# qwen3_5's vision tower: one block, 2 heads (SGLang shards them over check h's TP 2) x 16, no deepstack
+# mergers (transformers' Qwen3.5 tower has none; SGLang's Qwen3VLVisionConfig would default to three).
+# Text-only requests never run it; SGLang builds and loads it.
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, num_position_embeddings=16,
+                      patch_size=16, temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[])
+# Qwen3.5's vision tokens, given the ids vocab_size + i: outside the model's vocabulary, so no random
+# prompt holds one; the processor's tokenizer (checkpoints.write_processor) has them at the same ids.
+QWEN3_5_VISION_TOKENS = (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+                         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))
 
 
 def layer_types(name: str, n_layers: int) -> list[str]:
@@ -44,7 +55,8 @@ def model_config(name: str, args: argparse.Namespace | None = None, **over):
     K shared as V, no per-layer input embeddings, no KV-shared layers), ``gpt_oss`` (4 layers S F S
     F, GQA 8/2 x head_dim 64, 4 experts top-2, attention biases, YaRN RoPE as GPT-OSS), ``qwen3_next``
     (4 layers: Gated-DeltaNet, full, GDN, full; GQA 8/2 x 128 with output gate, 2/4 linear heads x
-    128, 8 experts top-2 plus a shared expert), ``minimax_m2`` (GQA 8/2 x 128, RoPE on 64 of 128
+    128, 8 experts top-2 plus a shared expert), ``qwen3_5`` (qwen3_next's text geometry with
+    interleaved M-RoPE, in Qwen3.5's multimodal wrapper), ``minimax_m2`` (GQA 8/2 x 128, RoPE on 64 of 128
     dims, q/k RMSNorm across heads, 8 experts top-2, sigmoid routing). head_dim 128 (sliding layers; gpt_oss 64), bf16,
     tied embeddings for the Gemma families (SGLang's Gemma3ForCausalLM reads no ``lm_head``).
     ``over`` overrides config fields (tests use it to shrink the models)."""
@@ -66,6 +78,8 @@ def model_config(name: str, args: argparse.Namespace | None = None, **over):
         return _gpt_oss_config({**common, "head_dim": 64, **over})
     if name == "qwen3_next":
         return _qwen3_next_config({**common, **over})
+    if name == "qwen3_5":
+        return _qwen3_5_config({**common, **over})
     if name == "minimax_m2":
         return _minimax_m2_config({**common, **over})
     common.update(over)
@@ -141,6 +155,20 @@ def _qwen3_next_config(kw: dict):
     reads ``rope_theta``, default 10K, not ``rope_parameters``)."""
     import transformers as tf
 
+    kw, theta, interval = _hybrid_text(kw)
+    kw.setdefault("decoder_sparse_step", 1)
+    kw.setdefault("norm_topk_prob", True)
+    cfg = tf.Qwen3NextConfig(**kw)
+    cfg.rope_parameters = {**(cfg.rope_parameters or {}), "rope_type": "default", "rope_theta": theta}
+    cfg.rope_theta = theta
+    cfg.full_attention_interval = interval
+    return cfg
+
+
+def _hybrid_text(kw: dict) -> tuple[dict, float, int]:
+    """The text fields the linear hybrids share (:func:`_qwen3_next_config`, :func:`_qwen3_5_config`):
+    ``layer_types`` from the interval, Gated-DeltaNet 2 key / 4 value heads x 128 (conv kernel 4), 8
+    experts top-2 of 128 plus a shared expert of 128; returns them with the RoPE theta and the interval."""
     kw = dict(kw)
     theta = kw.pop("rope_theta")
     interval = kw.pop("full_attention_interval", QWEN3_NEXT_INTERVAL)
@@ -149,13 +177,33 @@ def _qwen3_next_config(kw: dict):
     for key, value in (("linear_key_head_dim", 128), ("linear_value_head_dim", 128), ("linear_num_key_heads", 2),
                        ("linear_num_value_heads", 4), ("linear_conv_kernel_dim", 4), ("num_experts", 8),
                        ("num_experts_per_tok", 2), ("moe_intermediate_size", 128),
-                       ("shared_expert_intermediate_size", 128), ("decoder_sparse_step", 1), ("norm_topk_prob", True)):
+                       ("shared_expert_intermediate_size", 128)):
         kw.setdefault(key, value)
-    cfg = tf.Qwen3NextConfig(**kw)
-    cfg.rope_parameters = {**(cfg.rope_parameters or {}), "rope_type": "default", "rope_theta": theta}
-    cfg.rope_theta = theta
-    cfg.full_attention_interval = interval
-    return cfg
+    return kw, theta, interval
+
+
+def _qwen3_5_config(kw: dict):
+    """Qwen3_5MoeConfig, the multimodal wrapper SGLang 0.5.16 serves Qwen3.5 through (``srt/models/
+    qwen3_5.py`` EntryClass), around a ``qwen3_5_moe_text`` config of :func:`_qwen3_next_config`'s
+    geometry. RoPE as Qwen3.5's: partial (1/4 of head_dim), interleaved M-RoPE over the T/H/W sections
+    (near-equal thirds of the rotary pairs, as Qwen3.5's 11/11/10 of 32; 6/5/5 of 16 here); a
+    text-only request gives the three sections the same position, which is 1-D RoPE in both SGLang
+    and transformers. The text config
+    keeps ``full_attention_interval`` (SGLang's ``Qwen3NextConfig.layers_block_type`` reads it, no
+    default; transformers consumes it into ``layer_types``). Vision tower: :data:`QWEN3_5_VISION`;
+    vision token ids: :data:`QWEN3_5_VISION_TOKENS`."""
+    import transformers as tf
+
+    text, theta, interval = _hybrid_text(kw)
+    pairs = int(text["head_dim"] * 0.25) // 2
+    hw = pairs * 11 // 32
+    text.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25,
+                                        "mrope_section": [pairs - 2 * hw, hw, hw], "mrope_interleaved": True})
+    text["full_attention_interval"] = interval
+    vision = {**QWEN3_5_VISION, "out_hidden_size": text["hidden_size"]}
+    tokens = {key: text["vocab_size"] + i for i, (key, _) in enumerate(QWEN3_5_VISION_TOKENS)}
+    return tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
+                               **tokens)
 
 
 def _minimax_m2_config(kw: dict):
@@ -188,7 +236,7 @@ def causal_lm_class(name: str):
     return {"qwen3": tf.Qwen3ForCausalLM, "long": tf.Qwen3ForCausalLM, "moe": tf.Qwen3MoeForCausalLM,
             "llama": tf.LlamaForCausalLM, "gemma3": tf.Gemma3ForCausalLM, "gemma4": tf.Gemma4ForCausalLM,
             "gpt_oss": tf.GptOssForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
-            "minimax_m2": tf.MiniMaxM2ForCausalLM}[name]
+            "qwen3_5": tf.Qwen3_5MoeForConditionalGeneration, "minimax_m2": tf.MiniMaxM2ForCausalLM}[name]
 
 
 # Recurrent-state slots per running request of a linear-attention server that shares the GPU:
@@ -202,11 +250,11 @@ def sglang_override_args(name: str, *, max_running: int | None = None) -> list[s
     ``srt/utils/hf_transformers/config.py:159-185``: base keys = full layers, ``swa_*`` = sliding);
     a transformers-saved Gemma4ForCausalLM (``gemma4_text``) is not remapped, so SGLang would build
     its full layers with the sliding head_dim and kv heads (and fail to load ``q_proj``).
-    ``qwen3_next`` with ``max_running`` (a server started beside others on one GPU):
+    ``qwen3_next`` / ``qwen3_5`` with ``max_running`` (a server started beside others on one GPU):
     ``--max-mamba-cache-size`` of :data:`STATE_SLOTS_PER_REQUEST` per request. Without it SGLang
     gives the state pool a share of all memory free when it profiles, which servers starting at
     the same time take from each other ("Not enough GPU memory for hybrid ... state cache")."""
-    if name == "qwen3_next" and max_running:
+    if name in LINEAR_FAMILIES and max_running:
         return ["--max-mamba-cache-size", str(STATE_SLOTS_PER_REQUEST * max_running)]
     if name != "gemma4":
         return []
@@ -217,7 +265,7 @@ def sglang_override_args(name: str, *, max_running: int | None = None) -> list[s
 def sizing_group_size(name: str) -> int:
     """``--kv-cache-quant-group-size`` of check f's sizing servers: 128, or the family's smallest
     head_dim when that is smaller (gpt_oss: 64), since a group never spans two rows."""
-    cfg = model_config(name)
+    cfg = model_config(name).get_text_config()
     dims = [cfg.head_dim] + ([cfg.global_head_dim] if getattr(cfg, "global_head_dim", None) else [])
     return min([128] + dims)
 

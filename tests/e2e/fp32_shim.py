@@ -7,8 +7,9 @@ without a residual (q/k norms, layer 0's input norm) calls ``sgl_kernel.rmsnorm`
 fp32 to flashinfer's ``rmsnorm`` (compiled for fp16/bf16 only: "failed to dispatch data type
 Float"). These servers therefore load a second, harness-only SGLang plugin (entry point
 ``oscar_e2e_fp32``, :func:`fp32_shim_register`, made discoverable by a dist-info folder on their
-PYTHONPATH) that routes fp32 inputs of RMSNorm, SiluAndMul and RoPE to their PyTorch
-``forward_native``, skips the JIT fused QK-norm (``static_assert`` fp16/bf16) for fp32, and
+PYTHONPATH) that routes fp32 inputs of RMSNorm, SiluAndMul and RoPE (M-RoPE too) to their PyTorch
+``forward_native``, skips the JIT fused QK-norm (``static_assert`` fp16/bf16) and Qwen3.5's fused
+q/k norm + RoPE kernel (bf16 rounding) for fp32, and
 builds GPT-OSS's attention and router weights in fp32 (SGLang takes their dtype from the
 checkpoint's config) and keeps its Triton MoE products in fp32 (the fp32 GPT-OSS servers take
 SGLang's Triton MoE runner, :data:`FP32_FAMILY_ARGS`). With ``$OSCAR_E2E_DUMP_KV`` the int2
@@ -157,6 +158,19 @@ def _fp32_chunk_gated_delta_rule(original_fn, q, k, v, g, beta, scale=None, init
     return o, None, h
 
 
+def _fp32_unfused_qk_rope_gate(original_fn, self, positions, hidden_states, *args, **kwargs):
+    """AROUND hook of ``Qwen3_5AttentionDecoderLayer.forward_prepare_cuda_fused`` (SGLang's CUDA path
+    of Qwen3.5's attention layers): its Triton kernel rounds the normalized q and k to bf16 for any
+    input that is not fp16 (``fused_qk_rmsnorm_rope_gate.py``: ``out_dtype``), which would make the
+    cached K of a ``--dtype float32`` server bf16 values. fp32 inputs take the layer's
+    ``forward_prepare_native`` (q/k RMSNorm, then RoPE: both routed to PyTorch here); others the kernel."""
+    import torch
+
+    if hidden_states.dtype == torch.float32:
+        return self.forward_prepare_native(positions, hidden_states)
+    return original_fn(self, positions, hidden_states, *args, **kwargs)
+
+
 # Extra flags of a family's --dtype float32 servers: GPT-OSS's default MoE runner (triton_kernels)
 # asserts bf16 activations, SGLang's Triton runner takes fp32 with _fp32_moe_compute.
 FP32_FAMILY_ARGS = {"gpt_oss": ["--moe-runner-backend", "triton"]}
@@ -248,6 +262,9 @@ FP32_SHIM_HOOKS = (
     ("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", _fp32_moe_compute),
     ("sglang.srt.model_executor.model_runner.ModelRunner.__init__", _no_tf32_in_fp32),  # MiniMax-M2
     ("sglang.kernels.ops.attention.fla.chunk.chunk_gated_delta_rule", _fp32_chunk_gated_delta_rule),  # Qwen3-Next
+    # Qwen3.5: its attention layers' fused q/k norm + RoPE kernel, and its M-RoPE (a subclass with its own forward_cuda)
+    ("sglang.srt.models.qwen3_5.Qwen3_5AttentionDecoderLayer.forward_prepare_cuda_fused", _fp32_unfused_qk_rope_gate),
+    ("sglang.srt.layers.rotary_embedding.mrope.MRotaryEmbedding.forward_cuda", _fp32_native_rope),
 )
 
 

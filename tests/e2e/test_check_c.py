@@ -125,6 +125,10 @@ def test_fp32_shim_hooks_route_only_fp32():
     assert fp32_shim._fp32_native_rope(orig, op, pos, x16, x16)[0] == "cuda"
     assert fp32_shim._fp32_native_rope(orig, op, pos, x32, x32, fused_set_kv_buffer_arg=object())[0] == "cuda"
     assert fp32_shim._fp32_native_rope(orig, op, pos, x32, x32, None, object())[0] == "cuda"
+    layer = SimpleNamespace(forward_prepare_native=lambda p, h: ("native", p, h))
+    fused = lambda self, p, h: ("fused", p, h)  # noqa: E731  (Qwen3.5's fused q/k norm + RoPE: bf16 rounding)
+    assert fp32_shim._fp32_unfused_qk_rope_gate(fused, layer, pos, x32) == ("native", pos, x32)
+    assert fp32_shim._fp32_unfused_qk_rope_gate(fused, layer, pos, x16)[0] == "fused"
     assert fp32_shim._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.float32) is False
     assert fp32_shim._no_fp32_jit_qknorm(lambda d, t: "probe", 128, torch.bfloat16) == "probe"
     import triton.language as tl
@@ -336,8 +340,9 @@ def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
     """A fresh interpreter with the shims' folder first on PYTHONPATH: SGLang's own plugin loader
     finds both entry points and applies their hooks -- an fp32 RMSNorm.forward_cuda then runs
     forward_native (on CPU; the upstream CUDA path would call flashinfer's fp16/bf16-only rmsnorm),
-    and with OSCAR_E2E_HF_WINDOW=1 (check b's baseline) the window hook lands on SGLang's Triton
-    backend. One interpreter for both: importing SGLang takes most of the time."""
+    Qwen3.5's fused q/k norm + RoPE and SGLang's M-RoPE are hooked too, and with
+    OSCAR_E2E_HF_WINDOW=1 (check b's baseline) the window hook lands on SGLang's Triton backend.
+    One interpreter for both: importing SGLang takes most of the time."""
     import subprocess
     import sys
 
@@ -354,6 +359,10 @@ def test_fp32_shim_loads_as_sglang_plugin(tmp_path):
         "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend",
         "assert hasattr(RMSNorm.forward_cuda, '__wrapped__'), 'RMSNorm.forward_cuda not hooked'",
         "assert hasattr(TritonAttnBackend.__init__, '__wrapped__'), 'TritonAttnBackend.__init__ not hooked'",
+        "from sglang.srt.models.qwen3_5 import Qwen3_5AttentionDecoderLayer",
+        "from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding",
+        "assert hasattr(Qwen3_5AttentionDecoderLayer.forward_prepare_cuda_fused, '__wrapped__'), 'Qwen3.5 not hooked'",
+        "assert hasattr(MRotaryEmbedding.forward_cuda, '__wrapped__'), 'MRotaryEmbedding.forward_cuda not hooked'",
         "n = RMSNorm(8, eps=1e-6)",
         "n.weight.data.uniform_(0.5, 1.5)",
         "x, r = torch.randn(3, 8), torch.randn(3, 8)",
@@ -529,9 +538,9 @@ def test_check_c_on_a_sliding_window_family(tmp_path):
     assert res.detail["fp32"]["layer"]["quantization_effect_mean"] > 1e-3
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next", "qwen3_5"])
 def test_check_c_on_sink_and_hybrid_families(tiny_family, tmp_path, monkeypatch, name):
-    """--families gpt_oss / qwen3_next: precompute fills the family's own references (gpt_oss, a
+    """--families gpt_oss / qwen3_next / qwen3_5: precompute fills the family's own references (gpt_oss, a
     sliding-window family, leads with a prompt 4x the window: the tiny model's window 16 here) with
     the oracle on its attention layers (GPT-OSS: with the layers' sinks), and check c compares the
     family's servers with them."""

@@ -14,12 +14,13 @@ from . import check_h, client, config, servers
 from .run import Run, needed_models
 from .test_checks_fake_servers import _prompts, _Server
 
-H_ALL = ("qwen3", "gemma3", "gemma4", "gpt_oss", "qwen3_next", "minimax_m2")
+H_ALL = ("qwen3", "gemma3", "gemma4", "gpt_oss", "qwen3_next", "qwen3_5", "minimax_m2")
 
 
 def _rot(fams):
     rot = {f"{m}:{k}": f"/r/{m}_{k}" for m in fams for k in ("layer", "head", "identity", "mismatch")}
-    rot.update({"gemma4:onedim": "/r/onedim", "gpt_oss:centred": "/r/centred", "qwen3_next:linear": "/r/linear"})
+    rot.update({"gemma4:onedim": "/r/onedim", "gpt_oss:centred": "/r/centred", "qwen3_next:linear": "/r/linear",
+                "qwen3_5:linear": "/r/linear35"})
     return rot
 
 

@@ -296,9 +296,10 @@ def test_sink_and_hybrid_families_build_and_match_sglang(tiny_family):
     assert (h.rope_theta, h.partial_rotary_factor) == (10000.0, 0.25)
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next", "qwen3_5"])
 def test_sink_and_hybrid_oracle_and_rotation_files(tiny_family, tmp_path, name):
-    """The rotation files validate (qwen3_next: attention layer only; gpt_oss: not centred); the
+    """The rotation files validate (qwen3_next, qwen3_5: attention layer only, fitted on the language
+    model of qwen3_5's multimodal wrapper; gpt_oss: not centred); the
     family's bad file is refused by the launch preflight with the words check i expects; the
     oracle equals the HF model when nothing is quantized (GPT-OSS: only with the layer's sinks) and
     moves when quantizing."""

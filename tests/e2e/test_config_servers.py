@@ -342,6 +342,48 @@ def test_minimax_m2_family_servers():
     assert a[a.index("--kv-cache-quant-group-size") + 1] == "128" and by["minimax_m2-sizing-int2"].phase == 2
 
 
+def test_qwen3_5_family_servers_and_dry_run(tmp_path, capsys):
+    """--families qwen3_5 --c-fp32 (its device call, docs/e2e_models.md): qwen3_next's treatment on
+    the Qwen3.5 wrapper's folder -- 14 concurrent servers (fp32 twins for b and d's chunk 64: a routed
+    MoE) with a fixed state pool, the generic bad launches on it (SGLang asserts no backend list of its
+    own for Qwen3.5) plus its linear-layers file, f's sizing pair alone with SGLang's own state split;
+    the dry run lists them."""
+    from .run import needed_models
+
+    args = config.parse_args(["--only", "a,b,c,d,e,f,i", "--families", "qwen3_5", "--c-fp32", "--out", str(tmp_path)])
+    assert config.main_families(args) == ["qwen3_5"] and needed_models(args.checks, args.families) == ["qwen3_5"]
+    assert config.c_prompt_lens(args, "qwen3_5") == [1024, 1800]
+    rot = {f"qwen3_5:{k}": f"/r/{k}" for k in ("layer", "head", "identity", "mismatch", "linear")}
+    specs = servers.server_specs(args, rot)
+    phase1 = {s.name for s in specs if s.phase == 1 and not s.expect_fail}
+    assert phase1 == {f"qwen3_5-{x}" for x in (
+        "plugin-off", "bf16", "int2-full", "fp32", "int2-full-fp32", "int2-layer", "int2-head", "int2-layer-fp32",
+        "int2-head-fp32", "int2-layer-chunk64-fp32", "int2-layer-chunk64", "int2-layer-eager", "int2-load",
+        "bf16-load")}
+    for s in specs:
+        a = s.args
+        fixed = a[a.index("--max-mamba-cache-size") + 1] if "--max-mamba-cache-size" in a else None
+        assert fixed == (str(families.STATE_SLOTS_PER_REQUEST * s.max_running) if s.name in phase1 else None), s.name
+        assert "--json-model-override-args" not in a and s.model == "qwen3_5"
+    bad = {s.name: s for s in specs if s.expect_fail}
+    assert set(bad) == {"bad-rotation-other-model", "bad-rotation-missing", "bad-group-size", "bad-flag-flashinfer",
+                        "bad-flag-dp-attention", "bad-rotation-linear-layers"}
+    lin = bad["bad-rotation-linear-layers"].args
+    assert lin[lin.index("--oscar-rotation") + 1] == "/r/linear"
+    sizing = [s for s in specs if s.phase == 2]
+    assert [s.name for s in sizing] == ["qwen3_5-sizing-bf16", "qwen3_5-sizing-int2"]
+    assert sizing[1].args[sizing[1].args.index("--kv-cache-quant-group-size") + 1] == "128"
+    assert entry.main(["--dry-run", "--only", "c,i", "--families", "qwen3_5", "--python", "py"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in out if ln.startswith("# ")]
+    assert any(h.startswith("# qwen3_5-int2-head [c]") for h in heads)
+    assert any(h.startswith("# bad-rotation-linear-layers [i]") for h in heads)
+    cmds = [shlex.split(ln) for ln in out if not ln.startswith("# ")]
+    assert {c[c.index("--model-path") + 1].rsplit("/", 1)[-1] for c in cmds} == {"tiny-qwen3_5"}
+    assert any(c[c.index("--oscar-rotation") + 1].endswith("rot-qwen3_5/rot_linear.safetensors")
+               for c in cmds if "--oscar-rotation" in c)
+
+
 
 def test_routed_family_fp32_twins_and_skip_sliding_sizing(tmp_path):
     """--c-fp32 on gpt_oss (MoE, hybrid SWA): b's fp32 pair (baseline with the window shim's and the
