@@ -281,11 +281,16 @@ def server_env(family: str, work: str) -> dict[str, str]:
     if "--load-format" not in FAMILIES[family][1]:
         return {}
     from .dummy_shim import DUMMY_ENV
+
+    return {"PYTHONPATH": _with_shims(work, os.environ.get("PYTHONPATH", "")), DUMMY_ENV: "1"}
+
+
+def _with_shims(work: str, pythonpath: str) -> str:
+    """``pythonpath`` with the harness shims' folder (written under ``work``) first, once."""
     from .fp32_shim import write_fp32_shim
 
     shim = write_fp32_shim(os.path.join(work, "shims"))
-    return {"PYTHONPATH": os.pathsep.join([shim, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
-            DUMMY_ENV: "1"}
+    return os.pathsep.join(dict.fromkeys([shim, *filter(None, pythonpath.split(os.pathsep))]))
 
 
 def batch_invariant_env(work: str, env: dict[str, str]) -> dict[str, str]:
@@ -294,11 +299,10 @@ def batch_invariant_env(work: str, env: dict[str, str]) -> dict[str, str]:
     counterpart of the MHA families' fp32 twins for models SGLang cannot serve in fp32 (GLM-5's DSA
     indexer keeps FP8 keys): a chunk's GEMMs round as the whole prompt's do, so only the INT2 path
     can make chunked prefill or a radix hit differ."""
-    from .fp32_shim import BATCH_INVARIANT_ENV, write_fp32_shim
+    from .fp32_shim import BATCH_INVARIANT_ENV
 
-    shim = write_fp32_shim(os.path.join(work, "shims"))
-    path = [shim, *filter(None, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep))]
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), BATCH_INVARIANT_ENV: "1"}
+    return {"PYTHONPATH": _with_shims(work, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))),
+            BATCH_INVARIANT_ENV: "1"}
 
 
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
@@ -421,12 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     # the plugin-off server keeps every entry point the servers see but ours (SGLANG_PLUGINS names what
     # SGLang loads; a name matching none when there is no other): the shims stay, so it loads bf16's weights
     plugins = plugin_entry_point(env.get("PYTHONPATH", ""))
+    invariant = batch_invariant_env(args.out, env) if args.batch_invariant else {}
     servers = {}
     for i, (name, extra) in enumerate((n, known[n]) for n in names):
         own = (FAMILY_INT2_FLAGS if "int2" in extra else FAMILY_BF16_FLAGS).get(args.family, [])
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *own])
         server_env_ = {**env, **(STRICT_ENV if name == "int2" else {}),
-                       **(batch_invariant_env(args.out, env) if args.batch_invariant and "int2" in extra else {}),
+                       **(invariant if "int2" in extra else {}),
                        **({"SGLANG_PLUGINS": ",".join(plugins["others"]) or "__no_plugin__"}
                           if name == "plugin-off" else {})}
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env=server_env_,
