@@ -38,7 +38,7 @@ SPEC = {
     "GPT-OSS-20B": dict(family="gpt_oss", layers=24, q=64, kv=8, d=64, method="oscar", tp=1, win=(64, 512),
                         clip=(0.96, 0.92), own=True),
 }
-SERVED_FAMILIES = {"qwen3", "qwen3_moe", "llama", "gemma3", "gemma4", "gpt_oss", "minimax_m2", "minimax_m3"}
+SERVED_FAMILIES = {"qwen3", "qwen3_moe", "llama", "gemma3", "gemma4", "gpt_oss", "minimax_m2", "minimax_m3", "qwen3_5"}
 
 
 def _hf_config(name: str, **over) -> dict:

@@ -217,7 +217,7 @@ def test_qwen35_recipe_matches_the_config():
 
     path = Path(__file__).resolve().parents[2] / "recipes" / "Qwen3.5-35B-A3B" / "recipe.toml"
     r = load(path)
-    assert r.model.family == "qwen3_5" and r.model.served is False and "not run on a GPU yet" in r.model.notes
+    assert r.model.family == "qwen3_5" and r.model.served is True and "qwen3_5.py" in r.model.notes
     assert r.quant.quantizer == "lloyd-max" and "Lloyd-Max" in r.model.notes
     geo = geometry_of(QWEN3_5_35B_A3B)
     assert geometry_mismatches(r, geo, QWEN3_5_35B_A3B) == []
