@@ -467,13 +467,13 @@ def measure_points(srv, p: ServerPlan, rec: dict[str, Any], a: argparse.Namespac
 
 
 def serve_one(rec: dict[str, Any], argv: list[str], port: int, log_path: Path, startup_timeout: float,
-              body: Callable[[Any], None]) -> None:
-    """Start one server, run ``body(server)`` once it is healthy and set ``rec["status"]`` ("ok",
-    "launch failed" or "error" with ``rec["error"]``; ``rec["startup_s"]`` once healthy). The server
-    is stopped whatever happens, SIGTERM's ``SystemExit`` included (that propagates)."""
+              body: Callable[[Any], None], env: dict[str, str] | None = None) -> None:
+    """Start one server (``env``: extra environment), run ``body(server)`` once it is healthy and set
+    ``rec["status"]`` ("ok", "launch failed" or "error" with ``rec["error"]``; ``rec["startup_s"]`` once
+    healthy). The server is stopped whatever happens, SIGTERM's ``SystemExit`` included (that propagates)."""
     from sglang_oscar.serving_launcher import LaunchError, ServerProcess, tail
 
-    srv = ServerProcess(argv, port=port, log_path=log_path, log_header="$ " + shlex.join(argv))
+    srv = ServerProcess(argv, port=port, env=env, log_path=log_path, log_header="$ " + shlex.join(argv))
     try:
         srv.start()
         srv.wait_healthy(timeout=startup_timeout)

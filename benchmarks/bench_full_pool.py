@@ -1,0 +1,203 @@
+"""Decode throughput with the KV pool full of long requests, per KV format (issue 28: "throughput
+with the pool full at 32K and 128K", int2 >= 4x BF16's at 128K).
+
+For every selected format (``bench_served``'s ``FORMATS`` and server settings) this starts one
+``python -m sglang.launch_server`` on a dummy-weight checkpoint of a real ``config.json`` and, for
+every ``--contexts`` length L, sends as many concurrent requests of L random prompt tokens as its
+pool holds (``max_total_num_tokens`` from the running server: the largest B with B x (L + new)
+<= 0.99 x pool, ``new`` = ``bench_served.new_tokens``, the steps that keep all B decoding at once),
+then reports the decode tokens/s of all B requests while all decode (``bench_served.measure``).
+``--max-running-requests`` (and the decode CUDA graphs) are sized from the plan's pool estimate.
+
+Filling int2's pool of Qwen3-8B with 128K prompts (39 of them) costs ~13 minutes of prefill, mostly
+causal-attention FLOPs, past one device call. By default the servers load the benchmark-only
+plugin :mod:`fill_shim` (``OSCAR_BENCH_FAST_FILL=1``), whose prefill attention writes zeros instead
+of attending: every prompt token's K / V rows are still projected, (for int2) rotated, quantized and
+written, so the measured decode steps read a pool of the real size and layout; the prompt values
+differ, which the decode time of a dense model does not depend on (not for MoE models: routing
+depends on values; the script refuses them with the shim). ``--real-prefill`` runs the full prefill.
+TTFT is therefore not measured here (``bench_served`` does).
+
+Output (``--out``): ``results.json`` (every value, commands), ``results.md`` (the table: one row per
+format and context, then int2 / best BF16 per context) and ``logs.tgz``. ``--merge a.json,b.json``
+joins runs of several device calls into one table. ``--dry-run`` prints the commands and the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+try:  # python -m benchmarks.bench_full_pool (a package), or the script / its folder on the path
+    from . import bench_served as bs
+    from .fill_shim import FILL_ENV, write_fill_shim
+except ImportError:
+    import bench_served as bs
+    from fill_shim import FILL_ENV, write_fill_shim
+
+FILL_FRACTION = 0.99  # SGLang reserves part of the pool for the running requests' next decode tokens
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_full_pool", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=bs.MODELS, default="qwen3-8b")
+    p.add_argument("--formats", type=lambda s: bs.csv(s, tuple(bs.FORMATS)), default=["bf16-t64", "int2-fold"])
+    p.add_argument("--contexts", type=lambda s: [bs.size_arg(x) for x in bs.csv(s)], default="128k",
+                   help="prompt lengths (tokens; k = 1024), each run with the pool full")
+    p.add_argument("--decode-tokens", type=int, default=64, help="decode steps wanted with all B requests running")
+    p.add_argument("--max-requests", type=int, default=None, help="cap on B (default: what the pool holds)")
+    p.add_argument("--real-prefill", action="store_true", help="fill with the real prefill (no fill_shim)")
+    p.add_argument("--gpu-mem-gib", type=float, default=139.0, help="for the plan's pool estimate only")
+    bs.add_server_args(p, out="bench_full_pool_out", work="/tmp/bench_full_pool_work", port=32000)
+    p.add_argument("--budget", type=float, default=560.0, help="seconds for the whole run (wall)")
+    p.add_argument("--dry-run", action="store_true", help="print the server commands and the plan, start nothing")
+    p.add_argument("--merge", type=bs.csv, default=None, help="comma list of results.json files: one table to --out")
+    return p
+
+
+def requests_that_fit(pool_tokens: int, ctx: int, a: argparse.Namespace, cap: int | None = None) -> int:
+    """The largest B (<= ``cap``) with B x (ctx + ``bench_served.new_tokens(ctx, B)``) <= 0.99 x pool."""
+    b = int(FILL_FRACTION * pool_tokens // ctx)
+    if cap is not None:
+        b = min(b, cap)
+    while b > 0 and b * (ctx + bs.new_tokens(ctx, b, a)) > FILL_FRACTION * pool_tokens:
+        b -= 1
+    return b
+
+
+def max_running(shape: "bs.Shape", fmt: str, a: argparse.Namespace) -> int:
+    """``--max-running-requests`` of a format's server: 10% + 2 above the estimated fill of the shortest
+    context (the real pool decides B; int2's BF16 windows are reserved per running request)."""
+    est = argparse.Namespace(**{**vars(a), "batches": [64]})
+    b = requests_that_fit(bs.est_pool_tokens(shape, fmt, est), min(a.contexts), a, a.max_requests)
+    return max(1, int(b * 1.1) + 2) if a.max_requests is None else max(1, a.max_requests)
+
+
+def server_env(a: argparse.Namespace) -> dict[str, str]:
+    """The fill shim's folder first on PYTHONPATH and ``OSCAR_BENCH_FAST_FILL=1``; empty with ``--real-prefill``."""
+    if a.real_prefill:
+        return {}
+    import os
+
+    shim = write_fill_shim(str(Path(a.work) / "fill_shim"))
+    path = [shim] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), FILL_ENV: "1"}
+
+
+def measure_server(srv, rec: dict[str, Any], a: argparse.Namespace, t_end: float) -> None:
+    """One healthy server: capacity, warm-up, then one full-pool point per context into ``rec["runs"]``."""
+    cap_args = argparse.Namespace(capacity_context=max(a.contexts), decode_tokens=a.decode_tokens)
+    rec["capacity"] = cap = bs.server_capacity(srv, cap_args)
+    pool = cap["max_total_num_tokens"]
+    print(f"  healthy after {rec['startup_s']} s; pool {pool} tokens", flush=True)
+    rec["warmup"] = bs.measure(srv.base_url, 2048, 2, 16, min(t_end, time.time() + 120), seed=7)
+    for k, ctx in enumerate(a.contexts):
+        b = requests_that_fit(pool, ctx, a, min(rec["max_running"], a.max_requests or rec["max_running"]))
+        r: dict[str, Any] = {"context": ctx, "batch": b, "new_tokens": bs.new_tokens(ctx, b, a)}
+        rec["runs"].append(r)
+        if b == 0:
+            r["status"] = f"skip: one {bs.label(ctx)} request does not fit the pool ({pool} tokens)"
+            continue
+        r.update(bs.measure(srv.base_url, ctx, b, r["new_tokens"], t_end - 10, seed=100 + k))
+        print(f"  {bs.label(ctx)} x {b}: {r['status']}, decode {r.get('decode_tok_s')} tok/s, "
+              f"fill {r.get('prefill_all_s')} s", flush=True)
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown: one row per (format, context) measured, then int2 / best BF16 per context."""
+    lines = ["| format | context | pool tokens | requests | decode tok/s (all decoding) | per request tok/s | "
+             "fill (s) | decode steps in window |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    best: dict[int, float] = {}
+    done = []
+    for s in results["servers"]:
+        for r in s.get("runs", []):
+            if not str(r.get("status", "")).startswith("ok") or not r.get("decode_tok_s"):
+                continue
+            done.append((s, r))
+            lines.append(f"| {s['format']} | {bs.label(r['context'])} | {s['capacity']['max_total_num_tokens']:,} | "
+                         f"{r['batch']} | {r['decode_tok_s']:,.1f} | {r['per_request_tok_s']:.2f} | "
+                         f"{r['prefill_all_s']:.1f} | {r['window_steps']} |")
+            if bs.FORMATS[s["format"]][0] == "auto":
+                best[r["context"]] = max(best.get(r["context"], 0.0), r["decode_tok_s"])
+    for s, r in done:
+        if bs.is_int2(s["format"]) and r["context"] in best:
+            lines.append(f"| **{s['format']} / best BF16** | {bs.label(r['context'])} | | | "
+                         f"**{r['decode_tok_s'] / best[r['context']]:.2f}x** | | | |")
+    notes = [f"{s['format']} {bs.label(r['context'])}: {r.get('status')}" for s in results["servers"]
+             for r in s.get("runs", []) if (s, r) not in done]
+    notes += [f"{s['format']}: {s['status']}" for s in results["servers"] if s.get("status") != "ok"]
+    return "\n".join(lines) + ("\n\nnot measured: " + "; ".join(notes) if notes else "") + "\n"
+
+
+def write(results: dict[str, Any], out: Path, logs: Path | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    meta = results["meta"]
+    md = (f"# bench_full_pool ({meta.get('date')}, commit {meta.get('commit')}; fill: "
+          f"{'real prefill' if meta.get('real_prefill') else 'fill_shim, prefill attention skipped'})\n\n"
+          f"`{shlex.join(meta['argv'])}`\n\n{table(results)}")
+    (out / "results.md").write_text(md)
+    if logs is not None and logs.is_dir():
+        with tarfile.open(out / "logs.tgz", "w:gz") as tar:
+            tar.add(logs, arcname="logs")
+    print(md)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.merge:
+        runs = [json.loads(Path(p).read_text()) for p in a.merge]
+        meta = {**runs[0]["meta"], "argv": sys.argv, "merged": [r["meta"].get("commit") for r in runs]}
+        write({"meta": meta, "servers": [s for r in runs for s in r["servers"]]}, Path(a.out), None)
+        return 0
+    shape = bs.Shape.load(a.model)
+    if shape.experts and not a.real_prefill:
+        raise SystemExit(f"{a.model} is a MoE model: its decode reads depend on the prompt values, which the "
+                         "fill shim changes; run it with --real-prefill")
+    mdir = str(Path(a.work) / a.model)
+    plan = []
+    for i, fmt in enumerate(a.formats):
+        m = max_running(shape, fmt, a)
+        port = a.port + 10 * i
+        plan.append((fmt, m, port, bs.server_argv(a, mdir, fmt, port, max_running=m)))
+        fits = ", ".join(f"~{requests_that_fit(bs.est_pool_tokens(shape, fmt, argparse.Namespace(**{**vars(a), 'batches': [m]})), c, a, m)}"
+                         f" x {bs.label(c)}" for c in a.contexts)
+        print(f"# {fmt}: max running {m}; estimated fill {fits}")
+        print(f"$ {shlex.join(plan[-1][3])}")
+    print(f"# fill: {'real prefill' if a.real_prefill else f'{FILL_ENV}=1 (fill_shim: prefill attention skipped)'}")
+    if a.dry_run:
+        return 0
+    from sglang_oscar.serving_launcher import sigterm_exits
+
+    t_end = time.time() + a.budget
+    out, logs = Path(a.out), Path(a.work) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    Path(mdir).mkdir(parents=True, exist_ok=True)
+    shutil.copy(bs.CONFIG_DIR / f"{a.model}.json", Path(mdir) / "config.json")
+    results: dict[str, Any] = {"meta": {**bs.collect_meta(a), "real_prefill": a.real_prefill}, "servers": []}
+    env = server_env(a)
+    with sigterm_exits():  # a device-call timeout: stop the server, keep partial results
+        try:
+            for fmt, m, port, cmd in plan:
+                rec: dict[str, Any] = {"format": fmt, "model": a.model, "max_running": m, "runs": [],
+                                       "command": shlex.join(cmd), "env": env, "status": "interrupted"}
+                results["servers"].append(rec)
+                print(f"[{time.strftime('%H:%M:%S')}] starting {fmt} ({t_end - time.time():.0f} s left)", flush=True)
+                bs.serve_one(rec, cmd, port, logs / f"{a.model}-{fmt}.log",
+                             min(a.startup_timeout, max(30.0, t_end - time.time() - 20)),
+                             lambda srv, rec=rec: measure_server(srv, rec, a, t_end), env=env)
+        finally:
+            results["meta"]["wall_s"] = round(time.time() - (t_end - a.budget), 1)
+            write(results, out, logs)
+    return 0 if any(r.get("decode_tok_s") for s in results["servers"] for r in s["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
