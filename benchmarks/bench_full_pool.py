@@ -5,8 +5,8 @@ For every selected format (``bench_served``'s ``FORMATS`` and server settings) t
 ``python -m sglang.launch_server`` on a dummy-weight checkpoint of a real ``config.json`` and, for
 every ``--contexts`` length L, sends as many concurrent requests of L random prompt tokens as its
 pool holds (``max_total_num_tokens`` from the running server: the largest B with B x (L + new)
-<= 0.99 x pool, ``new`` = ``bench_served.new_tokens``, the steps that keep all B decoding at once),
-then reports the decode tokens/s of all B requests while all decode (``bench_served.measure``).
+<= 0.99 x pool, ``new`` = 2 x ``--decode-tokens`` + B: SGLang runs every waiting prefill before a
+decode step, so the B requests start decoding together once the last prefill is done), then reports the decode tokens/s of all B requests while all decode (``bench_served.measure``).
 ``--max-running-requests`` (and the decode CUDA graphs) are sized from the plan's pool estimate.
 
 Filling int2's pool of Qwen3-8B with 128K prompts (39 of them) costs ~13 minutes of prefill, mostly
@@ -16,7 +16,9 @@ of attending: every prompt token's K / V rows are still projected, (for int2) ro
 written, so the measured decode steps read a pool of the real size and layout; the prompt values
 differ, which the decode time of a dense model does not depend on (not for MoE models: routing
 depends on values; the script refuses them with the shim). ``--real-prefill`` runs the full prefill.
-TTFT is therefore not measured here (``bench_served`` does).
+TTFT is therefore not measured here (``bench_served`` does). The shim marks a file when its zero fill
+runs; a server whose warm-up prefill left no mark is stopped before its fill (a real prefill of the
+whole pool would take the rest of the call).
 
 Output (``--out``): ``results.json`` (every value, commands), ``results.md`` (the table: one row per
 format and context, then int2 / best BF16 per context) and ``logs.tgz``. ``--merge a.json,b.json``
@@ -37,12 +39,14 @@ from typing import Any, Sequence
 
 try:  # python -m benchmarks.bench_full_pool (a package), or the script / its folder on the path
     from . import bench_served as bs
-    from .fill_shim import FILL_ENV, write_fill_shim
+    from .fill_shim import FILL_ENTRY, FILL_ENV, MARKER_ENV, write_fill_shim
 except ImportError:
     import bench_served as bs
-    from fill_shim import FILL_ENV, write_fill_shim
+    from fill_shim import FILL_ENTRY, FILL_ENV, MARKER_ENV, write_fill_shim
 
-FILL_FRACTION = 0.99  # SGLang reserves part of the pool for the running requests' next decode tokens
+# SGLang admits a request with ignore_eos only if its prompt plus all max_new_tokens (and one token) fit
+# beside the running ones' reservations; 1% of the pool is slack for what that count leaves out
+FILL_FRACTION = 0.99
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,12 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if not a.merge and (not a.contexts or min(a.contexts) <= 0):
+        p.error("--contexts needs one or more positive token counts")
+    if a.max_requests is not None and a.max_requests < 1:
+        p.error("--max-requests must be at least 1")
+    if a.chunked_prefill_size <= 0:
+        p.error("--chunked-prefill-size must be a positive token count")
+    return a
+
+
+def new_tokens(b: int, a: argparse.Namespace) -> int:
+    """max_new_tokens of each of B requests: ``2 x --decode-tokens + B`` (module docstring)."""
+    return 2 * a.decode_tokens + b
+
+
 def requests_that_fit(pool_tokens: int, ctx: int, a: argparse.Namespace, cap: int | None = None) -> int:
-    """The largest B (<= ``cap``) with B x (ctx + ``bench_served.new_tokens(ctx, B)``) <= 0.99 x pool."""
+    """The largest B (<= ``cap``) with B x (ctx + :func:`new_tokens`) <= 0.99 x pool."""
     b = int(FILL_FRACTION * pool_tokens // ctx)
     if cap is not None:
         b = min(b, cap)
-    while b > 0 and b * (ctx + bs.new_tokens(ctx, b, a)) > FILL_FRACTION * pool_tokens:
+    while b > 0 and b * (ctx + new_tokens(b, a)) > FILL_FRACTION * pool_tokens:
         b -= 1
     return b
 
@@ -80,15 +101,20 @@ def max_running(shape: "bs.Shape", fmt: str, a: argparse.Namespace) -> int:
     return max(1, int(b * 1.1) + 2) if a.max_requests is None else max(1, a.max_requests)
 
 
-def server_env(a: argparse.Namespace) -> dict[str, str]:
-    """The fill shim's folder first on PYTHONPATH and ``OSCAR_BENCH_FAST_FILL=1``; empty with ``--real-prefill``."""
+def server_env(a: argparse.Namespace, marker: Path) -> dict[str, str]:
+    """The fill shim's folder first on PYTHONPATH, ``OSCAR_BENCH_FAST_FILL=1``, the marker file's path
+    and, if ``SGLANG_PLUGINS`` (SGLang's allowlist of plugins) is set, the shim added to it; empty with
+    ``--real-prefill``."""
     if a.real_prefill:
         return {}
     import os
 
     shim = write_fill_shim(str(Path(a.work) / "fill_shim"))
     path = [shim] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), FILL_ENV: "1"}
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), FILL_ENV: "1", MARKER_ENV: str(marker)}
+    if os.environ.get("SGLANG_PLUGINS"):
+        env["SGLANG_PLUGINS"] = f"{os.environ['SGLANG_PLUGINS']},{FILL_ENTRY}"
+    return env
 
 
 def measure_server(srv, rec: dict[str, Any], a: argparse.Namespace, t_end: float) -> None:
@@ -98,14 +124,21 @@ def measure_server(srv, rec: dict[str, Any], a: argparse.Namespace, t_end: float
     pool = cap["max_total_num_tokens"]
     print(f"  healthy after {rec['startup_s']} s; pool {pool} tokens", flush=True)
     rec["warmup"] = bs.measure(srv.base_url, 2048, 2, 16, min(t_end, time.time() + 120), seed=7)
+    marker = rec["env"].get(MARKER_ENV)
+    if marker and not Path(marker).exists():
+        raise RuntimeError(f"the fill shim did not run in the warm-up prefill (no {marker}): the server did not "
+                           f"load the {FILL_ENTRY} plugin; a real prefill of the pool would not fit the budget")
+    stopped = None  # a point that ran past its deadline: the server is still busy with it
     for k, ctx in enumerate(a.contexts):
-        b = requests_that_fit(pool, ctx, a, min(rec["max_running"], a.max_requests or rec["max_running"]))
-        r: dict[str, Any] = {"context": ctx, "batch": b, "new_tokens": bs.new_tokens(ctx, b, a)}
+        b = requests_that_fit(pool, ctx, a, rec["max_running"])
+        r: dict[str, Any] = {"context": ctx, "batch": b, "new_tokens": new_tokens(b, a)}
         rec["runs"].append(r)
-        if b == 0:
-            r["status"] = f"skip: one {bs.label(ctx)} request does not fit the pool ({pool} tokens)"
+        if stopped or b == 0:
+            r["status"] = stopped or f"skip: one {bs.label(ctx)} request does not fit the pool ({pool} tokens)"
             continue
         r.update(bs.measure(srv.base_url, ctx, b, r["new_tokens"], t_end - 10, seed=100 + k))
+        if r["status"] == "timeout":
+            stopped = f"skip: {bs.label(ctx)} x {b} timed out before"
         print(f"  {bs.label(ctx)} x {b}: {r['status']}, decode {r.get('decode_tok_s')} tok/s, "
               f"fill {r.get('prefill_all_s')} s", flush=True)
 
@@ -114,7 +147,7 @@ def table(results: dict[str, Any]) -> str:
     """Markdown: one row per (format, context) measured, then int2 / best BF16 per context."""
     lines = ["| format | context | pool tokens | requests | decode tok/s (all decoding) | per request tok/s | "
              "fill (s) | decode steps in window |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    best: dict[int, float] = {}
+    best: dict[tuple, float] = {}  # (model, context) -> best BF16 decode tok/s
     done = []
     for s in results["servers"]:
         for r in s.get("runs", []):
@@ -125,11 +158,13 @@ def table(results: dict[str, Any]) -> str:
                          f"{r['batch']} | {r['decode_tok_s']:,.1f} | {r['per_request_tok_s']:.2f} | "
                          f"{r['prefill_all_s']:.1f} | {r['window_steps']} |")
             if bs.FORMATS[s["format"]][0] == "auto":
-                best[r["context"]] = max(best.get(r["context"], 0.0), r["decode_tok_s"])
+                key = (s.get("model"), r["context"])
+                best[key] = max(best.get(key, 0.0), r["decode_tok_s"])
     for s, r in done:
-        if bs.is_int2(s["format"]) and r["context"] in best:
+        key = (s.get("model"), r["context"])
+        if bs.is_int2(s["format"]) and key in best:
             lines.append(f"| **{s['format']} / best BF16** | {bs.label(r['context'])} | | | "
-                         f"**{r['decode_tok_s'] / best[r['context']]:.2f}x** | | | |")
+                         f"**{r['decode_tok_s'] / best[key]:.2f}x** | | | |")
     notes = [f"{s['format']} {bs.label(r['context'])}: {r.get('status')}" for s in results["servers"]
              for r in s.get("runs", []) if (s, r) not in done]
     notes += [f"{s['format']}: {s['status']}" for s in results["servers"] if s.get("status") != "ok"]
@@ -151,7 +186,7 @@ def write(results: dict[str, Any], out: Path, logs: Path | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(argv)
     if a.merge:
         runs = [json.loads(Path(p).read_text()) for p in a.merge]
         meta = {**runs[0]["meta"], "argv": sys.argv, "merged": [r["meta"].get("commit") for r in runs]}
@@ -179,20 +214,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_end = time.time() + a.budget
     out, logs = Path(a.out), Path(a.work) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     Path(mdir).mkdir(parents=True, exist_ok=True)
     shutil.copy(bs.CONFIG_DIR / f"{a.model}.json", Path(mdir) / "config.json")
     results: dict[str, Any] = {"meta": {**bs.collect_meta(a), "real_prefill": a.real_prefill}, "servers": []}
-    env = server_env(a)
     with sigterm_exits():  # a device-call timeout: stop the server, keep partial results
         try:
             for fmt, m, port, cmd in plan:
+                marker = Path(a.work) / f"fill_ran-{fmt}"
+                marker.unlink(missing_ok=True)
                 rec: dict[str, Any] = {"format": fmt, "model": a.model, "max_running": m, "runs": [],
-                                       "command": shlex.join(cmd), "env": env, "status": "interrupted"}
+                                       "command": shlex.join(cmd), "env": server_env(a, marker),
+                                       "status": "interrupted"}
                 results["servers"].append(rec)
-                print(f"[{time.strftime('%H:%M:%S')}] starting {fmt} ({t_end - time.time():.0f} s left)", flush=True)
-                bs.serve_one(rec, cmd, port, logs / f"{a.model}-{fmt}.log",
-                             min(a.startup_timeout, max(30.0, t_end - time.time() - 20)),
-                             lambda srv, rec=rec: measure_server(srv, rec, a, t_end), env=env)
+                left = t_end - time.time()
+                if left < 0.5 * bs.STARTUP_S + bs.SERVER_OVERHEAD_S:
+                    rec["status"] = f"skip: budget ({left:.0f} s left)"
+                    continue
+                print(f"[{time.strftime('%H:%M:%S')}] starting {fmt} ({left:.0f} s left)", flush=True)
+                bs.serve_one(rec, cmd, port, logs / f"{a.model}-{fmt}.log", min(a.startup_timeout, max(30.0, left - 20)),
+                             lambda srv, rec=rec: measure_server(srv, rec, a, t_end), env=rec["env"])
+                (out / "results.json").write_text(json.dumps(results, indent=1, default=str))  # survives a kill
         finally:
             results["meta"]["wall_s"] = round(time.time() - (t_end - a.budget), 1)
             write(results, out, logs)

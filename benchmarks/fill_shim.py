@@ -21,7 +21,9 @@ which the decode kernels' time does not depend on for a dense model. Not for MoE
 routing, and so a step's expert reads, depends on the values.
 
 :func:`write_fill_shim` copies this file into the shim folder as the top-level module
-``oscar_bench_fill_shim``; it imports nothing of the benchmarks.
+``oscar_bench_fill_shim``; it imports nothing of the benchmarks. The first zero fill of a process
+creates the file ``$OSCAR_BENCH_FILL_MARKER`` (if set), so the benchmark can tell that the hooks
+are active (SGLang logs plugin loading before its logging is configured).
 """
 
 from __future__ import annotations
@@ -30,10 +32,22 @@ import os
 import shutil
 
 FILL_ENV = "OSCAR_BENCH_FAST_FILL"
+MARKER_ENV = "OSCAR_BENCH_FILL_MARKER"
 FILL_ENTRY = "oscar_bench_fill"
 FILL_MODULE = "oscar_bench_fill_shim"
 SGLANG_TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
 INT2_TARGET = "sglang_oscar.kernels.extend.ExtendPlan.run"
+
+
+_marked = False
+
+
+def _mark() -> None:
+    """Create ``$OSCAR_BENCH_FILL_MARKER`` once per process: a zero fill ran."""
+    global _marked
+    if not _marked and os.environ.get(MARKER_ENV):
+        open(os.environ[MARKER_ENV], "a").close()
+    _marked = True
 
 
 def _zero_fill(out_index: int):
@@ -41,6 +55,7 @@ def _zero_fill(out_index: int):
 
     def kernel(*args, **kwargs):
         args[out_index].zero_()
+        _mark()
 
     return kernel
 
@@ -59,6 +74,7 @@ def int2_extend_writes_zeros(original_fn, self, q, *buffers, out=None, **kwargs)
     kernel does not run."""
     import torch
 
+    _mark()
     out = torch.zeros(self.out_shape, dtype=self.out_dtype, device=q.device) if out is None else out.zero_()
     if self.return_lse:
         return out, torch.zeros(self.out_shape[:2], dtype=torch.float32, device=q.device)

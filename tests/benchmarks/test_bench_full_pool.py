@@ -24,23 +24,34 @@ bs = sys.modules["bench_served"]
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    return bfp.build_parser().parse_args(list(argv))
+    return bfp.parse_args(list(argv))
 
 
 @pytest.mark.parametrize("pool, ctx, cap, want", [
-    (5_209_007, 131072, None, 39),  # int2's Qwen3-8B pool (bench_served, tree ea0142d): 39 x 131,799 <= 0.99 pool
-    (749_412, 131072, None, 5),  # BF16's: 5 x 131,221 fits, 6 x 131,238 does not
+    (5_209_007, 131072, None, 39),  # int2's Qwen3-8B pool (bench_served, tree ea0142d): 39 x 131,239 <= 0.99 pool
+    (749_412, 131072, None, 5),  # BF16's: 5 x 131,205 fits, 6 x 131,206 does not
     (5_209_007, 131072, 20, 20),
     (100_000, 131072, None, 0),
 ])
 def test_requests_that_fit(pool, ctx, cap, want):
-    a = _args()  # decode 64, chunk 8192: new = 64 + 16 B + B at 128K
+    a = _args()  # decode 64: new = 128 + B
     b = bfp.requests_that_fit(pool, ctx, a, cap)
     assert b == want
     if b:
-        assert b * (ctx + 64 + 17 * b) <= 0.99 * pool
+        assert b * (ctx + 128 + b) <= 0.99 * pool
     if cap is None and b:
-        assert (b + 1) * (ctx + 64 + 17 * (b + 1)) > 0.99 * pool
+        assert (b + 1) * (ctx + 128 + b + 1) > 0.99 * pool
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--contexts", "0"], "--contexts needs one or more positive"), (["--contexts", ","], "--contexts needs"),
+    (["--max-requests", "0"], "--max-requests must be at least 1"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be a positive"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bfp.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_dry_run_commands_and_moe_refusal(capsys):
@@ -60,15 +71,32 @@ def test_dry_run_commands_and_moe_refusal(capsys):
 
 def test_server_env_installs_the_shim_as_an_sglang_plugin(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    env = bfp.server_env(_args("--work", str(tmp_path)))
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    env = bfp.server_env(_args("--work", str(tmp_path)), tmp_path / "m")
     shim = str(tmp_path / "fill_shim")
-    assert env[fs.FILL_ENV] == "1" and env["PYTHONPATH"].split(":") == [shim, "/elsewhere"]
+    assert env == {"PYTHONPATH": f"{shim}:/elsewhere", fs.FILL_ENV: "1", fs.MARKER_ENV: str(tmp_path / "m")}
+    monkeypatch.setenv("SGLANG_PLUGINS", "oscar")  # SGLang's allowlist: the shim joins it
+    assert bfp.server_env(_args("--work", str(tmp_path)), tmp_path / "m")["SGLANG_PLUGINS"] == "oscar,oscar_bench_fill"
     eps = [ep for d in importlib.metadata.distributions(path=[shim]) for ep in d.entry_points]
     assert [(ep.group, ep.name, ep.value) for ep in eps] == [
         ("sglang.srt.plugins", "oscar_bench_fill", "oscar_bench_fill_shim:fill_register")]
     assert (tmp_path / "fill_shim" / "oscar_bench_fill_shim.py").read_text() == (
         bfp.Path(fs.__file__).read_text())
-    assert bfp.server_env(_args("--work", str(tmp_path), "--real-prefill")) == {}
+    assert bfp.server_env(_args("--work", str(tmp_path), "--real-prefill"), tmp_path / "m") == {}
+
+
+def test_marker_file_once_a_fill_ran(tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    monkeypatch.setenv(fs.MARKER_ENV, str(marker))
+    monkeypatch.setattr(fs, "_marked", False)
+    backend = argparse.Namespace()
+    fs.sglang_extend_writes_zeros(None, backend)
+    assert not marker.exists()  # installing the fills is not running one
+    backend.extend_attention_fwd_unified(torch.ones(1), torch.ones(1))
+    assert marker.exists()
+    marker.unlink()
+    backend.extend_attention_fwd(*[torch.ones(1)] * 4)
+    assert not marker.exists()  # once per process
 
 
 def test_register_only_with_the_env(monkeypatch):
@@ -100,7 +128,7 @@ def test_sglang_extend_kernels_become_zero_fills():
     assert seen["extend_attention_fwd_unified"] == {"o.view(-1, layer.tp_q_head_num, layer.v_head_dim)"}
     assert "self.extend_attention_fwd = " in inspect.getsource(tb.TritonAttnBackend.__init__)
 
-    backend = argparse.Namespace()
+    backend = argparse.Namespace()  # (the fills' marker: test_marker_file_once_a_fill_ran)
     assert fs.sglang_extend_writes_zeros("init result", backend) == "init result"
     q, k, o = torch.ones(3, 2), torch.ones(3, 2), torch.ones(3, 2)
     backend.extend_attention_fwd(q, k, k, o, k, k)
@@ -186,8 +214,8 @@ kv = sys.argv[sys.argv.index("--kv-cache-dtype") + 1]
 if os.environ.get("OSCAR_BENCH_FAST_FILL") != "1":
     sys.exit("no fill shim in the environment")
 import oscar_bench_fill_shim  # found through PYTHONPATH, as SGLang's plugin loader finds it
-pool = {"auto": 60000, "int2": 200000}[kv]
-rate = {"auto": 0.008, "int2": 0.002}[kv]
+pool = {"auto": 60000, "int2": 200000, "fp8_e4m3": 100000}[kv]
+rate = {"auto": 0.008, "int2": 0.002, "fp8_e4m3": 0.004}[kv]
 running = int(sys.argv[sys.argv.index("--max-running-requests") + 1])
 active = []
 class H(http.server.BaseHTTPRequestHandler):
@@ -197,6 +225,8 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if kv != "fp8_e4m3":  # a prefill through the hooked kernels; fp8 stands for a server that skipped the plugin
+            oscar_bench_fill_shim._mark()
         active.append(len(req["input_ids"]) + req["sampling_params"]["max_new_tokens"])
         assert len(active) <= running and sum(active) <= pool, "over the pool"
         self.send_response(200); self.end_headers()
@@ -213,18 +243,19 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 
 def test_run_with_fake_servers(tmp_path, capsys):
     """Start (with the shim on the server's path), capacity, warm-up, a pool-full point per format,
-    stop, outputs; then --merge of two runs."""
+    stop, outputs; a server whose warm-up left no fill mark is stopped; then --merge of two runs."""
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_SERVER.replace("PYTHON", sys.executable))
     fake.chmod(0o755)
     out, port = tmp_path / "out", 20000 + (int(time.time() * 1000) % 20000)
-    argv = ["--formats", "bf16,int2", "--contexts", "16k", "--decode-tokens", "8", "--python", str(fake),
+    argv = ["--formats", "bf16,int2,fp8", "--contexts", "16k", "--decode-tokens", "8", "--python", str(fake),
             "--port", str(port), "--out", str(out), "--work", str(tmp_path / "work"), "--startup-timeout", "30"]
     assert bfp.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
-    runs = {s["format"]: s["runs"][0] for s in res["servers"]}
-    # B (16,384 + 8 + 3 B) <= 0.99 pool: 3 of 60,000 tokens (4 need 65,616), 12 of 200,000 (13 need 213,603)
-    assert [s["status"] for s in res["servers"]] == ["ok", "ok"]
+    runs = {s["format"]: s["runs"][0] for s in res["servers"] if s["runs"]}
+    # B (16,384 + 16 + B) <= 0.99 pool: 3 of 60,000 tokens (4 need 65,616), 12 of 200,000 (13 need 213,369)
+    assert [s["status"] for s in res["servers"]] == ["ok", "ok", "error"]
+    assert "the fill shim did not run in the warm-up prefill" in res["servers"][2]["error"]
     assert (runs["bf16"]["batch"], runs["int2"]["batch"]) == (3, 12)
     assert all(r["status"].startswith("ok") and r["decode_tok_s"] > 0 for r in runs.values())
     md = (out / "results.md").read_text()
