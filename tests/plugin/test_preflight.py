@@ -359,7 +359,7 @@ def test_minimax_tp_refusal_stops_the_launch(hooked, tmp_path, monkeypatch):
 
 def test_minimax_m3_sparse_attention_is_served_from_the_config(tmp_path, monkeypatch):
     """MiniMax-M3's sparse layers are served (INT2 main K/V, SGLang's BF16 index pools and indexer:
-    test_minimax_sparse.py), so its config alone is no longer refused; what the INT2 path cannot
+    test_minimax_sparse*.py), so its config alone is no longer refused; what the INT2 path cannot
     honour is (here: SGLang's dense sparse decode env), naming the fix."""
     import json
 
