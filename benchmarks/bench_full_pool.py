@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -107,8 +108,6 @@ def server_env(a: argparse.Namespace, marker: Path) -> dict[str, str]:
     ``--real-prefill``."""
     if a.real_prefill:
         return {}
-    import os
-
     shim = write_fill_shim(str(Path(a.work) / "fill_shim"))
     path = [shim] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), FILL_ENV: "1", MARKER_ENV: str(marker)}
@@ -122,6 +121,8 @@ def measure_server(srv, rec: dict[str, Any], a: argparse.Namespace, t_end: float
     cap_args = argparse.Namespace(capacity_context=max(a.contexts), decode_tokens=a.decode_tokens)
     rec["capacity"] = cap = bs.server_capacity(srv, cap_args)
     pool = cap["max_total_num_tokens"]
+    if pool is None:
+        raise RuntimeError("the server reported no max_total_num_tokens (/server_info or its log)")
     print(f"  healthy after {rec['startup_s']} s; pool {pool} tokens", flush=True)
     rec["warmup"] = bs.measure(srv.base_url, 2048, 2, 16, min(t_end, time.time() + 120), seed=7)
     marker = rec["env"].get(MARKER_ENV)
