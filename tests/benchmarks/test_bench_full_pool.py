@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from test_bench_served import _load_script
+from test_bench_served import _load_script, write_fake_server
 
 fs = _load_script("fill_shim")
 bfp = _load_script("bench_full_pool")
@@ -207,46 +207,28 @@ def test_table_ratio_per_context_against_the_best_bf16():
     assert md.rstrip().endswith("not measured: fp8: launch failed")
 
 
-FAKE_SERVER = r'''#!PYTHON
-import http.server, json, os, sys, time
-port = int(sys.argv[sys.argv.index("--port") + 1])
-kv = sys.argv[sys.argv.index("--kv-cache-dtype") + 1]
-if os.environ.get("OSCAR_BENCH_FAST_FILL") != "1":
+# the fake server of test_bench_served, which also checks what bench_full_pool promises SGLang: the fill
+# shim importable from its PYTHONPATH and switched on, never more requests than --max-running-requests
+# or tokens than the pool, and a fill mark from the first prefill (fp8 stands for a server whose plugin
+# loader skipped the shim: no mark)
+FAKE_SETUP = """if os.environ.get("OSCAR_BENCH_FAST_FILL") != "1":
     sys.exit("no fill shim in the environment")
-import oscar_bench_fill_shim  # found through PYTHONPATH, as SGLang's plugin loader finds it
-pool = {"auto": 60000, "int2": 200000, "fp8_e4m3": 100000}[kv]
-rate = {"auto": 0.008, "int2": 0.002, "fp8_e4m3": 0.004}[kv]
+import oscar_bench_fill_shim
 running = int(sys.argv[sys.argv.index("--max-running-requests") + 1])
-active = []
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = json.dumps({"max_total_num_tokens": pool} if self.path == "/server_info" else {}).encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-        self.wfile.write(body)
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if kv != "fp8_e4m3":  # a prefill through the hooked kernels; fp8 stands for a server that skipped the plugin
+active = []"""
+FAKE_ON_REQUEST = """if kv != "fp8_e4m3":
             oscar_bench_fill_shim._mark()
         active.append(len(req["input_ids"]) + req["sampling_params"]["max_new_tokens"])
-        assert len(active) <= running and sum(active) <= pool, "over the pool"
-        self.send_response(200); self.end_headers()
-        time.sleep(len(req["input_ids"]) * 1e-6)
-        for k in range(1, req["sampling_params"]["max_new_tokens"] + 1):
-            self.wfile.write(("data: " + json.dumps({"meta_info": {"completion_tokens": k}}) + "\n\n").encode())
-            self.wfile.flush(); time.sleep(rate)
-        self.wfile.write(b"data: [DONE]\n\n")
-        active.remove(len(req["input_ids"]) + req["sampling_params"]["max_new_tokens"])
-    def log_message(self, *a): pass
-http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
+        assert len(active) <= running and sum(active) <= pool, 'over the pool'"""
+FAKE_AFTER = 'active.remove(len(req["input_ids"]) + req["sampling_params"]["max_new_tokens"])'
 
 
 def test_run_with_fake_servers(tmp_path, capsys):
     """Start (with the shim on the server's path), capacity, warm-up, a pool-full point per format,
     stop, outputs; a server whose warm-up left no fill mark is stopped; then --merge of two runs."""
-    fake = tmp_path / "fake_python"
-    fake.write_text(FAKE_SERVER.replace("PYTHON", sys.executable))
-    fake.chmod(0o755)
+    fake = write_fake_server(tmp_path / "fake_python", {"auto": 60000, "int2": 200000, "fp8_e4m3": 100000},
+                             {"auto": 0.008, "int2": 0.002, "fp8_e4m3": 0.004}, setup=FAKE_SETUP,
+                             on_request=FAKE_ON_REQUEST, after_request=FAKE_AFTER, prefill_s=1e-6)
     out, port = tmp_path / "out", 20000 + (int(time.time() * 1000) % 20000)
     argv = ["--formats", "bf16,int2,fp8", "--contexts", "16k", "--decode-tokens", "8", "--python", str(fake),
             "--port", str(port), "--out", str(out), "--work", str(tmp_path / "work"), "--startup-timeout", "30"]

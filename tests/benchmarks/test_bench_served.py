@@ -259,11 +259,11 @@ def test_measure_against_a_streaming_server():
 
 
 FAKE_SERVER = r'''#!PYTHON
-import http.server, json, sys, time
+import http.server, json, os, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
 kv = sys.argv[sys.argv.index("--kv-cache-dtype") + 1]
-pool = {"auto": 300000, "fp8_e4m3": 600000, "int2": 2100000}[kv]
-rate = {"auto": 0.008, "fp8_e4m3": 0.004, "int2": 0.002}[kv]
+pool, rate = POOLS[kv], RATES[kv]
+SETUP
 print(f"max_total_num_tokens={pool}", flush=True)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -272,24 +272,39 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ON_REQUEST
         self.send_response(200); self.end_headers()
-        time.sleep(len(req["input_ids"]) * 1e-7)
+        time.sleep(len(req["input_ids"]) * PREFILL_S)
         for k in range(1, req["sampling_params"]["max_new_tokens"] + 1):
             self.wfile.write(("data: " + json.dumps({"meta_info": {"completion_tokens": k}}) + "\n\n").encode())
             self.wfile.flush(); time.sleep(rate)
         self.wfile.write(b"data: [DONE]\n\n")
+        AFTER_REQUEST
     def log_message(self, *a): pass
 http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
+
+
+def write_fake_server(path, pools: dict, rates: dict, *, setup: str = "pass", on_request: str = "pass",
+                      after_request: str = "pass", prefill_s: float = 1e-7):
+    """An executable at ``path`` standing in for ``python -m sglang.launch_server``: pool size
+    (``pools[--kv-cache-dtype]`` tokens, on ``/server_info`` and in the log) and a streamed
+    ``/generate`` (``prefill_s`` per prompt token, then one token per ``rates[kv]`` s); ``setup``
+    (module level), ``on_request`` / ``after_request`` (in ``do_POST``, ``req`` the body) are lines
+    of Python a test adds. Returns ``path``."""
+    path.write_text(FAKE_SERVER.replace("PYTHON", sys.executable).replace("POOLS", repr(pools))
+                    .replace("RATES", repr(rates)).replace("SETUP", setup).replace("ON_REQUEST", on_request)
+                    .replace("AFTER_REQUEST", after_request).replace("PREFILL_S", repr(prefill_s)))
+    path.chmod(0o755)
+    return path
 
 
 def test_run_with_fake_servers(tmp_path, capsys, monkeypatch):
     """The whole run (start, health, capacity, warm-up, points, stop, outputs) against fake servers
     that answer like SGLang: int2's 128K x 8 fits only its pool, the table carries the ratios."""
     pytest.importorskip("sglang_oscar.serving_launcher")
-    fake = tmp_path / "fake_python"
-    fake.write_text(FAKE_SERVER.replace("PYTHON", sys.executable))
-    fake.chmod(0o755)
+    fake = write_fake_server(tmp_path / "fake_python", {"auto": 300000, "fp8_e4m3": 600000, "int2": 2100000},
+                             {"auto": 0.008, "fp8_e4m3": 0.004, "int2": 0.002})
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     port = 20000 + (int(time.time() * 1000) % 20000)
     out = tmp_path / "out"
