@@ -94,11 +94,15 @@ def requests_that_fit(pool_tokens: int, ctx: int, a: argparse.Namespace, cap: in
     return b
 
 
+def est_pool(shape: "bs.Shape", fmt: str, a: argparse.Namespace, running: int) -> int:
+    """``bench_served``'s pool estimate with ``running`` requests' BF16 windows reserved (int2)."""
+    return bs.est_pool_tokens(shape, fmt, argparse.Namespace(**{**vars(a), "batches": [running]}))
+
+
 def max_running(shape: "bs.Shape", fmt: str, a: argparse.Namespace) -> int:
     """``--max-running-requests`` of a format's server: 10% + 2 above the estimated fill of the shortest
     context (the real pool decides B; int2's BF16 windows are reserved per running request)."""
-    est = argparse.Namespace(**{**vars(a), "batches": [64]})
-    b = requests_that_fit(bs.est_pool_tokens(shape, fmt, est), min(a.contexts), a, a.max_requests)
+    b = requests_that_fit(est_pool(shape, fmt, a, 64), min(a.contexts), a, a.max_requests)
     return max(1, int(b * 1.1) + 2) if a.max_requests is None else max(1, a.max_requests)
 
 
@@ -203,8 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = max_running(shape, fmt, a)
         port = a.port + 10 * i
         plan.append((fmt, m, port, bs.server_argv(a, mdir, fmt, port, max_running=m)))
-        fits = ", ".join(f"~{requests_that_fit(bs.est_pool_tokens(shape, fmt, argparse.Namespace(**{**vars(a), 'batches': [m]})), c, a, m)}"
-                         f" x {bs.label(c)}" for c in a.contexts)
+        fits = ", ".join(f"~{requests_that_fit(est_pool(shape, fmt, a, m), c, a, m)} x {bs.label(c)}" for c in a.contexts)
         print(f"# {fmt}: max running {m}; estimated fill {fits}")
         print(f"$ {shlex.join(plan[-1][3])}")
     print(f"# fill: {'real prefill' if a.real_prefill else f'{FILL_ENV}=1 (fill_shim: prefill attention skipped)'}")
