@@ -237,7 +237,7 @@ class _Stream(http.server.BaseHTTPRequestHandler):
             chunk = {"output_ids": [7], "meta_info": {"completion_tokens": k}}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
-            time.sleep(0.005)
+            time.sleep(0.02)  # long beside a loaded machine's thread start-up
         self.wfile.write(b"data: [DONE]\n\n")
 
     def log_message(self, *args):
@@ -250,9 +250,9 @@ def test_measure_against_a_streaming_server():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
-        r = bs.measure(url, 64, 3, 20, time.time() + 30, seed=1)
-        assert r["status"] == "ok" and r["completion_tokens"] == [20, 20, 20]
-        assert 50 < r["decode_tok_s"] < 3 * 200 * 1.1  # three streams of at most 200 tok/s
+        r = bs.measure(url, 64, 3, 30, time.time() + 30, seed=1)
+        assert r["status"].startswith("ok") and r["completion_tokens"] == [30, 30, 30]
+        assert 25 < r["decode_tok_s"] < 2 * 3 * 50  # three streams of at most 50 tok/s
         assert bs.measure(url, 64, 1, 400, time.time() + 0.5, seed=1)["status"] == "timeout"
     finally:
         srv.shutdown()
