@@ -6,7 +6,8 @@ For every selected format (``bench_served``'s ``FORMATS`` and server settings) t
 every ``--contexts`` length L, sends as many concurrent requests of L random prompt tokens as its
 pool holds (``max_total_num_tokens`` from the running server: the largest B with B x (L + new)
 <= 0.99 x pool, ``new`` = 2 x ``--decode-tokens`` + B: SGLang runs every waiting prefill before a
-decode step, so the B requests start decoding together once the last prefill is done), then reports the decode tokens/s of all B requests while all decode (``bench_served.measure``).
+decode step, so the B requests start decoding together once the last prefill is done), then reports
+the decode tokens/s of all B requests while all decode (``bench_served.measure``).
 ``--max-running-requests`` (and the decode CUDA graphs) are sized from the plan's pool estimate.
 
 Filling int2's pool of Qwen3-8B with 128K prompts (39 of them) costs ~13 minutes of prefill, mostly
@@ -102,19 +103,21 @@ def est_pool(shape: "bs.Shape", fmt: str, a: argparse.Namespace, running: int) -
 def max_running(shape: "bs.Shape", fmt: str, a: argparse.Namespace) -> int:
     """``--max-running-requests`` of a format's server: 10% + 2 above the estimated fill of the shortest
     context (the real pool decides B; int2's BF16 windows are reserved per running request)."""
-    b = requests_that_fit(est_pool(shape, fmt, a, 64), min(a.contexts), a, a.max_requests)
-    return max(1, int(b * 1.1) + 2) if a.max_requests is None else max(1, a.max_requests)
+    if a.max_requests is not None:
+        return a.max_requests
+    return int(requests_that_fit(est_pool(shape, fmt, a, 64), min(a.contexts), a) * 1.1) + 2
 
 
-def server_env(a: argparse.Namespace, marker: Path) -> dict[str, str]:
-    """The fill shim's folder first on PYTHONPATH, ``OSCAR_BENCH_FAST_FILL=1``, the marker file's path
-    and, if ``SGLANG_PLUGINS`` (SGLang's allowlist of plugins) is set, the shim added to it; empty with
-    ``--real-prefill``."""
+def server_env(a: argparse.Namespace) -> dict[str, str]:
+    """The fill shim's folder (written once here) first on PYTHONPATH, ``OSCAR_BENCH_FAST_FILL=1`` and,
+    if ``SGLANG_PLUGINS`` (SGLang's allowlist of plugins) is set, the shim added to it; empty with
+    ``--real-prefill``. Each server adds its own marker file (``OSCAR_BENCH_FILL_MARKER``)."""
     if a.real_prefill:
         return {}
+    from sglang_oscar.serving_launcher import pythonpath_with
+
     shim = write_fill_shim(str(Path(a.work) / "fill_shim"))
-    path = [shim] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), FILL_ENV: "1", MARKER_ENV: str(marker)}
+    env = {"PYTHONPATH": pythonpath_with(shim, os.environ.get("PYTHONPATH", "")), FILL_ENV: "1"}
     if os.environ.get("SGLANG_PLUGINS"):
         env["SGLANG_PLUGINS"] = f"{os.environ['SGLANG_PLUGINS']},{FILL_ENTRY}"
     return env
@@ -207,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = max_running(shape, fmt, a)
         port = a.port + 10 * i
         plan.append((fmt, m, port, bs.server_argv(a, mdir, fmt, port, max_running=m)))
-        fits = ", ".join(f"~{requests_that_fit(est_pool(shape, fmt, a, m), c, a, m)} x {bs.label(c)}" for c in a.contexts)
+        pool = est_pool(shape, fmt, a, m)
+        fits = ", ".join(f"~{requests_that_fit(pool, c, a, m)} x {bs.label(c)}" for c in a.contexts)
         print(f"# {fmt}: max running {m}; estimated fill {fits}")
         print(f"$ {shlex.join(plan[-1][3])}")
     print(f"# fill: {'real prefill' if a.real_prefill else f'{FILL_ENV}=1 (fill_shim: prefill attention skipped)'}")
@@ -222,21 +226,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Path(mdir).mkdir(parents=True, exist_ok=True)
     shutil.copy(bs.CONFIG_DIR / f"{a.model}.json", Path(mdir) / "config.json")
     results: dict[str, Any] = {"meta": {**bs.collect_meta(a), "real_prefill": a.real_prefill}, "servers": []}
+    env = server_env(a)
     with sigterm_exits():  # a device-call timeout: stop the server, keep partial results
         try:
             for fmt, m, port, cmd in plan:
                 marker = Path(a.work) / f"fill_ran-{fmt}"
                 marker.unlink(missing_ok=True)
                 rec: dict[str, Any] = {"format": fmt, "model": a.model, "max_running": m, "runs": [],
-                                       "command": shlex.join(cmd), "env": server_env(a, marker),
-                                       "status": "interrupted"}
+                                       "command": shlex.join(cmd), "status": "interrupted",
+                                       "env": {**env, MARKER_ENV: str(marker)} if env else {}}
                 results["servers"].append(rec)
                 left = t_end - time.time()
                 if left < 0.5 * bs.STARTUP_S + bs.SERVER_OVERHEAD_S:
                     rec["status"] = f"skip: budget ({left:.0f} s left)"
                     continue
                 print(f"[{time.strftime('%H:%M:%S')}] starting {fmt} ({left:.0f} s left)", flush=True)
-                bs.serve_one(rec, cmd, port, logs / f"{a.model}-{fmt}.log", min(a.startup_timeout, max(30.0, left - 20)),
+                timeout = min(a.startup_timeout, max(30.0, left - 20))
+                bs.serve_one(rec, cmd, port, logs / f"{a.model}-{fmt}.log", timeout,
                              lambda srv, rec=rec: measure_server(srv, rec, a, t_end), env=rec["env"])
                 (out / "results.json").write_text(json.dumps(results, indent=1, default=str))  # survives a kill
         finally:

@@ -29,7 +29,6 @@ are active (SGLang logs plugin loading before its logging is configured).
 from __future__ import annotations
 
 import os
-import shutil
 
 FILL_ENV = "OSCAR_BENCH_FAST_FILL"
 MARKER_ENV = "OSCAR_BENCH_FILL_MARKER"
@@ -95,14 +94,9 @@ def fill_register() -> None:
 
 
 def write_fill_shim(path: str) -> str:
-    """``path/oscar_bench_fill-0.dist-info`` (METADATA + entry_points.txt) and this file as
-    ``path/oscar_bench_fill_shim.py``: :func:`fill_register` becomes a ``sglang.srt.plugins`` entry
-    point of any process with ``path`` on its PYTHONPATH. Returns ``path``."""
-    info = os.path.join(path, f"{FILL_ENTRY}-0.dist-info")
-    os.makedirs(info, exist_ok=True)
-    shutil.copyfile(os.path.abspath(__file__), os.path.join(path, f"{FILL_MODULE}.py"))
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write(f"Metadata-Version: 2.1\nName: {FILL_ENTRY}\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write(f"[sglang.srt.plugins]\n{FILL_ENTRY} = {FILL_MODULE}:fill_register\n")
-    return path
+    """This file as ``path/oscar_bench_fill_shim.py`` and a dist-info that makes :func:`fill_register`
+    a ``sglang.srt.plugins`` entry point of any process with ``path`` on its PYTHONPATH
+    (``serving_launcher.write_plugin_folder``). Returns ``path``."""
+    from sglang_oscar.serving_launcher import write_plugin_folder
+
+    return write_plugin_folder(path, FILL_ENTRY, {FILL_MODULE: __file__}, {FILL_ENTRY: f"{FILL_MODULE}:fill_register"})

@@ -11,7 +11,9 @@ device harness (``tests/e2e``) both run their servers through :class:`ServerProc
   on this machine and a proxy cannot reach its 127.0.0.1;
 * the server gets the caller's environment plus the ``env`` it is given, nothing else;
 * :func:`sigterm_exits` turns a device call's timeout into one ``SystemExit`` of the caller, so its
-  ``finally`` stops the servers and writes partial results.
+  ``finally`` stops the servers and writes partial results;
+* :func:`write_plugin_folder` and :func:`pythonpath_with` give a server harness-only SGLang plugins
+  (``tests/e2e``'s shims, ``benchmarks/fill_shim.py``) through its ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -315,6 +318,29 @@ def tree_commit(cwd: str | os.PathLike) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def write_plugin_folder(path: str, dist_name: str, modules: dict[str, str], entry_points: dict[str, str]) -> str:
+    """SGLang plugins for a process with ``path`` on its PYTHONPATH (:func:`pythonpath_with`): each of
+    ``modules`` (top-level module name -> source file) copied into ``path``, and a minimal
+    ``path/<dist_name>-0.dist-info`` (METADATA, entry_points.txt) listing ``entry_points`` (name ->
+    ``"module:function"``) in the ``sglang.srt.plugins`` group that SGLang's ``load_plugins`` reads.
+    Returns ``path``."""
+    info = os.path.join(path, f"{dist_name}-0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    for module, source in modules.items():
+        shutil.copyfile(os.path.abspath(source), os.path.join(path, f"{module}.py"))
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\n" + "".join(f"{name} = {value}\n" for name, value in entry_points.items()))
+    return path
+
+
+def pythonpath_with(folder: str, pythonpath: str) -> str:
+    """A ``PYTHONPATH`` with ``folder`` first, then ``pythonpath``'s entries (``os.pathsep``
+    separated), each once."""
+    return os.pathsep.join(dict.fromkeys([folder, *filter(None, pythonpath.split(os.pathsep))]))
 
 
 def stop_all(servers: Iterable[ServerProcess], grace: float | None = None) -> None:

@@ -72,17 +72,17 @@ def test_dry_run_commands_and_moe_refusal(capsys):
 def test_server_env_installs_the_shim_as_an_sglang_plugin(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
-    env = bfp.server_env(_args("--work", str(tmp_path)), tmp_path / "m")
+    env = bfp.server_env(_args("--work", str(tmp_path)))
     shim = str(tmp_path / "fill_shim")
-    assert env == {"PYTHONPATH": f"{shim}:/elsewhere", fs.FILL_ENV: "1", fs.MARKER_ENV: str(tmp_path / "m")}
+    assert env == {"PYTHONPATH": f"{shim}:/elsewhere", fs.FILL_ENV: "1"}
     monkeypatch.setenv("SGLANG_PLUGINS", "oscar")  # SGLang's allowlist: the shim joins it
-    assert bfp.server_env(_args("--work", str(tmp_path)), tmp_path / "m")["SGLANG_PLUGINS"] == "oscar,oscar_bench_fill"
+    assert bfp.server_env(_args("--work", str(tmp_path)))["SGLANG_PLUGINS"] == "oscar,oscar_bench_fill"
     eps = [ep for d in importlib.metadata.distributions(path=[shim]) for ep in d.entry_points]
     assert [(ep.group, ep.name, ep.value) for ep in eps] == [
         ("sglang.srt.plugins", "oscar_bench_fill", "oscar_bench_fill_shim:fill_register")]
     assert (tmp_path / "fill_shim" / "oscar_bench_fill_shim.py").read_text() == (
         bfp.Path(fs.__file__).read_text())
-    assert bfp.server_env(_args("--work", str(tmp_path), "--real-prefill"), tmp_path / "m") == {}
+    assert bfp.server_env(_args("--work", str(tmp_path), "--real-prefill")) == {}
 
 
 def test_marker_file_once_a_fill_ran(tmp_path, monkeypatch):

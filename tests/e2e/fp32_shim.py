@@ -22,7 +22,6 @@ servers also save the K/V rows of their first prompts (``_dump_extend_kv``). The
 from __future__ import annotations
 
 import os
-import shutil
 
 
 C_FP32_SERVERS = {"layer": "qwen3-int2-layer-fp32", "head": "qwen3-int2-head-fp32"}
@@ -294,20 +293,17 @@ def write_fp32_shim(path: str) -> str:
     ``path/oscar_e2e_window_shim.py`` and :mod:`.dummy_shim` as ``path/oscar_e2e_dummy_shim.py``,
     which make :func:`fp32_shim_register`, ``hf_window_register`` and ``dummy_register``
     ``sglang.srt.plugins`` entry points of a process with ``path`` on its PYTHONPATH; returns ``path``."""
+    from sglang_oscar.serving_launcher import write_plugin_folder
+
     from . import dummy_shim, window_shim
 
-    info = os.path.join(path, f"{FP32_SHIM_ENTRY}-0.dist-info")
-    os.makedirs(info, exist_ok=True)
-    shutil.copyfile(os.path.abspath(__file__), os.path.join(path, f"{FP32_SHIM_MODULE}.py"))
-    shutil.copyfile(os.path.abspath(window_shim.__file__), os.path.join(path, f"{window_shim.WINDOW_SHIM_MODULE}.py"))
-    shutil.copyfile(os.path.abspath(dummy_shim.__file__), os.path.join(path, f"{dummy_shim.DUMMY_SHIM_MODULE}.py"))
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write(f"Metadata-Version: 2.1\nName: {FP32_SHIM_ENTRY}\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write(f"[sglang.srt.plugins]\n{FP32_SHIM_ENTRY} = {FP32_SHIM_VALUE}\n"
-                f"{window_shim.WINDOW_SHIM_ENTRY} = {window_shim.WINDOW_SHIM_MODULE}:hf_window_register\n"
-                f"{dummy_shim.DUMMY_SHIM_ENTRY} = {dummy_shim.DUMMY_SHIM_MODULE}:dummy_register\n")
-    return path
+    return write_plugin_folder(
+        path, FP32_SHIM_ENTRY,
+        {FP32_SHIM_MODULE: __file__, window_shim.WINDOW_SHIM_MODULE: window_shim.__file__,
+         dummy_shim.DUMMY_SHIM_MODULE: dummy_shim.__file__},
+        {FP32_SHIM_ENTRY: FP32_SHIM_VALUE,
+         window_shim.WINDOW_SHIM_ENTRY: f"{window_shim.WINDOW_SHIM_MODULE}:hf_window_register",
+         dummy_shim.DUMMY_SHIM_ENTRY: f"{dummy_shim.DUMMY_SHIM_MODULE}:dummy_register"})
 
 
 def fp32_server_env(work: str) -> dict[str, str]:
@@ -331,5 +327,6 @@ def hf_window_server_env(work: str) -> dict[str, str]:
 
 
 def _shim_path(work: str) -> str:
-    parts = [fp32_shim_dir(work)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.pathsep.join(dict.fromkeys(parts))
+    from sglang_oscar.serving_launcher import pythonpath_with
+
+    return pythonpath_with(fp32_shim_dir(work), os.environ.get("PYTHONPATH", ""))

@@ -108,7 +108,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits, stop_all
+from sglang_oscar.serving_launcher import ServerProcess, pythonpath_with, sigterm_exits, stop_all
 
 from .checkpoints import random_prompt, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
@@ -289,8 +289,7 @@ def _with_shims(work: str, pythonpath: str) -> str:
     """``pythonpath`` with the harness shims' folder (written under ``work``) first, once."""
     from .fp32_shim import write_fp32_shim
 
-    shim = write_fp32_shim(os.path.join(work, "shims"))
-    return os.pathsep.join(dict.fromkeys([shim, *filter(None, pythonpath.split(os.pathsep))]))
+    return pythonpath_with(write_fp32_shim(os.path.join(work, "shims")), pythonpath)
 
 
 def batch_invariant_env(work: str, env: dict[str, str]) -> dict[str, str]:
