@@ -49,11 +49,15 @@ in ``--out``) and judged:
   :data:`PLUGIN_TOL` (the main harness's check a);
 * **graph** (opt-in, ``--servers`` naming ``int2-eager``): int2 without CUDA graphs vs int2: the same
   greedy tokens, max |log-prob difference| (prompt and output) <= 0.02 (the main harness's check d);
+* **tp** (opt-in, ``--servers`` naming ``int2-tp2``; two GPUs): int2 at ``--tp-size 2`` vs int2: the
+  same greedy tokens up to a tie, max |log-prob difference| <= :data:`TP_TOL`, and each rank's
+  bytes per token equal to TP 1's (every rank holds the whole latent; :func:`tp_report`, with both
+  servers' ``max_total_num_tokens`` reported; the main harness's check h);
 * **capacity** (reported): INT2 bytes per token of the latent cache and their ratio to BF16.
 
 By default the servers of the judged items but the opt-in ones run (five at most: one 600 s device
 call); ``--servers`` runs a subset (items whose servers did not run are not judged) and may add the
-opt-in servers (``plugin-off``, ``int2-eager``), the family's reported servers (below) and
+opt-in servers (``plugin-off``, ``int2-eager``, ``int2-tp2``), the family's reported servers (below) and
 ``int2-window-hadamard`` where the family does not judge it (the DeepSeek-V3 families, whose oracle
 covers the rotations): then reported against ``bf16``.
 
@@ -142,11 +146,17 @@ FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPO
 FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
 # Opt-in servers of every family, run when --servers names them (the defaults fill one call): SGLang with
 # the plugin disabled (entry-point whitelist without ours, as the main harness's check a) against the BF16
-# server with it loaded; the int2 server without CUDA graphs against int2 (the main harness's check d)
+# server with it loaded; the int2 server without CUDA graphs against int2 (the main harness's check d);
+# int2 at TP 2 (two GPUs) against int2 at TP 1 (the main harness's check h)
 OPT_IN = {"plugin-off": (SERVERS["bf16"], "bf16"),
-          "int2-eager": ([*SERVERS["int2"], "--disable-cuda-graph"], "int2")}
-OPT_IN_ITEMS = ("plugin", "graph")
+          "int2-eager": ([*SERVERS["int2"], "--disable-cuda-graph"], "int2"),
+          "int2-tp2": ([*SERVERS["int2"], "--tp-size", "2"], "int2")}
+OPT_IN_ITEMS = ("plugin", "graph", "tp")
 PLUGIN_TOL = 1e-3  # plugin-off vs bf16, max |d log-prob| (the main harness's --a-tol)
+# int2-tp2 vs int2, max |d log-prob| with the same greedy tokens: a garbage guard (the main harness's
+# --h-tol), since the ranks' all-reduces sum in another order than one GPU's GEMMs
+TP_TOL = 0.25
+TOKENS_LOG = r"max_total_num_tokens=(\d+)"
 # int2-window under the default Hadamard rotation, its BF16 rows rotated (judged as "rotated" where the
 # family lists it, else run only when --servers names it, and reported); outside the serves item
 HADAMARD = "int2-window-hadamard"
@@ -170,7 +180,7 @@ LOAD_REQUESTS, LOAD_LENS, LOAD_SHARED_PREFIX = 64, (32, 2400), 256
 # the servers an item needs (serves: any of the judged items'); it is judged when they all ran
 NEEDS = {"window": {"int2-window", "bf16"}, "rotated": {HADAMARD, "bf16"}, "chunked": {"int2-chunk64", "int2"},
          "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}, "plugin": {"plugin-off", "bf16"},
-         "graph": {"int2-eager", "int2"}}
+         "graph": {"int2-eager", "int2"}, "tp": {"int2-tp2", "int2"}}
 RADIX_SERVERS = ("int2", "bf16")  # the servers that repeat every prompt (bf16's repeats: reported)
 STRICT_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
               "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
@@ -379,6 +389,22 @@ def _wait_for_log(path: str, marks: tuple[str, ...], srv, timeout: float) -> Non
         time.sleep(1.0)
 
 
+def tp_report(log_tp1: str, log_tp2: str, capacity_log: str) -> dict:
+    """Per-rank pool of the TP 2 int2 server beside the TP 1 one's: ``max_total_num_tokens`` and the
+    bytes per token of the int2 startup line (``capacity_log``'s first group). Every rank holds the
+    whole latent of every token (it is not split by head), so a rank's bytes per token must equal
+    TP 1's (``same_bytes_per_token``); the token counts are reported (a rank's free memory differs by
+    its half of the weights)."""
+    out = {}
+    for key, path in (("tp1", log_tp1), ("tp2", log_tp2)):
+        tokens, cell = _log_value(path, TOKENS_LOG), _log_value(path, capacity_log)
+        out[key] = {"max_total_num_tokens": int(tokens) if tokens else None,
+                    "bytes_per_token": int(cell[0]) if cell else None}
+    out["same_bytes_per_token"] = out["tp1"]["bytes_per_token"] is not None and \
+        out["tp1"]["bytes_per_token"] == out["tp2"]["bytes_per_token"]
+    return out
+
+
 def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
     d = [abs(x - y) for x, y in zip(a, b)]
     return (sum(d) / len(d), max(d)) if d else (math.nan, math.nan)
@@ -511,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
             verdict["plugin"] = plugins["oscar"] and agree == 1.0 and max(p_max, o_max) <= PLUGIN_TOL
         elif name == "int2-eager":  # check d's rule: the same tokens, every log-prob within its tolerance
             verdict["graph"] = agree == 1.0 and max(p_max, o_max) <= CHUNK_TOL
+        elif name == "int2-tp2":
+            res["tp"] = tp = tp_report(logs["int2"], logs[name], CAPACITY_LOG.get(kind, DEFAULT_CAPACITY_LOG))
+            verdict["tp"] = same and max(p_max, o_max) <= TP_TOL and tp["same_bytes_per_token"]
     res["radix"] = {}  # radix: a server's repeats against its first answers; judged on int2 alone
     for name in RADIX_SERVERS:
         first, again = sv.get(name), res["radix_repeats"].get(name)
@@ -550,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"verdict: {verdict} (judged: {', '.join(judged)})"
               + ("; int2 servers with batch-invariant GEMMs" if args.batch_invariant else ""),
               f"capacity: {res.get('capacity')}",
+              *([f"tp (per rank): {json.dumps(res['tp'])}"] if "tp" in res else []),
               f"radix (repeats vs first answers; bf16 reported): {json.dumps(res.get('radix'))}",
               f"oracle (reported): {res.get('oracle')}",
               f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]

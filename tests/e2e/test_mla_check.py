@@ -468,8 +468,9 @@ def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, 
     assert {k: v for k, v in res["verdict"].items() if k in mla_check.OPT_IN_ITEMS} == verdict
     assert rc == (0 if all(verdict.values()) else 1)
     if servers is None:
-        assert not {"mla_plugin-off.log", "mla_int2-eager.log"} & set(seen)
-        assert "plugin, graph run with --servers naming plugin-off, int2-eager" in (tmp_path / "mla_check.md").read_text()
+        assert not {"mla_plugin-off.log", "mla_int2-eager.log", "mla_int2-tp2.log"} & set(seen)
+        assert ("plugin, graph, tp run with --servers naming plugin-off, int2-eager, int2-tp2"
+                in (tmp_path / "mla_check.md").read_text())
         return
     argv_off, env_off = seen["mla_plugin-off.log"]
     kept = env_off["SGLANG_PLUGINS"].split(",")
@@ -496,3 +497,43 @@ def test_mla_check_plugin_item_needs_our_entry_point(tmp_path, monkeypatch):
                          "--servers", "bf16,plugin-off"])
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 1 and res["verdict"]["plugin"] is False and res["verdict"]["serves"] is True
+
+
+@pytest.mark.parametrize("shift,rank_bytes,verdict", [
+    (None, 1088, True),  # same tokens, each rank the whole latent: PASS
+    (0.3, 1088, False),  # log-probs past TP_TOL (garbage guard)
+    (None, 544, False)])  # a rank sized as if the latent were split by head
+def test_mla_check_opt_in_tp_item(tmp_path, monkeypatch, shift, rank_bytes, verdict):
+    """int2-tp2 (--tp-size 2) against int2: the same greedy tokens, log-probs within TP_TOL, and a rank's
+    bytes per token equal to TP 1's (the latent is not split by head); both pools' token counts reported."""
+    seen = {}
+
+    class Server(FakeServer):
+        def __init__(self, argv, port, log_path, log_header, env=None):
+            super().__init__(argv, port, log_path, log_header, env)
+            seen[os.path.basename(log_path)] = argv
+            if "--tp-size" in argv:
+                with open(log_path, "w") as f:
+                    for rank in range(2):
+                        f.write(f"KV Cache is allocated\nsglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 "
+                                f"+ k_pe 64): {rank_bytes} bytes/token (BF16: 4608, 4.24x fewer); tokens: 12\n"
+                                "sglang-oscar: INT2 MLA latent pool: ...\n")
+                    f.write("max_total_num_tokens=12000, chunked_prefill_size=8192\n")
+            elif "int2" in argv:
+                with open(log_path, "a") as f:
+                    f.write("max_total_num_tokens=11000, chunked_prefill_size=8192\n")
+
+    servers = "int2,int2-tp2"
+    monkeypatch.setattr(mla_check, "ServerProcess", Server)
+    port = None if shift is None else mla_check.BASE_PORT + 1
+    monkeypatch.setattr(mla_check, "http_json", _answers(port, shift or 0.0))
+    monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
+    _fake_build(monkeypatch)
+    rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m"), "--servers", servers])
+    res = json.loads((tmp_path / "mla_check.json").read_text())
+    assert res["verdict"]["tp"] is verdict and rc == (0 if verdict else 1)
+    assert res["tp"]["tp1"] == {"max_total_num_tokens": 11000, "bytes_per_token": 1088}
+    assert res["tp"]["tp2"] == {"max_total_num_tokens": 12000, "bytes_per_token": rank_bytes}
+    assert seen["mla_int2-tp2.log"][seen["mla_int2-tp2.log"].index("--tp-size") + 1] == "2"
+    assert "--tp-size" not in seen["mla_int2.log"]
+    assert "tp (per rank):" in (tmp_path / "mla_check.md").read_text()
