@@ -412,8 +412,9 @@ def test_skip_layers_must_be_one_kind_of_a_hybrid_pool_model():
 
 
 def test_hybrid_swa_sizing_counts_int2_bytes_per_layer_kind():
-    """HybridSWAPoolConfigurator after our hook: INT2 bytes per token of each kind (the skipped kind
-    keeps SGLang's BF16 figure) in SGLang's formula full + ratio x sliding."""
+    """HybridSWAPoolConfigurator after our hook: INT2 bytes per token of each kind in SGLang's formula
+    full + ratio x sliding; the skipped kind at its BF16 row (SGLang seeded both at the int2 server's
+    1-byte ``uint8`` element, half the BF16 sub-pool's real bytes)."""
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_oscar.plugin import serving
@@ -426,13 +427,14 @@ def test_hybrid_swa_sizing_counts_int2_bytes_per_layer_kind():
     def sized(skip):
         kvc = SimpleNamespace(
             server_args=SimpleNamespace(kv_cache_dtype="int2", _oscar_config=OscarConfig(group_size=64, skip_layers=skip)),
+            model_dtype=torch.bfloat16,
             is_hybrid_swa_compress=True,
             model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 1, head_dim=256, v_head_dim=256, swa_head_dim=128,
                                          swa_v_head_dim=128, hf_config=gemma4,
                                          hf_text_config=SimpleNamespace(swa_num_key_value_heads=2)))
         conf = SimpleNamespace(_full_layers_num=2, _swa_layers_num=10, _draft_full_layers_num=0,
                                _draft_swa_full_layers_num=0, _swa_full_tokens_ratio=0.5,
-                               _full_per_token=1 * 512 * 2, _swa_per_token=2 * 256 * 2, _cell_size=None)
+                               _full_per_token=1 * 512 * 1, _swa_per_token=2 * 256 * 1, _cell_size=None)
         with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
             serving.after_hybrid_swa_configurator_init(None, conf, kvc)
         return conf._full_per_token, conf._swa_per_token, conf._cell_size

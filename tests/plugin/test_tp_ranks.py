@@ -15,6 +15,7 @@ hand (group 128, fp16 pairs: ``D/4 + 2 * 2 * D/128`` per K or V row).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import warnings
@@ -355,6 +356,12 @@ def test_gemma4_rank_cell_size_counts_both_pools(hooked, tmp_path):
         assert (sizes.full_max_total_num_tokens, sizes.swa_max_total_num_tokens) == (full_tokens, full_tokens // 2)
         bf16 = sized(mc, tp, dtype="auto")[0]
         assert (bf16._full_per_token, bf16._swa_per_token) == (1 * 1024 * 2, (8 // tp) * 512 * 2)
+        # --oscar-skip-layers: the kind kept BF16 costs what the BF16 server's configurator counts for it
+        for skip in ("sliding", "full"):
+            kept = sized(mc, tp, config=dataclasses.replace(CONFIG, skip_layers=skip))[0]
+            assert (kept._full_per_token, kept._swa_per_token) == (
+                (HEAD_BYTES[512], bf16._swa_per_token) if skip == "sliding" else (bf16._full_per_token,
+                                                                                  (8 // tp) * HEAD_BYTES[256]))
     # each rank's groups for the window plan: the same per-rank heads
     with get_parallel().override(attn_tp_size=2, attn_tp_rank=0):
         assert serving._kv_groups(kvc_of(mc)) == [("full", 10, 1, 512, 512), ("sliding", 50, 4, 256, 256)]

@@ -184,17 +184,21 @@ def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs
 def after_hybrid_swa_configurator_init(result, self, kvc, *args, **kwargs):
     """INT2 bytes per token of each layer kind of a hybrid sliding-window model, and the cell size
     SGLang's ``HybridSWAPoolConfigurator`` derives from them (its formula, with INT2 per-token bytes:
-    full layers count once per full token, sliding ones ``--swa-full-tokens-ratio`` times)."""
+    full layers count once per full token, sliding ones ``--swa-full-tokens-ratio`` times). The kind
+    ``--oscar-skip-layers`` names is a model-dtype sub-pool (:class:`~..pool.swa_pool.OscarSWAKVPool`):
+    SGLang counted it at the 1-byte element of the int2 server's ``uint8`` KV dtype, so it is recounted."""
     if not _is_int2(kvc.server_args):
         return result
-    from ..pool.sizing import int2_cell_size
+    from ..pool.sizing import hp_row_bytes, int2_cell_size
 
     config = _config(kvc.server_args)
     skip = _skip(kvc)
-    if skip != "full":
-        self._full_per_token = int2_cell_size(config, *_geometry(kvc), 1)
-    if skip != "sliding":
-        self._swa_per_token = int2_cell_size(config, *_swa_geometry(kvc), 1)
+
+    def per_token(kind, geometry):
+        return hp_row_bytes(*geometry, 1, kvc.model_dtype) if skip == kind else int2_cell_size(config, *geometry, 1)
+
+    self._full_per_token = per_token("full", _geometry(kvc))
+    self._swa_per_token = per_token("sliding", _swa_geometry(kvc))
     swa_layers = self._swa_layers_num + self._draft_swa_full_layers_num
     if self._full_layers_num == 0:
         self._cell_size = self._swa_per_token * swa_layers + self._full_per_token * self._draft_full_layers_num
