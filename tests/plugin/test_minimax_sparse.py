@@ -255,6 +255,28 @@ def test_m3_refusals_name_the_fix(tmp_path, monkeypatch):
             assert (msgs == []) == (expect is None) and all(expect in m for m in msgs), (backend, path, msgs)
 
 
+def test_m3_refusals_from_a_hub_id(monkeypatch):
+    """A Hub id has no local ``config.json``: the refusals read the config SGLang loaded in
+    ``ServerArgs.__post_init__`` (``server_args.model_config.hf_config``) -- the recipe's launch path."""
+    from transformers import PretrainedConfig
+
+    from sglang_oscar.plugin.refusals import refusal_messages
+
+    monkeypatch.delenv("SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE", raising=False)
+    hf = PretrainedConfig(architectures=["MiniMaxM3SparseForConditionalGeneration"],
+                          text_config={"model_type": "minimax_m2", "num_hidden_layers": 3, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "head_dim": 64,
+                                       "sparse_attention_config": _sparse_cfg()})
+    graph = SimpleNamespace(prefill=SimpleNamespace(backend="breakable"))
+    args = SimpleNamespace(model_path="MiniMaxAI/MiniMax-M3", tp_size=1, cuda_graph_config=graph)
+    assert refusal_messages(args) == []  # before __post_init__ built the config: nothing known yet
+    args.model_config = SimpleNamespace(hf_config=hf)
+    (msg,) = refusal_messages(args)
+    assert "breakable prefill CUDA graph" in msg and "--disable-prefill-cuda-graph" in msg
+    monkeypatch.setenv("SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE", "1")
+    assert any("unset SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE" in m for m in refusal_messages(args))
+
+
 def test_fold_keeps_m3_layers_at_run_time():
     """``--oscar-fold-rotations on``: M3's attention (its sparse layers' qkv_proj emptied into a fused
     projection after loading) is not a class whose V path the fold knows: every layer is reported

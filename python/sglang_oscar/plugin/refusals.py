@@ -85,11 +85,9 @@ def is_dsa_model(server_args) -> bool:
     architecture of its DSA list with ``index_topk`` set) on a local directory's ``config.json``, or
     on the config SGLang loaded (``server_args.model_config``, once its ``__post_init__`` built it:
     a Hub id); ``False`` when neither is known."""
-    cfg = _local_config(getattr(server_args, "model_path", None))
+    cfg = model_config_dict(server_args)
     if cfg is None:
-        cfg = getattr(getattr(server_args, "__dict__", {}).get("model_config"), "hf_config", None)
-        if cfg is None:
-            return False
+        return False
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
     return bool(is_deepseek_dsa(cfg))
@@ -148,6 +146,18 @@ def _local_config(model_path) -> dict | None:
             cfg = json.load(f)
     except (OSError, ValueError):
         return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def model_config_dict(server_args) -> dict | None:
+    """The launch's model config as a dict: a local directory's ``config.json``, else the config SGLang
+    loaded for a Hub id (``server_args.model_config``, built by ``ServerArgs.__post_init__``'s
+    ``get_model_config``; ``PretrainedConfig.to_dict``), else ``None`` (before ``__post_init__``)."""
+    cfg = _local_config(getattr(server_args, "model_path", None))
+    if cfg is not None:
+        return cfg
+    hf = getattr(getattr(server_args, "__dict__", {}).get("model_config"), "hf_config", None)
+    cfg = hf.to_dict() if hasattr(hf, "to_dict") else None
     return cfg if isinstance(cfg, dict) else None
 
 
@@ -252,11 +262,11 @@ def minimax_m3_messages(config: dict, environ=None, hip: bool | None = None) -> 
 
 
 def model_refusal_messages(server_args) -> list[str]:
-    """Refusals that depend on the model's ``config.json`` (a local directory; a Hub id is left to
-    SGLang and to the rotation preflight), checked before any weights load: what the INT2 path
+    """Refusals that depend on the model's config (:func:`model_config_dict`: a local directory's, or
+    the one SGLang loaded for a Hub id), checked before any weights load: what the INT2 path
     cannot honour for MiniMax-M3 (:func:`minimax_m3_messages`), MiniMax's block-FP8 TP split
     (:func:`minimax_tp_message`)."""
-    cfg = _local_config(getattr(server_args, "model_path", None))
+    cfg = model_config_dict(server_args)
     if cfg is None:
         return []
     out = minimax_m3_messages(cfg)
