@@ -9,8 +9,9 @@ chunk written (``kernels.write_kv``: INT2 codes + BF16 sink copies), :class:`~sg
 as served for a BF16 model; each rotation is also timed at the other precision); BF16 -- the chunk's
 rows copied into the cache and SGLang's Triton extend kernel (``extend_attention_fwd``, what
 ``--attention-backend triton`` runs) over prefix + chunk. Each INT2 piece is also timed alone, so
-the step's excess over BF16 splits into rotations, write and attention (issue 28: an 8K prompt's
-time to first token is 1.23x BF16's on Qwen3-8B, docs/benchmarks_served.md).
+the step's excess over BF16 splits into rotations, write and attention (issue 28's prefill target:
+an 8K prompt's time to first token on Qwen3-8B, docs/benchmarks_served.md; the step's tables:
+docs/benchmarks_extend.md).
 
 Times: CUDA graphs with a cold L2 (``bench_decode.bench``); ratios mean something only within one run.
 

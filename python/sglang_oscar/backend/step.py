@@ -15,7 +15,7 @@
 engine's ``precision`` (``kernels.rotate``): the backend passes ``"tf32x3"`` for the extend steps of
 a 16-bit model (an 8K-token chunk's output rotation: 155 us instead of 437 us per Qwen3-8B layer on
 the H200; the q / K / V launch was slower at TF32x3, 614 vs 371 us, and stays IEEE:
-docs/benchmarks_served.md), ``"ieee"`` for decode batches and fp32 models (which the oracle checks at
+docs/benchmarks_extend.md), ``"ieee"`` for decode batches and fp32 models (which the oracle checks at
 fp32 noise). "Extend" is the batch's forward mode: MIXED and TARGET_VERIFY batches count as extend.
 """
 

@@ -191,7 +191,7 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     sinks, known only at run time, cost 16 bytes of stack there), and one-group Lloyd-Max at 128
     without a window or cap (a 24-byte stack, still faster than 64 keys); else 64 keys (an 8K chunk of one
     Qwen3-8B layer after 0 / 8K cached tokens: 3.23 / 9.22 ms with 128 keys, 3.81 / 11.00 with 64,
-    4.28 / 12.29 with 64 and two stages, on the H200: docs/benchmarks_served.md; head_dim 64
+    4.28 / 12.29 with 64 and two stages, on the H200: docs/benchmarks_extend.md; head_dim 64
     unmeasured). The interpreter runs the same conversions and prefetch / deferred-sum choices (so
     CPU tests exercise the GPU's bookkeeping) with 16-key tiles, 4 warps and no head padding.
     fp32 MMA operands (``--dtype float32`` servers, the exact tests) above head_dim 256 decode with
@@ -210,7 +210,7 @@ def default_triton_config(layout: Int2Layout, *, extend: bool = False, pairs: in
     # (sm_90 stack bytes at head_dim 128 with 128 / 64 keys: Lloyd-Max 24 / 8, four groups 712 / 256,
     # window 40 / 0, cap 16 / 0, bf16 operands 88 / 0; head_dim 80 or 112: 112 / 0-8). One-group
     # Lloyd-Max at 128 takes them anyway: with its 24-byte spill its H200 attention still takes 16-17%
-    # less time than at 64 keys (docs/benchmarks_served.md)
+    # less time than at 64 keys (docs/benchmarks_extend.md)
     plain = (extend and layout.k.num_groups == 1 and layout.v.num_groups == 1 and mma_dtype == torch.float16
              and hi == lo and not (hi == 128 and (windowed or capped)))
     wide = plain and (hi == 128 or (hi == 64 and layout.quantizer == "uniform"))

@@ -20,7 +20,7 @@ over the SMs).
 ``precision="tf32x3"`` computes each product as three TF32 MMAs on the tensor cores (about 2^-21
 relative to the fp32 products) instead of CUDA-core FMAs; the backend uses it for the output rotation
 of a 16-bit model's extend steps, where it is 2.8x faster for an 8K-token chunk of a Qwen3-8B layer
-(the q / K / V launch was slower at TF32x3 and stays IEEE: docs/benchmarks_served.md). Its launch
+(the q / K / V launch was slower at TF32x3 and stays IEEE: docs/benchmarks_extend.md). Its launch
 shape is fixed per head_dim (per (D_k, D_v) pair for :func:`rotate_qkv`; :func:`_tf32x3_shape`),
 never the row count's, so a row gets the same bits in a 64-token chunk and in a whole prompt; an
 IEEE launch may differ from it in the last bit of a rounded element.
