@@ -218,4 +218,7 @@ def test_refusals_name_the_flag_and_the_alternative():
     assert any("--attention-backend 'fa3'" in m and "--attention-backend triton" in m for m in msgs)
     with pytest.raises(ValueError, match="--pp-size 2: use tensor parallelism"):
         plugin._after_post_init(None, args)
+    for path in ("dummy", "none"):  # no model path is exempt from the refusals
+        with pytest.raises(ValueError, match="--pp-size 2"):
+            plugin._after_post_init(None, SimpleNamespace(**{**vars(args), "model_path": path}))
     assert refusal_messages(SimpleNamespace(attention_backend="triton", pp_size=1)) == []

@@ -116,8 +116,6 @@ def _before_post_init(server_args, *args, **kwargs):
 def _after_post_init(result, server_args, *args, **kwargs):
     if getattr(server_args, "kv_cache_dtype", None) != INT2:
         return result
-    if getattr(server_args, "model_path", None) in ("dummy", "none"):
-        return result
     problems = refusal_messages(server_args)
     if os.environ.get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "").strip().lower() in ("1", "true", "yes", "on"):
         problems.append("--kv-cache-dtype int2 does not support SGLANG_ENABLE_POST_CAPTURE_KV_SIZING (the INT2 "
