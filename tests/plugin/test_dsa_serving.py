@@ -179,8 +179,8 @@ def test_paged_free_returns_the_sink_rows_of_whole_pages(hooked):
     slots = torch.arange(64, 68)  # page 1 holds request 0's positions 0..3: four sink rows
     w.assign(slots, torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.full((4,), 4))
     assert int(w.top) == 4
-    alloc = SimpleNamespace(page_size=64, is_not_in_free_group=True,
-                            _kvcache=SimpleNamespace(owns_windows=True, windows=w))
+    kvcache = SimpleNamespace(owns_windows=True, windows=w)
+    alloc = SimpleNamespace(page_size=64, is_not_in_free_group=True, get_kvcache=lambda: kvcache)
     freed = []
     serving.around_allocator_free(lambda self, idx: freed.append(idx), alloc, torch.tensor([66]))
     w.process_releases()

@@ -98,7 +98,7 @@ def test_pool_keeps_int2_main_rows_and_sglangs_index_pools():
     assert stage.layer_num == 2 and stage.sparse_layer_id_mapping == {1: 0, 2: 1} and not stage.is_int2_layer(0)
 
 
-def test_pool_bytes_are_int2_main_plus_sglangs_index_term():
+def test_pool_bytes_are_int2_main_plus_sglangs_index_term(hooked):
     """Bytes per token = INT2 main K/V (3 layers x 2 heads x (16 code + 4 pair bytes) x 2) + the index
     pools' (2 x 1 K+V layer + 1 K-only layer) x 32 x 2 bytes; the index term equals SGLang's own M3 cell
     size minus its BF16 main part; ``get_kv_size_bytes`` counts the allocated planes, windows and index
@@ -132,16 +132,18 @@ def test_pool_bytes_are_int2_main_plus_sglangs_index_term():
     assert k_bytes == 3 * slots * HKV * 24 + 3 * rows * HKV * D * 2 + 2 * slots * DI * 2  # + index K of both layers
     assert v_bytes == 3 * slots * HKV * 24 + 3 * rows * HKV * D * 2 + slots * DI * 2  # + index V of layer 1
     # SGLang's allocator over this pool frees slots: their sink rows come back
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    alloc = TokenToKVPoolAllocator(slots - 1, torch.uint8, "cpu", pool, False)  # free / clear through the hooks
     w = pool.windows
     s = torch.arange(10, 14)
     w.assign(s, torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.full((4,), 4))
     top = int(w.top)
-    alloc = SimpleNamespace(is_not_in_free_group=True, _kvcache=pool)
-    freed = []
-    serving.around_allocator_free(lambda self, idx: freed.append(idx), alloc, s[:2])
+    alloc.free(s[:2])
     w.process_releases()
     assert int(w.top) == top + 2 and (w.row_of_slot[10:12] == -1).all() and (w.row_of_slot[12:14] >= 0).all()
-    assert freed[0].tolist() == [10, 11]
+    alloc.clear()  # the hooked clear resets the windows
+    assert int(w.top) == w.sink_rows and (w.row_of_slot == -1).all()
 
 
 def test_pool_hook_and_startup_log(hooked, caplog):

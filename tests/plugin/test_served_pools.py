@@ -218,6 +218,15 @@ def test_skip_sliding_keeps_a_bf16_sliding_pool_and_routes_its_layers_to_sglang(
     calls = []
     monkeypatch.setattr(TritonAttnBackend, "forward_decode", lambda self, q, k, v, layer, fb, *a: calls.append(layer.layer_id) or "bf16")
     assert be.forward_decode(None, None, None, slid, None) == "bf16" and calls == [1]
+    # an SGLang that built its sub-pools in another order would keep the wrong kind BF16: refused
+    from sglang_oscar.pool import swa_pool
+
+    monkeypatch.setattr(swa_pool, "SUB_POOL_ORDER", ("full", "sliding"))
+    with pytest.raises(RuntimeError, match="the sliding sub-pool is INT2, but --oscar-skip-layers is 'sliding'"):
+        OscarSWAKVPool(size=64, size_swa=32, page_size=1, dtype=torch.uint8, head_num=1, head_dim=128,
+                       v_head_dim=128, swa_head_num=2, swa_head_dim=64, swa_v_head_dim=64,
+                       swa_attention_layer_ids=[1], full_attention_layer_ids=[0], device="cpu",
+                       oscar_config=config, hp_dtype=torch.bfloat16, max_reqs=2, sink_rows=8, skip="sliding")
 
 
 def test_gemma3_bidirectional_layers_pass_while_upstream_runs_them_causally():

@@ -350,7 +350,7 @@ def _hybrid_linear_pool(self, inner, ids: list[int], size: int, req_to_token_poo
 def _owned_windows(allocator):
     """The :class:`~sglang_oscar.pool.windows.HPWindows` keyed by this allocator's slots, or ``None``
     (not an INT2 pool, or the sliding sub-pool of a hybrid model: its slots are another index space)."""
-    kvcache = getattr(allocator, "_kvcache", None)
+    kvcache = allocator.get_kvcache()
     return kvcache.windows if getattr(kvcache, "owns_windows", False) else None
 
 
@@ -432,7 +432,7 @@ def before_get_next_batch_to_run(*args, **kwargs):
     """Tier-aware eviction: free radix-cache leaves when the BF16 sink arena runs low."""
     sched = args[0] if args else None
     alloc = getattr(sched, "token_to_kv_pool_allocator", None)
-    windows = getattr(getattr(alloc, "_kvcache", None), "windows", None)  # a composite pool's shared windows
+    windows = None if alloc is None else getattr(alloc.get_kvcache(), "windows", None)  # a composite pool's shared ones
     if windows is not None and getattr(sched, "tree_cache", None) is not None:
         n = windows.maybe_reclaim(sched.tree_cache)
         if n:

@@ -35,6 +35,10 @@ from .sizing import hp_row_bytes
 from .windows import HPWindows
 
 
+#: the order in which SGLang's ``SWAKVPool.__init__`` builds its sub-pools (checked after it ran)
+SUB_POOL_ORDER = ("sliding", "full")
+
+
 class OscarSWAKVPool(SWAKVPool):
     """SGLang's ``SWAKVPool`` with INT2 sub-pools and shared BF16 windows (module docstring).
 
@@ -64,7 +68,7 @@ class OscarSWAKVPool(SWAKVPool):
         self.skip = skip
         shared = dict(oscar_config=oscar_config, hp_dtype=hp_dtype, max_reqs=max_reqs, sink_rows=sink_rows,
                       windows=self.windows)
-        kinds = iter(("sliding", "full"))  # SWAKVPool builds the sliding sub-pool first, then the full one
+        kinds = iter(SUB_POOL_ORDER)
 
         def sub_pool(**kw):
             if next(kinds) == skip:
@@ -74,6 +78,11 @@ class OscarSWAKVPool(SWAKVPool):
 
         super().__init__(size=size, size_swa=size_swa, token_to_kv_pool_class=sub_pool, enable_alt_stream=False,
                          **kwargs)
+        for kind, pool in (("sliding", self.swa_kv_pool), ("full", self.full_kv_pool)):
+            if isinstance(pool, OscarMHATokenToKVPool) == (kind == skip):  # SGLang built its sub-pools in another order
+                raise RuntimeError(f"OscarSWAKVPool: the {kind} sub-pool is "
+                                   f"{'INT2' if kind == skip else 'BF16'}, but --oscar-skip-layers is {skip!r}: this "
+                                   "SGLang builds SWAKVPool's sub-pools in an order sglang-oscar does not know")
         # only the full allocator's frees are full slots, the keys of the sink rows (whatever the
         # full sub-pool's dtype: the sliding layers' rows are keyed by them too)
         # SWAKVPool sets start_layer 0 only; the backend selects its layers by [start_layer, end_layer]
