@@ -27,7 +27,7 @@ def _check_a_family(run: Run, q: str) -> tuple[bool, str, dict[str, Any]]:
         worst_in = max(worst_in, din["max"])
         rows.append({"prompt_len": len(p["prompt"]), **cmp, "prompt_logprobs_max_abs_diff": din["max"]})
     k = len(rows)
-    ok = n_eq == k and worst <= run.args.a_tol and worst_in <= run.args.a_tol
+    ok = k > 0 and n_eq == k and worst <= run.args.a_tol and worst_in <= run.args.a_tol  # no prompt: nothing shown
     ep = run.meta.get("entry_point", {})
     measured = (f"{n_eq}/{k} prompts same tokens, {n_bit}/{k} bit-identical; max |dlogprob| output {worst:.2g}, "
                 f"prompt {worst_in:.2g} (tol {run.args.a_tol:g}); entry point oscar {'found' if ep.get('oscar') else 'MISSING'}")

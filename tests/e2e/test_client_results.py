@@ -74,7 +74,6 @@ def test_stream_decode_rate_excludes_the_first_chunk():
     assert r["tokens"] == 6 and r["ttft_s"] >= 0.05 and r["e2e_s"] > r["ttft_s"]
     # the 5 tokens after the first over the time after it (not 6, not from the request's start)
     assert r["decode_tok_s"] == pytest.approx(5 / (r["e2e_s"] - r["ttft_s"]))
-    assert 5 / 2.0 <= r["decode_tok_s"] <= 5 / 0.25  # sent 0.1 s apart: a 0.5 s window
 
 
 class _SSEOddChunks(http.server.BaseHTTPRequestHandler):

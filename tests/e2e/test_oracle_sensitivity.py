@@ -1,5 +1,4 @@
-"""How much check c's reference itself moves when K/V change by rounding (was the one-off script
-``oracle_sensitivity.py``).
+"""How much check c's reference itself moves when K/V change by rounding.
 
 INT2 quantization is discontinuous: a BF16-level change of a key moves some codes by a whole step.
 On the harness's tiny Qwen3 (same seed and sharpening as check c, rotations fitted per layer on

@@ -279,7 +279,7 @@ def test_decode_merge_rejects_bad_arguments():
         decode_merge(o_part, lse, torch.zeros(1, 3, 8), 2)
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         decode_merge(o_part, lse, torch.zeros(1, 2, 16)[..., ::2], 2)
-    with pytest.raises(ValueError, match="lse must have 3 dims"):  # extra dims used to pass and merge garbage
+    with pytest.raises(ValueError, match="lse must have 3 dims"):  # extra dims would merge garbage
         decode_merge(o_part, lse[..., None], out, 2)
     with pytest.raises(ValueError, match="o_part has dtype"):
         decode_merge(o_part.half(), lse, out, 2)

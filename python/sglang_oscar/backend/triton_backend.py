@@ -118,7 +118,7 @@ class OscarTritonAttnBackend(TritonAttnBackend):
         self.rotations = rank_rotations(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device,
                                         layer_ids)
         self.means = rank_means(rs, geometry, par.attn_tp_rank, par.attn_tp_size, model_runner.device, layer_ids)
-        # --oscar-fold-rotations on: layers whose V rotation and mean now live in qkv_proj / o_proj
+        # --oscar-fold-rotations on: layers whose V rotation and mean live in qkv_proj / o_proj
         # (output_folded: also the layers whose o_proj alone took R_v, V rotated at run time)
         self.folded, self.output_folded = fold_model(self.config, getattr(model_runner, "model", None),
                                                      self.rotations, self.means, par)
