@@ -98,6 +98,27 @@ def test_pool_keeps_int2_main_rows_and_sglangs_index_pools():
     assert stage.layer_num == 2 and stage.sparse_layer_id_mapping == {1: 0, 2: 1} and not stage.is_int2_layer(0)
 
 
+def test_pool_sets_every_attribute_sglangs_pool_sets():
+    """``OscarMiniMaxSparseKVPool.__init__`` stands in for SGLang's (which allocates a BF16 main pool):
+    every attribute SGLang's own ``MiniMaxSparseKVPool`` sets is set, and its layer maps and index pools'
+    geometry are SGLang's, so code reading the pool (HiCache, PD transfer, the backends) finds them."""
+    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+
+    sg = MiniMaxSparseKVPool(160, 1, torch.bfloat16, HKV, D, DI, DENSE, SPARSE, "cpu",
+                             disable_value_sparse_layer_ids=NO_VALUE, index_dtype=torch.bfloat16, start_layer=0,
+                             end_layer=3)
+    ours = _pool(torch.bfloat16)
+    assert set(vars(sg)) <= set(vars(ours)), set(vars(sg)) - set(vars(ours))
+    for name in ("sparse_layer_id_mapping", "index_kv_layer_id_mapping", "index_k_layer_id_mapping", "layer_num",
+                 "start_layer", "end_layer", "head_num", "head_dim", "size", "page_size"):
+        assert getattr(ours, name) == getattr(sg, name), name
+    assert ours.use_minimax_fused_kv_index_store is False  # ours writes main K/V and index keys apart
+    for name in ("index_kv_pool", "index_k_pool"):
+        a, b = getattr(sg, name), getattr(ours, name)
+        assert type(a) is type(b) and (a is None or (a.layer_num, a.head_dim, a.dtype) == (b.layer_num, b.head_dim,
+                                                                                           b.dtype)), name
+
+
 def test_pool_bytes_are_int2_main_plus_sglangs_index_term(hooked):
     """Bytes per token = INT2 main K/V (3 layers x 2 heads x (16 code + 4 pair bytes) x 2) + the index
     pools' (2 x 1 K+V layer + 1 K-only layer) x 32 x 2 bytes; the index term equals SGLang's own M3 cell
