@@ -268,3 +268,47 @@ def test_pool_hook_builds_the_latent_pool_of_a_kimi_linear_model_inside_sglangs_
     monkeypatch.setattr(latent_backend, "OscarTritonLatentBackend", lambda runner: ("latent", runner))
     factory = attention_registry.ATTENTION_BACKENDS["triton"]
     assert factory(SimpleNamespace(server_args=server_args, token_to_kv_pool=pool))[0] == "latent"
+
+
+def test_malformed_latent_files_and_directories_name_the_problem(hooked, tmp_path, monkeypatch):
+    """A latent file whose metadata is not JSON or not a JSON object is refused as such (not a raw
+    JSONDecodeError / AttributeError), on an MLA model and on an MHA one; a directory holding one
+    latent file is read like --oscar-rotation's MHA directories, one holding two is refused naming them."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    model = _deepseek_dir(tmp_path, "m")
+    lr = LatentRotationSet.data_free(ModelGeometry.from_hf_config(model))
+    tensors = {f"latent.{i}": lr.matrix(i).clone() for i in lr.layer_ids}
+    bad_json, not_object = str(tmp_path / "bad_json.safetensors"), str(tmp_path / "list.safetensors")
+    save_file(tensors, bad_json, metadata={"oscar": "{"})
+    save_file(tensors, not_object, metadata={"oscar": "[1]"})
+    with pytest.raises(ValueError, match=r"bad_json\.safetensors: 'oscar' metadata is not valid JSON"):
+        int2_server_args(model, monkeypatch, rotation_path=bad_json)
+    with pytest.raises(ValueError, match=r"list\.safetensors: 'oscar' metadata must be a JSON object, got list"):
+        int2_server_args(model, monkeypatch, rotation_path=not_object)
+    q = tmp_path / "qwen3"
+    Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=128, architectures=["Qwen3ForCausalLM"]).save_pretrained(q)
+    with pytest.raises(ValueError, match=r"list\.safetensors: 'oscar' metadata must be a JSON object"):
+        int2_server_args(str(q), monkeypatch, rotation_path=not_object)
+    one = tmp_path / "one"
+    lr.save(str(one / "latent.safetensors"))
+    assert int2_server_args(model, monkeypatch, rotation_path=str(one)).kv_cache_dtype == "int2"
+    with pytest.raises(ValueError, match=r"is an MLA latent rotation file, but 'qwen3' is an MHA/GQA model"):
+        int2_server_args(str(q), monkeypatch, rotation_path=str(one))
+    lr.save(str(one / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"several \.safetensors files \['latent\.safetensors', 'other\.safe"):
+        int2_server_args(model, monkeypatch, rotation_path=str(one))
+
+
+def test_data_free_latent_rotation_of_a_rank_64_latent(hooked, tmp_path, monkeypatch):
+    """kv_lora_rank 64 (narrower than the default 128-wide Hadamard block): the launch takes the
+    data-free rotation as one 64-wide block instead of failing on a block the user cannot set."""
+    from sglang_oscar.backend.rotations import served_latent_rotations
+    from sglang_oscar.rotation.rotation_set import orthogonality_error
+
+    model = _deepseek_dir(tmp_path, "r64", rank=64)
+    assert int2_server_args(model, monkeypatch).kv_cache_dtype == "int2"
+    rs = served_latent_rotations(OscarConfig(), ModelGeometry.from_hf_config(model), log=False)
+    assert rs.layer_ids == [0, 1] and tuple(rs.matrix(0).shape) == (64, 64) and orthogonality_error(rs.matrix(0)) < 1e-5

@@ -443,3 +443,66 @@ def test_hybrid_swa_sizing_counts_int2_bytes_per_layer_kind():
     assert sized("none") == (160, 160, 160 * 2 + 0.5 * 160 * 10)
     assert sized("sliding") == (160, 1024, 160 * 2 + 0.5 * 1024 * 10)
     assert sized("full") == (1024, 160, 1024 * 2 + 0.5 * 160 * 10)
+
+
+def test_layers_kept_bf16_need_no_rotation_entry(hooked, tmp_path):
+    """--oscar-skip-layers: a rotation file that covers only the INT2 layers passes the launch check
+    (docs/format.md: layers kept BF16 need no entry); without the skip, or skipping the other kind,
+    the same file is refused naming the missing layers."""
+    import json
+
+    full = [5, 11]
+    gemma4 = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 12,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
+              "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 64, "hidden_size": 64,
+              "vocab_size": 128, "intermediate_size": 64,
+              "layer_types": ["full_attention" if i in full else "sliding_attention" for i in range(12)]}
+    model = tmp_path / "gemma4"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(gemma4))
+    rs = RotationSet.data_free(ModelGeometry.from_hf_config(str(model)))
+    rot = str(tmp_path / "full_only.safetensors")
+    RotationSet({i: rs.k[i] for i in full}, {i: rs.v[i] for i in full}, dict(rs.metadata)).save(rot)
+
+    def launch(skip):
+        return hooked.preflight(SimpleNamespace(model_path=str(model),
+                                                _oscar_config=OscarConfig(rotation_path=rot, skip_layers=skip)))
+
+    assert launch("sliding") is None
+    for skip in ("none", "full"):
+        with pytest.raises(ValueError, match=r"does not fit this model: .*missing \[0\.\.10\]"):
+            launch(skip)
+
+
+def test_preflight_checks_the_config_sglang_serves(hooked, tmp_path, monkeypatch):
+    """The launch check reads the config SGLang serves: with --json-model-override-args the overridden
+    one (a per-head file for config.json's 2 kv heads is refused when the override leaves 1, before any
+    weights load, not by the backend after), and for a Hub id the whole config, so a multimodal
+    Gemma-4 wrapper keeps its architecture and --oscar-skip-layers sliding is accepted as on a local copy."""
+    import json
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import ServerArgs
+
+    model = _qwen3_dir(tmp_path, "m")
+    rs = RotationSet.data_free(ModelGeometry.from_hf_config(model))
+    rot = str(tmp_path / "per_head.safetensors")
+    RotationSet({i: r.expand(2, 128, 128).clone() for i, r in rs.k.items()},
+                {i: r.expand(2, 128, 128).clone() for i, r in rs.v.items()}, dict(rs.metadata)).save(rot)
+    monkeypatch.setenv(flags.CONFIG_ENV, flags.config_to_env(OscarConfig(rotation_path=rot)))
+    launch = dict(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda")
+    assert ServerArgs(**launch).kv_cache_dtype == "int2"
+    with pytest.raises(ValueError, match=r"does not fit this model: .*expected .*\(1, 128, 128\) \(per kv head\)"):
+        ServerArgs(**launch, json_model_override_args=json.dumps({"num_key_value_heads": 1}))
+
+    text = dict(model_type="gemma4_text", vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=128, global_head_dim=256,
+                num_global_key_value_heads=1, sliding_window=64, attention_k_eq_v=True,
+                layer_types=["full_attention" if i == 5 else "sliding_attention" for i in range(6)])
+    local = tmp_path / "gemma4"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(dict(model_type="gemma4", text_config=text,
+                                                       architectures=["Gemma4ForConditionalGeneration"])))
+    monkeypatch.setattr(ModelConfig, "from_server_args", staticmethod(lambda server_args, **kw: ModelConfig(str(local))))
+    for path in (str(local), "google/gemma-4-hub-id"):
+        assert hooked.preflight(SimpleNamespace(model_path=path, _oscar_config=OscarConfig(skip_layers="sliding"))) is None

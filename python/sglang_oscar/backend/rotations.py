@@ -17,7 +17,7 @@ from ..config import DEFAULT_V_CLIP, OscarConfig
 from ..rotation import RotationSet
 from ..rotation.rotation_set import RotationError
 from ..rotation.geometry import ModelGeometry, attention_logit_softcap
-from ..rotation.latent import LatentRotationSet
+from ..rotation.latent import DEFAULT_LATENT_BLOCK, LatentRotationSet
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -57,8 +57,9 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
 
     Raises:
         ValueError: MLA / non-MHA model, group size not dividing a head_dim, missing file,
-            malformed file, a file made for another geometry (layer ids, kv heads, head_dim), or key
-            centering on a soft-capped model. Every message says what to change.
+            malformed file, a file made for another geometry (layer ids, kv heads, head_dim; layers kept
+            BF16 by ``--oscar-skip-layers`` need no entry), or key centering on a soft-capped model.
+            Every message says what to change.
     """
     if geometry.attention_kind != "mha":
         raise ValueError(
@@ -106,8 +107,11 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         raise ValueError(f"--oscar-rotation {config.rotation_path}: {exc}; pass a rotation file written by "
                          f"`sglang-oscar fit` / `hadamard` / `convert` (check it with `sglang-oscar validate`), "
                          f"or drop the flag to use the data-free Hadamard rotation") from None
+    from ..config import resolve_skip_layers
+
+    skip = resolve_skip_layers(config.skip_layers, geometry)  # BF16 layers need no entry (docs/format.md)
     try:
-        rs.validate(geometry)
+        rs.validate(geometry, skip_layers=skip)
     except ValueError as exc:
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from None
     sinks = [layer.layer_id for layer in geometry.layers if layer.has_sinks]
@@ -176,7 +180,8 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
         raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache: {exc}; pick "
                          "--kv-cache-quant-group-size 128 (or 64, 32)") from None
     if config.rotation_path is None:
-        rs = LatentRotationSet.data_free(geometry)
+        # blocks of 128, or the whole latent when it is narrower (kv_lora_rank 64)
+        rs = LatentRotationSet.data_free(geometry, block=min(DEFAULT_LATENT_BLOCK, int(geometry.kv_lora_rank)))
         _log_data_free(log, "block-Hadamard latent")
         return rs
     try:

@@ -170,15 +170,22 @@ def preflight(server_args) -> None:
         # it, so dynamo would trace forward_normal_prepare and its non-torch concat kernel (not validated)
         raise ValueError("--oscar-mla-storage expanded does not support the tc_piecewise prefill CUDA graph: use "
                          "SGLang's default breakable prefill graph or --disable-prefill-cuda-graph")
-    try:
-        geometry = model_geometry(server_args.model_path)  # a local directory: just its config.json
-        hf_config = server_args.model_path
-    except FileNotFoundError:
-        # a hub id (or another source SGLang resolves): read the config the way SGLang does
+    # SGLang serves --json-model-override-args applied to the config: check that config, not config.json
+    overridden = str(getattr(server_args, "json_model_override_args", None) or "{}").strip() not in ("", "{}")
+    geometry = hf_config = None
+    if not overridden:
+        try:
+            geometry = model_geometry(server_args.model_path)  # a local directory: just its config.json
+            hf_config = server_args.model_path
+        except FileNotFoundError:
+            pass
+    if geometry is None:
+        # a hub id (or another source SGLang resolves), or an overridden config: read the config the way
+        # SGLang does, whole as the backend reads it (a multimodal wrapper keeps its architectures)
         from sglang.srt.configs.model_config import ModelConfig
 
         try:
-            hf_config = ModelConfig.from_server_args(server_args).hf_text_config
+            hf_config = ModelConfig.from_server_args(server_args).hf_config
         except Exception as exc:  # noqa: BLE001  SGLang reports an unreadable model itself
             logger.warning("sglang-oscar: could not read the model config for the int2 checks: %s", exc)
             return

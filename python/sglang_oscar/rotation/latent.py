@@ -20,6 +20,7 @@ File format (safetensors): tensors ``latent.<layer_id>`` float32 ``[R, R]`` and 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 from typing import Any
@@ -199,20 +200,37 @@ class LatentRotationSet:
 
     @classmethod
     def load(cls, path: str) -> LatentRotationSet:
-        """Load a latent rotation ``.safetensors`` file.
+        """Load a latent rotation ``.safetensors`` file (or the one ``*.safetensors`` file of a directory).
 
         Raises:
-            FileNotFoundError: missing path. RotationError: not a latent rotation file.
+            FileNotFoundError: missing path. RotationError: not a latent rotation file (unreadable,
+            metadata that is not a latent-format JSON object, unexpected tensors), or a directory
+            without exactly one ``*.safetensors`` file.
         """
         if not os.path.exists(path):
             raise FileNotFoundError(f"latent rotation file {path} does not exist; create one with `sglang-oscar fit`")
+        if os.path.isdir(path):
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if len(files) != 1:
+                names = [os.path.basename(f) for f in files]
+                held = f"several .safetensors files {names}" if files else "no .safetensors file"
+                raise RotationError(f"{path} is a directory holding {held}: pass the latent rotation file itself "
+                                    "(written by `sglang-oscar fit`)")
+            return cls.load(files[0])
         try:
             with safe_open(path, framework="pt") as f:
                 meta_raw = (f.metadata() or {}).get(METADATA_KEY)
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as exc:
             raise RotationError(f"{path} is not a readable safetensors file: {exc}") from exc
-        meta = json.loads(meta_raw) if meta_raw else {}
+        try:
+            meta = json.loads(meta_raw) if meta_raw else {}
+        except json.JSONDecodeError as exc:
+            raise RotationError(f"{path}: '{METADATA_KEY}' metadata is not valid JSON ({exc}): the file is corrupt; "
+                                "refit it") from None
+        if not isinstance(meta, dict):
+            raise RotationError(f"{path}: '{METADATA_KEY}' metadata must be a JSON object, got {type(meta).__name__}: "
+                                "not an sglang-oscar latent rotation file")
         if meta.get("format") != LATENT_FORMAT:
             raise RotationError(f"{path} is not an sglang-oscar latent rotation file (metadata format {meta.get('format')!r})")
         if meta.get("format_version") != LATENT_FORMAT_VERSION:
@@ -249,7 +267,13 @@ class LatentRotationSet:
 
 
 def is_latent_rotation_file(path: str) -> bool:
-    """True if ``path`` is a safetensors file with latent-format metadata."""
+    """True if ``path`` is a safetensors file with latent-format metadata (or a directory holding
+    exactly one such file, as :meth:`LatentRotationSet.load` reads it)."""
+    if os.path.isdir(path):
+        files = glob.glob(os.path.join(path, "*.safetensors"))
+        if len(files) != 1:
+            return False
+        path = files[0]
     if not (os.path.isfile(path) and path.endswith(".safetensors")):
         return False
     try:
@@ -258,6 +282,7 @@ def is_latent_rotation_file(path: str) -> bool:
     except Exception:
         return False
     try:
-        return bool(meta_raw) and json.loads(meta_raw).get("format") == LATENT_FORMAT
+        meta = json.loads(meta_raw) if meta_raw else None
     except ValueError:
         return False
+    return isinstance(meta, dict) and meta.get("format") == LATENT_FORMAT
