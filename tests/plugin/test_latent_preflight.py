@@ -184,13 +184,15 @@ def test_latent_sizing_and_windows_follow_the_pool(hooked):
                                     oscar_config=OscarConfig(sink_tokens=4, recent_tokens=8), hp_dtype=torch.bfloat16,
                                     max_reqs=2, sink_rows=16)
     assert default.layout.k.group_size == 128 and default.int2_bytes_per_token() == 3 * 272
-    assert hp_row_bytes(*group[2:], group[1], torch.bfloat16) * pool.windows.num_rows == pool.hp_bytes()
+    # the window plan's rows (the sizing's per-row bytes) are what the pool allocates for its windows
+    allocated = sum(t.numel() * t.element_size() for t in pool.hp_latent + pool.hp_pe) - 3 * 64 * 2  # - spare k_pe row
+    assert hp_row_bytes(*group[2:], group[1], torch.bfloat16) * pool.windows.num_rows == allocated == pool.hp_bytes()
 
 
 def test_dispatch_hook_takes_the_absorbed_path_only_for_int2(hooked):
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
-    from sglang_oscar.plugin import serving
+    from sglang_oscar.plugin import mla_serving, serving
 
     def handler(self, fb):
         self.current_attention_backend = "triton"  # what SGLang's dispatch sets before choosing
@@ -200,10 +202,10 @@ def test_dispatch_hook_takes_the_absorbed_path_only_for_int2(hooked):
     try:
         attn = SimpleNamespace(current_attention_backend=None)
         serving._ACTIVE["recent"] = None
-        assert serving.around_mla_dispatch(handler, attn, None) == AttnForwardMethod.MHA
+        assert mla_serving.around_mla_dispatch(handler, attn, None) == AttnForwardMethod.MHA
         serving._ACTIVE["recent"] = 8
         attn.current_attention_backend = None
-        assert serving.around_mla_dispatch(handler, attn, None) == AttnForwardMethod.MLA
+        assert mla_serving.around_mla_dispatch(handler, attn, None) == AttnForwardMethod.MLA
         assert attn.current_attention_backend == "triton"  # SGLang's own dispatch still ran
     finally:
         serving._ACTIVE["recent"] = old

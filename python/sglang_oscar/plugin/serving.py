@@ -44,9 +44,7 @@ import logging
 import torch
 
 from .minimax_serving import MINIMAX_HOOK_TARGETS, is_minimax_kvc, minimax_index_bytes_of
-# around_mla_dispatch: re-exported, the MLA dispatch hook's historical home (registered from .mla_serving)
-from .mla_serving import (EXPANDED, around_mla_dispatch, build_mla_pool, dsa_index_bytes,  # noqa: F401
-                          expanded_bytes, mla_cell_size, mla_kv_group)
+from .mla_serving import EXPANDED, build_mla_pool, dsa_index_bytes, expanded_bytes, mla_cell_size, mla_kv_group
 
 logger = logging.getLogger("sglang_oscar")
 
