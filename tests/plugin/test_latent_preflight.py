@@ -314,3 +314,18 @@ def test_data_free_latent_rotation_of_a_rank_64_latent(hooked, tmp_path, monkeyp
     assert int2_server_args(model, monkeypatch).kv_cache_dtype == "int2"
     rs = served_latent_rotations(OscarConfig(), ModelGeometry.from_hf_config(model), log=False)
     assert rs.layer_ids == [0, 1] and tuple(rs.matrix(0).shape) == (64, 64) and orthogonality_error(rs.matrix(0)) < 1e-5
+
+
+def test_a_latent_file_fitted_for_another_network_is_refused(hooked, tmp_path, monkeypatch):
+    """As the K/V files: a fitted latent file whose recorded sizes differ from the served model's is refused
+    at launch, however well its shapes fit."""
+    from sglang_oscar.calibrate.model import config_fingerprint
+    from sglang_oscar.rotation.geometry import _as_dict
+
+    model = _deepseek_dir(tmp_path, "m")
+    base = LatentRotationSet.data_free(ModelGeometry.from_hf_config(model))
+    rot = str(tmp_path / "latent.safetensors")
+    fingerprint = {**config_fingerprint(_as_dict(model)), "num_hidden_layers": 61}
+    LatentRotationSet(base.r, {**base.metadata, "method": "oscar", "model_fingerprint": fingerprint}).save(rot)
+    with pytest.raises(ValueError, match=r"was fitted for another model \(num_hidden_layers: 61 vs 2"):
+        int2_server_args(model, monkeypatch, rotation_path=rot, group_size=64)

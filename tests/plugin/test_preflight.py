@@ -506,3 +506,31 @@ def test_preflight_checks_the_config_sglang_serves(hooked, tmp_path, monkeypatch
     monkeypatch.setattr(ModelConfig, "from_server_args", staticmethod(lambda server_args, **kw: ModelConfig(str(local))))
     for path in (str(local), "google/gemma-4-hub-id"):
         assert hooked.preflight(SimpleNamespace(model_path=path, _oscar_config=OscarConfig(skip_layers="sliding"))) is None
+
+
+def test_a_file_fitted_for_another_network_is_refused(hooked, tmp_path, monkeypatch, caplog):
+    """A fitted file records its model (``model_fingerprint``); one of another network with the same
+    attention geometry (here hidden size 128 vs 64, as Qwen3-4B's file on Qwen3-8B) passes every shape
+    check, so the launch compares the recorded sizes. Another name or vocabulary only logs; data-free
+    files (no statistics) are not compared."""
+    import logging
+
+    from sglang_oscar.calibrate.model import config_fingerprint
+    from sglang_oscar.rotation.geometry import _as_dict
+
+    model = _qwen3_dir(tmp_path, "m")
+    base = RotationSet.data_free(ModelGeometry.from_hf_config(model))
+    served = config_fingerprint(_as_dict(model), "Qwen/Qwen3-8B")
+
+    def launch(method, **recorded):
+        rot = str(tmp_path / f"{method}-{len(recorded)}.safetensors")
+        RotationSet(base.k, base.v, {"method": method, "model_fingerprint": {**served, **recorded}}).save(rot)
+        return int2_server_args(model, monkeypatch, rotation_path=rot)
+
+    with pytest.raises(ValueError, match=r"was fitted for another model \(hidden_size: 128 vs 64; recorded vs served"
+                                         r"\).*compute_rotation\.sh.*drop the flag"):
+        launch("oscar", hidden_size=128)
+    with caplog.at_level(logging.WARNING, logger="sglang_oscar"):
+        assert launch("oscar", name="qwen3-8b-instruct", vocab_size=256).kv_cache_dtype == "int2"
+    assert "records another model type, name or vocabulary" in caplog.text
+    assert launch("hadamard", hidden_size=128).kv_cache_dtype == "int2"  # data-free: the geometry is all it needs

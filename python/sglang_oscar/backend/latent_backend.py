@@ -100,7 +100,7 @@ class OscarTritonLatentBackend(OscarTritonAttnBackend):
         hf_config = model_runner.model_config.hf_config
         geometry = model_geometry(hf_config)
         rs = served_latent_rotations(config, geometry, log=get_parallel().attn_tp_rank == 0,
-                                     architectures=getattr(hf_config, "architectures", None))
+                                     architectures=getattr(hf_config, "architectures", None), hf_config=hf_config)
         rotations = {lid: rs.matrix(lid).to(model_runner.device) for lid in rs.layer_ids
                      if pool.start_layer <= lid <= pool.end_layer}
         missing = sorted({layer.layer_id for layer in _attention_layers(getattr(model_runner, "model", None))}

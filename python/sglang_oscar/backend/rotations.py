@@ -41,6 +41,44 @@ def _kv_shared_layers(hf_config) -> int:
     return int(cfg.get("num_kv_shared_layers") or 0)
 
 
+#: keys of a fitted file's ``model_fingerprint`` that make another network than the one served (refused; read
+#: from ``text_config`` when not at the top, so a multimodal wrapper and its text model agree); a differing
+#: ``model_type`` (wrapper vs text model), vocabulary (an extended-vocabulary fine-tune) or name is logged
+NETWORK_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size")
+
+
+def check_recorded_model(rs, hf_config, path: str) -> None:
+    """Refuse a fitted rotation file (``sglang-oscar fit`` records its model as ``model_fingerprint``,
+    :func:`sglang_oscar.calibrate.model.config_fingerprint`) whose recorded network differs from the
+    served one in :data:`NETWORK_KEYS`: a file of another model with the same attention geometry
+    (Qwen3-4B's on Qwen3-8B: 36 layers x 8 kv heads x 128 both) would pass every shape check and serve
+    another model's statistics. Data-free files without means, files without a fingerprint and an
+    unknown ``hf_config`` (object, dict or model directory) pass; a vocabulary or name difference is
+    logged.
+
+    Raises:
+        ValueError: naming the differing keys and the fix.
+    """
+    have = rs.metadata.get("model_fingerprint")
+    fitted = rs.metadata.get("method") not in ("hadamard", "identity") or getattr(rs, "centered", False)
+    if not have or not fitted or hf_config is None:
+        return
+    from ..calibrate.model import config_fingerprint, fingerprint_mismatches
+    from ..rotation.geometry import _as_dict
+
+    want = config_fingerprint(_as_dict(hf_config))
+    bad = fingerprint_mismatches({k: v for k, v in have.items() if k in NETWORK_KEYS}, want)
+    if bad:
+        raise ValueError(f"--oscar-rotation {path} was fitted for another model ({'; '.join(bad)}; recorded vs "
+                         "served) with the same attention geometry: its rotations come from that model's "
+                         "statistics. Fit one for this model (recipes/<model>/compute_rotation.sh), or drop the "
+                         "flag to use the data-free Hadamard rotation")
+    other = fingerprint_mismatches(have, want)
+    if other:
+        logger.warning("sglang-oscar: --oscar-rotation %s records another model type, name or vocabulary (%s; "
+                       "recorded vs served): serving it, the network's sizes match", path, "; ".join(other))
+
+
 def _log_data_free(log: bool, kind: str) -> None:
     if log:
         logger.info("sglang-oscar: no --oscar-rotation given; using the data-free %s rotation (fit one with "
@@ -114,6 +152,7 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         rs.validate(geometry, skip_layers=skip)
     except ValueError as exc:
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from None
+    check_recorded_model(rs, hf_config, config.rotation_path)
     sinks = [layer.layer_id for layer in geometry.layers if layer.has_sinks]
     if sinks and (rs.k_mean or rs.v_mean):
         raise ValueError(f"--oscar-rotation {config.rotation_path} centres the keys/values (k_mean / v_mean) but this "
@@ -138,13 +177,15 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDs
 
 
 def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
-                            architectures=None) -> LatentRotationSet:
+                            architectures=None, hf_config=None) -> LatentRotationSet:
     """The validated latent rotations of an MLA model (``--oscar-rotation`` file, else the data-free
     block Hadamard, :meth:`LatentRotationSet.data_free`), after the checks of what the latent pool serves.
 
     Args:
         architectures: the config's ``architectures`` (when known): MLA models outside
             :data:`MLA_ARCHITECTURES` are refused.
+        hf_config: the model's HF config (object, dict or model directory), if known: a file fitted for
+            another network is refused (:func:`check_recorded_model`).
 
     Raises:
         ValueError: an MLA architecture outside :data:`MLA_ARCHITECTURES` (LongCat-Flash, Ring / Ling
@@ -197,6 +238,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
                              "default): pass --oscar-mla-storage expanded, or a latent rotation file") from None
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this MLA model: {exc}; an MLA model "
                          "takes a latent rotation file (`sglang-oscar fit` on its calibration, or `hadamard`)") from None
+    check_recorded_model(rs, hf_config, config.rotation_path)
     if log:
         logger.info("sglang-oscar: latent rotation %s (%d layers, kv_lora_rank %d)", config.rotation_path,
                     len(rs.layer_ids), geometry.kv_lora_rank)

@@ -197,7 +197,7 @@ def preflight(server_args) -> None:
         if config.mla_storage == "expanded":  # also refuses it for a non-MLA model, naming the flag
             served_expanded_rotations(config, geometry, log=False, architectures=archs, hf_config=hf_config)
         else:
-            served_latent_rotations(config, geometry, log=False, architectures=archs)
+            served_latent_rotations(config, geometry, log=False, architectures=archs, hf_config=hf_config)
         return
     served_rotation_set(config, geometry, log=False, hf_config=hf_config)
     skip_kind(config, geometry, hf_config)
