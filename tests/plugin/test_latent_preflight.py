@@ -314,6 +314,14 @@ def test_data_free_latent_rotation_of_a_rank_64_latent(hooked, tmp_path, monkeyp
     assert int2_server_args(model, monkeypatch).kv_cache_dtype == "int2"
     rs = served_latent_rotations(OscarConfig(), ModelGeometry.from_hf_config(model), log=False)
     assert rs.layer_ids == [0, 1] and tuple(rs.matrix(0).shape) == (64, 64) and orthogonality_error(rs.matrix(0)) < 1e-5
+    # one rule for the server and the offline error / ppl baselines: blocks of 128 (whatever the group size),
+    # the whole latent when it is narrower
+    for rank, block in ((64, 64), (256, 128)):
+        geo = ModelGeometry.from_hf_config(_deepseek_dir(tmp_path, f"b{rank}", rank=rank))
+        served = served_latent_rotations(OscarConfig(group_size=64), geo, log=False)
+        offline = LatentRotationSet.served_data_free(geo)
+        assert served.metadata["hadamard_block"] == offline.metadata["hadamard_block"] == block
+        assert torch.equal(served.matrix(1), offline.matrix(1))
 
 
 def test_a_latent_file_fitted_for_another_network_is_refused(hooked, tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from ..config import DEFAULT_V_CLIP, OscarConfig
 from ..rotation import RotationSet
 from ..rotation.rotation_set import RotationError
 from ..rotation.geometry import ModelGeometry, attention_logit_softcap
-from ..rotation.latent import DEFAULT_LATENT_BLOCK, LatentRotationSet
+from ..rotation.latent import LatentRotationSet
 
 logger = logging.getLogger("sglang_oscar")
 
@@ -221,8 +221,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
         raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache: {exc}; pick "
                          "--kv-cache-quant-group-size 128 (or 64, 32)") from None
     if config.rotation_path is None:
-        # blocks of 128, or the whole latent when it is narrower (kv_lora_rank 64)
-        rs = LatentRotationSet.data_free(geometry, block=min(DEFAULT_LATENT_BLOCK, int(geometry.kv_lora_rank)))
+        rs = LatentRotationSet.served_data_free(geometry)
         _log_data_free(log, "block-Hadamard latent")
         return rs
     try:

@@ -445,7 +445,7 @@ def _ppl(args) -> int:
         rotation = load_rotation_any(path)
     else:
         geometry = geometry_of(model.config)
-        rotation = (LatentRotationSet.data_free(geometry, args.method, cfg.group_size) if geometry.attention_kind == "mla"
+        rotation = (LatentRotationSet.served_data_free(geometry, args.method) if geometry.attention_kind == "mla"
                     else RotationSet.data_free(geometry, args.method))
     prompts = _prompts(args, tok, recipe)
     _warn_not_held_out({os.path.basename(path) if path else args.method: rotation}, prompts)

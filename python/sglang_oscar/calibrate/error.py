@@ -91,8 +91,8 @@ def functional_error(
     floor_name = "bf16" if include_baselines and not mla else None  # the BF16-cache floor method
     if include_baselines:
         if mla:
-            sets["naive"] = LatentRotationSet.data_free(geometry, "identity", config.group_size)
-            sets["hadamard"] = LatentRotationSet.data_free(geometry, "hadamard", config.group_size)
+            sets["naive"] = LatentRotationSet.served_data_free(geometry, "identity")
+            sets["hadamard"] = LatentRotationSet.served_data_free(geometry, "hadamard")
         else:
             sets["naive"] = RotationSet.data_free(geometry, "identity")
             sets["hadamard"] = RotationSet.data_free(geometry, "hadamard")

@@ -80,7 +80,7 @@ def perplexity(
         if rotation is not None or mla:
             raise CalibrationError("output_fn replaces the oracle of MHA/GQA models: pass rotation=None, not on MLA models")
     elif rotation is None:
-        rotation = (LatentRotationSet.data_free(geometry, "hadamard", config.group_size) if mla
+        rotation = (LatentRotationSet.served_data_free(geometry) if mla
                     else RotationSet.data_free(geometry, "hadamard"))
     if rotation is not None:
         check_rotation(rotation, geometry, config_fingerprint(model.config), allow_other_model=allow_other_model)

@@ -244,6 +244,13 @@ class LatentRotationSet:
         return cls(r, meta, eig, source=path)
 
     @classmethod
+    def served_data_free(cls, geometry: ModelGeometry, method: str = "hadamard") -> LatentRotationSet:
+        """What a server uses without ``--oscar-rotation`` (and what the offline ``error`` / ``ppl``
+        baselines measure): :meth:`data_free` with blocks of :data:`DEFAULT_LATENT_BLOCK`, or the whole
+        latent when ``kv_lora_rank`` is narrower (64)."""
+        return cls.data_free(geometry, method, min(DEFAULT_LATENT_BLOCK, int(geometry.kv_lora_rank or 0)) or None)
+
+    @classmethod
     def data_free(cls, geometry: ModelGeometry, method: str = "hadamard", block: int | None = DEFAULT_LATENT_BLOCK) -> LatentRotationSet:
         """``"hadamard"`` (block Hadamard of ``block``) or ``"identity"``, one matrix per MLA layer.
 
