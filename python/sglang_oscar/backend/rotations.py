@@ -28,15 +28,13 @@ def model_geometry(hf_config) -> ModelGeometry:
 
 
 def _kv_shared_layers(hf_config) -> int:
-    """``num_kv_shared_layers`` of a (text) config (Gemma-3n / Gemma-4 small models), 0 if absent."""
+    """``num_kv_shared_layers`` of a (text) config (Gemma-3n / Gemma-4 small models), 0 if absent or
+    ``hf_config`` is ``None``; an unreadable config raises (the caller read its geometry from it)."""
     if hf_config is None:
         return 0
     from ..rotation.geometry import _as_dict
 
-    try:
-        cfg = _as_dict(hf_config)
-    except (TypeError, ValueError, OSError):
-        return 0
+    cfg = _as_dict(hf_config)
     cfg = cfg.get("text_config", cfg) or cfg
     return int(cfg.get("num_kv_shared_layers") or 0)
 
