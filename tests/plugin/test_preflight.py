@@ -470,8 +470,10 @@ def test_layers_kept_bf16_need_no_rotation_entry(hooked, tmp_path):
 
     assert launch("sliding") is None
     for skip in ("none", "full"):
-        with pytest.raises(ValueError, match=r"does not fit this model: .*missing \[0\.\.10\]"):
+        with pytest.raises(ValueError, match=r"does not fit this model: .*missing \[0\.\.10\]") as err:
             launch(skip)
+        # without a skip, the missing layers are exactly the sliding ones: the message names the flag
+        assert ("pass --oscar-skip-layers sliding" in str(err.value)) == (skip == "none")
 
 
 def test_preflight_checks_the_config_sglang_serves(hooked, tmp_path, monkeypatch):

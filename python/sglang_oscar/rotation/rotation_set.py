@@ -278,6 +278,9 @@ class RotationSet:
         for which, store in (("K", self.k), ("V", self.v)):
             missing = sorted(set(want) - set(store))
             extra = sorted(set(store) - set(geometry.layer_ids))
+            # a file of the other kind only (a hybrid's full layers, say): perhaps one kind was meant to stay BF16
+            kind = next((k for k in ("sliding", "full") if missing and not extra and sorted(
+                x.layer_id for x in layers if x.kind == k) == missing and len(missing) < len(want)), None)
             if missing or extra:
                 raise RotationError(
                     f"{self.source}: {which} rotations cover layers {_ids(store)} but the model "
@@ -286,7 +289,9 @@ class RotationSet:
                     + (f"; missing {'full-attention layers ' if geometry.linear_layer_ids else ''}{_ids(missing)}"
                        if missing else "")
                     + (f"; unexpected {_ids(extra)}" if extra else "")
-                    + ". This file was fitted for another model. " + fix
+                    + (f". It misses exactly the {kind} layers: if they are meant to stay BF16, pass "
+                       f"--oscar-skip-layers {kind} (recipe [quant].skip_layers); otherwise this file was fitted "
+                       "for another model. " if kind else ". This file was fitted for another model. ") + fix
                 )
         groups = [g for g in geometry.groups() if set(g.layer_ids) - skip]
         shapes_note = ""
