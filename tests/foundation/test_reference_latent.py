@@ -251,10 +251,12 @@ def test_middle_tier_is_the_calibration_fake_quant():
     """One oracle: the latent the calibration's error/ppl verbs fake-quantize is the pool's middle tier."""
     from sglang_oscar.calibrate.oracle import latent_fake_quant
 
-    _, _, c, kpe, *_ = _mla(t=33, r=64, seed=14)
-    cfg = OscarConfig(group_size=16)
-    r = _orthogonal(64, 15)
-    lc = build_latent_cache(c, kpe, r, cfg)
-    assert torch.equal(lc.ckv_low @ r.T, latent_fake_quant(c, r, cfg))
-    fake = build_latent_cache(c, kpe, r, cfg, cache="bf16")
-    assert torch.equal(fake.ckv_low, latent_fake_quant(c, r, cfg).to(torch.bfloat16).float())
+    _, _, c, kpe, *_ = _mla(t=33, r=256, seed=14)
+    r = _orthogonal(256, 15)
+    # an explicit group size, and none (the served default: groups of 128 along the rank, not one per row)
+    for cfg in (OscarConfig(group_size=16), OscarConfig()):
+        lc = build_latent_cache(c, kpe, r, cfg)
+        assert torch.equal(lc.ckv_low @ r.T, latent_fake_quant(c, r, cfg))
+        fake = build_latent_cache(c, kpe, r, cfg, cache="bf16")
+        assert torch.equal(fake.ckv_low, latent_fake_quant(c, r, cfg).to(torch.bfloat16).float())
+    assert lc.quant.group_size == 128

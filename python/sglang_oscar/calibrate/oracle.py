@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..config import OscarConfig
+from ..config import OscarConfig, latent_group_size
 from ..quant.int2 import dequantize_rows, quantize_rows
 from ..reference.attention import attend, hp_window_mask, oscar_attention, plain_attention
 from . import CalibrationError
@@ -190,7 +190,8 @@ def latent_fake_quant(c: torch.Tensor, r: torch.Tensor, config: OscarConfig, hp_
         fp32 ``[T, R]``.
     """
     rot = (c.float() @ r).to(hp_dtype)
-    qr = quantize_rows(rot.unsqueeze(1), **config.quant_kwargs("k"))
+    # the served latent's groups (128 when --kv-cache-quant-group-size is unset), as reference.latent's
+    qr = quantize_rows(rot.unsqueeze(1), **{**config.quant_kwargs("k"), "group_size": latent_group_size(config, c.shape[-1])})
     return dequantize_rows(qr)[:, 0] @ r.T
 
 
