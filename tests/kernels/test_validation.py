@@ -141,6 +141,34 @@ def test_decode_debug_checks_indices():
     run_decode(pool, q, mma_dtype=torch.float32)
 
 
+def test_decode_debug_accepts_what_the_kernels_read_through_int2():
+    """The served states the kernels handle pass the debug check: sink positions past a request's
+    ``sink_lens`` (the sink arena gave it no row; read through INT2) and, with a sliding window, positions
+    outside it (SGLang freed their slots). An index the kernel does read is still refused."""
+    pool = _pool()
+    q = rotate_q(pool, torch.randn(2, 4, 64))
+    req = int(pool.req_pool_indices[1])  # 20 positions: sink 0-3, INT2 4-11, recent 12-19
+    sink_lens = torch.full((pool.hp_index.shape[0],), 4, dtype=torch.int32)
+    sink_lens[req] = 2
+    hpi = pool.hp_index.clone()
+    hpi[req, 2:4] = -1  # no HP row for sink positions 2, 3: INT2 holds them
+    args = (q, pool.k_codes, pool.k_pairs, pool.v_codes, pool.v_pairs, pool.hp_k, pool.hp_v, hpi,
+            pool.req_to_token, pool.req_pool_indices, pool.seq_lens, pool.layout)
+    want = decode_attention(*args, sink=4, recent=8, sink_lens=sink_lens, mma_dtype=torch.float32)
+    got = decode_attention(*args, sink=4, recent=8, sink_lens=sink_lens, mma_dtype=torch.float32, debug=True)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="hp_index"):  # without sink_lens those positions need HP rows
+        decode_attention(*args, sink=4, recent=8, mma_dtype=torch.float32, debug=True)
+    window, L = 10, int(pool.seq_lens[1])
+    tok = pool.req_to_token.clone()
+    tok[req, 4:L - window] = 10_000  # freed slots outside the window (sink rows stay)
+    wargs = (*args[:7], pool.hp_index, tok, *args[9:])
+    decode_attention(*wargs, sink=4, recent=8, sliding_window=window, mma_dtype=torch.float32, debug=True)
+    tok[req, L - window] = 10_000  # the oldest key the window reads
+    with pytest.raises(ValueError, match="req_to_token"):
+        decode_attention(*wargs, sink=4, recent=8, sliding_window=window, mma_dtype=torch.float32, debug=True)
+
+
 def test_extend_rejects_bad_inputs():
     pool = _pool()
     q = torch.randn(5, 4, 64)

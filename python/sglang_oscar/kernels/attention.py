@@ -111,22 +111,43 @@ def counter_rotate(o: torch.Tensor, rotation_v: torch.Tensor, num_kv_heads: int,
 
 
 def debug_request_indices(req_pool_indices, seq_lens, hp_index, req_to_token, hp_rows, slots, sink, recent,
-                           prefix_mode: bool):
+                          prefix_mode: bool, sink_lens=None, sliding_window=None, first_query=None) -> None:
+    """Check (host sync; ``SGLANG_OSCAR_DEBUG``) that every position a request's attention reads has a
+    valid index: an HP row (``hp_index`` in ``[0, hp_rows)``) for sink positions below
+    ``min(sink_lens[req], sink)`` (all of ``[0, sink)`` without ``sink_lens``) and, in decode mode,
+    for the recent ring; an INT2 slot (``req_to_token`` in ``[0, slots)``) for every other position.
+    With ``sliding_window`` W, key ``p`` is read only if ``first_query - p < W`` (``first_query``:
+    ``[B]`` position of a request's first query; default ``seq_lens - 1``), and nothing outside that
+    span is checked (SGLang frees those slots).
+
+    Args:
+        req_pool_indices, seq_lens: int ``[B]`` (``seq_lens`` counts every position read, queries
+            included); hp_index, req_to_token, sink_lens: as :class:`~.decode.plan.DecodePlan`;
+            prefix_mode: extend (no recent ring: a chunk reads its prefix and itself through INT2).
+
+    Raises:
+        ValueError: an index outside its table, naming the request and the table.
+    """
     check_range(req_pool_indices, "req_pool_indices", 0, min(req_to_token.shape[0], hp_index.shape[0]))
     check_range(seq_lens, "seq_lens", 0, req_to_token.shape[1] + 1)
-    for req, L in zip(req_pool_indices.tolist(), seq_lens.tolist()):
+    firsts = None if first_query is None else first_query.tolist()
+    for i, (req, L) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         if L == 0:
             continue
         pos = torch.arange(L)
-        hp = pos < sink
-        if not prefix_mode:
-            hp |= pos >= L - recent
-        hp_pos = pos[hp]
+        read = torch.ones(L, dtype=torch.bool)
+        if sliding_window:
+            read = (L - 1 if firsts is None else firsts[i]) - pos < sliding_window
+        own_sink = sink if sink_lens is None else min(sink, int(sink_lens[req]))
+        hp = pos < own_sink
+        if not prefix_mode:  # the recent ring holds positions past the sink span only
+            hp |= (pos >= L - recent) & (pos >= sink)
+        hp_pos = pos[hp & read]
         entries = torch.where(hp_pos < sink, hp_pos, sink + (hp_pos % max(recent, 1)))
         if entries.numel():
             rows = hp_index[req, entries.to(hp_index.device)]
             check_range(rows, f"hp_index[{req}] (positions needing an HP row)", 0, hp_rows)
-        int2_pos = pos[~hp]
+        int2_pos = pos[~hp & read]
         if int2_pos.numel():
             s = req_to_token[req, int2_pos.to(req_to_token.device)]
             check_range(s, f"req_to_token[{req}] (INT2 positions)", 0, slots)

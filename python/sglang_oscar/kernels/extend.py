@@ -228,7 +228,8 @@ class ExtendPlan:
             if int(extend_prefix_lens.min()) < 0 if bsz else False:
                 raise ValueError("extend_prefix_lens has negative entries")
             debug_request_indices(req_pool_indices, (extend_prefix_lens + extend_seq_lens), hp_index, req_to_token,
-                                  hp_k.shape[0], k_codes.shape[0], sink, 0, prefix_mode=True)
+                                  hp_k.shape[0], k_codes.shape[0], sink, 0, prefix_mode=True, sink_lens=sink_lens,
+                                  sliding_window=sliding_window, first_query=extend_prefix_lens)
         if max_extend_len is None:
             max_extend_len = int(extend_seq_lens.max()) if bsz else 0
         self.layout, self.device, self.config = layout, dev, tn

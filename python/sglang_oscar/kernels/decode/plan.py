@@ -251,7 +251,8 @@ class DecodePlan:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         if self.debug:
             debug_request_indices(self.req_pool_indices, self.seq_lens, self.hp_index, self.req_to_token,
-                                  self._hp_rows, self._slots, self.sink, self.recent, prefix_mode=False)
+                                  self._hp_rows, self._slots, self.sink, self.recent, prefix_mode=False,
+                                  sink_lens=self.sink_lens, sliding_window=self.sliding_window)
         if self.batch == 0:
             return out
         qscale, cap_log2e = run_scales(self.has_cap, q.shape[-1], sm_scale, logit_cap)
