@@ -204,3 +204,19 @@ def test_missing_model_directory(tmp_path, monkeypatch, capsys):
     assert looks_local("runs/small_lm") and not looks_local("nosuchorg/small_lm")
     with pytest.raises(FileNotFoundError, match=r"model directory runs/small_lm does not exist"):
         load_model("runs/small_lm", device="cpu")
+
+
+def test_rotation_names_never_collide(monkeypatch):
+    """`error --rotation a/rot b/rot c/rot`, all fitted by one method: the second is renamed by its file, and
+    a third that would take that name too is refused rather than silently replacing it."""
+    from types import SimpleNamespace
+
+    from sglang_oscar.calibrate import CalibrationError, cli, fit
+
+    monkeypatch.setattr(fit, "load_rotation_any", lambda path: SimpleNamespace(metadata={"method": "oscar"}, path=path))
+    got = cli._rotations_from_args(["a/rot.safetensors", "b/rot.safetensors"])
+    assert {k: v.path for k, v in got.items()} == {"oscar": "a/rot.safetensors", "oscar:rot.safetensors": "b/rot.safetensors"}
+    with pytest.raises(CalibrationError, match="'oscar:rot.safetensors' is already taken.*NAME=PATH"):
+        cli._rotations_from_args(["a/rot.safetensors", "b/rot.safetensors", "c/rot.safetensors"])
+    named = cli._rotations_from_args(["x=a/rot.safetensors", "y=b/rot.safetensors", "c/rot.safetensors"])
+    assert sorted(named) == ["oscar", "x", "y"]

@@ -94,7 +94,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="at most this many --seq-len sequences per file (JSONL record) for the calibration and the "
                         "evaluation sets, taken round robin over the files in a seeded order; files shorter than "
                         "--seq-len are packed together (default 1; 0: pack all documents in a seeded order and use "
-                        "the first tokens, the selection before this option)")
+                        "the first tokens)")
     p.add_argument("--sink", type=int, default=64, help="BF16 sink of the +win rows (default 64)")
     p.add_argument("--recent", type=int, default=256, help="BF16 recent window of the +win rows (default 256)")
     p.add_argument("--group-size", type=int, default=None, help="OSCAR-format group size (default: head_dim)")
@@ -348,6 +348,12 @@ def _fit(args) -> int:
 
 
 def _rotations_from_args(specs: list[str]) -> dict:
+    """``{name: rotation set}`` of ``--rotation [NAME=]PATH`` values: the name given, else the file's
+    method (``method:basename`` where that is a baseline's or an earlier file's name).
+
+    Raises:
+        CalibrationError: two files would get one name (they would be reported as one)."""
+    from . import CalibrationError
     from .fit import load_rotation_any
 
     out = {}
@@ -359,6 +365,9 @@ def _rotations_from_args(specs: list[str]) -> dict:
         name = name or rs.metadata.get("method") or "fitted"
         if name in ("naive", "hadamard", "bf16") or name in out:
             name = f"{name}:{os.path.basename(path)}"
+        if name in out:
+            raise CalibrationError(f"--rotation {spec}: the name {name!r} is already taken by another file; name each "
+                                   "one with NAME=PATH")
         out[name] = rs
     return out
 
