@@ -17,6 +17,8 @@ from .validate import INDEX_DTYPES, check_float, check_int2_buffers, check_range
 
 @functools.lru_cache(maxsize=256)
 def attn_constants(layout: Int2Layout) -> tuple:
+    """The kernels' level constants of ``layout``: ``(a4, b2 / a4, c0, *levels)`` (floats; the affine
+    map of a 2-bit code to its level, :attr:`Int2Layout.affine_levels`, and the four levels)."""
     a4, b2, c0 = layout.affine_levels
     return (a4, b2 / a4, c0, *layout.levels)
 
@@ -40,6 +42,7 @@ def check_sm_scale(sm_scale) -> float:
 
 
 def check_out_dtype(out_dtype) -> None:
+    """Raises ``ValueError`` unless ``out_dtype`` is float32 / float16 / bfloat16."""
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"out_dtype {out_dtype} is not float32/float16/bfloat16")
 
@@ -53,6 +56,10 @@ def score_scales(sm_scale: float, logit_cap) -> tuple[float, float, bool]:
 
 
 def resolve_mma_dtype(mma_dtype, hp_dtype: torch.dtype) -> torch.dtype:
+    """The MMA operand dtype: ``mma_dtype``, else fp32 for fp32 HP rows and fp16 otherwise.
+
+    Raises:
+        ValueError: not float32 / float16 / bfloat16, or bfloat16 under ``TRITON_INTERPRET``."""
     if mma_dtype is None:
         mma_dtype = torch.float32 if hp_dtype == torch.float32 else torch.float16
     if mma_dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -102,6 +109,11 @@ def check_cache(layout: Int2Layout, dev, num_q_heads: int, k_codes, k_pairs, v_c
 
 
 def counter_rotate(o: torch.Tensor, rotation_v: torch.Tensor, num_kv_heads: int, out_dtype) -> torch.Tensor:
+    """``o R_v^T`` in ``out_dtype``: ``o`` ``[B, H_q, D_v]`` in the rotated V frame, ``rotation_v``
+    ``[D_v, D_v]`` or per kv head ``[H_kv, D_v, D_v]``.
+
+    Raises:
+        ValueError: a rotation of another head_dim or kv-head count."""
     dv = o.shape[-1]
     if rotation_v.shape[-1] != dv or rotation_v.shape[-2] != dv or rotation_v.dim() not in (2, 3):
         raise ValueError(f"rotation_v {tuple(rotation_v.shape)} does not match V head_dim {dv}")

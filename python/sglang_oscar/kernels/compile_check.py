@@ -46,6 +46,7 @@ def interpreting() -> bool:
 
 
 def active() -> bool:
+    """Whether a :func:`compile_only` block is open (wrappers compile for its target instead of launching)."""
     return _TARGET is not None
 
 

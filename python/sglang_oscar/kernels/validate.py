@@ -42,6 +42,9 @@ def debug_enabled(debug: bool | None) -> bool:
 
 def check_tensor(t, name: str, *, ndim: int | None = None, dtypes=None, device=None, shape=None,
                  last_contiguous: bool = False) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``t`` is a tensor with ``ndim`` dims, a dtype in
+    ``dtypes``, on ``device``, of ``shape`` (``None`` entries: any size) and, with ``last_contiguous``,
+    stride 1 in its last dim."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -63,6 +66,7 @@ def check_tensor(t, name: str, *, ndim: int | None = None, dtypes=None, device=N
 
 
 def check_float(t, name: str) -> None:
+    """Raises ``ValueError`` unless ``t`` is float32 / float16 / bfloat16."""
     if not t.dtype.is_floating_point or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
 
@@ -82,11 +86,15 @@ def check_range(t: torch.Tensor, name: str, lo: int, hi: int, *, allow_negative:
 
 
 def check_finite(t: torch.Tensor, name: str) -> None:
+    """Raises ``ValueError`` if ``t`` holds a NaN or an Inf (host sync)."""
     if t.numel() and not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} contains NaN or Inf")
 
 
 def check_int2_buffers(layout, k_codes, k_pairs, v_codes, v_pairs, heads, device):
+    """Raises ``ValueError`` unless the INT2 planes fit ``layout``: codes uint8 ``[S, heads, D/4]``,
+    (scale, zero) pairs ``[S, heads, 2 * groups]`` in ``layout.scale_dtype``, on ``device``, last dim
+    contiguous."""
     check_tensor(k_codes, "k_codes", ndim=3, dtypes=torch.uint8, device=device,
                  shape=(None, heads, layout.k.head_dim // 4), last_contiguous=True)
     check_tensor(k_pairs, "k_pairs", ndim=3, dtypes=layout.scale_dtype, device=device,
