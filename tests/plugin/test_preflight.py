@@ -536,3 +536,18 @@ def test_a_file_fitted_for_another_network_is_refused(hooked, tmp_path, monkeypa
         assert launch("oscar", name="qwen3-8b-instruct", vocab_size=256).kv_cache_dtype == "int2"
     assert "records another model type, name or vocabulary" in caplog.text
     assert launch("hadamard", hidden_size=128).kv_cache_dtype == "int2"  # data-free: the geometry is all it needs
+
+
+def test_windows_past_the_context_are_refused_before_weights_load(hooked, tmp_path, monkeypatch):
+    """sink + recent above the context SGLang derived (here max_position_embeddings 4096) would reserve BF16
+    rows no request fills: refused at launch; equal to it passes (a window covering everything is allowed)."""
+    from transformers import Qwen3Config
+
+    d = tmp_path / "ctx"
+    Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=128, max_position_embeddings=4096,
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(d)
+    assert int2_server_args(str(d), monkeypatch, sink_tokens=64, recent_tokens=4032).kv_cache_dtype == "int2"
+    with pytest.raises(ValueError, match=r"--oscar-sink-tokens 64 \+ --oscar-recent-tokens 4033 exceed the model's "
+                                         r"context of 4096 tokens.*lower them"):
+        int2_server_args(str(d), monkeypatch, sink_tokens=64, recent_tokens=4033)

@@ -165,6 +165,13 @@ def preflight(server_args) -> None:
                                      served_rotation_set)
 
     config = oscar_config_of(server_args)
+    # the context SGLang derived (ServerArgs.__post_init__ built model_config): windows past it are never
+    # filled, but every running request would reserve their BF16 rows
+    context = getattr(getattr(server_args, "__dict__", {}).get("model_config"), "context_len", None)
+    if isinstance(context, int) and context > 0 and config.sink_tokens + config.recent_tokens > context:
+        raise ValueError(f"--oscar-sink-tokens {config.sink_tokens} + --oscar-recent-tokens {config.recent_tokens} "
+                         f"exceed the model's context of {context} tokens (each running request reserves that many "
+                         "BF16 rows): lower them (defaults 64 / 256)")
     if config.mla_storage == "expanded" and _traced_prefill_graph(server_args):
         # SGLang's handlers never pick the MHA method under a traced prefill graph; expanded storage forces
         # it, so dynamo would trace forward_normal_prepare and its non-torch concat kernel (not validated)
