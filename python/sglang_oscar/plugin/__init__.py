@@ -156,7 +156,7 @@ def _traced_prefill_graph(server_args) -> bool:
 
 
 def preflight(server_args) -> None:
-    """Check the rotation file and group size against the model's config (no weights loaded).
+    """Check the rotation file, group size and BF16 windows against the model's config (no weights loaded).
 
     Raises:
         ValueError: the message names the problem and the flag that fixes it.
