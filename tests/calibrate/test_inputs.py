@@ -154,7 +154,7 @@ def test_zero_token_budget_is_refused(model_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--model", str(model_dirs["qwen3"]), "--prompts", txt, "--tokens", "0",
               "--out", str(tmp_path / "s.safetensors")])
-    assert exc.value.code == 2 and "must be a positive number of tokens, got 0" in capsys.readouterr().err
+    assert exc.value.code == 2 and "must be a positive integer, got 0" in capsys.readouterr().err
     assert not (tmp_path / "s.safetensors").exists()
     with pytest.raises(CalibrationError, match="must be positive"):
         build_prompt_set(make_tokenizer(), txt, budget=0)

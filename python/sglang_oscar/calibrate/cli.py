@@ -33,8 +33,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _model_args(p)
     _prompt_args(p, tokens=None, seed=0)
     p.add_argument("--out", help="statistics .safetensors (default with --recipe: <recipe folder>/calib/stats.safetensors)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per forward (equal lengths only)")
-    p.add_argument("--checkpoint-every", type=int, default=32, help="sequences between checkpoints (default 32)")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="sequences per forward (equal lengths only)")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=32, help="sequences between checkpoints (default 32)")
     p.add_argument("--restart", action="store_true", help="discard an existing checkpoint and start over")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
     p.set_defaults(func=_calibrate)
@@ -48,9 +48,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="model config.json, model dir or Hub id: check the statistics against it (required "
                                     "for data-free methods without --stats); copied next to --out as <out>.config.json")
     p.add_argument("--trust-remote-code", action="store_true", help="when --config is a Hub id of a remote-code model")
-    p.add_argument("--min-tokens", type=int, default=None, help="minimum tokens per layer for fitted methods (default 4096)")
+    p.add_argument("--min-tokens", type=_positive_int, default=None,
+                   help="minimum tokens per layer for fitted methods, > 0 (default 4096)")
     p.add_argument("--latent-block", type=int, default=None,
-                   help="MLA: Hadamard block of latent rotations, a power of two dividing kv_lora_rank (default: group size or 128)")
+                   help="MLA: Hadamard block of latent rotations, a power of two dividing kv_lora_rank (default: the "
+                        "recipe's group size, else 128 or the whole latent when kv_lora_rank is narrower, as served)")
     p.add_argument("--upstream-dir", help="MLA: also write the upstream layer_<id>.pt directory")
     p.add_argument("--center", action="store_true",
                    help="MHA/GQA: also store the per-kv-head key and value means; the cache then holds (x - mean) R "
@@ -104,7 +106,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kivi-residual", type=int, default=128, help="KIVI full-precision residual (default 128)")
     p.add_argument("--kivi-group", type=int, action="append", default=None,
                    help="KIVI key group size in tokens, repeatable (default 128 and 32)")
-    p.add_argument("--min-tokens", type=int, default=4096, help="minimum calibration tokens per layer (default 4096)")
+    p.add_argument("--min-tokens", type=_positive_int, default=4096, help="minimum calibration tokens per layer (default 4096)")
     p.add_argument("--variants", help="comma-separated row names to compute (default all)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
     p.add_argument("--device", help="cuda | cuda:N | cpu (default: cuda if available)")
@@ -145,12 +147,13 @@ def _allow_other_model_arg(p) -> None:
 
 
 def _positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (tokens, sequences, batch sizes)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
 
 
@@ -262,6 +265,7 @@ def _write_json(path: str | None, obj) -> None:
 
 # ----------------------------------------------------------------------------- verbs
 def _calibrate(args) -> int:
+    from ..cli.paths import check_writable
     from . import CalibrationError
     from .model import config_dict
     from .recipes import default_paths, stats_config_path
@@ -271,6 +275,7 @@ def _calibrate(args) -> int:
     out = args.out or (default_paths(recipe)["stats"] if recipe else None)
     if not out:
         raise CalibrationError("--out is required (or --recipe)")
+    check_writable(out, "--out")  # before hours of forward passes
     model_path, model, tok = _load(args, recipe)
     prompts = _prompts(args, tok, recipe, recipe.rotation.calib_data if recipe else None)
     st = calibrate_model(model, prompts, out, model_id=model_path, batch_size=args.batch_size,
@@ -287,6 +292,8 @@ def _fit(args) -> int:
     from .fit import DEFAULT_MIN_TOKENS, fit_rotations
     from .model import config_fingerprint, geometry_of
     from .oracle import settings
+    from ..cli.paths import check_writable
+    from ..rotation.latent import DEFAULT_LATENT_BLOCK
     from .recipes import check_geometry, default_paths, oscar_config, rotation_config_path, rotation_kind
     from .stats import CalibrationStats
 
@@ -300,6 +307,9 @@ def _fit(args) -> int:
         cfg, name = _read_config(args.config, hub=True, trust_remote_code=args.trust_remote_code)
         geometry = geometry_of(cfg)
         fingerprint = config_fingerprint(cfg, name)
+    if args.stats and os.path.exists(out) and os.path.samefile(out, args.stats):
+        raise CalibrationError(f"--out {out} is the statistics file itself (--stats): writing the rotation there would "
+                               "destroy the statistics; pass another --out")
     if args.stats:
         stats = CalibrationStats.load(args.stats)
     elif args.center or (recipe is not None and recipe.rotation.center):
@@ -320,10 +330,16 @@ def _fit(args) -> int:
             )
     if args.latent_block is not None and geo.attention_kind != "mla":
         raise CalibrationError("--latent-block applies to MLA latent rotations only")
+    if args.upstream_dir and geo.attention_kind != "mla":  # before anything is written
+        raise CalibrationError("--upstream-dir applies to MLA latent rotations only")
     if args.latent_block is not None:
         block = args.latent_block
-    else:
-        block = (recipe.quant.group_size if recipe is not None else None) or 128
+    else:  # the recipe's group size, else the server's data-free rule (128, or the whole latent when narrower)
+        block = (recipe.quant.group_size if recipe is not None else None) or (
+            min(DEFAULT_LATENT_BLOCK, int(geo.kv_lora_rank)) if geo.attention_kind == "mla" else DEFAULT_LATENT_BLOCK)
+    check_writable(out, "--out")
+    if args.upstream_dir:
+        check_writable(os.path.join(args.upstream_dir, "layer_0.pt"), "--upstream-dir")
     min_tokens = args.min_tokens if args.min_tokens is not None else DEFAULT_MIN_TOKENS
     rs = fit_rotations(stats, method, min_tokens=min_tokens, latent_block=block, geometry=geometry,
                        fingerprint=fingerprint, allow_other_model=args.allow_other_model,
@@ -338,8 +354,6 @@ def _fit(args) -> int:
         with open(written["config"], "w") as f:
             json.dump({**cfg, "_name_or_path": name}, f, indent=2, sort_keys=True, default=str)
     if args.upstream_dir:
-        if not hasattr(rs, "save_upstream_dir"):
-            raise CalibrationError("--upstream-dir applies to MLA latent rotations only")
         rs.save_upstream_dir(args.upstream_dir)
     print(json.dumps({**written, "method": method, "layers": len(rs.layer_ids), "model_type": stats.geometry.model_type,
                       "kind": "latent" if hasattr(rs, "save_upstream_dir") else f"kv_v{rs.format_version}",
@@ -426,6 +440,10 @@ def _error(args) -> int:
 
     recipe = _recipe(args)
     _require_held_out(args, recipe, "error")
+    if args.out:
+        from ..cli.paths import check_writable
+
+        check_writable(args.out, "--out")
     specs = list(args.rotation) or ([_recipe_rotation(recipe)] if recipe is not None else [])
     rotations = _rotations_from_args(specs)
     _, model, tok = _load(args, recipe)
@@ -447,6 +465,10 @@ def _ppl(args) -> int:
 
     recipe = _recipe(args)
     _require_held_out(args, recipe, "ppl")
+    if args.out:
+        from ..cli.paths import check_writable
+
+        check_writable(args.out, "--out")
     path = args.rotation or (_recipe_rotation(recipe) if recipe is not None else None)
     _, model, tok = _load(args, recipe)
     cfg = _config(args, recipe)
@@ -524,8 +546,16 @@ def _read_config(path: str, *, hub: bool = False, trust_remote_code: bool = Fals
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.exists(p):
             raise FileNotFoundError(f"model config {p} does not exist")
-        with open(p) as f:
-            cfg = json.load(f)
+        with open(p, "rb") as f:
+            raw = f.read()
+        try:
+            cfg = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8 text
+            raise CalibrationError(f"model config {p} is not a JSON file ({exc}): pass the model's config.json or its "
+                                   "checkpoint directory") from None
+        if not isinstance(cfg, dict):
+            raise CalibrationError(f"model config {p} holds a JSON {type(cfg).__name__}, not an object: pass the model's "
+                                   "config.json or its checkpoint directory")
         return cfg, cfg.get("_name_or_path") or (path if os.path.isdir(path) else os.path.dirname(os.path.abspath(p)))
     if not hub:
         raise FileNotFoundError(

@@ -3,8 +3,9 @@
 Sources (``source`` string):
 
 * a **text file**: documents are separated by blank lines;
-* a **JSONL file** (``.jsonl``): one JSON object per line with a ``"text"`` field (name set by
-  ``text_field``);
+* a **JSONL file** (``.jsonl``): one JSON object per line with a ``"text"`` string field (name set
+  by ``text_field``); a ``.json`` file holds the same records as JSON Lines or as one JSON array;
+  files must be UTF-8;
 * ``task:<name>`` (``task:gpqa``, ``task:math500``, ...): the evaluation prompts of that task
   (``sglang_oscar.evals``), rendered through the tokenizer's chat template -- what upstream
   calibrated on (GPQA-Diamond prompts, spec §8.1);
@@ -101,10 +102,47 @@ def parse_jsonl(text: str, source: str, text_field: str = "text") -> list[dict]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CalibrationError(f"{source}:{n}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or text_field not in obj:
-            raise CalibrationError(f"{source}:{n}: record has no {text_field!r} field")
-        out.append(obj)
+        out.append(_check_record(obj, f"{source}:{n}", text_field))
     return out
+
+
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
+
+
+def _check_record(obj: Any, where: str, text_field: str) -> dict:
+    """``obj`` if it is a JSON object whose ``text_field`` is a string.
+
+    Raises:
+        CalibrationError: naming ``where`` (a non-string text would be calibrated on as its
+        ``str()``: ``None``, ``5`` or a list's repr).
+    """
+    if not isinstance(obj, dict) or text_field not in obj:
+        raise CalibrationError(f"{where}: record has no {text_field!r} field")
+    if not isinstance(obj[text_field], str):
+        kind = _JSON_TYPES.get(type(obj[text_field]), type(obj[text_field]).__name__)
+        raise CalibrationError(f"{where}: the {text_field!r} field is a JSON {kind}, not a string: every record needs "
+                               f"its text as a string (or pass --text-field with the field that holds it)")
+    return obj
+
+
+def _json_file_records(text: str, source: str, text_field: str) -> list[dict]:
+    """The records of a ``.json`` file: a JSON array of objects, or JSON Lines.
+
+    Raises:
+        CalibrationError: anything else (a lone object, invalid JSON, records without a string
+        ``text_field``), naming the file and the two accepted layouts.
+    """
+    layouts = "a .json prompts file holds a JSON array of objects or one JSON object per line (JSON Lines)"
+    if not text.lstrip().startswith("["):
+        try:
+            return parse_jsonl(text, source, text_field)
+        except CalibrationError as exc:
+            raise CalibrationError(f"{exc}; {layouts}, each with a {text_field!r} string") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{source}: not valid JSON ({exc.msg}, line {exc.lineno}); {layouts}") from None
+    return [_check_record(obj, f"{source}: record {i}", text_field) for i, obj in enumerate(data)]
 
 
 def load_documents(source: str, text_field: str = "text") -> Documents:
@@ -118,10 +156,18 @@ def load_documents(source: str, text_field: str = "text") -> Documents:
         with open(source, "rb") as f:
             raw = f.read()
         sha = _sha256_bytes(raw)
-        text = raw.decode("utf-8", errors="replace")
-        if source.endswith(".jsonl"):
-            docs = [str(obj[text_field]) for obj in parse_jsonl(text, source, text_field)]
-            return Documents(docs, "jsonl", source, sha)
+        try:  # no silent U+FFFD replacement: a binary or non-UTF-8 file would be calibrated on as garbage
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CalibrationError(
+                f"prompts file {source} is not UTF-8 text (byte {exc.start} is {raw[exc.start:exc.start + 1]!r}): pass a "
+                "UTF-8 text file (documents separated by blank lines) or a JSONL file, or convert it (e.g. iconv -t UTF-8)"
+            ) from None
+        lower = source.lower()
+        if lower.endswith((".jsonl", ".json")):
+            records = (parse_jsonl(text, source, text_field) if lower.endswith(".jsonl")
+                       else _json_file_records(text, source, text_field))
+            return Documents([obj[text_field] for obj in records], "jsonl", source, sha)
         docs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n")]
         return Documents([d for d in docs if d], "text", source, sha)
     if source.startswith("task:"):
@@ -208,6 +254,7 @@ def build_prompt_set(
     seqs: list[list[int]] = []
     total = 0
     used_docs = 0
+    cut = 0  # unpacked documents longer than a sequence (their tail is not used)
     if pack:
         stream: list[int] = []
         for i in order:
@@ -236,6 +283,7 @@ def build_prompt_set(
             if not ids:
                 continue
             used_docs += 1
+            cut += len(ids) > room
             seq = ids[:seq_len] if prefix and ids[: len(prefix)] == prefix else prefix + ids[:room]
             seq = seq[: budget - total]
             if len(seq) < 2:  # a one-token document: nothing to attend over; the next one may be longer
@@ -248,7 +296,9 @@ def build_prompt_set(
                 break
     _check_total(docs, total, budget, lambda: (
         f"calibration data {docs.source} has only {total} tokens ({len(docs.texts)} documents), fewer than "
-        f"the token budget of {budget}; using all {total} tokens"))
+        f"the token budget of {budget}; using all {total} tokens"
+        + (f" ({cut} documents were longer than --seq-len {seq_len} and were cut: without packing each document "
+           "gives one sequence; --pack uses all of their tokens)" if cut else "")))
     meta = _base_meta(docs, seqs, budget=budget, total=total, seed=seed, seq_len=seq_len, pack=pack)
     meta["documents_used"] = used_docs
     return PromptSet(seqs, meta)

@@ -107,9 +107,22 @@ class CalibrationStats:
         if q is not None and q.shape[1] % lg.num_kv_heads:
             raise CalibrationError(f"layer {layer_id}: {q.shape[1]} query heads are not a multiple of {lg.num_kv_heads} kv heads")
 
+    def _check_finite(self, layer_id: int, pass_index: int, **rows: torch.Tensor) -> None:
+        """Raise if a captured tensor holds NaN/Inf: the sums would be poisoned (or, for the latent,
+        silently written) and the fit would fail later without naming the layer."""
+        for name, t in rows.items():
+            if not bool(torch.isfinite(t).all()):
+                raise CalibrationError(
+                    f"layer {layer_id}: the captured {name} of pass {pass_index} contains NaN/Inf: the model's activations "
+                    "overflow in this dtype (float16?) or its weights are damaged; the statistics file was not written. "
+                    "Calibrate again in a wider dtype (--dtype bfloat16 or float32, with --restart), or check the "
+                    "model's weights"
+                )
+
     def add_pass1(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Accumulate pass-1 sums of rows ``q [N, H_q, D_k]``, ``k [N, H_kv, D_k]``, ``v [N, H_kv, D_v]``."""
         self._check_mha(layer_id, q, k, v)
+        self._check_finite(layer_id, 1, query=q, key=k, value=v)
         qs, rows = query_second_moment_sums(q, k.shape[1])
         kd, vd = k.double(), v.double()
         self._add("q_sum", layer_id, qs)
@@ -151,6 +164,7 @@ class CalibrationStats:
         if self.passes_done < 1:
             raise CalibrationError("pass 2 needs the final query covariance of a completed pass 1")
         self._check_mha(layer_id, None, k, v)
+        self._check_finite(layer_id, 2, key=k, value=v)
         if layer_id not in self._qcov:
             self._qcov[layer_id] = self.query_covariance(layer_id).to(k.device)
         sums, wsum = value_weighted_sums(k, v, self._qcov[layer_id])
@@ -165,6 +179,7 @@ class CalibrationStats:
             raise CalibrationError(f"layer {layer_id}: captured latent of shape {tuple(c.shape)}, expected [N, {rank}]")
         if layer_id not in self.geometry.layer_ids:
             raise CalibrationError(f"layer {layer_id} is not an MLA layer of the geometry")
+        self._check_finite(layer_id, 1, latent=c)
         cd = c.double()
         self._add("c_sum", layer_id, cd.T @ cd)
         self.tokens[1][layer_id] = self.tokens[1].get(layer_id, 0) + c.shape[0]
@@ -272,13 +287,17 @@ class CalibrationStats:
                              f"statistics {self.meta.get('path', '')} (model {self.meta.get('model', {}).get('id', '?')})",
                              what, allow_other_model)
         else:
+            def cache(g: ModelGeometry) -> str:  # an MLA layer caches one latent, not kv heads of head_dim
+                if g.attention_kind == "mla":
+                    return f"MLA latent kv_lora_rank {g.kv_lora_rank}"
+                return (f"kv heads {sorted({x.num_kv_heads for x in g.layers})}, "
+                        f"head_dims {sorted({x.head_dim_k for x in g.layers})}")
+
             mine, theirs = self.geometry, geometry
             raise CalibrationError(
                 f"{self.meta.get('path', 'statistics')} were computed for {self.meta.get('model', {}).get('id', '?')} "
-                f"({mine.model_type}, {len(mine.layers)} attention layers, kv heads "
-                f"{sorted({x.num_kv_heads for x in mine.layers})}, head_dims {sorted({x.head_dim_k for x in mine.layers})}) "
-                f"but {what} is {theirs.model_type} with {len(theirs.layers)} attention layers, kv heads "
-                f"{sorted({x.num_kv_heads for x in theirs.layers})}, head_dims {sorted({x.head_dim_k for x in theirs.layers})}: "
+                f"({mine.model_type}, {len(mine.layers)} attention layers, {cache(mine)}) "
+                f"but {what} is {theirs.model_type} with {len(theirs.layers)} attention layers, {cache(theirs)}: "
                 "statistics from another model cannot be used; calibrate this model"
             )
 
@@ -331,10 +350,20 @@ class CalibrationStats:
             raise CalibrationError(f"{path} is not a readable safetensors file: {exc}") from exc
         if not raw:
             raise CalibrationError(f"{path} has no '{META_KEY}' metadata: not an sglang-oscar statistics file")
-        meta = json.loads(raw)
+        damaged = f"{path}: the '{META_KEY}' metadata is damaged"
+        fix = "; recalibrate (`sglang-oscar calibrate ... --restart`)"
+        try:
+            meta = json.loads(raw)
+        except ValueError as exc:
+            raise CalibrationError(f"{damaged}: not valid JSON ({exc}){fix}") from None
+        if not isinstance(meta, dict):
+            raise CalibrationError(f"{damaged}: a JSON {type(meta).__name__}, not an object{fix}")
         if meta.get("format") != STATS_FORMAT or meta.get("format_version") != STATS_VERSION:
             raise CalibrationError(f"{path}: unsupported statistics format {meta.get('format')!r} v{meta.get('format_version')!r}")
-        geometry = ModelGeometry.from_dict(meta["geometry"])
+        try:
+            geometry = ModelGeometry.from_dict(meta["geometry"])
+        except Exception as exc:  # missing key, wrong types: the file was edited or truncated
+            raise CalibrationError(f"{damaged}: its geometry cannot be read ({type(exc).__name__}: {exc}){fix}") from None
         keep = {k: v for k, v in meta.items() if k not in ("geometry", "tokens_per_layer", "q_rows", "passes_done",
                                                           "passes_needed", "format", "format_version")}
         keep["path"] = path
@@ -343,10 +372,38 @@ class CalibrationStats:
             prefix, _, lid = name.rpartition(".")
             if prefix not in st.sums or not lid.isdigit():
                 raise CalibrationError(f"{path}: unexpected tensor {name!r}")
+            if not bool(torch.isfinite(t).all()):
+                raise CalibrationError(
+                    f"{path}: tensor {name!r} contains NaN/Inf: the calibration captured non-finite activations (or the "
+                    "file is damaged); recalibrate in a wider dtype (`sglang-oscar calibrate --dtype bfloat16` or "
+                    "float32, with --restart)"
+                )
             st.sums[prefix][int(lid)] = t
-        st.tokens = {int(p): {int(k): int(v) for k, v in d.items()} for p, d in meta.get("tokens_per_layer", {}).items()}
+        try:
+            st.tokens = {int(p): {int(k): int(v) for k, v in d.items()} for p, d in meta.get("tokens_per_layer", {}).items()}
+            st.q_rows = {int(k): int(v) for k, v in meta.get("q_rows", {}).items()}
+            st.passes_done = int(meta.get("passes_done", 0))
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"{damaged}: token counts cannot be read ({exc}){fix}") from None
         st.tokens.setdefault(1, {})
         st.tokens.setdefault(2, {})
-        st.q_rows = {int(k): int(v) for k, v in meta.get("q_rows", {}).items()}
-        st.passes_done = int(meta.get("passes_done", 0))
+        st._check_tensors_present()
         return st
+
+    def _check_tensors_present(self) -> None:
+        """Every layer with tokens of a pass has that pass's sums (``k_lin``/``v_lin`` may be missing:
+        older files; :meth:`means` names that case).
+
+        Raises:
+            CalibrationError: naming the file, the tensor and the fix.
+        """
+        need = {1: ("c_sum",) if self.is_mla else ("q_sum", "k_sum", "v_sum"), 2: () if self.is_mla else ("v_wsum", "w_sum")}
+        for p, names in need.items():
+            for lid, n in self.tokens.get(p, {}).items():
+                for name in names:
+                    if n and lid not in self.sums[name]:
+                        raise CalibrationError(
+                            f"{self.meta.get('path', 'statistics')}: tensor '{name}.{lid}' is missing although layer {lid} "
+                            f"has {n} pass-{p} tokens: the file is damaged; recalibrate (`sglang-oscar calibrate ... "
+                            "--restart`)"
+                        )

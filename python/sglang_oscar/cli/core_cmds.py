@@ -81,9 +81,12 @@ def _file_geometry(args):
 def _hadamard(args) -> int:
     from ..rotation import RotationSet
     from ..rotation.latent import LatentRotationSet
+    from .paths import check_writable
 
     geometry, latent = _file_geometry(args)
-    rs = (LatentRotationSet if latent else RotationSet).data_free(geometry, args.method)
+    check_writable(args.out, "--out")
+    # a latent file holds what the server uses without one: blocks of 128, or the whole latent when narrower
+    rs = LatentRotationSet.served_data_free(geometry, args.method) if latent else RotationSet.data_free(geometry, args.method)
     rs.validate(geometry)
     if args.mla_storage == "expanded":  # provenance only: the launch check reads the shapes
         rs.metadata["mla_storage"] = "expanded"
@@ -123,8 +126,10 @@ def _validate(args) -> int:
 
 def _convert(args) -> int:
     from ..rotation import ModelGeometry, RotationSet
+    from .paths import check_writable
 
     rs = RotationSet.from_upstream_pt(args.k, args.v)
+    check_writable(args.out, "--out")
     if args.config:
         geometry = ModelGeometry.from_hf_config(args.config)
         rs.validate(geometry)

@@ -232,6 +232,14 @@ class LatentRotationSet:
             raise RotationError(f"{path}: '{METADATA_KEY}' metadata must be a JSON object, got {type(meta).__name__}: "
                                 "not an sglang-oscar latent rotation file")
         if meta.get("format") != LATENT_FORMAT:
+            if meta.get("format") is None and any(n.startswith(("k.", "v.")) for n in tensors):
+                raise RotationError(
+                    f"{path} is a K/V rotation file (per-head K/V rotations, model_type {meta.get('model_type')!r}), not "
+                    "an sglang-oscar latent rotation file: check it with `sglang-oscar validate-rotation FILE --config CONFIG` "
+                    "(MHA/GQA models) or `sglang-oscar validate FILE --config CONFIG --mla-storage expanded` (an MLA "
+                    "model's expanded storage); the latent cache takes the latent file `sglang-oscar fit` writes from "
+                    "the model's statistics"
+                )
             raise RotationError(f"{path} is not an sglang-oscar latent rotation file (metadata format {meta.get('format')!r})")
         if meta.get("format_version") != LATENT_FORMAT_VERSION:
             raise RotationError(f"{path}: unknown latent format_version {meta.get('format_version')!r}")

@@ -428,6 +428,14 @@ class RotationSet:
             raise RotationError(f"{path}: '{METADATA_KEY}' metadata is not valid JSON ({exc}): the file is corrupt; refit it") from None
         if not isinstance(meta, dict):
             raise RotationError(f"{path}: '{METADATA_KEY}' metadata must be a JSON object, got {type(meta).__name__}")
+        if meta.get("format") == "latent":  # rotation.latent.LATENT_FORMAT (that module imports this one)
+            raise RotationError(
+                f"{path} is an MLA latent rotation file (one [kv_lora_rank, kv_lora_rank] matrix per layer, model_type "
+                f"{meta.get('model_type')!r}), not a K/V rotation set: it applies to MLA models only. Check it with "
+                "`sglang-oscar validate-rotation FILE --config CONFIG` (or `sglang-oscar validate FILE --config CONFIG "
+                "--mla-storage latent` with an MLA config); an MHA/GQA model needs a K/V rotation file (`sglang-oscar "
+                "fit` from its statistics, or `sglang-oscar hadamard --config CONFIG`)"
+            )
         version = meta.get("format_version")
         if version not in FORMAT_VERSIONS:
             raise RotationError(f"{path}: unknown format_version {version!r} (this sglang-oscar reads {FORMAT_VERSIONS}); upgrade sglang-oscar or refit")
@@ -493,6 +501,9 @@ class RotationSet:
                     store[int(key)] = entry["rotation"]
                 except (TypeError, ValueError):
                     raise RotationError(f"{p}: layer key {key!r} is not an integer global layer id") from None
+            if not store:
+                raise RotationError(f"{p} holds no layers (its 'layers' dict is empty): an upstream rotation file "
+                                    "has one 'rotation' tensor per attention layer; refit or re-export it")
             stores.append(store)
             metas.append({k: obj[k] for k in ("format_version", "objective", "source_grouping") if k in obj})
         meta = {"method": "upstream", "upstream": {"k": {"path": k_path, **metas[0]}, "v": {"path": v_path, **metas[1]}}}
