@@ -31,8 +31,14 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
     files from the other users of a shared model directory). Parent folders must exist.
 
     Raises:
-        OSError: the folder is not writable; safetensors' own errors for bad tensors.
+        OSError: the folder is missing (``FileNotFoundError``) or not writable (``PermissionError``);
+            safetensors' own errors for bad tensors.
     """
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # safetensors reports these as its own error type
+        raise FileNotFoundError(f"cannot write {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"cannot write {path}: folder {folder} is not writable")
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         save_file(tensors, tmp, metadata=metadata)

@@ -203,6 +203,15 @@ def test_saved_files_follow_the_umask(tmp_path, monkeypatch):
     assert RotationSet.load(str(tmp_path / "a.safetensors")).layer_ids == rs.layer_ids  # the old file intact
 
 
+def test_save_into_a_missing_folder_is_an_os_error(tmp_path):
+    """fileio.save_safetensors raises the OSError its docstring names (safetensors alone raises its own type)."""
+    from sglang_oscar import fileio
+
+    with pytest.raises(FileNotFoundError, match="folder .*nope does not exist"):
+        fileio.save_safetensors({"x": torch.zeros(2)}, str(tmp_path / "nope" / "a.safetensors"))
+    assert os.listdir(tmp_path) == []
+
+
 def test_upstream_pt_files_load(tmp_path):
     h = hadamard_matrix(128).float()
     for which in ("k", "v"):
