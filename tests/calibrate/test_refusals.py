@@ -217,3 +217,12 @@ def test_statistics_of_an_mha_model_against_an_mla_config(qwen3_stats, tmp_path,
                  "--out", str(tmp_path / "r.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "cannot be used" in err and "MLA latent kv_lora_rank 32" in err and "head_dims [32]" in err
+
+
+def test_a_missing_config_path_is_not_taken_for_a_hub_id(tmp_path):
+    """--config /abs/missing, ./rel or x.json that does not exist: a missing file, not a Hub id lookup."""
+    from sglang_oscar.calibrate import cli
+
+    for path in (str(tmp_path / "none"), "./none", "none.json"):
+        with pytest.raises(FileNotFoundError, match=r"does not exist \(a path, not a Hub id\)"):
+            cli._read_config(path, hub=True)

@@ -542,6 +542,8 @@ def _read_config(path: str, *, hub: bool = False, trust_remote_code: bool = Fals
     configs ``calibrate``/``fit`` write do), else the directory or Hub id."""
     from . import CalibrationError
 
+    if not os.path.exists(path) and (os.path.isabs(path) or path.startswith(".") or path.endswith(".json")):
+        raise FileNotFoundError(f"model config {path} does not exist (a path, not a Hub id)")
     if os.path.exists(path):
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.exists(p):
