@@ -50,8 +50,8 @@ def _rewrite(src: str, dst, edit_tensors=None, edit_meta=None) -> str:
 
 
 def test_fit_default_latent_block_follows_the_served_rule(tokenizer, tmp_path, capsys):
-    """Without --latent-block (and no recipe) fit used a block of 128, which a kv_lora_rank narrower than
-    128 refuses: every method, identity included, failed on a model the server serves (whole-latent block)."""
+    """Without --latent-block (and no recipe) fit takes the server's rule: the whole latent when
+    kv_lora_rank is narrower than 128, so every method, identity included, fits such a model."""
     model = build_model("deepseek_v2")  # kv_lora_rank 32
     mdir = save_model(model, tokenizer, tmp_path / "m")
     stats = str(tmp_path / "s.safetensors")
@@ -71,19 +71,19 @@ def test_fit_default_latent_block_follows_the_served_rule(tokenizer, tmp_path, c
 
 
 def test_fit_refusals_before_anything_is_written(qwen3_stats, tmp_path, capsys):
-    # --min-tokens 0 / negative switched the minimum off silently
+    # --min-tokens must be > 0 (0 would switch the minimum off)
     for bad in ("0", "-5"):
         with pytest.raises(SystemExit) as exc:
             main(["fit", "--stats", qwen3_stats, "--min-tokens", bad, "--out", str(tmp_path / "r.safetensors")])
         assert exc.value.code == 2
         assert "--min-tokens: must be a positive integer" in capsys.readouterr().err
-    # --upstream-dir on an MHA model: refused, but only after the rotation file had been written
+    # --upstream-dir on an MHA model: refused before the rotation file is written
     out = tmp_path / "r.safetensors"
     assert main(["fit", "--stats", qwen3_stats, "--min-tokens", "1", "--out", str(out),
                  "--upstream-dir", str(tmp_path / "up")]) == 2
     assert "--upstream-dir applies to MLA" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "up").exists()
-    # --out = --stats (swapped or mistyped flags) replaced hours of calibration by a rotation file
+    # --out = --stats (swapped or mistyped flags) is refused: the rotation would replace the statistics
     copy = tmp_path / "stats.safetensors"
     copy.write_bytes(open(qwen3_stats, "rb").read())
     assert main(["fit", "--stats", str(copy), "--min-tokens", "1", "--out", str(tmp_path / "." / copy.name)]) == 2
@@ -101,7 +101,7 @@ def test_calibrate_counts_are_checked_before_the_model_loads(tmp_path, capsys):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 def test_unwritable_outputs(qwen3_stats, tmp_path, capsys):
-    """fit printed safetensors' traceback; calibrate found out only when it first saved (after pass 1)."""
+    """An output path that cannot be written is refused, naming it, before any work (calibrate before pass 1)."""
     assert main(["fit", "--stats", qwen3_stats, "--min-tokens", "1", "--out", UNWRITABLE]) == 2
     err = capsys.readouterr().err
     assert f"--out {UNWRITABLE} cannot be written" in err
@@ -126,8 +126,8 @@ def test_model_config_that_is_not_json(qwen3_stats, tmp_path, capsys):
 
 
 def test_non_finite_or_damaged_statistics(qwen3_stats, tmp_path, capsys):
-    """NaN in a sum gave "covariance contains NaN or Inf" (no file, layer or fix), or, in a sum the
-    method does not read, a rotation; a missing tensor or damaged metadata gave a traceback."""
+    """A statistics file with NaN/Inf in any sum, a missing tensor or damaged metadata is refused at load,
+    naming the file, the tensor and the fix."""
 
     def nan_in(name):
         def edit(t):
@@ -180,7 +180,7 @@ def test_prompt_files_of_the_wrong_format(tokenizer, tmp_path):
         p.write_text(json.dumps({"text": value}) + "\n")
         with pytest.raises(CalibrationError, match=rf"a.jsonl:1: the 'text' field is a JSON {kind}, not a string"):
             load_documents(str(p))
-    # a .json file was read as plain text: its brackets, quotes and keys became the calibration text
+    # a .json file is a JSON array of records (or JSON Lines), never plain text
     docs = make_text(3, 20, 1)
     arr = tmp_path / "a.json"
     arr.write_text(json.dumps([{"text": d} for d in docs]))
@@ -193,7 +193,7 @@ def test_prompt_files_of_the_wrong_format(tokenizer, tmp_path):
     pretty.write_text(json.dumps({"text": docs[0]}, indent=2))
     with pytest.raises(CalibrationError, match="JSON array of objects or one JSON object per line"):
         load_documents(str(pretty))
-    # bytes that are not UTF-8 were replaced by U+FFFD and calibrated on
+    # bytes that are not UTF-8 are refused with their offset (never decoded with replacement characters)
     binary = tmp_path / "data.txt"
     binary.write_bytes(b"ba de \xff\xfe\x00 fi")
     with pytest.raises(CalibrationError, match=r"data.txt is not UTF-8 text \(byte 6"):
@@ -209,7 +209,7 @@ def test_short_data_warning_says_documents_were_cut(tokenizer, tmp_path):
 
 
 def test_statistics_of_an_mha_model_against_an_mla_config(qwen3_stats, tmp_path, capsys):
-    """The MLA side was described as "kv heads [1], head_dims [32]" (its latent as one fake head)."""
+    """The MLA side of a geometry mismatch is described by its latent (kv_lora_rank), not as one fake head."""
     from calib_tiny import family_config
 
     family_config("deepseek_v2").save_pretrained(tmp_path / "mla")

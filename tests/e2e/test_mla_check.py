@@ -499,11 +499,12 @@ def test_mla_check_plugin_item_needs_our_entry_point(tmp_path, monkeypatch):
     assert rc == 1 and res["verdict"]["plugin"] is False and res["verdict"]["serves"] is True
 
 
-@pytest.mark.parametrize("shift,rank_bytes,verdict", [
-    (None, 1088, True),  # same tokens, each rank the whole latent: PASS
-    (0.3, 1088, False),  # log-probs past TP_TOL (garbage guard)
-    (None, 544, False)])  # a rank sized as if the latent were split by head
-def test_mla_check_opt_in_tp_item(tmp_path, monkeypatch, shift, rank_bytes, verdict):
+@pytest.mark.parametrize("shift,rank_bytes,other_token,verdict", [
+    (None, 1088, False, True),  # same tokens, each rank the whole latent: PASS
+    (0.3, 1088, False, False),  # log-probs past TP_TOL (garbage guard)
+    (None, 544, False, False),  # a rank sized as if the latent were split by head
+    (None, 1088, True, False)])  # one other greedy token (no tie allowance, as check h)
+def test_mla_check_opt_in_tp_item(tmp_path, monkeypatch, shift, rank_bytes, other_token, verdict):
     """int2-tp2 (--tp-size 2) against int2: the same greedy tokens, log-probs within TP_TOL, and a rank's
     bytes per token equal to TP 1's (the latent is not split by head); both pools' token counts reported."""
     seen = {}
@@ -526,7 +527,15 @@ def test_mla_check_opt_in_tp_item(tmp_path, monkeypatch, shift, rank_bytes, verd
     servers = "int2,int2-tp2"
     monkeypatch.setattr(mla_check, "ServerProcess", Server)
     port = None if shift is None else mla_check.BASE_PORT + 1
-    monkeypatch.setattr(mla_check, "http_json", _answers(port, shift or 0.0))
+    answer = _answers(port, shift or 0.0)
+
+    def http_json(url, payload=None, timeout=None):
+        got = answer(url, payload, timeout)
+        if other_token and payload and url.endswith(f":{mla_check.BASE_PORT + 1}/generate"):
+            got["output_ids"] = [8] + got["output_ids"][1:]
+        return got
+
+    monkeypatch.setattr(mla_check, "http_json", http_json)
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
     _fake_build(monkeypatch)
     rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m"), "--servers", servers])

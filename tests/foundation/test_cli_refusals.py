@@ -26,7 +26,7 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs L
 
 def test_hadamard_latent_file_of_a_latent_narrower_than_128(tmp_path, capsys):
     """`hadamard --mla-storage latent` writes what the server uses without a file (the whole latent
-    when kv_lora_rank < 128); it refused with a block the verb has no flag to change."""
+    when kv_lora_rank < 128)."""
     cfg = write_config(tmp_path, NARROW_MLA)
     out = str(tmp_path / "h.safetensors")
     assert main(["hadamard", "--config", cfg, "--mla-storage", "latent", "--out", out]) == 0, capsys.readouterr().err
@@ -37,7 +37,7 @@ def test_hadamard_latent_file_of_a_latent_narrower_than_128(tmp_path, capsys):
 
 
 def test_validate_a_latent_file_against_an_mha_config(tmp_path, capsys):
-    """Said only "unexpected tensor 'latent.0'"."""
+    """A latent file checked against an MHA config is named as a latent file, with the command that checks it."""
     mla, mha = write_config(tmp_path, NARROW_MLA, "mla.json"), write_config(tmp_path, QWEN3, "qwen3.json")
     latent = str(tmp_path / "latent.safetensors")
     assert main(["hadamard", "--config", mla, "--mla-storage", "latent", "--out", latent]) == 0
@@ -56,7 +56,7 @@ def test_validate_a_latent_file_against_an_mha_config(tmp_path, capsys):
 
 
 def test_convert_of_empty_upstream_files_writes_nothing(tmp_path, capsys):
-    """An upstream pair with empty 'layers' dicts gave a 0-layer rotation file and exit 0."""
+    """An upstream pair with empty 'layers' dicts is refused; nothing is written."""
     for which in ("k", "v"):
         torch.save({"format_version": 1, "layers": {}}, tmp_path / f"{which}.pt")
     out = tmp_path / "o.safetensors"
@@ -67,7 +67,7 @@ def test_convert_of_empty_upstream_files_writes_nothing(tmp_path, capsys):
 
 @needs_proc
 def test_unwritable_output_is_an_error_not_a_traceback(tmp_path, capsys):
-    """safetensors reports an unwritable folder as its own exception type: the verbs printed a traceback."""
+    """An unwritable output folder is a named CLI error (safetensors would raise its own exception type)."""
     cfg = write_config(tmp_path, QWEN3)
     assert main(["hadamard", "--config", cfg, "--out", UNWRITABLE]) == 2
     err = capsys.readouterr().err

@@ -300,7 +300,7 @@ def test_malformed_latent_files_and_directories_name_the_problem(hooked, tmp_pat
     with pytest.raises(ValueError, match=r"is an MLA latent rotation file, but 'qwen3' is an MHA/GQA model"):
         int2_server_args(str(q), monkeypatch, rotation_path=str(one))
     lr.save(str(one / "other.safetensors"))
-    with pytest.raises(ValueError, match=r"several \.safetensors files \['latent\.safetensors', 'other\.safe"):
+    with pytest.raises(ValueError, match=r"2 \.safetensors files \['latent\.safetensors', 'other\.safe"):
         int2_server_args(model, monkeypatch, rotation_path=str(one))
 
 

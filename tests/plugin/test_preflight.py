@@ -474,6 +474,14 @@ def test_layers_kept_bf16_need_no_rotation_entry(hooked, tmp_path):
             launch(skip)
         # without a skip, the missing layers are exactly the sliding ones: the message names the flag
         assert ("pass --oscar-skip-layers sliding" in str(err.value)) == (skip == "none")
+    # only where SGLang keeps two pools (the launch passes skip_hint): a one-pool model could not take the flag
+    from sglang_oscar.backend.rotations import two_kv_pools
+    from sglang_oscar.rotation.rotation_set import RotationError
+
+    assert two_kv_pools(str(model)) and not two_kv_pools(_qwen3_dir(tmp_path, "one_pool"))
+    with pytest.raises(RotationError) as err:
+        RotationSet.load(rot).validate(ModelGeometry.from_hf_config(str(model)))
+    assert "--oscar-skip-layers" not in str(err.value)
 
 
 def test_preflight_checks_the_config_sglang_serves(hooked, tmp_path, monkeypatch):

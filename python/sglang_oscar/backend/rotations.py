@@ -27,6 +27,22 @@ def model_geometry(hf_config) -> ModelGeometry:
     return ModelGeometry.from_hf_config(hf_config)
 
 
+def two_kv_pools(hf_config) -> bool:
+    """Whether SGLang serves the model with its hybrid sliding-window pools (``is_hybrid_swa_model``:
+    Gemma-4, GPT-OSS, ...: a sliding and a full pool), the only models where one layer kind can stay
+    BF16 (``--oscar-skip-layers``); ``False`` for an unknown config."""
+    if hf_config is None:
+        return False
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import is_hybrid_swa_model
+
+    from ..rotation.geometry import _as_dict
+
+    cfg = _as_dict(hf_config)
+    return bool(is_hybrid_swa_model(cfg.get("architectures") or [], SimpleNamespace(**(cfg.get("text_config") or cfg))))
+
+
 def _kv_shared_layers(hf_config) -> int:
     """``num_kv_shared_layers`` of a (text) config (Gemma-3n / Gemma-4 small models), 0 if absent or
     ``hf_config`` is ``None``; an unreadable config raises (the caller read its geometry from it)."""
@@ -147,7 +163,7 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
 
     skip = resolve_skip_layers(config.skip_layers, geometry)  # BF16 layers need no entry (docs/format.md)
     try:
-        rs.validate(geometry, skip_layers=skip)
+        rs.validate(geometry, skip_layers=skip, skip_hint=two_kv_pools(hf_config))
     except ValueError as exc:
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from None
     check_recorded_model(rs, hf_config, config.rotation_path)

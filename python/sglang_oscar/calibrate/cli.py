@@ -307,7 +307,7 @@ def _fit(args) -> int:
         cfg, name = _read_config(args.config, hub=True, trust_remote_code=args.trust_remote_code)
         geometry = geometry_of(cfg)
         fingerprint = config_fingerprint(cfg, name)
-    if args.stats and os.path.exists(out) and os.path.samefile(out, args.stats):
+    if args.stats and os.path.exists(out) and os.path.exists(args.stats) and os.path.samefile(out, args.stats):
         raise CalibrationError(f"--out {out} is the statistics file itself (--stats): writing the rotation there would "
                                "destroy the statistics; pass another --out")
     if args.stats:

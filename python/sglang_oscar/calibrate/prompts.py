@@ -283,8 +283,9 @@ def build_prompt_set(
             if not ids:
                 continue
             used_docs += 1
-            cut += len(ids) > room
-            seq = ids[:seq_len] if prefix and ids[: len(prefix)] == prefix else prefix + ids[:room]
+            own_prefix = bool(prefix) and ids[: len(prefix)] == prefix  # keeps seq_len tokens, not room
+            cut += len(ids) > (seq_len if own_prefix else room)
+            seq = ids[:seq_len] if own_prefix else prefix + ids[:room]
             seq = seq[: budget - total]
             if len(seq) < 2:  # a one-token document: nothing to attend over; the next one may be longer
                 if budget - total < 2:

@@ -128,7 +128,8 @@ def _after_post_init(result, server_args, *args, **kwargs):
             f"--kv-cache-dtype int2: sglang-oscar hooks did not apply to {missing} (see the log for the "
             f"hook errors; this sglang-oscar release supports sglang==0.5.16)"
         )
-    preflight(server_args)
+    if str(getattr(server_args, "model_path", "")).lower() not in ("dummy", "none"):  # SGLang resolves no config
+        preflight(server_args)
     return result
 
 
@@ -242,15 +243,13 @@ def skip_kind(config, geometry, hf_config) -> str:
         raise ValueError(
             f"--oscar-skip-layers {spec}: this {geometry.model_type} model has no {spec} attention layers, so "
             "nothing would stay BF16; pass none (or the other kind on a model that mixes both)")
-    from sglang.srt.configs.model_config import is_hybrid_swa_model
-
+    from ..backend.rotations import two_kv_pools
     from ..rotation.geometry import _as_dict
 
-    cfg = _as_dict(hf_config) if hf_config is not None else {}
-    text = cfg.get("text_config") or cfg
-    if not is_hybrid_swa_model(cfg.get("architectures") or [], SimpleNamespace(**text)):
+    if not two_kv_pools(hf_config):
+        archs = _as_dict(hf_config).get("architectures") if hf_config is not None else None
         raise ValueError(
-            f"--oscar-skip-layers {config.skip_layers}: {cfg.get('architectures')} keeps all its layers in one "
+            f"--oscar-skip-layers {config.skip_layers}: {archs} keeps all its layers in one "
             "SGLang KV pool, so none can stay BF16 while the others are INT2; pass none (or serve the model "
             "with --kv-cache-dtype auto)")
     kinds = {kind: frozenset(x.layer_id for x in geometry.layers if x.kind == kind) for kind in ("sliding", "full")}

@@ -212,8 +212,8 @@ class LatentRotationSet:
         if os.path.isdir(path):
             files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if len(files) != 1:
-                names = [os.path.basename(f) for f in files]
-                held = f"several .safetensors files {names}" if files else "no .safetensors file"
+                names = [os.path.basename(f) for f in files[:4]] + (["..."] if len(files) > 4 else [])
+                held = f"{len(files)} .safetensors files {names}" if files else "no .safetensors file"
                 raise RotationError(f"{path} is a directory holding {held}: pass the latent rotation file itself "
                                     "(written by `sglang-oscar fit`)")
             return cls.load(files[0])

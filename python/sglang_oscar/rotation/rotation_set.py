@@ -227,7 +227,7 @@ class RotationSet:
 
     # ------------------------------------------------------------------ checks
     def validate(self, geometry: ModelGeometry, ortho_tol: float = DEFAULT_ORTHO_TOL, *,
-                 skip_layers=frozenset()) -> None:
+                 skip_layers=frozenset(), skip_hint: bool = False) -> None:
         """Check this set against a model's attention geometry (the launch preflight).
 
         Checks, over the layers that are quantized (the model's attention layers minus
@@ -243,6 +243,8 @@ class RotationSet:
             geometry: the model's :class:`ModelGeometry`.
             ortho_tol: orthogonality tolerance.
             skip_layers: global ids of BF16 layers (:func:`sglang_oscar.config.resolve_skip_layers`).
+            skip_hint: the model can keep one layer kind BF16 (SGLang's two hybrid sliding-window pools):
+                a file missing exactly one kind's layers names ``--oscar-skip-layers``.
 
         Raises:
             RotationError: naming the file, the first bad layer, expected vs found, and the fix.
@@ -279,7 +281,7 @@ class RotationSet:
             missing = sorted(set(want) - set(store))
             extra = sorted(set(store) - set(geometry.layer_ids))
             # a file of the other kind only (a hybrid's full layers, say): perhaps one kind was meant to stay BF16
-            kind = next((k for k in ("sliding", "full") if missing and not extra and sorted(
+            kind = next((k for k in ("sliding", "full") if skip_hint and missing and not extra and sorted(
                 x.layer_id for x in layers if x.kind == k) == missing and len(missing) < len(want)), None)
             if missing or extra:
                 raise RotationError(
