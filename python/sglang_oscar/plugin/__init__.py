@@ -192,8 +192,9 @@ def preflight(server_args) -> None:
         # SGLang does, whole as the backend reads it (a multimodal wrapper keeps its architectures)
         from sglang.srt.configs.model_config import ModelConfig
 
-        try:
-            hf_config = ModelConfig.from_server_args(server_args).hf_config
+        try:  # the config SGLang's __post_init__ loaded, else read as it does
+            loaded = getattr(server_args, "__dict__", {}).get("model_config")
+            hf_config = (loaded or ModelConfig.from_server_args(server_args)).hf_config
         except Exception as exc:  # noqa: BLE001  SGLang reports an unreadable model itself
             logger.warning("sglang-oscar: could not read the model config for the int2 checks: %s", exc)
             return

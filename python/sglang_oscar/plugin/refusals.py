@@ -150,15 +150,15 @@ def _local_config(model_path) -> dict | None:
 
 
 def model_config_dict(server_args) -> dict | None:
-    """The launch's model config as a dict: a local directory's ``config.json``, else the config SGLang
-    loaded for a Hub id (``server_args.model_config``, built by ``ServerArgs.__post_init__``'s
-    ``get_model_config``; ``PretrainedConfig.to_dict``), else ``None`` (before ``__post_init__``)."""
-    cfg = _local_config(getattr(server_args, "model_path", None))
-    if cfg is not None:
-        return cfg
+    """The launch's model config as a dict: the one SGLang loaded (``server_args.model_config``, built
+    by ``ServerArgs.__post_init__``'s ``get_model_config``, ``--json-model-override-args`` applied;
+    ``PretrainedConfig.to_dict``), else a local directory's ``config.json`` (before ``__post_init__``),
+    else ``None``."""
     hf = getattr(getattr(server_args, "__dict__", {}).get("model_config"), "hf_config", None)
     cfg = hf.to_dict() if hasattr(hf, "to_dict") else None
-    return cfg if isinstance(cfg, dict) else None
+    if isinstance(cfg, dict):
+        return cfg
+    return _local_config(getattr(server_args, "model_path", None))
 
 
 def minimax_tp_message(config: dict, tp_size: int, ep_size: int = 1, moe_dp_size: int = 1) -> str | None:
