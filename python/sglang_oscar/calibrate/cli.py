@@ -293,7 +293,7 @@ def _fit(args) -> int:
     from .model import config_fingerprint, geometry_of
     from .oracle import settings
     from ..cli.paths import check_writable
-    from ..rotation.latent import DEFAULT_LATENT_BLOCK
+    from ..rotation.latent import DEFAULT_LATENT_BLOCK, served_latent_block
     from .recipes import check_geometry, default_paths, oscar_config, rotation_config_path, rotation_kind
     from .stats import CalibrationStats
 
@@ -336,7 +336,7 @@ def _fit(args) -> int:
         block = args.latent_block
     else:  # the recipe's group size, else the server's data-free rule (128, or the whole latent when narrower)
         block = (recipe.quant.group_size if recipe is not None else None) or (
-            min(DEFAULT_LATENT_BLOCK, int(geo.kv_lora_rank)) if geo.attention_kind == "mla" else DEFAULT_LATENT_BLOCK)
+            served_latent_block(int(geo.kv_lora_rank)) if geo.attention_kind == "mla" else DEFAULT_LATENT_BLOCK)
     check_writable(out, "--out")
     if args.upstream_dir:
         check_writable(os.path.join(args.upstream_dir, "layer_0.pt"), "--upstream-dir")

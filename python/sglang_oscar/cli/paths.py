@@ -11,8 +11,7 @@ from ..errors import CLIError
 def check_writable(path: str, flag: str) -> None:
     """Make sure a file can be written at ``path``: its folder exists (created, as the verbs would
     create it) and a file can be created in it. Run before the work, so that a long calibration or
-    fit does not end in a traceback from the writer (safetensors reports an unwritable folder as
-    its own error type, not as an ``OSError``).
+    fit is not lost to an output path that only the final write would find unusable.
 
     Raises:
         CLIError: naming ``flag``, the path and the reason.

@@ -26,7 +26,7 @@ import os
 from types import SimpleNamespace
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
-from .refusals import REFUSALS, is_dsa_model, prefill_graph_backend, refusal_messages
+from .refusals import REFUSALS, is_dsa_model, loaded_model_config, prefill_graph_backend, refusal_messages
 from .serving import SERVING_HOOK_TARGETS
 
 logger = logging.getLogger("sglang_oscar")
@@ -168,7 +168,7 @@ def preflight(server_args) -> None:
     config = oscar_config_of(server_args)
     # the context SGLang derived (ServerArgs.__post_init__ built model_config): windows past it are never
     # filled, but every running request would reserve their BF16 rows
-    context = getattr(getattr(server_args, "__dict__", {}).get("model_config"), "context_len", None)
+    context = getattr(loaded_model_config(server_args), "context_len", None)
     if isinstance(context, int) and context > 0 and config.sink_tokens + config.recent_tokens > context:
         raise ValueError(f"--oscar-sink-tokens {config.sink_tokens} + --oscar-recent-tokens {config.recent_tokens} "
                          f"exceed the model's context of {context} tokens (each running request reserves that many "
@@ -193,8 +193,7 @@ def preflight(server_args) -> None:
         from sglang.srt.configs.model_config import ModelConfig
 
         try:  # the config SGLang's __post_init__ loaded, else read as it does
-            loaded = getattr(server_args, "__dict__", {}).get("model_config")
-            hf_config = (loaded or ModelConfig.from_server_args(server_args)).hf_config
+            hf_config = (loaded_model_config(server_args) or ModelConfig.from_server_args(server_args)).hf_config
         except Exception as exc:  # noqa: BLE001  SGLang reports an unreadable model itself
             logger.warning("sglang-oscar: could not read the model config for the int2 checks: %s", exc)
             return

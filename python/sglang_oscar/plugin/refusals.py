@@ -149,12 +149,18 @@ def _local_config(model_path) -> dict | None:
     return cfg if isinstance(cfg, dict) else None
 
 
+def loaded_model_config(server_args):
+    """The ``ModelConfig`` SGLang built in ``ServerArgs.__post_init__`` (``get_model_config`` stores it
+    as ``server_args.model_config``), or ``None`` before that (or for a stand-in without one)."""
+    return getattr(server_args, "__dict__", {}).get("model_config")
+
+
 def model_config_dict(server_args) -> dict | None:
     """The launch's model config as a dict: the one SGLang loaded (``server_args.model_config``, built
     by ``ServerArgs.__post_init__``'s ``get_model_config``, ``--json-model-override-args`` applied;
     ``PretrainedConfig.to_dict``), else a local directory's ``config.json`` (before ``__post_init__``),
     else ``None``."""
-    hf = getattr(getattr(server_args, "__dict__", {}).get("model_config"), "hf_config", None)
+    hf = getattr(loaded_model_config(server_args), "hf_config", None)
     cfg = hf.to_dict() if hasattr(hf, "to_dict") else None
     if isinstance(cfg, dict):
         return cfg

@@ -210,13 +210,7 @@ class LatentRotationSet:
         if not os.path.exists(path):
             raise FileNotFoundError(f"latent rotation file {path} does not exist; create one with `sglang-oscar fit`")
         if os.path.isdir(path):
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if len(files) != 1:
-                names = [os.path.basename(f) for f in files[:4]] + (["..."] if len(files) > 4 else [])
-                held = f"{len(files)} .safetensors files {names}" if files else "no .safetensors file"
-                raise RotationError(f"{path} is a directory holding {held}: pass the latent rotation file itself "
-                                    "(written by `sglang-oscar fit`)")
-            return cls.load(files[0])
+            return cls.load(_directory_file(path))
         try:
             with safe_open(path, framework="pt") as f:
                 meta_raw = (f.metadata() or {}).get(METADATA_KEY)
@@ -256,7 +250,7 @@ class LatentRotationSet:
         """What a server uses without ``--oscar-rotation`` (and what the offline ``error`` / ``ppl``
         baselines measure): :meth:`data_free` with blocks of :data:`DEFAULT_LATENT_BLOCK`, or the whole
         latent when ``kv_lora_rank`` is narrower (64)."""
-        return cls.data_free(geometry, method, min(DEFAULT_LATENT_BLOCK, int(geometry.kv_lora_rank or 0)) or None)
+        return cls.data_free(geometry, method, served_latent_block(int(geometry.kv_lora_rank or 0)) or None)
 
     @classmethod
     def data_free(cls, geometry: ModelGeometry, method: str = "hadamard", block: int | None = DEFAULT_LATENT_BLOCK) -> LatentRotationSet:
@@ -281,14 +275,34 @@ class LatentRotationSet:
         return cls({i: m.float() for i in geometry.layer_ids}, meta)
 
 
+def served_latent_block(kv_lora_rank: int) -> int:
+    """Hadamard block of the latent rotation a server uses without ``--oscar-rotation`` (and ``fit``'s
+    default without a recipe): :data:`DEFAULT_LATENT_BLOCK`, or the whole latent when narrower."""
+    return min(DEFAULT_LATENT_BLOCK, kv_lora_rank)
+
+
+def _directory_file(path: str) -> str:
+    """The one ``*.safetensors`` file of directory ``path``.
+
+    Raises:
+        RotationError: none, or several (the first four named)."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if len(files) != 1:
+        names = [os.path.basename(f) for f in files[:4]] + (["..."] if len(files) > 4 else [])
+        held = f"{len(files)} .safetensors files {names}" if files else "no .safetensors file"
+        raise RotationError(f"{path} is a directory holding {held}: pass the latent rotation file itself "
+                            "(written by `sglang-oscar fit`)")
+    return files[0]
+
+
 def is_latent_rotation_file(path: str) -> bool:
     """True if ``path`` is a safetensors file with latent-format metadata (or a directory holding
     exactly one such file, as :meth:`LatentRotationSet.load` reads it)."""
     if os.path.isdir(path):
-        files = glob.glob(os.path.join(path, "*.safetensors"))
-        if len(files) != 1:
+        try:
+            path = _directory_file(path)
+        except RotationError:
             return False
-        path = files[0]
     if not (os.path.isfile(path) and path.endswith(".safetensors")):
         return False
     try:
