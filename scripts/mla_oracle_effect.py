@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     from sglang_oscar.config import OscarConfig
     from sglang_oscar.rotation.geometry import ModelGeometry
     from sglang_oscar.rotation.latent import LatentRotationSet
-    from tests.e2e import mla_check, mla_models, mla_oracle
+    from tests.e2e import mla_models, mla_oracle, mla_servers
     from tests.e2e.checkpoints import random_prompt
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         mla_models.sharpen = lambda model, *args, **kw: {}  # the model as the first device runs built it
     mla_models.build_model(path)
     rot = LatentRotationSet.data_free(ModelGeometry.from_hf_config(path)).r
-    config = OscarConfig(sink_tokens=int(mla_check.WINDOWS[1]), recent_tokens=int(mla_check.WINDOWS[3]))
+    config = OscarConfig(sink_tokens=int(mla_servers.WINDOWS[1]), recent_tokens=int(mla_servers.WINDOWS[3]))
     prompts = [random_prompt(n, seed, mla_models.VOCAB) for seed, n in enumerate(int(x) for x in a.lens.split(","))]
 
     def logprobs(dtype, patched):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Attention error of the two INT2 storages of an MLA layer: the packed latent vs expanded MHA.
 
-On the MLA device check's model (``tests/e2e/mla_check.build_model``: a seeded, sharpened
+On the MLA device check's model (``tests/e2e/mla_models.build_model``: a seeded, sharpened
 DeepseekV3ForCausalLM with DeepSeek-V3's latent geometry, kv_lora_rank 512, rope 64, nope 128,
 v 128, 8 heads), one prompt; per layer, the captured ``c_kv``, ``k_pe``, queries and ``kv_b_proj``
 halves (``tests/e2e/mla_oracle.capture_latent_inputs``) go through both oracles with the same windows

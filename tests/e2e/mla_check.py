@@ -96,7 +96,8 @@ still can: ``int2-window-chunk64`` reported as for glm5).
 INT2 MHA pool (:class:`~sglang_oscar.backend.expanded_backend.OscarExpandedMLABackend`), judged as
 DeepSeek-V3 with the oracle over :func:`sglang_oscar.reference.latent.expand_latent`'s K/V.
 
-Exit 1 when a judged item fails.
+Exit 1 when a judged item fails. The servers' flags, families and environments are in
+:mod:`.mla_servers`; the tolerances, greedy ties, oracle and TP report in :mod:`.mla_items`.
 """
 
 from __future__ import annotations
@@ -106,98 +107,27 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sglang_oscar.serving_launcher import ServerProcess, pythonpath_with, sigterm_exits, stop_all
+from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits, stop_all
 
 from .checkpoints import random_prompt, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
-from .mla_models import GLM5_DENSE_TOPK, M3_DENSE, VOCAB, build_glm5, build_kimi_linear, build_minimax_m3, build_model
+from .mla_items import (CHUNK_TOL, NEW_TOKENS, PLUGIN_TOL, PROMPT_LENS, TP_TOL, WINDOW_TOL, _diff, _log_value,
+                        _wait_for_log, oracle_report, same_greedy, tp_report)
+from .mla_models import VOCAB
+from .mla_servers import (BASE_PORT, CAPACITY_LOG, DEFAULT_CAPACITY_LOG, DEFAULT_POOL_LOG, FAMILIES, FAMILY_BF16_FLAGS,
+                          FAMILY_INT2_FLAGS, FAMILY_REF, FAMILY_SERVERS, HADAMARD, HADAMARD_REF, NEEDS, OPT_IN,
+                          OPT_IN_ITEMS, POOL_LOG, RADIX_SERVERS, REF, SERVERS, STRICT_ENV, batch_invariant_env,
+                          server_argv, server_env)
 from .servers import plugin_entry_point
 from .smoke import agreement
 
-BASE_PORT = 31200
-WINDOWS = ["--oscar-sink-tokens", "16", "--oscar-recent-tokens", "32"]
-SERVERS = {
-    "bf16": ["--kv-cache-dtype", "auto"],
-    "int2-window": ["--kv-cache-dtype", "int2", "--oscar-sink-tokens", "2048", "--oscar-recent-tokens", "32"],
-    "int2": ["--kv-cache-dtype", "int2", *WINDOWS],
-    "int2-chunk64": ["--kv-cache-dtype", "int2", *WINDOWS, "--chunked-prefill-size", "64"],
-}
-REF = {"int2-window": "bf16", "int2": "bf16", "int2-chunk64": "int2"}  # what each int2 server is compared with
-# Reported servers of one family (name: (flags, compared with)), run when --servers names them: the
-# default servers are those of the judged items, five at most, which fit one 600 s device call. A
-# chunked prefill with every key from
-# the BF16 rows, against its one-prefill twin, separates SGLang's own chunk dependence (the DSA
-# indexer's discrete FP8 keys and top-k over GEMMs of another row count; MiniMax-M3's indexer, whose
-# index attention output feeds the layer) from the INT2 codes' (int2-chunk64 vs int2). Sparse
-# MiniMax-M3 (its int2 chunking was exact) instead reports SGLang's BF16 server chunked against
-# itself: how far a rounding-level change moves this model through its block selection, the floor
-# of its window item.
-_WINDOW_CHUNK = {"int2-window-chunk64": ([*SERVERS["int2-window"], "--chunked-prefill-size", "64"], "int2-window")}
-_BF16_CHUNK = {"bf16-chunk64": ([*SERVERS["bf16"], "--chunked-prefill-size", "64"], "bf16")}
-_REPORTED = {"glm5": _WINDOW_CHUNK, "glm5_dense": _WINDOW_CHUNK, "minimax_m3": _BF16_CHUNK,
-             "minimax_m3_dense": _WINDOW_CHUNK}
-FAMILY_SERVERS = {f: {n: flags for n, (flags, _) in r.items()} for f, r in _REPORTED.items()}
-FAMILY_REF = {f: {n: ref for n, (_, ref) in r.items()} for f, r in _REPORTED.items()}
-# Opt-in servers of every family, run when --servers names them (the defaults fill one call): SGLang with
-# the plugin disabled (entry-point whitelist without ours, as the main harness's check a) against the BF16
-# server with it loaded; the int2 server without CUDA graphs against int2 (the main harness's check d);
-# int2 at TP 2 (two GPUs) against int2 at TP 1 (the main harness's check h)
-OPT_IN = {"plugin-off": (SERVERS["bf16"], "bf16"),
-          "int2-eager": ([*SERVERS["int2"], "--disable-cuda-graph"], "int2"),
-          "int2-tp2": ([*SERVERS["int2"], "--tp-size", "2"], "int2")}
-OPT_IN_ITEMS = ("plugin", "graph", "tp")
-PLUGIN_TOL = 1e-3  # plugin-off vs bf16, max |d log-prob| (the main harness's --a-tol)
-# int2-tp2 vs int2, max |d log-prob| with the same greedy tokens: a garbage guard (the main harness's
-# --h-tol), since the ranks' all-reduces sum in another order than one GPU's GEMMs
-TP_TOL = 0.25
-TOKENS_LOG = r"max_total_num_tokens=(\d+)"
-# int2-window under the default Hadamard rotation, its BF16 rows rotated (judged as "rotated" where the
-# family lists it, else run only when --servers names it, and reported); outside the serves item
-HADAMARD = "int2-window-hadamard"
-HADAMARD_REF = {HADAMARD: "bf16"}
-# flags of a family's int2 servers only (the BF16 server refuses OSCAR flags without --kv-cache-dtype int2):
-# expanded-MHA storage needs groups that divide both K 192 and V 128
-EXPANDED_GROUP = 64
-FAMILY_INT2_FLAGS = {"deepseek_v3_expanded": ["--oscar-mla-storage", "expanded",
-                                              "--kv-cache-quant-group-size", str(EXPANDED_GROUP)]}
-# flags of a family's servers without int2: SGLang's BF16 DSA decode defaults to FA3 on Hopper, which
-# the device bundle drops (1.1 GB), while its FlashMLA sparse kernel (prefill's default) is bundled.
-# Only at top-k 2048: SGLang's unfused top-k transform asserts that width (glm5's 256 has no BF16 path)
-FAMILY_BF16_FLAGS = {"glm5_dense": ["--dsa-decode-backend", "flashmla_sparse"]}
-PROMPT_LENS = (400, 900, 1500)
-NEW_TOKENS = 24
-WINDOW_TOL = 0.05  # int2-window vs BF16, mean |d prompt log-prob| (CPU: BF16 vs fp32 model 0.008)
-CHUNK_TOL = 0.02  # int2-chunk64 vs int2, the same (tests/e2e check d's --d-tol; unlike the MHA families'
-# chunk 64, which is bit-identical, the MLA path moved prompt log-probs by 0.015 on 4d8d6cb's model)
 # load: as the main harness's check e (its strict environment, tests/e2e/servers.py), on the int2 server
 LOAD_REQUESTS, LOAD_LENS, LOAD_SHARED_PREFIX = 64, (32, 2400), 256
-# the servers an item needs (serves: any of the judged items'); it is judged when they all ran
-NEEDS = {"window": {"int2-window", "bf16"}, "rotated": {HADAMARD, "bf16"}, "chunked": {"int2-chunk64", "int2"},
-         "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}, "plugin": {"plugin-off", "bf16"},
-         "graph": {"int2-eager", "int2"}, "tp": {"int2-tp2", "int2"}}
-RADIX_SERVERS = ("int2", "bf16")  # the servers that repeat every prompt (bf16's repeats: reported)
-STRICT_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
-              "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
-TIE_MARGIN = 0.035  # just above a BF16 ulp (0.03125) of a logit in [4, 8): margins at or below it are ties
-
-
-def same_greedy(got: list[dict], ref: list[dict], tie: float = TIE_MARGIN) -> tuple[bool, list]:
-    """Whether each generation of ``got`` equals ``ref``'s up to the first position where ``ref``'s
-    top-2 margin (``margins``) is at most ``tie``; also ``[(first_diff, ref_margin_there)]`` per
-    prompt (``(None, None)`` when the tokens are equal)."""
-    ok, where = True, []
-    for g, r in zip(got, ref):
-        first = next((i for i, (a, b) in enumerate(zip(g["tokens"], r["tokens"])) if a != b), None)
-        margin = None if first is None else (r["margins"][first] if first < len(r.get("margins") or []) else None)
-        ok &= first is None or (margin is not None and margin <= tie)
-        where.append((first, margin))
-    return ok, where
 
 
 def load_prompts(n: int = LOAD_REQUESTS, seed: int = 55) -> list[list[int]]:
@@ -252,162 +182,6 @@ def load_report(srv, log_path: str, prompts: list[list[int]], timeout: float = 3
     res["ok"] = (done == len(prompts) and all(v is True for v in health.values()) and res["alive"]
                  and not res["leak_lines"] and res["new_tracebacks"] == 0)
     return res
-
-
-FAMILIES = {  # --family: (model builder, extra server flags, judged items)
-    "deepseek_v3": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
-    # the same model with K [k_nope | k_pe] 192 / V 128 per head in the INT2 MHA pool
-    "deepseek_v3_expanded": (build_model, [], ("serves", "window", "chunked", "radix", "load", "oracle")),
-    # GLM-5 runs under SGLang's "dsa" backend (page size 64, set by SGLang); the oracle is dense (no top-k)
-    "glm5": (build_glm5, ["--attention-backend", "dsa", "--dsa-topk-backend", "torch"],
-             ("serves", "window", "rotated", "chunked", "radix", "load")),
-    # the same model with top-k 2048 (> every prompt): chunking and radix reuse judged where the
-    # selection is every position, so only the INT2 latent path can move them
-    "glm5_dense": (lambda path: build_glm5(path, GLM5_DENSE_TOPK), ["--attention-backend", "dsa",
-                                                                     "--dsa-topk-backend", "torch"],
-                   ("serves", "window", "rotated", "chunked", "radix", "load", "oracle")),
-    "kimi_linear": (build_kimi_linear, ["--load-format", "dummy", "--max-mamba-cache-size", "32"],
-                    ("serves", "window", "rotated", "chunked", "radix", "load")),
-    "minimax_m3": (build_minimax_m3, ["--load-format", "dummy"],
-                   ("serves", "window", "rotated", "chunked", "radix", "load")),
-    "minimax_m3_dense": (lambda path: build_minimax_m3(path, M3_DENSE), ["--load-format", "dummy"],
-                         ("serves", "window", "rotated", "chunked", "radix", "load")),
-}
-# what an int2 server's log says when it built the family's INT2 pool, and its bytes/token line
-# (INT2, BF16); MiniMax-M3's total counts its BF16 index keys in both
-POOL_LOG = {"minimax_m3": r"MiniMax-M3 pool: INT2 main K/V", "deepseek_v3_expanded": r"INT2 MLA expanded pool"}
-CAPACITY_LOG = {"minimax_m3": r"MiniMax-M3 main K/V .*total (\d+) bytes/token \(BF16: (\d+)",
-                "deepseek_v3_expanded": r"MLA expanded \(.*\): (\d+) bytes/token \(BF16: (\d+)"}
-DEFAULT_POOL_LOG, DEFAULT_CAPACITY_LOG = r"INT2 MLA latent pool", r"MLA latent \(.*\): (\d+) bytes/token \(BF16: (\d+)"
-
-
-def server_env(family: str, work: str) -> dict[str, str]:
-    """Environment of a family's servers: for a dummy-weight family the harness shims' folder first on
-    PYTHONPATH and :data:`.dummy_shim.DUMMY_ENV` (scaled dummy weights); for glm5 SGLang's unfused DSA
-    top-k (its torch top-k backend needs ``SGLANG_DSA_FUSE_TOPK=0``; the int2 servers use the unfused
-    path anyway); else nothing extra."""
-    if family.startswith("glm5"):
-        return {"SGLANG_DSA_FUSE_TOPK": "0"}
-    if "--load-format" not in FAMILIES[family][1]:
-        return {}
-    from .dummy_shim import DUMMY_ENV
-
-    return {"PYTHONPATH": _with_shims(work, os.environ.get("PYTHONPATH", "")), DUMMY_ENV: "1"}
-
-
-def _with_shims(work: str, pythonpath: str) -> str:
-    """``pythonpath`` with the harness shims' folder (written under ``work``) first, once."""
-    from .fp32_shim import write_fp32_shim
-
-    return pythonpath_with(write_fp32_shim(os.path.join(work, "shims")), pythonpath)
-
-
-def batch_invariant_env(work: str, env: dict[str, str]) -> dict[str, str]:
-    """Environment that makes an int2 server run SGLang's batch-invariant GEMMs: the harness shims'
-    folder on its PYTHONPATH (``env``'s kept) and :data:`.fp32_shim.BATCH_INVARIANT_ENV`. The
-    counterpart of the MHA families' fp32 twins for models SGLang cannot serve in fp32 (GLM-5's DSA
-    indexer keeps FP8 keys): a chunk's GEMMs round as the whole prompt's do, so only the INT2 path
-    can make chunked prefill or a radix hit differ."""
-    from .fp32_shim import BATCH_INVARIANT_ENV
-
-    return {"PYTHONPATH": _with_shims(work, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))),
-            BATCH_INVARIANT_ENV: "1"}
-
-
-def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-            "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-            "--skip-tokenizer-init", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
-            "--disable-prefill-cuda-graph", "--max-running-requests", "8", *extra]
-
-
-def _log_value(path: str, pattern: str):
-    try:
-        with open(path, errors="replace") as f:
-            m = re.findall(pattern, f.read())
-    except OSError:
-        return None
-    return m[-1] if m else None
-
-
-def oracle_report(model_path: str, prompts: list[list[int]], served: list[dict], storage: str = "latent") -> dict:
-    """Mean |prompt log-prob difference| of the int2 server vs the model-level oracle
-    (:mod:`.mla_oracle`, the server's windows, the data-free rotation: latent G 128, or with
-    ``storage="expanded"`` per-head K / V at G :data:`EXPANDED_GROUP`) in an fp32 and
-    a BF16 copy of the model, and of the fp32 oracle vs the unquantized fp32 model (the INT2
-    effect). The oracle's fp32-vs-BF16 move is its own sensitivity to rounding: a served
-    difference of that size is rounding carried through the INT2 codes, not an error."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from sglang_oscar.config import OscarConfig
-    from sglang_oscar.rotation.geometry import ModelGeometry
-    from sglang_oscar.rotation.latent import LatentRotationSet
-
-    from . import mla_oracle
-
-    geo = ModelGeometry.from_hf_config(model_path)
-    windows = dict(sink_tokens=int(WINDOWS[1]), recent_tokens=int(WINDOWS[3]))
-    if storage == "expanded":
-        from sglang_oscar.rotation.rotation_set import RotationSet
-
-        rs = RotationSet.data_free(geo.expanded())
-        rot = {i: (rs.matrices(i, "k"), rs.matrices(i, "v")) for i in rs.layer_ids}
-        config = OscarConfig(group_size=EXPANDED_GROUP, **windows)
-    else:
-        rot = LatentRotationSet.data_free(geo).r
-        config = OscarConfig(**windows)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def logprobs(dtype, patched):
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev).eval()
-        if patched:
-            mla_oracle.install(model, config, {i: (tuple(x.to(dev) for x in r) if isinstance(r, tuple) else r.to(dev))
-                                               for i, r in rot.items()},
-                               hp_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, storage=storage)
-        return [mla_oracle.prompt_logprobs(model, p).cpu() for p in prompts]
-
-    o32, o16, hf = logprobs(torch.float32, True), logprobs(torch.bfloat16, True), logprobs(torch.float32, False)
-    got = [torch.tensor(g["input_logprobs"]) for g in served[: len(prompts)]]
-
-    def mean(a, b):
-        return float(torch.cat([(x - y).abs() for x, y in zip(a, b)]).mean())
-    return {"served_vs_oracle_fp32": mean(got, o32), "served_vs_oracle_bf16": mean(got, o16),
-            "oracle_fp32_vs_bf16": mean(o32, o16), "int2_effect_oracle_vs_fp32_model": mean(o32, hf)}
-
-
-def _wait_for_log(path: str, marks: tuple[str, ...], srv, timeout: float) -> None:
-    """Return when the log at ``path`` contains one of ``marks``, the process ended, or ``timeout`` passed."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and srv.alive():
-        try:
-            with open(path, errors="replace") as f:
-                if any(m in f.read() for m in marks):
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-
-
-def tp_report(log_tp1: str, log_tp2: str, capacity_log: str) -> dict:
-    """Per-rank pool of the TP 2 int2 server beside the TP 1 one's: ``max_total_num_tokens`` and the
-    bytes per token of the int2 startup line (``capacity_log``'s first group). Every rank holds the
-    whole latent of every token (it is not split by head), so a rank's bytes per token must equal
-    TP 1's (``same_bytes_per_token``); the token counts are reported (a rank's free memory differs by
-    its half of the weights)."""
-    out = {}
-    for key, path in (("tp1", log_tp1), ("tp2", log_tp2)):
-        tokens, cell = _log_value(path, TOKENS_LOG), _log_value(path, capacity_log)
-        out[key] = {"max_total_num_tokens": int(tokens) if tokens else None,
-                    "bytes_per_token": int(cell[0]) if cell else None}
-    out["same_bytes_per_token"] = out["tp1"]["bytes_per_token"] is not None and \
-        out["tp1"]["bytes_per_token"] == out["tp2"]["bytes_per_token"]
-    return out
-
-
-def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
-    d = [abs(x - y) for x, y in zip(a, b)]
-    return (sum(d) / len(d), max(d)) if d else (math.nan, math.nan)
 
 
 def main(argv: list[str] | None = None) -> int:
