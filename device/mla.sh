@@ -17,8 +17,9 @@
 # minimax_m3: bf16-chunk64), and/or int2-window-hadamard (int2-window under the default Hadamard
 # rotation: a default, judged as "rotated", where the family has no oracle, else reported), and/or the
 # opt-in plugin-off (judged as "plugin": SGLang without the plugin vs bf16) and int2-eager ("graph": int2
-# without CUDA graphs vs int2) and int2-tp2 ("tp": int2 at --tp-size 2 vs int2; a two-GPU kind), e.g.
-# MLA_SERVERS=bf16,plugin-off,int2,int2-eager;
+# without CUDA graphs vs int2) and int2-tp2 ("tp": int2 at --tp-size 2 vs int2; a two-GPU kind), and on the
+# DeepSeek-V3 families int2-fp32 / bf16-fp32 (--dtype float32 twins: "oracle-fp32", int2-fp32 vs the fp32
+# oracle <= 0.02), e.g. MLA_SERVERS=bf16,plugin-off,int2,int2-eager;
 # MLA_BATCH_INVARIANT=1: the int2 servers run SGLang's batch-invariant GEMMs (mla_check --batch-invariant);
 # BENCH_VARIANTS (default served,bf16:32:4:16:codes,bf16:32: the served tiles, the 16-head ones at every head count,
 # the dequantizing engine) the benchmark's columns.

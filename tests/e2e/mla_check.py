@@ -39,6 +39,11 @@ in ``--out``) and judged:
   reported beside it (SGLang's own caching of the same prompts);
 * **oracle**: the int2 server's prompt log-probs vs the model-level oracle in a BF16 copy of the
   model within twice the oracle's own BF16-vs-fp32 move (at least 0.05; :func:`oracle_report`);
+* **oracle-fp32** (opt-in, DeepSeek-V3 families, ``--servers`` naming ``int2-fp32``): the int2 server
+  at ``--dtype float32`` (fp32 windows, IEEE dots, the harness's fp32 shim: :func:`.mla_servers.fp32_env`)
+  vs the fp32 oracle: mean |prompt log-prob difference| <= :data:`.mla_items.ORACLE_FP32_TOL`
+  (0.02); ``bf16-fp32`` (SGLang's unquantized path at fp32) vs the fp32 model is reported beside
+  it as the served fp32 path's own noise;
 * **load**: the int2 server, with SGLang's strict memory-leak and KV-page checks on, answers
   :data:`LOAD_REQUESTS` concurrent requests of mixed lengths (every fourth sharing a prefix) in full,
   stays healthy (``/health``, ``/health_generate``) and logs no leak report and no new traceback
@@ -116,13 +121,13 @@ from sglang_oscar.serving_launcher import ServerProcess, sigterm_exits, stop_all
 
 from .checkpoints import random_prompt, write_identity_rotation
 from .client import generate_payload, http_json, leak_lines, log_stats, parse_generation
-from .mla_items import (CHUNK_TOL, NEW_TOKENS, PLUGIN_TOL, PROMPT_LENS, TP_TOL, WINDOW_TOL, _diff, _log_value,
-                        _wait_for_log, oracle_report, same_greedy, tp_report)
+from .mla_items import (CHUNK_TOL, NEW_TOKENS, ORACLE_FP32_TOL, PLUGIN_TOL, PROMPT_LENS, TP_TOL, WINDOW_TOL, _diff,
+                        _log_value, _wait_for_log, oracle_report, same_greedy, tp_report)
 from .mla_models import VOCAB
 from .mla_servers import (BASE_PORT, CAPACITY_LOG, DEFAULT_CAPACITY_LOG, DEFAULT_POOL_LOG, FAMILIES, FAMILY_BF16_FLAGS,
-                          FAMILY_INT2_FLAGS, FAMILY_REF, FAMILY_SERVERS, HADAMARD, HADAMARD_REF, NEEDS, OPT_IN,
-                          OPT_IN_ITEMS, POOL_LOG, RADIX_SERVERS, REF, SERVERS, STRICT_ENV, batch_invariant_env,
-                          server_argv, server_env)
+                          FAMILY_INT2_FLAGS, FAMILY_REF, FAMILY_SERVERS, FP32_FAMILIES, FP32_TWINS, HADAMARD,
+                          HADAMARD_REF, NEEDS, OPT_IN, OPT_IN_ITEMS, POOL_LOG, RADIX_SERVERS, REF, SERVERS,
+                          STRICT_ENV, batch_invariant_env, fp32_env, server_argv, server_env)
 from .servers import plugin_entry_point
 from .smoke import agreement
 
@@ -194,26 +199,33 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated servers to run (default: those of the family's judged items but the "
                          "opt-in ones; may add "
                          f"the family's reported servers, {', '.join(OPT_IN)} (judged as {', '.join(OPT_IN_ITEMS)}) "
-                         f"and, where 'rotated' is not judged, {HADAMARD}); "
+                         f"and, where 'rotated' is not judged, {HADAMARD}; on {' / '.join(FP32_FAMILIES)} also the "
+                         f"--dtype float32 twins {', '.join(FP32_TWINS)} (int2-fp32 judged as oracle-fp32); "
                          "items whose servers did not run are not judged")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the int2 servers run SGLang's batch-invariant GEMMs (harness shim, batch_invariant_env): "
                          "chunked and radix then judge the INT2 path without the GEMMs' row-count rounding")
     args = ap.parse_args(argv)
     build, family_flags, judged = FAMILIES[args.family]
-    judged = (*judged, *OPT_IN_ITEMS)
+    fp32 = FP32_TWINS if args.family in FP32_FAMILIES else {}
+    judged = (*judged, *OPT_IN_ITEMS, *(("oracle-fp32",) if fp32 else ()))
+    opt_in = {**OPT_IN, **fp32}
     known = {**SERVERS, **FAMILY_SERVERS.get(args.family, {}), HADAMARD: SERVERS["int2-window"],
-             **{n: flags for n, (flags, _) in OPT_IN.items()}}
+             **{n: flags for n, (flags, _) in opt_in.items()}}
     judged_servers = [*SERVERS, *([HADAMARD] if "rotated" in judged else [])]
     names = args.servers.split(",") if args.servers else judged_servers
+    if not fp32 and set(names) & set(FP32_TWINS):
+        ap.error(f"--servers {args.servers!r}: the --dtype float32 twins ({', '.join(FP32_TWINS)}) serve only "
+                 f"{' / '.join(FP32_FAMILIES)}: SGLang cannot serve --family {args.family} in fp32 "
+                 "(use --batch-invariant for its chunked and radix items)")
     if not names or any(n not in known for n in names) or len(set(names)) < len(names):
         ap.error(f"--servers {args.servers!r}: distinct names among {', '.join(known)}")
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     skipped = [k for k in judged if not NEEDS.get(k, set()) <= set(names)]
-    judged_servers += [n for n in OPT_IN if n in names]
+    judged_servers += [n for n in opt_in if n in names]
     judged = tuple(k for k in judged if k not in skipped)
-    with_oracle = "oracle" in judged
+    with_oracle = "oracle" in judged or any(n in names for n in fp32)
     args.model = args.model or f"/tmp/mla-check-{args.family}"
     geometry = build(args.model)
     window = [n for n in names if n.startswith("int2-window") and n not in HADAMARD_REF]
@@ -231,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         a = server_argv(args.model, BASE_PORT + i, [*extra, *family_flags, *own])
         server_env_ = {**env, **(STRICT_ENV if name == "int2" else {}),
                        **(invariant if "int2" in extra else {}),
+                       **(fp32_env(args.out, env) if name in FP32_TWINS else {}),
                        **({"SGLANG_PLUGINS": ",".join(plugins["others"]) or "__no_plugin__"}
                           if name == "plugin-off" else {})}
         servers[name] = ServerProcess(a, port=BASE_PORT + i, env=server_env_,
@@ -287,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     for g in sv[n] for x in g["logprobs"] + g["input_logprobs"])
     verdict["serves"] = ok_serve
     rows = []
-    opt_in_ref = {n: ref for n, (_, ref) in OPT_IN.items()}
+    opt_in_ref = {n: ref for n, (_, ref) in opt_in.items()}
     for name, ref_name in {**REF, **FAMILY_REF.get(args.family, {}), **HADAMARD_REF, **opt_in_ref}.items():
         got, ref = sv.get(name), sv.get(ref_name)
         if not isinstance(got, list) or not isinstance(ref, list):
@@ -328,14 +341,19 @@ def main(argv: list[str] | None = None) -> int:
         verdict["radix"] = False
     if "load" in res:
         verdict["load"] = res["load"]["ok"]
-    if with_oracle and isinstance(sv.get("int2"), list) and "terminated" not in res:
+    answered = {n: sv[n] for n in ("int2", *fp32) if isinstance(sv.get(n), list)}
+    if with_oracle and answered and "terminated" not in res:
+        oracle_items = [k for k, n in (("oracle", "int2"), ("oracle-fp32", "int2-fp32")) if k in judged and n in answered]
         try:
-            res["oracle"] = orc = oracle_report(args.model, prompts, sv["int2"],
+            res["oracle"] = orc = oracle_report(args.model, prompts, answered,
                                                 "expanded" if args.family in FAMILY_INT2_FLAGS else "latent")
-            verdict["oracle"] = orc["served_vs_oracle_bf16"] <= max(2 * orc["oracle_fp32_vs_bf16"], 0.05)
+            if "oracle" in oracle_items:
+                verdict["oracle"] = orc["served_vs_oracle_bf16"] <= max(2 * orc["oracle_fp32_vs_bf16"], 0.05)
+            if "oracle-fp32" in oracle_items:  # fp32 server, fp32 oracle: the issue's criterion as it stands
+                verdict["oracle-fp32"] = orc["fp32_server_vs_oracle_fp32"] <= ORACLE_FP32_TOL
         except Exception as exc:  # noqa: BLE001  the verdict fails and says why
             res["oracle"] = f"failed: {type(exc).__name__}: {exc}"
-            verdict["oracle"] = False
+            verdict.update({k: False for k in oracle_items})
     cell = _log_value(logs["int2"], CAPACITY_LOG.get(kind, DEFAULT_CAPACITY_LOG)) if "int2" in logs else None
     if cell:
         res["capacity"] = {"int2_bytes_per_token": int(cell[0]), "bf16_bytes_per_token": int(cell[1]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import mla_check
+from . import mla_check, mla_models
 
 
 @pytest.fixture(autouse=True)
@@ -14,15 +14,21 @@ def no_idle_wait(monkeypatch):
 
 
 class FakeServer:
-    """A healthy server whose log names the INT2 latent pool (or not, for BF16) and its token budget."""
+    """A healthy server whose log names the INT2 latent pool (the expanded pool under
+    ``--oscar-mla-storage expanded``; nothing for BF16) and its bytes per token."""
 
     def __init__(self, argv, port, log_path, log_header, env=None):
         self.base_url = f"http://fake:{port}"
-        bf16 = "auto" in argv
+        if "auto" in argv:
+            text = ""
+        elif "--oscar-mla-storage" in argv:
+            text = ("sglang-oscar: INT2 KV cache, MLA expanded (4 layers x 8 heads x K 192 / V 128): 10240 bytes/token "
+                    "(BF16: 40960, 4.00x fewer); tokens: 10\nsglang-oscar: INT2 MLA expanded pool: ...\n")
+        else:
+            text = ("sglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 + k_pe 64): 1088 bytes/token "
+                    "(BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 MLA latent pool: ...\n")
         with open(log_path, "w") as f:
-            f.write("KV Cache is allocated\n" + ("" if bf16 else "sglang-oscar: INT2 KV cache, MLA latent (4 layers x "
-                    "c_kv 512 + k_pe 64): 1088 bytes/token (BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 "
-                    "MLA latent pool: ...\n"))
+            f.write("KV Cache is allocated\n" + text)
 
     def start(self):
         pass
@@ -47,3 +53,14 @@ def answers(shift_port: int | None, dlp: float):
                 "meta_info": {"output_token_logprobs": [[lp, 7]] * mla_check.NEW_TOKENS,
                               "input_token_logprobs": [[None, 3]] + [[lp, 3]] * (n - 1), "cached_tokens": 400}}
     return http_json
+
+
+def fake_build(monkeypatch, family: str = "deepseek_v3"):
+    """A DeepSeek-V3 family without weights: its config alone, which the window servers' identity
+    rotation reads."""
+    _, flags, judged = mla_check.FAMILIES[family]
+
+    def build(path):
+        mla_models.deepseek_v3_config().save_pretrained(path)
+        return {"kv_lora_rank": 512}
+    monkeypatch.setitem(mla_check.FAMILIES, family, (build, flags, judged))

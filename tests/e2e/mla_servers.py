@@ -59,7 +59,15 @@ FAMILY_BF16_FLAGS = {"glm5_dense": ["--dsa-decode-backend", "flashmla_sparse"]}
 # the servers an item needs (serves: any of the judged items'); it is judged when they all ran
 NEEDS = {"window": {"int2-window", "bf16"}, "rotated": {HADAMARD, "bf16"}, "chunked": {"int2-chunk64", "int2"},
          "radix": {"int2"}, "load": {"int2"}, "oracle": {"int2"}, "plugin": {"plugin-off", "bf16"},
-         "graph": {"int2-eager", "int2"}, "tp": {"int2-tp2", "int2"}}
+         "graph": {"int2-eager", "int2"}, "tp": {"int2-tp2", "int2"}, "oracle-fp32": {"int2-fp32"}}
+# Opt-in --dtype float32 twins (name: (flags, compared with)) of the oracle families, run when
+# --servers names them: int2-fp32 judged against the fp32 oracle as "oracle-fp32" (the BF16 server's own
+# rounding, carried through the INT2 codes, moves the BF16 oracle item by about the oracle's own
+# fp32-vs-BF16 move), bf16-fp32 SGLang's unquantized fp32 path against the fp32 model (the noise
+# floor). GLM-5's DSA indexer keeps FP8 keys whatever --dtype says, so only the DeepSeek-V3 families.
+FP32_TWINS = {"int2-fp32": ([*SERVERS["int2"], "--dtype", "float32"], "int2"),
+              "bf16-fp32": ([*SERVERS["bf16"], "--dtype", "float32"], "bf16")}
+FP32_FAMILIES = ("deepseek_v3", "deepseek_v3_expanded")
 RADIX_SERVERS = ("int2", "bf16")  # the servers that repeat every prompt (bf16's repeats: reported)
 STRICT_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
               "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
@@ -123,6 +131,17 @@ def batch_invariant_env(work: str, env: dict[str, str]) -> dict[str, str]:
 
     return {"PYTHONPATH": _with_shims(work, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))),
             BATCH_INVARIANT_ENV: "1"}
+
+
+def fp32_env(work: str, env: dict[str, str]) -> dict[str, str]:
+    """Environment of an fp32 twin: :func:`.fp32_shim.fp32_server_env` (IEEE ``tl.dot`` on fp32, which
+    SGLang's Triton attention would otherwise run in TF32; RoPE tables as the oracle's; the shim that
+    routes fp32 RMSNorm / SiluAndMul / RoPE to their PyTorch paths) with the harness shims' folder
+    first on ``env``'s PYTHONPATH."""
+    from .fp32_shim import fp32_server_env
+
+    return {**fp32_server_env(work),
+            "PYTHONPATH": _with_shims(work, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")))}
 
 
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:

@@ -12,15 +12,7 @@ import pytest
 from . import checkpoints, mla_check, mla_models
 from .mla_fakes import FakeServer, no_idle_wait  # noqa: F401  (no_idle_wait: an autouse fixture)
 from .mla_fakes import answers as _answers
-
-def _fake_build(monkeypatch):
-    """deepseek_v3 without weights: its config alone, which the window servers' identity rotation reads."""
-    _, flags, judged = mla_check.FAMILIES["deepseek_v3"]
-
-    def build(path):
-        mla_models.deepseek_v3_config().save_pretrained(path)
-        return {"kv_lora_rank": 512}
-    monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3", (build, flags, judged))
+from .mla_fakes import fake_build as _fake_build
 
 
 @pytest.mark.parametrize("shifted,dlp,failed", [(None, 0.0, None), ("int2-chunk64", 0.05, "chunked"),

@@ -80,13 +80,21 @@ def test_glm5_dense_keeps_every_position_of_every_prompt(tmp_path):
     mp = pytest.MonkeyPatch()
     mp.setattr(mla_oracle, "prompt_logprobs", keep)
     try:
-        first = mla_check.oracle_report(str(tmp_path / "g"), prompts, [{"input_logprobs": [0.0]}] * 2)
-        served = [{"input_logprobs": lp.tolist()} for lp in seen[torch.float32][:2]]  # the patched fp32 oracle's
-        rep = mla_check.oracle_report(str(tmp_path / "g"), prompts, served)
+        first = mla_check.oracle_report(str(tmp_path / "g"), prompts, {"int2": [{"input_logprobs": [0.0]}] * 2})
+        o32, hf = seen[torch.float32][:2], seen[torch.float32][2:4]  # the patched fp32 oracle's, the plain model's
+        served = [{"input_logprobs": lp.tolist()} for lp in o32]
+        rep = mla_check.oracle_report(str(tmp_path / "g"), prompts, {"int2": served})
+        n_bf16 = len(seen[torch.bfloat16])
+        # the fp32 twins alone: no BF16 oracle; int2-fp32 against the fp32 oracle, bf16-fp32 against the fp32 model
+        fp32 = mla_check.oracle_report(str(tmp_path / "g"), prompts, {
+            "int2-fp32": served, "bf16-fp32": [{"input_logprobs": (lp + 0.01).tolist()} for lp in hf]})
     finally:
         mp.undo()
     assert rep["served_vs_oracle_fp32"] < 1e-6 and rep["int2_effect_oracle_vs_fp32_model"] > 1e-3
     assert rep["served_vs_oracle_bf16"] == pytest.approx(rep["oracle_fp32_vs_bf16"]) and first["served_vs_oracle_fp32"] > 0
+    assert "fp32_server_vs_oracle_fp32" not in rep and len(seen[torch.bfloat16]) == n_bf16
+    assert fp32["fp32_server_vs_oracle_fp32"] < 1e-6 and fp32["fp32_floor_vs_fp32_model"] == pytest.approx(0.01, rel=1e-3)
+    assert "served_vs_oracle_bf16" not in fp32 and fp32["int2_effect_oracle_vs_fp32_model"] == rep["int2_effect_oracle_vs_fp32_model"]
 
 
 def test_mla_check_glm5_dense_bf16_servers_decode_with_flashmla(tmp_path, monkeypatch):
