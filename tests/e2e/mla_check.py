@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     skipped = [k for k in judged if not NEEDS.get(k, set()) <= set(names)]
-    judged_servers += [n for n in opt_in if n in names]
+    # an opt-in server joins "serves" when a judged item needs it (bf16-fp32 is reported only)
+    judged_servers += [n for n in opt_in if n in names and any(n in NEEDS.get(k, ()) for k in judged)]
     judged = tuple(k for k in judged if k not in skipped)
     with_oracle = "oracle" in judged or any(n in names for n in fp32)
     args.model = args.model or f"/tmp/mla-check-{args.family}"
@@ -377,10 +378,11 @@ def main(argv: list[str] | None = None) -> int:
               f"oracle (reported): {res.get('oracle')}",
               f"load: {json.dumps({k: v for k, v in res.get('load', {}).items() if k != 'leak_lines'})}"]
     lines += [f"{n}: {v}" for n, v in sv.items() if isinstance(v, str)]
+    opt_in_items = {k: n for k in (*OPT_IN_ITEMS, "oracle-fp32") for n in opt_in if n in NEEDS[k]}
     if skipped:
+        hint = [f"{k} with {n}" for k, n in opt_in_items.items() if k in skipped]
         lines.append(f"not judged (their servers not in --servers): {', '.join(skipped)}"
-                     + (f"; {', '.join(OPT_IN_ITEMS)} run with --servers naming {', '.join(OPT_IN)}"
-                        if set(OPT_IN_ITEMS) & set(skipped) else ""))
+                     + (f"; opt-in servers (--servers): {', '.join(hint)}" if hint else ""))
     missing = [k for k in judged if k not in verdict]
     if missing:
         lines.append(f"not judged (fails the check): {', '.join(missing)}"

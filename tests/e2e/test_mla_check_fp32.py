@@ -16,18 +16,24 @@ from .mla_fakes import answers, fake_build
 EXPANDED = ["--oscar-mla-storage", "expanded", "--kv-cache-quant-group-size", "64"]
 
 
-def _run(tmp_path, monkeypatch, family, servers, report):
-    """main() on fake servers; returns (rc, results, {server: argv}, {server: env}, oracle calls)."""
+def _run(tmp_path, monkeypatch, family, servers, report, dead=()):
+    """main() on fake servers (those named in ``dead`` never healthy; ``report`` an exception: the
+    oracle raises it); returns (rc, results, {server: argv}, {server: env}, oracle calls)."""
     argvs, envs, calls = {}, {}, []
 
     class Keep(FakeServer):
         def __init__(self, argv, port, log_path, log_header, env=None):
-            name = os.path.basename(log_path).removeprefix("mla_").removesuffix(".log")
-            argvs[name], envs[name] = argv, env
+            self.name = os.path.basename(log_path).removeprefix("mla_").removesuffix(".log")
+            argvs[self.name], envs[self.name] = argv, env
             super().__init__(argv, port, log_path, log_header, env)
+
+        def poll_health(self, *args, **kwargs):
+            return "dead" if self.name in dead else "healthy"
 
     def oracle(model, prompts, served, storage="latent"):
         calls.append((sorted(served), storage))
+        if isinstance(report, Exception):
+            raise report
         return report
 
     monkeypatch.setattr(mla_check, "ServerProcess", Keep)
@@ -65,6 +71,28 @@ def test_fp32_twins_serve_in_fp32_and_judge_against_the_fp32_oracle(tmp_path, mo
     assert rows["int2-fp32"] == "int2" and rows["bf16-fp32"] == "bf16"  # reported beside the judged items
     md = (tmp_path / "mla_check.md").read_text()
     assert "fp32_server_vs_oracle_fp32" in md
+
+
+REPORT = {"served_vs_oracle_bf16": 0.03, "oracle_fp32_vs_bf16": 0.05, "int2_effect_oracle_vs_fp32_model": 0.2,
+          "fp32_server_vs_oracle_fp32": 0.01, "fp32_floor_vs_fp32_model": 1e-6}
+
+
+@pytest.mark.parametrize("dead,serves", [("bf16-fp32", True), ("int2-fp32", False)])
+def test_only_the_judged_fp32_twin_belongs_to_serves(tmp_path, monkeypatch, dead, serves):
+    """A bf16-fp32 that never becomes healthy leaves the check passing (it is reported only); an
+    int2-fp32 that does not fails serves and leaves oracle-fp32 unjudged."""
+    rc, res, _, _, calls = _run(tmp_path, monkeypatch, "deepseek_v3", "bf16,int2,int2-fp32,bf16-fp32", REPORT,
+                                dead=(dead,))
+    assert res["servers"][dead] == "NOT HEALTHY" and res["verdict"]["serves"] is serves and rc == (0 if serves else 1)
+    assert calls == [(sorted({"int2", "int2-fp32", "bf16-fp32"} - {dead}), "latent")]
+    assert ("oracle-fp32" in res["verdict"]) is serves
+
+
+def test_an_oracle_that_raises_fails_both_oracle_items(tmp_path, monkeypatch):
+    """The oracle's exception fails oracle and oracle-fp32 and is kept in the results."""
+    rc, res, _, _, _ = _run(tmp_path, monkeypatch, "deepseek_v3", "bf16,int2,int2-fp32", RuntimeError("no GPU"))
+    assert rc == 1 and res["verdict"]["oracle"] is False and res["verdict"]["oracle-fp32"] is False
+    assert res["oracle"] == "failed: RuntimeError: no GPU"
 
 
 def test_fp32_floor_alone_is_reported_not_judged(tmp_path, monkeypatch):
