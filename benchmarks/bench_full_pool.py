@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import sys
 import tarfile
 import time
@@ -53,7 +52,7 @@ FILL_FRACTION = 0.99
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_full_pool", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=bs.MODELS, default="qwen3-8b")
+    p.add_argument("--model", choices=bs.ALL_MODELS, default="qwen3-8b")
     p.add_argument("--formats", type=lambda s: bs.csv(s, tuple(bs.FORMATS)), default=["bf16-t64", "int2-fold"])
     p.add_argument("--contexts", type=lambda s: [bs.size_arg(x) for x in bs.csv(s)], default="128k",
                    help="prompt lengths (tokens; k = 1024), each run with the pool full")
@@ -223,8 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, logs = Path(a.out), Path(a.work) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    Path(mdir).mkdir(parents=True, exist_ok=True)
-    shutil.copy(bs.CONFIG_DIR / f"{a.model}.json", Path(mdir) / "config.json")
+    bs.write_model_dir(a.model, mdir)
     results: dict[str, Any] = {"meta": {**bs.collect_meta(a), "real_prefill": a.real_prefill}, "servers": []}
     env = server_env(a)
     with sigterm_exits():  # a device-call timeout: stop the server, keep partial results

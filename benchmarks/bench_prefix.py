@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import shlex
-import shutil
 import sys
 import tarfile
 import time
@@ -46,7 +45,7 @@ except ImportError:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefix", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=bs.MODELS, default="qwen3-8b")
+    p.add_argument("--model", choices=bs.ALL_MODELS, default="qwen3-8b")
     p.add_argument("--formats", type=lambda s: bs.csv(s, tuple(bs.FORMATS)), default=["bf16-t64", "int2"])
     p.add_argument("--groups", type=int, default=16, help="distinct shared prefixes")
     p.add_argument("--per-group", type=int, default=32, help="requests per prefix (the first one seeds it)")
@@ -178,8 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, logs = Path(a.out), Path(a.work) / "logs"
     out.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
-    Path(mdir).mkdir(parents=True, exist_ok=True)
-    shutil.copy(bs.CONFIG_DIR / f"{a.model}.json", Path(mdir) / "config.json")
+    bs.write_model_dir(a.model, mdir)
     results: dict[str, Any] = {"meta": bs.collect_meta(a), "servers": []}
     timed, warm = make_load(a, seed=1), make_load(a, seed=2, groups=max(1, a.groups // 4))
     with sigterm_exits():  # a device-call timeout: stop the server, keep partial results

@@ -43,10 +43,14 @@ for that format (estimated pool in the plan, the real ``max_total_num_tokens`` a
 SIGTERM (device-call timeout) or the budget running out stops the server and still writes partial
 results. ``--dry-run`` prints every server command and the request plan and starts nothing.
 
-Model configs: the published Hugging Face ``config.json`` values of Qwen3-8B, Qwen3-32B and
-Qwen3-30B-A3B, except ``max_position_embeddings`` 135168 (published: 40960, 128K via YaRN factor 4):
-131072 prompt tokens plus up to 4096 new ones without RoPE scaling (the RoPE variant does not change
-the speed). Output (``--out``): ``results.json`` (every measured value, commands, plan),
+Model configs (:mod:`served_models`): the published Hugging Face ``config.json`` values of Qwen3-8B,
+Qwen3-32B and Qwen3-30B-A3B (the default ``--models``), except ``max_position_embeddings`` 135168
+(published: 40960, 128K via YaRN factor 4): 131072 prompt tokens plus up to 4096 new ones without RoPE
+scaling (the RoPE variant does not change the speed); ``--models qwen3.5-35b-a3b`` adds the
+linear-attention hybrid Qwen3.5-35B-A3B (10 of its 40 layers keep K/V; the plan's pool estimate
+ignores SGLang's recurrent-state pool, the run reads the real one).
+
+Output (``--out``): ``results.json`` (every measured value, commands, plan),
 ``results.md`` (the table printed at the end), ``decode.png`` and ``capacity.png`` (matplotlib,
 skipped with a message when missing) and ``logs.tgz`` (one log per server); five files, the device
 tool returns at most eight. A model's formats rarely fit one 600 s device call (a server takes
@@ -58,12 +62,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import random
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import threading
@@ -73,12 +75,12 @@ from typing import Any, Callable, Sequence
 
 try:  # python -m benchmarks.bench_served (a package), or the script / its folder on the path
     from .bench_served_report import label, merge, write_outputs
+    from .served_models import ALL_MODELS, CONFIG_DIR, MODELS, Shape, write_model_dir  # noqa: F401
 except ImportError:
     from bench_served_report import label, merge, write_outputs
+    from served_models import ALL_MODELS, CONFIG_DIR, MODELS, Shape, write_model_dir  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
-CONFIG_DIR = HERE / "configs"
-MODELS = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")
 # format -> (--kv-cache-dtype, --attention-backend, bits per stored K/V element in the pool, extra flags).
 # SGLang's Triton decode defaults to 8 KV splits (--triton-attention-num-kv-splits), which leaves a
 # batch-1 long-context decode on few SMs: the -t64 formats are the same kernels with 64 splits (128K x 1:
@@ -143,7 +145,8 @@ def add_server_args(p: argparse.ArgumentParser, out: str, work: str, port: int) 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_served", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=lambda s: csv(s, MODELS), default=list(MODELS))
+    p.add_argument("--models", type=lambda s: csv(s, ALL_MODELS), default=list(MODELS),
+                   help=f"default {','.join(MODELS)}; also {','.join(m for m in ALL_MODELS if m not in MODELS)}")
     p.add_argument("--formats", type=lambda s: csv(s, tuple(FORMATS)), default=["bf16", "fp8", "int2"])
     p.add_argument("--with-flashinfer", action="store_true", help="add a BF16 server on the flashinfer backend")
     p.add_argument("--contexts", type=lambda s: [size_arg(x) for x in csv(s)], default="8k,32k,128k",
@@ -178,52 +181,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-# ------------------------------------------------------------------------------------- shapes
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """What the estimates need from a ``config.json``; parameter counts exclude norms."""
-
-    name: str
-    config: dict
-    layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    params: float  # all weights
-    matmul_params: float  # weights one token multiplies by (active experts, lm_head; no embedding)
-    expert_params: float  # all routed-expert weights (0 for dense)
-    experts: int = 0
-    topk: int = 0
-
-    @classmethod
-    def load(cls, name: str) -> "Shape":
-        c = json.loads((CONFIG_DIR / f"{name}.json").read_text())
-        h, d, L = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
-        hq, hkv, vocab = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
-        attn = 2 * h * hq * d + 2 * h * hkv * d
-        if "num_experts" in c:
-            e, k = c["num_experts"], c["num_experts_per_tok"]
-            per_expert = 3 * h * c["moe_intermediate_size"]
-            mlp_all, mlp_active, experts_total = e * per_expert + h * e, k * per_expert + h * e, L * e * per_expert
-        else:
-            e = k = 0
-            mlp_all = mlp_active = 3 * h * c["intermediate_size"]
-            experts_total = 0
-        head = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
-        return cls(name, c, L, hq, hkv, d, L * (attn + mlp_all) + head, L * (attn + mlp_active) + vocab * h,
-                   experts_total, e, k)
-
-    def kv_bytes(self, fmt: str) -> float:
-        """Pool bytes per token (all layers, K and V) of a format."""
-        return self.layers * self.kv_heads * self.head_dim * 2 * FORMATS[fmt][2] / 8
-
-
 def est_pool_tokens(s: Shape, fmt: str, a: argparse.Namespace) -> int:
     """SGLang sizes the pool as (fraction x GPU memory) - weights - what the model load left used."""
     free = a.mem_fraction_static * a.gpu_mem_gib * GIB - 2 * s.params - RESERVE_GIB * GIB
     if is_int2(fmt):
-        free -= max(a.batches) * INT2_WINDOW_TOKENS * s.kv_bytes("bf16")
-    return max(0, int(free // s.kv_bytes(fmt)))
+        free -= max(a.batches) * INT2_WINDOW_TOKENS * s.kv_bytes(FORMATS["bf16"][2])
+    return max(0, int(free // s.kv_bytes(FORMATS[fmt][2])))
 
 
 def est_prefill_s(s: Shape, ctx: int, fmt: str, a: argparse.Namespace) -> float:
@@ -239,7 +202,7 @@ def est_step_s(s: Shape, ctx: int, batch: int, fmt: str, a: argparse.Namespace) 
     """One decode step: weights read (MoE: the expected fraction of experts B tokens touch) + KV."""
     touched = 1 - (1 - s.topk / s.experts) ** batch if s.experts else 1.0
     weights = 2 * (s.params - s.expert_params * (1 - touched))
-    return (weights + batch * ctx * s.kv_bytes(fmt)) / (a.hbm_tbs * 1e12) * a.est_scale + STEP_OVERHEAD_S
+    return (weights + batch * ctx * s.kv_bytes(FORMATS[fmt][2])) / (a.hbm_tbs * 1e12) * a.est_scale + STEP_OVERHEAD_S
 
 
 def new_tokens(ctx: int, batch: int, a: argparse.Namespace) -> int:
@@ -496,8 +459,7 @@ def run(a: argparse.Namespace, plans: Sequence[ServerPlan]) -> dict[str, Any]:
     results: dict[str, Any] = {"meta": collect_meta(a), "servers": []}
     scale: dict[str, float] = {}  # measured / estimated prefill time, per format
     for p in plans:
-        Path(p.model_dir).mkdir(parents=True, exist_ok=True)
-        shutil.copy(CONFIG_DIR / f"{p.model}.json", Path(p.model_dir) / "config.json")
+        write_model_dir(p.model, p.model_dir)
     try:
         for p in plans:
             rec: dict[str, Any] = {"name": p.name, "model": p.model, "format": p.fmt, "command": shlex.join(p.argv),

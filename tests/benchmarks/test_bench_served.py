@@ -28,6 +28,7 @@ def _load_script(name: str):
 
 
 report = _load_script("bench_served_report")
+models = _load_script("served_models")
 bs = _load_script("bench_served")
 
 PUBLISHED = {  # Hugging Face config.json values of the three models

@@ -1,0 +1,65 @@
+"""CPU tests of benchmarks/served_models.py: the Qwen3.5-35B-A3B config as SGLang and the plugin
+read it, its parameter counts, the model folder with its offline processor, and its server commands."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import tomllib
+
+from test_bench_served import REPO, _load_script
+
+models = sys.modules.get("served_models") or _load_script("served_models")
+bs = sys.modules.get("bench_served") or _load_script("bench_served")
+QWEN35 = "qwen3.5-35b-a3b"
+
+
+def test_qwen3_5_shape_is_the_recipe_geometry(tmp_path):
+    """The saved config loads as transformers' Qwen3.5 wrapper with the recipe's geometry (40 layers,
+    every 4th full attention with 16 q / 2 kv heads x 256); the plugin's own reader finds the same
+    10 K/V layers and 30 linear ones; ~35B parameters, ~3B per token (the "35B-A3B")."""
+    from transformers import AutoConfig
+
+    from sglang_oscar.rotation.geometry import ModelGeometry
+
+    recipe = tomllib.loads((REPO / "recipes" / "Qwen3.5-35B-A3B" / "recipe.toml").read_text())["geometry"]
+    path = models.write_model_dir(QWEN35, tmp_path / "m")
+    cfg = AutoConfig.from_pretrained(str(path))
+    text = cfg.get_text_config()
+    assert type(cfg).__name__ == "Qwen3_5MoeConfig" and cfg.architectures == ["Qwen3_5MoeForConditionalGeneration"]
+    assert (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim) == \
+        (recipe["num_layers"], recipe["num_q_heads"], recipe["num_kv_heads"], recipe["head_dim"])
+    full = [i for i, t in enumerate(text.layer_types) if t == "full_attention"]
+    assert full == list(range(3, 40, 4)) and text.full_attention_interval == 4  # SGLang reads the interval
+    assert text.rope_parameters["mrope_section"] == [11, 11, 10] and text.max_position_embeddings >= 131072 + 4096
+    assert min(cfg.image_token_id, cfg.video_token_id) >= text.vocab_size  # no random prompt id is a vision token
+    geo = ModelGeometry.from_hf_config(str(path))
+    assert list(geo.layer_ids) == full and sorted(geo.linear_layer_ids) == sorted(set(range(40)) - set(full))
+    s = models.Shape.load(QWEN35)
+    assert (s.layers, s.all_layers, s.kv_heads, s.head_dim, s.experts, s.topk) == (10, 40, 2, 256, 256, 8)
+    assert 34e9 < s.params < 36e9 and 2.7e9 < s.matmul_params < 3.3e9
+    assert s.kv_bytes(16.0) == 10 * 2 * 256 * 2 * 2  # BF16 K and V of the 10 attention layers: 20 KB per token
+
+
+def test_qwen3_5_folder_has_the_processor_sglang_loads(tmp_path):
+    """SGLang loads a processor for every multimodal model, --skip-tokenizer-init included: the folder
+    has one whose vision tokens sit at the config's ids; the Qwen3 folders hold the config alone."""
+    from transformers import AutoConfig, AutoProcessor
+
+    path = models.write_model_dir(QWEN35, tmp_path / "q")
+    cfg = AutoConfig.from_pretrained(str(path))
+    tok = AutoProcessor.from_pretrained(str(path)).tokenizer
+    assert tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"]) == [cfg.image_token_id, cfg.video_token_id]
+    assert sorted(p.name for p in models.write_model_dir("qwen3-8b", tmp_path / "d").iterdir()) == ["config.json"]
+
+
+def test_qwen3_5_is_opt_in_and_planned_like_the_others(capsys):
+    """Not among the default models; named, its servers load its folder and the plan counts only its
+    10 K/V layers: int2 holds ~7x BF16's estimated tokens."""
+    assert QWEN35 not in bs.parse_args([]).models and QWEN35 in bs.ALL_MODELS
+    assert bs.main(["--dry-run", "--models", QWEN35, "--formats", "bf16,int2"]) == 0
+    cmds = [shlex.split(line[2:]) for line in capsys.readouterr().out.splitlines() if line.startswith("$ ")]
+    assert len(cmds) == 2 and all(c[c.index("--model-path") + 1].endswith(QWEN35) for c in cmds)
+    plans = bs.make_plan(bs.parse_args(["--models", QWEN35, "--formats", "bf16,int2"]))
+    bf16, int2 = (p.est_pool_tokens for p in plans)
+    assert 6.0 < int2 / bf16 < 7.2
