@@ -11,7 +11,11 @@ in Qwen3.5's multimodal wrapper as the device checks' ``qwen3_5`` family writes 
 (``tests/e2e/families.py``): ``full_attention_interval`` for SGLang, interleaved M-RoPE sections
 11/11/10, a one-block vision tower and vision token ids just past the vocabulary (text-only
 requests never reach either). SGLang loads a processor for every multimodal model, so its folder
-also gets the offline one of ``tests/e2e/checkpoints.write_processor``.
+also gets the offline one of ``tests/e2e/checkpoints.write_processor``. ``gpt-oss-20b`` is
+transformers' ``GptOssConfig`` (whose defaults are gpt-oss-120b's) with gpt-oss-20b's 24 layers and 32
+experts (top-4 of 2,880): 64 q / 8 kv heads x 64, layers alternating a 128-key sliding window and full
+attention, learned attention sinks, YaRN RoPE (factor 33 here: 135,168 positions), ``swiglu_limit`` 7
+(SGLang reads it), BF16 weights in place of the published MXFP4 experts.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MODELS = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")  # the default set of bench_served
-HYBRID_MODELS = ("qwen3.5-35b-a3b",)  # run when --models names them
+HYBRID_MODELS = ("qwen3.5-35b-a3b", "gpt-oss-20b")  # run when --models names them
 ALL_MODELS = MODELS + HYBRID_MODELS
 
 
@@ -35,7 +39,8 @@ def load_config(name: str) -> dict:
 class Shape:
     """What the estimates need from a ``config.json`` (a multimodal one: its ``text_config``);
     parameter counts exclude norms and the vision tower. ``layers`` counts the layers that keep K/V
-    (a linear-attention hybrid's full-attention layers); ``all_layers`` every decoder layer."""
+    and grow with the context (full attention: not a linear-attention layer, not a sliding-window one);
+    ``all_layers`` every decoder layer."""
 
     name: str
     config: dict
@@ -70,9 +75,9 @@ class Shape:
                               c["linear_value_head_dim"])
             linear = h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * h
         mixers = n_full * attn + (n_layers - n_full) * linear
-        if "num_experts" in c:
-            e, k = c["num_experts"], c["num_experts_per_tok"]
-            per_expert = 3 * h * c["moe_intermediate_size"]
+        if "num_experts" in c or "num_local_experts" in c:
+            e, k = c.get("num_experts") or c["num_local_experts"], c["num_experts_per_tok"]
+            per_expert = 3 * h * (c.get("moe_intermediate_size") or c["intermediate_size"])  # GPT-OSS: per expert
             shared = 3 * h * c.get("shared_expert_intermediate_size", 0)
             mlp_all, mlp_active = e * per_expert + shared + h * e, k * per_expert + shared + h * e
             experts_total = n_layers * e * per_expert

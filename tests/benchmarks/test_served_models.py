@@ -63,3 +63,34 @@ def test_qwen3_5_is_opt_in_and_planned_like_the_others(capsys):
     plans = bs.make_plan(bs.parse_args(["--models", QWEN35, "--formats", "bf16,int2"]))
     bf16, int2 = (p.est_pool_tokens for p in plans)
     assert 6.0 < int2 / bf16 < 7.2
+
+
+def test_gpt_oss_20b_shape(tmp_path):
+    """gpt-oss-20b: transformers reads a GptOss config with 24 layers alternating a 128-key window and
+    full attention, 32 experts top-4, sinks (the plugin's reader), positions for a 128K prompt; ~21B
+    parameters, ~3.3B per token; the plan counts the 12 full layers' K/V."""
+    from transformers import AutoConfig
+
+    from sglang_oscar.rotation.geometry import ModelGeometry
+
+    path = models.write_model_dir("gpt-oss-20b", tmp_path / "g")
+    cfg = AutoConfig.from_pretrained(str(path))
+    assert type(cfg).__name__ == "GptOssConfig" and cfg.swiglu_limit == 7.0 and cfg.max_position_embeddings >= 135168
+    moe = (cfg.num_hidden_layers, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.sliding_window)
+    assert moe == (24, 32, 4, 128)
+    geo = ModelGeometry.from_hf_config(str(path))
+    groups = {g.kind: g for g in geo.groups()}
+    assert groups["sliding"].layer_ids == tuple(range(0, 24, 2)) and groups["full"].layer_ids == tuple(range(1, 24, 2))
+    assert groups["sliding"].sliding_windows == (128,) and all(geo.layer(i).has_sinks for i in range(24))
+    s = models.Shape.load("gpt-oss-20b")
+    assert (s.layers, s.all_layers, s.kv_heads, s.head_dim, s.experts, s.topk) == (12, 24, 8, 64, 32, 4)
+    assert 19.5e9 < s.params < 21.5e9 and 3.0e9 < s.matmul_params < 3.7e9  # published: 21B, 3.6B active
+
+
+def test_int2_args_reach_only_the_int2_server(capsys):
+    """The GPT-OSS recipe's --oscar-skip-layers sliding goes to the int2 server through --int2-args."""
+    assert bs.main(["--dry-run", "--models", "gpt-oss-20b", "--formats", "bf16-t64,int2",
+                    "--int2-args=--oscar-skip-layers sliding"]) == 0
+    cmds = [shlex.split(line[2:]) for line in capsys.readouterr().out.splitlines() if line.startswith("$ ")]
+    skip = {c[c.index("--kv-cache-dtype") + 1]: "--oscar-skip-layers" in c for c in cmds}
+    assert skip == {"auto": False, "int2": True}
