@@ -52,7 +52,7 @@ FILL_FRACTION = 0.99
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_full_pool", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=bs.ALL_MODELS, default="qwen3-8b")
+    p.add_argument("--model", choices=bs.MODELS, default="qwen3-8b")
     p.add_argument("--formats", type=lambda s: bs.csv(s, tuple(bs.FORMATS)), default=["bf16-t64", "int2-fold"])
     p.add_argument("--contexts", type=lambda s: [bs.size_arg(x) for x in bs.csv(s)], default="128k",
                    help="prompt lengths (tokens; k = 1024), each run with the pool full")
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, fmt in enumerate(a.formats):
         m = max_running(shape, fmt, a)
         port = a.port + 10 * i
-        plan.append((fmt, m, port, bs.server_argv(a, mdir, fmt, port, max_running=m)))
+        plan.append((fmt, m, port, bs.server_argv(a, mdir, fmt, port, max_running=m, model=a.model)))
         pool = est_pool(shape, fmt, a, m)
         fits = ", ".join(f"~{requests_that_fit(pool, c, a, m)} x {bs.label(c)}" for c in a.contexts)
         print(f"# {fmt}: max running {m}; estimated fill {fits}")

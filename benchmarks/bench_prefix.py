@@ -45,7 +45,7 @@ except ImportError:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefix", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=bs.ALL_MODELS, default="qwen3-8b")
+    p.add_argument("--model", choices=bs.MODELS, default="qwen3-8b")
     p.add_argument("--formats", type=lambda s: bs.csv(s, tuple(bs.FORMATS)), default=["bf16-t64", "int2"])
     p.add_argument("--groups", type=int, default=16, help="distinct shared prefixes")
     p.add_argument("--per-group", type=int, default=32, help="requests per prefix (the first one seeds it)")
@@ -163,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     mdir = str(Path(a.work) / a.model)
     ports = {fmt: a.port + 10 * i for i, fmt in enumerate(a.formats)}
-    argvs = {fmt: bs.server_argv(a, mdir, fmt, ports[fmt], max_running=a.concurrency, radix_cache=True)
+    argvs = {fmt: bs.server_argv(a, mdir, fmt, ports[fmt], max_running=a.concurrency, radix_cache=True,
+                                  model=a.model)
              for fmt in a.formats}
     n = a.groups * a.per_group
     print(f"# load: {a.groups} groups x {a.per_group} requests ({n}), prefix {a.prefix_len} + suffix "

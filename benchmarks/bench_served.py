@@ -46,9 +46,11 @@ results. ``--dry-run`` prints every server command and the request plan and star
 Model configs (:mod:`served_models`): the published Hugging Face ``config.json`` values of Qwen3-8B,
 Qwen3-32B and Qwen3-30B-A3B (the default ``--models``), except ``max_position_embeddings`` 135168
 (published: 40960, 128K via YaRN factor 4): 131072 prompt tokens plus up to 4096 new ones without RoPE
-scaling (the RoPE variant does not change the speed); ``--models qwen3.5-35b-a3b`` adds the
-linear-attention hybrid Qwen3.5-35B-A3B (10 of its 40 layers keep K/V; the plan's pool estimate
-ignores SGLang's recurrent-state pool, the run reads the real one).
+scaling (the RoPE variant does not change the speed); ``--models`` may add the hybrids
+``qwen3.5-35b-a3b`` (linear attention: 10 of its 40 layers keep K/V) and ``gpt-oss-20b`` (sliding
+windows, served with its recipe's flags: ``served_models.SERVER_ARGS`` / ``INT2_ARGS``). The plan's pool
+estimate counts only the full-attention layers' K/V (not SGLang's recurrent-state or sliding pools);
+the run reads the real pools.
 
 Output (``--out``): ``results.json`` (every measured value, commands, plan),
 ``results.md`` (the table printed at the end), ``decode.png`` and ``capacity.png`` (matplotlib,
@@ -75,10 +77,12 @@ from typing import Any, Callable, Sequence
 
 try:  # python -m benchmarks.bench_served (a package), or the script / its folder on the path
     from .bench_served_report import label, merge, write_outputs
-    from .served_models import ALL_MODELS, CONFIG_DIR, MODELS, Shape, write_model_dir  # noqa: F401
+    from .served_models import (ALL_MODELS, CONFIG_DIR, INT2_ARGS, MODELS, SERVER_ARGS,  # noqa: F401
+                                Shape, write_model_dir)
 except ImportError:
     from bench_served_report import label, merge, write_outputs
-    from served_models import ALL_MODELS, CONFIG_DIR, MODELS, Shape, write_model_dir  # noqa: F401
+    from served_models import (ALL_MODELS, CONFIG_DIR, INT2_ARGS, MODELS, SERVER_ARGS,  # noqa: F401
+                               Shape, write_model_dir)
 
 HERE = Path(__file__).resolve().parent
 # format -> (--kv-cache-dtype, --attention-backend, bits per stored K/V element in the pool, extra flags).
@@ -229,10 +233,12 @@ class ServerPlan:
 
 
 def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int, *, max_running: int | None = None,
-                radix_cache: bool = False) -> list[str]:
+                radix_cache: bool = False, model: str | None = None) -> list[str]:
     """The server command of format ``fmt`` (module docstring); ``max_running`` (default the largest
     batch) sets ``--max-running-requests`` and the decode graphs' batch; ``radix_cache`` keeps SGLang's
-    radix cache on (``bench_prefix``'s shared prefixes), else ``--disable-radix-cache``."""
+    radix cache on (``bench_prefix``'s shared prefixes), else ``--disable-radix-cache``; ``model`` adds
+    its recipe's flags (``served_models.SERVER_ARGS`` / ``INT2_ARGS``) before ``--server-args`` /
+    ``--int2-args``."""
     kv, backend, _, extra = FORMATS[fmt]
     top = max_running or max(a.batches)
     argv = [a.python, "-m", "sglang.launch_server", "--model-path", model_dir, "--load-format", "dummy",
@@ -242,7 +248,8 @@ def server_argv(a: argparse.Namespace, model_dir: str, fmt: str, port: int, *, m
             "--chunked-prefill-size", str(a.chunked_prefill_size), "--max-running-requests", str(top),
             "--cuda-graph-max-bs-decode", str(top), "--disable-prefill-cuda-graph", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info"]
-    return argv + list(extra) + shlex.split(a.server_args) + (shlex.split(a.int2_args) if is_int2(fmt) else [])
+    own = [*SERVER_ARGS.get(model, ()), *(INT2_ARGS.get(model, ()) if is_int2(fmt) else ())]
+    return argv + list(extra) + own + shlex.split(a.server_args) + (shlex.split(a.int2_args) if is_int2(fmt) else [])
 
 
 def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
@@ -259,7 +266,7 @@ def make_plan(a: argparse.Namespace) -> list[ServerPlan]:
             startup = a.startup_s + (a.int2_jit_s if is_int2(fmt) and "int2" not in jit_done else 0) \
                 + (FI_JIT_S if fmt == "bf16-fi" and "fi" not in jit_done else 0)
             jit_done |= {"int2"} if is_int2(fmt) else {"fi"} if fmt == "bf16-fi" else set()
-            servers.append(ServerPlan(model, fmt, port, server_argv(a, mdir, fmt, port), mdir, startup,
+            servers.append(ServerPlan(model, fmt, port, server_argv(a, mdir, fmt, port, model=model), mdir, startup,
                                       est_pool_tokens(shape, fmt, a)))
         share = remaining / (len(a.models) - mi)  # equal shares; what a model leaves rolls over
         left = share - sum(s.est_startup_s + SERVER_OVERHEAD_S for s in servers)

@@ -29,6 +29,11 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MODELS = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")  # the default set of bench_served
 HYBRID_MODELS = ("qwen3.5-35b-a3b", "gpt-oss-20b")  # run when --models names them
 ALL_MODELS = MODELS + HYBRID_MODELS
+# Launch flags a model's recipe serves it with, on every server / on the int2 ones (recipes/GPT-OSS-20B:
+# a BF16 sliding pool sized for 0.02 sliding tokens per full one, since a 128-key window never uses
+# SGLang's default 0.8; its sliding layers kept BF16)
+SERVER_ARGS = {"gpt-oss-20b": ("--swa-full-tokens-ratio", "0.02")}
+INT2_ARGS = {"gpt-oss-20b": ("--oscar-skip-layers", "sliding")}
 
 
 def load_config(name: str) -> dict:
@@ -66,7 +71,7 @@ class Shape:
         h, d, n_layers = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
         hq, hkv, vocab = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
         kinds = c.get("layer_types") or ["full_attention"] * n_layers
-        n_full = kinds.count("full_attention")
+        n_full, n_linear = kinds.count("full_attention"), kinds.count("linear_attention")
         gated = "linear_num_value_heads" in c  # the Qwen3-Next / Qwen3.5 attention has an output gate
         attn = 2 * h * hq * d + 2 * h * hkv * d + (h * hq * d if gated else 0)
         linear = 0
@@ -74,7 +79,7 @@ class Shape:
             nk, nv, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
                               c["linear_value_head_dim"])
             linear = h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * h
-        mixers = n_full * attn + (n_layers - n_full) * linear
+        mixers = (n_layers - n_linear) * attn + n_linear * linear  # sliding layers: attention too
         if "num_experts" in c or "num_local_experts" in c:
             e, k = c.get("num_experts") or c["num_local_experts"], c["num_experts_per_tok"]
             per_expert = 3 * h * (c.get("moe_intermediate_size") or c["intermediate_size"])  # GPT-OSS: per expert

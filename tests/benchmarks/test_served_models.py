@@ -84,13 +84,30 @@ def test_gpt_oss_20b_shape(tmp_path):
     assert groups["sliding"].sliding_windows == (128,) and all(geo.layer(i).has_sinks for i in range(24))
     s = models.Shape.load("gpt-oss-20b")
     assert (s.layers, s.all_layers, s.kv_heads, s.head_dim, s.experts, s.topk) == (12, 24, 8, 64, 32, 4)
-    assert 19.5e9 < s.params < 21.5e9 and 3.0e9 < s.matmul_params < 3.7e9  # published: 21B, 3.6B active
+    assert abs(s.params - 20.9e9) / 20.9e9 < 0.01 and 3.5e9 < s.matmul_params < 3.7e9  # published: 21B, 3.6B active
 
 
-def test_int2_args_reach_only_the_int2_server(capsys):
-    """The GPT-OSS recipe's --oscar-skip-layers sliding goes to the int2 server through --int2-args."""
-    assert bs.main(["--dry-run", "--models", "gpt-oss-20b", "--formats", "bf16-t64,int2",
-                    "--int2-args=--oscar-skip-layers sliding"]) == 0
+def test_gpt_oss_servers_take_its_recipe_flags(capsys):
+    """As recipes/GPT-OSS-20B serves it: every server sizes SGLang's sliding pool at 0.02 sliding tokens
+    per full one, the int2 server keeps the sliding layers BF16; the Qwen3 servers get neither."""
+    recipe = tomllib.loads((REPO / "recipes" / "GPT-OSS-20B" / "recipe.toml").read_text())
+    extra = recipe["serve"]["extra_args"]
+    assert extra[extra.index("--swa-full-tokens-ratio") + 1] == "0.02" and recipe["quant"]["skip_layers"] == "sliding"
+    assert bs.main(["--dry-run", "--models", "gpt-oss-20b,qwen3-8b", "--formats", "bf16-t64,int2"]) == 0
     cmds = [shlex.split(line[2:]) for line in capsys.readouterr().out.splitlines() if line.startswith("$ ")]
-    skip = {c[c.index("--kv-cache-dtype") + 1]: "--oscar-skip-layers" in c for c in cmds}
-    assert skip == {"auto": False, "int2": True}
+    got = {(c[c.index("--model-path") + 1].rsplit("/", 1)[1], c[c.index("--kv-cache-dtype") + 1]):
+           (c[c.index("--swa-full-tokens-ratio") + 1] if "--swa-full-tokens-ratio" in c else None,
+            c[c.index("--oscar-skip-layers") + 1] if "--oscar-skip-layers" in c else None) for c in cmds}
+    assert got == {("gpt-oss-20b", "auto"): ("0.02", None), ("gpt-oss-20b", "int2"): ("0.02", "sliding"),
+                   ("qwen3-8b", "auto"): (None, None), ("qwen3-8b", "int2"): (None, None)}
+
+
+def test_sglang_reads_the_hybrid_configs(tmp_path):
+    """SGLang's own ModelConfig: both take 128K prompts plus new tokens; GPT-OSS is a hybrid
+    sliding-window model over its even layers, Qwen3.5 not (its hybrid is linear attention)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    oss = ModelConfig(model_path=str(models.write_model_dir("gpt-oss-20b", tmp_path / "g")), dtype="bfloat16")
+    q35 = ModelConfig(model_path=str(models.write_model_dir(QWEN35, tmp_path / "q")), dtype="bfloat16")
+    assert oss.context_len >= 131072 + 4096 and q35.context_len >= 131072 + 4096
+    assert oss.is_hybrid_swa and list(oss.swa_attention_layer_ids) == list(range(0, 24, 2)) and not q35.is_hybrid_swa
