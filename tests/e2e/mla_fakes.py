@@ -22,8 +22,9 @@ class FakeServer:
         if "auto" in argv:
             text = ""
         elif "--oscar-mla-storage" in argv:
-            text = ("sglang-oscar: INT2 KV cache, MLA expanded (4 layers x 8 heads x K 192 / V 128): 10240 bytes/token "
-                    "(BF16: 40960, 4.00x fewer); tokens: 10\nsglang-oscar: INT2 MLA expanded pool: ...\n")
+            text = ("sglang-oscar: INT2 KV cache, MLA expanded (4 layers x 8 heads x K 192 / V 128; BF16 latent 4608, "
+                    "INT2 latent 1088): 10240 bytes/token (BF16: 40960, 4.00x fewer); tokens: 10 (0.00 GiB)\n"
+                    "sglang-oscar: INT2 MLA expanded pool: 10 slots x 4 layers x 8 heads (K 192 / V 128)\n")
         else:
             text = ("sglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 + k_pe 64): 1088 bytes/token "
                     "(BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 MLA latent pool: ...\n")

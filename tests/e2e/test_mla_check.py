@@ -302,15 +302,10 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
     oracle is asked for expanded storage."""
     argvs, storages = {}, []
 
-    class Expanded(FakeServer):
+    class Expanded(FakeServer):  # the startup lines of the expanded pool: mla_fakes.FakeServer's
         def __init__(self, argv, port, log_path, log_header, env=None):
             argvs[os.path.basename(log_path)] = argv
-            with open(log_path, "w") as f:
-                f.write("KV Cache is allocated\n" + ("" if "auto" in argv else
-                        "sglang-oscar: INT2 KV cache, MLA expanded (4 layers x 8 heads x K 192 / V 128; BF16 latent 4608, "
-                        "INT2 latent 1088): 10240 bytes/token (BF16: 40960, 4.00x fewer); tokens: 10 (0.00 GiB)\n"
-                        "sglang-oscar: INT2 MLA expanded pool: 10 slots x 4 layers x 8 heads (K 192 / V 128)\n"))
-            self.base_url = f"http://fake:{port}"
+            super().__init__(argv, port, log_path, log_header, env)
 
     monkeypatch.setattr(mla_check, "ServerProcess", Expanded)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))

@@ -21,6 +21,7 @@ import shlex
 import sys
 import warnings
 
+from ..cli.paths import check_writable
 from ..constants import DEFAULT_ORTHO_TOL
 from . import FIT_METHODS
 
@@ -265,7 +266,6 @@ def _write_json(path: str | None, obj) -> None:
 
 # ----------------------------------------------------------------------------- verbs
 def _calibrate(args) -> int:
-    from ..cli.paths import check_writable
     from . import CalibrationError
     from .model import config_dict
     from .recipes import default_paths, stats_config_path
@@ -292,7 +292,6 @@ def _fit(args) -> int:
     from .fit import DEFAULT_MIN_TOKENS, fit_rotations
     from .model import config_fingerprint, geometry_of
     from .oracle import settings
-    from ..cli.paths import check_writable
     from ..rotation.latent import DEFAULT_LATENT_BLOCK, served_latent_block
     from .recipes import check_geometry, default_paths, oscar_config, rotation_config_path, rotation_kind
     from .stats import CalibrationStats
@@ -441,8 +440,6 @@ def _error(args) -> int:
     recipe = _recipe(args)
     _require_held_out(args, recipe, "error")
     if args.out:
-        from ..cli.paths import check_writable
-
         check_writable(args.out, "--out")
     specs = list(args.rotation) or ([_recipe_rotation(recipe)] if recipe is not None else [])
     rotations = _rotations_from_args(specs)
@@ -466,8 +463,6 @@ def _ppl(args) -> int:
     recipe = _recipe(args)
     _require_held_out(args, recipe, "ppl")
     if args.out:
-        from ..cli.paths import check_writable
-
         check_writable(args.out, "--out")
     path = args.rotation or (_recipe_rotation(recipe) if recipe is not None else None)
     _, model, tok = _load(args, recipe)

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ..constants import DEFAULT_ORTHO_TOL
+from .paths import check_writable
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -81,7 +82,6 @@ def _file_geometry(args):
 def _hadamard(args) -> int:
     from ..rotation import RotationSet
     from ..rotation.latent import LatentRotationSet
-    from .paths import check_writable
 
     geometry, latent = _file_geometry(args)
     check_writable(args.out, "--out")
@@ -126,7 +126,6 @@ def _validate(args) -> int:
 
 def _convert(args) -> int:
     from ..rotation import ModelGeometry, RotationSet
-    from .paths import check_writable
 
     rs = RotationSet.from_upstream_pt(args.k, args.v)
     check_writable(args.out, "--out")
