@@ -85,8 +85,9 @@ def test_recipe_matches_spec(name):
     g = r.geometry
     assert r.model.family == s["family"]
     assert r.model.served is (s["family"] in SERVED_FAMILIES)
-    if not r.model.served:  # the note says why: no int2 path yet, or one whose H200 checks have not passed or run
-        assert any(why in (r.model.notes or "") for why in ("not built yet", "have not passed yet", "not run on a GPU yet"))
+    if not r.model.served:  # the note says why: no int2 path yet, H200 checks not passed or run, or a refused flag
+        assert any(why in (r.model.notes or "") for why in (
+            "not built yet", "have not passed yet", "not run on a GPU yet", "refused by the INT2 cache"))
     assert g.num_layers == s.get("layers")
     assert g.num_q_heads == s.get("q")
     assert g.num_kv_heads == s.get("kv")
