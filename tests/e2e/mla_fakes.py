@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from . import mla_check, mla_models
@@ -15,21 +17,26 @@ def no_idle_wait(monkeypatch):
 
 class FakeServer:
     """A healthy server whose log names the INT2 latent pool (the expanded pool under
-    ``--oscar-mla-storage expanded``; nothing for BF16) and its bytes per token."""
+    ``--oscar-mla-storage expanded``; nothing for BF16) and its bytes per token. It keeps what it was
+    started with (``argv``, ``env``, ``log_path``, and ``name``: the check's server name) for tests
+    to assert on; subclasses change the log through :meth:`log_text`."""
 
     def __init__(self, argv, port, log_path, log_header, env=None):
+        self.argv, self.env, self.log_path = list(argv), env, log_path
+        self.name = os.path.basename(log_path).removeprefix("mla_").removesuffix(".log")
         self.base_url = f"http://fake:{port}"
+        with open(log_path, "w") as f:
+            f.write("KV Cache is allocated\n" + self.log_text(argv))
+
+    def log_text(self, argv) -> str:
         if "auto" in argv:
-            text = ""
-        elif "--oscar-mla-storage" in argv:
-            text = ("sglang-oscar: INT2 KV cache, MLA expanded (4 layers x 8 heads x K 192 / V 128; BF16 latent 4608, "
+            return ""
+        if "--oscar-mla-storage" in argv:
+            return ("sglang-oscar: INT2 KV cache, MLA expanded (4 layers x 8 heads x K 192 / V 128; BF16 latent 4608, "
                     "INT2 latent 1088): 10240 bytes/token (BF16: 40960, 4.00x fewer); tokens: 10 (0.00 GiB)\n"
                     "sglang-oscar: INT2 MLA expanded pool: 10 slots x 4 layers x 8 heads (K 192 / V 128)\n")
-        else:
-            text = ("sglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 + k_pe 64): 1088 bytes/token "
-                    "(BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 MLA latent pool: ...\n")
-        with open(log_path, "w") as f:
-            f.write("KV Cache is allocated\n" + text)
+        return ("sglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 + k_pe 64): 1088 bytes/token "
+                "(BF16: 4608, 4.24x fewer); tokens: 10\nsglang-oscar: INT2 MLA latent pool: ...\n")
 
     def start(self):
         pass
@@ -42,6 +49,26 @@ class FakeServer:
 
     def stop(self, **kwargs):
         pass
+
+
+class M3Server(FakeServer):
+    """A server whose int2 log names MiniMax-M3's pool (no capacity line)."""
+
+    def log_text(self, argv) -> str:
+        return "" if "auto" in argv else "sglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n"
+
+
+def record_servers(monkeypatch, cls=FakeServer) -> dict[str, FakeServer]:
+    """Start a ``cls`` for each server ``mla_check`` starts; returns ``{name: server}``, filled in
+    start order (clear it between two runs of the check)."""
+    started: dict[str, FakeServer] = {}
+
+    def start(*args, **kwargs):
+        srv = cls(*args, **kwargs)
+        started[srv.name] = srv
+        return srv
+    monkeypatch.setattr(mla_check, "ServerProcess", start)
+    return started
 
 
 def answers(shift_port: int | None, dlp: float):

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from . import checkpoints, mla_check, mla_models
-from .mla_fakes import FakeServer, no_idle_wait  # noqa: F401  (no_idle_wait: an autouse fixture)
+from .mla_fakes import FakeServer, M3Server, no_idle_wait, record_servers  # noqa: F401  (no_idle_wait: autouse)
 from .mla_fakes import answers as _answers
 from .mla_fakes import fake_build as _fake_build
 
@@ -55,17 +55,7 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     info = mla_models.build_kimi_linear(str(tmp_path / "kimi"))
     geo = ModelGeometry.from_hf_config(str(tmp_path / "kimi"))
     assert geo.layer_ids == info["mla_layers"] == [1, 3] and list(geo.linear_layer_ids) == info["kda_layers"]
-    argvs = []
-
-    envs = []
-
-    class Recording(FakeServer):
-        def __init__(self, argv, *a, env=None, **k):
-            argvs.append(argv)
-            envs.append(env)
-            super().__init__(argv, *a, **k)
-
-    monkeypatch.setattr(mla_check, "ServerProcess", Recording)
+    started = record_servers(monkeypatch)
     port = mla_check.BASE_PORT + list(mla_check.SERVERS).index("int2-chunk64")
     monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.5))
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: pytest.fail("no oracle for kimi_linear"))
@@ -77,8 +67,9 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     assert res["verdict"] == {k: k != "chunked" for k in judged}
     cfg = json.loads((tmp_path / "kimi" / "config.json").read_text())  # bf16 (SGLang's KDA conv), 2,400-token load
     assert cfg["dtype"] == "bfloat16" and cfg["max_position_embeddings"] >= mla_check.LOAD_LENS[1] + mla_check.NEW_TOKENS
-    rotation = {a[a.index("--port") + 1]: a[a.index("--oscar-rotation") + 1] for a in argvs if "--oscar-rotation" in a}
-    assert rotation == {str(mla_check.BASE_PORT + 1): str(tmp_path / checkpoints.IDENTITY_ROTATION)}  # int2-window
+    argvs, envs = [s.argv for s in started.values()], [s.env for s in started.values()]
+    rotation = {n: s.argv[s.argv.index("--oscar-rotation") + 1] for n, s in started.items() if "--oscar-rotation" in s.argv}
+    assert rotation == {"int2-window": str(tmp_path / checkpoints.IDENTITY_ROTATION)}
     from .dummy_shim import DUMMY_ENV, DUMMY_SHIM_MODULE
 
     assert all(e[DUMMY_ENV] == "1" for e in envs)
@@ -135,28 +126,24 @@ def test_mla_check_minimax_m3_families(tmp_path, monkeypatch, caplog):
     index = (2 + 1) * 128 * 2
     assert f"total {4 * 2 * 72 + index} bytes/token (BF16: {4 * 2 * 512 + index}" in line
 
-    class M3Server(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            super().__init__(argv, port, log_path, log_header, env)
-            if "auto" not in argv:
-                with open(log_path, "w") as f:
-                    f.write(f"KV Cache is allocated\nsglang-oscar: {line}\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V "
-                            "10 slots ...\n")
+    class M3Sized(M3Server):  # and the real startup line
+        def log_text(self, argv):
+            return "" if "auto" in argv else f"sglang-oscar: {line}\n" + super().log_text(argv)
 
-    argvs = []
-    monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or M3Server(argv, *a, **k))
+    started = record_servers(monkeypatch, M3Sized)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     argv = ["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")]
     rc = mla_check.main(argv)
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 0 and res["verdict"] == {k: True for k in ("serves", "window", "rotated", "chunked", "radix", "load")}
     assert res["capacity"]["ratio"] == (4 * 2 * 512 + index) / (4 * 2 * 72 + index)
-    assert len(argvs) == 5 and all(a[a.index("--load-format") + 1] == "dummy" for a in argvs)
+    assert len(started) == 5 and all(s.argv[s.argv.index("--load-format") + 1] == "dummy" for s in started.values())
     # named, the reported floor: SGLang's BF16 server chunked, compared with the one-prefill BF16 server
-    argvs.clear()
+    started.clear()
     assert mla_check.main([*argv, "--servers", "bf16,bf16-chunk64,int2-window"]) == 0
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    floor = [a for a in argvs if a[a.index("--kv-cache-dtype") + 1] == "auto" and "--chunked-prefill-size" in a]
+    floor = [s.argv for s in started.values() if s.argv[s.argv.index("--kv-cache-dtype") + 1] == "auto"
+             and "--chunked-prefill-size" in s.argv]
     assert len(floor) == 1 and floor[0][floor[0].index("--chunked-prefill-size") + 1] == "64"
     assert not any(f.startswith("--oscar") for f in floor[0])
     assert {(r["server"], r["vs"]) for r in res["rows"]} >= {("bf16-chunk64", "bf16"), ("int2-window", "bf16")}
@@ -178,23 +165,15 @@ def test_mla_check_window_servers_read_sglangs_rows_under_the_identity_rotation(
 
     from sglang_oscar.rotation import RotationSet
 
-    class M3Server(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            super().__init__(argv, port, log_path, log_header, env)
-            if "auto" not in argv:
-                with open(log_path, "w") as f:
-                    f.write("KV Cache is allocated\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
-
-    argvs = []
-    monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or M3Server(argv, *a, **k))
+    started = record_servers(monkeypatch, M3Server)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     model = tmp_path / "m"
     rc = mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--budget", "5", "--model", str(model),
                          "--servers", "bf16,int2-window,int2-window-hadamard"])
     res = json.loads((tmp_path / "mla_check.json").read_text())
     assert rc == 0 and res["verdict"] == {"serves": True, "window": True, "rotated": True}
-    assert res["judged"] == ["serves", "window", "rotated"] and len(argvs) == 3
-    window, hadamard = argvs[1], argvs[2]
+    assert res["judged"] == ["serves", "window", "rotated"] and list(started) == ["bf16", "int2-window", mla_check.HADAMARD]
+    window, hadamard = started["int2-window"].argv, started[mla_check.HADAMARD].argv
     path = window[window.index("--oscar-rotation") + 1]
     assert path == str(tmp_path / checkpoints.IDENTITY_ROTATION) and not list(model.glob("*.safetensors"))
     assert window[window.index("--oscar-sink-tokens") + 1] == hadamard[hadamard.index("--oscar-sink-tokens") + 1] == "2048"
@@ -204,11 +183,11 @@ def test_mla_check_window_servers_read_sglangs_rows_under_the_identity_rotation(
                                                 for m in [*rs.k.values(), *rs.v.values()])
     assert {("int2-window", "bf16"), ("int2-window-hadamard", "bf16")} <= {(r["server"], r["vs"]) for r in res["rows"]}
     assert "not judged (their servers not in --servers): chunked, radix, load" in (tmp_path / "mla_check.md").read_text()
-    argvs.clear()
+    started.clear()
     for bad in ("bf16,int3", "bf16,bf16"):
         with pytest.raises(SystemExit):
             mla_check.main(["--family", "minimax_m3", "--out", str(tmp_path), "--servers", bad])
-    assert argvs == []
+    assert started == {}
 
 
 def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp_path, monkeypatch):
@@ -220,17 +199,8 @@ def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp
     assert len(prompts) == 64 and min(lens) >= 32 and max(lens) <= 2400 and min(lens) < 200 < 1500 < max(lens)
     head = mla_check.random_prompt(mla_check.LOAD_SHARED_PREFIX, 55 + 7, mla_models.VOCAB)
     assert sum(p[:len(head)] == head for p in prompts) >= 4 and all(3 <= t < mla_models.VOCAB for p in prompts for t in p)
-    envs = {}
-
-    class Recording(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            envs[os.path.basename(log_path)] = env
-            self.log_path = log_path
-            super().__init__(argv, port, log_path, log_header, env)
-
     for fault in ("none", "request", "leak"):
-        servers = []
-        monkeypatch.setattr(mla_check, "ServerProcess", lambda *a, **k: servers.append(Recording(*a, **k)) or servers[-1])
+        started = record_servers(monkeypatch)
         answers = _answers(None, 0.0)
         calls = []
 
@@ -240,8 +210,7 @@ def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp
                 if fault == "request" and len(calls) == 5:
                     raise RuntimeError("HTTP 500")
                 if fault == "leak" and len(calls) == 9:
-                    int2 = next(s for s in servers if s.log_path.endswith("mla_int2.log"))
-                    with open(int2.log_path, "a") as f:
+                    with open(started["int2"].log_path, "a") as f:
                         f.write("ValueError: token_to_kv_pool_allocator memory leak detected!\n")
             return answers(url, payload, timeout)
 
@@ -255,8 +224,8 @@ def test_mla_check_load_needs_every_answer_a_clean_log_and_the_strict_checks(tmp
         assert all(u.startswith(f"http://fake:{mla_check.BASE_PORT + 2}") for u in calls)  # the int2 server
         assert res["load"]["completed"] == (63 if fault == "request" else 64)
         assert bool(res["load"]["leak_lines"]) == (fault == "leak")
-    assert envs["mla_int2.log"]["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] == "1"
-    assert all("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE" not in (e or {}) for n, e in envs.items() if n != "mla_int2.log")
+    assert started["int2"].env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] == "1"
+    assert all("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE" not in (s.env or {}) for n, s in started.items() if n != "int2")
 
 
 def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_path, monkeypatch):
@@ -265,16 +234,14 @@ def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_p
     signals the process and then its group, so a second SIGTERM arrives while the servers stop."""
     import signal
 
-    servers = []
-
-    class Recording(FakeServer):
+    class Signalling(FakeServer):
         stopped = False
 
         def stop(self, **kwargs):
             os.kill(os.getpid(), signal.SIGTERM)
             self.stopped = True
 
-    monkeypatch.setattr(mla_check, "ServerProcess", lambda *a, **k: servers.append(Recording(*a, **k)) or servers[-1])
+    started = record_servers(monkeypatch, Signalling)
     answers = _answers(None, 0.0)
     int2_port = f":{mla_check.BASE_PORT + list(mla_check.SERVERS).index('int2')}/"
 
@@ -289,7 +256,7 @@ def test_mla_check_sigterm_stops_every_server_and_judges_what_was_answered(tmp_p
     before = signal.getsignal(signal.SIGTERM)
     rc = mla_check.main(["--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m")])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 1 and len(servers) == len(mla_check.SERVERS) and all(s.stopped for s in servers)
+    assert rc == 1 and list(started) == list(mla_check.SERVERS) and all(s.stopped for s in started.values())
     assert res["terminated"].startswith(f"signal {int(signal.SIGTERM)}") and "int2" not in res["servers"]
     assert isinstance(res["servers"]["bf16"], list) and "load" not in res and "oracle" not in res["verdict"]
     assert "not judged (fails the check): " in (tmp_path / "mla_check.md").read_text()
@@ -300,14 +267,8 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
     """--family deepseek_v3_expanded: only the int2 servers get ``--oscar-mla-storage expanded`` and
     groups of 64; the judge finds the expanded pool and the capacity in their startup lines, and the
     oracle is asked for expanded storage."""
-    argvs, storages = {}, []
-
-    class Expanded(FakeServer):  # the startup lines of the expanded pool: mla_fakes.FakeServer's
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            argvs[os.path.basename(log_path)] = argv
-            super().__init__(argv, port, log_path, log_header, env)
-
-    monkeypatch.setattr(mla_check, "ServerProcess", Expanded)
+    storages = []
+    started = record_servers(monkeypatch)  # FakeServer logs the expanded pool's startup lines
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     _, flags, judged = mla_check.FAMILIES["deepseek_v3_expanded"]
     monkeypatch.setitem(mla_check.FAMILIES, "deepseek_v3_expanded",
@@ -325,9 +286,9 @@ def test_mla_check_expanded_family_flags_logs_and_oracle(tmp_path, monkeypatch):
     assert rc == 0 and set(res["verdict"]) == set(judged) and storages == ["expanded"]
     assert res["capacity"] == {"int2_bytes_per_token": 10240, "bf16_bytes_per_token": 40960, "ratio": 4.0}
     flag = ["--oscar-mla-storage", "expanded", "--kv-cache-quant-group-size", "64"]
-    for name, argv in argvs.items():
-        has = any(argv[i:i + 4] == flag for i in range(len(argv)))
-        assert has == (name != "mla_bf16.log"), name
+    for name, srv in started.items():
+        has = any(srv.argv[i:i + 4] == flag for i in range(len(srv.argv)))
+        assert has == (name != "bf16"), name
 
 
 @pytest.mark.parametrize("family,cached,changed,fail_repeats,passes", [
@@ -400,15 +361,8 @@ def test_mla_check_judges_rotated_only_where_the_family_lists_it(tmp_path, monke
     """int2-window-hadamard is judged as "rotated" (prompt mean <= 0.05 vs BF16) on the families without
     an oracle; on DeepSeek-V3, named, its row is reported and no verdict comes of it; a run whose only
     server is not a judged item's fails "serves" rather than passing on nothing."""
-    class Server(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            super().__init__(argv, port, log_path, log_header, env)
-            if family == "minimax_m3" and "auto" not in argv:
-                with open(log_path, "w") as f:
-                    f.write("KV Cache is allocated\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
-
     names = servers.split(",") if servers else [*mla_check.SERVERS, mla_check.HADAMARD]
-    monkeypatch.setattr(mla_check, "ServerProcess", Server)
+    record_servers(monkeypatch, M3Server if family == "minimax_m3" else FakeServer)
     monkeypatch.setattr(mla_check, "http_json", _answers(mla_check.BASE_PORT + names.index(mla_check.HADAMARD), shift))
     _fake_build(monkeypatch)
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
@@ -433,19 +387,9 @@ def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, 
     """plugin-off (SGLANG_PLUGINS: every entry point the servers see but ours, the harness shims kept) must
     match the BF16 server to 1e-3; int2-eager (no CUDA graphs) must track int2 within 0.02. Both run
     only when --servers names them."""
-    seen = {}
-
-    class Server(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            super().__init__(argv, port, log_path, log_header, env)
-            seen[os.path.basename(log_path)] = (argv, env or {})
-            if family == "minimax_m3" and "auto" not in argv:
-                with open(log_path, "w") as f:
-                    f.write("KV Cache is allocated\nsglang-oscar: MiniMax-M3 pool: INT2 main K/V 10 slots ...\n")
-
     names = servers.split(",") if servers else None
     port = None if shift is None else mla_check.BASE_PORT + names.index(shift[0])
-    monkeypatch.setattr(mla_check, "ServerProcess", Server)
+    started = record_servers(monkeypatch, M3Server if family == "minimax_m3" else FakeServer)
     monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.0 if shift is None else shift[1]))
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a: {"served_vs_oracle_bf16": 0.0, "oracle_fp32_vs_bf16": 0.1})
     _fake_build(monkeypatch)
@@ -455,21 +399,21 @@ def test_mla_check_opt_in_plugin_and_graph_items(tmp_path, monkeypatch, family, 
     assert {k: v for k, v in res["verdict"].items() if k in mla_check.OPT_IN_ITEMS} == verdict
     assert rc == (0 if all(verdict.values()) else 1)
     if servers is None:
-        assert not {"mla_plugin-off.log", "mla_int2-eager.log", "mla_int2-tp2.log"} & set(seen)
+        assert not {"plugin-off", "int2-eager", "int2-tp2"} & set(started)
         hint = "opt-in servers (--servers): plugin with plugin-off, graph with int2-eager, tp with int2-tp2"
         assert hint + (", oracle-fp32 with int2-fp32" if family == "deepseek_v3" else "\n") in \
             (tmp_path / "mla_check.md").read_text()
         return
-    argv_off, env_off = seen["mla_plugin-off.log"]
+    argv_off, env_off = started["plugin-off"].argv, started["plugin-off"].env
     kept = env_off["SGLANG_PLUGINS"].split(",")
     assert "oscar" not in kept and "auto" in argv_off and res["plugins"]["oscar"] is True
     assert kept == (res["plugins"]["others"] or ["__no_plugin__"])
     # the dummy-weight families' servers load the weight shim: plugin-off keeps it (the same weights)
     assert ("oscar_e2e_dummy" in kept) == (family == "minimax_m3")
-    assert "SGLANG_PLUGINS" not in seen["mla_bf16.log"][1]
-    argv_eager, _ = seen["mla_int2-eager.log"]
+    assert "SGLANG_PLUGINS" not in (started["bf16"].env or {})
+    argv_eager = started["int2-eager"].argv
     assert "--disable-cuda-graph" in argv_eager and "int2" in argv_eager
-    assert "--disable-cuda-graph" not in seen["mla_int2.log"][0]
+    assert "--disable-cuda-graph" not in started["int2"].argv
     assert res["verdict"]["serves"] is True
 
 
@@ -495,25 +439,17 @@ def test_mla_check_plugin_item_needs_our_entry_point(tmp_path, monkeypatch):
 def test_mla_check_opt_in_tp_item(tmp_path, monkeypatch, shift, rank_bytes, other_token, verdict):
     """int2-tp2 (--tp-size 2) against int2: the same greedy tokens, log-probs within TP_TOL, and a rank's
     bytes per token equal to TP 1's (the latent is not split by head); both pools' token counts reported."""
-    seen = {}
-
-    class Server(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            super().__init__(argv, port, log_path, log_header, env)
-            seen[os.path.basename(log_path)] = argv
-            if "--tp-size" in argv:
-                with open(log_path, "w") as f:
-                    for rank in range(2):
-                        f.write(f"KV Cache is allocated\nsglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 "
-                                f"+ k_pe 64): {rank_bytes} bytes/token (BF16: 4608, 4.24x fewer); tokens: 12\n"
-                                "sglang-oscar: INT2 MLA latent pool: ...\n")
-                    f.write("max_total_num_tokens=12000, chunked_prefill_size=8192\n")
-            elif "int2" in argv:
-                with open(log_path, "a") as f:
-                    f.write("max_total_num_tokens=11000, chunked_prefill_size=8192\n")
+    class Server(FakeServer):  # a TP 2 log holds both ranks' lines
+        def log_text(self, argv):
+            if "--tp-size" not in argv:
+                return super().log_text(argv) + ("max_total_num_tokens=11000, chunked_prefill_size=8192\n"
+                                                 if "int2" in argv else "")
+            rank = (f"sglang-oscar: INT2 KV cache, MLA latent (4 layers x c_kv 512 + k_pe 64): {rank_bytes} bytes/token "
+                    "(BF16: 4608, 4.24x fewer); tokens: 12\nsglang-oscar: INT2 MLA latent pool: ...\n")
+            return rank + "KV Cache is allocated\n" + rank + "max_total_num_tokens=12000, chunked_prefill_size=8192\n"
 
     servers = "int2,int2-tp2"
-    monkeypatch.setattr(mla_check, "ServerProcess", Server)
+    started = record_servers(monkeypatch, Server)
     port = None if shift is None else mla_check.BASE_PORT + 1
     answer = _answers(port, shift or 0.0)
 
@@ -531,6 +467,6 @@ def test_mla_check_opt_in_tp_item(tmp_path, monkeypatch, shift, rank_bytes, othe
     assert res["verdict"]["tp"] is verdict and rc == (0 if verdict else 1)
     assert res["tp"]["tp1"] == {"max_total_num_tokens": 11000, "bytes_per_token": 1088}
     assert res["tp"]["tp2"] == {"max_total_num_tokens": 12000, "bytes_per_token": rank_bytes}
-    assert seen["mla_int2-tp2.log"][seen["mla_int2-tp2.log"].index("--tp-size") + 1] == "2"
-    assert "--tp-size" not in seen["mla_int2.log"]
+    tp2 = started["int2-tp2"].argv
+    assert tp2[tp2.index("--tp-size") + 1] == "2" and "--tp-size" not in started["int2"].argv
     assert "tp (per rank):" in (tmp_path / "mla_check.md").read_text()

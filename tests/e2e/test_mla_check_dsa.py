@@ -9,7 +9,7 @@ import os
 import pytest
 
 from . import checkpoints, mla_check, mla_models
-from .mla_fakes import FakeServer, no_idle_wait  # noqa: F401  (no_idle_wait: an autouse fixture)
+from .mla_fakes import FakeServer, no_idle_wait, record_servers  # noqa: F401  (no_idle_wait: an autouse fixture)
 from .mla_fakes import answers as _answers
 
 
@@ -19,15 +19,10 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
     healthy fails "serves" and leaves "window" and "rotated" unjudged, while radix is still judged on
     the int2 server alone."""
     class NoBF16(FakeServer):
-        def __init__(self, argv, *a, **k):
-            self.bf16 = "auto" in argv
-            super().__init__(argv, *a, **k)
-
         def poll_health(self, *args, **kwargs):
-            return "unhealthy" if self.bf16 else "healthy"
+            return "unhealthy" if "auto" in self.argv else "healthy"
 
-    argvs = []
-    monkeypatch.setattr(mla_check, "ServerProcess", lambda argv, *a, **k: argvs.append(argv) or NoBF16(argv, *a, **k))
+    started = record_servers(monkeypatch, NoBF16)
     servers = [*mla_check.SERVERS, "int2-window-chunk64", mla_check.HADAMARD]
     port = mla_check.BASE_PORT + servers.index("int2-window-chunk64")
     monkeypatch.setattr(mla_check, "http_json", _answers(port, 0.03))
@@ -37,15 +32,18 @@ def test_mla_check_glm5_reports_the_bf16_rows_chunked_and_judges_radix_without_b
                                                      or {"index_topk": 256}, flags, judged))
     argv = ["--family", "glm5", "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "g")]
     assert mla_check.main(argv) == 1  # the BF16 server never serves
+    argvs = [s.argv for s in started.values()]
     assert [a[a.index("--port") + 1] for a in argvs] == [str(mla_check.BASE_PORT + i) for i in range(5)]
     assert not any("--chunked-prefill-size" in a and "2048" in a for a in argvs)  # no reported server
-    argvs.clear()
+    started.clear()
     rc = mla_check.main([*argv, "--servers", ",".join(servers)])
     res = json.loads((tmp_path / "mla_check.json").read_text())
-    assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and len(argvs) == 6
-    assert "--chunked-prefill-size" in argvs[4] and "2048" in argvs[4]
-    rotated = [a[a.index("--oscar-rotation") + 1] for a in argvs if "--oscar-rotation" in a]  # the window servers'
-    assert rotated == [str(tmp_path / checkpoints.IDENTITY_ROTATION)] * 2 and "--oscar-rotation" not in argvs[5]
+    assert rc == 1 and res["servers"]["bf16"] == "NOT HEALTHY" and list(started) == servers
+    chunked = started["int2-window-chunk64"].argv
+    assert chunked[chunked.index("--chunked-prefill-size") + 1] == "64"  # chunked, every key from the BF16 rows
+    assert chunked[chunked.index("--oscar-sink-tokens") + 1] == "2048"
+    rotated = {n: s.argv[s.argv.index("--oscar-rotation") + 1] for n, s in started.items() if "--oscar-rotation" in s.argv}
+    assert rotated == dict.fromkeys(["int2-window", "int2-window-chunk64"], str(tmp_path / checkpoints.IDENTITY_ROTATION))
     assert res["verdict"] == {"serves": False, "chunked": True, "radix": True, "load": True}
     row = next(r for r in res["rows"] if r["server"] == "int2-window-chunk64")
     assert row["vs"] == "int2-window" and abs(row["prompt_dlp_mean"] - 0.03) < 1e-9
@@ -101,14 +99,7 @@ def test_mla_check_glm5_dense_bf16_servers_decode_with_flashmla(tmp_path, monkey
     """--family glm5_dense: the servers without int2 (bf16, plugin-off) decode with SGLang's FlashMLA
     sparse kernel (FA3, its Hopper default, is not in the device bundle); the int2 servers keep
     SGLang's defaults (their attention is ours), and glm5 (top-k 256) has no such flag."""
-    argvs = {}
-
-    class Keep(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            argvs[os.path.basename(log_path)] = argv
-            super().__init__(argv, port, log_path, log_header, env)
-
-    monkeypatch.setattr(mla_check, "ServerProcess", Keep)
+    started = record_servers(monkeypatch)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     monkeypatch.setattr(mla_check, "oracle_report", lambda *a, **k: {"served_vs_oracle_bf16": 0.0,
                                                                       "oracle_fp32_vs_bf16": 0.0})
@@ -117,13 +108,13 @@ def test_mla_check_glm5_dense_bf16_servers_decode_with_flashmla(tmp_path, monkey
         _, flags, judged = mla_check.FAMILIES[family]
         monkeypatch.setitem(mla_check.FAMILIES, family, (lambda path: mla_models.deepseek_v3_config().save_pretrained(path)
                                                          or {"index_topk": 2048}, flags, judged))
-        argvs.clear()
+        started.clear()
         mla_check.main(["--family", family, "--out", str(tmp_path / family), "--budget", "5",
                         "--model", str(tmp_path / "m"), "--servers", "bf16,plugin-off,int2,int2-window"])
-        assert set(argvs) == {f"mla_{n}.log" for n in ("bf16", "plugin-off", "int2", "int2-window")}
-        for name, argv in argvs.items():
-            has = any(argv[i:i + 2] == flag for i in range(len(argv)))
-            assert has == (family == "glm5_dense" and "int2" not in argv), (family, name)
+        assert list(started) == ["bf16", "plugin-off", "int2", "int2-window"]
+        for name, srv in started.items():
+            has = any(srv.argv[i:i + 2] == flag for i in range(len(srv.argv)))
+            assert has == (family == "glm5_dense" and "int2" not in srv.argv), (family, name)
 
 
 def test_mla_check_batch_invariant_int2_servers(tmp_path, monkeypatch):
@@ -132,14 +123,7 @@ def test_mla_check_batch_invariant_int2_servers(tmp_path, monkeypatch):
     the result says so."""
     from .fp32_shim import BATCH_INVARIANT_ENV
 
-    envs = {}
-
-    class Keep(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            envs[os.path.basename(log_path)] = dict(env or {})
-            super().__init__(argv, port, log_path, log_header, env)
-
-    monkeypatch.setattr(mla_check, "ServerProcess", Keep)
+    started = record_servers(monkeypatch)
     monkeypatch.setattr(mla_check, "http_json", _answers(None, 0.0))
     _, flags, judged = mla_check.FAMILIES["glm5"]
     monkeypatch.setitem(mla_check.FAMILIES, "glm5", (lambda path: mla_models.deepseek_v3_config().save_pretrained(path)
@@ -148,7 +132,7 @@ def test_mla_check_batch_invariant_int2_servers(tmp_path, monkeypatch):
                          "--servers", "bf16,int2,int2-chunk64", "--batch-invariant"])
     assert rc == 0 and json.loads((tmp_path / "mla_check.json").read_text())["batch_invariant_int2"] is True
     shim = str(tmp_path / "shims")
-    for name, env in envs.items():
+    for name, env in ((n, s.env or {}) for n, s in started.items()):
         int2 = "int2" in name
         assert env.get("SGLANG_DSA_FUSE_TOPK") == "0", name
         assert (env.get(BATCH_INVARIANT_ENV) == "1") == int2, name

@@ -10,7 +10,7 @@ import pytest
 
 from . import mla_check
 from .fp32_shim import FP32_SHIM_MODULE
-from .mla_fakes import FakeServer, no_idle_wait  # noqa: F401  (no_idle_wait: an autouse fixture)
+from .mla_fakes import FakeServer, no_idle_wait, record_servers  # noqa: F401  (no_idle_wait: an autouse fixture)
 from .mla_fakes import answers, fake_build
 
 EXPANDED = ["--oscar-mla-storage", "expanded", "--kv-cache-quant-group-size", "64"]
@@ -19,14 +19,9 @@ EXPANDED = ["--oscar-mla-storage", "expanded", "--kv-cache-quant-group-size", "6
 def _run(tmp_path, monkeypatch, family, servers, report, dead=()):
     """main() on fake servers (those named in ``dead`` never healthy; ``report`` an exception: the
     oracle raises it); returns (rc, results, {server: argv}, {server: env}, oracle calls)."""
-    argvs, envs, calls = {}, {}, []
+    calls = []
 
-    class Keep(FakeServer):
-        def __init__(self, argv, port, log_path, log_header, env=None):
-            self.name = os.path.basename(log_path).removeprefix("mla_").removesuffix(".log")
-            argvs[self.name], envs[self.name] = argv, env
-            super().__init__(argv, port, log_path, log_header, env)
-
+    class Dying(FakeServer):
         def poll_health(self, *args, **kwargs):
             return "dead" if self.name in dead else "healthy"
 
@@ -36,12 +31,13 @@ def _run(tmp_path, monkeypatch, family, servers, report, dead=()):
             raise report
         return report
 
-    monkeypatch.setattr(mla_check, "ServerProcess", Keep)
+    started = record_servers(monkeypatch, Dying)
     monkeypatch.setattr(mla_check, "http_json", answers(None, 0.0))
     monkeypatch.setattr(mla_check, "oracle_report", oracle)
     fake_build(monkeypatch, family)
     rc = mla_check.main(["--family", family, "--out", str(tmp_path), "--budget", "5", "--model", str(tmp_path / "m"),
                          "--servers", servers])
+    argvs, envs = {n: s.argv for n, s in started.items()}, {n: s.env for n, s in started.items()}
     return rc, json.loads((tmp_path / "mla_check.json").read_text()), argvs, envs, calls
 
 
