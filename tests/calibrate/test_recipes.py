@@ -156,14 +156,16 @@ def test_expanded_mha_kimi_recipe_is_refused(tmp_path):
 
 
 def _recipe_with_geometry(tmp_path, base: str, geometry: str):
-    """The recipe ``base`` with its [geometry] tables replaced by ``geometry``."""
+    """The recipe ``base`` with its [geometry] tables replaced by ``geometry`` (an MLA geometry drops
+    the [quant] keys an MLA recipe may not have)."""
     lines, out, skip = (RECIPES / base / "recipe.toml").read_text().splitlines(), [], False
+    mha_only = ("v_clip_ratio", "fold_rotations", "skip_layers") if "kv_lora_rank" in geometry else ()
     for line in lines:
         if line.startswith("["):
             skip = line.startswith("[geometry")
             if line == "[geometry]":
                 out.append(geometry.strip())
-        if not skip:
+        if not skip and not line.startswith(mha_only):
             out.append(line)
     (tmp_path / "recipe.toml").write_text("\n".join(out) + "\n")
     return load(tmp_path / "recipe.toml")
@@ -387,3 +389,51 @@ def test_center_needs_a_fitted_method(tmp_path):
     r = load_recipe(p)
     assert r.rotation.center and "--center" in step_command(r, "fit")
     assert "--center" not in step_command(load_recipe(RECIPES / "Qwen3-8B" / "recipe.toml"), "fit")
+
+
+@pytest.mark.parametrize("name,backend", [("GLM-5.2-FP8", "dsa"), ("Kimi-K3", "triton")])
+def test_mla_recipes_int2_command_passes_the_latent_launch_checks(name, backend):
+    """An MLA recipe's int2 command (built as if served) carries no MHA-only flag: SGLang's parser reads
+    it into a config that the latent launch checks accept for the recipe's geometry (rotation file
+    aside, which calibration writes); a DSA model gets SGLang's dsa backend in both arms."""
+    import dataclasses
+
+    from _support.server_args import oscar_server_parser
+
+    from sglang_oscar.backend.rotations import served_latent_rotations
+    from sglang_oscar.evals.launcher import build_server_command
+    from sglang_oscar.plugin.flags import resolve_config
+    from sglang_oscar.rotation.geometry import ModelGeometry
+
+    r = load(RECIPES / name / "recipe.toml")
+    r = dataclasses.replace(r, model=dataclasses.replace(r.model, served=True))
+    parser = oscar_server_parser()
+    for kv in ("int2", "bf16"):
+        args = build_server_command(r, kv, check_files=False).server_args
+        assert args.count("--attention-backend") == 1 and args[args.index("--attention-backend") + 1] == backend
+    ns = parser.parse_args([a for a in build_server_command(r, "int2", check_files=False).server_args
+                            if a not in ("--pp-size", "2")])  # Kimi-K3's, refused on its own
+    config, _ = resolve_config(vars(ns), environ={})
+    assert config.k_clip_ratio == r.quant.k_clip_ratio == 0.0 and config.group_size == r.quant.group_size
+    geo = ModelGeometry.from_hf_config(_hf_config(name))
+    rs = served_latent_rotations(dataclasses.replace(config, rotation_path=None), geo, log=False)
+    assert sorted(rs.r) == list(geo.layer_ids)
+
+
+@pytest.mark.parametrize("key,value", [("v_clip_ratio", "0.0"), ("fold_rotations", "true"), ("skip_layers", '"0"')])
+def test_mla_recipe_refuses_mha_only_quant_keys(tmp_path, key, value):
+    """[quant] keys of the MHA/GQA K/V cache are refused in an MLA recipe (the server would refuse them
+    at launch), naming the key; their off values and an MHA recipe pass."""
+    from sglang_oscar.evals.recipe import RecipeError
+
+    text = (RECIPES / "Kimi-K3" / "recipe.toml").read_text().replace("[quant]\n", f"[quant]\n{key} = {value}\n")
+    (tmp_path / "recipe.toml").write_text(text)
+    with pytest.raises(RecipeError, match=rf"\[quant\]\.{key} applies to MHA/GQA .*drop the key"):
+        load(tmp_path / "recipe.toml")
+    off = {"fold_rotations": "false", "skip_layers": '"none"'}
+    if key in off:
+        (tmp_path / "recipe.toml").write_text(text.replace(f"{key} = {value}", f"{key} = {off[key]}"))
+        assert load(tmp_path / "recipe.toml").geometry.kv_lora_rank == 512
+    mha = (RECIPES / "Qwen3-8B" / "recipe.toml").read_text().replace("[quant]\n", f"[quant]\n{key} = {value}\n", 1)
+    (tmp_path / "recipe.toml").write_text(mha.replace("v_clip_ratio = 0.92\n", "") if key == "v_clip_ratio" else mha)
+    assert load(tmp_path / "recipe.toml").geometry.kv_lora_rank is None

@@ -204,7 +204,8 @@ def build_server_command(
                 warnings.append(msg)
             argv += ["--oscar-rotation", str(rpath)]
         argv += ["--oscar-k-clip-ratio", _fmt_float(q.k_clip_ratio)]
-        argv += ["--oscar-v-clip-ratio", _fmt_float(q.v_clip_ratio)]
+        if recipe.geometry.kv_lora_rank is None:  # an MLA latent has no V half to clip
+            argv += ["--oscar-v-clip-ratio", _fmt_float(q.v_clip_ratio)]
         argv += ["--oscar-sink-tokens", str(q.sink_tokens)]
         argv += ["--oscar-recent-tokens", str(q.recent_tokens)]
         if q.quantizer is not None:

@@ -52,7 +52,7 @@ Schema (all sections except ``[model]`` are optional; defaults in parentheses)::
     group_size = 128                 # int, optional: --kv-cache-quant-group-size (unset =>
                                      #   flag omitted, server default G = head_dim)
     k_clip_ratio = 0.96              # float (0.96)
-    v_clip_ratio = 0.92              # float (0.92)
+    v_clip_ratio = 0.92              # float (0.92); not for MLA recipes (one latent: k_clip_ratio)
     sink_tokens = 64                 # int (64): BF16 prefix window
     recent_tokens = 256              # int (256): BF16 recent window
     quantizer = "uniform"            # uniform | lloyd-max, optional: flag passed only if set
@@ -366,7 +366,16 @@ def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
             f"{path}: [rotation].center = true needs calibration statistics, but method {rotation.method!r} is "
             "data-free (its recipe has no calibrate step): use a fitted method (oscar, oscar-perhead) or drop center"
         )
-    quant = QuantSection(**check_table(data.get("quant", {}), _QUANT_KEYS, "quant", path))
+    quant_raw = data.get("quant", {})
+    quant = QuantSection(**check_table(quant_raw, _QUANT_KEYS, "quant", path))
+    if geometry.kv_lora_rank is not None:
+        # an MLA cache holds one latent per token: the server refuses these MHA/GQA settings at launch
+        mha_only = [k for k, off in (("v_clip_ratio", None), ("fold_rotations", False), ("skip_layers", "none"))
+                    if k in quant_raw and quant_raw[k] != off]
+        if mha_only:
+            raise RecipeError(
+                f"{path}: [quant].{mha_only[0]} applies to MHA/GQA K/V caches; this recipe's model caches one "
+                "MLA latent per token ([geometry].kv_lora_rank), clipped by k_clip_ratio: drop the key")
     serve = ServeSection(**check_table(data.get("serve", {}), _SERVE_KEYS, "serve", path))
     ev = EvalSection(**check_table(data.get("eval", {}), _EVAL_KEYS, "eval", path))
 
