@@ -86,8 +86,9 @@ def test_glm5_launch_takes_sglangs_dsa_page_size_and_backend(hooked, tmp_path):
 def test_glm5_int2_server_args_resolve_through_sglangs_dsa_defaults(hooked, tmp_path, monkeypatch):
     """SGLang's own ``ServerArgs`` for a GLM-5 directory with ``--kv-cache-dtype int2`` (the device
     capability of an H200 stood in: SGLang's DSA defaults read it): its DSA branch sets page size 64,
-    the plugin's hooks keep int2 through the DSA dtype pass and pick the dsa backend; an explicit
-    ``--attention-backend triton`` is refused naming the fix."""
+    the plugin's hooks keep int2 through the DSA dtype pass and pick the dsa backend, and SGLang's own
+    DSA kernel picks pass; an explicit ``--attention-backend triton`` or DSA kernel choice is refused
+    naming the fix."""
     from sglang.srt.server_args import ServerArgs
 
     from _support.server_args import int2_server_args
@@ -96,9 +97,16 @@ def test_glm5_int2_server_args_resolve_through_sglangs_dsa_defaults(hooked, tmp_
     model = _glm5_dir(tmp_path)
     args = int2_server_args(model, monkeypatch)
     assert (args.kv_cache_dtype, args.attention_backend, args.page_size) == ("int2", "dsa", 64)
+    assert args.dsa_decode_backend is not None and args.dsa_prefill_backend is not None  # SGLang's picks
     with pytest.raises(ValueError, match="indexer runs only under the dsa backend; pass --attention-backend dsa"):
         ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda",
                    attention_backend="triton")
+    for field, flag in (("dsa_decode_backend", "--dsa-decode-backend"), ("dsa_prefill_backend", "--dsa-prefill-backend")):
+        with pytest.raises(ValueError, match=f"does not support {flag} 'flashmla_sparse': .*drop the flag"):
+            ServerArgs(model_path=model, kv_cache_dtype="int2", skip_tokenizer_init=True, device="cuda",
+                       **{field: "flashmla_sparse"})
+    bf16 = ServerArgs(model_path=model, skip_tokenizer_init=True, device="cuda", dsa_decode_backend="flashmla_sparse")
+    assert bf16.dsa_decode_backend == "flashmla_sparse"  # SGLang's own DSA path keeps the choice
 
 
 def test_dsa_defaults_pass_keeps_int2(hooked):

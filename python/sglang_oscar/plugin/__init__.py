@@ -26,7 +26,8 @@ import os
 from types import SimpleNamespace
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
-from .refusals import REFUSALS, is_dsa_model, loaded_model_config, prefill_graph_backend, refusal_messages
+from .refusals import (DSA_KERNEL_FLAGS, GIVEN_ATTR, REFUSALS, is_dsa_model, loaded_model_config,
+                       prefill_graph_backend, refusal_messages)
 from .serving import SERVING_HOOK_TARGETS
 
 logger = logging.getLogger("sglang_oscar")
@@ -107,7 +108,11 @@ def _around_from_cli_args(original_fn, cls, args, *rest, **kwargs):
 
 
 def _before_post_init(server_args, *args, **kwargs):
-    if getattr(server_args, "kv_cache_dtype", None) == INT2 and getattr(server_args, "attention_backend", None) is None:
+    if getattr(server_args, "kv_cache_dtype", None) != INT2:
+        return None
+    # __post_init__ resolves these from the hardware: the refusals judge what the launch gave
+    object.__setattr__(server_args, GIVEN_ATTR, {f: getattr(server_args, f, None) for f, _ in DSA_KERNEL_FLAGS})
+    if getattr(server_args, "attention_backend", None) is None:
         # a DSA model's indexer runs only under SGLang's "dsa" backend (the OSCAR subclass for int2)
         server_args.attention_backend = "dsa" if is_dsa_model(server_args) else "triton"
     return None

@@ -80,6 +80,13 @@ DSA_REFUSALS = (
 )
 
 
+# SGLang's DSA kernel choices, which its __post_init__ resolves from the hardware: the int2 backend runs
+# its own sparse kernels over the INT2 latent and needs SGLang's own pick for the indexer's metadata, so
+# any value the launch gave (stashed under GIVEN_ATTR before that resolution) is refused.
+DSA_KERNEL_FLAGS = (("dsa_prefill_backend", "--dsa-prefill-backend"), ("dsa_decode_backend", "--dsa-decode-backend"))
+GIVEN_ATTR = "_oscar_given"
+
+
 def is_dsa_model(server_args) -> bool:
     """Whether the launch's model uses DSA sparse attention: SGLang's test (``is_deepseek_dsa``, an
     architecture of its DSA list with ``index_topk`` set) on a local directory's ``config.json``, or
@@ -107,6 +114,12 @@ def refusal_messages(server_args) -> list[str]:
         value = getattr(server_args, r.field, None)
         if r.unsupported(value):
             out.append(f"--kv-cache-dtype int2 does not support {r.flag} {value!r}: {r.advice}")
+    given = getattr(server_args, GIVEN_ATTR, {}) if dsa else {}
+    for field, flag in DSA_KERNEL_FLAGS:
+        if given.get(field) is not None:
+            out.append(f"--kv-cache-dtype int2 does not support {flag} {given[field]!r}: the INT2 latent's sparse "
+                       "prefill and decode run in sglang-oscar's kernels (SGLang picks its DSA metadata path "
+                       "itself); drop the flag")
     out.extend(model_refusal_messages(server_args))
     if prefill_graph_backend(server_args) == "full":
         # the whole extend forward in one graph: the INT2 windows' per-forward tables and the extend
