@@ -73,7 +73,7 @@ def family_config(family: str, **over):
         cfg = tf.Gemma3TextConfig(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
                                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)
     elif family == "deepseek_v2":
-        cfg = tf.DeepseekV2Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        cfg = tf.DeepseekV2Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64,
                                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
                                   num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=2, n_shared_experts=1)
     else:

@@ -53,7 +53,7 @@ def test_pipeline(family, model_dirs, prompt_files, tmp_path, capsys):
         if mla:
             rs = LatentRotationSet.load(str(path))
             mats = list(rs.r.values())
-            assert all(m.shape == (32, 32) for m in mats)
+            assert all(m.shape == (64, 64) for m in mats)
             _run(["validate-latent", path, "--config", mdir], capsys)
         else:
             rs = RotationSet.load(str(path))

@@ -316,7 +316,7 @@ def test_kimi_latent_recipe_runs_end_to_end(model_dirs, prompt_files, tmp_path):
     shutil.copytree(RECIPES / "_lib", root / "recipes" / "_lib")
     text = (RECIPES / "Kimi-K3" / "recipe.toml").read_text()
     text = (text.replace('hf_id = "moonshotai/Kimi-K3"', f'hf_id = "{model_dirs["deepseek_v2"]}"')
-            .replace("num_layers = 93", "num_layers = 2").replace("kv_lora_rank = 512", "kv_lora_rank = 32")
+            .replace("num_layers = 93", "num_layers = 2").replace("kv_lora_rank = 512", "kv_lora_rank = 64")
             .replace("qk_rope_head_dim = 64", "qk_rope_head_dim = 8").replace("group_size = 128", "group_size = 16")
             .replace("calib_tokens = 8192", "calib_tokens = 4096")
             .replace('calib_data = "Salesforce/wikitext:wikitext-2-raw-v1:test"', f'calib_data = "{prompt_files["calib"]}"'))
@@ -325,7 +325,7 @@ def test_kimi_latent_recipe_runs_end_to_end(model_dirs, prompt_files, tmp_path):
     assert res.returncode == 0, res.stderr + res.stdout
     assert "validate-rotation recipes/tiny-kimi/oscar_latent.safetensors" in res.stdout
     report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report["ok"] and report["kind"] == "latent" and report["kv_lora_rank"] == 32 and report["layers"] == 2
+    assert report["ok"] and report["kind"] == "latent" and report["kv_lora_rank"] == 64 and report["layers"] == 2
     rs = LatentRotationSet.load(str(folder / "oscar_latent.safetensors"))
     assert rs.metadata["hadamard_block"] == 16 and rs.metadata["composition"] == "r_p_hblock"
 

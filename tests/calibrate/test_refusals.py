@@ -52,7 +52,7 @@ def _rewrite(src: str, dst, edit_tensors=None, edit_meta=None) -> str:
 def test_fit_default_latent_block_follows_the_served_rule(tokenizer, tmp_path, capsys):
     """Without --latent-block (and no recipe) fit takes the server's rule: the whole latent when
     kv_lora_rank is narrower than 128, so every method, identity included, fits such a model."""
-    model = build_model("deepseek_v2")  # kv_lora_rank 32
+    model = build_model("deepseek_v2")  # kv_lora_rank 64
     mdir = save_model(model, tokenizer, tmp_path / "m")
     stats = str(tmp_path / "s.safetensors")
     calibrate_model(model, _prompts(tokenizer), stats, progress=False)
@@ -62,12 +62,12 @@ def test_fit_default_latent_block_follows_the_served_rule(tokenizer, tmp_path, c
         args = ["fit", "--stats", stats, "--method", method, "--min-tokens", "1", "--out", out]
         assert main(args) == 0, capsys.readouterr().err
         rs = LatentRotationSet.load(out)
-        assert rs.metadata.get("hadamard_block", 32) == 32, method
+        assert rs.metadata.get("hadamard_block", 64) == 64, method
     assert torch.equal(LatentRotationSet.load(str(tmp_path / "hadamard.safetensors")).r[0], served.r[0])
     # data-free from the config alone
     out = str(tmp_path / "cfg.safetensors")
     assert main(["fit", "--method", "hadamard", "--config", str(mdir), "--out", out]) == 0, capsys.readouterr().err
-    assert LatentRotationSet.load(out).metadata["hadamard_block"] == 32
+    assert LatentRotationSet.load(out).metadata["hadamard_block"] == 64
 
 
 def test_fit_refusals_before_anything_is_written(qwen3_stats, tmp_path, capsys):
@@ -216,7 +216,28 @@ def test_statistics_of_an_mha_model_against_an_mla_config(qwen3_stats, tmp_path,
     assert main(["fit", "--stats", qwen3_stats, "--min-tokens", "1", "--config", str(tmp_path / "mla"),
                  "--out", str(tmp_path / "r.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert "cannot be used" in err and "MLA latent kv_lora_rank 32" in err and "head_dims [32]" in err
+    assert "cannot be used" in err and "MLA latent kv_lora_rank 64" in err and "head_dims [32]" in err
+
+
+@pytest.mark.parametrize("rank", [32, 96, 192])
+def test_latent_rotations_for_a_rank_no_int2_cache_serves_are_refused(tmp_path, capsys, rank):
+    """fit and validate-latent refuse a kv_lora_rank the INT2 latent kernels do not take (a quarter of it
+    must be a power of two, at least 16): such a file would never be served; the message says so and
+    names the fix, where fit used to suggest a --latent-block that was never given."""
+    from calib_tiny import family_config
+
+    mdir = tmp_path / f"r{rank}"
+    family_config("deepseek_v2", kv_lora_rank=rank).save_pretrained(mdir)
+    out = str(tmp_path / "latent.safetensors")
+    assert main(["fit", "--method", "hadamard", "--config", str(mdir), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert f"kv_lora_rank {rank}, not a width the INT2 latent kernels take" in err and "--kv-cache-dtype auto" in err
+    assert "--latent-block" not in err and not os.path.exists(out)
+    # a file of the model's own rank (written without fit's check) is refused by validate-latent alike
+    LatentRotationSet.data_free(geometry_of(family_config("deepseek_v2", kv_lora_rank=rank)), "hadamard", None).save(out)
+    assert main(["validate-latent", out, "--config", str(mdir)]) == 2
+    err = capsys.readouterr().err
+    assert f"kv_lora_rank {rank}, not a width the INT2 latent kernels take" in err and "--kv-cache-dtype auto" in err
 
 
 def test_a_missing_config_path_is_not_taken_for_a_hub_id(tmp_path):

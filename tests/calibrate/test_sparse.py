@@ -23,7 +23,7 @@ def glm_dsa(index_topk: int):
 
     cfg = tf.GlmMoeDsaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              max_position_embeddings=1024, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-                             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                             kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
                              num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=2, n_shared_experts=1,
                              index_topk=index_topk, index_head_dim=16, index_n_heads=2, tie_word_embeddings=False)
     torch.manual_seed(0)

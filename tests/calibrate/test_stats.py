@@ -117,17 +117,17 @@ def test_latent_statistics_equal_direct_float64(tokenizer, tmp_path):
         c = torch.cat(cs).double()
         torch.testing.assert_close(st.latent_covariance(lid), c.T @ c / c.shape[0], rtol=1e-10, atol=1e-12)
     rs = fit_rotations(st, "oscar", min_tokens=100, latent_block=16)
-    assert all(orthogonality_error(r) < 1e-6 and r.shape == (32, 32) for r in rs.r.values())
+    assert all(orthogonality_error(r) < 1e-6 and r.shape == (64, 64) for r in rs.r.values())
     # R = U P Hblock (spec §3.5): eigenvectors of the latent covariance (ascending), the
-    # eigenvalue-sorted bit-reversal permutation, then two 16-blocks of Hadamard
-    hblock = torch.block_diag(_sylvester(16), _sylvester(16))
+    # eigenvalue-sorted bit-reversal permutation, then four 16-blocks of Hadamard
+    hblock = torch.block_diag(*[_sylvester(16)] * 4)
     for lid in st.geometry.layer_ids:
         lam, u = torch.linalg.eigh(st.latent_covariance(lid))
         perm = _bitrev_perm_matrix(lam)
         r = rs.r[lid].double()
         # eigenvectors are defined up to sign: R = U S P Hblock with S = diag(+-1)
         signs = torch.diagonal(u.T @ r @ hblock.T @ perm.T)
-        torch.testing.assert_close(signs.abs(), torch.ones(32, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(signs.abs(), torch.ones(64, dtype=torch.float64), atol=1e-5, rtol=0)
         torch.testing.assert_close(r, u @ torch.diag(signs.sign()) @ perm @ hblock, atol=1e-5, rtol=0)
     assert rs.metadata["hadamard_block"] == 16
 
@@ -150,7 +150,7 @@ def test_invalid_latent_block_is_refused(tokenizer, tmp_path):
     with pytest.raises(CalibrationError, match="--latent-block"):
         fit_rotations(st, "hadamard", latent_block=48)
     ok = fit_rotations(st, "hadamard", latent_block=8)
-    torch.testing.assert_close(ok.r[geo.layer_ids[0]].double(), torch.block_diag(*[_sylvester(8)] * 4), atol=1e-7, rtol=0)
+    torch.testing.assert_close(ok.r[geo.layer_ids[0]].double(), torch.block_diag(*[_sylvester(8)] * 8), atol=1e-7, rtol=0)
     assert ok.metadata["hadamard_block"] == 8
 
 

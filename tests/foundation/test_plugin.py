@@ -139,6 +139,19 @@ def test_env_aliases_and_precedence():
         flags.resolve_config({}, environ={"SGLANG_MIXED_KV_SCALE_DTYPE": "fp8"})
 
 
+@pytest.mark.parametrize("group,scale_dtype,bits", [(1, "float16", 34), (2, "float16", 18), (4, "float32", 18),
+                                                     (4, "float16", None), (8, "float32", None), (64, "float32", None)])
+def test_a_group_whose_pairs_outweigh_bf16_is_refused(group, scale_dtype, bits):
+    """2 code bits per element plus 16 x (pair dtype bytes) / G for the (scale, zero) pairs: at 16 bits
+    or more the INT2 cache is no smaller than BF16's, and the launch refuses the group with the cost."""
+    values = {"kv_cache_quant_group_size": group, "oscar_scale_dtype": scale_dtype}
+    if bits is None:
+        assert flags.resolve_config(values, environ={})[0].group_size == group
+        return
+    with pytest.raises(ValueError, match=rf"group-size {group} with {scale_dtype} .* costs {bits} bits .*pick 32, 64"):
+        flags.resolve_config(values, environ={})
+
+
 def test_config_travels_through_env():
     cfg = OscarConfig(group_size=32, quantizer="lloyd-max", decode_engine="gluon")
     env = {flags.CONFIG_ENV: flags.config_to_env(cfg)}

@@ -48,7 +48,8 @@ def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
     ("other_layers", r"does not fit this MLA model: .*cover 3 layers but the model .* has 2 MLA layers"),
     ("other_rank", r"does not fit this MLA model: .*expected \(128, 128\) for kv_lora_rank 128"),
     ("missing", r"--oscar-rotation: .*does not exist.*drop the flag"),
-    ("group", r"latent cache: latent width 128.*group_size 48.*--kv-cache-quant-group-size 128"),
+    ("group", r"latent cache: --kv-cache-quant-group-size 48 does not divide kv_lora_rank 128; pick 128 \(or 64, 32\)"),
+    ("rank", r"latent cache: .*kv_lora_rank 192, not a width the INT2 latent kernels take .*--kv-cache-dtype auto"),
     ("skip", r"--oscar-skip-layers applies to MHA/GQA models.*drop the flag"),
     ("v_file", r"SGLANG_OSCAR_V_ROTATION_PATH applies to MHA/GQA models.*drop the variable"),
     ("fold", r"--oscar-fold-rotations on applies to MHA/GQA models"),
@@ -57,7 +58,7 @@ def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
     ("v_clip", r"--oscar-v-clip-ratio applies to MHA/GQA models.*K's clip ratio"),
 ])
 def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monkeypatch, case, match):
-    model = _deepseek_dir(tmp_path, "m")
+    model = _deepseek_dir(tmp_path, "m", **({"rank": 192} if case == "rank" else {}))
     rot = str(tmp_path / "rot.safetensors")
     cfg = {}
     if case == "mha_file":
@@ -76,6 +77,8 @@ def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monke
         cfg["rotation_path"] = str(tmp_path / "nope.safetensors")
     elif case == "group":
         cfg["group_size"] = 48
+    elif case == "rank":  # whatever the group: 64 divides 192, the kernels still cannot take it
+        cfg["group_size"] = 64
     elif case == "skip":
         cfg["skip_layers"] = "0"
     elif case == "v_file":  # a valid latent K file with an MHA-style V file beside it

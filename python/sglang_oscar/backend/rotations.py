@@ -205,14 +205,14 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
         ValueError: an MLA architecture outside :data:`MLA_ARCHITECTURES` (LongCat-Flash, Ring / Ling
             hybrids, Kimi-K2.5's multimodal wrapper, ...), an MHA-only setting (``SGLANG_OSCAR_V_ROTATION_PATH``, ``--oscar-skip-layers``,
             ``--oscar-fold-rotations on``, ``--oscar-decode-engine gluon``, ``--oscar-rotate-engine
-            torch``, a V clip ratio), a group size that does not fit ``kv_lora_rank``, a missing or
+            torch``, a V clip ratio), a ``kv_lora_rank`` the kernels do not take or a group size that does
+            not divide it, a missing or
             unreadable file, an MHA rotation file, or a file fitted for another model (layers, rank; a
             hybrid's file must cover its MLA layers only).
             Every message says what to change.
     """
-    from ..kernels.latent import check_latent_width
     from ..config import latent_group_size
-    from ..rotation.latent import LatentRotationSet
+    from ..rotation.latent import LatentRotationSet, check_served_rank
 
     name = geometry.model_type
     other = [a for a in (architectures or ()) if a not in MLA_ARCHITECTURES]
@@ -229,11 +229,17 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
             raise ValueError(f"{flag} applies to MHA/GQA models; {name!r} caches one MLA latent per token "
                              "(one rotation per layer, one decode kernel, K's clip ratio): drop the "
                              + ("variable" if flag.startswith("SGLANG_") else "flag"))
+    rank = int(geometry.kv_lora_rank)
     try:
-        check_latent_width(int(geometry.kv_lora_rank), latent_group_size(config, int(geometry.kv_lora_rank)))
-    except ValueError as exc:
-        raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache: {exc}; pick "
-                         "--kv-cache-quant-group-size 128 (or 64, 32)") from None
+        check_served_rank(rank, name)
+    except RotationError as exc:
+        raise ValueError(f"--kv-cache-dtype int2 cannot serve the latent cache: {exc}") from None
+    group = latent_group_size(config, rank)
+    if rank % group:
+        fits = [g for g in (128, 64, 32) if rank % g == 0]
+        raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache: --kv-cache-quant-group-size "
+                         f"{group} does not divide kv_lora_rank {rank}; pick {fits[0]} (or "
+                         f"{', '.join(map(str, fits[1:]))}), or leave it unset")
     if config.rotation_path is None:
         rs = LatentRotationSet.served_data_free(geometry)
         _log_data_free(log, "block-Hadamard latent")

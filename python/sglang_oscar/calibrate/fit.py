@@ -40,8 +40,9 @@ import torch
 from ..rotation import RotationSet, rotations_from_covariances
 from ..rotation.geometry import ModelGeometry, attention_logit_softcap
 from ..rotation.hadamard import default_hadamard
-from ..rotation.latent import (DEFAULT_LATENT_BLOCK, LatentRotationSet, covariance_eigenbasis, latent_hadamard,
-                               latent_rotation_from_covariance)
+from ..rotation.latent import (DEFAULT_LATENT_BLOCK, LatentRotationSet, check_served_rank, covariance_eigenbasis,
+                               latent_hadamard, latent_rotation_from_covariance)
+from ..rotation.rotation_set import RotationError
 from . import FIT_METHODS, CalibrationError
 from .stats import CalibrationStats
 
@@ -150,6 +151,7 @@ def fit_rotations(
     if geo.attention_kind == "mla":
         if method in ("oscar-perhead", "perhead-kv"):
             raise CalibrationError(f"{method} does not apply to MLA latents (one latent per layer); use oscar")
+        check_served_latent_rank(geo)
         try:
             latent_hadamard(int(geo.kv_lora_rank), latent_block)
         except ValueError as exc:
@@ -230,6 +232,15 @@ def load_rotation_any(path: str) -> RotationSet | LatentRotationSet:
     return RotationSet.load(path)
 
 
+def check_served_latent_rank(geometry: ModelGeometry) -> None:
+    """Raise :class:`CalibrationError` for an MLA ``geometry`` whose ``kv_lora_rank`` no INT2 latent
+    cache serves: a latent rotation (or its statistics) for it would never be used."""
+    try:
+        check_served_rank(int(geometry.kv_lora_rank), geometry.model_type)
+    except RotationError as exc:
+        raise CalibrationError(f"{exc} (no latent rotation for it is served)") from None
+
+
 def check_rotation(rs: RotationSet | LatentRotationSet, geometry: ModelGeometry, fingerprint: dict[str, Any] | None = None,
                    *, allow_other_model: bool = False, name: str | None = None, ortho_tol: float | None = None) -> None:
     """Check that a rotation set belongs to a model: its kind (latent for MLA, K/V otherwise),
@@ -250,6 +261,8 @@ def check_rotation(rs: RotationSet | LatentRotationSet, geometry: ModelGeometry,
             f"{geometry.attention_kind.upper()} attention"
             + (": MLA models get latent rotations (`sglang-oscar fit` writes them for MLA statistics)" if not latent else "")
         )
+    if latent:
+        check_served_latent_rank(geometry)
     try:
         rs.validate(geometry, **({"ortho_tol": ortho_tol} if ortho_tol is not None else {}))
     except ValueError as exc:

@@ -79,7 +79,8 @@ def calibrate_model(
         The completed :class:`CalibrationStats` (also written to ``out``).
 
     Raises:
-        CalibrationError: unsupported model, a checkpoint from other arguments, layers never captured.
+        CalibrationError: unsupported model (an MLA kv_lora_rank no INT2 latent cache serves among them), a
+            checkpoint from other arguments, layers never captured.
     """
     from tqdm.auto import tqdm
 
@@ -88,6 +89,10 @@ def calibrate_model(
     if not prompts.sequences:
         raise CalibrationError("no calibration sequences")
     geometry = geometry_of(model.config)
+    if geometry.attention_kind == "mla":  # before the forward passes
+        from .fit import check_served_latent_rank
+
+        check_served_latent_rank(geometry)
     fingerprint = config_fingerprint(model.config, model_id)  # name: the given id, else config._name_or_path
     model_id = model_id or model_id_of(model)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..quant.int2 import codebook
+from ..rotation.latent import latent_rank_supported
 from .codes import level_of, round_to
 from .compile_check import active as compiling
 from .compile_check import launch as _launch
@@ -269,7 +270,7 @@ def _gather_latent(KC, stride_kcs, KPR, stride_kps, KPE, stride_kpe, SLOTS, OUT,
 
 def check_latent_width(r: int, group_size: int) -> None:
     """Raise ``ValueError`` unless the latent kernels take rank ``r`` with ``group_size``."""
-    if r <= 0 or r % 64 or r % group_size or (r // 4) & (r // 4 - 1):
+    if not latent_rank_supported(r) or r % group_size:
         raise ValueError(f"latent width {r}: R/4 must be a power of two >= 16 (R = 64, 128, 256, 512, ...) and "
                          f"R a multiple of group_size {group_size}")
 

@@ -14,6 +14,7 @@ import os
 from typing import Any, Callable
 
 from ..config import OscarConfig
+from ..quant.int2 import scale_torch_dtype
 
 # Environment variable carrying the resolved config to SGLang's spawned subprocesses.
 CONFIG_ENV = "SGLANG_OSCAR_CONFIG"
@@ -173,9 +174,18 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
                 "to a rotation file or directory"
             )
     try:
-        return OscarConfig(**kwargs), notes
+        config = OscarConfig(**kwargs)
     except ValueError as exc:
         raise ValueError(f"{exc} (INT2 settings given: {'; '.join(given) or 'none'})") from None
+    if config.group_size is not None:
+        # 2 code bits per element plus one (scale, zero) pair per group (docs/format.md)
+        bits = 2 + 16 * scale_torch_dtype(config.scale_dtype).itemsize / config.group_size
+        if bits >= 16:
+            raise ValueError(
+                f"--kv-cache-quant-group-size {config.group_size} with {config.scale_dtype} (scale, zero) pairs costs "
+                f"{bits:g} bits per cached element, no less than BF16's 16: the INT2 cache would not be smaller; "
+                "pick 32, 64 or 128 (or leave it unset)")
+    return config, notes
 
 
 def config_to_env(config: OscarConfig) -> str:

@@ -275,6 +275,21 @@ class LatentRotationSet:
         return cls({i: m.float() for i in geometry.layer_ids}, meta)
 
 
+def latent_rank_supported(r: int) -> bool:
+    """Whether the INT2 latent kernels take ``kv_lora_rank`` ``r``: ``r / 4`` (one byte of codes per
+    four values) a power of two of at least 16, i.e. ``r`` = 64, 128, 256, 512, ..."""
+    return r > 0 and r % 64 == 0 and (r // 4) & (r // 4 - 1) == 0
+
+
+def check_served_rank(kv_lora_rank: int, model: str) -> None:
+    """Raise :class:`RotationError` when no INT2 latent cache can serve ``kv_lora_rank`` (so no latent
+    rotation for it would be used), naming the served widths and the fix."""
+    if not latent_rank_supported(kv_lora_rank):
+        raise RotationError(f"{model!r} has kv_lora_rank {kv_lora_rank}, not a width the INT2 latent kernels take "
+                            "(64, 128, 256, 512, ...: a quarter of it a power of two, at least 16); serve the model "
+                            "with --kv-cache-dtype auto")
+
+
 def served_latent_block(kv_lora_rank: int) -> int:
     """Hadamard block of the latent rotation a server uses without ``--oscar-rotation`` (and ``fit``'s
     default without a recipe): :data:`DEFAULT_LATENT_BLOCK`, or the whole latent when narrower."""
