@@ -170,6 +170,23 @@ def test_dsa_kimi_linear_and_other_mla_architectures_are_refused(hooked, tmp_pat
         hooked.preflight(SimpleNamespace(model_path=longcat, _oscar_config=config))
 
 
+def test_expanded_files_of_models_served_with_the_latent_only(hooked, tmp_path, monkeypatch, capsys):
+    """hadamard / validate --mla-storage expanded refuse a model the expanded storage does not serve (a DSA
+    model here), naming the latent file instead; an expanded file built for such a model anyway is refused
+    at launch with the latent fix, not with --oscar-mla-storage expanded (which that launch would refuse)."""
+    dsa = _deepseek_dir(tmp_path, "dsa", index_topk=64, index_head_dim=128, index_n_heads=4)
+    out = str(tmp_path / "x.safetensors")
+    for verb in (["hadamard", "--config", dsa, "--mla-storage", "expanded", "--out", out],
+                 ["validate", out, "--config", dsa, "--mla-storage", "expanded"]):
+        assert cli(verb) == 2
+        err = capsys.readouterr().err
+        assert "does not serve DSA sparse attention" in err and "(here: --mla-storage latent)" in err, err
+    RotationSet.data_free(ModelGeometry.from_hf_config(dsa).expanded()).save(out)
+    with pytest.raises(ValueError, match=r"holds per-head K/V rotations .*served with the latent only: pass a latent "
+                                         r"rotation file"):
+        hooked.preflight(SimpleNamespace(model_path=dsa, _oscar_config=OscarConfig(rotation_path=out, group_size=64)))
+
+
 def test_traced_prefill_graph_is_refused_for_expanded_storage(hooked, tmp_path):
     """SGLang never traces its MHA prefill (tc_piecewise picks MLA): with expanded storage forcing MHA the
     tc_piecewise prefill graph (asked for, or resolved on a GPU) stops the launch naming the fix; breakable

@@ -252,9 +252,15 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
                          "the data-free block-Hadamard rotation") from None
     except RotationError as exc:
         if _fits_expanded(config.rotation_path, geometry):
+            try:
+                check_expanded_model(geometry, architectures)
+                fix = "pass --oscar-mla-storage expanded, or a latent rotation file"
+            except ValueError:  # a model the expanded storage does not serve: only the latent file helps
+                fix = ("this model is served with the latent only: pass a latent rotation file (`sglang-oscar fit`, or "
+                       "`hadamard --mla-storage latent`), or drop the flag")
             raise ValueError(f"--oscar-rotation {config.rotation_path} holds per-head K/V rotations of this model's "
                              "expanded MLA storage, but the server caches the latent (--oscar-mla-storage latent, the "
-                             "default): pass --oscar-mla-storage expanded, or a latent rotation file") from None
+                             f"default): {fix}") from None
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this MLA model: {exc}; an MLA model "
                          "takes a latent rotation file (`sglang-oscar fit` on its calibration, or `hadamard`)") from None
     check_recorded_model(rs, hf_config, config.rotation_path)
@@ -278,6 +284,29 @@ def _fits_expanded(path: str, geometry: ModelGeometry) -> bool:
 # indexer runs only under SGLang's dsa backend over a latent pool) nor Kimi-Linear (its MLA layers live
 # in SGLang's hybrid linear-attention pool, which the expanded pool is not wired into).
 EXPANDED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def check_expanded_model(geometry: ModelGeometry, architectures=None) -> None:
+    """Raise ``ValueError`` unless ``--oscar-mla-storage expanded`` serves the model of ``geometry``
+    (an MLA model of :data:`EXPANDED_ARCHITECTURES`, neither a linear-attention hybrid nor DSA),
+    naming the fix. ``architectures``: the config's, when known."""
+    name, flag = geometry.model_type, "--oscar-mla-storage expanded"
+    if geometry.attention_kind != "mla":
+        raise ValueError(f"{flag} applies to MLA models (DeepSeek-V2/V3); {name!r} is an MHA/GQA model, whose INT2 "
+                         "cache holds per-head K/V rows already: drop the flag")
+    archs = list(architectures or ())
+    if "KimiLinearForCausalLM" in archs or geometry.linear_layer_ids:
+        raise ValueError(f"{flag} does not serve Kimi-Linear ({name!r}): its MLA layers share SGLang's hybrid "
+                         "linear-attention pool with the KDA state, which only the latent pool joins; use "
+                         "--oscar-mla-storage latent (the default)")
+    if geometry.index_topk is not None or "GlmMoeDsaForCausalLM" in archs:
+        raise ValueError(f"{flag} does not serve DSA sparse attention ({name!r}, index_topk "
+                         f"{geometry.index_topk}: GLM-5, DeepSeek-V3.2): its indexer runs only under SGLang's dsa "
+                         "backend over the latent; use --oscar-mla-storage latent (the default)")
+    other = [a for a in archs if a not in EXPANDED_ARCHITECTURES]
+    if other:
+        raise ValueError(f"{flag} serves {', '.join(EXPANDED_ARCHITECTURES)}; {other[0]} ({name!r}) is not among "
+                         "them: use --oscar-mla-storage latent (the default) or --kv-cache-dtype auto")
 
 
 def served_expanded_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
@@ -310,22 +339,7 @@ def served_expanded_rotations(config: OscarConfig, geometry: ModelGeometry, *, l
     """
     name = geometry.model_type
     flag = "--oscar-mla-storage expanded"
-    if geometry.attention_kind != "mla":
-        raise ValueError(f"{flag} applies to MLA models (DeepSeek-V2/V3); {name!r} is an MHA/GQA model, whose INT2 "
-                         "cache holds per-head K/V rows already: drop the flag")
-    archs = list(architectures or ())
-    if "KimiLinearForCausalLM" in archs or geometry.linear_layer_ids:
-        raise ValueError(f"{flag} does not serve Kimi-Linear ({name!r}): its MLA layers share SGLang's hybrid "
-                         "linear-attention pool with the KDA state, which only the latent pool joins; use "
-                         "--oscar-mla-storage latent (the default)")
-    if geometry.index_topk is not None or "GlmMoeDsaForCausalLM" in archs:
-        raise ValueError(f"{flag} does not serve DSA sparse attention ({name!r}, index_topk "
-                         f"{geometry.index_topk}: GLM-5, DeepSeek-V3.2): its indexer runs only under SGLang's dsa "
-                         "backend over the latent; use --oscar-mla-storage latent (the default)")
-    other = [a for a in archs if a not in EXPANDED_ARCHITECTURES]
-    if other:
-        raise ValueError(f"{flag} serves {', '.join(EXPANDED_ARCHITECTURES)}; {other[0]} ({name!r}) is not among "
-                         "them: use --oscar-mla-storage latent (the default) or --kv-cache-dtype auto")
+    check_expanded_model(geometry, architectures)
     try:
         expanded = geometry.expanded()
     except ValueError as exc:

@@ -61,7 +61,8 @@ def _file_geometry(args):
     (the MHA geometry, an MLA model's expanded one, or its latent one with ``latent`` true).
 
     Raises:
-        CLIError: ``--mla-storage`` for a config that is not MLA, or an MLA config without it.
+        CLIError: ``--mla-storage`` for a config that is not MLA, or an MLA config without it, or
+            ``expanded`` for a model that storage does not serve (Kimi-Linear, DSA, other architectures).
     """
     from ..errors import CLIError
     from ..rotation import ModelGeometry
@@ -75,6 +76,13 @@ def _file_geometry(args):
                        "rotations of --oscar-mla-storage expanded, or --mla-storage latent for a latent rotation file "
                        "(the default --oscar-mla-storage latent)")
     if args.mla_storage == "expanded":
+        from ..backend.rotations import check_expanded_model
+        from ..rotation.geometry import _as_dict
+
+        try:  # a file the server would refuse for this model is not written
+            check_expanded_model(geometry, _as_dict(args.config).get("architectures"))
+        except ValueError as exc:
+            raise CLIError(f"--mla-storage expanded: {exc} (here: --mla-storage latent)") from None
         return geometry.expanded(), False
     return geometry, mla
 
