@@ -48,6 +48,8 @@ def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
     ("other_layers", r"does not fit this MLA model: .*cover 3 layers but the model .* has 2 MLA layers"),
     ("other_rank", r"does not fit this MLA model: .*expected \(128, 128\) for kv_lora_rank 128"),
     ("missing", r"--oscar-rotation: .*does not exist.*drop the flag"),
+    ("upstream_dir", r"is upstream's per-layer latent folder .*reads the one latent rotation .safetensors file"),
+    ("upstream_pt", r"layer_0.pt is a PyTorch .pt file.*reads the one latent rotation .safetensors file"),
     ("group", r"latent cache: --kv-cache-quant-group-size 48 does not divide kv_lora_rank 128; pick 128 \(or 64, 32\)"),
     ("rank", r"latent cache: .*kv_lora_rank 192, not a width the INT2 latent kernels take .*--kv-cache-dtype auto"),
     ("skip", r"--oscar-skip-layers applies to MHA/GQA models.*drop the flag"),
@@ -75,6 +77,12 @@ def test_bad_mla_input_stops_the_launch_with_a_named_fix(hooked, tmp_path, monke
         cfg["rotation_path"] = rot
     elif case == "missing":
         cfg["rotation_path"] = str(tmp_path / "nope.safetensors")
+    elif case.startswith("upstream"):  # what `fit --upstream-dir` writes: layer_<id>.pt per MLA layer
+        up = tmp_path / "up"
+        up.mkdir()
+        for lid in (0, 1):
+            torch.save(torch.eye(128), up / f"layer_{lid}.pt")
+        cfg["rotation_path"] = str(up if case == "upstream_dir" else up / "layer_0.pt")
     elif case == "group":
         cfg["group_size"] = 48
     elif case == "rank":  # whatever the group: 64 divides 192, the kernels still cannot take it

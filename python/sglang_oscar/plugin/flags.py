@@ -163,8 +163,9 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
             if not v_path:
                 raise ValueError(
                     f"{K_ROTATION_ENV} is a .pt file but {V_ROTATION_ENV} is not set: the upstream aliases name the K "
-                    "and V .pt files and need both; or convert them with `sglang-oscar convert --k K.pt --v V.pt "
-                    "--out FILE` and pass --oscar-rotation FILE"
+                    "and V .pt files of an MHA/GQA model and need both; or convert them with `sglang-oscar convert --k "
+                    "K.pt --v V.pt --out FILE` and pass --oscar-rotation FILE (an MLA model takes one latent rotation "
+                    ".safetensors file from `sglang-oscar fit`: pass it with --oscar-rotation)"
                 )
             kwargs["rotation_path"], kwargs["rotation_v_path"] = k_path, v_path
         elif v_path:

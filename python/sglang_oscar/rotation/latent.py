@@ -211,6 +211,10 @@ class LatentRotationSet:
             raise FileNotFoundError(f"latent rotation file {path} does not exist; create one with `sglang-oscar fit`")
         if os.path.isdir(path):
             return cls.load(_directory_file(path))
+        if path.endswith(".pt"):
+            raise RotationError(f"{path} is a PyTorch .pt file, as in upstream's per-layer latent folder (layer_<id>.pt, "
+                                "which `sglang-oscar fit --upstream-dir` writes for the original OSCAR server); this "
+                                f"server reads {UPSTREAM_FIX}")
         try:
             with safe_open(path, framework="pt") as f:
                 meta_raw = (f.metadata() or {}).get(METADATA_KEY)
@@ -296,12 +300,19 @@ def served_latent_block(kv_lora_rank: int) -> int:
     return min(DEFAULT_LATENT_BLOCK, kv_lora_rank)
 
 
+UPSTREAM_FIX = ("the one latent rotation .safetensors file that the same `fit` run writes with --out: pass that, "
+                "or refit one from the calibration statistics")
+
+
 def _directory_file(path: str) -> str:
     """The one ``*.safetensors`` file of directory ``path``.
 
     Raises:
         RotationError: none, or several (the first four named)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files and glob.glob(os.path.join(path, "layer_*.pt")):
+        raise RotationError(f"{path} is upstream's per-layer latent folder (layer_<id>.pt, which `sglang-oscar fit "
+                            f"--upstream-dir` writes for the original OSCAR server); this server reads {UPSTREAM_FIX}")
     if len(files) != 1:
         names = [os.path.basename(f) for f in files[:4]] + (["..."] if len(files) > 4 else [])
         held = f"{len(files)} .safetensors files {names}" if files else "no .safetensors file"
