@@ -65,6 +65,7 @@ def record_servers(monkeypatch, cls=FakeServer) -> dict[str, FakeServer]:
 
     def start(*args, **kwargs):
         srv = cls(*args, **kwargs)
+        assert srv.name not in started, f"server {srv.name} started twice"
         started[srv.name] = srv
         return srv
     monkeypatch.setattr(mla_check, "ServerProcess", start)

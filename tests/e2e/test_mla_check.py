@@ -70,6 +70,8 @@ def test_mla_check_kimi_linear_family_serves_dummy_weights_without_an_oracle(tmp
     argvs, envs = [s.argv for s in started.values()], [s.env for s in started.values()]
     rotation = {n: s.argv[s.argv.index("--oscar-rotation") + 1] for n, s in started.items() if "--oscar-rotation" in s.argv}
     assert rotation == {"int2-window": str(tmp_path / checkpoints.IDENTITY_ROTATION)}
+    window = started["int2-window"].argv
+    assert window[window.index("--port") + 1] == str(mla_check.BASE_PORT + 1)
     from .dummy_shim import DUMMY_ENV, DUMMY_SHIM_MODULE
 
     assert all(e[DUMMY_ENV] == "1" for e in envs)

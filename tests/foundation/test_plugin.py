@@ -148,7 +148,8 @@ def test_a_group_whose_pairs_outweigh_bf16_is_refused(group, scale_dtype, bits):
     if bits is None:
         assert flags.resolve_config(values, environ={})[0].group_size == group
         return
-    with pytest.raises(ValueError, match=rf"group-size {group} with {scale_dtype} .* costs {bits} bits .*pick 32, 64"):
+    with pytest.raises(ValueError, match=rf"group-size {group} with {scale_dtype} .* costs {bits} bits "
+                                         r".*pick a larger group.*--oscar-scale-dtype"):
         flags.resolve_config(values, environ={})
 
 

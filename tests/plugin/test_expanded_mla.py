@@ -166,7 +166,7 @@ def test_dsa_kimi_linear_and_other_mla_architectures_are_refused(hooked, tmp_pat
         hooked.preflight(SimpleNamespace(model_path=str(kimi), _oscar_config=config))
     longcat = _deepseek_dir(tmp_path, "lc", architectures=["LongcatFlashForCausalLM"])
     with pytest.raises(ValueError, match=r"serves DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; "
-                                         r"LongcatFlashForCausalLM .*--oscar-mla-storage latent"):
+                                         r"LongcatFlashForCausalLM .*nor among the latent storage's: .*auto"):
         hooked.preflight(SimpleNamespace(model_path=longcat, _oscar_config=config))
 
 

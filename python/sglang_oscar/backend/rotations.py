@@ -233,7 +233,12 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
     try:
         check_served_rank(rank, name)
     except RotationError as exc:
-        raise ValueError(f"--kv-cache-dtype int2 cannot serve the latent cache: {exc}") from None
+        try:  # DeepSeek-V2/V3 can still cache per-head K/V in INT2
+            check_expanded_model(geometry, architectures)
+            alt = " (or --oscar-mla-storage expanded: per-head K/V in the INT2 MHA pool)"
+        except ValueError:
+            alt = ""
+        raise ValueError(f"--kv-cache-dtype int2 cannot serve the latent cache: {exc}{alt}") from None
     group = latent_group_size(config, rank)
     if rank % group:
         fits = [g for g in (128, 64, 32) if rank % g == 0]
@@ -306,7 +311,7 @@ def check_expanded_model(geometry: ModelGeometry, architectures=None) -> None:
     other = [a for a in archs if a not in EXPANDED_ARCHITECTURES]
     if other:
         raise ValueError(f"{flag} serves {', '.join(EXPANDED_ARCHITECTURES)}; {other[0]} ({name!r}) is not among "
-                         "them: use --oscar-mla-storage latent (the default) or --kv-cache-dtype auto")
+                         "them, nor among the latent storage's: serve it with --kv-cache-dtype auto")
 
 
 def served_expanded_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
@@ -337,7 +342,6 @@ def served_expanded_rotations(config: OscarConfig, geometry: ModelGeometry, *, l
             does not fit the expanded geometry (:func:`served_rotation_set`). Every message names the
             flag and the fix.
     """
-    name = geometry.model_type
     flag = "--oscar-mla-storage expanded"
     check_expanded_model(geometry, architectures)
     try:

@@ -82,7 +82,8 @@ def _file_geometry(args):
         try:  # a file the server would refuse for this model is not written
             check_expanded_model(geometry, _as_dict(args.config).get("architectures"))
         except ValueError as exc:
-            raise CLIError(f"--mla-storage expanded: {exc} (here: --mla-storage latent)") from None
+            here = " (here: --mla-storage latent)" if "--oscar-mla-storage latent" in str(exc) else ""
+            raise CLIError(f"--mla-storage expanded: {exc}{here}") from None
         return geometry.expanded(), False
     return geometry, mla
 

@@ -10,7 +10,8 @@ idempotent. What the hooks do:
   an :class:`~sglang_oscar.config.OscarConfig`, attach it as ``server_args._oscar_config`` and
   export it in ``SGLANG_OSCAR_CONFIG`` so spawned subprocesses see the same values.
 * ``ServerArgs.__post_init__`` (BEFORE): with ``--kv-cache-dtype int2`` and no attention backend
-  given, use ``triton``; (AFTER): stop the launch before any weights load on an unsupported flag
+  given, use ``triton`` (``dsa`` for a DSA model), and keep the DSA kernel flags as given, before
+  SGLang resolves them; (AFTER): stop the launch before any weights load on an unsupported flag
   (:mod:`.refusals`), a rotation file that does not fit the model, a group size that does not
   divide head_dim, or a serving hook that failed to apply (SGLang only logs hook failures).
 * the serving hooks of :mod:`.serving` (dtype, sizing, pool, allocator, radix cap, refusal of

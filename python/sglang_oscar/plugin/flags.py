@@ -185,7 +185,7 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
             raise ValueError(
                 f"--kv-cache-quant-group-size {config.group_size} with {config.scale_dtype} (scale, zero) pairs costs "
                 f"{bits:g} bits per cached element, no less than BF16's 16: the INT2 cache would not be smaller; "
-                "pick 32, 64 or 128 (or leave it unset)")
+                f"pick a larger group, e.g. 64 or 128 (or leave it unset) (INT2 settings given: {'; '.join(given)})")
     return config, notes
 
 

@@ -300,8 +300,8 @@ def served_latent_block(kv_lora_rank: int) -> int:
     return min(DEFAULT_LATENT_BLOCK, kv_lora_rank)
 
 
-UPSTREAM_FIX = ("the one latent rotation .safetensors file that the same `fit` run writes with --out: pass that, "
-                "or refit one from the calibration statistics")
+UPSTREAM_FIX = ("one latent rotation .safetensors file: refit it from the calibration statistics with `sglang-oscar "
+                "fit`, or pass the file an earlier `fit --upstream-dir` run wrote with --out")
 
 
 def _directory_file(path: str) -> str:
