@@ -94,7 +94,6 @@ class Shape:
         return cls(name, c, n_full, hq, hkv, d, mixers + n_layers * mlp_all + head,
                    mixers + n_layers * mlp_active + vocab * h, experts_total, e, k, n_layers)
 
-
     def kv_bytes(self, bits: float) -> float:
         """Pool bytes per token (every K/V layer, K and V) at ``bits`` per stored element."""
         return self.layers * self.kv_heads * self.head_dim * 2 * bits / 8
