@@ -132,10 +132,20 @@ LATENT_DEFAULT_GROUP = 128
 
 def latent_group_size(config: OscarConfig, kv_lora_rank: int) -> int:
     """The MLA latent's group size: ``config.group_size``, else :data:`LATENT_DEFAULT_GROUP` (the
-    whole rank when 128 does not divide it)."""
-    if config.group_size:
-        return config.group_size
-    return LATENT_DEFAULT_GROUP if kv_lora_rank % LATENT_DEFAULT_GROUP == 0 else kv_lora_rank
+    whole rank when 128 does not divide it).
+
+    Raises:
+        ValueError: a ``config.group_size`` that does not divide ``kv_lora_rank`` (the latent row is
+            cut into groups along the rank, not along a head_dim); the message lists the divisors that fit.
+    """
+    if not config.group_size:
+        return LATENT_DEFAULT_GROUP if kv_lora_rank % LATENT_DEFAULT_GROUP == 0 else kv_lora_rank
+    if kv_lora_rank % config.group_size:
+        fits = [g for g in (128, 64, 32, 16) if kv_lora_rank % g == 0] or [kv_lora_rank]
+        raise ValueError(f"group size {config.group_size} does not divide kv_lora_rank {kv_lora_rank} (the MLA "
+                         f"latent row is grouped along the rank): pick {' or '.join(map(str, fits[:3]))}, or leave "
+                         "it unset")
+    return config.group_size
 
 
 _ON = ("1", "true", "yes", "on")

@@ -211,12 +211,13 @@ def test_rotation_names_never_collide(monkeypatch):
     a third that would take that name too is refused rather than silently replacing it."""
     from types import SimpleNamespace
 
-    from sglang_oscar.calibrate import CalibrationError, cli, fit
+    from sglang_oscar.calibrate import CalibrationError, fit
+    from sglang_oscar.calibrate.verb_inputs import rotations_from_specs
 
     monkeypatch.setattr(fit, "load_rotation_any", lambda path: SimpleNamespace(metadata={"method": "oscar"}, path=path))
-    got = cli._rotations_from_args(["a/rot.safetensors", "b/rot.safetensors"])
+    got = rotations_from_specs(["a/rot.safetensors", "b/rot.safetensors"])
     assert {k: v.path for k, v in got.items()} == {"oscar": "a/rot.safetensors", "oscar:rot.safetensors": "b/rot.safetensors"}
     with pytest.raises(CalibrationError, match="'oscar:rot.safetensors' is already taken.*NAME=PATH"):
-        cli._rotations_from_args(["a/rot.safetensors", "b/rot.safetensors", "c/rot.safetensors"])
-    named = cli._rotations_from_args(["x=a/rot.safetensors", "y=b/rot.safetensors", "c/rot.safetensors"])
+        rotations_from_specs(["a/rot.safetensors", "b/rot.safetensors", "c/rot.safetensors"])
+    named = rotations_from_specs(["x=a/rot.safetensors", "y=b/rot.safetensors", "c/rot.safetensors"])
     assert sorted(named) == ["oscar", "x", "y"]

@@ -242,8 +242,50 @@ def test_latent_rotations_for_a_rank_no_int2_cache_serves_are_refused(tmp_path, 
 
 def test_a_missing_config_path_is_not_taken_for_a_hub_id(tmp_path):
     """--config /abs/missing, ./rel or x.json that does not exist: a missing file, not a Hub id lookup."""
-    from sglang_oscar.calibrate import cli
+    from sglang_oscar.calibrate.verb_inputs import read_config
 
     for path in (str(tmp_path / "none"), "./none", "none.json"):
         with pytest.raises(FileNotFoundError, match=r"does not exist \(a path, not a Hub id\)"):
-            cli._read_config(path, hub=True)
+            read_config(path, hub=True)
+
+
+def test_a_group_size_that_does_not_fit_the_rotation_is_refused_before_the_model_loads(tmp_path, capsys):
+    """error / ppl name the latent rank (not a head_dim) of an MLA file, and the head_dims of a K/V file,
+    before any model is loaded (the model path here does not exist)."""
+    from calib_tiny import family_config
+
+    from sglang_oscar.rotation import RotationSet
+
+    latent = str(tmp_path / "latent.safetensors")
+    LatentRotationSet.served_data_free(geometry_of(family_config("deepseek_v2"))).save(latent)  # kv_lora_rank 64
+    kv = str(tmp_path / "kv.safetensors")
+    RotationSet.data_free(geometry_of(family_config("qwen3"))).save(kv)  # head_dim 32
+    missing = str(tmp_path / "no-model")
+    for verb in ("error", "ppl"):
+        assert main([verb, "--model", missing, "--rotation", latent, "--prompts", "x.txt", "--group-size", "48"]) == 2
+        err = capsys.readouterr().err
+        assert "group size 48 does not divide kv_lora_rank 64" in err and "pick 64 or 32 or 16" in err, err
+        assert main([verb, "--model", missing, "--rotation", kv, "--prompts", "x.txt", "--group-size", "48"]) == 2
+        assert "group_size=48 does not divide head_dim=32" in capsys.readouterr().err
+
+
+def test_validate_latent_says_when_the_server_refuses_the_model(tmp_path, capsys):
+    """A latent file that fits a DeepSeek-V3.2 config validates, and the report and stderr say that the
+    int2 server does not serve that architecture (it used to report only ok)."""
+    from calib_tiny import family_config
+
+    mdir = tmp_path / "v32"
+    family_config("deepseek_v2").save_pretrained(mdir)
+    out = str(tmp_path / "latent.safetensors")
+    assert main(["fit", "--method", "hadamard", "--config", str(mdir), "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["validate-latent", out, "--config", str(mdir)]) == 0
+    cap = capsys.readouterr()
+    assert "not_served" not in json.loads(cap.out.strip().splitlines()[-1]) and "warning" not in cap.err
+    cfg = json.loads((mdir / "config.json").read_text())
+    (mdir / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV32ForCausalLM"]}))
+    assert main(["validate-latent", out, "--config", str(mdir)]) == 0
+    cap = capsys.readouterr()
+    report = json.loads(cap.out.strip().splitlines()[-1])
+    assert report["ok"] and "DeepseekV32ForCausalLM ('deepseek_v2') is not among them yet" in report["not_served"]
+    assert "warning: the rotation fits this model, but --kv-cache-dtype int2 serves the MLA latent cache of" in cap.err

@@ -99,6 +99,15 @@ def test_kimi_linear_mla_layers_only():
         ModelGeometry.from_hf_config(zero_based)
 
 
+@pytest.mark.parametrize("config", [DEEPSEEK_V3, GLM_5, KIMI_LINEAR], ids=["deepseek_v3", "glm5", "kimi_linear"])
+def test_an_mla_model_type_without_kv_lora_rank_is_refused(config):
+    """SGLang serves these model types as MLA whatever the config says: without a rank the config is
+    not read as an MHA model (a K/V rotation file for it would never be served)."""
+    with pytest.raises(ValueError, match=rf"model_type {config['model_type']!r} sets no kv_lora_rank: SGLang serves "
+                                         "this model as MLA"):
+        ModelGeometry.from_hf_config({**config, "kv_lora_rank": None})
+
+
 def test_expanded_geometry():
     e = ModelGeometry.from_hf_config(DEEPSEEK_V3).expanded()
     assert e.attention_kind == "mha" and e.layer_ids == list(range(61))

@@ -50,7 +50,8 @@ def test_latent_rotation_file_or_none_passes(hooked, tmp_path, monkeypatch):
     ("missing", r"--oscar-rotation: .*does not exist.*drop the flag"),
     ("upstream_dir", r"is upstream's per-layer latent folder .*reads one latent rotation .safetensors file: refit"),
     ("upstream_pt", r"layer_0.pt is a PyTorch .pt file.*reads one latent rotation .safetensors file: refit"),
-    ("group", r"latent cache: --kv-cache-quant-group-size 48 does not divide kv_lora_rank 128; pick 128 \(or 64, 32\)"),
+    ("group", r"latent cache \(--kv-cache-quant-group-size\): group size 48 does not divide kv_lora_rank 128 \(the MLA "
+              r"latent row is grouped along the rank\): pick 128 or 64 or 32, or leave it unset"),
     ("rank", r"latent cache: .*kv_lora_rank 192, not a width the INT2 latent kernels take .*--kv-cache-dtype auto "
              r"\(or --oscar-mla-storage expanded"),
     ("skip", r"--oscar-skip-layers applies to MHA/GQA models.*drop the flag"),

@@ -190,6 +190,16 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM")
 
 
+def check_latent_model(geometry: ModelGeometry, architectures=None) -> None:
+    """Raise ``ValueError`` when the config's ``architectures`` name an MLA model outside
+    :data:`MLA_ARCHITECTURES` (whose latent cache the INT2 pool does not serve), naming the fix."""
+    other = [a for a in (architectures or ()) if a not in MLA_ARCHITECTURES]
+    if other:
+        raise ValueError(f"--kv-cache-dtype int2 serves the MLA latent cache of {', '.join(MLA_ARCHITECTURES)}; "
+                         f"{other[0]} ({geometry.model_type!r}) is not among them yet; serve it with "
+                         "--kv-cache-dtype auto")
+
+
 def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
                             architectures=None, hf_config=None) -> LatentRotationSet:
     """The validated latent rotations of an MLA model (``--oscar-rotation`` file, else the data-free
@@ -215,10 +225,7 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
     from ..rotation.latent import LatentRotationSet, check_served_rank
 
     name = geometry.model_type
-    other = [a for a in (architectures or ()) if a not in MLA_ARCHITECTURES]
-    if other:
-        raise ValueError(f"--kv-cache-dtype int2 serves the MLA latent cache of {', '.join(MLA_ARCHITECTURES)}; "
-                         f"{other[0]} ({name!r}) is not among them yet; serve it with --kv-cache-dtype auto")
+    check_latent_model(geometry, architectures)
     for given, flag in ((config.rotation_v_path, "SGLANG_OSCAR_V_ROTATION_PATH"),
                         (config.skip_layers not in (None, "none"), "--oscar-skip-layers"),
                         (config.fold_rotations, "--oscar-fold-rotations on"),
@@ -239,12 +246,10 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
         except ValueError:
             alt = ""
         raise ValueError(f"--kv-cache-dtype int2 cannot serve the latent cache: {exc}{alt}") from None
-    group = latent_group_size(config, rank)
-    if rank % group:
-        fits = [g for g in (128, 64, 32) if rank % g == 0]
-        raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache: --kv-cache-quant-group-size "
-                         f"{group} does not divide kv_lora_rank {rank}; pick {fits[0]} (or "
-                         f"{', '.join(map(str, fits[1:]))}), or leave it unset")
+    try:
+        latent_group_size(config, rank)
+    except ValueError as exc:
+        raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache (--kv-cache-quant-group-size): {exc}") from None
     if config.rotation_path is None:
         rs = LatentRotationSet.served_data_free(geometry)
         _log_data_free(log, "block-Hadamard latent")
@@ -291,21 +296,26 @@ def _fits_expanded(path: str, geometry: ModelGeometry) -> bool:
 EXPANDED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
+class LatentOnlyError(ValueError):
+    """An MLA model that only the latent storage serves (Kimi-Linear, DSA): the fix is the latent storage."""
+
+
 def check_expanded_model(geometry: ModelGeometry, architectures=None) -> None:
     """Raise ``ValueError`` unless ``--oscar-mla-storage expanded`` serves the model of ``geometry``
     (an MLA model of :data:`EXPANDED_ARCHITECTURES`, neither a linear-attention hybrid nor DSA),
-    naming the fix. ``architectures``: the config's, when known."""
+    naming the fix; :class:`LatentOnlyError` when the latent storage serves the model instead.
+    ``architectures``: the config's, when known."""
     name, flag = geometry.model_type, "--oscar-mla-storage expanded"
     if geometry.attention_kind != "mla":
         raise ValueError(f"{flag} applies to MLA models (DeepSeek-V2/V3); {name!r} is an MHA/GQA model, whose INT2 "
                          "cache holds per-head K/V rows already: drop the flag")
     archs = list(architectures or ())
     if "KimiLinearForCausalLM" in archs or geometry.linear_layer_ids:
-        raise ValueError(f"{flag} does not serve Kimi-Linear ({name!r}): its MLA layers share SGLang's hybrid "
+        raise LatentOnlyError(f"{flag} does not serve Kimi-Linear ({name!r}): its MLA layers share SGLang's hybrid "
                          "linear-attention pool with the KDA state, which only the latent pool joins; use "
                          "--oscar-mla-storage latent (the default)")
     if geometry.index_topk is not None or "GlmMoeDsaForCausalLM" in archs:
-        raise ValueError(f"{flag} does not serve DSA sparse attention ({name!r}, index_topk "
+        raise LatentOnlyError(f"{flag} does not serve DSA sparse attention ({name!r}, index_topk "
                          f"{geometry.index_topk}: GLM-5, DeepSeek-V3.2): its indexer runs only under SGLang's dsa "
                          "backend over the latent; use --oscar-mla-storage latent (the default)")
     other = [a for a in archs if a not in EXPANDED_ARCHITECTURES]

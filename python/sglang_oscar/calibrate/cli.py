@@ -19,11 +19,13 @@ import json
 import os
 import shlex
 import sys
-import warnings
 
 from ..cli.paths import check_writable
 from ..constants import DEFAULT_ORTHO_TOL
 from . import FIT_METHODS
+from .verb_inputs import (check_group_fits, load_model_of, oscar_config_of, prompt_set_of, read_config,
+                          recipe_of, recipe_rotation, require_held_out, rotations_from_specs, warn_not_held_out,
+                          write_json)
 
 DEFAULT_ERROR_TOKENS = 8192
 DEFAULT_PPL_TOKENS = 16384
@@ -192,78 +194,6 @@ def _quant_args(p) -> None:
                    help="decode: every position as if decoded (default); extend: as served for prefill")
 
 
-# ----------------------------------------------------------------------------- helpers
-def _recipe(args):
-    if not getattr(args, "recipe", None):
-        return None
-    from .recipes import load
-
-    return load(args.recipe)
-
-
-def _load(args, recipe):
-    import torch
-
-    from . import CalibrationError
-    from .model import load_model
-
-    model_path = args.model or (recipe.model.hf_id if recipe else None)
-    if not model_path:
-        raise CalibrationError("--model is required (or --recipe)")
-    device_map = args.device_map
-    if device_map is None and torch.cuda.device_count() > 1 and not args.device:
-        device_map = "auto"
-    model, tok = load_model(model_path, dtype=args.dtype, device=args.device, device_map=device_map,
-                            trust_remote_code=args.trust_remote_code)
-    if recipe is not None:
-        from .model import config_dict, geometry_of
-        from .recipes import check_geometry
-
-        check_geometry(recipe, geometry_of(model.config), config_dict(model.config))
-    return model_path, model, tok
-
-
-def _prompts(args, tok, recipe, default_source: str | None = None):
-    """The prompt set of a verb: ``--prompts`` (else ``default_source``), budget ``--tokens`` (else
-    the recipe's ``calib_tokens``, else 30000; never 0)."""
-    from . import CalibrationError
-    from .prompts import DEFAULT_BUDGET, build_prompt_set
-
-    source = args.prompts or default_source
-    if not source:
-        raise CalibrationError("--prompts is required (a text/JSONL file, task:<name>, or a datasets name)")
-    if args.tokens is not None:
-        budget = args.tokens
-    elif recipe is not None and recipe.rotation.calib_tokens is not None:
-        budget = recipe.rotation.calib_tokens
-    else:
-        budget = DEFAULT_BUDGET
-    if budget <= 0:
-        raise CalibrationError(f"--tokens must be a positive token budget, got {budget}")
-    return build_prompt_set(tok, source, budget=budget, seed=args.seed, seq_len=args.seq_len, pack=args.pack,
-                            text_field=args.text_field)
-
-
-def _config(args, recipe):
-    from ..config import OscarConfig
-    from .recipes import oscar_config
-
-    base = oscar_config(recipe) if recipe else OscarConfig()
-    over = {k: v for k, v in dict(group_size=args.group_size, k_clip_ratio=args.k_clip, v_clip_ratio=args.v_clip,
-                                  sink_tokens=args.sink, recent_tokens=args.recent, quantizer=args.quantizer,
-                                  scale_dtype=args.scale_dtype).items() if v is not None}
-    import dataclasses
-
-    return dataclasses.replace(base, **over)
-
-
-def _write_json(path: str | None, obj) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, default=str)
-
-
 # ----------------------------------------------------------------------------- verbs
 def _calibrate(args) -> int:
     from . import CalibrationError
@@ -271,13 +201,13 @@ def _calibrate(args) -> int:
     from .recipes import default_paths, stats_config_path
     from .run import calibrate_model, summary
 
-    recipe = _recipe(args)
+    recipe = recipe_of(args)
     out = args.out or (default_paths(recipe)["stats"] if recipe else None)
     if not out:
         raise CalibrationError("--out is required (or --recipe)")
     check_writable(out, "--out")  # before hours of forward passes
-    model_path, model, tok = _load(args, recipe)
-    prompts = _prompts(args, tok, recipe, recipe.rotation.calib_data if recipe else None)
+    model_path, model, tok = load_model_of(args, recipe)
+    prompts = prompt_set_of(args, tok, recipe, recipe.rotation.calib_data if recipe else None)
     st = calibrate_model(model, prompts, out, model_id=model_path, batch_size=args.batch_size,
                          checkpoint_every=args.checkpoint_every, restart=args.restart, progress=args.progress)
     cfg_path = stats_config_path(out)
@@ -296,14 +226,14 @@ def _fit(args) -> int:
     from .recipes import check_geometry, default_paths, oscar_config, rotation_config_path, rotation_kind
     from .stats import CalibrationStats
 
-    recipe = _recipe(args)
+    recipe = recipe_of(args)
     method = args.method or (recipe.rotation.method if recipe else "oscar")
     out = args.out or (default_paths(recipe)["rotation"] if recipe else None)
     if not out:
         raise CalibrationError("--out is required (or --recipe)")
     cfg = geometry = fingerprint = None
     if args.config:
-        cfg, name = _read_config(args.config, hub=True, trust_remote_code=args.trust_remote_code)
+        cfg, name = read_config(args.config, hub=True, trust_remote_code=args.trust_remote_code)
         geometry = geometry_of(cfg)
         fingerprint = config_fingerprint(cfg, name)
     if args.stats and os.path.exists(out) and os.path.exists(args.stats) and os.path.samefile(out, args.stats):
@@ -360,95 +290,23 @@ def _fit(args) -> int:
     return 0
 
 
-def _rotations_from_args(specs: list[str]) -> dict:
-    """``{name: rotation set}`` of ``--rotation [NAME=]PATH`` values: the name given, else the file's
-    method (``method:basename`` where that is a baseline's or an earlier file's name).
-
-    Raises:
-        CalibrationError: two files would get one name (they would be reported as one)."""
-    from . import CalibrationError
-    from .fit import load_rotation_any
-
-    out = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = "", spec
-        rs = load_rotation_any(path)
-        name = name or rs.metadata.get("method") or "fitted"
-        if name in ("naive", "hadamard", "bf16") or name in out:
-            name = f"{name}:{os.path.basename(path)}"
-        if name in out:
-            raise CalibrationError(f"--rotation {spec}: the name {name!r} is already taken by another file; name each "
-                                   "one with NAME=PATH")
-        out[name] = rs
-    return out
-
-
-def _recipe_rotation(recipe) -> str:
-    """The recipe's rotation file, which must exist (no silent data-free fallback)."""
-    from . import CalibrationError
-    from .recipes import default_paths
-
-    path = default_paths(recipe)["rotation"]
-    if not os.path.exists(path):
-        raise CalibrationError(
-            f"the rotation file of {recipe.path} does not exist: {path}. Create it with "
-            f"recipes/{recipe.name}/compute_rotation.sh --model MODEL (calibrate -> fit -> validate), or "
-            f"`sglang-oscar fit --recipe {recipe.path} --stats STATS`; or pass --rotation FILE"
-        )
-    return path
-
-
-def _require_held_out(args, recipe, verb: str) -> None:
-    """``error``/``ppl`` need explicit held-out prompts: the recipe's calibration data is never reused."""
-    from . import CalibrationError
-
-    if args.prompts:
-        return
-    calib = f" (the recipe's calib_data {recipe.rotation.calib_data!r} was used for calibration)" if recipe and recipe.rotation.calib_data else ""
-    raise CalibrationError(
-        f"{verb} needs held-out prompts: pass --prompts with data that was not used for calibration{calib}; "
-        "a text/JSONL file, task:<name> or a datasets name"
-    )
-
-
-def _warn_not_held_out(rotations: dict, prompts) -> None:
-    """Warn when held-out prompts overlap the calibration data of a fitted rotation: the count of
-    identical token sequences, or else a shared prompts source."""
-    from . import NotHeldOutWarning
-
-    held = prompts.meta.get("sequence_sha256") or []
-    for name, rs in rotations.items():
-        cal = rs.metadata.get("calibration") or {}
-        calib = set(cal.get("sequence_sha256") or [])
-        same = sum(h in calib for h in held)
-        if same or (cal.get("tokens_sha256") and cal.get("tokens_sha256") == prompts.meta.get("tokens_sha256")):
-            same = same or len(held)
-            warnings.warn(NotHeldOutWarning(
-                f"{same} of {len(held)} held-out sequences were also calibration sequences of rotation {name!r}: "
-                "the result is not held-out; use prompts that were not calibrated on"), stacklevel=2)
-        elif cal.get("prompts_sha256") and cal.get("prompts_sha256") == prompts.meta.get("sha256"):
-            warnings.warn(NotHeldOutWarning(
-                f"the held-out prompts come from the same source as the calibration data of rotation {name!r} "
-                f"({cal.get('prompts_source')}): no token sequence is identical, but documents may overlap"), stacklevel=2)
-
-
 def _error(args) -> int:
     from .error import format_report, functional_error
 
-    recipe = _recipe(args)
-    _require_held_out(args, recipe, "error")
+    recipe = recipe_of(args)
+    require_held_out(args, recipe, "error")
     if args.out:
         check_writable(args.out, "--out")
-    specs = list(args.rotation) or ([_recipe_rotation(recipe)] if recipe is not None else [])
-    rotations = _rotations_from_args(specs)
-    _, model, tok = _load(args, recipe)
-    prompts = _prompts(args, tok, recipe)
-    _warn_not_held_out(rotations, prompts)
-    rep = functional_error(model, prompts, rotations, _config(args, recipe), window_mode=args.window_mode,
+    specs = list(args.rotation) or ([recipe_rotation(recipe)] if recipe is not None else [])
+    rotations = rotations_from_specs(specs)
+    cfg = oscar_config_of(args, recipe)
+    check_group_fits(cfg, rotations)
+    _, model, tok = load_model_of(args, recipe)
+    prompts = prompt_set_of(args, tok, recipe)
+    warn_not_held_out(rotations, prompts)
+    rep = functional_error(model, prompts, rotations, cfg, window_mode=args.window_mode,
                            include_baselines=not args.no_baselines, allow_other_model=args.allow_other_model)
-    _write_json(args.out, rep)
+    write_json(args.out, rep)
     print(format_report(rep))
     return 0
 
@@ -460,23 +318,24 @@ def _ppl(args) -> int:
     from .model import geometry_of
     from .ppl import format_report, perplexity
 
-    recipe = _recipe(args)
-    _require_held_out(args, recipe, "ppl")
+    recipe = recipe_of(args)
+    require_held_out(args, recipe, "ppl")
     if args.out:
         check_writable(args.out, "--out")
-    path = args.rotation or (_recipe_rotation(recipe) if recipe is not None else None)
-    _, model, tok = _load(args, recipe)
-    cfg = _config(args, recipe)
+    path = args.rotation or (recipe_rotation(recipe) if recipe is not None else None)
+    cfg = oscar_config_of(args, recipe)
     if path:
         rotation = load_rotation_any(path)
-    else:
+        check_group_fits(cfg, {os.path.basename(path): rotation})
+    _, model, tok = load_model_of(args, recipe)
+    if not path:
         geometry = geometry_of(model.config)
         rotation = (LatentRotationSet.served_data_free(geometry, args.method) if geometry.attention_kind == "mla"
                     else RotationSet.data_free(geometry, args.method))
-    prompts = _prompts(args, tok, recipe)
-    _warn_not_held_out({os.path.basename(path) if path else args.method: rotation}, prompts)
+    prompts = prompt_set_of(args, tok, recipe)
+    warn_not_held_out({os.path.basename(path) if path else args.method: rotation}, prompts)
     rep = perplexity(model, prompts, rotation, cfg, window_mode=args.window_mode, allow_other_model=args.allow_other_model)
-    _write_json(args.out, rep)
+    write_json(args.out, rep)
     print(format_report(rep))
     return 0
 
@@ -504,7 +363,7 @@ def _validate_any(args, latent_only: bool) -> int:
     from .fit import check_rotation, load_rotation_any
     from .model import config_fingerprint, geometry_of
 
-    cfg, name = _read_config(args.config)
+    cfg, name = read_config(args.config)
     geometry = geometry_of(cfg)
     rs = LatentRotationSet.load(args.rotation) if latent_only else load_rotation_any(args.rotation)
     check_rotation(rs, geometry, config_fingerprint(cfg, name), allow_other_model=args.allow_other_model,
@@ -512,8 +371,15 @@ def _validate_any(args, latent_only: bool) -> int:
     report = {"path": args.rotation, "ok": True, "model_type": geometry.model_type, "layers": len(rs.layer_ids),
               "method": rs.metadata.get("method")}
     if isinstance(rs, LatentRotationSet):
+        from ..backend.rotations import check_latent_model
+
         mats = list(rs.r.values())
         report.update(kind="latent", kv_lora_rank=geometry.kv_lora_rank)
+        try:  # the file fits the model; say so too when the int2 server would refuse the model itself
+            check_latent_model(geometry, cfg.get("architectures"))
+        except ValueError as exc:
+            report["not_served"] = str(exc)
+            print(f"warning: the rotation fits this model, but {exc}", file=sys.stderr)
     else:
         mats = list(rs.k.values()) + list(rs.v.values())
         report.update(kind="kv", format_version=rs.format_version,
@@ -529,49 +395,6 @@ def _validate_rotation(args) -> int:
 
 def _validate_latent(args) -> int:
     return _validate_any(args, latent_only=True)
-
-
-def _read_config(path: str, *, hub: bool = False, trust_remote_code: bool = False) -> tuple[dict, str]:
-    """``(config dict, model name or path)`` of a ``config.json``, a model directory, or (``hub``)
-    a Hugging Face Hub id. The name is the config's ``_name_or_path`` when it records one (the
-    configs ``calibrate``/``fit`` write do), else the directory or Hub id."""
-    from . import CalibrationError
-
-    if not os.path.exists(path) and (os.path.isabs(path) or path.startswith(".") or path.endswith(".json")):
-        raise FileNotFoundError(f"model config {path} does not exist (a path, not a Hub id)")
-    if os.path.exists(path):
-        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"model config {p} does not exist")
-        with open(p, "rb") as f:
-            raw = f.read()
-        try:
-            cfg = json.loads(raw)
-        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8 text
-            raise CalibrationError(f"model config {p} is not a JSON file ({exc}): pass the model's config.json or its "
-                                   "checkpoint directory") from None
-        if not isinstance(cfg, dict):
-            raise CalibrationError(f"model config {p} holds a JSON {type(cfg).__name__}, not an object: pass the model's "
-                                   "config.json or its checkpoint directory")
-        return cfg, cfg.get("_name_or_path") or (path if os.path.isdir(path) else os.path.dirname(os.path.abspath(p)))
-    if not hub:
-        raise FileNotFoundError(
-            f"model config {path} is not a local config.json or model directory (this verb reads local files only; "
-            "for a Hub id, `sglang-oscar fit --config HUB_ID` writes a local copy <rotation>.config.json next to the "
-            "rotation, and compute_rotation.sh validates against it)"
-        )
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict(), path
-    except Exception as exc:  # offline, unknown id, remote code refused, ...
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise CalibrationError(
-            f"cannot read the model config of {path!r}: it is not a local path and reading it from the Hugging Face Hub "
-            f"failed ({type(exc).__name__}: {first}). Pass a local checkpoint directory instead (--config LOCAL_DIR, or "
-            "compute_rotation.sh --model LOCAL_DIR)"
-            + ("" if trust_remote_code else "; a model whose code is not in transformers also needs --trust-remote-code")
-        ) from None
 
 
 def _recipe_cmd(args) -> int:

@@ -76,13 +76,13 @@ def _file_geometry(args):
                        "rotations of --oscar-mla-storage expanded, or --mla-storage latent for a latent rotation file "
                        "(the default --oscar-mla-storage latent)")
     if args.mla_storage == "expanded":
-        from ..backend.rotations import check_expanded_model
+        from ..backend.rotations import LatentOnlyError, check_expanded_model
         from ..rotation.geometry import _as_dict
 
         try:  # a file the server would refuse for this model is not written
             check_expanded_model(geometry, _as_dict(args.config).get("architectures"))
         except ValueError as exc:
-            here = " (here: --mla-storage latent)" if "--oscar-mla-storage latent" in str(exc) else ""
+            here = " (here: --mla-storage latent)" if isinstance(exc, LatentOnlyError) else ""
             raise CLIError(f"--mla-storage expanded: {exc}{here}") from None
         return geometry.expanded(), False
     return geometry, mla

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
-from types import SimpleNamespace
 
 from .flags import CONFIG_ENV, FLAGS, add_flags, config_from_env, config_to_env, resolve_config
-from .refusals import (DSA_KERNEL_FLAGS, GIVEN_ATTR, REFUSALS, is_dsa_model, loaded_model_config,
+from .refusals import (DSA_KERNEL_FLAGS, GIVEN_ATTR, is_dsa_model, loaded_model_config,
                        prefill_graph_backend, refusal_messages)
 from .serving import SERVING_HOOK_TARGETS
 

@@ -135,13 +135,13 @@ def build_latent_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, rotation: torch.T
     if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
         raise ValueError(f"c_kv {tuple(c_kv.shape)} and k_pe {tuple(k_pe.shape)} must be [T, R] and [T, P] with equal T")
     r = c_kv.shape[-1]
-    config.check_head_dims(r)
+    group = latent_group_size(config, r)
     rot = torch.eye(r, device=c_kv.device) if rotation is None else rotation.to(device=c_kv.device, dtype=torch.float32)
     if tuple(rot.shape) != (r, r):
         raise ValueError(f"latent rotation {tuple(rot.shape)} does not match kv_lora_rank {r}")
     rotated = (c_kv.float() @ rot).to(hp_dtype)
     # one "kv head" per token: the same [slots, 1, ...] row layout as the MHA pool's
-    quant = quantize_rows(rotated.unsqueeze(1), **{**config.quant_kwargs("k"), "group_size": latent_group_size(config, r)})
+    quant = quantize_rows(rotated.unsqueeze(1), **{**config.quant_kwargs("k"), "group_size": group})
     deq = dequantize_rows(quant)[:, 0]
     if cache == "int2":
         return LatentCache(cache, rotated, k_pe.to(hp_dtype), deq, quant, rot)

@@ -300,6 +300,10 @@ class ModelGeometry:
             types = _types_from_linear_attn_config(cfg["linear_attn_config"], n_layers, model_type)
         if cfg.get("kv_lora_rank"):
             return _mla_geometry(cfg, model_type, n_layers, n_q, types)
+        if model_type in _MLA_MODEL_TYPES:
+            raise ValueError(f"config of model_type {model_type!r} sets no kv_lora_rank: SGLang serves this model as "
+                             "MLA (one latent of kv_lora_rank values per token), so its config.json needs it (512 in the "
+                             "released DeepSeek-V3, GLM-5 and Kimi configs)")
         if n_kv <= 0 or n_q % n_kv:
             raise ValueError(f"config of model_type {model_type!r}: {n_q} attention heads are not a multiple of {n_kv} kv heads")
         if not types:
@@ -353,6 +357,10 @@ class ModelGeometry:
         linear = tuple(i for i, t in enumerate(types) if t in _LINEAR)
         return cls(model_type, n_layers, n_q, tuple(layers), linear_layer_ids=linear)
 
+
+# Model types SGLang 0.5.16 always serves as MLA (``srt/configs/model_config.py``: their architectures
+# set AttentionArch.MLA and read kv_lora_rank unconditionally).
+_MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_linear"}
 
 # Hybrids whose SGLang 0.5.16 config derives the layer kinds from ``full_attention_interval``
 # alone (``srt/configs/qwen3_next.py:260-285``; Qwen3.5's text configs subclass it,
