@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Source on the device machine, from the repository root (see ../shared/device_notes.md):
+# Source on the GPU machine, from the repository root (docs/serving.md, "Running it"):
 #   source device/env.sh
 # 1. the sglang bundle: sources .device-bundle/p2/install.sh when it was carried (after the staging
 #    call `bash .device-bundle/p1/stage.sh`) and /tmp/site holds no sglang yet, else reuses /tmp/site

@@ -373,7 +373,7 @@ def test_kimi_readme_keeps_project_choices_out_of_upstream_findings():
     upstream = text.split("## Upstream findings", 1)[1]
     assert "64-blocks" not in upstream and "block Hadamard" not in upstream
     ours = text.split("## This project's choices", 1)[1].split("## Upstream findings", 1)[0]
-    assert "64-blocks" in ours and "UNCLEAR" in ours
+    assert "(G 128, Lloyd-Max" in ours and "(G 128, Lloyd-Max" not in upstream
 
 
 def test_center_needs_a_fitted_method(tmp_path):
