@@ -308,7 +308,7 @@ def test_centred_fits_carry_the_calibration_means(tokenizer, tmp_path):
         fit_rotations(old, "oscar", min_tokens=100, center=True)
 
 
-def test_centering_refusals(tokenizer, tmp_path):
+def test_centering_refusals(tokenizer, tmp_path, capsys):
     """--center on a soft-capped model, a centred data-free set used with another model, and resuming a
     checkpoint written without first moments are refused with the fix."""
     from sglang_oscar.calibrate.fit import check_rotation
@@ -333,6 +333,35 @@ def test_centering_refusals(tokenizer, tmp_path):
     with pytest.raises(CalibrationError):
         check_rotation(rs, st.geometry, config_fingerprint(other, "other-model"))
     check_rotation(fit_rotations(st, "hadamard", min_tokens=100), st.geometry, config_fingerprint(other, "other-model"))
+    # attention sinks (GPT-OSS): fit refuses --center up front, and validate / validate-rotation refuse a
+    # centred file for such a model (they reported ok, and the server then refused it)
+    import dataclasses
+    import json
+
+    from sglang_oscar.cli.main import main
+
+    sink_geo = dataclasses.replace(st.geometry, layers=tuple(dataclasses.replace(x, has_sinks=True)
+                                                             for x in st.geometry.layers))
+    sinked = CalibrationStats.load(out)
+    sinked.geometry = sink_geo
+    with pytest.raises(CalibrationError, match=r"--center: this model's layers \[0, 1\] have attention-sink logits"
+                                               r".*fit without --center"):
+        fit_rotations(sinked, "oscar", min_tokens=100, center=True)
+    centred = str(tmp_path / "centred.safetensors")
+    rs.save(centred)
+    with pytest.raises(CalibrationError, match=r"centres the keys/values .* attention-sink logits.*without --center"):
+        check_rotation(rs, sink_geo)
+    config = tmp_path / "gpt_oss.json"  # GPT-OSS has sinks on every layer (ModelGeometry.from_hf_config)
+    config.write_text(json.dumps(dict(model_type="gpt_oss", num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, hidden_size=64, sliding_window=16,
+                                      layer_types=["sliding_attention", "full_attention"])))
+    capsys.readouterr()
+    assert main(["validate", centred, "--config", str(config)]) == 2
+    assert f"{centred} centres the keys/values (k_mean / v_mean) but this model's layers [0, 1] have attention-sink" \
+        in capsys.readouterr().err
+    rs_plain = fit_rotations(st, "hadamard", min_tokens=100)
+    rs_plain.save(centred)
+    assert main(["validate", centred, "--config", str(config)]) == 0  # the same file uncentred fits that model
     # resuming a checkpoint without k_lin / v_lin would average over part of the tokens only
     out2 = str(tmp_path / "r.safetensors")
     assert calibrate_model(model, prompts, out2, checkpoint_every=2, progress=False, stop_after=3) is None

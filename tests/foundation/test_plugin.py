@@ -236,3 +236,8 @@ def test_refusals_name_the_flag_and_the_alternative():
         with pytest.raises(ValueError, match="--pp-size 2"):
             plugin._after_post_init(None, SimpleNamespace(**{**vars(args), "model_path": path}))
     assert refusal_messages(SimpleNamespace(attention_backend="triton", pp_size=1)) == []
+    # accepted by SGLang, then a crash after the weights load (canary) or silently unused (FP8 scales)
+    (canary,) = refusal_messages(SimpleNamespace(kv_canary="log"))
+    assert "--kv-canary 'log'" in canary and "drop the flag" in canary
+    (scales,) = refusal_messages(SimpleNamespace(kv_canary="none", quantization_param_path="kv_scales.json"))
+    assert "--quantization-param-path 'kv_scales.json'" in scales and "FP8 KV-cache scales" in scales

@@ -300,7 +300,8 @@ def test_key_means_on_a_soft_capped_model_are_refused_at_launch(hooked, tmp_path
     cfg = json.loads(cfg_path.read_text())
     cfg["attn_logit_softcapping"] = 50.0
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"centres the keys .*attn_logit_softcapping 50.*without --center"):
+    with pytest.raises(ValueError, match=r"centres the keys/values \(k_mean / v_mean\) but this model caps .*"
+                                         r"attn_logit_softcapping 50.*without --center"):
         int2_server_args(model, monkeypatch, rotation_path=rot)
     # value means alone commute with the cap
     RotationSet(base.k, base.v, dict(base.metadata), v_mean=means).save(rot)
@@ -469,6 +470,11 @@ def test_layers_kept_bf16_need_no_rotation_entry(hooked, tmp_path):
                                                 _oscar_config=OscarConfig(rotation_path=rot, skip_layers=skip)))
 
     assert launch("sliding") is None
+    # SGLang's one-pool memory for every layer would silently serve the skipped kind INT2 too
+    with pytest.raises(ValueError, match=r"--oscar-skip-layers sliding keeps one layer kind in the BF16 pool .* "
+                                         r"--disable-hybrid-swa-memory turns off .*drop one of the two flags"):
+        hooked.preflight(SimpleNamespace(model_path=str(model), disable_hybrid_swa_memory=True,
+                                         _oscar_config=OscarConfig(rotation_path=rot, skip_layers="sliding")))
     for skip in ("none", "full"):
         with pytest.raises(ValueError, match=r"does not fit this model: .*missing \[0\.\.10\]") as err:
             launch(skip)
@@ -559,3 +565,31 @@ def test_windows_past_the_context_are_refused_before_weights_load(hooked, tmp_pa
     with pytest.raises(ValueError, match=r"--oscar-sink-tokens 64 \+ --oscar-recent-tokens 4033 exceed the model's "
                                          r"context of 4096 tokens.*lower them"):
         int2_server_args(str(d), monkeypatch, sink_tokens=64, recent_tokens=4033)
+
+
+def test_text_only_gemma4_needs_the_head_remap_sglang_applies_to_the_multimodal_config(hooked, tmp_path):
+    """A gemma4_text checkpoint (Gemma4ForCausalLM) was accepted, then SGLang built its full layers with
+    the sliding head sizes and failed after the weights started loading; with any override the check
+    read SGLang's unremapped config and advised a file that it refused again. Now: refused before
+    weights load, naming the remap; the remapped config (the e2e harness's override) passes."""
+    import json
+
+    from sglang_oscar.plugin.refusals import gemma4_text_message, refusal_messages
+
+    text = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
+            "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 64,
+            "layer_types": ["full_attention" if i == 5 else "sliding_attention" for i in range(6)]}
+    model = tmp_path / "gemma4_text"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(text))
+    (msg,) = refusal_messages(SimpleNamespace(model_path=str(model), tp_size=1))
+    remap = '{"head_dim":256,"num_key_value_heads":1,"swa_head_dim":128,"swa_v_head_dim":128,"swa_num_key_value_heads":2}'
+    assert "head_dim 128 / 2 kv heads" in msg and f"--json-model-override-args '{remap}'" in msg
+    # the config SGLang serves with that override passes, and so do configs with nothing to remap
+    assert gemma4_text_message({**text, **json.loads(remap)}) is None
+    assert gemma4_text_message({**text, "global_head_dim": 128, "num_global_key_value_heads": 2}) is None
+    assert gemma4_text_message({**text, "model_type": "gemma4"}) is None
+    # and the geometry the launch check then reads is the one of the file written for config.json
+    remapped = ModelGeometry.from_hf_config({**text, **json.loads(remap)})
+    assert remapped.layers == ModelGeometry.from_hf_config(text).layers

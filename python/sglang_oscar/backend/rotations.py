@@ -99,6 +99,36 @@ def _log_data_free(log: bool, kind: str) -> None:
                     "recipes/<model>/compute_rotation.sh for better accuracy)", kind)
 
 
+def centering_conflict(geometry: ModelGeometry, hf_config=None, *, keys: bool = True) -> str | None:
+    """Why centred K/V rotations cannot serve this model, or ``None``: attention-sink logits (the
+    sink logit is not shifted with the keys, so the key probabilities would not sum as the model's),
+    or with ``keys`` an attention-logit soft cap (the key mean shifts every score before the cap).
+    ``hf_config``: the model's config (object, dict or directory), needed for the soft cap."""
+    sinks = [layer.layer_id for layer in geometry.layers if layer.has_sinks]
+    if sinks:
+        return (f"this model's layers {sinks[:4]}{'...' if len(sinks) > 4 else ''} have attention-sink logits, "
+                "which the centering does not commute with (the sink logit is not shifted, the key "
+                "probabilities sum to less than 1)")
+    cap = attention_logit_softcap(hf_config) if (keys and hf_config is not None) else None
+    if cap:
+        return (f"this model caps its attention logits (attn_logit_softcapping {cap:g}), and the key mean shifts "
+                "the scores before the cap")
+    return None
+
+
+def check_centering(rs: RotationSet, geometry: ModelGeometry, hf_config=None) -> None:
+    """Raise ``ValueError`` ("centres ... but <reason>: refit ...") for a file with key/value means
+    (``--center``) that :func:`centering_conflict` rules out for this model."""
+    if not (rs.k_mean or rs.v_mean):
+        return
+    why = centering_conflict(geometry, hf_config, keys=bool(rs.k_mean))
+    if why:
+        what = {(True, True): "the keys/values (k_mean / v_mean)", (True, False): "the keys (k_mean)",
+                (False, True): "the values (v_mean)"}[bool(rs.k_mean), bool(rs.v_mean)]
+        raise ValueError(f"centres {what} but {why}: refit the rotation without --center (or "
+                         "[rotation].center = false)")
+
+
 def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,
                         hf_config=None) -> RotationSet:
     """The validated rotation set for ``config`` (file) or the data-free Hadamard set.
@@ -167,17 +197,10 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     except ValueError as exc:
         raise ValueError(f"--oscar-rotation {config.rotation_path} does not fit this model: {exc}") from None
     check_recorded_model(rs, hf_config, config.rotation_path)
-    sinks = [layer.layer_id for layer in geometry.layers if layer.has_sinks]
-    if sinks and (rs.k_mean or rs.v_mean):
-        raise ValueError(f"--oscar-rotation {config.rotation_path} centres the keys/values (k_mean / v_mean) but this "
-                         f"model's layers {sinks[:4]}{'...' if len(sinks) > 4 else ''} have attention-sink logits, "
-                         "which the centering does not commute with (the sink logit is not shifted, the key "
-                         "probabilities sum to less than 1): refit the rotation without --center")
-    cap = attention_logit_softcap(hf_config) if (hf_config is not None and rs.k_mean) else None
-    if cap:
-        raise ValueError(f"--oscar-rotation {config.rotation_path} centres the keys (k_mean) but this model caps its "
-                         f"attention logits (attn_logit_softcapping {cap:g}), and the key mean shifts the scores "
-                         "before the cap: refit the rotation without --center (or [rotation].center = false)")
+    try:
+        check_centering(rs, geometry, hf_config)
+    except ValueError as exc:
+        raise ValueError(f"--oscar-rotation {config.rotation_path} {exc}") from None
     if log:
         logger.info("sglang-oscar: rotation %s (%s, %d layers)", config.rotation_path,
                     "per kv head" if rs.per_head else "per layer", len(rs.layer_ids))

@@ -367,7 +367,7 @@ def _validate_any(args, latent_only: bool) -> int:
     geometry = geometry_of(cfg)
     rs = LatentRotationSet.load(args.rotation) if latent_only else load_rotation_any(args.rotation)
     check_rotation(rs, geometry, config_fingerprint(cfg, name), allow_other_model=args.allow_other_model,
-                   ortho_tol=args.ortho_tol)
+                   ortho_tol=args.ortho_tol, hf_config=cfg)
     report = {"path": args.rotation, "ok": True, "model_type": geometry.model_type, "layers": len(rs.layer_ids),
               "method": rs.metadata.get("method")}
     if isinstance(rs, LatentRotationSet):

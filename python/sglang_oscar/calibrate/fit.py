@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..rotation import RotationSet, rotations_from_covariances
-from ..rotation.geometry import ModelGeometry, attention_logit_softcap
+from ..rotation.geometry import ModelGeometry
 from ..rotation.hadamard import default_hadamard
 from ..rotation.latent import (DEFAULT_LATENT_BLOCK, LatentRotationSet, check_served_rank, covariance_eigenbasis,
                                latent_hadamard, latent_rotation_from_covariance)
@@ -121,12 +121,13 @@ def fit_rotations(
     fitted = method in FITTED_METHODS
     if center and stats.geometry.attention_kind == "mla":
         raise CalibrationError("--center applies to MHA/GQA K/V rotations; MLA latents are not centred")
-    cap = attention_logit_softcap(stats.meta.get("model", {}).get("config") or {}) if center else None
-    if cap:
-        raise CalibrationError(
-            f"--center: the calibrated model caps its attention logits (attn_logit_softcapping {cap:g}); the key mean "
-            "shifts every score before the cap, so a centred rotation would change its attention: fit without --center"
-        )
+    if center:
+        from ..backend.rotations import centering_conflict
+
+        why = centering_conflict(stats.geometry, stats.meta.get("model", {}).get("config") or {})
+        if why:
+            raise CalibrationError(f"--center: {why}, so a centred rotation would change the model's attention (the "
+                                   "server refuses such a file): fit without --center")
     if geometry is not None:
         stats.check_model(geometry, fingerprint=fingerprint, allow_other_model=allow_other_model)
     geo = stats.geometry
@@ -242,14 +243,17 @@ def check_served_latent_rank(geometry: ModelGeometry) -> None:
 
 
 def check_rotation(rs: RotationSet | LatentRotationSet, geometry: ModelGeometry, fingerprint: dict[str, Any] | None = None,
-                   *, allow_other_model: bool = False, name: str | None = None, ortho_tol: float | None = None) -> None:
+                   *, allow_other_model: bool = False, name: str | None = None, ortho_tol: float | None = None,
+                   hf_config=None) -> None:
     """Check that a rotation set belongs to a model: its kind (latent for MLA, K/V otherwise),
-    geometry (:meth:`validate`) and, for fitted rotations, the model fingerprint it records
-    (``model_fingerprint``) against ``fingerprint``. Data-free rotations (hadamard, identity)
-    depend on the geometry only, so their fingerprint is not compared.
+    geometry (:meth:`validate`), key/value means the server would refuse for it
+    (:func:`~sglang_oscar.backend.rotations.check_centering`; soft caps read from ``hf_config``) and,
+    for fitted rotations, the model fingerprint it records (``model_fingerprint``) against
+    ``fingerprint``. Data-free rotations (hadamard, identity) depend on the geometry only, so their
+    fingerprint is not compared.
 
     Raises:
-        CalibrationError: wrong kind, geometry, or (unless ``allow_other_model``) another model.
+        CalibrationError: wrong kind, geometry, centering, or (unless ``allow_other_model``) another model.
     """
     from .model import check_same_model
 
@@ -267,6 +271,13 @@ def check_rotation(rs: RotationSet | LatentRotationSet, geometry: ModelGeometry,
         rs.validate(geometry, **({"ortho_tol": ortho_tol} if ortho_tol is not None else {}))
     except ValueError as exc:
         raise CalibrationError(f"{what} does not fit this model: {exc}") from None
+    if not latent:
+        from ..backend.rotations import check_centering
+
+        try:
+            check_centering(rs, geometry, hf_config)
+        except ValueError as exc:
+            raise CalibrationError(f"{what} {exc}") from None
     if rs.metadata.get("method") not in ("hadamard", "identity") or getattr(rs, "centered", False):
         # fitted sets, and data-free rotations with calibrated means, belong to one model
         check_same_model(rs.metadata.get("model_fingerprint"), fingerprint, what,

@@ -119,6 +119,14 @@ def _validate(args) -> int:
     geometry, latent = _file_geometry(args)
     rs = (LatentRotationSet if latent else RotationSet).load(args.rotation)
     rs.validate(geometry, ortho_tol=args.ortho_tol)
+    if not latent:
+        from ..backend.rotations import check_centering
+        from ..errors import CLIError
+
+        try:  # the server refuses such means for this model
+            check_centering(rs, geometry, args.config)
+        except ValueError as exc:
+            raise CLIError(f"{args.rotation} {exc}") from None
     mats = list(rs.r.values()) if latent else list(rs.k.values()) + list(rs.v.values())
     worst = max(orthogonality_error(t) for t in mats)
     print(json.dumps({

@@ -213,7 +213,11 @@ def preflight(server_args) -> None:
             served_latent_rotations(config, geometry, log=False, architectures=archs, hf_config=hf_config)
         return
     served_rotation_set(config, geometry, log=False, hf_config=hf_config)
-    skip_kind(config, geometry, hf_config)
+    if skip_kind(config, geometry, hf_config) != "none" and getattr(server_args, "disable_hybrid_swa_memory", False):
+        # SGLang then builds one pool for every layer: the skip would silently serve every layer INT2
+        raise ValueError(f"--oscar-skip-layers {config.skip_layers} keeps one layer kind in the BF16 pool of SGLang's "
+                         "hybrid sliding-window memory, which --disable-hybrid-swa-memory turns off (one pool for "
+                         "every layer): drop one of the two flags")
     if config.decode_engine == "gluon":
         from ..kernels.decode.gluon_stage1 import gluon_layout_reason
         from ..kernels.layout import Int2Layout

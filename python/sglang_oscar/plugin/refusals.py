@@ -58,6 +58,10 @@ REFUSALS = (
             "mixed batches run decode tokens through the extend path, which reads their recent window in INT2; drop the flag"),
     Refusal("dllm_algorithm", "--dllm-algorithm", _truthy,
             "diffusion LMs attend bidirectionally, the INT2 kernels are causal; serve them with --kv-cache-dtype auto"),
+    Refusal("kv_canary", "--kv-canary", lambda v: v not in (None, "none"),
+            "SGLang's canary attaches to its own pool classes only (no attacher for the INT2 pools); drop the flag"),
+    Refusal("quantization_param_path", "--quantization-param-path", _truthy,
+            "the file holds FP8 KV-cache scales, which an INT2 cache does not read; drop the flag"),
     Refusal("page_size", "--page-size", lambda v: v not in (None, 1), "the INT2 pool is token-granular; use --page-size 1"),
     Refusal("attention_backend", "--attention-backend", _not_triton, "use --attention-backend triton (or leave it unset)"),
     Refusal("prefill_attention_backend", "--prefill-attention-backend", _not_triton, "use triton (or leave it unset)"),
@@ -144,6 +148,35 @@ def prefill_graph_backend(server_args) -> str | None:
 # ``minimax_m3.py:318``), so SGLang's own launch check, which reads ``moe_intermediate_size``
 # (``srt/model_executor/model_runner_components/moe_ep_setup.py:131-149``), does not see them.
 _MINIMAX_MOE_ARCHS = ("MiniMaxM2ForCausalLM", "MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
+
+
+def gemma4_text_message(config: dict) -> str | None:
+    """Why SGLang 0.5.16 would build a text-only Gemma-4 checkpoint wrong, with the fix, or ``None``.
+
+    SGLang remaps Gemma-4's head sizes (base keys = full layers, ``swa_*`` = sliding) for the
+    multimodal ``gemma4`` config only (``srt/utils/hf_transformers/config.py:159-185``); a
+    ``gemma4_text`` config (``Gemma4ForCausalLM``, what ``save_pretrained`` of a text-only fine-tune
+    writes) keeps the sliding layers' ``head_dim`` / ``num_key_value_heads`` in its base keys, so
+    its full layers would be built with them and fail to load ``q_proj`` after the weights started
+    loading. A served config whose base keys already equal ``global_*`` (the remap passed through
+    ``--json-model-override-args``) is fine.
+    """
+    if config.get("model_type") != "gemma4_text":
+        return None
+    g_dim, g_kv = config.get("global_head_dim"), config.get("num_global_key_value_heads")
+    dim, kv = config.get("head_dim"), config.get("num_key_value_heads")
+    if g_dim in (None, dim) and g_kv in (None, kv):
+        return None
+    import json
+
+    remap = {"head_dim": g_dim or dim, "num_key_value_heads": g_kv or kv, "swa_head_dim": dim, "swa_v_head_dim": dim,
+             "swa_num_key_value_heads": kv}
+    return ("--kv-cache-dtype int2 refuses this text-only Gemma-4 checkpoint as configured: its config "
+            "(model_type gemma4_text) keeps the sliding layers' head_dim "
+            f"{dim} / {kv} kv heads in its base keys, which SGLang 0.5.16 reads as the full layers' (it remaps "
+            f"them from global_head_dim {g_dim} / num_global_key_value_heads {g_kv} for the multimodal gemma4 "
+            "config only), so the full layers would be built wrong and fail to load; pass the remap: "
+            f"--json-model-override-args '{json.dumps(remap, separators=(',', ':'))}'")
 
 
 def _local_config(model_path) -> dict | None:
@@ -289,6 +322,9 @@ def model_refusal_messages(server_args) -> list[str]:
     if cfg is None:
         return []
     out = minimax_m3_messages(cfg)
+    gemma4 = gemma4_text_message(cfg)
+    if gemma4:
+        out.append(gemma4)
     if set(cfg.get("architectures") or ()) & set(_MINIMAX_MOE_ARCHS[1:]) and \
             prefill_graph_backend(server_args) == "breakable":
         # RadixAttention calls the backend of a layer with index queries directly inside a breakable
