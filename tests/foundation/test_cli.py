@@ -25,6 +25,26 @@ def test_hadamard_then_validate(tmp_path, config_path, capsys):
     assert main(["validate", out, "--config", config_path]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["ok"] and report["layers"] == 3 and report["max_orthogonality_error"] < 1e-6
+    assert "not_served" not in report
+
+
+def test_validate_says_when_the_server_refuses_the_model_itself(tmp_path, capsys):
+    """head_dim 32: the file fits the model ("ok"), and the report and stderr say that the INT2 kernels
+    do not take that head_dim (a user reads "ok" as servable)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 128}))
+    out = str(tmp_path / "rot.safetensors")
+    assert main(["hadamard", "--config", str(cfg), "--out", out]) == 0
+    capsys.readouterr()
+    for verb in ("validate", "validate-rotation"):
+        args = [verb, out, "--config", str(cfg)]
+        assert main(args) == 0
+        cap = capsys.readouterr()
+        report = json.loads(cap.out.strip().splitlines()[-1])
+        assert report["ok"] and "head_dim=32 is not supported by the INT2 kernels" in report["not_served"]
+        assert "warning: the rotation fits this model, but --kv-cache-dtype int2 cannot serve 'qwen3'" in cap.err
+        assert "--kv-cache-dtype auto" in cap.err
 
 
 def test_validate_mismatch_exits_2_with_message(tmp_path, config_path, capsys):

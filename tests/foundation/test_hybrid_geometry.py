@@ -82,6 +82,31 @@ def test_gemma4_in_sglang_names_reads_the_same_geometry():
     assert ModelGeometry.from_hf_config({**qwen, "swa_head_dim": 128}).layers == ModelGeometry.from_hf_config(qwen).layers
 
 
+@pytest.mark.parametrize("edit,match", [
+    ({"sliding_window": 0}, "sliding_window must be a positive integer, got 0"),
+    ({"sliding_window": -5}, "sliding_window must be a positive integer, got -5"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+    ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+    ({"num_hidden_layers": "two"}, "num_hidden_layers must be a positive integer, got 'two'"),
+    ({"num_hidden_layers": None}, "has no 'num_hidden_layers'"),
+    ({"num_attention_heads": 8.5}, "num_attention_heads must be a positive integer, got 8.5"),
+])
+def test_bad_config_values_are_named_not_defaulted(edit, match):
+    """A 0 was read as "unset" (0 kv heads became the query heads, a 0 window made the sliding layers full),
+    a negative window was kept, and a null or non-integer count raised a bare TypeError / int() error."""
+    with pytest.raises(ValueError, match=match):
+        ModelGeometry.from_hf_config({**GPT_OSS_20B, **edit})
+
+
+def test_global_kv_heads_must_divide_the_query_heads():
+    text = {**GEMMA4_12B["text_config"], "num_global_key_value_heads": 3}
+    with pytest.raises(ValueError, match="16 attention heads are not a multiple of num_global_key_value_heads 3"):
+        ModelGeometry.from_hf_config({**GEMMA4_12B, "text_config": text})
+    bad = {**GEMMA4_12B["text_config"], "num_global_key_value_heads": 0}
+    with pytest.raises(ValueError, match="num_global_key_value_heads must be a positive integer, got 0"):
+        ModelGeometry.from_hf_config({**GEMMA4_12B, "text_config": bad})
+
+
 def test_gemma3_and_gpt_oss_groups():
     g3 = ModelGeometry.from_hf_config(GEMMA3_12B)
     s, f = g3.groups()

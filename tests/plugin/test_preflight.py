@@ -593,3 +593,29 @@ def test_text_only_gemma4_needs_the_head_remap_sglang_applies_to_the_multimodal_
     # and the geometry the launch check then reads is the one of the file written for config.json
     remapped = ModelGeometry.from_hf_config({**text, **json.loads(remap)})
     assert remapped.layers == ModelGeometry.from_hf_config(text).layers
+
+
+def test_layers_kept_bf16_do_not_constrain_the_int2_layout(hooked, tmp_path):
+    """A group size or the Gluon engine that only the BF16 (skipped) layers could not take was refused;
+    the checks now look at the INT2 layers only, and still refuse what those cannot take."""
+    import json
+
+    cfg = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 6,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
+           "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 64,
+           "layer_types": ["full_attention" if i == 5 else "sliding_attention" for i in range(6)]}
+    model = tmp_path / "gemma4"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+
+    def launch(**kw):
+        return hooked.preflight(SimpleNamespace(model_path=str(model), _oscar_config=OscarConfig(**kw)))
+
+    assert launch(group_size=256, skip_layers="sliding") is None  # only the 256-wide full layer is INT2
+    with pytest.raises(ValueError, match=r"group-size 256 does not fit .*head_dims are \[128, 256\]"):
+        launch(group_size=256)
+    with pytest.raises(ValueError, match=r"group-size 256 does not fit .*head_dims \(INT2 layers\) are \[128\]"):
+        launch(group_size=256, skip_layers="full")
+    assert launch(decode_engine="gluon", skip_layers="full") is None  # the 128-wide sliding layers take Gluon
+    with pytest.raises(ValueError, match="--oscar-decode-engine gluon cannot decode"):
+        launch(decode_engine="gluon", skip_layers="sliding")

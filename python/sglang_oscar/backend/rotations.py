@@ -154,17 +154,21 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
             f"--kv-cache-dtype int2 does not support KV-shared layers yet ({geometry.model_type!r}: the last {shared} "
             f"layers read another layer's cache, num_kv_shared_layers); use --kv-cache-dtype auto"
         )
-    dims = sorted({d for layer in geometry.layers for d in (layer.head_dim_k, layer.head_dim_v)})
+    from ..config import resolve_skip_layers
+
+    skip = resolve_skip_layers(config.skip_layers, geometry)  # BF16 layers need no entry (docs/format.md)
+    int2_layers = [layer for layer in geometry.layers if layer.layer_id not in skip]  # the layouts that exist
+    dims = sorted({d for layer in int2_layers for d in (layer.head_dim_k, layer.head_dim_v)})
     try:
         config.check_head_dims(*dims)
     except ValueError as exc:
         common = math.gcd(*dims)
         raise ValueError(f"--kv-cache-quant-group-size {config.group_size} does not fit this model: {exc}; the "
-                         f"model's head_dims are {dims}: pick a common divisor (e.g. {common}) or leave it unset "
+                         f"model's head_dims{' (INT2 layers)' if skip else ''} are {dims}: pick a common divisor (e.g. {common}) or leave it unset "
                          "for one group per row") from None
     from ..kernels.layout import Int2Layout
 
-    for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in geometry.layers}):
+    for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in int2_layers}):
         try:
             Int2Layout.from_config(config, dk, dv)
         except ValueError as exc:
@@ -189,9 +193,6 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         raise ValueError(f"--oscar-rotation {config.rotation_path}: {exc}; pass a rotation file written by "
                          f"`sglang-oscar fit` / `hadamard` / `convert` (check it with `sglang-oscar validate`), "
                          f"or drop the flag to use the data-free Hadamard rotation") from None
-    from ..config import resolve_skip_layers
-
-    skip = resolve_skip_layers(config.skip_layers, geometry)  # BF16 layers need no entry (docs/format.md)
     try:
         rs.validate(geometry, skip_layers=skip, skip_hint=two_kv_pools(hf_config))
     except ValueError as exc:
@@ -211,6 +212,26 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
 # decoder layer: what the dispatch hook and the latent backend are written and tested for
 # (Kimi-Linear's MLA layers are that class, its KDA layers keep SGLang's state pool).
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM")
+
+
+def unserved_reason(geometry: ModelGeometry, architectures=None) -> str | None:
+    """Why ``--kv-cache-dtype int2`` would refuse this model whatever the rotation file, or ``None``:
+    an MLA architecture outside :data:`MLA_ARCHITECTURES`, or (MHA/GQA) a head_dim the INT2 kernels
+    do not take. For the validate verbs, whose "ok" is about the file."""
+    if geometry.attention_kind == "mla":
+        try:
+            check_latent_model(geometry, architectures)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    from ..kernels.layout import Int2Layout
+
+    for dk, dv in sorted({(x.head_dim_k, x.head_dim_v) for x in geometry.layers}):
+        try:
+            Int2Layout.from_config(OscarConfig(), dk, dv)
+        except ValueError as exc:
+            return f"--kv-cache-dtype int2 cannot serve {geometry.model_type!r}: {exc}; serve it with --kv-cache-dtype auto"
+    return None
 
 
 def check_latent_model(geometry: ModelGeometry, architectures=None) -> None:

@@ -24,8 +24,8 @@ from ..cli.paths import check_writable
 from ..constants import DEFAULT_ORTHO_TOL
 from . import FIT_METHODS
 from .verb_inputs import (check_group_fits, load_model_of, oscar_config_of, prompt_set_of, read_config,
-                          recipe_of, recipe_rotation, require_held_out, rotations_from_specs, warn_not_held_out,
-                          write_json)
+                          recipe_of, recipe_rotation, report_unserved, require_held_out, rotations_from_specs,
+                          warn_not_held_out, write_json)
 
 DEFAULT_ERROR_TOKENS = 8192
 DEFAULT_PPL_TOKENS = 16384
@@ -371,19 +371,13 @@ def _validate_any(args, latent_only: bool) -> int:
     report = {"path": args.rotation, "ok": True, "model_type": geometry.model_type, "layers": len(rs.layer_ids),
               "method": rs.metadata.get("method")}
     if isinstance(rs, LatentRotationSet):
-        from ..backend.rotations import check_latent_model
-
         mats = list(rs.r.values())
         report.update(kind="latent", kv_lora_rank=geometry.kv_lora_rank)
-        try:  # the file fits the model; say so too when the int2 server would refuse the model itself
-            check_latent_model(geometry, cfg.get("architectures"))
-        except ValueError as exc:
-            report["not_served"] = str(exc)
-            print(f"warning: the rotation fits this model, but {exc}", file=sys.stderr)
     else:
         mats = list(rs.k.values()) + list(rs.v.values())
         report.update(kind="kv", format_version=rs.format_version,
                       centered={"k": bool(rs.k_mean), "v": bool(rs.v_mean)})
+    report_unserved(report, geometry, cfg.get("architectures"))
     report["max_orthogonality_error"] = max(orthogonality_error(t) for t in mats)
     print(json.dumps(report))
     return 0

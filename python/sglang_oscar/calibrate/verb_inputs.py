@@ -228,3 +228,17 @@ def read_config(path: str, *, hub: bool = False, trust_remote_code: bool = False
             "compute_rotation.sh --model LOCAL_DIR)"
             + ("" if trust_remote_code else "; a model whose code is not in transformers also needs --trust-remote-code")
         ) from None
+
+
+def report_unserved(report: dict, geometry, architectures=None) -> None:
+    """Add ``not_served`` to a validate verb's JSON ``report`` (and warn on stderr) when the int2
+    server refuses the model whatever the file (:func:`~sglang_oscar.backend.rotations.unserved_reason`):
+    the verbs' ``ok`` says the file fits the model, not that the model is served."""
+    import sys
+
+    from ..backend.rotations import unserved_reason
+
+    why = unserved_reason(geometry, architectures)
+    if why:
+        report["not_served"] = why
+        print(f"warning: the rotation fits this model, but {why}", file=sys.stderr)

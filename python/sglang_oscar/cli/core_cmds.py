@@ -113,7 +113,7 @@ def _hadamard(args) -> int:
 
 
 def _validate(args) -> int:
-    from ..rotation import RotationSet, orthogonality_error
+    from ..rotation import ModelGeometry, RotationSet, orthogonality_error
     from ..rotation.latent import LatentRotationSet
 
     geometry, latent = _file_geometry(args)
@@ -129,7 +129,7 @@ def _validate(args) -> int:
             raise CLIError(f"{args.rotation} {exc}") from None
     mats = list(rs.r.values()) if latent else list(rs.k.values()) + list(rs.v.values())
     worst = max(orthogonality_error(t) for t in mats)
-    print(json.dumps({
+    report = {
         "path": args.rotation,
         "ok": True,
         "model_type": geometry.model_type,
@@ -137,7 +137,14 @@ def _validate(args) -> int:
         "format_version": getattr(rs, "format_version", None),
         "method": rs.metadata.get("method"),
         "max_orthogonality_error": worst,
-    }))
+    }
+    from ..calibrate.verb_inputs import report_unserved
+    from ..rotation.geometry import _as_dict
+
+    # an expanded file's geometry is MHA; the model's own (MLA) is what the server judges
+    report_unserved(report, geometry if not args.mla_storage else ModelGeometry.from_hf_config(args.config),
+                    _as_dict(args.config).get("architectures"))
+    print(json.dumps(report))
     return 0
 
 

@@ -222,7 +222,10 @@ def preflight(server_args) -> None:
         from ..kernels.decode.gluon_stage1 import gluon_layout_reason
         from ..kernels.layout import Int2Layout
 
-        for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in geometry.layers}):
+        from ..config import resolve_skip_layers
+
+        skip = resolve_skip_layers(config.skip_layers, geometry)  # layers kept BF16 never reach the kernel
+        for dk, dv in sorted({(x.head_dim_k, x.head_dim_v) for x in geometry.layers if x.layer_id not in skip}):
             reason = gluon_layout_reason(Int2Layout.from_config(config, dk, dv))
             if reason is not None:
                 raise ValueError(f"--oscar-decode-engine gluon cannot decode this model's INT2 cache ({reason}; the "

@@ -282,14 +282,14 @@ class ModelGeometry:
         if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
             cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
         model_type = str(cfg.get("model_type", "unknown"))
-        try:
-            n_layers = int(cfg["num_hidden_layers"])
-            n_q = int(cfg["num_attention_heads"])
-        except KeyError as exc:
-            raise ValueError(f"config of model_type {model_type!r} has no {exc.args[0]!r}: not a decoder LM config") from None
-        n_kv = int(cfg.get("num_key_value_heads") or n_q)
-        hidden = cfg.get("hidden_size")
-        head_dim = cfg.get("head_dim") or (hidden // n_q if hidden else None)
+        for key in ("num_hidden_layers", "num_attention_heads"):
+            if cfg.get(key) is None:
+                raise ValueError(f"config of model_type {model_type!r} has no {key!r}: not a decoder LM config")
+        n_layers = _count(cfg, "num_hidden_layers", model_type)
+        n_q = _count(cfg, "num_attention_heads", model_type)
+        n_kv = _count(cfg, "num_key_value_heads", model_type, default=n_q)
+        hidden = _count(cfg, "hidden_size", model_type, default=0)
+        head_dim = _count(cfg, "head_dim", model_type, default=hidden // n_q if hidden else 0) or None
         if head_dim is None:
             raise ValueError(f"config of model_type {model_type!r} has neither head_dim nor hidden_size")
 
@@ -315,9 +315,14 @@ class ModelGeometry:
         sliding_window = cfg.get("sliding_window")
         if cfg.get("use_sliding_window") is False:
             sliding_window = None
+        if sliding_window is not None and any(t in _SLIDING for t in types):
+            sliding_window = _count(cfg, "sliding_window", model_type)
 
-        global_dim = cfg.get("global_head_dim") or head_dim
-        global_kv = cfg.get("num_global_key_value_heads") or n_kv
+        global_dim = _count(cfg, "global_head_dim", model_type, default=head_dim)
+        global_kv = _count(cfg, "num_global_key_value_heads", model_type, default=n_kv)
+        if n_q % global_kv:
+            raise ValueError(f"config of model_type {model_type!r}: {n_q} attention heads are not a multiple of "
+                             f"num_global_key_value_heads {global_kv}")
         v_dim = int(cfg.get("v_head_dim") or head_dim)
         # SGLang's own config objects name the kinds the other way (base = full, swa_* = sliding)
         sglang_names = cfg.get("swa_head_dim") is not None or cfg.get("swa_num_key_value_heads") is not None
@@ -388,9 +393,9 @@ def _types_from_full_attention_interval(cfg: dict[str, Any], n_layers: int, mode
         if not listed:
             raise ValueError(f"model_type {model_type!r}: the config has neither full_attention_interval nor layer_types")
         return list(listed)  # transformers filled the list from its default interval
-    interval = int(interval)
-    if interval <= 0:
-        raise ValueError(f"model_type {model_type!r}: full_attention_interval must be positive, got {interval}")
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+        raise ValueError(f"model_type {model_type!r}: full_attention_interval must be a positive integer, got "
+                         f"{interval!r}")
     served = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     if listed and [t in _FULL for t in listed] != [t in _FULL for t in served]:
         bad = [i for i, (a, b) in enumerate(zip(listed, served)) if (a in _FULL) != (b in _FULL)] or [min(len(listed), n_layers)]
@@ -435,6 +440,21 @@ def _minimax_sparse_layers(cfg: dict[str, Any], n_layers: int, model_type: str) 
                          f"width ({exc})") from None
     return {i: {"index_num_heads": heads, "index_head_dim": dim, "index_has_value": not no_value[i]}
             for i, f in enumerate(freq) if f}
+
+
+def _count(cfg: dict[str, Any], key: str, model_type: str, *, default: int | None = None) -> int:
+    """A positive integer config value (``default`` when absent or null), naming the key when it is
+    not one: a 0 is refused rather than read as "unset", a string or float is not truncated.
+
+    Raises:
+        ValueError: not a positive integer (or absent without a default).
+    """
+    val = cfg.get(key)
+    if val is None and default is not None:
+        return default
+    if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+        raise ValueError(f"config of model_type {model_type!r}: {key} must be a positive integer, got {val!r}")
+    return val
 
 
 def _optional_int(cfg: dict[str, Any], key: str) -> int | None:
