@@ -289,3 +289,22 @@ def test_validate_latent_says_when_the_server_refuses_the_model(tmp_path, capsys
     report = json.loads(cap.out.strip().splitlines()[-1])
     assert report["ok"] and "DeepseekV32ForCausalLM ('deepseek_v2') is not among them yet" in report["not_served"]
     assert "warning: the rotation fits this model, but --kv-cache-dtype int2 serves the MLA latent cache of" in cap.err
+
+
+def test_statistics_of_another_model_name_the_first_difference():
+    """Statistics of a hybrid against a plain model with the same layer count, heads and head_dim: the
+    message read alike on both sides; it now names what differs (the attention layer ids here)."""
+    import dataclasses
+
+    from sglang_oscar.rotation import ModelGeometry
+
+    plain = ModelGeometry.from_hf_config(dict(model_type="qwen3", num_hidden_layers=4, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=64))
+    hybrid = dataclasses.replace(plain, layers=tuple(dataclasses.replace(x, layer_id=2 * x.layer_id + 1)
+                                                     for x in plain.layers[:2]))
+    stats = CalibrationStats(hybrid, {"path": "s.safetensors", "model": {"id": "hybrid"}})
+    with pytest.raises(CalibrationError, match=r"they differ in the attention layer ids \(\[1, 3\] vs \[0, 1, 2, 3\]\)"):
+        stats.check_model(plain)
+    windowed = dataclasses.replace(plain, layers=tuple(dataclasses.replace(x, sliding_window=32) for x in plain.layers))
+    with pytest.raises(CalibrationError, match=r"they differ at attention layer 0: sliding window 32 vs None"):
+        CalibrationStats(windowed, {"model": {"id": "w"}}).check_model(plain)

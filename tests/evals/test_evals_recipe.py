@@ -217,6 +217,10 @@ def test_unknown_section(tmp_path):
         ("\n[geometry]\nhead_dim = 0\n", r"positive integer"),
         ("\n[geometry.full]\nlayers = [1, \"x\"]\n", r"layers\[1\] must be an integer"),
         ("context_length = 32768\n[serve]\ncontext_length = 65536\n", r"disagree"),
+        ("\n[geometry.sliding]\nhead_dim = 256\n[geometry.full]\nhead_dim = 512\n[quant]\ngroup_size = 96\n",
+         r"group_size = 96 does not divide \[geometry.sliding\].head_dim 256; pick a divisor"),
+        ("\n[geometry]\nkv_lora_rank = 512\n[quant]\ngroup_size = 96\n",
+         r"group_size = 96 does not divide \[geometry\].kv_lora_rank 512"),
     ],
 )
 def test_bad_values(tmp_path, extra, pattern):

@@ -140,12 +140,13 @@ def test_rotation_covering_linear_layers_is_refused_naming_them(tmp_path):
     with pytest.raises(RotationError) as exc:
         RotationSet(every, dict(every), source="r.safetensors").validate(g)
     msg = str(exc.value)
-    assert "has rotations for layers [0..38] (30 layers), which are linear-attention layers" in msg
-    assert "no KV cache" in msg and "10 full-attention layers are [3..39] (10 layers)" in msg
+    assert "has rotations for layers [0..2, 4..6, 8..10, 12..14, 16..18, 20..22, ...] (30 layers), which are " \
+        "linear-attention layers" in msg
+    assert "no KV cache" in msg and "10 full-attention layers are [3, 7, ..., 39] (10 layers, every 4)" in msg
     assert "sglang-oscar hadamard --config CONFIG.json --out FILE.safetensors" in msg and "recalibrate" in msg
     few = {i: h for i in (0, 1, 2)}  # a handful: named one by one, with the missing attention layers
     with pytest.raises(RotationError, match=r"layers \[0, 1, 2\], which are linear-attention.*misses full-attention "
-                                            r"layers \[3\.\.39\]"):
+                                            r"layers \[3, 7, \.\.\., 39\] \(10 layers, every 4\)"):
         RotationSet(few, dict(few)).validate(g)
 
 

@@ -117,6 +117,11 @@ def test_env_aliases_and_precedence():
     assert cfg.k_clip_ratio == 0.8 and cfg.recent_tokens == 512 and cfg.quantizer == "lloyd-max"
     assert any("overrides environment alias SGLANG_OSCAR_K_CLIP_RATIO" in n for n in notes)
     assert any("SGLANG_MIXED_KV_RECENT_TOKENS" in n for n in notes)
+    # the V alias beside the flag is unused: said in the log, as for the K alias
+    cfg, notes = flags.resolve_config({"oscar_rotation": "r.safetensors"},
+                                      environ={"SGLANG_OSCAR_V_ROTATION_PATH": "v.pt"})
+    assert cfg.rotation_path == "r.safetensors" and cfg.rotation_v_path is None
+    assert any("--oscar-rotation overrides environment alias SGLANG_OSCAR_V_ROTATION_PATH='v.pt'" in n for n in notes)
     with pytest.raises(ValueError, match="SGLANG_MIXED_KV_PREFIX_TOKENS"):
         flags.resolve_config({}, environ={"SGLANG_MIXED_KV_PREFIX_TOKENS": "many"})
     with pytest.raises(ValueError, match=r"\[0, 1\]"):

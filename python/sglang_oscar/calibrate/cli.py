@@ -20,6 +20,7 @@ import os
 import shlex
 import sys
 
+from ..cli.arg_types import ortho_tol, positive_int
 from ..cli.paths import check_writable
 from ..constants import DEFAULT_ORTHO_TOL
 from . import FIT_METHODS
@@ -36,8 +37,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _model_args(p)
     _prompt_args(p, tokens=None, seed=0)
     p.add_argument("--out", help="statistics .safetensors (default with --recipe: <recipe folder>/calib/stats.safetensors)")
-    p.add_argument("--batch-size", type=_positive_int, default=1, help="sequences per forward (equal lengths only)")
-    p.add_argument("--checkpoint-every", type=_positive_int, default=32, help="sequences between checkpoints (default 32)")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per forward (equal lengths only)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=32, help="sequences between checkpoints (default 32)")
     p.add_argument("--restart", action="store_true", help="discard an existing checkpoint and start over")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
     p.set_defaults(func=_calibrate)
@@ -51,7 +52,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="model config.json, model dir or Hub id: check the statistics against it (required "
                                     "for data-free methods without --stats); copied next to --out as <out>.config.json")
     p.add_argument("--trust-remote-code", action="store_true", help="when --config is a Hub id of a remote-code model")
-    p.add_argument("--min-tokens", type=_positive_int, default=None,
+    p.add_argument("--min-tokens", type=positive_int, default=None,
                    help="minimum tokens per layer for fitted methods, > 0 (default 4096)")
     p.add_argument("--latent-block", type=int, default=None,
                    help="MLA: Hadamard block of latent rotations, a power of two dividing kv_lora_rank (default: the "
@@ -93,8 +94,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out-dir", required=True, help="writes quality.json and quality.md here")
     p.add_argument("--work-dir", help="statistics and fitted rotations (default: --out-dir)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--calib-tokens", type=_positive_int, default=32768, help="calibration tokens (default 32768)")
-    p.add_argument("--eval-tokens", type=_positive_int, default=32768, help="held-out tokens (default 32768)")
+    p.add_argument("--calib-tokens", type=positive_int, default=32768, help="calibration tokens (default 32768)")
+    p.add_argument("--eval-tokens", type=positive_int, default=32768, help="held-out tokens (default 32768)")
     p.add_argument("--max-seq-per-file", type=int, default=1,
                    help="at most this many --seq-len sequences per file (JSONL record) for the calibration and the "
                         "evaluation sets, taken round robin over the files in a seeded order; files shorter than "
@@ -102,14 +103,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "the first tokens)")
     p.add_argument("--sink", type=int, default=64, help="BF16 sink of the +win rows (default 64)")
     p.add_argument("--recent", type=int, default=256, help="BF16 recent window of the +win rows (default 256)")
-    p.add_argument("--group-size", type=int, default=None, help="OSCAR-format group size (default: head_dim)")
+    p.add_argument("--group-size", type=positive_int, default=None, help="OSCAR-format group size (default: head_dim)")
     p.add_argument("--k-clip", type=float, default=0.96)
     p.add_argument("--v-clip", type=float, default=0.92)
     p.add_argument("--scale-dtype", choices=["float32", "float16", "bfloat16"], default="float16")
     p.add_argument("--kivi-residual", type=int, default=128, help="KIVI full-precision residual (default 128)")
     p.add_argument("--kivi-group", type=int, action="append", default=None,
                    help="KIVI key group size in tokens, repeatable (default 128 and 32)")
-    p.add_argument("--min-tokens", type=_positive_int, default=4096, help="minimum calibration tokens per layer (default 4096)")
+    p.add_argument("--min-tokens", type=positive_int, default=4096, help="minimum calibration tokens per layer (default 4096)")
     p.add_argument("--variants", help="comma-separated row names to compute (default all)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
     p.add_argument("--device", help="cuda | cuda:N | cpu (default: cuda if available)")
@@ -120,14 +121,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="check a rotation file (K/V or MLA latent, by its content) against a model config")
     p.add_argument("rotation")
     p.add_argument("--config", required=True, help="HF config.json (or a local model directory)")
-    p.add_argument("--ortho-tol", type=float, default=DEFAULT_ORTHO_TOL)
+    p.add_argument("--ortho-tol", type=ortho_tol, default=DEFAULT_ORTHO_TOL)
     _allow_other_model_arg(p)
     p.set_defaults(func=_validate_rotation)
 
     p = sub.add_parser("validate-latent", help="check an MLA latent rotation file against a model config")
     p.add_argument("rotation")
     p.add_argument("--config", required=True, help="HF config.json (or a local model directory)")
-    p.add_argument("--ortho-tol", type=float, default=DEFAULT_ORTHO_TOL)
+    p.add_argument("--ortho-tol", type=ortho_tol, default=DEFAULT_ORTHO_TOL)
     _allow_other_model_arg(p)
     p.set_defaults(func=_validate_latent)
 
@@ -149,17 +150,6 @@ def _allow_other_model_arg(p) -> None:
                         "from this model's; the geometry must still match")
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer > 0 (tokens, sequences, batch sizes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _model_args(p) -> None:
     p.add_argument("--recipe", help="recipe.toml supplying defaults")
     p.add_argument("--model", help="model directory or hub id (default: the recipe's hf_id)")
@@ -173,7 +163,7 @@ def _model_args(p) -> None:
 def _prompt_args(p, tokens: int | None, seed: int) -> None:
     p.add_argument("--prompts", "--data", dest="prompts",
                    help="text file, JSONL with a text field, task:<name>, or a datasets name NAME[:CONFIG[:SPLIT]]")
-    p.add_argument("--tokens", type=_positive_int, default=tokens,
+    p.add_argument("--tokens", type=positive_int, default=tokens,
                    help=f"token budget, > 0 (default {tokens or 'recipe calib_tokens, else 30000'})")
     p.add_argument("--seed", type=int, default=seed, help=f"sampling seed (default {seed})")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
@@ -183,7 +173,7 @@ def _prompt_args(p, tokens: int | None, seed: int) -> None:
 
 
 def _quant_args(p) -> None:
-    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--group-size", type=positive_int, default=None)
     p.add_argument("--k-clip", type=float, default=None)
     p.add_argument("--v-clip", type=float, default=None)
     p.add_argument("--sink", type=int, default=None, help="BF16 sink tokens (default: recipe, else 64)")

@@ -85,7 +85,7 @@ def geometry_of(config) -> ModelGeometry:
     try:
         return ModelGeometry.from_hf_config(d)
     except ValueError as exc:
-        raise CalibrationError(f"model_type {model_type!r} is not supported: {exc}") from None
+        raise CalibrationError(f"cannot read the attention layers of this {model_type!r} config: {exc}") from None
 
 
 def model_id_of(model) -> str:

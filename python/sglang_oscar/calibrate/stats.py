@@ -297,8 +297,8 @@ class CalibrationStats:
             raise CalibrationError(
                 f"{self.meta.get('path', 'statistics')} were computed for {self.meta.get('model', {}).get('id', '?')} "
                 f"({mine.model_type}, {len(mine.layers)} attention layers, {cache(mine)}) "
-                f"but {what} is {theirs.model_type} with {len(theirs.layers)} attention layers, {cache(theirs)}: "
-                "statistics from another model cannot be used; calibrate this model"
+                f"but {what} is {theirs.model_type} with {len(theirs.layers)} attention layers, {cache(theirs)}"
+                f"{_first_difference(mine, theirs)}: statistics from another model cannot be used; calibrate this model"
             )
 
     # ------------------------------------------------------------------ I/O
@@ -407,3 +407,22 @@ class CalibrationStats:
                             f"has {n} pass-{p} tokens: the file is damaged; recalibrate (`sglang-oscar calibrate ... "
                             "--restart`)"
                         )
+
+
+def _first_difference(mine: ModelGeometry, theirs: ModelGeometry) -> str:
+    """``"; they differ in ..."``: the first of the compared shapes (:meth:`ModelGeometry.cache_shapes`)
+    that differs, for geometries whose summaries read alike (other layer ids, windows, V head_dims)."""
+    names = ("model_type", "num_hidden_layers", "query heads", "attention kind", "kv_lora_rank", "qk_rope_head_dim")
+    a, b = mine.cache_shapes(), theirs.cache_shapes()
+    for name, x, y in zip(names, a, b):
+        if x != y:
+            return f"; they differ in {name} ({x} vs {y})"
+    ids_a, ids_b = [x[0] for x in a[-1]], [x[0] for x in b[-1]]
+    if ids_a != ids_b:
+        return f"; they differ in the attention layer ids ({ids_a[:8]} vs {ids_b[:8]})"
+    fields = ("layer id", "kv heads", "head_dim K", "head_dim V", "sliding window")  # cache_shapes' per-layer tuple
+    for la, lb in zip(a[-1], b[-1]):
+        for name, x, y in zip(fields[1:], la[1:], lb[1:]):
+            if x != y:
+                return f"; they differ at attention layer {la[0]}: {name} {x} vs {y}"
+    return ""

@@ -76,11 +76,24 @@ def oscar_config_of(args, recipe):
     from ..config import OscarConfig
     from .recipes import oscar_config
 
+    from . import CalibrationError
+
     base = oscar_config(recipe) if recipe else OscarConfig()
     over = {k: v for k, v in dict(group_size=args.group_size, k_clip_ratio=args.k_clip, v_clip_ratio=args.v_clip,
                                   sink_tokens=args.sink, recent_tokens=args.recent, quantizer=args.quantizer,
                                   scale_dtype=args.scale_dtype).items() if v is not None}
-    return dataclasses.replace(base, **over)
+    try:
+        return dataclasses.replace(base, **over)
+    except ValueError as exc:  # name the flag the user typed, not the config field
+        field, _, rest = str(exc).partition(" ")
+        if field in over:
+            raise CalibrationError(f"{_FIELD_FLAGS[field]} {rest}") from None
+        raise
+
+
+_FIELD_FLAGS = {"group_size": "--group-size", "k_clip_ratio": "--k-clip", "v_clip_ratio": "--v-clip",
+                "sink_tokens": "--sink", "recent_tokens": "--recent", "quantizer": "--quantizer",
+                "scale_dtype": "--scale-dtype"}
 
 
 def check_group_fits(cfg, rotations) -> None:

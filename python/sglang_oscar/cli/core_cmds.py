@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ..constants import DEFAULT_ORTHO_TOL
+from .arg_types import ortho_tol, positive_int
 from .paths import check_writable
 
 
@@ -20,7 +21,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check a rotation file against a model config")
     p.add_argument("rotation", help="rotation .safetensors file, or a directory")
     p.add_argument("--config", required=True, help="HF config.json (or a model directory holding one)")
-    p.add_argument("--ortho-tol", type=float, default=DEFAULT_ORTHO_TOL, help=f"max |R R^T - I| accepted (default {DEFAULT_ORTHO_TOL:g})")
+    p.add_argument("--ortho-tol", type=ortho_tol, default=DEFAULT_ORTHO_TOL, help=f"max |R R^T - I| accepted (default {DEFAULT_ORTHO_TOL:g})")
     _mla_storage_arg(p)
     p.set_defaults(func=_validate)
 
@@ -33,7 +34,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bpe", help="bits per KV element of the INT2 cache at a context length")
     p.add_argument("--head-dim", type=int, required=True)
-    p.add_argument("--group-size", type=int, default=None, help="default: one group per row")
+    p.add_argument("--group-size", type=positive_int, default=None, help="default: one group per row")
     p.add_argument("--scale-dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--context", type=int, default=131072, help="tokens in the cache")
     p.add_argument("--sink", type=int, default=64)
@@ -42,7 +43,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("demo", help="CPU demo: naive vs Hadamard vs OSCAR INT2 on synthetic attention data")
     p.add_argument("--context", type=int, default=4096, help="tokens of synthetic context (default 4096)")
-    p.add_argument("--group-size", type=int, default=None,
+    p.add_argument("--group-size", type=positive_int, default=None,
                    help="INT2 group size along head_dim (default: one group per row of 128)")
     p.add_argument("--seed", type=int, default=0,
                    help="data seed: rotations are fitted on draw seed+1 and scored on draw seed+2 (default 0)")

@@ -394,6 +394,10 @@ def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
             raise RecipeError(
                 f"{path}: [quant].skip_layers names layers {bad} beyond [geometry].num_layers = {geometry.num_layers} "
                 f"(ids run 0..{geometry.num_layers - 1}); fix the ids or use sliding / full")
+    group_problem = _group_misfit(quant, geometry)
+    if group_problem:
+        raise RecipeError(f"{path}: [quant].group_size = {quant.group_size} {group_problem}; pick a divisor or "
+                          "drop the key (one group per row)")
     if len(set(ev.seeds)) != len(ev.seeds):
         raise RecipeError(f"{path}: [eval].seeds has duplicates: {ev.seeds}")
     if len(set(ev.tasks)) != len(ev.tasks):
@@ -422,3 +426,23 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from None
     return parse_recipe(data, path)
 
+
+def _group_misfit(quant: QuantSection, geometry: GeometrySection) -> str | None:
+    """What ``[quant].group_size`` does not divide among the recipe's own ``[geometry]`` row widths
+    (the MLA latent's kv_lora_rank, else every head_dim of K, V and each layer kind but the one
+    ``skip_layers`` keeps BF16), or ``None``;
+    the server would refuse the launch for it."""
+    g = quant.group_size
+    if not g:
+        return None
+    if geometry.kv_lora_rank is not None:
+        return None if geometry.kv_lora_rank % g == 0 else f"does not divide [geometry].kv_lora_rank {geometry.kv_lora_rank}"
+    kinds = [("geometry", geometry), ("geometry.sliding", geometry.sliding), ("geometry.full", geometry.full)]
+    for where, sec in kinds:
+        if where == f"geometry.{quant.skip_layers}":  # that kind stays BF16: no INT2 groups
+            continue
+        for key in ("head_dim", "head_dim_k", "head_dim_v"):
+            d = getattr(sec, key, None) if sec is not None else None
+            if d and d % g:
+                return f"does not divide [{where}].{key} {d}"
+    return None

@@ -157,6 +157,9 @@ def resolve_config(values: dict[str, Any], environ: dict[str, str] | None = None
             raise ValueError(f"environment variable {f.env}={env_val!r} is not a valid {f.option} value: {exc}") from None
         notes.append(f"using environment alias {f.env}={env_val!r} for {f.option}")
         given.append(f"{f.env}={env_val} (alias of {f.option})")
+    if values.get("oscar_rotation") is not None and env.get(V_ROTATION_ENV):
+        notes.append(f"--oscar-rotation overrides environment alias {V_ROTATION_ENV}={env[V_ROTATION_ENV]!r} (the "
+                     "flag's file holds K and V)")
     if values.get("oscar_rotation") is None:
         k_path, v_path = env.get(K_ROTATION_ENV) or None, env.get(V_ROTATION_ENV) or None
         if k_path and k_path.endswith(".pt"):

@@ -547,7 +547,22 @@ def orthogonality_error(r: torch.Tensor) -> float:
 
 
 def _ids(ids) -> str:
+    """Layer ids for a message: the list when short, else its shape (a range, a stride, or runs), so a
+    hybrid's every-6th full layers do not read as one contiguous range."""
     ids = sorted(ids)
     if len(ids) <= 8:
         return str(ids)
-    return f"[{ids[0]}..{ids[-1]}] ({len(ids)} layers)"
+    n = len(ids)
+    steps = {b - a for a, b in zip(ids, ids[1:])}
+    if steps == {1}:
+        return f"[{ids[0]}..{ids[-1]}] ({n} layers)"
+    if len(steps) == 1:
+        step = steps.pop()
+        return f"[{ids[0]}, {ids[1]}, ..., {ids[-1]}] ({n} layers, every {step})"
+    runs, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}..{a}" if a > start else str(a))
+            start = b
+    shown = ", ".join(runs[:6]) + (", ..." if len(runs) > 6 else "")
+    return f"[{shown}] ({n} layers)"
