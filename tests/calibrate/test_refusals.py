@@ -271,7 +271,7 @@ def test_a_group_size_that_does_not_fit_the_rotation_is_refused_before_the_model
 
 def test_validate_latent_says_when_the_server_refuses_the_model(tmp_path, capsys):
     """A latent file that fits a DeepSeek-V3.2 config validates, and the report and stderr say that the
-    int2 server does not serve that architecture (it used to report only ok)."""
+    int2 server does not serve that architecture."""
     from calib_tiny import family_config
 
     mdir = tmp_path / "v32"
@@ -293,7 +293,7 @@ def test_validate_latent_says_when_the_server_refuses_the_model(tmp_path, capsys
 
 def test_statistics_of_another_model_name_the_first_difference():
     """Statistics of a hybrid against a plain model with the same layer count, heads and head_dim: the
-    message read alike on both sides; it now names what differs (the attention layer ids here)."""
+    summaries read alike on both sides, so the message names what differs (the attention layer ids here)."""
     import dataclasses
 
     from sglang_oscar.rotation import ModelGeometry

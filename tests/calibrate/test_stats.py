@@ -334,7 +334,7 @@ def test_centering_refusals(tokenizer, tmp_path, capsys):
         check_rotation(rs, st.geometry, config_fingerprint(other, "other-model"))
     check_rotation(fit_rotations(st, "hadamard", min_tokens=100), st.geometry, config_fingerprint(other, "other-model"))
     # attention sinks (GPT-OSS): fit refuses --center up front, and validate / validate-rotation refuse a
-    # centred file for such a model (they reported ok, and the server then refused it)
+    # centred file for such a model, as the server does
     import dataclasses
     import json
 

@@ -271,7 +271,8 @@ def sizing_group_size(name: str) -> int:
 
 
 def sglang_override_for(name: str, cfg) -> dict:
-    """The remap of :func:`sglang_override_args` for a given (possibly shrunk) gemma4 config."""
-    return {"head_dim": cfg.global_head_dim, "num_key_value_heads": cfg.num_global_key_value_heads,
-            "swa_head_dim": cfg.head_dim, "swa_v_head_dim": cfg.head_dim,
-            "swa_num_key_value_heads": cfg.num_key_value_heads} if name == "gemma4" else {}
+    """The remap of :func:`sglang_override_args` for a given (possibly shrunk) gemma4 config
+    (:func:`sglang_oscar.plugin.refusals.gemma4_head_remap`, which the launch check names too)."""
+    from sglang_oscar.plugin.refusals import gemma4_head_remap
+
+    return gemma4_head_remap(cfg.to_dict()) if name == "gemma4" else {}

@@ -45,6 +45,15 @@ def test_validate_says_when_the_server_refuses_the_model_itself(tmp_path, capsys
         assert report["ok"] and "head_dim=32 is not supported by the INT2 kernels" in report["not_served"]
         assert "warning: the rotation fits this model, but --kv-cache-dtype int2 cannot serve 'qwen3'" in cap.err
         assert "--kv-cache-dtype auto" in cap.err
+    # KV-shared layers (Gemma-3n, small Gemma-4) are refused at launch whatever the file: reported too
+    cfg.write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256,
+                               "num_kv_shared_layers": 1}))
+    assert main(["hadamard", "--config", str(cfg), "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["validate", out, "--config", str(cfg)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "does not support KV-shared layers yet" in report["not_served"]
 
 
 def test_validate_mismatch_exits_2_with_message(tmp_path, config_path, capsys):

@@ -92,8 +92,9 @@ def test_gemma4_in_sglang_names_reads_the_same_geometry():
     ({"num_attention_heads": 8.5}, "num_attention_heads must be a positive integer, got 8.5"),
 ])
 def test_bad_config_values_are_named_not_defaulted(edit, match):
-    """A 0 was read as "unset" (0 kv heads became the query heads, a 0 window made the sliding layers full),
-    a negative window was kept, and a null or non-integer count raised a bare TypeError / int() error."""
+    """Each bad count is named: a 0 is not read as "unset" (0 kv heads would become the query heads, a 0
+    window would make the sliding layers full), a negative window is not kept, a null or non-integer count
+    is not a bare TypeError / int() error."""
     with pytest.raises(ValueError, match=match):
         ModelGeometry.from_hf_config({**GPT_OSS_20B, **edit})
 

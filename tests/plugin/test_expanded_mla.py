@@ -181,6 +181,13 @@ def test_expanded_files_of_models_served_with_the_latent_only(hooked, tmp_path, 
         assert cli(verb) == 2
         err = capsys.readouterr().err
         assert "does not serve DSA sparse attention" in err and "(here: --mla-storage latent)" in err, err
+    # DeepSeek-V3.2 (DSA too) is served by neither storage: the advice is auto, never the latent storage
+    v32 = _deepseek_dir(tmp_path, "v32", index_topk=64, index_head_dim=128, index_n_heads=4,
+                        architectures=["DeepseekV32ForCausalLM"])
+    assert cli(["hadamard", "--config", v32, "--mla-storage", "expanded", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "DeepseekV32ForCausalLM ('deepseek_v3') is not among them, nor among the latent storage's: serve it with " \
+        "--kv-cache-dtype auto" in err and "--mla-storage latent" not in err, err
     RotationSet.data_free(ModelGeometry.from_hf_config(dsa).expanded()).save(out)
     with pytest.raises(ValueError, match=r"holds per-head K/V rotations .*served with the latent only: pass a latent "
                                          r"rotation file"):

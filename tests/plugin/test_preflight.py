@@ -568,10 +568,9 @@ def test_windows_past_the_context_are_refused_before_weights_load(hooked, tmp_pa
 
 
 def test_text_only_gemma4_needs_the_head_remap_sglang_applies_to_the_multimodal_config(hooked, tmp_path):
-    """A gemma4_text checkpoint (Gemma4ForCausalLM) was accepted, then SGLang built its full layers with
-    the sliding head sizes and failed after the weights started loading; with any override the check
-    read SGLang's unremapped config and advised a file that it refused again. Now: refused before
-    weights load, naming the remap; the remapped config (the e2e harness's override) passes."""
+    """A gemma4_text checkpoint (Gemma4ForCausalLM), whose full layers SGLang would build with the sliding
+    head sizes and fail to load, is refused before weights load, naming the remap; the remapped config
+    (the e2e harness's override) passes."""
     import json
 
     from sglang_oscar.plugin.refusals import gemma4_text_message, refusal_messages
@@ -596,14 +595,14 @@ def test_text_only_gemma4_needs_the_head_remap_sglang_applies_to_the_multimodal_
 
 
 def test_layers_kept_bf16_do_not_constrain_the_int2_layout(hooked, tmp_path):
-    """A group size or the Gluon engine that only the BF16 (skipped) layers could not take was refused;
-    the checks now look at the INT2 layers only, and still refuse what those cannot take."""
+    """A group size or the Gluon engine that only the BF16 (skipped) layers cannot take is accepted: the
+    checks look at the INT2 layers only, and still refuse what those cannot take."""
     import json
 
-    cfg = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 6,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
-           "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 64,
-           "layer_types": ["full_attention" if i == 5 else "sliding_attention" for i in range(6)]}
+    text = {"model_type": "gemma4_text", "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 128, "global_head_dim": 256, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+            "sliding_window": 64, "layer_types": ["full_attention" if i == 5 else "sliding_attention" for i in range(6)]}
+    cfg = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text}
     model = tmp_path / "gemma4"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(cfg))

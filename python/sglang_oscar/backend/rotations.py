@@ -99,6 +99,15 @@ def _log_data_free(log: bool, kind: str) -> None:
                     "recipes/<model>/compute_rotation.sh for better accuracy)", kind)
 
 
+def int2_layers(config: OscarConfig, geometry: ModelGeometry) -> list:
+    """The attention layers cached in INT2: all but those ``--oscar-skip-layers`` keeps in SGLang's
+    BF16 pool (only these have an INT2 layout, so only they constrain the group size and kernels)."""
+    from ..config import resolve_skip_layers
+
+    skip = resolve_skip_layers(config.skip_layers, geometry)
+    return [layer for layer in geometry.layers if layer.layer_id not in skip]
+
+
 def centering_conflict(geometry: ModelGeometry, hf_config=None, *, keys: bool = True) -> str | None:
     """Why centred K/V rotations cannot serve this model, or ``None``: attention-sink logits (the
     sink logit is not shifted with the keys, so the key probabilities would not sum as the model's),
@@ -134,13 +143,14 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     """The validated rotation set for ``config`` (file) or the data-free Hadamard set.
 
     Args:
-        hf_config: the model's HF config (object, dict or model directory), if known: a file with key
-            means (``k_mean``) is refused for a model that soft-caps its attention logits.
+        hf_config: the model's HF config (object, dict or model directory), if known: KV-shared layers,
+            and key means on a model that soft-caps its attention logits, are read from it.
 
     Raises:
-        ValueError: MLA / non-MHA model, group size not dividing a head_dim, missing file,
-            malformed file, a file made for another geometry (layer ids, kv heads, head_dim; layers kept
-            BF16 by ``--oscar-skip-layers`` need no entry), or key centering on a soft-capped model.
+        ValueError: MLA / non-MHA model, KV-shared layers, a group size not dividing the head_dim of an
+            INT2 layer (:func:`int2_layers`), missing file, malformed file, a file made for another
+            geometry (layer ids, kv heads, head_dim; layers kept BF16 by ``--oscar-skip-layers`` need no
+            entry), or means the model rules out (:func:`check_centering`: attention sinks, soft caps).
             Every message says what to change.
     """
     if geometry.attention_kind != "mha":
@@ -157,8 +167,8 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
     from ..config import resolve_skip_layers
 
     skip = resolve_skip_layers(config.skip_layers, geometry)  # BF16 layers need no entry (docs/format.md)
-    int2_layers = [layer for layer in geometry.layers if layer.layer_id not in skip]  # the layouts that exist
-    dims = sorted({d for layer in int2_layers for d in (layer.head_dim_k, layer.head_dim_v)})
+    quantized = int2_layers(config, geometry)
+    dims = sorted({d for layer in quantized for d in (layer.head_dim_k, layer.head_dim_v)})
     try:
         config.check_head_dims(*dims)
     except ValueError as exc:
@@ -168,7 +178,7 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
                          "for one group per row") from None
     from ..kernels.layout import Int2Layout
 
-    for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in int2_layers}):
+    for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in quantized}):
         try:
             Int2Layout.from_config(config, dk, dv)
         except ValueError as exc:
@@ -214,16 +224,21 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM")
 
 
-def unserved_reason(geometry: ModelGeometry, architectures=None) -> str | None:
+def unserved_reason(geometry: ModelGeometry, architectures=None, hf_config=None) -> str | None:
     """Why ``--kv-cache-dtype int2`` would refuse this model whatever the rotation file, or ``None``:
-    an MLA architecture outside :data:`MLA_ARCHITECTURES`, or (MHA/GQA) a head_dim the INT2 kernels
-    do not take. For the validate verbs, whose "ok" is about the file."""
+    an MLA architecture outside :data:`MLA_ARCHITECTURES`, or (MHA/GQA) KV-shared layers (read from
+    ``hf_config``, when given) or a head_dim the INT2 kernels do not take. For the validate verbs,
+    whose "ok" is about the file."""
     if geometry.attention_kind == "mla":
         try:
             check_latent_model(geometry, architectures)
         except ValueError as exc:
             return str(exc)
         return None
+    shared = _kv_shared_layers(hf_config)
+    if shared:
+        return (f"--kv-cache-dtype int2 does not support KV-shared layers yet ({geometry.model_type!r}: the last "
+                f"{shared} layers read another layer's cache); serve it with --kv-cache-dtype auto")
     from ..kernels.layout import Int2Layout
 
     for dk, dv in sorted({(x.head_dim_k, x.head_dim_v) for x in geometry.layers}):
@@ -354,18 +369,18 @@ def check_expanded_model(geometry: ModelGeometry, architectures=None) -> None:
         raise ValueError(f"{flag} applies to MLA models (DeepSeek-V2/V3); {name!r} is an MHA/GQA model, whose INT2 "
                          "cache holds per-head K/V rows already: drop the flag")
     archs = list(architectures or ())
+    unserved = [a for a in archs if a not in EXPANDED_ARCHITECTURES and a not in MLA_ARCHITECTURES]
+    if unserved:  # first: the latent storage, which the branches below advise, refuses it too
+        raise ValueError(f"{flag} serves {', '.join(EXPANDED_ARCHITECTURES)}; {unserved[0]} ({name!r}) is not among "
+                         "them, nor among the latent storage's: serve it with --kv-cache-dtype auto")
     if "KimiLinearForCausalLM" in archs or geometry.linear_layer_ids:
-        raise LatentOnlyError(f"{flag} does not serve Kimi-Linear ({name!r}): its MLA layers share SGLang's hybrid "
-                         "linear-attention pool with the KDA state, which only the latent pool joins; use "
-                         "--oscar-mla-storage latent (the default)")
+        raise LatentOnlyError(f"{flag} does not serve Kimi-Linear ({name!r}): its MLA layers share SGLang's "
+                              "hybrid linear-attention pool with the KDA state, which only the latent pool joins; "
+                              "use --oscar-mla-storage latent (the default)")
     if geometry.index_topk is not None or "GlmMoeDsaForCausalLM" in archs:
         raise LatentOnlyError(f"{flag} does not serve DSA sparse attention ({name!r}, index_topk "
-                         f"{geometry.index_topk}: GLM-5, DeepSeek-V3.2): its indexer runs only under SGLang's dsa "
-                         "backend over the latent; use --oscar-mla-storage latent (the default)")
-    other = [a for a in archs if a not in EXPANDED_ARCHITECTURES]
-    if other:
-        raise ValueError(f"{flag} serves {', '.join(EXPANDED_ARCHITECTURES)}; {other[0]} ({name!r}) is not among "
-                         "them, nor among the latent storage's: serve it with --kv-cache-dtype auto")
+                              f"{geometry.index_topk}: GLM-5): its indexer runs only under SGLang's dsa backend over "
+                              "the latent; use --oscar-mla-storage latent (the default)")
 
 
 def served_expanded_rotations(config: OscarConfig, geometry: ModelGeometry, *, log: bool = True,

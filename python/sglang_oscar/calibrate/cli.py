@@ -367,7 +367,7 @@ def _validate_any(args, latent_only: bool) -> int:
         mats = list(rs.k.values()) + list(rs.v.values())
         report.update(kind="kv", format_version=rs.format_version,
                       centered={"k": bool(rs.k_mean), "v": bool(rs.v_mean)})
-    report_unserved(report, geometry, cfg.get("architectures"))
+    report_unserved(report, geometry, cfg)
     report["max_orthogonality_error"] = max(orthogonality_error(t) for t in mats)
     print(json.dumps(report))
     return 0

@@ -74,9 +74,8 @@ def oscar_config_of(args, recipe):
     import dataclasses
 
     from ..config import OscarConfig
-    from .recipes import oscar_config
-
     from . import CalibrationError
+    from .recipes import oscar_config
 
     base = oscar_config(recipe) if recipe else OscarConfig()
     over = {k: v for k, v in dict(group_size=args.group_size, k_clip_ratio=args.k_clip, v_clip_ratio=args.v_clip,
@@ -243,15 +242,19 @@ def read_config(path: str, *, hub: bool = False, trust_remote_code: bool = False
         ) from None
 
 
-def report_unserved(report: dict, geometry, architectures=None) -> None:
+def report_unserved(report: dict, geometry, config=None) -> None:
     """Add ``not_served`` to a validate verb's JSON ``report`` (and warn on stderr) when the int2
     server refuses the model whatever the file (:func:`~sglang_oscar.backend.rotations.unserved_reason`):
-    the verbs' ``ok`` says the file fits the model, not that the model is served."""
+    the verbs' ``ok`` says the file fits the model, not that the model is served. ``config``: the
+    model's config (dict, file or directory)."""
     import sys
 
     from ..backend.rotations import unserved_reason
 
-    why = unserved_reason(geometry, architectures)
+    from ..rotation.geometry import _as_dict
+
+    cfg = _as_dict(config) if config is not None else {}
+    why = unserved_reason(geometry, cfg.get("architectures"), cfg or None)
     if why:
         report["not_served"] = why
         print(f"warning: the rotation fits this model, but {why}", file=sys.stderr)

@@ -140,11 +140,10 @@ def _validate(args) -> int:
         "max_orthogonality_error": worst,
     }
     from ..calibrate.verb_inputs import report_unserved
-    from ..rotation.geometry import _as_dict
 
     # an expanded file's geometry is MHA; the model's own (MLA) is what the server judges
     report_unserved(report, geometry if not args.mla_storage else ModelGeometry.from_hf_config(args.config),
-                    _as_dict(args.config).get("architectures"))
+                    args.config)
     print(json.dumps(report))
     return 0
 

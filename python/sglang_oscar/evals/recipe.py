@@ -433,8 +433,8 @@ def _group_misfit(quant: QuantSection, geometry: GeometrySection) -> str | None:
     ``skip_layers`` keeps BF16), or ``None``;
     the server would refuse the launch for it."""
     g = quant.group_size
-    if not g:
-        return None
+    if not g or quant.skip_layers not in ("none", "sliding", "full"):
+        return None  # layer ids: which kind stays BF16 is the launch check's to judge
     if geometry.kv_lora_rank is not None:
         return None if geometry.kv_lora_rank % g == 0 else f"does not divide [geometry].kv_lora_rank {geometry.kv_lora_rank}"
     kinds = [("geometry", geometry), ("geometry.sliding", geometry.sliding), ("geometry.full", geometry.full)]

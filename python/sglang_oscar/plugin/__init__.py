@@ -219,13 +219,11 @@ def preflight(server_args) -> None:
                          "hybrid sliding-window memory, which --disable-hybrid-swa-memory turns off (one pool for "
                          "every layer): drop one of the two flags")
     if config.decode_engine == "gluon":
+        from ..backend.rotations import int2_layers
         from ..kernels.decode.gluon_stage1 import gluon_layout_reason
         from ..kernels.layout import Int2Layout
 
-        from ..config import resolve_skip_layers
-
-        skip = resolve_skip_layers(config.skip_layers, geometry)  # layers kept BF16 never reach the kernel
-        for dk, dv in sorted({(x.head_dim_k, x.head_dim_v) for x in geometry.layers if x.layer_id not in skip}):
+        for dk, dv in sorted({(x.head_dim_k, x.head_dim_v) for x in int2_layers(config, geometry)}):
             reason = gluon_layout_reason(Int2Layout.from_config(config, dk, dv))
             if reason is not None:
                 raise ValueError(f"--oscar-decode-engine gluon cannot decode this model's INT2 cache ({reason}; the "

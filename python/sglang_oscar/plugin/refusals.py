@@ -169,14 +169,23 @@ def gemma4_text_message(config: dict) -> str | None:
         return None
     import json
 
-    remap = {"head_dim": g_dim or dim, "num_key_value_heads": g_kv or kv, "swa_head_dim": dim, "swa_v_head_dim": dim,
-             "swa_num_key_value_heads": kv}
+    remap = json.dumps(gemma4_head_remap(config), separators=(",", ":"))
     return ("--kv-cache-dtype int2 refuses this text-only Gemma-4 checkpoint as configured: its config "
             "(model_type gemma4_text) keeps the sliding layers' head_dim "
             f"{dim} / {kv} kv heads in its base keys, which SGLang 0.5.16 reads as the full layers' (it remaps "
             f"them from global_head_dim {g_dim} / num_global_key_value_heads {g_kv} for the multimodal gemma4 "
-            "config only), so the full layers would be built wrong and fail to load; pass the remap: "
-            f"--json-model-override-args '{json.dumps(remap, separators=(',', ':'))}'")
+            "config only), so the full layers would be built wrong and fail to load; pass the remap (merged "
+            f"into any --json-model-override-args already given): --json-model-override-args '{remap}'")
+
+
+def gemma4_head_remap(text_config: dict) -> dict:
+    """The head-size keys SGLang 0.5.16 rewrites in a multimodal Gemma-4 config
+    (``srt/utils/hf_transformers/config.py:159-185``: base keys = full layers, ``swa_*`` = sliding), for
+    a ``gemma4_text`` config (a dict of its keys) to pass as ``--json-model-override-args``."""
+    dim, kv = text_config.get("head_dim"), text_config.get("num_key_value_heads")
+    return {"head_dim": text_config.get("global_head_dim") or dim,
+            "num_key_value_heads": text_config.get("num_global_key_value_heads") or kv,
+            "swa_head_dim": dim, "swa_v_head_dim": dim, "swa_num_key_value_heads": kv}
 
 
 def _local_config(model_path) -> dict | None:

@@ -275,7 +275,8 @@ class ModelGeometry:
         MiMo-V2's ``add_swa_attention_sink_bias`` / ``add_full_attention_sink_bias`` per kind.
 
         Raises:
-            ValueError: the config has no attention layers or lacks head counts.
+            ValueError: the config has no attention layers, lacks head counts, holds a count that is not
+                a positive integer (named), or is an MLA model type without ``kv_lora_rank``.
             FileNotFoundError: a path that does not exist.
         """
         cfg = _as_dict(config)
@@ -288,10 +289,10 @@ class ModelGeometry:
         n_layers = _count(cfg, "num_hidden_layers", model_type)
         n_q = _count(cfg, "num_attention_heads", model_type)
         n_kv = _count(cfg, "num_key_value_heads", model_type, default=n_q)
-        hidden = _count(cfg, "hidden_size", model_type, default=0)
-        head_dim = _count(cfg, "head_dim", model_type, default=hidden // n_q if hidden else 0) or None
-        if head_dim is None:
+        if cfg.get("head_dim") is None and cfg.get("hidden_size") is None:
             raise ValueError(f"config of model_type {model_type!r} has neither head_dim nor hidden_size")
+        head_dim = (_count(cfg, "head_dim", model_type) if cfg.get("head_dim") is not None
+                    else _count(cfg, "hidden_size", model_type) // n_q)
 
         types = cfg.get("layer_types")
         if model_type in _INTERVAL_HYBRIDS:
