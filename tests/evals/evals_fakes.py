@@ -43,8 +43,10 @@ Responder = Callable[[dict[str, Any]], Any]
 
 class FakeOpenAIServer:
     def __init__(self, responder: Responder, model: str = "fake-model", delay: float = 0.0,
-                 host: str = "127.0.0.1", port: int = 0, health_status: int = 200):
+                 host: str = "127.0.0.1", port: int = 0, health_status: int = 200,
+                 server_info: dict[str, Any] | None = None):
         self.responder = responder
+        self.server_info = server_info  # GET /server_info (SGLang's), 404 when None
         self.model = model
         self.delay = delay
         self.health_status = health_status
@@ -87,6 +89,8 @@ class FakeOpenAIServer:
                     data = {"object": "list", "data": [{"id": outer.model, "object": "model",
                                                         "created": 0, "owned_by": "fake"}]}
                     self._send(200, json.dumps(data).encode())
+                elif self.path == "/server_info" and outer.server_info is not None:
+                    self._send(200, json.dumps(outer.server_info).encode())
                 else:
                     self._send(404, json.dumps(error_body("not found", 404)).encode())
 

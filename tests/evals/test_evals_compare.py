@@ -48,6 +48,24 @@ def run(tmp_path, responder, out, data, seeds=(0, 1)) -> Path:
     return tmp_path / out
 
 
+def test_compare_refuses_what_cannot_be_paired_and_names_the_fix(tmp_path, aime_file):
+    """The same folder twice, a damaged metrics.json (was a KeyError / a JSON error naming no file), and
+    runs of different models or sizes (warned: their means are over different things)."""
+    a = run(tmp_path, answer_right_on({0, 1}), "a", aime_file)
+    with pytest.raises(EvalError, match="both runs are .*: pass the control and the treatment folders"):
+        compare_runs(a, a)
+    b = run(tmp_path, answer_right_on({0}), "b", aime_file, seeds=(0,))
+    c = compare_runs(a, b)
+    assert any("different samples or seeds (n 6 vs 6, seeds ['0', '1'] vs ['0'])" in w for w in c["warnings"]), c
+    m = json.loads((b / "metrics.json").read_text())
+    (b / "metrics.json").write_text(json.dumps({k: v for k, v in m.items() if k != "seeds"}))
+    with pytest.raises(EvalError, match=r"metrics.json lacks seeds .*re-run the eval into"):
+        compare_runs(a, b)
+    (b / "metrics.json").write_text("{broken")
+    with pytest.raises(EvalError, match=r"b/metrics.json is not valid JSON .*re-run the eval into"):
+        compare_runs(a, b)
+
+
 def test_paired_difference_values(tmp_path, aime_file):
     a = run(tmp_path, answer_right_on({0, 1, 2, 3}), "a", aime_file)
     b = run(tmp_path, answer_right_on({0, 1, 4}), "b", aime_file)
@@ -219,13 +237,43 @@ def test_eval_recipe_end_to_end_with_stand_in_server(tmp_path, monkeypatch, caps
     assert rc == 0
     text = capsys.readouterr().out
     assert text.count("not serving it again") == 2
+    assert json.loads((out / "int2" / "server.json").read_text())["server_args"][:2] == ["--model-path", "Qwen/Qwen3-8B"]
+    # a changed recipe does not reuse the arms' answers: refused before any server starts
+    p.write_text(p.read_text().replace("[quant]\n", "[quant]\nrecent_tokens = 64\n"))
+    with pytest.raises(ValueError, match=r"int2 holds answers of another int2 server \(--oscar-recent-tokens '256' -> "
+                                         r"'64'\); use another --out folder"):
+        run_recipe(p, ["bf16", "int2"], out, {"gpqa": str(data)}, health_interval=0.1)
+    p.write_text(p.read_text().replace("recent_tokens = 64\n", "").replace("max_tokens = 1024", "max_tokens = 512"))
+    with pytest.raises(ValueError, match=r"gpqa holds answers asked with other eval settings \(max_tokens: 1024 -> 512\)"):
+        run_recipe(p, ["bf16", "int2"], out, {"gpqa": str(data)}, health_interval=0.1)
+    assert not launcher.port_in_use("127.0.0.1", port)
 
 
 def test_eval_recipe_bad_input(tmp_path):
+    from sglang_oscar.cli.main import build_parser
+    from sglang_oscar.evals.cli import cmd_eval_recipe
+
     p = _recipe(tmp_path, 31998)
     with pytest.raises(ValueError, match="--data-file given for 'math500'"):
         run_recipe(p, ["bf16"], tmp_path / "o", {"math500": "x.jsonl"}, dry_run=True)
     assert main(["eval-recipe", "--recipe", str(p), "--data-file", "gpqa", "--dry-run"]) == 2
+    # a dry run checks the data files too (it exited 0 for a missing one), and one file per task
+    data = tmp_path / "g.jsonl"
+    write_jsonl(data, gpqa_rows(2))
+    for args, msg in ((["--data-file", f"gpqa={tmp_path / 'none.jsonl'}"], "none.jsonl does not exist"),
+                      (["--data-file", f"gpqa={tmp_path}"], "is a directory: pass the data file in it"),
+                      (["--data-file", f"gpqa={data}", "--data-file", f"gpqa={data}"], "gives gpqa twice")):
+        ns = build_parser().parse_args(["eval-recipe", "--recipe", str(p), *args, "--dry-run"])
+        with pytest.raises(ValueError, match=msg):
+            cmd_eval_recipe(ns)
+
+
+def test_eval_recipe_serves_on_the_given_port(tmp_path, capsys):
+    """The busy-port message says "or use --port": eval-recipe takes it (it was an unknown argument)."""
+    p = _recipe(tmp_path, 31997)
+    assert main(["eval-recipe", "--recipe", str(p), "--port", "31555", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--port 31555" in out and "--base-url http://127.0.0.1:31555" in out and "31997" not in out
 
 
 def test_paired_se_clusters_seeds_of_one_question():

@@ -219,6 +219,8 @@ def test_unknown_section(tmp_path):
         ("context_length = 32768\n[serve]\ncontext_length = 65536\n", r"disagree"),
         ("\n[geometry.sliding]\nhead_dim = 256\n[geometry.full]\nhead_dim = 512\n[quant]\ngroup_size = 96\n",
          r"group_size = 96 does not divide \[geometry.sliding\].head_dim 256; pick a divisor"),
+        ("context_length = 40960\n[eval]\nmax_tokens = 65536\n",
+         r"max_tokens = 65536 leaves no room for the prompt in the context of 40960 tokens"),
         ("\n[geometry]\nkv_lora_rank = 512\n[quant]\ngroup_size = 96\n",
          r"group_size = 96 does not divide \[geometry\].kv_lora_rank 512"),
     ],

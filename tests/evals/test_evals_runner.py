@@ -528,6 +528,7 @@ def test_ctrl_c_in_eval_is_one_line_exit_130(tmp_path, gpqa_file):
     (["--retries", "-1"], "--retries must be >= 0"),
     (["--threads", "0"], "--threads must be >= 1"),
     (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--top-k", "0"], "--top-k must be a positive integer (or -1: no top-k cut), got 0"),
 ])
 def test_eval_cli_rejects_out_of_range_numbers(tmp_path, capsys, args, pattern):
     rc = main(["eval", "--task", "gpqa", "--base-url", "http://127.0.0.1:1", "--model", "m",
@@ -535,3 +536,66 @@ def test_eval_cli_rejects_out_of_range_numbers(tmp_path, capsys, args, pattern):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and pattern in err[0], err
+
+
+def test_answers_of_another_server_are_not_mixed_into_a_folder(tmp_path, gpqa_file, capsys):
+    """A finished bf16 folder evaluated again against an int2 server on the same URL reported the bf16
+    answers as the int2 server's: now the server's identity (SGLang's /server_info) is recorded and a
+    different one is refused, finished or not; the same server gets a note that nothing was asked."""
+    bf16 = {"model_path": "m", "kv_cache_dtype": "auto", "dtype": "bfloat16", "quantization": None}
+    int2 = {**bf16, "kv_cache_dtype": "int2"}
+    with FakeOpenAIServer(gpqa_responder, server_info=bf16) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="run"))
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["server"]["kv_cache_dtype"] == "auto"
+    capsys.readouterr()
+    with FakeOpenAIServer(gpqa_responder, server_info=bf16) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="run"))
+        assert srv.requests == []
+    assert "all 24 answers are already in" in capsys.readouterr().err
+    with FakeOpenAIServer(gpqa_responder, server_info=int2) as srv:
+        with pytest.raises(EvalError, match=r"holds answers of another server \(kv_cache_dtype: 'auto' -> 'int2'\); "
+                                            r"use another --out folder"):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="run"))
+        assert srv.requests == []
+    # a server that reports no identity (not SGLang) is not judged, and leaves the record as it was
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="run"))
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["server"] == record["server"]
+
+
+def test_a_server_that_is_not_openai_compatible_is_named_at_once(tmp_path, gpqa_file):
+    """An HTML 404 at /v1/models (a web server, a wrong --base-url) was taken as "reachable" and every
+    request then failed for minutes under a max-tokens hint; now the preflight names it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Html404(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = b"<!DOCTYPE HTML><title>404</title>"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Html404)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        with pytest.raises(EvalError, match=r"/v1/models answers HTTP 404 with a non-JSON page: not an OpenAI-compatible "
+                                            r"server; check --base-url"):
+            run_eval(settings(tmp_path, url, gpqa_file))
+    finally:
+        httpd.shutdown()
+
+
+def test_a_run_of_empty_answers_says_so(tmp_path, gpqa_file, capsys):
+    """Every completion empty: the run is complete (and scored 0), and the warning names the likely cause."""
+    with FakeOpenAIServer(lambda body: completion("")) as srv:
+        metrics = run_eval(settings(tmp_path, srv.base_url, gpqa_file))
+    assert metrics["complete"] and metrics["accuracy_mean"] == 0.0
+    assert "warning: 24 of 24 answers are empty (scored as wrong)" in capsys.readouterr().err

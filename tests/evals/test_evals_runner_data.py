@@ -113,6 +113,23 @@ def test_data_file_errors(tmp_path):
     (tmp_path / "broken.jsonl").write_text("{not json\n")
     with pytest.raises(EvalError, match="cannot read it"):
         load_task_data("math500", tmp_path / "broken.jsonl")
+    # the file's own line, not the column within the line
+    (tmp_path / "cut.jsonl").write_text('{"problem": "a", "answer": "1"}\n{"problem": \n')
+    with pytest.raises(EvalError, match=r"cannot read it: line 2: "):
+        load_task_data("math500", tmp_path / "cut.jsonl")
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(EvalError, match=r"adir is a directory: pass the .jsonl / .json / .csv / .parquet file in it"):
+        load_task_data("math500", tmp_path / "adir")
+    # an unquoted comma shifts the columns of its row: refused, not read as another answer
+    shifted = tmp_path / "shifted.csv"
+    shifted.write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3\n"
+                       "What is 1,5?,a,b,c,d\n")
+    with pytest.raises(EvalError, match=r"data row 1 has more fields than the header's 5: quote fields"):
+        load_task_data("gpqa", shifted)
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("problem,answer\ncaf\u00e9,1\n".encode("latin-1"))
+    with pytest.raises(EvalError, match=r"not UTF-8 text .*re-save it as UTF-8"):
+        load_task_data("math500", latin)
 
 
 def test_csv_with_byte_order_mark(tmp_path):

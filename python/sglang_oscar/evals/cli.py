@@ -191,6 +191,8 @@ def cmd_eval(args) -> int:
     _check_range(args.humaneval_timeout, "--humaneval-timeout", 0, strict_low=True)
     _check_range(args.temperature, "--temperature", 0)
     _check_range(args.top_p, "--top-p", 0, 1, strict_low=True)
+    if args.top_k is not None and args.top_k != -1 and args.top_k < 1:
+        raise ValueError(f"--top-k must be a positive integer (or -1: no top-k cut), got {args.top_k}")
     out = Path(args.out or _default_out(args.task, args.model))
     settings = EvalSettings(
         task=args.task,
@@ -272,6 +274,7 @@ def _add_eval_recipe(sub) -> None:
     p.add_argument("--out", default=None, help="results folder (default runs/<recipe folder>)")
     p.add_argument("--data-file", action="append", default=[], metavar="TASK=PATH",
                    help="local dataset copy for one task (repeatable)")
+    p.add_argument("--port", type=int, default=None, help="serve the arms on this port (default [serve].port)")
     p.add_argument("--health-timeout", type=float, default=1800.0)
     p.add_argument("--dry-run", action="store_true", help="print every command and exit")
     p.set_defaults(func=cmd_eval_recipe)
@@ -283,15 +286,21 @@ def cmd_eval_recipe(args) -> int:
     from sglang_oscar.evals.recipe_run import run_recipe
 
     _check_range(args.health_timeout, "--health-timeout", 0, strict_low=True)
+    _check_range(args.port, "--port", 1, 65535)
     data_files = {}
     for item in args.data_file:
         task, sep, path = item.partition("=")
         if not sep or task not in TASK_CHOICES or not path:
             raise ValueError(f"--data-file expects TASK=PATH with TASK in {', '.join(TASK_CHOICES)}, got {item!r}")
+        if task in data_files:
+            raise ValueError(f"--data-file gives {task} twice ({data_files[task]}, {path}): pass one file per task")
+        if not Path(path).is_file():
+            raise ValueError(f"--data-file {item}: {path} " + ("is a directory: pass the data file in it"
+                                                             if Path(path).is_dir() else "does not exist"))
         data_files[task] = path
     try:
         return run_recipe(args.recipe, args.arms, args.out, data_files, args.dry_run,
-                          health_timeout=args.health_timeout)
+                          health_timeout=args.health_timeout, port=args.port)
     except KeyboardInterrupt:
         print("sglang-oscar eval-recipe: interrupted (the server was stopped); re-run the same "
               "command to resume", file=sys.stderr)

@@ -34,6 +34,11 @@ DEFAULT_RETRIES = 6
 DEFAULT_BACKOFF_S = 2.0
 MAX_BACKOFF_S = 120.0
 MODELS_TIMEOUT_S = 30.0
+# SGLang ServerArgs fields that change a model's answers (GET /server_info): an eval folder's answers
+# come from one such server. The plugin's --oscar-* settings are not ServerArgs fields; eval-recipe
+# records its servers' whole argv instead.
+IDENTITY_KEYS = ("model_path", "kv_cache_dtype", "kv_cache_quant_group_size", "dtype", "quantization",
+                 "json_model_override_args")
 
 
 @dataclass
@@ -176,11 +181,33 @@ class ChatClient:
                 ) from None
             except (o.APIConnectionError, o.InternalServerError, o.RateLimitError) as exc:
                 last = exc
-            except o.APIStatusError:
+            except o.APIStatusError as exc:
+                if exc.status_code == 404 and "json" not in exc.response.headers.get("content-type", ""):
+                    raise EvalError(f"{self.base_url}/models answers HTTP 404 with a non-JSON page: not an "
+                                    "OpenAI-compatible server; check --base-url (SGLang's root, e.g. "
+                                    "http://127.0.0.1:30000)") from None
                 return []  # reachable, but no /models endpoint
             except Exception:  # malformed listing: reachable
                 return []
         raise self._unreachable(last, "(start one with `sglang-oscar serve`)")
+
+    def server_identity(self) -> dict[str, Any] | None:
+        """What the server answers with, as SGLang reports it at ``GET /server_info`` (the keys of
+        :data:`IDENTITY_KEYS`: model, KV-cache dtype and group size, weight dtype and quantization),
+        or ``None`` for a server without that route, one that cannot be reached, or an unreadable
+        answer. An eval folder records it, so answers of another server are not mixed into it."""
+        import httpx
+
+        root = self.base_url[: -len("/v1")]
+        try:
+            with httpx.Client(trust_env=not is_loopback_url(root), timeout=self._models_timeout) as http:
+                resp = http.get(root + "/server_info")
+            info = resp.json() if resp.status_code == 200 else None
+        except Exception:  # noqa: BLE001  (no route, refused, not JSON: no identity to compare)
+            return None
+        if not isinstance(info, dict) or "kv_cache_dtype" not in info:
+            return None
+        return {k: info.get(k) for k in IDENTITY_KEYS}
 
     def check_model(self) -> None:
         """Raise :class:`EvalError` when the server lists models and ``model`` is not one of

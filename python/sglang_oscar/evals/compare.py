@@ -38,8 +38,17 @@ def _load(run: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict]:
     for name in (RUN_FILE, METRICS_FILE, SAMPLES_FILE):
         if not (d / name).exists():
             raise FileNotFoundError(f"{d} is not an eval run folder: {name} is missing")
-    record = json.loads((d / RUN_FILE).read_text(encoding="utf-8"))
-    metrics = json.loads((d / METRICS_FILE).read_text(encoding="utf-8"))
+    loaded = []
+    for name in (RUN_FILE, METRICS_FILE):
+        try:
+            loaded.append(json.loads((d / name).read_text(encoding="utf-8")))
+        except ValueError as exc:
+            raise EvalError(f"{d / name} is not valid JSON ({exc}); re-run the eval into {d} to rewrite it") from None
+    record, metrics = loaded
+    missing = [k for k in ("task", "model", "n", "seeds") if k not in metrics]
+    if missing:
+        raise EvalError(f"{d / METRICS_FILE} lacks {', '.join(missing)} (damaged or from another tool); re-run the "
+                        f"eval into {d} to rewrite it")
     rows = read_rows(d / SAMPLES_FILE)
     return record, metrics, rows
 
@@ -63,16 +72,23 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     summaries, ``"paired"`` statistics (n, n_questions, diff = B - A, se, discordant counts,
     per-seed n) and ``"warnings"``. Raises FileNotFoundError for a missing folder/file and
     :class:`EvalError` for runs that cannot be paired (task, seeds, prompts, gold answers)."""
+    if Path(run_a).resolve() == Path(run_b).resolve():
+        raise EvalError(f"both runs are {run_a}: pass the control and the treatment folders")
     rec_a, met_a, rows_a = _load(run_a)
     rec_b, met_b, rows_b = _load(run_b)
     if met_a["task"] != met_b["task"]:
         raise EvalError(f"cannot compare a {met_a['task']} run with a {met_b['task']} run")
     warnings: list[str] = []
     da, db = rec_a.get("defining", {}), rec_b.get("defining", {})
-    for key in ("max_tokens", "temperature", "top_p", "top_k", "system_prompt", "prompt_version"):
+    for key in ("model", "max_tokens", "temperature", "top_p", "top_k", "system_prompt", "prompt_version"):
         if da.get(key) != db.get(key):
             warnings.append(f"the runs differ in {key}: {da.get(key)!r} vs {db.get(key)!r}")
 
+    if met_a["n"] != met_b["n"] or sorted(met_a["seeds"]) != sorted(met_b["seeds"]):
+        # each run's mean is over its own samples and seeds; the paired difference uses the common ones
+        warnings.append(f"the runs cover different samples or seeds (n {met_a['n']} vs {met_b['n']}, seeds "
+                        f"{sorted(met_a['seeds'])} vs {sorted(met_b['seeds'])}): their means are not over the same "
+                        "questions; the paired difference is")
     seeds = sorted(set(int(s) for s in met_a["seeds"]) & set(int(s) for s in met_b["seeds"]))
     if not seeds:
         raise EvalError("the two runs have no seed in common: nothing to pair")

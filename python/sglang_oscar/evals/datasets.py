@@ -174,6 +174,9 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
     :class:`DatasetUnavailable` for an unreadable one or an unsupported extension,
     ModuleNotFoundError for a ``.parquet`` file without ``pyarrow`` (the ``[evals]`` extra)."""
     path = Path(path)
+    if path.is_dir():
+        raise DatasetUnavailable(f"--data-file {path} is a directory: pass the .jsonl / .json / .csv / .parquet "
+                                 "file in it")
     if not path.is_file():
         raise FileNotFoundError(f"--data-file {path} does not exist")
     suffix = path.suffix.lower()
@@ -186,15 +189,30 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
             if suffix == ".json" and stripped.startswith("["):
                 rows = json.loads(stripped)
             else:
-                rows = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+                rows = []
+                for i, ln in enumerate(text.splitlines(), 1):
+                    if ln.strip():
+                        try:
+                            rows.append(json.loads(ln))
+                        except ValueError as exc:  # name the file's line, not the line's column
+                            raise ValueError(f"line {i}: {exc}") from None
             if not all(isinstance(r, dict) for r in rows):
                 raise ValueError("every row must be a JSON object")
             return rows
         if suffix == ".csv":
             with path.open(newline="", encoding="utf-8-sig") as fh:
-                return list(csv.DictReader(fh))
+                reader = csv.DictReader(fh)
+                rows = list(reader)
+            extra = next((i for i, r in enumerate(rows, 1) if None in r), None)
+            if extra is not None:  # an unquoted comma shifts every later column of that row
+                raise ValueError(f"data row {extra} has more fields than the header's "
+                                 f"{len(reader.fieldnames or [])}: quote fields that contain commas")
+            return rows
         if suffix == ".parquet":
             return pq.read_table(path).to_pylist()
+    except UnicodeDecodeError as exc:
+        raise DatasetUnavailable(f"--data-file {path}: not UTF-8 text ({exc.reason} at byte {exc.start}): re-save it "
+                                 "as UTF-8") from None
     except (ValueError, OSError) as exc:
         raise DatasetUnavailable(f"--data-file {path}: cannot read it: {exc}") from None
     except Exception as exc:  # pyarrow errors

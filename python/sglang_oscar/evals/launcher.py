@@ -104,6 +104,15 @@ def _fmt_float(x: float) -> str:
     return repr(float(x))
 
 
+def _check_host_port(addr: str) -> None:
+    """ValueError unless ``addr`` is ``HOST:PORT`` (the rank-0 node's address, as SGLang's
+    ``--dist-init-addr`` takes it): a malformed one would leave the other nodes waiting at the
+    rendezvous for the whole ``--dist-timeout``."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT of the rank-0 node (e.g. 10.0.0.1:5000), got {addr!r}")
+
+
 def build_server_command(
     recipe: Recipe,
     kv: str = "int2",
@@ -165,13 +174,14 @@ def build_server_command(
         seen.add(name)
 
     multi = nnodes is not None and nnodes > 1
-    if (node_rank not in (None, 0) or dist_init_addr) and not multi:
+    if (node_rank not in (None, 0) or dist_init_addr is not None) and not multi:
         raise ValueError("--node-rank / --dist-init-addr need --nnodes > 1")
     if multi:
         if node_rank is None or dist_init_addr is None:
             raise ValueError("a multi-node launch needs --node-rank and --dist-init-addr")
         if not 0 <= node_rank < nnodes:
             raise ValueError(f"--node-rank must be in [0, {nnodes}), got {node_rank}")
+        _check_host_port(dist_init_addr)
 
     host = s.host
     the_port = port if port is not None else s.port

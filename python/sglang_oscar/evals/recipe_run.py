@@ -5,7 +5,10 @@ wrappers).
 Both arms go through the identical launch path (:func:`launcher.build_server_command`); only
 the KV flags differ. Every step is an ordinary ``sglang-oscar`` command, printed before it
 runs (``--dry-run`` prints them all and runs nothing), so any step can be repeated by hand.
-Runs are resumable: an arm whose tasks are all complete is not served again. An eval that
+Runs are resumable: an arm whose tasks are all complete is not served again. Each arm folder
+records its server (``server.json``: arguments, environment, rotation file hash); a folder holding
+answers of another server or other eval settings is refused before any server starts, so a changed
+recipe never mixes its answers with the old ones. An eval that
 finishes incomplete (exit 1: some samples rejected or failed, counted as wrong) does not stop
 the other tasks and arms; an error (exit 2) does. The command exits 1 when any run is
 incomplete.
@@ -13,6 +16,7 @@ incomplete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import sys
@@ -24,6 +28,7 @@ from sglang_oscar.evals.recipe import Recipe, load_recipe
 from sglang_oscar.evals.runner import METRICS_FILE, RUN_FILE
 
 DEFAULT_ARMS = ("bf16", "int2")
+SERVER_FILE = "server.json"  # per arm: server_identity() of the server whose answers the arm folder holds
 
 
 @dataclass
@@ -56,16 +61,24 @@ def eval_argv(recipe: Recipe, task: str, base_url: str, out_dir: Path,
 
 
 def plan(recipe: Recipe, arms: list[str], out: Path, data_files: dict[str, str],
-         check_files: bool) -> list[ArmPlan]:
-    """One :class:`ArmPlan` per arm; ValueError/FileNotFoundError from the launcher."""
+         check_files: bool, port: int | None = None) -> list[ArmPlan]:
+    """One :class:`ArmPlan` per arm (``port``: instead of ``[serve].port``); ValueError /
+    FileNotFoundError from the launcher."""
     plans = []
     for arm in arms:
-        cmd = launcher.build_server_command(recipe, arm, check_files=check_files)
+        cmd = launcher.build_server_command(recipe, arm, check_files=check_files, port=port)
         out_dirs = {t: out / arm / t for t in recipe.eval.tasks}
         evals = [eval_argv(recipe, t, cmd.base_url, out_dirs[t], data_files.get(t))
                  for t in recipe.eval.tasks]
         plans.append(ArmPlan(arm, cmd, evals, out_dirs, out / arm / "server.log"))
     return plans
+
+
+def _expected_defining(recipe: Recipe) -> dict:
+    """The ``run.json`` ``defining`` values an eval of this recipe records (the keys the recipe sets)."""
+    e = recipe.eval
+    return {"model": recipe.model.hf_id, "max_tokens": e.max_tokens, "temperature": float(e.temperature),
+            "top_p": float(e.top_p), "top_k": e.top_k}
 
 
 def _complete(run_dir: Path, recipe: Recipe) -> bool:
@@ -74,17 +87,82 @@ def _complete(run_dir: Path, recipe: Recipe) -> bool:
         r = json.loads((run_dir / RUN_FILE).read_text())
     except (OSError, ValueError):
         return False
+    defining = r.get("defining", {})
     return (
         bool(m.get("complete"))
         and sorted(int(s) for s in m.get("seeds", {})) == sorted(recipe.eval.seeds)
         and r.get("n_examples") == recipe.eval.n_examples
-        and r.get("defining", {}).get("max_tokens") == recipe.eval.max_tokens
+        and all(defining.get(k) == v for k, v in _expected_defining(recipe).items())
     )
+
+
+def server_identity(cmd: launcher.ServerCommand, recipe: Recipe) -> dict:
+    """What defines an arm's answers besides the eval settings: the server's arguments (without
+    ``--host`` / ``--port``: where it listens changes no answer), the recipe's environment, and the
+    SHA-256 of the int2 arm's rotation file."""
+    args, skip = [], False
+    for a in cmd.server_args:
+        if skip:
+            skip = False
+        elif a in ("--host", "--port"):
+            skip = True
+        else:
+            args.append(a)
+    rot = recipe.rotation_path if cmd.kv == "int2" else None
+    sha = hashlib.sha256(rot.read_bytes()).hexdigest() if rot is not None and rot.is_file() else None
+    return {"server_args": args, "env": dict(cmd.env), "rotation_sha256": sha}
+
+
+def _flag_values(args: list[str]) -> dict[str, str]:
+    out, key = {}, None
+    for a in args:
+        if a.startswith("--"):
+            key = a
+            out[key] = ""
+        elif key is not None:
+            out[key] = (out[key] + " " + a).strip()
+    return out
+
+
+def _check_arm_folder(p: ArmPlan, recipe: Recipe, identity: dict) -> bool:
+    """Whether the arm's folder may take this server's answers; ValueError (before any server starts)
+    when it holds answers of another server or eval settings. ``True`` when its server record matches
+    (an older folder without one is taken as this recipe's, with a note)."""
+    arm_dir = p.log_path.parent
+    asked = [d for d in p.out_dirs.values() if (d / "samples.jsonl").exists()]
+    if not asked:
+        return True
+    for d in asked:
+        try:
+            defining = json.loads((d / RUN_FILE).read_text()).get("defining", {})
+        except (OSError, ValueError):
+            continue  # the eval itself reports an unreadable run.json
+        diffs = [f"{k}: {defining.get(k)!r} -> {v!r}" for k, v in _expected_defining(recipe).items()
+                 if k in defining and defining[k] != v]
+        if diffs:
+            raise ValueError(f"{d} holds answers asked with other eval settings ({'; '.join(diffs)}); use another "
+                             "--out folder, or restore the recipe's [eval] values")
+    try:
+        recorded = json.loads((arm_dir / SERVER_FILE).read_text())
+    except (OSError, ValueError):
+        print(f"# note: {arm_dir} has no {SERVER_FILE} (an older sglang-oscar): its answers are taken as this "
+              "recipe's server's", file=sys.stderr)
+        return True
+    if recorded != identity:
+        old, new = _flag_values(recorded.get("server_args", [])), _flag_values(identity["server_args"])
+        diffs = [f"{k} {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(old) | set(new))
+                 if old.get(k) != new.get(k)]
+        for key in ("env", "rotation_sha256"):
+            if recorded.get(key) != identity[key]:
+                diffs.append(f"{key} changed")
+        raise ValueError(f"{arm_dir} holds answers of another {p.arm} server ({'; '.join(diffs) or 'changed'}); "
+                         "use another --out folder, or remove it to start this arm afresh")
+    return True
 
 
 def run_recipe(recipe_path: str | Path, arms: list[str] | None = None, out: str | Path | None = None,
                data_files: dict[str, str] | None = None, dry_run: bool = False,
-               health_timeout: float = 1800.0, health_interval: float = 1.0) -> int:
+               health_timeout: float = 1800.0, health_interval: float = 1.0, port: int | None = None) -> int:
     """Serve each arm, run its evals, stop it, then compare bf16 with int2 (see the module
     docstring). Returns 0 when every run is complete, 1 when some run finished incomplete,
     or the status of the first step that failed (2: an error). Raises ValueError / EvalError
@@ -104,7 +182,7 @@ def run_recipe(recipe_path: str | Path, arms: list[str] | None = None, out: str 
             raise ValueError(f"--data-file given for {task!r}, which is not in the recipe's "
                              f"[eval].tasks ({', '.join(recipe.eval.tasks)})")
     out = Path(out) if out is not None else Path("runs") / recipe.name
-    plans = plan(recipe, arms, out, data_files, check_files=not dry_run)
+    plans = plan(recipe, arms, out, data_files, check_files=not dry_run, port=port)
     compares = []
     if "bf16" in arms and "int2" in arms:
         compares = [["compare", str(out / "bf16" / t), str(out / "int2" / t),
@@ -130,11 +208,16 @@ def run_recipe(recipe_path: str | Path, arms: list[str] | None = None, out: str 
     for t in recipe.eval.tasks:
         load_task_data(t, data_files.get(t))
 
+    identities = {p.arm: server_identity(p.server, recipe) for p in plans}
+    for p in plans:  # every folder is checked before the first server starts
+        _check_arm_folder(p, recipe, identities[p.arm])
     incomplete: list[str] = []
     for p in plans:
         if all(_complete(d, recipe) for d in p.out_dirs.values()):
             print(f"# arm {p.arm}: all tasks complete in {out / p.arm}; not serving it again")
             continue
+        p.log_path.parent.mkdir(parents=True, exist_ok=True)
+        (p.log_path.parent / SERVER_FILE).write_text(json.dumps(identities[p.arm], indent=2) + "\n")
         print(f"# arm {p.arm}: {p.server.shell()}", flush=True)
         server = launcher.Server(p.server, p.log_path)
         try:

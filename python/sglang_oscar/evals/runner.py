@@ -308,17 +308,18 @@ def run_eval(
         for s in samples
         if rows.get((seed, s.index), {}).get("status") != "ok"
     ]
+    if client is None:
+        client = ChatClient(
+            settings.base_url,
+            settings.model,
+            request_timeout=settings.request_timeout,
+            retries=settings.retries,
+            backoff=settings.backoff,
+        )
     if pending:
-        if client is None:
-            client = ChatClient(
-                settings.base_url,
-                settings.model,
-                request_timeout=settings.request_timeout,
-                retries=settings.retries,
-                backoff=settings.backoff,
-            )
         # Before run.json is written: a mistyped --model must not be locked into the folder.
         client.check_model()
+    identity = _check_server(out, record, rows, client, bool(pending), len(prompts) - len(pending))
 
     seeds_seen = sorted(set(record.get("seeds", [])) | set(settings.seeds))
     from sglang_oscar import __version__ as pkg_version  # noqa: PLC0415
@@ -329,11 +330,14 @@ def run_eval(
             "seeds": seeds_seen,
             "data_source": ds.source,
             "n_examples": settings.n_examples,
-            "last_base_url": settings.base_url,
             "threads": settings.threads,
             "sglang_oscar_version": pkg_version,
         }
     )
+    if pending:  # the server that answers this run (nothing asked: the record stays the answering one's)
+        record["last_base_url"] = settings.base_url
+        if identity is not None:
+            record["server"] = identity
     _write_json(out / RUN_FILE, record)
 
     by_index = {s.index: s for s in samples}
@@ -354,7 +358,37 @@ def run_eval(
     finally:
         metrics = compute_metrics(settings, samples, rows)
         _write_json(out / METRICS_FILE, metrics)
+    _warn_empty(rows, prompts)
     return metrics
+
+
+def _warn_empty(rows: dict, prompts: dict) -> None:
+    """Say so when most answers are empty: they are scored as wrong, yet the run counts as complete
+    (a reasoning parser that moves the whole answer out of ``content`` looks like this)."""
+    ok = [r for key, r in rows.items() if key in prompts and r.get("status") == "ok"]
+    empty = sum(1 for r in ok if not (r.get("response") or "").strip())
+    if ok and empty * 2 > len(ok):
+        print(f"warning: {empty} of {len(ok)} answers are empty (scored as wrong); check the server's output, e.g. "
+              "a --reasoning-parser that leaves no final answer in content", file=sys.stderr)
+
+
+def _check_server(out: Path, record: dict[str, Any], rows: dict, client, pending: bool, kept: int):
+    """The server's identity (:meth:`ChatClient.server_identity`, ``None`` when it reports none);
+    :class:`EvalError` when ``out`` holds answers of a server with another identity (a bf16 run
+    resumed against an int2 server on the same port would mix them). Says on stderr when answers
+    are kept, and when nothing is asked at all."""
+    identity = client.server_identity() if (pending or rows) else None
+    recorded = record.get("server")
+    if rows and identity is not None and recorded is not None and identity != recorded:
+        diffs = "; ".join(f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in identity.items() if recorded.get(k) != v)
+        raise EvalError(f"{out} holds answers of another server ({diffs}); use another --out folder for the "
+                        f"server at {client.base_url}")
+    if rows and not pending:
+        print(f"note: all {kept} answers are already in {out} (from {record.get('last_base_url', 'an earlier run')}); "
+              "nothing was asked", file=sys.stderr)
+    elif kept:
+        print(f"note: resuming {out}: {kept} answers kept", file=sys.stderr)
+    return identity
 
 
 def _check_kept_rows(samples_path: Path, rows: dict[tuple[int, int], dict[str, Any]],
@@ -426,6 +460,7 @@ def _ask(settings, client, pending, prompts, rows, samples_path, total, on_resul
                    unit="sample", dynamic_ncols=True, file=sys.stderr)
     attempted = bad = correct = answered = 0
     first_bad: str | None = None
+    first_status = "rejected"
     received = 0
     try:
         with open(samples_path, "a", encoding="utf-8") as fh:
@@ -444,7 +479,8 @@ def _ask(settings, client, pending, prompts, rows, samples_path, total, on_resul
                     correct += int(row["correct"])
                 else:
                     bad += 1
-                    first_bad = first_bad or comp.error
+                    if first_bad is None:
+                        first_bad, first_status = comp.error, comp.status
                 attempted += 1
                 rows[(seed, sample.index)] = row
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -455,12 +491,13 @@ def _ask(settings, client, pending, prompts, rows, samples_path, total, on_resul
                     bar.update(1)
                     bar.set_postfix(acc=f"{correct / answered:.3f}" if answered else "-", bad=bad)
                 if attempted >= min(len(pending), MIN_ATTEMPTS_FOR_ABORT) and bad > ABORT_FRACTION * attempted:
+                    hint = ("e.g. max tokens beyond the context length: --context-length / YaRN in the recipe, "
+                            "or a smaller --max-tokens" if first_status == "rejected" else
+                            "the server failed or timed out: see its log, or raise --request-timeout")
                     raise MassRejection(
                         f"aborting: {bad} of {attempted} requests were rejected or failed "
                         f"(first: {first_bad}); they were not scored as answers. Fix the cause "
-                        "(e.g. max tokens beyond the context length: --context-length / YaRN "
-                        "in the recipe, or a smaller --max-tokens) and re-run the same command: "
-                        "finished samples are kept"
+                        f"({hint}) and re-run the same command: finished samples are kept"
                     )
     finally:
         stop.set()
