@@ -191,3 +191,23 @@ def test_n_examples_takes_the_first_questions(tmp_path, gpqa_file):
         texts = srv.user_texts()
     assert m["n"] == 4 and len(texts) == 4
     assert {int(t.split("Question number ")[1].split(":")[0]) for t in texts} == {0, 1, 2, 3}
+
+
+def test_one_run_writes_a_folder_at_a_time(tmp_path, gpqa_file):
+    """Two evals into one --out asked every sample twice; the second is refused while the first holds the
+    folder, and runs once it is released. A file given as --out is named."""
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "w") as held:  # another eval's lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with FakeOpenAIServer(gpqa_responder) as srv:
+            with pytest.raises(EvalError, match=r"another sglang-oscar eval is writing to .*run; wait for it"):
+                run_eval(settings(tmp_path, srv.base_url, gpqa_file))
+            assert srv.requests == []
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        assert run_eval(settings(tmp_path, srv.base_url, gpqa_file))["complete"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(EvalError, match=r"--out .*file is a file: pass a folder"):
+        run_eval(settings(tmp_path, "http://127.0.0.1:1", gpqa_file, out="file"))

@@ -291,75 +291,94 @@ def run_eval(
         samples = samples[: settings.n_examples]
 
     out = Path(settings.out_dir)
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out} is a file: pass a folder for the run")
     out.mkdir(parents=True, exist_ok=True)
-    samples_path = out / SAMPLES_FILE
-    rows = read_rows(samples_path, repair=True)
-    record = _check_run_file(out, settings, has_rows=bool(rows))
-    prompts = {
-        (seed, s.index): build_prompt(settings.task, s, seed, settings.system_prompt)
-        for seed in settings.seeds
-        for s in samples
-    }
-    _check_kept_rows(samples_path, rows, prompts, settings.regrade)
-
-    pending = [
-        (seed, s)
-        for seed in settings.seeds
-        for s in samples
-        if rows.get((seed, s.index), {}).get("status") != "ok"
-    ]
-    if client is None:
-        client = ChatClient(
-            settings.base_url,
-            settings.model,
-            request_timeout=settings.request_timeout,
-            retries=settings.retries,
-            backoff=settings.backoff,
-        )
-    if pending:
-        # Before run.json is written: a mistyped --model must not be locked into the folder.
-        client.check_model()
-    identity = _check_server(out, record, rows, client, bool(pending), len(prompts) - len(pending))
-
-    seeds_seen = sorted(set(record.get("seeds", [])) | set(settings.seeds))
-    from sglang_oscar import __version__ as pkg_version  # noqa: PLC0415
-
-    record.update(
-        {
-            "defining": settings.defining(),
-            "seeds": seeds_seen,
-            "data_source": ds.source,
-            "n_examples": settings.n_examples,
-            "threads": settings.threads,
-            "sglang_oscar_version": pkg_version,
+    with _lock_folder(out):  # one run writes a folder at a time
+        samples_path = out / SAMPLES_FILE
+        rows = read_rows(samples_path, repair=True)
+        record = _check_run_file(out, settings, has_rows=bool(rows))
+        prompts = {
+            (seed, s.index): build_prompt(settings.task, s, seed, settings.system_prompt)
+            for seed in settings.seeds
+            for s in samples
         }
-    )
-    if pending:  # the server that answers this run (nothing asked: the record stays the answering one's)
-        record["last_base_url"] = settings.base_url
-        if identity is not None:
-            record["server"] = identity
-    _write_json(out / RUN_FILE, record)
+        _check_kept_rows(samples_path, rows, prompts, settings.regrade)
 
-    by_index = {s.index: s for s in samples}
-    if settings.regrade:
-        for key, row in rows.items():
-            if key in prompts and row.get("status") == "ok":
-                _apply_grade(settings.task, row, by_index[key[1]], prompts[key], settings)
-        tmp = samples_path.with_name(SAMPLES_FILE + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for row in rows.values():
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, samples_path)
-
-    total = len(samples) * len(settings.seeds)
-    try:
+        pending = [
+            (seed, s)
+            for seed in settings.seeds
+            for s in samples
+            if rows.get((seed, s.index), {}).get("status") != "ok"
+        ]
+        if client is None:
+            client = ChatClient(
+                settings.base_url,
+                settings.model,
+                request_timeout=settings.request_timeout,
+                retries=settings.retries,
+                backoff=settings.backoff,
+            )
         if pending:
-            _ask(settings, client, pending, prompts, rows, samples_path, total, on_result)
-    finally:
-        metrics = compute_metrics(settings, samples, rows)
-        _write_json(out / METRICS_FILE, metrics)
-    _warn_empty(rows, prompts)
-    return metrics
+            # Before run.json is written: a mistyped --model must not be locked into the folder.
+            client.check_model()
+        identity = _check_server(out, record, rows, client, bool(pending), len(prompts) - len(pending))
+
+        seeds_seen = sorted(set(record.get("seeds", [])) | set(settings.seeds))
+        from sglang_oscar import __version__ as pkg_version  # noqa: PLC0415
+
+        record.update(
+            {
+                "defining": settings.defining(),
+                "seeds": seeds_seen,
+                "data_source": ds.source,
+                "n_examples": settings.n_examples,
+                "threads": settings.threads,
+                "sglang_oscar_version": pkg_version,
+            }
+        )
+        if pending:  # the server that answers this run (nothing asked: the record stays the answering one's)
+            record["last_base_url"] = settings.base_url
+            if identity is not None:
+                record["server"] = identity
+        _write_json(out / RUN_FILE, record)
+
+        by_index = {s.index: s for s in samples}
+        if settings.regrade:
+            for key, row in rows.items():
+                if key in prompts and row.get("status") == "ok":
+                    _apply_grade(settings.task, row, by_index[key[1]], prompts[key], settings)
+            tmp = samples_path.with_name(SAMPLES_FILE + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                for row in rows.values():
+                    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            os.replace(tmp, samples_path)
+
+        total = len(samples) * len(settings.seeds)
+        try:
+            if pending:
+                _ask(settings, client, pending, prompts, rows, samples_path, total, on_result)
+        finally:
+            metrics = compute_metrics(settings, samples, rows)
+            _write_json(out / METRICS_FILE, metrics)
+        _warn_empty(rows, prompts)
+        return metrics
+
+
+def _lock_folder(out: Path):
+    """An exclusive lock on ``out/.lock``: the open file, to use in a ``with`` block (closing it, or
+    the process ending, releases the lock). :class:`EvalError` when another eval holds it: two runs
+    appending to one ``samples.jsonl`` would each ask every sample."""
+    import fcntl
+
+    fh = open(out / ".lock", "w")  # noqa: SIM115  (returned open: the caller's with-block closes it)
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise EvalError(f"another sglang-oscar eval is writing to {out}; wait for it, or use another --out folder") \
+            from None
+    return fh
 
 
 def _warn_empty(rows: dict, prompts: dict) -> None:
