@@ -49,7 +49,7 @@ def run(tmp_path, responder, out, data, seeds=(0, 1)) -> Path:
 
 
 def test_compare_refuses_what_cannot_be_paired_and_names_the_fix(tmp_path, aime_file):
-    """The same folder twice, a damaged metrics.json (was a KeyError / a JSON error naming no file), and
+    """The same folder twice, a damaged metrics.json (named, with the fix), and
     runs of different models or sizes (warned: their means are over different things)."""
     a = run(tmp_path, answer_right_on({0, 1}), "a", aime_file)
     with pytest.raises(EvalError, match="both runs are .*: pass the control and the treatment folders"):
@@ -237,11 +237,15 @@ def test_eval_recipe_end_to_end_with_stand_in_server(tmp_path, monkeypatch, caps
     assert rc == 0
     text = capsys.readouterr().out
     assert text.count("not serving it again") == 2
-    assert json.loads((out / "int2" / "server.json").read_text())["server_args"][:2] == ["--model-path", "Qwen/Qwen3-8B"]
+    assert json.loads((out / "int2" / "server.json").read_text())["server_flags"]["--model-path"] == "Qwen/Qwen3-8B"
+    # flags that change no answer (the context limit, memory sizing) do not bar a resume
+    p.write_text(p.read_text().replace("[serve]\n", "[serve]\nmem_fraction_static = 0.5\n"))
+    assert run_recipe(p, ["bf16", "int2"], out, {"gpqa": str(data)}, health_interval=0.1) == 0
+    p.write_text(p.read_text().replace("mem_fraction_static = 0.5\n", ""))
     # a changed recipe does not reuse the arms' answers: refused before any server starts
     p.write_text(p.read_text().replace("[quant]\n", "[quant]\nrecent_tokens = 64\n"))
     with pytest.raises(ValueError, match=r"int2 holds answers of another int2 server \(--oscar-recent-tokens '256' -> "
-                                         r"'64'\); use another --out folder"):
+                                         r"'64'\); move .*int2 aside"):
         run_recipe(p, ["bf16", "int2"], out, {"gpqa": str(data)}, health_interval=0.1)
     p.write_text(p.read_text().replace("recent_tokens = 64\n", "").replace("max_tokens = 1024", "max_tokens = 512"))
     with pytest.raises(ValueError, match=r"gpqa holds answers asked with other eval settings \(max_tokens: 1024 -> 512\)"):
@@ -257,7 +261,7 @@ def test_eval_recipe_bad_input(tmp_path):
     with pytest.raises(ValueError, match="--data-file given for 'math500'"):
         run_recipe(p, ["bf16"], tmp_path / "o", {"math500": "x.jsonl"}, dry_run=True)
     assert main(["eval-recipe", "--recipe", str(p), "--data-file", "gpqa", "--dry-run"]) == 2
-    # a dry run checks the data files too (it exited 0 for a missing one), and one file per task
+    # a dry run checks the data files too, and one file per task
     data = tmp_path / "g.jsonl"
     write_jsonl(data, gpqa_rows(2))
     for args, msg in ((["--data-file", f"gpqa={tmp_path / 'none.jsonl'}"], "none.jsonl does not exist"),
@@ -269,7 +273,7 @@ def test_eval_recipe_bad_input(tmp_path):
 
 
 def test_eval_recipe_serves_on_the_given_port(tmp_path, capsys):
-    """The busy-port message says "or use --port": eval-recipe takes it (it was an unknown argument)."""
+    """The busy-port message says "or use --port": eval-recipe takes it."""
     p = _recipe(tmp_path, 31997)
     assert main(["eval-recipe", "--recipe", str(p), "--port", "31555", "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -250,7 +250,7 @@ def test_multi_node_flags_added_once_with_dist_timeout(tmp_path):
         (dict(nnodes=2, node_rank=1), "needs --node-rank and --dist-init-addr"),
         (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), r"must be in \[0, 2\)"),
         (dict(node_rank=1, dist_init_addr="h:1"), "need --nnodes > 1"),
-        (dict(dist_init_addr=""), "need --nnodes > 1"),  # an unset shell variable: was an AssertionError
+        (dict(dist_init_addr=""), "need --nnodes > 1"),  # an unset shell variable
         (dict(nnodes=2, node_rank=1, dist_init_addr=""), r"must be HOST:PORT .* got ''"),
         (dict(nnodes=2, node_rank=1, dist_init_addr="garbage"), r"must be HOST:PORT .* got 'garbage'"),
         (dict(nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:99999"), r"must be HOST:PORT"),

@@ -539,8 +539,8 @@ def test_eval_cli_rejects_out_of_range_numbers(tmp_path, capsys, args, pattern):
 
 
 def test_answers_of_another_server_are_not_mixed_into_a_folder(tmp_path, gpqa_file, capsys):
-    """A finished bf16 folder evaluated again against an int2 server on the same URL reported the bf16
-    answers as the int2 server's: now the server's identity (SGLang's /server_info) is recorded and a
+    """A finished bf16 folder evaluated again against an int2 server on the same URL must not report the
+    bf16 answers as the int2 server's: the server's identity (SGLang's /server_info) is recorded and a
     different one is refused, finished or not; the same server gets a note that nothing was asked."""
     bf16 = {"model_path": "m", "kv_cache_dtype": "auto", "dtype": "bfloat16", "quantization": None}
     int2 = {**bf16, "kv_cache_dtype": "int2"}
@@ -558,15 +558,27 @@ def test_answers_of_another_server_are_not_mixed_into_a_folder(tmp_path, gpqa_fi
                                             r"use another --out folder"):
             run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="run"))
         assert srv.requests == []
-    # a server that reports no identity (not SGLang) is not judged, and leaves the record as it was
+    # with nothing to ask, a server that reports no identity (not SGLang) leaves the record as it was
     with FakeOpenAIServer(gpqa_responder) as srv:
         run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="run"))
     assert json.loads((tmp_path / "run" / "run.json").read_text())["server"] == record["server"]
+    # new answers are not asked of a server that cannot be told apart from the recorded one
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        with pytest.raises(EvalError, match=r"holds answers of a server with kv_cache_dtype 'auto', and the server at "
+                                            r".* cannot be identified \(it reports none"):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="run", seeds=[0, 1, 2]))
+        assert srv.requests == []
+    # answers of an unidentified server kept, then an SGLang one: the folder's server stays unknown
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="anon", seeds=[0]))
+    with FakeOpenAIServer(gpqa_responder, server_info=int2) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, out="anon", seeds=[0, 1]))
+    assert json.loads((tmp_path / "anon" / "run.json").read_text())["server"] is None
 
 
 def test_a_server_that_is_not_openai_compatible_is_named_at_once(tmp_path, gpqa_file):
-    """An HTML 404 at /v1/models (a web server, a wrong --base-url) was taken as "reachable" and every
-    request then failed for minutes under a max-tokens hint; now the preflight names it."""
+    """An HTML 404 at /v1/models (a web server, a wrong --base-url) is named by the preflight, not taken as
+    a reachable server whose every request then fails for minutes under a max-tokens hint."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -586,7 +598,7 @@ def test_a_server_that_is_not_openai_compatible_is_named_at_once(tmp_path, gpqa_
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        with pytest.raises(EvalError, match=r"/v1/models answers HTTP 404 with a non-JSON page: not an OpenAI-compatible "
+        with pytest.raises(EvalError, match=r"/v1/models answers HTTP 404 with an HTML page: not an OpenAI-compatible "
                                             r"server; check --base-url"):
             run_eval(settings(tmp_path, url, gpqa_file))
     finally:
@@ -599,3 +611,14 @@ def test_a_run_of_empty_answers_says_so(tmp_path, gpqa_file, capsys):
         metrics = run_eval(settings(tmp_path, srv.base_url, gpqa_file))
     assert metrics["complete"] and metrics["accuracy_mean"] == 0.0
     assert "warning: 24 of 24 answers are empty (scored as wrong)" in capsys.readouterr().err
+
+
+def test_identity_keys_are_fields_sglang_reports():
+    """/server_info returns dataclasses.asdict(ServerArgs): a key that is not a field would always read None."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_oscar.evals.client import IDENTITY_KEYS
+
+    assert set(IDENTITY_KEYS) <= {f.name for f in dataclasses.fields(ServerArgs)}

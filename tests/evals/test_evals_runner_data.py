@@ -124,11 +124,15 @@ def test_data_file_errors(tmp_path):
     shifted = tmp_path / "shifted.csv"
     shifted.write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3\n"
                        "What is 1,5?,a,b,c,d\n")
-    with pytest.raises(EvalError, match=r"data row 1 has more fields than the header's 5: quote fields"):
+    with pytest.raises(EvalError, match=r"the row ending on line 2 has more fields than the header's 5: quote fields"):
         load_task_data("gpqa", shifted)
+    trailing = tmp_path / "trailing.csv"  # a spreadsheet export's empty trailing fields carry nothing
+    trailing.write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3\n"
+                        "What is 2?,a,b,c,d,,\n")
+    assert [s.fields["question"] for s in load_task_data("gpqa", trailing).samples] == ["What is 2?"]
     latin = tmp_path / "latin.csv"
     latin.write_bytes("problem,answer\ncaf\u00e9,1\n".encode("latin-1"))
-    with pytest.raises(EvalError, match=r"not UTF-8 text .*re-save it as UTF-8"):
+    with pytest.raises(EvalError, match=r"not UTF-8 text \(invalid continuation byte on line 2\): re-save it as UTF-8"):
         load_task_data("math500", latin)
 
 
@@ -211,3 +215,17 @@ def test_one_run_writes_a_folder_at_a_time(tmp_path, gpqa_file):
     (tmp_path / "file").write_text("x")
     with pytest.raises(EvalError, match=r"--out .*file is a file: pass a folder"):
         run_eval(settings(tmp_path, "http://127.0.0.1:1", gpqa_file, out="file"))
+
+
+def test_a_filesystem_without_flock_warns_and_runs(tmp_path, gpqa_file, monkeypatch, capsys):
+    """ENOLCK (NFS without lockd, Lustre without flock) is not "another eval is writing": waiting would not help."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with FakeOpenAIServer(gpqa_responder) as srv:
+        assert run_eval(settings(tmp_path, srv.base_url, gpqa_file))["complete"]
+    assert "warning: cannot lock" in capsys.readouterr().err

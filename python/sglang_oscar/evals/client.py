@@ -35,9 +35,10 @@ DEFAULT_BACKOFF_S = 2.0
 MAX_BACKOFF_S = 120.0
 MODELS_TIMEOUT_S = 30.0
 # SGLang ServerArgs fields that change a model's answers (GET /server_info): an eval folder's answers
-# come from one such server. The plugin's --oscar-* settings are not ServerArgs fields; eval-recipe
-# records its servers' whole argv instead.
-IDENTITY_KEYS = ("model_path", "kv_cache_dtype", "kv_cache_quant_group_size", "dtype", "quantization",
+# come from one such server. The INT2 settings (--kv-cache-quant-group-size, --oscar-*) are not
+# ServerArgs fields, so two int2 servers that differ only in them look alike here; eval-recipe
+# records its servers' whole argv for that.
+IDENTITY_KEYS = ("model_path", "revision", "load_format", "kv_cache_dtype", "dtype", "quantization",
                  "json_model_override_args")
 
 
@@ -182,8 +183,8 @@ class ChatClient:
             except (o.APIConnectionError, o.InternalServerError, o.RateLimitError) as exc:
                 last = exc
             except o.APIStatusError as exc:
-                if exc.status_code == 404 and "json" not in exc.response.headers.get("content-type", ""):
-                    raise EvalError(f"{self.base_url}/models answers HTTP 404 with a non-JSON page: not an "
+                if exc.status_code == 404 and "text/html" in exc.response.headers.get("content-type", ""):
+                    raise EvalError(f"{self.base_url}/models answers HTTP 404 with an HTML page: not an "
                                     "OpenAI-compatible server; check --base-url (SGLang's root, e.g. "
                                     "http://127.0.0.1:30000)") from None
                 return []  # reachable, but no /models endpoint
@@ -191,23 +192,35 @@ class ChatClient:
                 return []
         raise self._unreachable(last, "(start one with `sglang-oscar serve`)")
 
-    def server_identity(self) -> dict[str, Any] | None:
-        """What the server answers with, as SGLang reports it at ``GET /server_info`` (the keys of
-        :data:`IDENTITY_KEYS`: model, KV-cache dtype and group size, weight dtype and quantization),
-        or ``None`` for a server without that route, one that cannot be reached, or an unreadable
-        answer. An eval folder records it, so answers of another server are not mixed into it."""
+    def server_identity(self, attempts: int = 3) -> tuple[dict[str, Any] | None, str | None]:
+        """``(identity, failure)``: what the server answers with as SGLang reports it at
+        ``GET /server_info`` (the keys of :data:`IDENTITY_KEYS`), ``(None, None)`` for a server
+        without that route (not SGLang), or ``(None, reason)`` when the route could not be read
+        after ``attempts`` tries (connection errors, timeouts, 5xx; one second apart, doubling).
+        An eval folder records it, so answers of another server are not mixed into it."""
         import httpx
 
         root = self.base_url[: -len("/v1")]
-        try:
-            with httpx.Client(trust_env=not is_loopback_url(root), timeout=self._models_timeout) as http:
-                resp = http.get(root + "/server_info")
-            info = resp.json() if resp.status_code == 200 else None
-        except Exception:  # noqa: BLE001  (no route, refused, not JSON: no identity to compare)
-            return None
-        if not isinstance(info, dict) or "kv_cache_dtype" not in info:
-            return None
-        return {k: info.get(k) for k in IDENTITY_KEYS}
+        failure = None
+        for attempt in range(attempts):
+            try:
+                with httpx.Client(trust_env=not is_loopback_url(root), timeout=self._models_timeout) as http:
+                    resp = http.get(root + "/server_info")
+            except httpx.HTTPError as exc:
+                failure = _describe(exc)
+            else:
+                if resp.status_code < 500:
+                    try:
+                        info = resp.json() if resp.status_code == 200 else None
+                    except ValueError:
+                        info = None
+                    if not isinstance(info, dict) or "kv_cache_dtype" not in info:
+                        return None, None  # no such route, or not SGLang's: nothing to identify it by
+                    return {k: info.get(k) for k in IDENTITY_KEYS}, None
+                failure = f"HTTP {resp.status_code}"
+            if attempt + 1 < attempts:
+                time.sleep(2.0**attempt)
+        return None, f"GET {root}/server_info failed: {failure}"
 
     def check_model(self) -> None:
         """Raise :class:`EvalError` when the server lists models and ``model`` is not one of

@@ -87,8 +87,8 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     if met_a["n"] != met_b["n"] or sorted(met_a["seeds"]) != sorted(met_b["seeds"]):
         # each run's mean is over its own samples and seeds; the paired difference uses the common ones
         warnings.append(f"the runs cover different samples or seeds (n {met_a['n']} vs {met_b['n']}, seeds "
-                        f"{sorted(met_a['seeds'])} vs {sorted(met_b['seeds'])}): their means are not over the same "
-                        "questions; the paired difference is")
+                        f"{sorted(met_a['seeds'])} vs {sorted(met_b['seeds'])}): the two means are over different "
+                        "questions; only the paired difference uses the same ones")
     seeds = sorted(set(int(s) for s in met_a["seeds"]) & set(int(s) for s in met_b["seeds"]))
     if not seeds:
         raise EvalError("the two runs have no seed in common: nothing to pair")

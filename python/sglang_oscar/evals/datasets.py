@@ -182,6 +182,14 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq  # the [evals] extra; outside the try so a missing one is named
+    elif suffix in (".jsonl", ".json", ".csv"):
+        data = path.read_bytes()
+        try:
+            data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            raise DatasetUnavailable(f"--data-file {path}: not UTF-8 text ({exc.reason} on line {line}): re-save it "
+                                     "as UTF-8") from None
     try:
         if suffix in (".jsonl", ".json"):
             text = path.read_text(encoding="utf-8-sig")
@@ -202,17 +210,17 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
         if suffix == ".csv":
             with path.open(newline="", encoding="utf-8-sig") as fh:
                 reader = csv.DictReader(fh)
-                rows = list(reader)
-            extra = next((i for i, r in enumerate(rows, 1) if None in r), None)
-            if extra is not None:  # an unquoted comma shifts every later column of that row
-                raise ValueError(f"data row {extra} has more fields than the header's "
-                                 f"{len(reader.fieldnames or [])}: quote fields that contain commas")
+                rows = []
+                for r in reader:
+                    # an unquoted comma shifts every later column of its row; empty trailing fields
+                    # (a spreadsheet's ",,") carry nothing
+                    if any((v or "").strip() for v in r.pop(None, None) or ()):
+                        raise ValueError(f"the row ending on line {reader.line_num} has more fields than the "
+                                         f"header's {len(reader.fieldnames or [])}: quote fields that contain commas")
+                    rows.append(r)
             return rows
         if suffix == ".parquet":
             return pq.read_table(path).to_pylist()
-    except UnicodeDecodeError as exc:
-        raise DatasetUnavailable(f"--data-file {path}: not UTF-8 text ({exc.reason} at byte {exc.start}): re-save it "
-                                 "as UTF-8") from None
     except (ValueError, OSError) as exc:
         raise DatasetUnavailable(f"--data-file {path}: cannot read it: {exc}") from None
     except Exception as exc:  # pyarrow errors

@@ -395,7 +395,7 @@ def parse_recipe(data: dict[str, Any], path: Path) -> Recipe:
                 f"{path}: [quant].skip_layers names layers {bad} beyond [geometry].num_layers = {geometry.num_layers} "
                 f"(ids run 0..{geometry.num_layers - 1}); fix the ids or use sliding / full")
     ctx = serve.context_length or model.context_length
-    if ctx is not None and ev.max_tokens >= ctx:
+    if ctx is not None and ev.max_tokens >= ctx and "--allow-auto-truncate" not in serve.extra_args:
         raise RecipeError(f"{path}: [eval].max_tokens = {ev.max_tokens} leaves no room for the prompt in the "
                           f"context of {ctx} tokens (every request would be refused after the model loaded); lower "
                           "max_tokens or raise the context length (e.g. YaRN through [model].json_model_override_args)")

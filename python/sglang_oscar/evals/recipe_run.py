@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sglang_oscar.evals import launcher
 from sglang_oscar.evals.recipe import Recipe, load_recipe
-from sglang_oscar.evals.runner import METRICS_FILE, RUN_FILE
+from sglang_oscar.evals.runner import METRICS_FILE, RUN_FILE, SAMPLES_FILE
 
 DEFAULT_ARMS = ("bf16", "int2")
 SERVER_FILE = "server.json"  # per arm: server_identity() of the server whose answers the arm folder holds
@@ -96,24 +96,40 @@ def _complete(run_dir: Path, recipe: Recipe) -> bool:
     )
 
 
+# Server flags that change no answer already given (where it listens, memory and batch sizing, the
+# context limit, logging): an arm folder may be resumed across changes of these.
+_NEUTRAL_FLAGS = {"--host", "--port", "--context-length", "--mem-fraction-static", "--max-running-requests",
+                  "--max-total-tokens", "--cuda-graph-max-bs", "--cuda-graph-max-bs-decode", "--enable-cache-report",
+                  "--dist-timeout", "--nnodes", "--node-rank", "--dist-init-addr", "--log-level",
+                  "--oscar-rotation"}  # the rotation is compared by content (rotation_sha256), not by path
+
+
 def server_identity(cmd: launcher.ServerCommand, recipe: Recipe) -> dict:
-    """What defines an arm's answers besides the eval settings: the server's arguments (without
-    ``--host`` / ``--port``: where it listens changes no answer), the recipe's environment, and the
-    SHA-256 of the int2 arm's rotation file."""
-    args, skip = [], False
-    for a in cmd.server_args:
-        if skip:
-            skip = False
-        elif a in ("--host", "--port"):
-            skip = True
-        else:
-            args.append(a)
+    """What defines an arm's answers besides the eval settings: the server's flags (without
+    :data:`_NEUTRAL_FLAGS`; ``--json-model-override-args`` as parsed JSON), the recipe's environment,
+    and the SHA-256 of the int2 arm's rotation file (of a rotation folder: of its files' names and
+    contents)."""
+    flags = {k: v for k, v in _flag_values(cmd.server_args).items() if k not in _NEUTRAL_FLAGS}
+    if "--json-model-override-args" in flags:
+        flags["--json-model-override-args"] = json.dumps(json.loads(flags["--json-model-override-args"]),
+                                                         sort_keys=True)
     rot = recipe.rotation_path if cmd.kv == "int2" else None
-    sha = hashlib.sha256(rot.read_bytes()).hexdigest() if rot is not None and rot.is_file() else None
-    return {"server_args": args, "env": dict(cmd.env), "rotation_sha256": sha}
+    return {"server_flags": flags, "env": dict(cmd.env), "rotation_sha256": _content_sha(rot)}
+
+
+def _content_sha(path: Path | None) -> str | None:
+    if path is None or not path.exists():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+        if f.is_file():
+            h.update(f.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def _flag_values(args: list[str]) -> dict[str, str]:
+    """``{flag: value}`` of a server argv (a flag without a value: ``""``; a repeated value list joined)."""
     out, key = {}, None
     for a in args:
         if a.startswith("--"):
@@ -124,14 +140,14 @@ def _flag_values(args: list[str]) -> dict[str, str]:
     return out
 
 
-def _check_arm_folder(p: ArmPlan, recipe: Recipe, identity: dict) -> bool:
-    """Whether the arm's folder may take this server's answers; ValueError (before any server starts)
-    when it holds answers of another server or eval settings. ``True`` when its server record matches
-    (an older folder without one is taken as this recipe's, with a note)."""
+def _check_arm_folder(p: ArmPlan, recipe: Recipe, identity: dict) -> None:
+    """ValueError (before any server starts) when the arm's folder holds answers of another server or
+    of other eval settings; a folder without a server record (an older sglang-oscar) is taken as this
+    recipe's, with a note."""
     arm_dir = p.log_path.parent
-    asked = [d for d in p.out_dirs.values() if (d / "samples.jsonl").exists()]
+    asked = [d for d in p.out_dirs.values() if (d / SAMPLES_FILE).exists()]
     if not asked:
-        return True
+        return
     for d in asked:
         try:
             defining = json.loads((d / RUN_FILE).read_text()).get("defining", {})
@@ -140,24 +156,26 @@ def _check_arm_folder(p: ArmPlan, recipe: Recipe, identity: dict) -> bool:
         diffs = [f"{k}: {defining.get(k)!r} -> {v!r}" for k, v in _expected_defining(recipe).items()
                  if k in defining and defining[k] != v]
         if diffs:
-            raise ValueError(f"{d} holds answers asked with other eval settings ({'; '.join(diffs)}); use another "
-                             "--out folder, or restore the recipe's [eval] values")
-    try:
-        recorded = json.loads((arm_dir / SERVER_FILE).read_text())
-    except (OSError, ValueError):
+            raise ValueError(f"{d} holds answers asked with other eval settings ({'; '.join(diffs)}); move {arm_dir} "
+                             "aside (or use another --out folder), or restore the recipe's [eval] values")
+    path = arm_dir / SERVER_FILE
+    if not path.exists():
         print(f"# note: {arm_dir} has no {SERVER_FILE} (an older sglang-oscar): its answers are taken as this "
               "recipe's server's", file=sys.stderr)
-        return True
+        return
+    try:
+        recorded = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}): move {arm_dir} aside to start this arm afresh") from None
     if recorded != identity:
-        old, new = _flag_values(recorded.get("server_args", [])), _flag_values(identity["server_args"])
+        old, new = recorded.get("server_flags", {}), identity["server_flags"]
         diffs = [f"{k} {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(old) | set(new))
                  if old.get(k) != new.get(k)]
         for key in ("env", "rotation_sha256"):
             if recorded.get(key) != identity[key]:
                 diffs.append(f"{key} changed")
         raise ValueError(f"{arm_dir} holds answers of another {p.arm} server ({'; '.join(diffs) or 'changed'}); "
-                         "use another --out folder, or remove it to start this arm afresh")
-    return True
+                         f"move {arm_dir} aside to start this arm afresh (or use another --out folder)")
 
 
 def run_recipe(recipe_path: str | Path, arms: list[str] | None = None, out: str | Path | None = None,

@@ -339,8 +339,7 @@ def run_eval(
         )
         if pending:  # the server that answers this run (nothing asked: the record stays the answering one's)
             record["last_base_url"] = settings.base_url
-            if identity is not None:
-                record["server"] = identity
+            record["server"] = identity
         _write_json(out / RUN_FILE, record)
 
         by_index = {s.index: s for s in samples}
@@ -371,10 +370,16 @@ def _lock_folder(out: Path):
     appending to one ``samples.jsonl`` would each ask every sample."""
     import fcntl
 
+    import errno
+
     fh = open(out / ".lock", "w")  # noqa: SIM115  (returned open: the caller's with-block closes it)
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # a filesystem without flock
+            print(f"warning: cannot lock {out} ({exc.strerror}): do not run two evals into it at once",
+                  file=sys.stderr)
+            return fh
         fh.close()
         raise EvalError(f"another sglang-oscar eval is writing to {out}; wait for it, or use another --out folder") \
             from None
@@ -392,22 +397,29 @@ def _warn_empty(rows: dict, prompts: dict) -> None:
 
 
 def _check_server(out: Path, record: dict[str, Any], rows: dict, client, pending: bool, kept: int):
-    """The server's identity (:meth:`ChatClient.server_identity`, ``None`` when it reports none);
-    :class:`EvalError` when ``out`` holds answers of a server with another identity (a bf16 run
-    resumed against an int2 server on the same port would mix them). Says on stderr when answers
-    are kept, and when nothing is asked at all."""
-    identity = client.server_identity() if (pending or rows) else None
+    """The identity to record for this run (:meth:`ChatClient.server_identity`; ``None`` when unknown
+    or when kept answers came from an unidentified server); :class:`EvalError` when ``out`` holds
+    answers of another server, or when new answers would be asked of a server that cannot be told
+    apart from the one recorded (a bf16 run resumed against an int2 server on the same port). Says on
+    stderr when answers are kept, and when nothing is asked at all."""
+    identity, failure = client.server_identity() if (pending or rows) else (None, None)
     recorded = record.get("server")
     if rows and identity is not None and recorded is not None and identity != recorded:
         diffs = "; ".join(f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in identity.items() if recorded.get(k) != v)
         raise EvalError(f"{out} holds answers of another server ({diffs}); use another --out folder for the "
                         f"server at {client.base_url}")
+    if rows and pending and recorded is not None and identity is None:
+        why = failure or "it reports none (not SGLang's /server_info)"
+        raise EvalError(f"{out} holds answers of a server with kv_cache_dtype {recorded.get('kv_cache_dtype')!r}, and "
+                        f"the server at {client.base_url} cannot be identified ({why}): use another --out folder, or "
+                        "re-run once its /server_info answers")
     if rows and not pending:
         print(f"note: all {kept} answers are already in {out} (from {record.get('last_base_url', 'an earlier run')}); "
               "nothing was asked", file=sys.stderr)
     elif kept:
         print(f"note: resuming {out}: {kept} answers kept", file=sys.stderr)
-    return identity
+    # kept answers of an unidentified server: the folder's server stays unknown
+    return identity if (recorded is not None or not rows) else None
 
 
 def _check_kept_rows(samples_path: Path, rows: dict[tuple[int, int], dict[str, Any]],
