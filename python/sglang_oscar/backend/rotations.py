@@ -173,9 +173,10 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         config.check_head_dims(*dims)
     except ValueError as exc:
         common = math.gcd(*dims)
+        which = " (INT2 layers)" if skip else ""
         raise ValueError(f"--kv-cache-quant-group-size {config.group_size} does not fit this model: {exc}; the "
-                         f"model's head_dims{' (INT2 layers)' if skip else ''} are {dims}: pick a common divisor (e.g. {common}) or leave it unset "
-                         "for one group per row") from None
+                         f"model's head_dims{which} are {dims}: pick a common divisor (e.g. {common}) or leave it "
+                         "unset for one group per row") from None
     from ..kernels.layout import Int2Layout
 
     for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in quantized}):
@@ -245,7 +246,8 @@ def unserved_reason(geometry: ModelGeometry, architectures=None, hf_config=None)
         try:
             Int2Layout.from_config(OscarConfig(), dk, dv)
         except ValueError as exc:
-            return f"--kv-cache-dtype int2 cannot serve {geometry.model_type!r}: {exc}; serve it with --kv-cache-dtype auto"
+            return (f"--kv-cache-dtype int2 cannot serve {geometry.model_type!r}: {exc}; serve it with "
+                    "--kv-cache-dtype auto")
     return None
 
 
@@ -308,7 +310,8 @@ def served_latent_rotations(config: OscarConfig, geometry: ModelGeometry, *, log
     try:
         latent_group_size(config, rank)
     except ValueError as exc:
-        raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache (--kv-cache-quant-group-size): {exc}") from None
+        raise ValueError(f"--kv-cache-dtype int2 cannot serve {name!r}'s latent cache "
+                         f"(--kv-cache-quant-group-size): {exc}") from None
     if config.rotation_path is None:
         rs = LatentRotationSet.served_data_free(geometry)
         _log_data_free(log, "block-Hadamard latent")

@@ -441,7 +441,8 @@ def _group_misfit(quant: QuantSection, geometry: GeometrySection) -> str | None:
     if not g or quant.skip_layers not in ("none", "sliding", "full"):
         return None  # layer ids: which kind stays BF16 is the launch check's to judge
     if geometry.kv_lora_rank is not None:
-        return None if geometry.kv_lora_rank % g == 0 else f"does not divide [geometry].kv_lora_rank {geometry.kv_lora_rank}"
+        rank = geometry.kv_lora_rank
+        return None if rank % g == 0 else f"does not divide [geometry].kv_lora_rank {rank}"
     kinds = [("geometry", geometry), ("geometry.sliding", geometry.sliding), ("geometry.full", geometry.full)]
     for where, sec in kinds:
         if where == f"geometry.{quant.skip_layers}":  # that kind stays BF16: no INT2 groups
