@@ -97,3 +97,21 @@ def test_identity_keys_are_fields_sglang_reports():
     from sglang_oscar.evals.client import IDENTITY_KEYS
 
     assert set(IDENTITY_KEYS) <= {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+def test_int2_servers_are_told_apart_by_their_oscar_settings(tmp_path, gpqa_file):
+    """Two int2 servers differing only in the INT2 settings (not ServerArgs fields) are told apart by
+    what SGLang's scheduler reports of the plugin's config in /server_info's internal_states."""
+    base = {"model_path": "m", "kv_cache_dtype": "int2", "dtype": "bfloat16", "quantization": None}
+
+    def info(recent):
+        return {**base, "internal_states": [{"_oscar_config": {"recent_tokens": recent, "group_size": 128}}]}
+
+    with FakeOpenAIServer(gpqa_responder, server_info=info(256)) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0]))
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["server"]["oscar"]["recent_tokens"] == 256
+    with FakeOpenAIServer(gpqa_responder, server_info=info(64)) as srv:
+        with pytest.raises(EvalError, match=r"holds answers of another server \(oscar: .*'recent_tokens': 256.* -> "
+                                            r".*'recent_tokens': 64"):
+            run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0, 1]))
+        assert srv.requests == []

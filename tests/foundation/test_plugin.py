@@ -202,6 +202,10 @@ def test_from_cli_args_hook_attaches_config(monkeypatch):
     monkeypatch.setenv(flags.CONFIG_ENV, "")  # restored (unset) after the test
     out = plugin._around_from_cli_args(lambda cls, a: FakeArgs(), object, ns)
     assert out._oscar_config.sink_tokens == 8
+    # the attribute SGLang's scheduler reports in /server_info, which eval reads to identify int2 servers
+    from sglang_oscar.evals.client import OSCAR_STATE_KEY
+
+    assert vars(out)[OSCAR_STATE_KEY] is out._oscar_config
     assert flags.config_from_env().sink_tokens == 8
     # with every hook applied, an int2 launch passes; the unreadable model config "m" only warns
     if not plugin.missing_hooks():

@@ -35,11 +35,13 @@ DEFAULT_BACKOFF_S = 2.0
 MAX_BACKOFF_S = 120.0
 MODELS_TIMEOUT_S = 30.0
 # SGLang ServerArgs fields that change a model's answers (GET /server_info): an eval folder's answers
-# come from one such server. The INT2 settings (--kv-cache-quant-group-size, --oscar-*) are not
-# ServerArgs fields, so two int2 servers that differ only in them look alike here; eval-recipe
-# records its servers' whole argv for that.
+# come from one such server.
 IDENTITY_KEYS = ("model_path", "revision", "load_format", "kv_cache_dtype", "dtype", "quantization",
                  "json_model_override_args")
+# The INT2 settings are not ServerArgs fields: the plugin keeps them on the ServerArgs object under this
+# attribute, which SGLang's scheduler reports in /server_info's "internal_states" (Scheduler.
+# get_internal_state: vars(server_args), dataclasses turned into dicts).
+OSCAR_STATE_KEY = "_oscar_config"
 
 
 @dataclass
@@ -194,7 +196,8 @@ class ChatClient:
 
     def server_identity(self, attempts: int = 3) -> tuple[dict[str, Any] | None, str | None]:
         """``(identity, failure)``: what the server answers with as SGLang reports it at
-        ``GET /server_info`` (the keys of :data:`IDENTITY_KEYS`), ``(None, None)`` for a server
+        ``GET /server_info`` (the keys of :data:`IDENTITY_KEYS`, and under ``"oscar"`` an int2
+        server's settings, :data:`OSCAR_STATE_KEY`), ``(None, None)`` for a server
         without that route (not SGLang), or ``(None, reason)`` when the route could not be read
         after ``attempts`` tries (connection errors, timeouts, 5xx; one second apart, doubling).
         An eval folder records it, so answers of another server are not mixed into it."""
@@ -216,7 +219,12 @@ class ChatClient:
                         info = None
                     if not isinstance(info, dict) or "kv_cache_dtype" not in info:
                         return None, None  # no such route, or not SGLang's: nothing to identify it by
-                    return {k: info.get(k) for k in IDENTITY_KEYS}, None
+                    identity = {k: info.get(k) for k in IDENTITY_KEYS}
+                    states = info.get("internal_states")
+                    oscar = states[0].get(OSCAR_STATE_KEY) if states and isinstance(states[0], dict) else None
+                    if oscar is not None:
+                        identity["oscar"] = oscar
+                    return identity, None
                 failure = f"HTTP {resp.status_code}"
             if attempt + 1 < attempts:
                 time.sleep(2.0**attempt)
