@@ -35,10 +35,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bpe", help="bits per KV element of the INT2 cache at a context length")
     p.add_argument("--head-dim", type=int, required=True)
     p.add_argument("--group-size", type=positive_int, default=None, help="default: one group per row")
-    p.add_argument("--scale-dtype", default="float16", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--context", type=int, default=131072, help="tokens in the cache")
-    p.add_argument("--sink", type=int, default=64)
-    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--scale-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the (scale, zero) pairs (default float16)")
+    p.add_argument("--context", type=int, default=131072, help="tokens in the cache (default 131072)")
+    p.add_argument("--sink", type=int, default=64, help="BF16 sink tokens (default 64)")
+    p.add_argument("--recent", type=int, default=256, help="BF16 recent tokens (default 256)")
     p.set_defaults(func=_bpe)
 
     p = sub.add_parser("demo", help="CPU demo: naive vs Hadamard vs OSCAR INT2 on synthetic attention data")
