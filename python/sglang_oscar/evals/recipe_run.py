@@ -6,9 +6,9 @@ Both arms go through the identical launch path (:func:`launcher.build_server_com
 the KV flags differ. Every step is an ordinary ``sglang-oscar`` command, printed before it
 runs (``--dry-run`` prints them all and runs nothing), so any step can be repeated by hand.
 Runs are resumable: an arm whose tasks are all complete is not served again. Each arm folder
-records its server (``server.json``: arguments, environment, rotation file hash); a folder holding
-answers of another server or other eval settings is refused before any server starts, so a changed
-recipe never mixes its answers with the old ones. An eval that
+records its server (``server.json``: the flags that change answers, environment, rotation content
+hash); a folder holding answers of another server or other eval settings is refused before any
+server starts, so a changed recipe never mixes its answers with the old ones. An eval that
 finishes incomplete (exit 1: some samples rejected or failed, counted as wrong) does not stop
 the other tasks and arms; an error (exit 2) does. The command exits 1 when any run is
 incomplete.

@@ -368,9 +368,8 @@ def _lock_folder(out: Path):
     """An exclusive lock on ``out/.lock``: the open file, to use in a ``with`` block (closing it, or
     the process ending, releases the lock). :class:`EvalError` when another eval holds it: two runs
     appending to one ``samples.jsonl`` would each ask every sample."""
-    import fcntl
-
     import errno
+    import fcntl
 
     fh = open(out / ".lock", "w")  # noqa: SIM115  (returned open: the caller's with-block closes it)
     try:
