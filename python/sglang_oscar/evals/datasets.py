@@ -24,6 +24,7 @@ failure names the dataset and the ``--data-file`` flag.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import socket
@@ -168,6 +169,21 @@ def _gold_problem(task: str, fields: dict[str, Any]) -> str | None:
     return None
 
 
+def _utf8_text(path: Path) -> str:
+    """The file as text (UTF-8, a byte-order mark dropped), read once; :class:`DatasetUnavailable`
+    naming the line of the first byte that is not UTF-8, or an unreadable file."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DatasetUnavailable(f"--data-file {path}: cannot read it: {exc}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise DatasetUnavailable(f"--data-file {path}: not UTF-8 text ({exc.reason} on line {line}): re-save it "
+                                 "as UTF-8") from None
+
+
 def read_data_file(path: str | Path) -> list[dict[str, Any]]:
     """Rows (dicts) of a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file (UTF-8,
     a byte-order mark is accepted). Raises FileNotFoundError for a missing file and
@@ -183,16 +199,9 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
     if suffix == ".parquet":
         import pyarrow.parquet as pq  # the [evals] extra; outside the try so a missing one is named
     elif suffix in (".jsonl", ".json", ".csv"):
-        data = path.read_bytes()
-        try:
-            data.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            line = data[: exc.start].count(b"\n") + 1
-            raise DatasetUnavailable(f"--data-file {path}: not UTF-8 text ({exc.reason} on line {line}): re-save it "
-                                     "as UTF-8") from None
+        text = _utf8_text(path)
     try:
         if suffix in (".jsonl", ".json"):
-            text = path.read_text(encoding="utf-8-sig")
             stripped = text.lstrip()
             if suffix == ".json" and stripped.startswith("["):
                 rows = json.loads(stripped)
@@ -208,16 +217,15 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
                 raise ValueError("every row must be a JSON object")
             return rows
         if suffix == ".csv":
-            with path.open(newline="", encoding="utf-8-sig") as fh:
-                reader = csv.DictReader(fh)
-                rows = []
-                for r in reader:
-                    # an unquoted comma shifts every later column of its row; empty trailing fields
-                    # (a spreadsheet's ",,") carry nothing
-                    if any((v or "").strip() for v in r.pop(None, None) or ()):
-                        raise ValueError(f"the row ending on line {reader.line_num} has more fields than the "
-                                         f"header's {len(reader.fieldnames or [])}: quote fields that contain commas")
-                    rows.append(r)
+            reader = csv.DictReader(io.StringIO(text, newline=""))
+            rows = []
+            for r in reader:
+                # an unquoted comma shifts every later column of its row; empty trailing fields
+                # (a spreadsheet's ",,") carry nothing
+                if any((v or "").strip() for v in r.pop(None, None) or ()):
+                    raise ValueError(f"the row ending on line {reader.line_num} has more fields than the "
+                                     f"header's {len(reader.fieldnames or [])}: quote fields that contain commas")
+                rows.append(r)
             return rows
         if suffix == ".parquet":
             return pq.read_table(path).to_pylist()

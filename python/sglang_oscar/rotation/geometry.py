@@ -305,7 +305,7 @@ class ModelGeometry:
             raise ValueError(f"config of model_type {model_type!r} sets no kv_lora_rank: SGLang serves this model as "
                              "MLA (one latent of kv_lora_rank values per token), so its config.json needs it (512 in the "
                              "released DeepSeek-V3, GLM-5 and Kimi configs)")
-        if n_kv <= 0 or n_q % n_kv:
+        if n_q % n_kv:
             raise ValueError(f"config of model_type {model_type!r}: {n_q} attention heads are not a multiple of {n_kv} kv heads")
         if not types:
             # No per-layer list: a set sliding_window (Mistral-style) applies to every layer.
