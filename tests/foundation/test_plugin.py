@@ -250,3 +250,5 @@ def test_refusals_name_the_flag_and_the_alternative():
     assert "--kv-canary 'log'" in canary and "drop the flag" in canary
     (scales,) = refusal_messages(SimpleNamespace(kv_canary="none", quantization_param_path="kv_scales.json"))
     assert "--quantization-param-path 'kv_scales.json'" in scales and "FP8 KV-cache scales" in scales
+    (ray,) = refusal_messages(SimpleNamespace(kv_canary="none", use_ray=True))
+    assert "--use-ray True" in ray and "launch without --use-ray" in ray

@@ -62,6 +62,9 @@ REFUSALS = (
             "SGLang's canary attaches to its own pool classes only (no attacher for the INT2 pools); drop the flag"),
     Refusal("quantization_param_path", "--quantization-param-path", _truthy,
             "the file holds FP8 KV-cache scales, which an INT2 cache does not read; drop the flag"),
+    Refusal("use_ray", "--use-ray", _truthy,
+            "the INT2 settings reach scheduler processes through the environment, which Ray actors do not inherit "
+            "(they would serve plugin defaults); launch without --use-ray"),
     Refusal("page_size", "--page-size", lambda v: v not in (None, 1), "the INT2 pool is token-granular; use --page-size 1"),
     Refusal("attention_backend", "--attention-backend", _not_triton, "use --attention-backend triton (or leave it unset)"),
     Refusal("prefill_attention_backend", "--prefill-attention-backend", _not_triton, "use triton (or leave it unset)"),
