@@ -26,6 +26,9 @@ from .rotation import default_hadamard, fit_layer
 
 @dataclasses.dataclass
 class DemoRow:
+    """One row of the demo table: a rotation scheme, its quantizer, attention-output error in dB vs
+    unquantized attention (lower is better) and stored bits per K/V element."""
+
     scheme: str
     quantizer: str
     error_db: float
@@ -81,6 +84,7 @@ def run_demo(
 
 
 def format_table(rows: list[DemoRow], seconds: float, seq_len: int) -> str:
+    """The demo table as text: one line per row, then the run time in seconds."""
     lines = [
         f"attention-output error vs unquantized attention (held-out synthetic data, context {seq_len}; lower dB is better)",
         f"{'scheme':<40} {'quantizer':<10} {'error (dB)':>10} {'bits/elem':>10}",
@@ -93,6 +97,7 @@ def format_table(rows: list[DemoRow], seconds: float, seq_len: int) -> str:
 
 
 def main(seq_len: int = 4096, group_size: int | None = None, seed: int = 0) -> str:
+    """Run :func:`run_demo` and return its table (``sglang-oscar demo``)."""
     t0 = time.time()
     rows = run_demo(seq_len=seq_len, group_size=group_size, seed=seed)
     return format_table(rows, time.time() - t0, seq_len)

@@ -33,6 +33,8 @@ DEFAULT_PPL_TOKENS = 16384
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register the calibration verbs (``calibrate``, ``fit``, ``error``, ``ppl``, ``quality``,
+    ``validate-rotation``, ``validate-latent``, ``recipe-cmd``) on the CLI's subparsers."""
     p = sub.add_parser("calibrate", help="capture Q/K/V statistics of a transformers model (fp64, resumable)")
     _model_args(p)
     _prompt_args(p, tokens=None, seed=0)

@@ -11,6 +11,8 @@ from .paths import check_writable
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register the core verbs (``hadamard``, ``validate``, ``convert``, ``bpe``, ``demo``) on the CLI's
+    subparsers."""
     p = sub.add_parser("hadamard", help="write the data-free Hadamard rotation for a model config")
     p.add_argument("--config", required=True, help="HF config.json (or a model directory holding one)")
     p.add_argument("--out", required=True, help="output .safetensors file")

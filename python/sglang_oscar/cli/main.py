@@ -40,6 +40,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``sglang-oscar`` parser: every command module's verbs, each tagged with the extra it needs."""
     parser = argparse.ArgumentParser(
         prog="sglang-oscar",
         description="OSCAR INT2 KV cache for SGLang: rotations, calibration, evaluation.",
@@ -67,6 +68,7 @@ def missing_extra(exc: ModuleNotFoundError, verb_extra: str | None) -> str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``sglang-oscar`` entry point: run one verb; returns the exit status (a missing extra is named)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -38,6 +38,7 @@ TORCH_TO_TL = {
 
 
 def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``): Triton block shapes must be powers of two."""
     return 1 << max(0, (int(n) - 1).bit_length())
 
 

@@ -22,6 +22,9 @@ CONFIG_ENV = "SGLANG_OSCAR_CONFIG"
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
+    """One ``--oscar-*`` launch flag: its argparse dest and option, the :class:`OscarConfig` field it sets,
+    its parser, help text and the upstream environment alias that may set it instead."""
+
     dest: str  # argparse dest (namespace attribute)
     option: str  # CLI option
     field: str  # OscarConfig field

@@ -15,6 +15,9 @@ from typing import Any, Callable
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
+    """One unsupported launch setting: the ``ServerArgs`` field, the flag as typed, the test of a value and
+    what to do instead."""
+
     field: str  # ServerArgs field
     flag: str  # what the user typed
     unsupported: Callable[[Any], bool]  # value -> refused?

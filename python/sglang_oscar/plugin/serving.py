@@ -98,12 +98,15 @@ def _config(server_args):
 
 # ---------------------------------------------------------------------------------- dtype
 def around_configure_kv_cache_dtype(original_fn, *args, **kwargs):
+    """``configure_kv_cache_dtype``: an int2 launch stores uint8 codes (SGLang knows no ``int2`` dtype)."""
     if kwargs.get("server_args_kv_cache_dtype") == INT2:
         return None, torch.uint8
     return original_fn(*args, **kwargs)
 
 
 def around_enable_fused_set_kv_buffer(original_fn, *args, **kwargs):
+    """``enable_fused_set_kv_buffer``: off while an INT2 pool serves, whose writes quantize through
+    ``set_kv_buffer`` (a fused RoPE + BF16 write would skip them)."""
     if _ACTIVE["recent"] is not None:
         return False
     return original_fn(*args, **kwargs)
@@ -165,6 +168,8 @@ def _kv_groups(kvc) -> list[tuple[str, int, int, int, int]]:
 
 
 def around_compute_cell_size(original_fn, self, kvc, num_layers, *args, **kwargs):
+    """``DefaultPoolConfigurator._compute_cell_size``: bytes per token of the INT2 pool (codes + pairs),
+    so ``max_total_num_tokens`` reflects what the pool really holds."""
     if not _is_int2(kvc.server_args):
         return original_fn(self, kvc, num_layers, *args, **kwargs)
     from ..pool.sizing import int2_cell_size
@@ -208,6 +213,8 @@ def after_hybrid_swa_configurator_init(result, self, kvc, *args, **kwargs):
 
 
 def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, *args, **kwargs):
+    """``KVCacheConfigurator._resolve_memory_pool_config``: takes the BF16 sink/recent windows' bytes out of
+    the budget before SGLang sizes the token pool (:func:`~sglang_oscar.pool.sizing.plan_windows`)."""
     if not _is_int2(self.server_args):
         return original_fn(self, pre_model_load_memory, *args, **kwargs)
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
@@ -259,6 +266,8 @@ def around_resolve_memory_pool_config(original_fn, self, pre_model_load_memory, 
 
 # ---------------------------------------------------------------------------------- pool
 def around_build_token_to_kv_pool(original_fn, self, *args, **kwargs):
+    """``KVCacheConfigurator._build_token_to_kv_pool``: builds the INT2 pool (MHA, hybrid sliding-window or
+    latent) in place of SGLang's BF16 one."""
     if not _is_int2(self.server_args):
         return original_fn(self, *args, **kwargs)
     from ..pool.int2_pool import OscarMHATokenToKVPool
@@ -353,6 +362,7 @@ def _owned_windows(allocator):
 
 
 def around_allocator_free(original_fn, self, free_index, *args, **kwargs):
+    """``TokenToKVPoolAllocator.free``: freed slots (whole pages for a paged allocator) return their sink rows."""
     windows = _owned_windows(self)
     if windows is not None and self.is_not_in_free_group and free_index is not None and free_index.numel():
         # SGLang usually passes a view of req_to_token and rewrites it right after the free
@@ -368,6 +378,7 @@ def around_allocator_free(original_fn, self, free_index, *args, **kwargs):
 
 
 def after_allocator_clear(result, self, *args, **kwargs):
+    """``TokenToKVPoolAllocator.clear``: empties the BF16 windows with the pool."""
     windows = _owned_windows(self)
     if windows is not None:
         windows.reset()
@@ -384,6 +395,8 @@ def around_dsa_kv_cache_dtype_default(original_fn, view, *args, **kwargs):
 
 # ---------------------------------------------------------------------------------- radix cap
 def around_compute_max_prefix_len(original_fn, self, input_len, *args, **kwargs):
+    """``Req._compute_max_prefix_len``: a radix match stops ``recent`` tokens before the prompt's end, so a
+    reused prefix never covers positions a fresh run reads from its BF16 ring (docs/design.md, radix cap)."""
     limit = original_fn(self, input_len, *args, **kwargs)
     recent = _ACTIVE["recent"]
     if recent is None:
