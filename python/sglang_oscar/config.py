@@ -62,8 +62,8 @@ class OscarConfig:
         mla_storage: what an MLA model (DeepSeek-V2/V3) caches (``--oscar-mla-storage``): ``"latent"``
             (default: the INT2 latent ``c_kv`` + BF16 ``k_pe``, one row per token and layer) or
             ``"expanded"`` (per head K ``[k_nope | k_pe]`` and V as INT2 MHA rows, attended by the MHA
-            backend; DeepSeek-V3 at group 64: 47x the latent's bytes per token at TP 1, 5.9x per rank at TP 8,
-            docs/design_mla.md#mla-latent-cache).
+            backend; DeepSeek-V3 at group 64: 12,800 bytes per token and layer, 47x the default latent's 272
+            at TP 1, 5.9x per rank at TP 8, docs/design_mla.md#mla-latent-cache).
             Ignored by MHA/GQA models' pools (the launch check refuses ``"expanded"`` for them).
     """
 
