@@ -9,7 +9,8 @@
 #    PYTHONPATH unset (with it set, setuptools imports the bundled `kernels` package and fails), and
 #    if that does not make it visible a minimal sglang_oscar-0.dist-info in /tmp/oscar-ep on PYTHONPATH;
 # 3. this checkout's python/ first on PYTHONPATH; PYTHONUNBUFFERED=1, HF_HUB_OFFLINE=1.
-# Returns non-zero (and says why) when the bundle install fails or the entry point stays invisible.
+# Returns non-zero (and says why) when the bundle install fails, sglang is not importable or the entry point
+# stays invisible.
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 if [ -f .device-bundle/p2/install.sh ] && [ ! -d /tmp/site/sglang ]; then
   # shellcheck disable=SC1091
@@ -18,6 +19,9 @@ elif [ -d /tmp/site/sglang ]; then
   case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
 fi
 PY="${PYTHON:-python3}"
+# a fresh machine (a warm one is given back after 30 min) has no /tmp/site: without this the servers fail later
+"$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)" || {
+  echo "sglang is not importable: on a fresh machine run the staging call, then carry .device-bundle/p2"; return 1; }
 _oscar_has_ep() {
   "$PY" -c "import sys; from importlib.metadata import entry_points as e; \
 eps = [x for x in e(group='sglang.srt.plugins') if x.name == 'oscar']; \

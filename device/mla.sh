@@ -23,12 +23,15 @@
 # MLA_BATCH_INVARIANT=1: the int2 servers run SGLang's batch-invariant GEMMs (mla_check --batch-invariant);
 # BENCH_VARIANTS (default served,bf16:32:4:16:codes,bf16:32: the served tiles, the 16-head ones at every head count,
 # the dequantizing engine) the benchmark's columns.
+# MLA_CALL_S (default 590): seconds of the device call; the check's timeout is shortened so that its SIGTERM
+# still leaves time to stop the servers and copy the results to $OUT before the call ends.
 set -u
 cd "$(dirname "$0")/.."
 R="${OUT:-/tmp/out}"; mkdir -p "$R"
 # shellcheck disable=SC1091
 export OUT="$R"; source device/env.sh > "$R/env.log" 2>&1 || { tail -20 "$R/env.log"; exit 1; }
-L=/tmp/mla_logs; mkdir -p "$L"
+# a warm machine keeps /tmp: an earlier call's logs and results must not be returned as this one's
+L=/tmp/mla_logs; rm -rf "$L" /tmp/mla /tmp/mla_k; mkdir -p "$L"
 # SGLang's DSA indexer (GLM-5) calls deep_gemm at model build; the bundle lacks it: carry
 # .device-bundle/wheels with sgl_deep_gemm (pip download --no-deps --only-binary=:all: --python-version 3.12
 # -d .device-bundle/wheels sgl-deep-gemm==0.1.4.post1, the version sglang 0.5.16 installs)
@@ -45,11 +48,17 @@ for step in "${steps[@]}"; do
         bash device/kernels.sh tests > "$R/kernels.log" 2>&1 || rc=1
       cp /tmp/mla_k/*.log "$L/" 2>/dev/null ;;
     check)
-      timeout -k 90 $(( ${MLA_BUDGET:-300} + 60 )) python3 -m tests.e2e.mla_check --family "${MLA_FAMILY:-deepseek_v3}" \
-        --out /tmp/mla --budget "${MLA_BUDGET:-300}" ${MLA_SERVERS:+--servers "$MLA_SERVERS"} \
-        ${MLA_BATCH_INVARIANT:+--batch-invariant} \
+      # SIGTERM at budget + 60 s, or earlier where setup (a fresh machine's bundle install) or the tests step
+      # used the call's time: the check then stops its servers (30 s) and writes; the copy below must still run
+      budget=${MLA_BUDGET:-300}; term=$(( budget + 60 )); left=$(( ${MLA_CALL_S:-590} - SECONDS - 55 ))
+      if [ "$term" -gt "$left" ]; then term=$left; budget=$(( left - 60 )); fi
+      [ "$budget" -ge 60 ] || { echo "check: ${left} s left of the call, too little for the check"; rc=1; continue; }
+      timeout -k 45 "$term" python3 -m tests.e2e.mla_check --family "${MLA_FAMILY:-deepseek_v3}" \
+        --out /tmp/mla --budget "$budget" ${MLA_SERVERS:+--servers "$MLA_SERVERS"} \
+        $([ "${MLA_BATCH_INVARIANT:-0}" = 0 ] || echo --batch-invariant) \
         > "$L/mla_check.log" 2>&1 || rc=1
-      cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null ;;
+      cp /tmp/mla/mla_check.md /tmp/mla/mla_check.json "$R/" 2>/dev/null; cp /tmp/mla/*.log "$L/" 2>/dev/null
+      [ -f "$R/mla_check.md" ] || tail -20 "$L/mla_check.log" ;;  # it stopped before its table: say why here
     extend)
       timeout 240 python3 -m benchmarks.bench_latent_extend --out "$R/latent_extend.md" > "$L/bench_latent_extend.log" 2>&1 \
         || rc=1 ;;

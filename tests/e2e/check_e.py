@@ -54,8 +54,11 @@ def load_run(run: Run, srv: Server, prompts: list[list[int]]) -> dict[str, Any]:
             return {"ok": False, "error": str(exc)[:300], "s": round(time.time() - t, 3)}
 
     t = time.time()
-    with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
+    ex = ThreadPoolExecutor(max_workers=len(prompts))
+    try:
         outs = list(ex.map(one, prompts))
+    finally:  # on a SIGTERM the harness stops the server at once, which ends the waiting requests
+        ex.shutdown(wait=False, cancel_futures=True)
     wall = time.time() - t
     time.sleep(5.0)  # idle: the scheduler's leak checks run (strict: a leak raises and kills the scheduler)
     health: dict[str, Any] = {}
@@ -94,8 +97,11 @@ def _check_e_family(run: Run, q: str) -> CheckResult:
     prompts = load_prompts(args.load_requests, args.load_min_len, args.load_max_len, args.seed + 55)
     lens = [len(p) for p in prompts]
     targets = [srv] + ([control] if control is not None and control.t_ready is not None and control.alive() else [])
-    with ThreadPoolExecutor(max_workers=len(targets)) as ex:
+    ex = ThreadPoolExecutor(max_workers=len(targets))
+    try:
         res = list(ex.map(lambda s: load_run(run, s, prompts), targets))
+    finally:  # as load_run's: a SIGTERM must reach the harness's server stop, not wait for the requests
+        ex.shutdown(wait=False, cancel_futures=True)
     r = res[0]
     st = r["log_stats"]
     ctl = res[1] if len(res) > 1 else None

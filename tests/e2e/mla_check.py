@@ -346,12 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     if with_oracle and answered and "terminated" not in res:
         oracle_items = [k for k, n in (("oracle", "int2"), ("oracle-fp32", "int2-fp32")) if k in judged and n in answered]
         try:
-            res["oracle"] = orc = oracle_report(args.model, prompts, answered,
-                                                "expanded" if args.family in FAMILY_INT2_FLAGS else "latent")
+            with sigterm_exits():  # a timeout here still writes the table and the verdict below
+                res["oracle"] = orc = oracle_report(args.model, prompts, answered,
+                                                    "expanded" if args.family in FAMILY_INT2_FLAGS else "latent")
             if "oracle" in oracle_items:
                 verdict["oracle"] = orc["served_vs_oracle_bf16"] <= max(2 * orc["oracle_fp32_vs_bf16"], 0.05)
             if "oracle-fp32" in oracle_items:  # fp32 server, fp32 oracle: the criterion as it stands
                 verdict["oracle-fp32"] = orc["fp32_server_vs_oracle_fp32"] <= ORACLE_FP32_TOL
+        except SystemExit as exc:  # sigterm_exits: the oracle items are not judged, the answers are
+            res["terminated"] = f"signal {exc.code - 128} while computing the oracle"
         except Exception as exc:  # noqa: BLE001  the verdict fails and says why
             res["oracle"] = f"failed: {type(exc).__name__}: {exc}"
             verdict.update({k: False for k in oracle_items})

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from . import check_a, check_b, check_d, check_fg, check_i, client, config
+from . import check_a, check_b, check_d, check_e, check_fg, check_i, client, config
 from .run import Run
 
 
@@ -140,6 +140,34 @@ def test_check_d_judges_a_routed_familys_chunking_on_fp32_servers(tmp_path):
     assert res.detail["chunked_prompt_logprobs_bf16"]["mean"] == pytest.approx(0.05)
     bad = run_d(_Server("gpt_oss-int2-layer-fp32"), _Server("gpt_oss-int2-layer-chunk64-fp32", dlp=0.05))
     assert bad.status == config.FAIL
+
+
+def test_check_e_sigterm_does_not_wait_for_the_load_requests(tmp_path):
+    """A device call's timeout (SIGTERM) while check e's requests wait on the servers: the check ends at
+    once, so the harness stops the servers (which ends the requests) before the timeout's kill."""
+    import signal
+    import threading
+
+    from sglang_oscar.serving_launcher import sigterm_exits
+
+    stopped, first = threading.Event(), threading.Lock()
+
+    class Stuck(_Server):
+        def generate(self, payload, timeout=None):
+            if first.acquire(blocking=False):  # one SIGTERM, to the main thread as timeout(1)'s kill reaches it,
+                time.sleep(0.5)  # once that thread waits on the requests (a signal just before its wait is lost)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+            stopped.wait(60)
+            raise RuntimeError("the server was stopped")
+
+    run = _run(tmp_path, [Stuck("qwen3-int2-load"), Stuck("qwen3-bf16-load")], "--load-requests", "4")
+    t = time.time()
+    try:
+        with pytest.raises(SystemExit), sigterm_exits():
+            check_e.check_e(run)
+        assert time.time() - t < 30
+    finally:
+        stopped.set()
 
 
 def test_check_i_reads_exit_code_time_and_message(tmp_path):

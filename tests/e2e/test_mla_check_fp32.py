@@ -18,7 +18,8 @@ EXPANDED = ["--oscar-mla-storage", "expanded", "--kv-cache-quant-group-size", "6
 
 def _run(tmp_path, monkeypatch, family, servers, report, dead=()):
     """main() on fake servers (those named in ``dead`` never healthy; ``report`` an exception: the
-    oracle raises it); returns (rc, results, {server: argv}, {server: env}, oracle calls)."""
+    oracle raises it; a function: the oracle calls it); returns (rc, results, {server: argv}, {server:
+    env}, oracle calls)."""
     calls = []
 
     class Dying(FakeServer):
@@ -29,7 +30,7 @@ def _run(tmp_path, monkeypatch, family, servers, report, dead=()):
         calls.append((sorted(served), storage))
         if isinstance(report, Exception):
             raise report
-        return report
+        return report() if callable(report) else report
 
     started = record_servers(monkeypatch, Dying)
     monkeypatch.setattr(mla_check, "http_json", answers(None, 0.0))
@@ -89,6 +90,25 @@ def test_an_oracle_that_raises_fails_both_oracle_items(tmp_path, monkeypatch):
     rc, res, _, _, _ = _run(tmp_path, monkeypatch, "deepseek_v3", "bf16,int2,int2-fp32", RuntimeError("no GPU"))
     assert rc == 1 and res["verdict"]["oracle"] is False and res["verdict"]["oracle-fp32"] is False
     assert res["oracle"] == "failed: RuntimeError: no GPU"
+
+
+def test_a_timeout_during_the_oracle_still_writes_the_verdict(tmp_path, monkeypatch):
+    """A SIGTERM (the device call's timeout) while the oracle computes: the table and the verdict
+    are written, the oracle items are named unjudged with the termination, and SIGTERM's handler is
+    restored."""
+    import signal
+
+    def oracle():
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("the SIGTERM did not stop the oracle")
+
+    before = signal.getsignal(signal.SIGTERM)
+    rc, res, _, _, _ = _run(tmp_path, monkeypatch, "deepseek_v3", "bf16,int2,int2-fp32", oracle)
+    md = (tmp_path / "mla_check.md").read_text()
+    assert rc == 1 and res["terminated"] == f"signal {int(signal.SIGTERM)} while computing the oracle"
+    assert "oracle" not in res["verdict"] and res["verdict"]["serves"] and "oracle" not in res
+    assert "not judged (fails the check): oracle, oracle-fp32; terminated: signal" in md
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_fp32_floor_alone_is_reported_not_judged(tmp_path, monkeypatch):
