@@ -6,7 +6,9 @@ expert widths, the prefill CUDA-graph backend) and the preflight (geometry, grou
 layers, decode engine), on a config.json with its model's published geometry. The prefill backend
 is SGLang's CUDA default, ``breakable``, unless the argv disables the prefill graph
 (``srt/model_executor/cuda_graph_config.py`` ``default_prefill_backend``). Recipes with a fitted
-rotation are checked with the data-free one: the files are per-user and checked by validate.
+rotation are checked with the data-free one: the files are per-user and checked by validate. Both
+arms' argv then build SGLang's real ``ServerArgs``, whose ``__post_init__`` holds SGLang's own launch
+asserts besides the plugin's hooks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 from _support.server_args import oscar_server_parser
 from sglang_oscar.cli.main import main
 from sglang_oscar.evals.recipe import load_recipe
-from sglang_oscar.plugin.flags import FLAGS, resolve_config
+from sglang_oscar.plugin.flags import CONFIG_ENV, FLAGS, resolve_config
 from sglang_oscar.plugin.refusals import refusal_messages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,3 +99,38 @@ def test_served_recipe_int2_launch_passes_the_launch_checks(recipe_path, tmp_pat
     args._oscar_config = config
     assert plugin.preflight(args) is None
     assert config.sink_tokens == recipe.quant.sink_tokens and config.group_size == recipe.quant.group_size
+
+
+# What SGLang's own ModelConfig reads beyond FAMILY_CONFIGS: the Qwen contexts (published; the recipes pass
+# --context-length up to them) and MiniMax-M3's sizes (any values: no check reads them).
+SGLANG_KEYS = {"qwen3": {"max_position_embeddings": 40960}, "qwen3_moe": {"max_position_embeddings": 40960},
+               "qwen3_5": {"max_position_embeddings": 262144},
+               "minimax_m3": {"hidden_size": 3072, "vocab_size": 200064}}
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int2"])
+@pytest.mark.parametrize("recipe_path", _served_recipes(), ids=lambda p: Path(p).parent.name)
+def test_served_recipe_argv_builds_sglangs_server_args(recipe_path, kv, tmp_path, capsys, monkeypatch):
+    """Both arms' argv through SGLang's real ServerArgs (its __post_init__ and the plugin's hooks), which
+    also holds SGLang's own launch asserts (a mamba radix-cache strategy without the overlap schedule
+    it needs). SGLang's CPU-only refusal of the extra_buffer strategy is lifted, as on the GPU."""
+    from sglang.srt.server_args import ServerArgs
+
+    recipe = load_recipe(recipe_path)
+    assert main(["serve", "--recipe", recipe_path, "--kv", kv, "--dry-run"]) == 0
+    words = shlex.split(capsys.readouterr().out.strip())
+    argv = words[words.index("sglang.launch_server") + 1:]
+    if "--oscar-rotation" in argv:  # per-user files, checked by validate
+        i = argv.index("--oscar-rotation")
+        del argv[i:i + 2]
+    cfg = json.loads(json.dumps(FAMILY_CONFIGS[recipe.model.family]))
+    cfg.get("text_config", cfg).update(SGLANG_KEYS.get(recipe.model.family, {}))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv[argv.index("--model-path") + 1] = str(tmp_path)
+    monkeypatch.setenv(CONFIG_ENV, "")  # the int2 hook exports its config here: restored after the test
+    monkeypatch.delenv("SGLANG_OPT_USE_MINIMAX_DENSE_SPARSE_DECODE", raising=False)
+    monkeypatch.setattr("sglang.srt.server_args.is_cuda", lambda: True)
+    args = oscar_server_parser(allow_abbrev=False).parse_args(argv)
+    args.device = "cuda"
+    server_args = ServerArgs.from_cli_args(args)
+    assert server_args.kv_cache_dtype == ("int2" if kv == "int2" else "auto")

@@ -1,4 +1,5 @@
-"""sglang-oscar quality on a tiny random Qwen3 model: the table's rows, values and data checks."""
+"""sglang-oscar quality on a tiny random Qwen3 model (GPT-OSS for the sink case): the table's rows, values and
+data checks."""
 
 from __future__ import annotations
 
@@ -397,3 +398,33 @@ def test_rotation_ablation_key_error_detail(report, random_ckpt):
     for name in sets:
         for key in want[name]:
             assert got[name][key] == pytest.approx(want[name][key], rel=1e-4), (name, key)
+
+
+def test_a_model_with_attention_sinks_gets_no_centred_rows(tmp_path):
+    """GPT-OSS's sink logits rule centring out (fit_rotations refuses it): the table leaves the centred
+    rows out, as for a soft-capped model, rather than failing after the calibration."""
+    import hashlib
+    import random
+
+    import transformers as tf
+
+    from sglang_oscar.calibrate.prompts import sequence_hash
+    from sglang_oscar.calibrate.quality import QualitySettings, quality_report
+
+    def prompts(seed, n, length=192):
+        rng = random.Random(seed)
+        seqs = [[rng.randrange(3, 256) for _ in range(length)] for _ in range(n)]
+        return PromptSet(seqs, {"source": f"random-{seed}", "sha256": str(seed), "seq_len": length,
+                                "tokens_sha256": hashlib.sha256(json.dumps(seqs).encode()).hexdigest(),
+                                "sequence_sha256": [sequence_hash(s) for s in seqs], "num_sequences": n})
+
+    torch.manual_seed(0)
+    cfg = tf.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=2,
+                          num_experts_per_tok=1, sliding_window=16, max_position_embeddings=512,
+                          layer_types=["sliding_attention", "full_attention"])
+    rep = quality_report(tf.GptOssForCausalLM(cfg).eval(), prompts(1, 12), prompts(2, 2),
+                         QualitySettings(seq_len=192, sink=4, recent=8, min_tokens=64), work_dir=str(tmp_path),
+                         progress=False)
+    names = [r["name"] for r in rep["rows"]]
+    assert "oscar-layer" in names and not any("+c" in n for n in names), names

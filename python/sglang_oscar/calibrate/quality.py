@@ -68,7 +68,6 @@ from ..quant.baselines import (check_kivi_residual, kivi_bits_per_element, kivi_
 from ..quant.bits import bits_per_element
 from ..reference.attention import attend
 from ..rotation import RotationSet
-from ..rotation.geometry import attention_logit_softcap
 from . import CalibrationError
 from .capture import AttentionCall
 from .oracle import OutputFn, RotationCache, check_dense, low_reads
@@ -320,7 +319,7 @@ def quality_report(
         calib, heldout: :class:`.prompts.PromptSet` (disjoint, :func:`check_disjoint`).
         settings: :class:`QualitySettings`.
         work_dir: folder for ``stats.safetensors`` and the fitted ``rot_<method>[_centred].safetensors``
-            (centred sets are not fitted for models that soft-cap their attention logits).
+            (centred sets are not fitted for models with soft-capped attention logits or attention sinks).
         calib_records, heldout_records: the documents behind the prompt sets (split checks).
         progress: tqdm bars (``None``: on a terminal).
         variants: row names to keep (default all).
@@ -350,10 +349,13 @@ def quality_report(
         rs = fit_rotations(stats, method, min_tokens=settings.min_tokens)
         rs.save(os.path.join(work_dir, f"rot_{method}.safetensors"))
         rotations[method] = rs
-    cap = attention_logit_softcap(model.config)
-    if cap:  # the key mean would shift the scores before the cap: no centred rows for such models
-        _log(f"quality: the model caps its attention logits (attn_logit_softcapping {cap:g}): centred rows left out")
-    for method in () if cap else ("hadamard", "oscar", "oscar-perhead", "perhead-kv"):
+    from ..backend.rotations import centering_conflict
+
+    # soft-capped logits or attention sinks: fit_rotations refuses centring, so no centred rows
+    why = centering_conflict(geometry, model.config)
+    if why:
+        _log(f"quality: {why}: centred rows left out")
+    for method in () if why else ("hadamard", "oscar", "oscar-perhead", "perhead-kv"):
         rs = fit_rotations(stats, method, min_tokens=settings.min_tokens, center=True)
         rs.save(os.path.join(work_dir, f"rot_{method}_centred.safetensors"))
         rotations[f"{method}+c"] = rs
