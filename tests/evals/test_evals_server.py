@@ -115,3 +115,28 @@ def test_int2_servers_are_told_apart_by_their_oscar_settings(tmp_path, gpqa_file
                                             r".*'recent_tokens': 64"):
             run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0, 1]))
         assert srv.requests == []
+
+
+def test_an_int2_servers_config_reaches_server_info_as_sglang_sends_it(tmp_path, gpqa_file):
+    """The scheduler's internal state as SGLang 0.5.16 builds and sends it (``vars(server_args)`` through
+    ``msgspec_to_builtins``, msgpack to the tokenizer process, /server_info's JSON): the plugin's
+    ``OscarConfig`` arrives as a plain dict, which the eval records as the server's ``oscar`` identity."""
+    import dataclasses
+
+    import msgspec
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
+
+    from sglang_oscar.config import OscarConfig
+
+    config = OscarConfig(recent_tokens=128, group_size=64, skip_layers="sliding")
+    state = msgspec_to_builtins({"kv_cache_dtype": "int2", "_oscar_config": config, "_oscar_given": {}})
+    sent = msgspec.msgpack.encode(GetInternalStateReqOutput(internal_state=state))
+    received = msgspec.msgpack.decode(sent, type=GetInternalStateReqOutput).internal_state
+    info = json.loads(json.dumps(msgspec_to_builtins({"model_path": "m", "kv_cache_dtype": "int2",
+                                                      "internal_states": [received]})))
+    with FakeOpenAIServer(gpqa_responder, server_info=info) as srv:
+        run_eval(settings(tmp_path, srv.base_url, gpqa_file, seeds=[0]))
+    recorded = json.loads((tmp_path / "run" / "run.json").read_text())["server"]["oscar"]
+    assert recorded == json.loads(json.dumps(dataclasses.asdict(config)))
+    assert recorded["recent_tokens"] == 128 and recorded["skip_layers"] == "sliding"
