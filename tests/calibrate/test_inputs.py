@@ -221,3 +221,18 @@ def test_rotation_names_never_collide(monkeypatch):
         rotations_from_specs(["a/rot.safetensors", "b/rot.safetensors", "c/rot.safetensors"])
     named = rotations_from_specs(["x=a/rot.safetensors", "y=b/rot.safetensors", "c/rot.safetensors"])
     assert sorted(named) == ["oscar", "x", "y"]
+
+
+def test_unavailable_task_prompts_name_calibrates_own_flag(monkeypatch):
+    """The recipes' default calib_data task:gpqa without hub access: the error names calibrate's --prompts /
+    compute_rotation.sh's --data, not eval's --data-file (which neither has)."""
+    from sglang_oscar.evals import datasets
+    from sglang_oscar.evals.errors import DatasetUnavailable
+
+    monkeypatch.setattr(datasets, "hub_token", lambda: None)  # GPQA is gated: refused before any network
+    with pytest.raises(DatasetUnavailable, match="gated") as exc:
+        load_documents("task:gpqa")
+    assert "--prompts FILE" in str(exc.value) and "compute_rotation.sh --data FILE" in str(exc.value)
+    assert "--data-file" not in str(exc.value)
+    with pytest.raises(DatasetUnavailable, match="--data-file PATH"):  # eval's own hint is unchanged
+        datasets.load_task_data("gpqa")

