@@ -147,3 +147,18 @@ def test_missing_recipe_rotation_is_an_error(model_dirs, prompt_files, tmp_path,
         err = _fails([verb, "--recipe", recipe, "--prompts", prompt_files["heldout"], "--tokens", 256,
                       "--seq-len", 128], capsys)
         assert str(missing) in err and "compute_rotation.sh" in err and "sglang-oscar fit" in err
+
+
+def test_a_multimodal_config_and_its_text_model_are_one_model():
+    """A rotation fitted on a wrapper checkpoint's language model (model_type ``qwen3_5_moe_text``) checked
+    against the checkpoint's own config (``qwen3_5_moe``) is the same model; other types still differ."""
+    from sglang_oscar.calibrate.model import check_same_model, fingerprint_mismatches
+
+    text = {"model_type": "qwen3_5_moe_text", "hidden_size": 64, "name": "qwen3.5-35b-a3b"}
+    wrapper = {**text, "model_type": "qwen3_5_moe"}
+    assert fingerprint_mismatches(text, wrapper) == []
+    check_same_model(text, wrapper, "rotation", "the checkpoint")
+    other = {**text, "model_type": "qwen3_moe"}
+    assert fingerprint_mismatches(text, other) == ["model_type: 'qwen3_5_moe_text' vs 'qwen3_moe'"]
+    with pytest.raises(CalibrationError, match="another model"):
+        check_same_model(text, {**wrapper, "hidden_size": 128}, "rotation", "the checkpoint")

@@ -233,11 +233,20 @@ def config_fingerprint(config, name_or_path: str | None = None) -> dict[str, Any
     return fp
 
 
+def _same_value(key: str, x: Any, y: Any) -> bool:
+    if key == "model_type" and isinstance(x, str) and isinstance(y, str):
+        # a multimodal checkpoint's config (gemma3, qwen3_5_moe) and its text model's (gemma3_text, the type
+        # calibration records when it loads the language model alone) name one model
+        return x.removesuffix("_text") == y.removesuffix("_text")
+    return x == y
+
+
 def fingerprint_mismatches(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
-    """Keys known in both fingerprints whose values differ, as ``"key: a vs b"``."""
+    """Keys known in both fingerprints whose values differ, as ``"key: a vs b"``; a ``model_type`` and the
+    same type with a ``_text`` suffix (a multimodal wrapper and its language model) count as equal."""
     if not a or not b:
         return []
-    return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+    return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in sorted(set(a) & set(b)) if not _same_value(k, a[k], b[k])]
 
 
 def check_same_model(have: dict[str, Any] | None, want: dict[str, Any] | None, what: str, target: str,
