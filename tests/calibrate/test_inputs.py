@@ -90,7 +90,8 @@ def test_model_without_attention_layers(tmp_path, capsys):
     d.mkdir()
     cfg.save_pretrained(d)
     make_tokenizer().save_pretrained(d)
-    rc = main(["calibrate", "--model", str(d), "--prompts", str(d / "config.json"), "--out", str(tmp_path / "s.safetensors")])
+    (tmp_path / "prompts.txt").write_text(make_text(2, 40, 0)[0])
+    rc = main(["calibrate", "--model", str(d), "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "s.safetensors")])
     assert rc == 2 and "no attention layers" in capsys.readouterr().err
 
 
@@ -236,3 +237,15 @@ def test_unavailable_task_prompts_name_calibrates_own_flag(monkeypatch):
     assert "--data-file" not in str(exc.value)
     with pytest.raises(DatasetUnavailable, match="--data-file PATH"):  # eval's own hint is unchanged
         datasets.load_task_data("gpqa")
+
+
+@pytest.mark.parametrize("verb", ["calibrate", "error", "ppl"])
+def test_prompts_are_read_before_the_model_loads(verb, tmp_path, capsys):
+    """A missing prompts file is named before the model is looked for (here: a model path that does not
+    exist either), so a data mistake costs seconds, not a large model's load."""
+    from sglang_oscar.cli.main import main
+
+    rc = main([verb, "--model", str(tmp_path / "no-model"), "--prompts", str(tmp_path / "missing.txt"),
+               "--out", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "prompts file" in err and "missing.txt" in err and "no-model" not in err

@@ -24,7 +24,7 @@ from ..cli.arg_types import ortho_tol, positive_int
 from ..cli.paths import check_writable
 from ..constants import DEFAULT_ORTHO_TOL
 from . import FIT_METHODS
-from .verb_inputs import (check_group_fits, load_model_of, oscar_config_of, prompt_set_of, read_config,
+from .verb_inputs import (check_group_fits, documents_of, load_model_of, oscar_config_of, prompt_set_of, read_config,
                           recipe_of, recipe_rotation, report_unserved, require_held_out, rotations_from_specs,
                           warn_not_held_out, write_json)
 
@@ -198,8 +198,9 @@ def _calibrate(args) -> int:
     if not out:
         raise CalibrationError("--out is required (or --recipe)")
     check_writable(out, "--out")  # before hours of forward passes
+    docs = documents_of(args, recipe.rotation.calib_data if recipe else None)
     model_path, model, tok = load_model_of(args, recipe)
-    prompts = prompt_set_of(args, tok, recipe, recipe.rotation.calib_data if recipe else None)
+    prompts = prompt_set_of(args, tok, recipe, docs)
     st = calibrate_model(model, prompts, out, model_id=model_path, batch_size=args.batch_size,
                          checkpoint_every=args.checkpoint_every, restart=args.restart, progress=args.progress)
     cfg_path = stats_config_path(out)
@@ -295,8 +296,9 @@ def _error(args) -> int:
     rotations = rotations_from_specs(specs)
     cfg = oscar_config_of(args, recipe)
     check_group_fits(cfg, rotations)
+    docs = documents_of(args)
     _, model, tok = load_model_of(args, recipe)
-    prompts = prompt_set_of(args, tok, recipe)
+    prompts = prompt_set_of(args, tok, recipe, docs)
     warn_not_held_out(rotations, prompts)
     rep = functional_error(model, prompts, rotations, cfg, window_mode=args.window_mode,
                            include_baselines=not args.no_baselines, allow_other_model=args.allow_other_model)
@@ -321,12 +323,13 @@ def _ppl(args) -> int:
     if path:
         rotation = load_rotation_any(path)
         check_group_fits(cfg, {os.path.basename(path): rotation})
+    docs = documents_of(args)
     _, model, tok = load_model_of(args, recipe)
     if not path:
         geometry = geometry_of(model.config)
         rotation = (LatentRotationSet.served_data_free(geometry, args.method) if geometry.attention_kind == "mla"
                     else RotationSet.data_free(geometry, args.method))
-    prompts = prompt_set_of(args, tok, recipe)
+    prompts = prompt_set_of(args, tok, recipe, docs)
     warn_not_held_out({os.path.basename(path) if path else args.method: rotation}, prompts)
     rep = perplexity(model, prompts, rotation, cfg, window_mode=args.window_mode, allow_other_model=args.allow_other_model)
     write_json(args.out, rep)

@@ -47,15 +47,28 @@ def load_model_of(args, recipe):
     return model_path, model, tok
 
 
-def prompt_set_of(args, tok, recipe, default_source: str | None = None):
-    """The prompt set of a verb: ``--prompts`` (else ``default_source``), budget ``--tokens`` (else
-    the recipe's ``calib_tokens``, else 30000; never 0)."""
+def documents_of(args, default_source: str | None = None):
+    """The documents of ``--prompts`` (else ``default_source``), read before the model loads so that a
+    missing file or an unreachable dataset fails in seconds, not after the load.
+
+    Raises:
+        CalibrationError: no source, or one that cannot be read (:func:`.prompts.load_documents`).
+    """
     from . import CalibrationError
-    from .prompts import DEFAULT_BUDGET, build_prompt_set
+    from .prompts import load_documents
 
     source = args.prompts or default_source
     if not source:
         raise CalibrationError("--prompts is required (a text/JSONL file, task:<name>, or a datasets name)")
+    return load_documents(source, args.text_field)
+
+
+def prompt_set_of(args, tok, recipe, documents):
+    """The prompt set of a verb from its ``documents`` (:func:`documents_of`), budget ``--tokens`` (else
+    the recipe's ``calib_tokens``, else 30000; never 0)."""
+    from . import CalibrationError
+    from .prompts import DEFAULT_BUDGET, build_prompt_set
+
     if args.tokens is not None:
         budget = args.tokens
     elif recipe is not None and recipe.rotation.calib_tokens is not None:
@@ -64,8 +77,8 @@ def prompt_set_of(args, tok, recipe, default_source: str | None = None):
         budget = DEFAULT_BUDGET
     if budget <= 0:
         raise CalibrationError(f"--tokens must be a positive token budget, got {budget}")
-    return build_prompt_set(tok, source, budget=budget, seed=args.seed, seq_len=args.seq_len, pack=args.pack,
-                            text_field=args.text_field)
+    return build_prompt_set(tok, documents.source, budget=budget, seed=args.seed, seq_len=args.seq_len, pack=args.pack,
+                            text_field=args.text_field, documents=documents)
 
 
 def oscar_config_of(args, recipe):
