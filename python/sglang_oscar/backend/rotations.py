@@ -55,6 +55,28 @@ def _kv_shared_layers(hf_config) -> int:
     return int(cfg.get("num_kv_shared_layers") or 0)
 
 
+def _kv_shared_refusal(geometry: ModelGeometry, hf_config) -> str | None:
+    """The launch refusal of a model with KV-shared layers (read from ``hf_config``), or ``None``."""
+    shared = _kv_shared_layers(hf_config)
+    if not shared:
+        return None
+    return (f"--kv-cache-dtype int2 does not support KV-shared layers yet ({geometry.model_type!r}: the last {shared} "
+            "layers read another layer's cache, num_kv_shared_layers); use --kv-cache-dtype auto")
+
+
+def _layout_problem(config: OscarConfig, layers) -> str | None:
+    """Why the INT2 kernels cannot take one of ``layers``' (head_dim K, head_dim V) pairs under ``config``
+    (:meth:`Int2Layout.from_config`), or ``None``."""
+    from ..kernels.layout import Int2Layout
+
+    for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in layers}):
+        try:
+            Int2Layout.from_config(config, dk, dv)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 #: keys of a fitted file's ``model_fingerprint`` that make another network than the one served (refused; read
 #: from ``text_config`` when not at the top, so a multimodal wrapper and its text model agree); a differing
 #: ``model_type`` (wrapper vs text model), vocabulary (an extended-vocabulary fine-tune) or name is logged
@@ -158,12 +180,9 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
             f"served_rotation_set takes an MHA/GQA geometry; {geometry.model_type!r} uses MLA attention "
             f"(latent c_kv): its rotations come from served_latent_rotations"
         )
-    shared = _kv_shared_layers(hf_config)
+    shared = _kv_shared_refusal(geometry, hf_config)
     if shared:
-        raise ValueError(
-            f"--kv-cache-dtype int2 does not support KV-shared layers yet ({geometry.model_type!r}: the last {shared} "
-            f"layers read another layer's cache, num_kv_shared_layers); use --kv-cache-dtype auto"
-        )
+        raise ValueError(shared)
     from ..config import resolve_skip_layers
 
     skip = resolve_skip_layers(config.skip_layers, geometry)  # BF16 layers need no entry (docs/format.md)
@@ -177,13 +196,9 @@ def served_rotation_set(config: OscarConfig, geometry: ModelGeometry, *, log: bo
         raise ValueError(f"--kv-cache-quant-group-size {config.group_size} does not fit this model: {exc}; the "
                          f"model's head_dims{which} are {dims}: pick a common divisor (e.g. {common}) or leave it "
                          "unset for one group per row") from None
-    from ..kernels.layout import Int2Layout
-
-    for dk, dv in sorted({(layer.head_dim_k, layer.head_dim_v) for layer in quantized}):
-        try:
-            Int2Layout.from_config(config, dk, dv)
-        except ValueError as exc:
-            raise ValueError(f"--kv-cache-dtype int2 cannot serve this model: {exc}; use --kv-cache-dtype auto") from None
+    problem = _layout_problem(config, quantized)
+    if problem:
+        raise ValueError(f"--kv-cache-dtype int2 cannot serve this model: {problem}; use --kv-cache-dtype auto")
     if config.rotation_path is None:
         rs = RotationSet.data_free(geometry)
         _log_data_free(log, "Hadamard")
@@ -236,18 +251,12 @@ def unserved_reason(geometry: ModelGeometry, architectures=None, hf_config=None)
         except ValueError as exc:
             return str(exc)
         return None
-    shared = _kv_shared_layers(hf_config)
+    shared = _kv_shared_refusal(geometry, hf_config)
     if shared:
-        return (f"--kv-cache-dtype int2 does not support KV-shared layers yet ({geometry.model_type!r}: the last "
-                f"{shared} layers read another layer's cache); serve it with --kv-cache-dtype auto")
-    from ..kernels.layout import Int2Layout
-
-    for dk, dv in sorted({(x.head_dim_k, x.head_dim_v) for x in geometry.layers}):
-        try:
-            Int2Layout.from_config(OscarConfig(), dk, dv)
-        except ValueError as exc:
-            return (f"--kv-cache-dtype int2 cannot serve {geometry.model_type!r}: {exc}; serve it with "
-                    "--kv-cache-dtype auto")
+        return shared
+    problem = _layout_problem(OscarConfig(), geometry.layers)
+    if problem:
+        return f"--kv-cache-dtype int2 cannot serve {geometry.model_type!r}: {problem}; serve it with --kv-cache-dtype auto"
     return None
 
 
