@@ -354,3 +354,15 @@ def test_eval_recipe_continues_past_an_incomplete_arm(tmp_path, monkeypatch, cap
     assert cmp["a"]["complete"] is False and cmp["b"]["complete"] is False
     assert "# incomplete" in capsys.readouterr().out
     assert not launcher.port_in_use("127.0.0.1", port)
+
+
+def test_server_identity_reads_both_flag_spellings():
+    """``--flag=value`` and ``--flag value`` are one flag in an arm's server record: a neutral flag (memory,
+    port) stays out of it in either spelling, an answer-changing one is kept with its value."""
+    from sglang_oscar.evals.recipe_run import _NEUTRAL_FLAGS, _flag_values
+
+    values = _flag_values(["--tp-size", "2", "--mem-fraction-static=0.8", "--enable-cache-report",
+                           "--json-model-override-args={\"a\": 1}", "--x", "p", "q"])
+    assert values == {"--tp-size": "2", "--mem-fraction-static": "0.8", "--enable-cache-report": "",
+                      "--json-model-override-args": "{\"a\": 1}", "--x": "p q"}
+    assert "--mem-fraction-static" in _NEUTRAL_FLAGS

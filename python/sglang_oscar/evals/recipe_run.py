@@ -129,12 +129,13 @@ def _content_sha(path: Path | None) -> str | None:
 
 
 def _flag_values(args: list[str]) -> dict[str, str]:
-    """``{flag: value}`` of a server argv (a flag without a value: ``""``; a repeated value list joined)."""
+    """``{flag: value}`` of a server argv (a flag without a value: ``""``; a repeated value list joined;
+    ``--flag=value`` as ``--flag value``, so a neutral flag stays neutral in either spelling)."""
     out, key = {}, None
     for a in args:
         if a.startswith("--"):
-            key = a
-            out[key] = ""
+            key, _, value = a.partition("=")
+            out[key] = value
         elif key is not None:
             out[key] = (out[key] + " " + a).strip()
     return out
